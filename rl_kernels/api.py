@@ -1,0 +1,159 @@
+"""Public functional API: ``linear_log_probs``."""
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+from typing import NamedTuple
+
+import torch
+
+from ._logging import log_once
+from .autograd import HeadParams, LinearLogProbsFunction
+
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_LABEL_DTYPES = (torch.int64, torch.int32)
+BACKENDS = ("auto", "triton", "torch")
+
+
+class LogProbsOutput(NamedTuple):
+    """log_probs and entropy, float32, shaped like ``labels`` (entropy None when not asked)."""
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor | None
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
+
+
+def check_temperature(temperature) -> float:
+    """Return ``temperature`` as a float; raise TypeError / ValueError when it is not a positive
+    finite Python number (bool and tensors are rejected)."""
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        raise TypeError(f"temperature: expected a positive finite Python number (float or int), "
+                        f"got {type(temperature).__name__}"
+                        + ("; pass float(temperature)" if isinstance(temperature, torch.Tensor) else ""))
+    value = float(temperature)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"temperature: expected a positive finite number, got {value!r}")
+    return value
+
+
+def check_head_inputs(hidden_states, weight, labels, ignore_index) -> None:
+    """Validate the linear-head inputs; raise TypeError / ValueError naming the argument."""
+    for name, t in (("hidden_states", hidden_states), ("weight", weight), ("labels", labels)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if hidden_states.dim() < 1:
+        raise ValueError(f"hidden_states: expected shape (..., H), got a 0-d tensor")
+    if hidden_states.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"hidden_states: expected bfloat16, float16 or float32, got {_describe(hidden_states)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden_states.shape[-1]:
+        raise ValueError(f"weight: expected shape (vocab_size, H) with H = hidden_states.shape[-1] = "
+                         f"{hidden_states.shape[-1]}, got {_describe(weight)}")
+    if weight.shape[0] == 0:
+        raise ValueError(f"weight: vocab_size must be >= 1, got {_describe(weight)}")
+    if weight.dtype != hidden_states.dtype:
+        raise TypeError(f"weight: dtype {weight.dtype} differs from hidden_states dtype "
+                        f"{hidden_states.dtype}; cast one of them")
+    if labels.dtype not in _LABEL_DTYPES:
+        raise TypeError(f"labels: expected int64 or int32, got {_describe(labels)}")
+    if tuple(labels.shape) != tuple(hidden_states.shape[:-1]):
+        raise ValueError(f"labels: expected shape {tuple(hidden_states.shape[:-1])} "
+                         f"(hidden_states without its last dim), got {_describe(labels)}")
+    for name, t in (("weight", weight), ("labels", labels)):
+        if t.device != hidden_states.device:
+            raise ValueError(f"{name}: on {t.device}, but hidden_states is on {hidden_states.device}; "
+                             f"all inputs must be on one device")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+        raise TypeError(f"ignore_index: expected an int, got {type(ignore_index).__name__}")
+    vocab_size = weight.shape[0]
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
+    if labels.numel() and bool(bad.any()):
+        flat = bad.reshape(-1).nonzero()[0, 0].item()
+        raise ValueError(f"labels: {int(bad.sum())} entries lie outside [0, vocab_size={vocab_size}) "
+                         f"and are not ignore_index={ignore_index}; first at flat position {flat}: "
+                         f"{labels.reshape(-1)[flat].item()}")
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """Map 'auto' | 'triton' | 'torch' to the backend that runs; raise when it cannot run."""
+    from .ops_available import interpreting, triton_available
+
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        chosen = "triton" if device.type == "cuda" and triton_available() else "torch"
+        log_once(logging.INFO, f"rl_kernels: backend='auto' runs '{chosen}' for {device.type} tensors"
+                 + ("" if chosen == "triton" or device.type != "cuda" else " (Triton is not installed)"))
+        return chosen
+    if backend == "triton":
+        if not triton_available():
+            raise RuntimeError("backend='triton': the triton package is not installed")
+        if device.type != "cuda" and not interpreting():
+            raise RuntimeError(f"backend='triton' needs CUDA tensors, got tensors on {device}; set "
+                               f"TRITON_INTERPRET=1 before importing rl_kernels to use Triton's CPU "
+                               f"interpreter, or use backend='torch'")
+    return backend
+
+
+def linear_log_probs(
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    return_entropy: bool = True,
+    backend: str = "auto",
+) -> LogProbsOutput:
+    """Log-probability of ``labels`` and entropy of softmax(hidden_states @ weight.T / temperature),
+    without materializing the (tokens x vocab) logits.
+
+    With z_v = (h . w_v) / T:  log p(y) = z_y - logsumexp(z),  entropy = -sum_v p_v log p_v.
+
+    Args:
+        hidden_states: (..., H) bfloat16, float16 or float32, any strides (e.g. (B, T, H) or the
+            (total_nnz, H) of remove-padding). Differentiable.
+        weight: (V, H) like ``lm_head.weight``, same dtype and device. Differentiable.
+        labels: int64/int32 with shape ``hidden_states.shape[:-1]``; each in [0, V) or
+            ``ignore_index``.
+        temperature: positive finite Python number (int accepted); logits are divided by it.
+        ignore_index: label value whose position gets log-prob 0, entropy 0 and zero gradient.
+        return_entropy: when False, entropy is not computed and returned as None.
+        backend: "auto" (Triton on CUDA, torch elsewhere; the choice is logged once), "triton"
+            (CUDA, or the CPU interpreter when TRITON_INTERPRET=1 was set before import), "torch".
+
+    Returns:
+        ``LogProbsOutput(log_probs, entropy)``: float32 tensors shaped like ``labels``, in nats.
+        Logits are accumulated and kept in float32 on every backend. A row whose hidden state
+        holds NaN/inf gets a non-finite log-prob and entropy; other rows are unaffected (in the
+        backward, such a row's gradient reaches every dW row, as in any matmul, unless its label
+        is ``ignore_index``).
+
+    Raises:
+        TypeError: a non-tensor input, unsupported dtype, ``weight``/``hidden_states`` dtype
+            mismatch, non-integer ``ignore_index``, non-number ``temperature``.
+        ValueError: shape mismatch, labels outside [0, V) other than ``ignore_index``, temperature
+            <= 0 or non-finite, inputs on different devices, unknown backend.
+        RuntimeError: backend "triton" on CPU without TRITON_INTERPRET=1, or without triton.
+
+    Formula: design.md "The math"; gradients d log p/dz = onehot - p, dH/dz = -p (log p + H).
+    Bug cases covered: verl #2656/#2899 (padded vocab columns), verl PR #7439 (all-negative
+    logits), verl #6913 (3-D hidden keeps its gradient).
+    """
+    inv_temperature = 1.0 / check_temperature(temperature)
+    check_head_inputs(hidden_states, weight, labels, ignore_index)
+    if not isinstance(return_entropy, bool):
+        raise TypeError(f"return_entropy: expected a bool, got {type(return_entropy).__name__}")
+    resolved = resolve_backend(backend, hidden_states.device)
+    lead_shape = labels.shape
+    params = HeadParams(backend=resolved, inv_temperature=inv_temperature,
+                        ignore_index=int(ignore_index), return_entropy=return_entropy)
+    out = LinearLogProbsFunction.apply(hidden_states.reshape(-1, hidden_states.shape[-1]), weight,
+                                       labels.reshape(-1), params)
+    if return_entropy:
+        log_probs, entropy = out
+        return LogProbsOutput(log_probs.view(lead_shape), entropy.view(lead_shape))
+    return LogProbsOutput(out.view(lead_shape), None)

@@ -1,0 +1,135 @@
+"""Autograd for the fused linear head: forward statistics, backward by recompute in chunks.
+
+Saved state is O(N): (lse, entropy) per row. The backward needs dz = d(loss)/d(h.w) (N x V), which
+is never stored whole. It is recomputed window by window (Triton ``linear_dlogits`` or its torch
+twin) and consumed at once by one matmul:
+  * dW pass, windows of all rows x a vocab chunk:   dW[chunk] = dz^T h   (full N reduction)
+  * dh pass, windows of a token chunk x all vocab:  dh[chunk] = dz W     (full V reduction)
+Every gradient element is produced by a single matmul, rounded once to the output dtype, with
+no atomics (repeated runs give identical bits). The chunk buffer is bounded by
+``max(MIN_CHUNK_ELEMENTS, CHUNK_FRACTION * (N + V) * H)`` elements, i.e. a few percent of the
+two gradients. Cost: two recomputes plus two matmuls (only the passes whose gradient is needed
+run).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .torch_backend import torch_dlogits, torch_forward
+
+MIN_CHUNK_ELEMENTS = 1 << 22
+CHUNK_FRACTION = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadParams:
+    backend: str  # "triton" or "torch" (already resolved)
+    inv_temperature: float
+    ignore_index: int
+    return_entropy: bool
+    chunk_elements: int | None = None  # backward window bound (elements); None: automatic
+
+
+def head_forward(hidden_states, weight, labels, params: HeadParams):
+    """(log_probs, entropy or None, lse), (N,) float32 each, no autograd."""
+    if params.backend == "triton":
+        from . import ops
+
+        n = hidden_states.shape[0]
+        if n == 0:
+            empty = hidden_states.new_empty(0, dtype=torch.float32)
+            return empty, (empty.clone() if params.return_entropy else None), empty.clone()
+        cfg = ops.default_config(hidden_states.device)
+        parts = ops.linear_split_stats(hidden_states, weight, labels, params.inv_temperature,
+                                       params.return_entropy, cfg)
+        return ops.split_combine(*parts, labels, params.ignore_index, params.return_entropy)
+    return torch_forward(hidden_states, weight, labels, params.inv_temperature,
+                         params.ignore_index, params.return_entropy)
+
+
+def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    if a.dtype == out.dtype and b.dtype == out.dtype:
+        torch.mm(a, b, out=out)
+    else:
+        out.copy_(torch.mm(a, b))
+
+
+def head_backward(hidden_states, weight, labels, lse, entropy, grad_log_probs, grad_entropy,
+                  params: HeadParams, need_dh: bool, need_dw: bool):
+    """(dh or None, dW or None) in the input dtypes; see the module docstring."""
+    n, h = hidden_states.shape
+    v = weight.shape[0]
+    if params.backend == "triton":
+        from . import ops
+
+        cfg = ops.default_config(hidden_states.device)
+        dz_dtype = hidden_states.dtype
+
+        def dlogits(rows, cols, out):
+            return ops.linear_dlogits(hidden_states, weight, labels, lse, entropy, grad_log_probs,
+                                      grad_entropy, rows, cols, params.inv_temperature,
+                                      params.ignore_index, out, cfg)
+    else:
+        dz_dtype = torch.float32
+
+        def dlogits(rows, cols, out):
+            return torch_dlogits(hidden_states, weight, labels, lse, entropy, grad_log_probs,
+                                 grad_entropy, rows, cols, params.inv_temperature,
+                                 params.ignore_index, out)
+
+    budget = params.chunk_elements or max(MIN_CHUNK_ELEMENTS, int(CHUNK_FRACTION * (n + v) * h))
+    buf = None
+    if n > 0:
+        buf = torch.empty(min(budget, n * v), dtype=dz_dtype, device=hidden_states.device)
+
+    dw = None
+    if need_dw:
+        alloc = torch.empty_like if n > 0 else torch.zeros_like  # no rows: dW = 0
+        dw = alloc(weight, memory_format=torch.contiguous_format)
+        if n > 0:
+            h_mm = hidden_states.to(dz_dtype)
+            step = max(1, budget // n)
+            for c0 in range(0, v, step):
+                c1 = min(v, c0 + step)
+                dz = dlogits(slice(0, n), slice(c0, c1), buf[: n * (c1 - c0)].view(n, c1 - c0))
+                _mm_into(dw[c0:c1], dz.T, h_mm)
+    dh = None
+    if need_dh:
+        dh = torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
+        w_mm = weight.to(dz_dtype)
+        step = max(1, budget // v)
+        for r0 in range(0, n, step):
+            r1 = min(n, r0 + step)
+            dz = dlogits(slice(r0, r1), slice(0, v), buf[: (r1 - r0) * v].view(r1 - r0, v))
+            _mm_into(dh[r0:r1], dz, w_mm)
+    return dh, dw
+
+
+class LinearLogProbsFunction(torch.autograd.Function):
+    """Inputs: hidden_states (N, H), weight (V, H), labels (N,), HeadParams.
+    Outputs: log_probs (N,) float32, plus entropy (N,) float32 when params.return_entropy."""
+
+    @staticmethod
+    def forward(ctx, hidden_states, weight, labels, params: HeadParams):
+        log_probs, entropy, lse = head_forward(hidden_states, weight, labels, params)
+        ctx.save_for_backward(hidden_states, weight, labels, lse,
+                              entropy if entropy is not None else lse)
+        ctx.params = params
+        ctx.set_materialize_grads(False)
+        if params.return_entropy:
+            return log_probs, entropy
+        return log_probs
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy=None):
+        hidden_states, weight, labels, lse, entropy = ctx.saved_tensors
+        params: HeadParams = ctx.params
+        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if (grad_log_probs is None and grad_entropy is None) or not (need_dh or need_dw):
+            return None, None, None, None
+        dh, dw = head_backward(hidden_states, weight, labels, lse,
+                               entropy if params.return_entropy else None,
+                               grad_log_probs, grad_entropy, params, need_dh, need_dw)
+        return dh, dw, None, None

@@ -1,0 +1,69 @@
+"""Command line: ``rl-kernels repro [PATH ...]`` (also ``python -m rl_kernels repro``)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+import torch
+
+
+def _repro(args: argparse.Namespace) -> int:
+    from .repro import available_backends, check_sample, format_table
+    from .samples import BUNDLED, bundled_samples, load_sample, save_sample
+
+    if args.save:
+        os.makedirs(args.save, exist_ok=True)
+        for s in bundled_samples():
+            path = os.path.join(args.save, f"{s.name}.safetensors")
+            save_sample(path, s.hidden_states, s.weight, s.labels, temperature=s.temperature,
+                        ignore_index=s.ignore_index, metadata={"description": s.description})
+            print(f"wrote {path}")
+        return 0
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    backends = available_backends(device)
+    print(f"device: {device}; backends: {', '.join(backends)}; tolerance {args.atol:g} "
+          f"vs float64")
+    samples = [load_sample(p) for p in args.paths] if args.paths else None
+    rows = []
+    for s in samples if samples is not None else (make() for make in BUNDLED.values()):
+        if not args.paths:
+            print(f"  {s.name}: {s.description}")
+        rows += check_sample(s, device, atol=args.atol, backends=backends)
+    print(format_table(rows))
+    failed = [r for r in rows if r.ours and not r.passed]
+    if failed:
+        print(f"FAIL: {len(failed)} case(s) of ours failed", file=sys.stderr)
+        return 1
+    print("all rl_kernels backends PASS")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .repro import DEFAULT_ATOL
+
+    parser = argparse.ArgumentParser(prog="rl-kernels", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+    repro = sub.add_parser("repro", help="compare every backend against float64 on samples")
+    repro.add_argument("paths", nargs="*", help=".safetensors/.pt sample files "
+                       "(default: the bundled bug-catalogue samples)")
+    repro.add_argument("--atol", type=float, default=DEFAULT_ATOL,
+                       help="max |error| for PASS (default %(default)g)")
+    repro.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    repro.add_argument("--save", metavar="DIR",
+                       help="write the bundled samples to DIR as .safetensors and exit")
+    repro.set_defaults(func=_repro)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

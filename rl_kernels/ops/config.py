@@ -1,0 +1,46 @@
+"""Tile configuration of the linear-head kernels.
+
+One fixed configuration per device kind, never a function of the number of tokens N: a row's
+reduction tree (vocab split size, tile widths, K step) is then the same in any batch, which is
+what makes results batch invariant. The CPU interpreter gets small tiles (each interpreted
+program costs time per op, not per element) and upcasts bf16 before ``tl.dot`` because the
+interpreter's bf16 dot is wrong.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..ops_available import interpreting
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    split_v: int  # vocab columns per split (first aggregation level); multiple of block_n
+    block_m: int  # token rows per program
+    block_n: int  # vocab columns per tile
+    block_k: int  # hidden (reduction) step
+    num_warps: int = 4
+    num_stages: int = 3
+    # backward dlogits kernel tiles
+    bwd_block_m: int = 128
+    bwd_block_n: int = 128
+
+    def upcast(self, dtype: torch.dtype) -> bool:
+        return interpreting() and dtype == torch.bfloat16
+
+    @staticmethod
+    def dot_precision(dtype: torch.dtype) -> str:
+        # fp32 inputs keep torch's default ("highest") matmul precision; 16-bit inputs ignore it.
+        return "ieee" if dtype == torch.float32 else "tf32"
+
+
+CUDA_CONFIG = KernelConfig(split_v=2048, block_m=128, block_n=128, block_k=64,
+                           num_warps=8, num_stages=3, bwd_block_m=128, bwd_block_n=128)
+INTERPRETER_CONFIG = KernelConfig(split_v=256, block_m=32, block_n=64, block_k=32,
+                                  num_warps=4, num_stages=1, bwd_block_m=32, bwd_block_n=64)
+
+
+def default_config(device: torch.device) -> KernelConfig:
+    return CUDA_CONFIG if device.type == "cuda" and not interpreting() else INTERPRETER_CONFIG

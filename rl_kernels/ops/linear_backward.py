@@ -1,0 +1,110 @@
+"""Backward of the fused linear head: recompute logit tiles and write d(loss)/d(logits) chunks.
+
+For a (rows x cols) window of the logits, program (pid_m, pid_n) recomputes its z tile with the
+same K-loop GEMM as the forward, then from the saved per-row lse and entropy H:
+    log p = z - lse,  p = exp(log p)
+    dz    = g_lp * (onehot(y) - p) - g_H * p * (log p + H)      (z - E_p[z] = log p + H)
+and stores dz / temperature (the gradient w.r.t. the raw logits h.w) in the output dtype.
+Rows whose label is ``ignore_index`` get exactly 0 (a where, not a product, so a non-finite
+ignored row cannot leak NaN into dW). The caller turns these chunks into dh = dz W and
+dW = dz^T h with one matmul each (see ``rl_kernels.autograd``), so no N x V buffer exists.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import logits_tile
+from .config import KernelConfig
+
+
+@triton.jit
+def _linear_dlogits_kernel(
+    h_ptr, w_ptr, labels_ptr, lse_ptr, entropy_ptr, g_lp_ptr, g_ent_ptr, dz_ptr,
+    row_start, n_rows, col_start, n_cols, H,
+    stride_hn, stride_hk, stride_wv, stride_wk, stride_lab,
+    stride_glp, stride_gent, stride_dzm, stride_dzn,
+    inv_temperature, ignore_index,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_G_LP: tl.constexpr, HAS_G_ENT: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    local_rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    local_cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = local_rows < n_rows
+    col_mask = local_cols < n_cols
+    rows = row_start + local_rows
+    cols = col_start + local_cols
+
+    z = logits_tile(h_ptr, w_ptr, rows, cols, row_mask, col_mask, H,
+                    stride_hn, stride_hk, stride_wv, stride_wk, inv_temperature,
+                    BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PRECISION)
+    rows64 = rows.to(tl.int64)
+    labels = tl.load(labels_ptr + rows64 * stride_lab, mask=row_mask, other=ignore_index)
+    lse = tl.load(lse_ptr + rows64, mask=row_mask, other=0.0)
+    log_p = z - lse[:, None]
+    p = tl.exp(log_p)
+    dz = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    if HAS_G_LP:
+        g_lp = tl.load(g_lp_ptr + rows64 * stride_glp, mask=row_mask, other=0.0).to(tl.float32)
+        onehot = tl.where(cols[None, :] == labels[:, None], 1.0, 0.0)
+        dz += g_lp[:, None] * (onehot - p)
+    if HAS_G_ENT:
+        g_ent = tl.load(g_ent_ptr + rows64 * stride_gent, mask=row_mask, other=0.0).to(tl.float32)
+        ent = tl.load(entropy_ptr + rows64, mask=row_mask, other=0.0)
+        dz -= g_ent[:, None] * p * (log_p + ent[:, None])
+    valid = labels != ignore_index
+    dz = tl.where(valid[:, None], dz * inv_temperature, 0.0)
+    dz_ptrs = (dz_ptr + local_rows.to(tl.int64)[:, None] * stride_dzm
+               + local_cols.to(tl.int64)[None, :] * stride_dzn)
+    tl.store(dz_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+def linear_dlogits(
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor | None,
+    grad_log_probs: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    rows: slice,
+    cols: slice,
+    inv_temperature: float,
+    ignore_index: int,
+    out: torch.Tensor,
+    cfg: KernelConfig,
+) -> torch.Tensor:
+    """Write d(loss)/d(h.w) for logits[rows, cols] into ``out`` ((rows, cols), input dtype).
+
+    hidden_states (N, H) and weight (V, H) share a dtype; labels (N,) int; lse, entropy (N,)
+    float32 from the forward; grad_log_probs / grad_entropy (N,) or None (any stride, 0 allowed).
+    ``entropy`` is required when ``grad_entropy`` is given.
+    """
+    n_rows = rows.stop - rows.start
+    n_cols = cols.stop - cols.start
+    grid = (triton.cdiv(n_rows, cfg.bwd_block_m), triton.cdiv(n_cols, cfg.bwd_block_n))
+    has_lp = grad_log_probs is not None
+    has_ent = grad_entropy is not None
+    _linear_dlogits_kernel[grid](
+        hidden_states, weight, labels, lse,
+        entropy if has_ent else lse,
+        grad_log_probs if has_lp else lse,
+        grad_entropy if has_ent else lse,
+        out,
+        rows.start, n_rows, cols.start, n_cols, hidden_states.shape[1],
+        hidden_states.stride(0), hidden_states.stride(1), weight.stride(0), weight.stride(1),
+        labels.stride(0),
+        grad_log_probs.stride(0) if has_lp else 0, grad_entropy.stride(0) if has_ent else 0,
+        out.stride(0), out.stride(1),
+        inv_temperature, ignore_index,
+        BLOCK_M=cfg.bwd_block_m, BLOCK_N=cfg.bwd_block_n, BLOCK_K=cfg.block_k,
+        HAS_G_LP=has_lp, HAS_G_ENT=has_ent,
+        UPCAST=cfg.upcast(hidden_states.dtype),
+        DOT_PRECISION=cfg.dot_precision(hidden_states.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out

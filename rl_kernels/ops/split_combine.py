@@ -1,0 +1,79 @@
+"""Combine kernel: merges per-split softmax partials into log-probs, entropy and lse.
+
+Input partials (m, s, b, z_y) are (S, N) float32 (see ``linear_forward``); the S splits are merged
+in a fixed order with ``merge_stats`` (identity (-inf, 0, 0), never 0 for m: verl PR #7439).
+The same merge serves vocab-parallel ranks, whose partials are stacked along S.
+Per row: lse = m + log s, log p(y) = z_y - lse, entropy = log s - b / s.
+Rows whose label equals ``ignore_index`` get log-prob 0 and entropy 0 (lse is still written).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import merge_stats
+
+
+@triton.jit
+def _split_combine_kernel(
+    part_m_ptr, part_s_ptr, part_b_ptr, part_zy_ptr,
+    labels_ptr, stride_lab,
+    log_probs_ptr, entropy_ptr, lse_ptr,
+    N, num_splits, ignore_index,
+    BLOCK: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    row_mask = rows < N
+    m = tl.full((BLOCK,), float("-inf"), tl.float32)
+    s = tl.zeros((BLOCK,), tl.float32)
+    b = tl.zeros((BLOCK,), tl.float32)
+    zy = tl.zeros((BLOCK,), tl.float32)
+    for sp in range(0, num_splits):
+        off = sp * N + rows.to(tl.int64)
+        pm = tl.load(part_m_ptr + off, mask=row_mask, other=float("-inf"))
+        ps = tl.load(part_s_ptr + off, mask=row_mask, other=0.0)
+        if COMPUTE_ENTROPY:
+            pb = tl.load(part_b_ptr + off, mask=row_mask, other=0.0)
+        else:
+            pb = tl.zeros((BLOCK,), tl.float32)
+        m, s, b = merge_stats(m, s, b, pm, ps, pb)
+        zy += tl.load(part_zy_ptr + off, mask=row_mask, other=0.0)
+
+    log_s = tl.log(s)
+    lse = m + log_s
+    labels = tl.load(labels_ptr + rows.to(tl.int64) * stride_lab, mask=row_mask, other=ignore_index)
+    valid = labels != ignore_index
+    tl.store(log_probs_ptr + rows, tl.where(valid, zy - lse, 0.0), mask=row_mask)
+    tl.store(lse_ptr + rows, lse, mask=row_mask)
+    if COMPUTE_ENTROPY:
+        tl.store(entropy_ptr + rows, tl.where(valid, log_s - b / s, 0.0), mask=row_mask)
+
+
+def split_combine(
+    part_m: torch.Tensor,
+    part_s: torch.Tensor,
+    part_b: torch.Tensor,
+    part_zy: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int,
+    compute_entropy: bool,
+    block: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Merge (S, N) float32 partials into (log_probs, entropy, lse), each (N,) float32.
+
+    ``labels`` is (N,) int32/int64; positions equal to ``ignore_index`` get log-prob and entropy 0.
+    ``entropy`` is None when ``compute_entropy`` is False (``part_b`` is then not read).
+    """
+    num_splits, n = part_m.shape
+    log_probs = torch.empty(n, dtype=torch.float32, device=part_m.device)
+    lse = torch.empty_like(log_probs)
+    entropy = torch.empty_like(log_probs) if compute_entropy else None
+    _split_combine_kernel[(triton.cdiv(n, block),)](
+        part_m, part_s, part_b, part_zy,
+        labels, labels.stride(0),
+        log_probs, entropy if compute_entropy else log_probs, lse,
+        n, num_splits, ignore_index,
+        BLOCK=block, COMPUTE_ENTROPY=compute_entropy,
+    )
+    return log_probs, entropy, lse

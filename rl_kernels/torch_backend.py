@@ -1,0 +1,85 @@
+"""Torch implementation of the linear head: the CPU / no-Triton backend and the test oracle.
+
+Same math as the Triton kernels (see ``rl_kernels.ops``), computed in ``compute_dtype``
+(float32 for the backend, float64 for the reference) over chunks of token rows, so that at most
+one (rows x V) logits chunk exists at a time. The inputs are cast to ``compute_dtype`` once per
+call (one copy of ``weight`` in that dtype).
+"""
+from __future__ import annotations
+
+import torch
+
+# logits elements per chunk (x 4 bytes in float32: 256 MiB)
+DEFAULT_CHUNK_ELEMENTS = 1 << 26
+
+
+def torch_forward(
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    inv_temperature: float,
+    ignore_index: int,
+    compute_entropy: bool,
+    compute_dtype: torch.dtype = torch.float32,
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(log_probs, entropy, lse), each (N,) in ``compute_dtype``; entropy None if not asked.
+
+    hidden_states (N, H), weight (V, H), labels (N,) int. Positions equal to ``ignore_index`` get
+    log-prob 0 and entropy 0. Entropy is -sum p log p (no lse - E[z] cancellation).
+    """
+    n = hidden_states.shape[0]
+    v = weight.shape[0]
+    w = weight.to(compute_dtype)
+    valid = labels != ignore_index
+    safe_labels = torch.where(valid, labels, 0).long()
+    log_probs = torch.empty(n, dtype=compute_dtype, device=hidden_states.device)
+    lse = torch.empty_like(log_probs)
+    entropy = torch.empty_like(log_probs) if compute_entropy else None
+    rows = max(1, chunk_elements // max(v, 1))
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        z = (hidden_states[r0:r1].to(compute_dtype) @ w.T) * inv_temperature
+        lse_c = torch.logsumexp(z, dim=-1)
+        lse[r0:r1] = lse_c
+        log_probs[r0:r1] = z.gather(1, safe_labels[r0:r1, None]).squeeze(1) - lse_c
+        if compute_entropy:
+            log_p = z.sub_(lse_c[:, None])
+            entropy[r0:r1] = -(log_p.exp() * log_p).sum(dim=-1)
+    zero = torch.zeros((), dtype=compute_dtype, device=log_probs.device)
+    log_probs = torch.where(valid, log_probs, zero)
+    if compute_entropy:
+        entropy = torch.where(valid, entropy, zero)
+    return log_probs, entropy, lse
+
+
+def torch_dlogits(
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor | None,
+    grad_log_probs: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    rows: slice,
+    cols: slice,
+    inv_temperature: float,
+    ignore_index: int,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Torch twin of ``rl_kernels.ops.linear_dlogits``: d(loss)/d(h.w) for logits[rows, cols]
+    computed in ``out.dtype`` and written into ``out``."""
+    dt = out.dtype
+    lab = labels[rows]
+    z = (hidden_states[rows].to(dt) @ weight[cols].to(dt).T) * inv_temperature
+    log_p = z - lse[rows].to(dt)[:, None]
+    p = log_p.exp()
+    dz = torch.zeros_like(z)
+    if grad_log_probs is not None:
+        onehot = (torch.arange(cols.start, cols.stop, device=z.device)[None, :] == lab[:, None])
+        dz += grad_log_probs[rows].to(dt)[:, None] * (onehot.to(dt) - p)
+    if grad_entropy is not None:
+        dz -= grad_entropy[rows].to(dt)[:, None] * p * (log_p + entropy[rows].to(dt)[:, None])
+    valid = (lab != ignore_index)[:, None]
+    out.copy_(torch.where(valid, dz * inv_temperature, torch.zeros((), dtype=dt, device=z.device)))
+    return out
