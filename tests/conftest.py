@@ -1,0 +1,36 @@
+"""Test setup. Without CUDA, Triton kernels run in the CPU interpreter: TRITON_INTERPRET must be
+set before rl_kernels.ops is imported (Triton picks the interpreter when a kernel is defined)."""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+_empty, _empty_like = torch.empty, torch.empty_like
+
+
+def _poison(t: torch.Tensor) -> torch.Tensor:
+    if t.is_floating_point():
+        return t.fill_(float("nan"))
+    if t.dtype != torch.bool:
+        return t.fill_(-7777)
+    return t
+
+
+@pytest.fixture
+def poison(monkeypatch):
+    """Every torch.empty / empty_like made during the test is filled with NaN (ints: -7777), so an
+    output element that a kernel forgets to write shows up as a wrong value."""
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: _poison(_empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: _poison(_empty_like(*a, **k)))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

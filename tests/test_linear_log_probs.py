@@ -1,0 +1,300 @@
+"""linear_log_probs on CPU: Triton kernels in the interpreter and the torch backend, both against
+a float64 reference.
+
+Shapes: the interpreter costs ~0.3 s a launch, so shapes are small and odd. N=33 and V=257 are
+one more than a multiple of every tile the interpreter config uses (block_m 32, block_n 64,
+split_v 256, block_k 32), so each kernel sees a one-element tail in every dimension; (37, 72,
+1007) is the issue's odd shape (H not a multiple of block_k, 4 vocab splits, 3 row blocks).
+Tolerances: values are fp32-accumulated from the same (fp32/fp16) inputs as the reference, so
+max |error| <= 2e-5 nats; gradients are rounded once to the input dtype: relative Frobenius error
+<= 2e-5 (fp32) and 1e-3 (fp16, unit roundoff 4.9e-4).
+"""
+import logging
+
+import pytest
+import torch
+
+import rl_kernels.autograd as rl_autograd
+from rl_kernels import linear_log_probs
+from rl_kernels.ops_available import interpreting
+
+from helpers import make_inputs, naive_reference, reference_grads, rel_err
+
+BACKENDS = ["triton", "torch"]
+VALUE_ATOL = 2e-5
+GRAD_RTOL = {torch.float32: 2e-5, torch.float16: 1e-3}
+SHAPES = [(33, 65, 257, 0.7), (37, 72, 1007, 1.0)]
+
+
+@pytest.fixture(autouse=True)
+def _needs_interpreter(request):
+    if "backend" in request.fixturenames and request.getfixturevalue("backend") == "triton" \
+            and not interpreting():
+        pytest.skip("CPU Triton tests need TRITON_INTERPRET=1 (set by conftest without CUDA)")
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Force the backward into ~3 windows per pass so chunk boundaries are exercised."""
+    monkeypatch.setattr(rl_autograd, "MIN_CHUNK_ELEMENTS", 15000)
+    monkeypatch.setattr(rl_autograd, "CHUNK_FRACTION", 0.0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n,h,v,temperature", SHAPES)
+def test_values_and_gradients_match_float64(backend, dtype, n, h, v, temperature, poison,
+                                            small_chunks):
+    hidden, weight, labels = make_inputs(n, h, v, dtype, seed=n + v)
+    g = torch.Generator().manual_seed(1)
+    g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
+
+    hr, wr = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    lp_ref, ent_ref = naive_reference(hr, wr, labels, temperature)
+    (lp_ref * g_lp.double() + ent_ref * g_ent.double()).sum().backward()
+
+    hx, wx = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = linear_log_probs(hx, wx, labels, temperature=temperature, backend=backend)
+    assert out.log_probs.dtype == torch.float32 and out.entropy.dtype == torch.float32
+    assert out.log_probs.shape == labels.shape
+    assert (out.log_probs.double() - lp_ref).abs().max().item() <= VALUE_ATOL
+    assert (out.entropy.double() - ent_ref).abs().max().item() <= VALUE_ATOL
+    (out.log_probs * g_lp + out.entropy * g_ent).sum().backward()
+    assert hx.grad.dtype == dtype and wx.grad.dtype == dtype
+    assert rel_err(hx.grad, hr.grad) <= GRAD_RTOL[dtype]
+    assert rel_err(wx.grad, wr.grad) <= GRAD_RTOL[dtype]
+    ignored = labels == -100
+    assert ignored.any() and (out.log_probs[ignored] == 0).all() and (out.entropy[ignored] == 0).all()
+    assert (hx.grad[ignored] == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", ["expanded_sum", "log_probs_only", "entropy_only", "no_entropy"])
+def test_gradient_modes(backend, mode, poison):
+    """Upstream gradients that are expanded (stride 0), or only one output used."""
+    n, h, v, t = 33, 65, 257, 1.3
+    hidden, weight, labels = make_inputs(n, h, v, torch.float32, seed=7)
+    hr, wr = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    lp_ref, ent_ref = naive_reference(hr, wr, labels, t)
+    hx, wx = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = linear_log_probs(hx, wx, labels, temperature=t, backend=backend,
+                           return_entropy=mode != "no_entropy")
+    if mode == "expanded_sum":
+        loss, loss_ref = out.log_probs.sum() + out.entropy.sum(), lp_ref.sum() + ent_ref.sum()
+    elif mode == "entropy_only":
+        loss, loss_ref = out.entropy.mean(), ent_ref.mean()
+    else:
+        loss, loss_ref = -out.log_probs.sum(), -lp_ref.sum()
+    if mode == "no_entropy":
+        assert out.entropy is None
+    loss.backward()
+    loss_ref.backward()
+    assert rel_err(hx.grad, hr.grad) <= 2e-5
+    assert rel_err(wx.grad, wr.grad) <= 2e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_3d_hidden_and_frozen_weight(backend, poison):
+    """(B, T, H) hidden that is a non-contiguous view (verl #6913: its gradient must arrive) and a
+    weight that does not require grad (only the dh pass runs)."""
+    b, t, h, v = 3, 11, 40, 300
+    base, weight, _ = make_inputs(b * t * 2, h, v, torch.float32, seed=3)
+    hidden = base.view(b, 2 * t, h)[:, ::2].transpose(0, 1).contiguous().transpose(0, 1)
+    hidden = hidden.detach().requires_grad_()
+    assert not hidden.is_contiguous()
+    labels = torch.randint(0, v, (b, t), generator=torch.Generator().manual_seed(0))
+    out = linear_log_probs(hidden, weight, labels, backend=backend)
+    lp_ref, ent_ref = naive_reference(hidden.detach(), weight, labels)
+    assert out.log_probs.shape == (b, t)
+    assert (out.log_probs.double() - lp_ref).abs().max() <= VALUE_ATOL
+    assert (out.entropy.double() - ent_ref).abs().max() <= VALUE_ATOL
+    out.log_probs.sum().backward()
+    hr = hidden.detach().double().requires_grad_()
+    naive_reference(hr, weight, labels)[0].sum().backward()
+    assert hidden.grad is not None and rel_err(hidden.grad, hr.grad) <= 2e-5
+    assert weight.grad is None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_run_to_run_bitwise_identical(backend):
+    hidden, weight, labels = make_inputs(37, 72, 1007, torch.float32, seed=11)
+    results = []
+    for _ in range(2):
+        hx, wx = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        out = linear_log_probs(hx, wx, labels, temperature=0.9, backend=backend)
+        (out.log_probs.sum() + 0.5 * out.entropy.sum()).backward()
+        results.append((out.log_probs, out.entropy, hx.grad, wx.grad))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_batch_invariance_triton():
+    """A row's outputs are the same bits alone, in a small batch, and in a larger one.
+
+    On CPU the slices start at a multiple of the interpreter's block_m (32): numpy's matmul,
+    which runs the interpreter's tl.dot, rounds a row differently at another position inside a
+    block (BLAS edge kernels), which says nothing about the GPU. What is tested here is that
+    neither the batch size nor the number of row blocks changes a row's reduction tree; the GPU
+    test checks arbitrary offsets."""
+    if not interpreting() and not torch.cuda.is_available():
+        pytest.skip("needs the Triton interpreter")
+    hidden, weight, labels = make_inputs(70, 48, 700, torch.float32, seed=5)
+    full = linear_log_probs(hidden, weight, labels, backend="triton")
+    for rows in (slice(32, 33), slice(32, 39), slice(64, 70)):
+        part = linear_log_probs(hidden[rows], weight, labels[rows], backend="triton")
+        assert torch.equal(part.log_probs, full.log_probs[rows])
+        assert torch.equal(part.entropy, full.entropy[rows])
+
+
+def test_torch_backend_batch_consistency():
+    """The torch backend is not bitwise batch invariant (the CPU / cuBLAS matmul chooses its
+    kernel by the number of rows); it stays within fp32 rounding across batch sizes."""
+    hidden, weight, labels = make_inputs(70, 48, 700, torch.float32, seed=5)
+    full = linear_log_probs(hidden, weight, labels, backend="torch")
+    part = linear_log_probs(hidden[40:41], weight, labels[40:41], backend="torch")
+    assert (part.log_probs - full.log_probs[40:41]).abs().max() <= 1e-5
+    assert (part.entropy - full.entropy[40:41]).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_non_finite_row_does_not_corrupt_others(backend):
+    hidden, weight, labels = make_inputs(33, 40, 257, torch.float32, seed=9, ignore_frac=0.0)
+    clean = linear_log_probs(hidden, weight, labels, backend=backend)
+    bad = hidden.clone()
+    bad[4, 7] = float("nan")
+    bad[20, 3] = float("inf")
+    out = linear_log_probs(bad, weight, labels, backend=backend)
+    others = torch.ones(33, dtype=torch.bool)
+    others[[4, 20]] = False
+    assert not torch.isfinite(out.log_probs[[4, 20]]).any()
+    assert not torch.isfinite(out.entropy[[4, 20]]).any()
+    assert torch.equal(out.log_probs[others], clean.log_probs[others])
+    assert torch.equal(out.entropy[others], clean.entropy[others])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_batch(backend):
+    hidden = torch.randn(0, 16, requires_grad=True)
+    weight = torch.randn(50, 16, requires_grad=True)
+    out = linear_log_probs(hidden, weight, torch.zeros(0, dtype=torch.long), backend=backend)
+    assert out.log_probs.shape == (0,) and out.entropy.shape == (0,)
+    (out.log_probs.sum() + out.entropy.sum()).backward()
+    assert hidden.grad.shape == (0, 16)
+    assert torch.equal(weight.grad, torch.zeros_like(weight))
+
+
+# ----------------------------------------------------------------------- bug catalogue, crafted
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_vocab_tail_columns_carry_no_mass(backend):
+    """verl #2656/#2899: V = 257 leaves 1 real column in the last split; all real logits are very
+    negative except the last row's, so any padded column that entered as 0 (not -inf) would
+    dominate the sum. Log-probs must match float64 and never be positive."""
+    g = torch.Generator().manual_seed(0)
+    n, h, v = 17, 64, 257
+    hidden = torch.rand(n, h, generator=g) + 0.5
+    weight = -(torch.rand(v, h, generator=g) + 0.5)
+    weight[-1] = 0.05
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[::2] = v - 1
+    out = linear_log_probs(hidden, weight, labels, temperature=1.5, backend=backend)
+    lp_ref, ent_ref = naive_reference(hidden, weight, labels, 1.5)
+    assert (out.log_probs <= 0).all()
+    assert (out.log_probs.double() - lp_ref).abs().max() <= VALUE_ATOL
+    assert (out.entropy.double() - ent_ref).abs().max() <= VALUE_ATOL
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_all_negative_logits(backend):
+    """verl PR #7439: every logit <= -100 (a running max initialised at 0 underflows s to 0)."""
+    g = torch.Generator().manual_seed(1)
+    n, h, v = 21, 48, 600
+    hidden = torch.rand(n, h, generator=g) + 1.0
+    weight = -(torch.rand(v, h, generator=g) + 2.0)
+    labels = torch.randint(0, v, (n,), generator=g)
+    out = linear_log_probs(hidden, weight, labels, backend=backend)
+    z_max = (hidden.double() @ weight.double().T).max()
+    assert z_max < -100
+    lp_ref, ent_ref = naive_reference(hidden, weight, labels)
+    assert torch.isfinite(out.log_probs).all() and torch.isfinite(out.entropy).all()
+    # |z| ~ 150 in fp32: one ulp is 1.5e-5
+    assert (out.log_probs.double() - lp_ref).abs().max() <= 1e-4
+    assert (out.entropy.double() - ent_ref).abs().max() <= 1e-4
+
+
+def test_reference_grads_helper_matches_autograd():
+    """The chunked float64 gradient oracle used by the GPU tests equals autograd float64."""
+    hidden, weight, labels = make_inputs(30, 24, 200, torch.float64, seed=2)
+    g_lp, g_ent = torch.randn(30, dtype=torch.float64), torch.randn(30, dtype=torch.float64)
+    hr, wr = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    lp, ent = naive_reference(hr, wr, labels, 0.8)
+    (lp * g_lp + ent * g_ent).sum().backward()
+    dh, dw = reference_grads(hidden, weight, labels, g_lp, g_ent, 0.8, chunk=7)
+    assert rel_err(dh, hr.grad) <= 1e-12 and rel_err(dw, wr.grad) <= 1e-12
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _args():
+    hidden, weight, labels = make_inputs(5, 8, 20, torch.float32, seed=0)
+    return hidden, weight, labels
+
+
+@pytest.mark.parametrize("change,exc,words", [
+    (lambda h, w, l: (h, w[:, :7], l), ValueError, "weight: expected shape (vocab_size, H)"),
+    (lambda h, w, l: (h, w.double(), l), TypeError, "weight: dtype torch.float64 differs"),
+    (lambda h, w, l: (h.double(), w.double(), l), TypeError, "hidden_states: expected bfloat16"),
+    (lambda h, w, l: (h, w, l[:4]), ValueError, "labels: expected shape (5,)"),
+    (lambda h, w, l: (h, w, l.float()), TypeError, "labels: expected int64 or int32"),
+    (lambda h, w, l: (h, w, torch.tensor([0, 1, 20, 3, -100])), ValueError,
+     "labels: 1 entries lie outside [0, vocab_size=20)"),
+    (lambda h, w, l: (h, w, torch.tensor([0, -1, 2, 3, 4])), ValueError, "first at flat position 1: -1"),
+    (lambda h, w, l: (h, w[:0], l), ValueError, "vocab_size must be >= 1"),
+    (lambda h, w, l: (h, w, l.to("meta")), ValueError, "labels: on meta"),
+    (lambda h, w, l: (h.numpy(), w, l), TypeError, "hidden_states: expected a torch.Tensor"),
+])
+def test_bad_tensors_raise_clear_errors(change, exc, words):
+    with pytest.raises(exc) as info:
+        linear_log_probs(*change(*_args()), backend="torch")
+    assert words in str(info.value)
+
+
+@pytest.mark.parametrize("temperature,exc", [(0.0, ValueError), (-1.0, ValueError),
+                                              (float("inf"), ValueError), (float("nan"), ValueError),
+                                              (torch.tensor(1.0), TypeError), (True, TypeError),
+                                              ("1", TypeError)])
+def test_bad_temperature(temperature, exc):
+    with pytest.raises(exc, match="temperature"):
+        linear_log_probs(*_args(), temperature=temperature, backend="torch")
+
+
+def test_integer_temperature_accepted():
+    a = linear_log_probs(*_args(), temperature=2, backend="torch")
+    b = linear_log_probs(*_args(), temperature=2.0, backend="torch")
+    assert torch.equal(a.log_probs, b.log_probs)
+
+
+def test_bad_ignore_index_and_backend():
+    with pytest.raises(TypeError, match="ignore_index"):
+        linear_log_probs(*_args(), ignore_index=-100.0, backend="torch")
+    with pytest.raises(ValueError, match="backend"):
+        linear_log_probs(*_args(), backend="cuda")
+
+
+def test_triton_on_cpu_without_interpreter_raises(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        linear_log_probs(*_args(), backend="triton")
+
+
+def test_auto_backend_logs_choice_once(caplog):
+    import rl_kernels._logging as rl_logging
+
+    rl_logging._seen.clear()
+    with caplog.at_level(logging.INFO, logger="rl_kernels"):
+        linear_log_probs(*_args())
+        linear_log_probs(*_args())
+    msgs = [r.getMessage() for r in caplog.records if "backend='auto'" in r.getMessage()]
+    assert msgs == ["rl_kernels: backend='auto' runs 'torch' for cpu tensors"]
