@@ -183,6 +183,36 @@ def test_empty_batch(backend):
     assert torch.equal(weight.grad, torch.zeros_like(weight))
 
 
+def test_backward_matmuls_use_full_precision_reduction_and_restore_flag(monkeypatch):
+    """Reduced-precision (16-bit) split-K reduction tripled the dh error on an H100; the backward
+    turns it off for its own matmuls and gives the user's setting back."""
+    flags = torch.backends.cuda.matmul
+    seen = []
+    real_mm_into = rl_autograd._mm_into
+
+    def spy(out, a, b):
+        seen.append((flags.allow_bf16_reduced_precision_reduction,
+                     flags.allow_fp16_reduced_precision_reduction))
+        real_mm_into(out, a, b)
+
+    monkeypatch.setattr(rl_autograd, "_mm_into", spy)
+    saved = (flags.allow_bf16_reduced_precision_reduction,
+             flags.allow_fp16_reduced_precision_reduction)
+    try:
+        flags.allow_bf16_reduced_precision_reduction = True
+        flags.allow_fp16_reduced_precision_reduction = True
+        hidden, weight, labels = make_inputs(9, 16, 40, torch.float32, seed=4)
+        hidden.requires_grad_()
+        weight.requires_grad_()
+        linear_log_probs(hidden, weight, labels, backend="torch").log_probs.sum().backward()
+        assert seen and all(s == (False, False) for s in seen)
+        assert flags.allow_bf16_reduced_precision_reduction is True
+        assert flags.allow_fp16_reduced_precision_reduction is True
+    finally:
+        (flags.allow_bf16_reduced_precision_reduction,
+         flags.allow_fp16_reduced_precision_reduction) = saved
+
+
 # ----------------------------------------------------------------------- bug catalogue, crafted
 
 

@@ -2,6 +2,8 @@
 
 * ``logits_tile``: one (BLOCK_M x BLOCK_N) tile of ``hidden @ weight.T / temperature`` with an
   fp32 accumulator (the K-loop GEMM tile).
+* ``grouped_tile``: maps a 1-D program id to (pid_m, pid_n) in groups of GROUP_M row blocks, so
+  that the programs resident at one time share a few hidden-state blocks and weight tiles in L2.
 * ``merge_stats``: the associative merge of two softmax partials (m, s, b), where
   ``s = sum exp(z - m)`` and ``b = sum exp(z - m) * (z - m)`` (b is kept relative to m so that the
   entropy ``log s - b / s`` never subtracts two large numbers). Identity: (-inf, 0, 0).
@@ -54,3 +56,16 @@ def merge_stats(m1, s1, b1, m2, s2, b2):
     s = a1 * s1 + a2 * s2
     b = a1 * (b1 + s1 * d1) + a2 * (b2 + s2 * d2)
     return m, s, b
+
+
+@triton.jit
+def grouped_tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
+    """Program ``pid`` of a 1-D grid of num_m * num_n -> (pid_m, pid_n), GROUP_M row blocks at a
+    time with the column index moving slowest inside a group. Changes only the order in which
+    tiles run, never what a tile computes."""
+    per_group = GROUP_M * num_n
+    group = pid // per_group
+    first_m = group * GROUP_M
+    group_m = tl.minimum(num_m - first_m, GROUP_M)
+    inner = pid % per_group
+    return first_m + inner % group_m, inner // group_m

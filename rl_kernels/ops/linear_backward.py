@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import logits_tile
+from .common import grouped_tile, logits_tile
 from .config import KernelConfig
 
 
@@ -28,10 +28,10 @@ def _linear_dlogits_kernel(
     inv_temperature, ignore_index,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_G_LP: tl.constexpr, HAS_G_ENT: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.cdiv(n_cols, BLOCK_N),
+                                GROUP_M)
     local_rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     local_cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = local_rows < n_rows
@@ -86,7 +86,7 @@ def linear_dlogits(
     """
     n_rows = rows.stop - rows.start
     n_cols = cols.stop - cols.start
-    grid = (triton.cdiv(n_rows, cfg.bwd_block_m), triton.cdiv(n_cols, cfg.bwd_block_n))
+    grid = (triton.cdiv(n_rows, cfg.bwd_block_m) * triton.cdiv(n_cols, cfg.bwd_block_n),)
     has_lp = grad_log_probs is not None
     has_ent = grad_entropy is not None
     _linear_dlogits_kernel[grid](
@@ -104,7 +104,7 @@ def linear_dlogits(
         BLOCK_M=cfg.bwd_block_m, BLOCK_N=cfg.bwd_block_n, BLOCK_K=cfg.block_k,
         HAS_G_LP=has_lp, HAS_G_ENT=has_ent,
         UPCAST=cfg.upcast(hidden_states.dtype),
-        DOT_PRECISION=cfg.dot_precision(hidden_states.dtype),
+        DOT_PRECISION=cfg.dot_precision(hidden_states.dtype), GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import logits_tile, merge_stats
+from .common import grouped_tile, logits_tile, merge_stats
 from .config import KernelConfig
 
 
@@ -28,9 +28,9 @@ def _linear_split_stats_kernel(
     inv_temperature,
     SPLIT_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     COMPUTE_ENTROPY: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_s = tl.program_id(1)
+    pid_m, pid_s = grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_M), tl.cdiv(V, SPLIT_V), GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < N
     labels = tl.load(labels_ptr + rows.to(tl.int64) * stride_lab, mask=row_mask, other=-1)
@@ -87,7 +87,7 @@ def linear_split_stats(
     v = weight.shape[0]
     num_splits = triton.cdiv(v, cfg.split_v)
     parts = torch.empty((4, num_splits, n), dtype=torch.float32, device=hidden_states.device)
-    grid = (triton.cdiv(n, cfg.block_m), num_splits)
+    grid = (triton.cdiv(n, cfg.block_m) * num_splits,)
     _linear_split_stats_kernel[grid](
         hidden_states, weight, labels,
         parts[0], parts[1], parts[2], parts[3],
@@ -97,7 +97,7 @@ def linear_split_stats(
         inv_temperature,
         SPLIT_V=cfg.split_v, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         COMPUTE_ENTROPY=compute_entropy, UPCAST=cfg.upcast(hidden_states.dtype),
-        DOT_PRECISION=cfg.dot_precision(hidden_states.dtype),
+        DOT_PRECISION=cfg.dot_precision(hidden_states.dtype), GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return parts[0], parts[1], parts[2], parts[3]
