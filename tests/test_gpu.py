@@ -18,7 +18,8 @@ pytestmark = pytest.mark.gpu
 SHAPES = [  # (N, H, V, temperature)
     (1024, 3584, 152064, 1.0),  # Qwen2.5-7B head, acceptance shape
     (1000, 1024, 50257, 0.7),   # GPT-2 vocab, acceptance shape
-    (2048, 3584, 151937, 1.0),  # odd V: one column past a multiple of every tile
+    (2048, 3584, 151937, 1.0),  # the odd V (151936 = 1187 x 128)
+    (2048, 3584, 151553, 0.9),  # 74 x 2048 + 1: one column past every CUDA tile and split
 ]
 
 
