@@ -30,7 +30,6 @@ class HeadParams:
     inv_temperature: float
     ignore_index: int
     return_entropy: bool
-    chunk_elements: int | None = None  # backward window bound (elements); None: automatic
 
 
 def head_forward(hidden_states, weight, labels, params: HeadParams):
@@ -97,14 +96,13 @@ def head_backward(hidden_states, weight, labels, lse, entropy, grad_log_probs, g
                                  params.ignore_index, out)
 
     with _full_precision_reduction():
-        return _chunked_backward(dlogits, hidden_states, weight, dz_dtype, params, need_dh,
-                                 need_dw)
+        return _chunked_backward(dlogits, hidden_states, weight, dz_dtype, need_dh, need_dw)
 
 
-def _chunked_backward(dlogits, hidden_states, weight, dz_dtype, params, need_dh, need_dw):
+def _chunked_backward(dlogits, hidden_states, weight, dz_dtype, need_dh, need_dw):
     n, h = hidden_states.shape
     v = weight.shape[0]
-    budget = params.chunk_elements or max(MIN_CHUNK_ELEMENTS, int(CHUNK_FRACTION * (n + v) * h))
+    budget = max(MIN_CHUNK_ELEMENTS, int(CHUNK_FRACTION * (n + v) * h))
     buf = None
     if n > 0:
         buf = torch.empty(min(budget, n * v), dtype=dz_dtype, device=hidden_states.device)
