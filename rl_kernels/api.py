@@ -46,7 +46,7 @@ def check_head_inputs(hidden_states, weight, labels, ignore_index) -> None:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if hidden_states.dim() < 1:
-        raise ValueError(f"hidden_states: expected shape (..., H), got a 0-d tensor")
+        raise ValueError("hidden_states: expected shape (..., H), got a 0-d tensor")
     if hidden_states.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"hidden_states: expected bfloat16, float16 or float32, got {_describe(hidden_states)}")
     if weight.dim() != 2 or weight.shape[1] != hidden_states.shape[-1]:

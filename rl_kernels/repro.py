@@ -40,15 +40,20 @@ def _ours(backend: str) -> Backend:
     return run
 
 
-def _torch_eager(s: Sample):
+def torch_eager(hidden_states, weight, labels, temperature=1.0, ignore_index=-100):
     """What an HF model + verl's default logits path computes: logits materialized in the input
-    dtype (lm_head output), divided by the temperature, then log_softmax / entropy in float32."""
-    logits = (s.hidden_states @ s.weight.T) / s.temperature
+    dtype (lm_head output), divided by the temperature, then log_softmax / entropy in float32.
+    Differentiable; the comparison point of ``repro`` and the GPU benchmark."""
+    logits = (hidden_states @ weight.T) / temperature
     log_p = torch.log_softmax(logits.float(), dim=-1)
-    valid = s.labels != s.ignore_index
-    lp = log_p.gather(-1, torch.where(valid, s.labels, 0).unsqueeze(-1)).squeeze(-1)
+    valid = labels != ignore_index
+    lp = log_p.gather(-1, torch.where(valid, labels, 0).unsqueeze(-1)).squeeze(-1)
     ent = -(log_p.exp() * log_p).sum(-1)
     return torch.where(valid, lp, 0.0), torch.where(valid, ent, 0.0)
+
+
+def _torch_eager(s: Sample):
+    return torch_eager(s.hidden_states, s.weight, s.labels, s.temperature, s.ignore_index)
 
 
 def _verl_backends() -> dict[str, Backend]:

@@ -15,6 +15,7 @@ from tabulate import tabulate
 
 from rl_kernels import linear_log_probs
 from rl_kernels.reference import reference_linear_log_probs
+from rl_kernels.repro import torch_eager
 
 DEFAULT_SHAPES = ["16384,3584,152064", "32768,4096,128256", "512,3584,152064"]
 
@@ -32,14 +33,6 @@ def peak_extra(fn):
     return (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
-def eager(h, w, labels):
-    logits = (h @ w.T).float()
-    log_p = torch.log_softmax(logits, -1)
-    lp = log_p.gather(-1, labels[:, None]).squeeze(-1)
-    ent = -(log_p.exp() * log_p).sum(-1)
-    return lp, ent
-
-
 def run_shape(n, hdim, v):
     g = torch.Generator(device="cuda").manual_seed(0)
     h = torch.randn(n, hdim, device="cuda", generator=g).bfloat16()
@@ -48,7 +41,7 @@ def run_shape(n, hdim, v):
     g_lp, g_ent = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
     t_mm = bench(lambda: h @ w.T)
     rows = []
-    impls = {"rl_kernels": lambda a, b, c: linear_log_probs(a, b, c), "torch eager": eager}
+    impls = {"rl_kernels": lambda a, b, c: linear_log_probs(a, b, c), "torch eager": torch_eager}
     for name, fn in impls.items():
         try:
             with torch.no_grad():
@@ -65,7 +58,7 @@ def run_shape(n, hdim, v):
                 hx.grad = wx.grad = None
             t_fb = bench(fb)
             m_fb = peak_extra(fb)
-            del hx, wx
+            hx = wx = None  # free the gradient copies before the next implementation
         except torch.OutOfMemoryError:
             rows.append([f"{n}x{hdim}x{v}", name, "OOM"] + [""] * 6)
             torch.cuda.empty_cache()

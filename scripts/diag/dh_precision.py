@@ -2,8 +2,6 @@ import sys, torch
 sys.path.insert(0, "tests")
 from helpers import make_inputs, reference_grads, rel_err
 from rl_kernels import ops
-from rl_kernels.reference import reference_linear_log_probs
-from rl_kernels.torch_backend import torch_forward
 n, h, v = 2048, 3584, 151937
 hidden, weight, labels = make_inputs(n, h, v, torch.bfloat16, seed=0, device="cuda", w_scale=0.02)
 g = torch.Generator(device="cuda").manual_seed(3)
@@ -24,7 +22,6 @@ for pad in (False, True):
             dz = storage[: (r1 - r0) * ld].view(r1 - r0, ld)[:, :v]
             ops.linear_dlogits(hidden, weight, labels, lse, ent, g_lp, g_ent, slice(r0, r1), slice(0, v), 1.0, -100, dz, cfg)
             torch.mm(dz, weight, out=dh[r0:r1])
-        dzf = None
         print(f"pad={pad} reduced_precision_reduction={rpr}: rel dh {rel_err(dh, dh_ref):.2e}", flush=True)
 # also: full-batch window (all rows) at once
 torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
