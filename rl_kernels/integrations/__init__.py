@@ -1,0 +1,5 @@
+"""Framework integrations. Kernels know nothing of frameworks; each module here knows one.
+
+``rl_kernels.integrations.verl``: importing it patches verl (name it in
+``actor_rollout_ref.model.external_lib``).
+"""

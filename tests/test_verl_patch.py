@@ -1,0 +1,357 @@
+"""rl_kernels.integrations.verl patched into verl 0.9.1 in this process.
+
+The tiny Qwen2 (H=64, 2 layers, V=1037) goes through verl's own ``apply_monkey_patch`` with
+``fused_kernels_backend='rl_kernels'``; verl's unpatched logits path (HF forward, then verl's
+``logprobs_from_logits`` / ``entropy_from_logits``, float32 logits) is the reference. Both run in
+float32, so the tolerances (2e-5 on values, 1e-4 relative on gradients) leave only float32
+rounding of different summation orders.
+"""
+import ast
+import importlib
+import inspect
+import os
+
+import pytest
+import torch
+import verl.utils.torch_functional as verl_F
+from safetensors import safe_open
+from transformers import Qwen2ForCausalLM
+from verl.models.transformers.monkey_patch import apply_monkey_patch
+
+import rl_kernels.integrations.verl as rkv
+from rl_kernels.samples import load_sample
+from verl_helpers import VOCAB, tiny_qwen2, verl_logits_path, verl_unpatched
+
+T = 0.7
+VALUE_ATOL = 2e-5
+GRAD_RTOL = 1e-4
+
+
+@pytest.fixture
+def qwen2_forward():
+    """apply_monkey_patch replaces Qwen2ForCausalLM.forward on the class: restore it after."""
+    original = Qwen2ForCausalLM.forward
+    yield original
+    Qwen2ForCausalLM.forward = original
+
+
+@pytest.fixture
+def backend():
+    yield from _with_backend("torch")
+
+
+def _with_backend(name):
+    previous = rkv.options().backend
+    rkv.configure(backend=name)
+    yield name
+    rkv.configure(backend=previous)
+
+
+def _inputs(rmpad: bool, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    if rmpad:  # two packed sequences of 7 and 6 tokens, positions restart (verl's rmpad layout)
+        ids = torch.randint(0, VOCAB, (1, 13), generator=g)
+        pos = torch.cat([torch.arange(7), torch.arange(6)])[None]
+        return {"input_ids": ids, "position_ids": pos}
+    ids = torch.randint(0, VOCAB, (2, 9), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, -3:] = 0  # right padding
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _ppo_loss(log_probs, entropy, seed=2):
+    """A clipped PPO surrogate minus an entropy bonus, on random advantages."""
+    g = torch.Generator().manual_seed(seed)
+    adv = torch.randn(log_probs.shape, generator=g)
+    old = log_probs.detach() + 0.1 * torch.randn(log_probs.shape, generator=g)
+    ratio = torch.exp(log_probs - old)
+    surrogate = torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
+    return -surrogate.mean() - 0.01 * entropy.mean()
+
+
+def _grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("rmpad", [False, True], ids=["padded", "rmpad"])
+@pytest.mark.parametrize("kernel_backend", ["torch", "triton"])
+def test_fused_path_matches_verl_logits_path(qwen2_forward, rmpad, kernel_backend):
+    for _ in _with_backend(kernel_backend):
+        inputs = _inputs(rmpad)
+        labels = torch.roll(inputs["input_ids"], shifts=-1, dims=-1)
+
+        ref_model = tiny_qwen2()
+        ref_lp, ref_ent = verl_logits_path(ref_model, qwen2_forward, T, labels, **inputs)
+        _ppo_loss(ref_lp, ref_ent).backward()
+        ref_grads = _grads(ref_model)
+
+        model = tiny_qwen2()
+        apply_monkey_patch(model, use_remove_padding=rmpad, use_fused_kernels=True,
+                           fused_kernels_backend=rkv.BACKEND_NAME)
+        assert model._verl_fused_kernels_backend == rkv.BACKEND_NAME
+        before = rkv.call_counts()["fused_calls"]
+        out = model(**inputs, temperature=T, return_dict=True)
+        assert rkv.call_counts()["fused_calls"] == before + 1  # rl-kernels computed them
+        assert type(out).__name__ == "CausalLMOutputForPPO"
+        assert out.log_probs.shape == labels.shape and out.entropy.shape == labels.shape
+        assert out.log_probs.dtype == torch.float32
+        torch.testing.assert_close(out.log_probs, ref_lp.float(), atol=VALUE_ATOL, rtol=0)
+        torch.testing.assert_close(out.entropy, ref_ent.float(), atol=VALUE_ATOL, rtol=0)
+
+        _ppo_loss(out.log_probs, out.entropy).backward()
+        for name, grad in _grads(model).items():
+            ref = ref_grads[name]
+            err = (grad - ref).norm() / ref.norm()
+            assert err < GRAD_RTOL, f"{name}: relative gradient error {err:.2e} (backend {kernel_backend})"
+
+
+def test_shift_labels_take_precedence(qwen2_forward, backend):
+    """verl #6068: the engine passes globally rolled labels as shift_labels under Ulysses SP; the
+    fused forward must use them instead of rolling its local shard."""
+    inputs = _inputs(rmpad=True)
+    g = torch.Generator().manual_seed(5)
+    shift_labels = torch.randint(0, VOCAB, inputs["input_ids"].shape, generator=g)
+    assert not torch.equal(shift_labels, torch.roll(inputs["input_ids"], -1, -1))
+    ref_lp, ref_ent = verl_logits_path(tiny_qwen2(), qwen2_forward, T, shift_labels, **inputs)
+
+    model = tiny_qwen2()
+    apply_monkey_patch(model, use_remove_padding=True, use_fused_kernels=True,
+                       fused_kernels_backend=rkv.BACKEND_NAME)
+    with torch.no_grad():
+        out = model(**inputs, temperature=T, shift_labels=shift_labels, return_dict=True)
+    torch.testing.assert_close(out.log_probs, ref_lp.float(), atol=VALUE_ATOL, rtol=0)
+    torch.testing.assert_close(out.entropy, ref_ent.float(), atol=VALUE_ATOL, rtol=0)
+
+
+def test_verl_backends_untouched(qwen2_forward):
+    """verl's own impl_backend='torch' still runs verl's code (not rl-kernels) while patched."""
+    inputs = _inputs(rmpad=False)
+    model = tiny_qwen2()
+    apply_monkey_patch(model, use_remove_padding=False, use_fused_kernels=True, fused_kernels_backend="torch")
+    before = rkv.call_counts()["fused_calls"]
+    with torch.no_grad():
+        out = model(**inputs, temperature=T, return_dict=True)
+    assert rkv.call_counts()["fused_calls"] == before
+    labels = torch.roll(inputs["input_ids"], -1, -1)
+    ref_lp, _ = verl_logits_path(tiny_qwen2(), qwen2_forward, T, labels, **inputs)
+    torch.testing.assert_close(out.log_probs, ref_lp.float(), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logits_path_functions(dtype):
+    """The patched verl.utils.torch_functional functions vs verl's originals (values, gradients)."""
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(2, 7, 301, generator=g) * 3).to(dtype)
+    labels = torch.randint(0, 301, (2, 7), generator=g)
+    g_lp, g_ent = torch.randn(2, 7, generator=g), torch.randn(2, 7, generator=g)
+
+    def run(lp_fn, ent_fn, chunked_fn):
+        x = logits.clone().requires_grad_()
+        lp, ent = lp_fn(x, labels, inplace_backward=False), ent_fn(x)
+        ent_c = chunked_fn(x.reshape(-1, 301), chunk_size=4).view(2, 7)
+        (g_lp * lp + g_ent * ent).sum().backward()
+        return lp.float(), ent.float(), ent_c.float(), x.grad.float()
+
+    assert verl_F.logprobs_from_logits is rkv.logprobs_from_logits
+    before = rkv.call_counts()
+    ours = run(verl_F.logprobs_from_logits, verl_F.entropy_from_logits,
+               verl_F.entropy_from_logits_with_chunking)
+    after = rkv.call_counts()
+    assert after["logits_log_probs_calls"] == before["logits_log_probs_calls"] + 1
+    assert after["logits_entropy_calls"] == before["logits_entropy_calls"] + 2
+    # float64 truth (verl's own functions return bf16 values for bf16 logits: see the bug catalogue)
+    x64 = logits.double().requires_grad_()
+    log_p = x64.log_softmax(-1)
+    lp64 = log_p.gather(-1, labels[..., None])[..., 0]
+    ent64 = -(log_p.exp() * log_p).sum(-1)
+    (g_lp * lp64 + g_ent * ent64).sum().backward()
+    for got, want in zip(ours[:3], (lp64, ent64, ent64)):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=0)
+    # bf16: each function's gradient is rounded to bf16 (rel. 2^-8), then autograd adds the two
+    atol, rtol = (1e-5, 0) if dtype == torch.float32 else (1e-3, 2 ** -7)
+    torch.testing.assert_close(ours[3].double(), x64.grad, atol=atol, rtol=rtol)
+    with verl_unpatched():
+        theirs = run(verl_F.logprobs_from_logits, verl_F.entropy_from_logits,
+                     verl_F.entropy_from_logits_with_chunking)
+    # verl's own path is the baseline we must not be worse than
+    for got, ref, want in zip(ours[:2], theirs[:2], (lp64, ent64)):
+        assert (got.double() - want).abs().max() <= (ref.double() - want).abs().max() + 1e-6
+
+
+def test_inplace_backward_writes_into_logits():
+    g = torch.Generator().manual_seed(4)
+    base = torch.randn(5, 33, generator=g)
+    labels = torch.randint(0, 33, (5,), generator=g)
+    leaf = base.clone().requires_grad_()
+    logits = leaf * 1.0  # a non-leaf like verl's logits
+    storage = logits.data_ptr()
+    captured = {}
+    logits.register_hook(lambda grad: captured.update(ptr=grad.data_ptr()))
+    verl_F.logprobs_from_logits(logits, labels, inplace_backward=True).sum().backward()
+    assert captured["ptr"] == storage
+    expected = torch.nn.functional.one_hot(labels, 33) - base.softmax(-1)
+    torch.testing.assert_close(leaf.grad, expected, atol=1e-6, rtol=0)
+
+
+def _logits_function_imports():
+    """(module, name) for every by-name import of the logits-path functions in installed verl."""
+    import verl
+
+    root = os.path.dirname(verl.__file__)
+    found = []
+    for dirpath, _, files in os.walk(root):
+        for fname in files:
+            if not fname.endswith(".py"):
+                continue
+            path = os.path.join(dirpath, fname)
+            tree = ast.parse(open(path, encoding="utf-8").read())
+            module = "verl." + os.path.relpath(path, root)[:-3].replace(os.sep, ".")
+            module = module.removesuffix(".__init__")
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and node.module == "verl.utils.torch_functional":
+                    for alias in node.names:
+                        if alias.name in rkv.LOGITS_FUNCTIONS:
+                            found.append((module, alias.asname or alias.name, alias.name,
+                                          node.col_offset == 0))
+    return found
+
+
+def test_every_by_name_import_is_patched():
+    imports = _logits_function_imports()
+    assert len(imports) >= 4, imports  # verl 0.9.1 has 5 (fsdp/automodel/torchtitan engines, ...)
+    checked = 0
+    for module, bound, original, top_level in imports:
+        try:
+            mod = importlib.import_module(module)  # imported after the patch
+        except Exception:  # optional dependency (torchtitan, nemo_automodel, ...) missing here
+            continue
+        if top_level:
+            assert getattr(mod, bound) is getattr(rkv, original), f"{module}.{bound} not patched"
+            checked += 1
+    assert checked >= 2
+    # modules imported before the patch are found through sys.modules
+    rkv.unpatch()
+    for module, bound, original, top_level in imports:
+        mod = importlib.sys.modules.get(module)
+        if mod is not None and top_level:
+            assert getattr(mod, bound) is getattr(verl_F, original)
+    rkv.patch()
+    for module, bound, original, top_level in imports:
+        mod = importlib.sys.modules.get(module)
+        if mod is not None and top_level:
+            assert getattr(mod, bound) is getattr(rkv, original), f"{module}.{bound} not re-patched"
+
+
+def test_patch_is_idempotent_and_undoable():
+    import verl.models.transformers.monkey_patch as mp
+    import verl.utils.experimental.torch_functional as xtf
+
+    assert rkv.is_patched()
+    patched = (mp.patch_forward_with_backends, xtf.FusedLinearForPPO, verl_F.logprobs_from_logits)
+    rkv.patch()  # second call: no double wrapping
+    assert (mp.patch_forward_with_backends, xtf.FusedLinearForPPO, verl_F.logprobs_from_logits) == patched
+    with verl_unpatched():
+        assert mp.patch_forward_with_backends is patched[0]._rl_kernels_original
+        assert xtf.FusedLinearForPPO is patched[1]._rl_kernels_base
+        assert verl_F.logprobs_from_logits.__module__ == "verl.utils.torch_functional"
+        with pytest.raises(ValueError, match="Unsupported FusedLinearForPPO backend"):
+            xtf.FusedLinearForPPO(impl_backend=rkv.BACKEND_NAME)
+    assert hasattr(mp.patch_forward_with_backends, "_rl_kernels_original")  # patched again
+    assert xtf.FusedLinearForPPO._rl_kernels_base is patched[1]._rl_kernels_base
+    assert verl_F.logprobs_from_logits is rkv.logprobs_from_logits
+
+
+def test_changed_verl_signature_raises(monkeypatch):
+    def entropy_from_logits(logits, dim=-1):  # a hypothetical future verl
+        return logits
+
+    with verl_unpatched():
+        monkeypatch.setattr(verl_F, "entropy_from_logits", entropy_from_logits)
+        with pytest.raises(rkv.VerlIntegrationError, match=r"entropy_from_logits.*\['logits'\].*dim=-1"):
+            rkv.patch()
+        assert not rkv.is_patched()
+        import verl.models.transformers.monkey_patch as mp
+        assert not hasattr(mp.patch_forward_with_backends, "_rl_kernels_original")  # rolled back
+        monkeypatch.undo()
+
+
+def test_options_from_model_config():
+    class HFModelConfig:  # what verl hands over: fused_kernel_options may be an OmegaConf mapping
+        fused_kernel_options = {"impl_backend": "rl_kernels", "rl_kernels": {"backend": "torch"}}
+
+    previous = rkv.options()
+    try:
+        rkv.configure_from_model_config(HFModelConfig())
+        assert rkv.options().backend == "torch"
+        HFModelConfig.fused_kernel_options = {"rl_kernels": {"backend": "cuda"}}
+        with pytest.raises(ValueError, match=r"rl_kernels\.backend.*'cuda'"):
+            rkv.configure_from_model_config(HFModelConfig())
+        HFModelConfig.fused_kernel_options = {"rl_kernels": {"anomaly_dirr": "/tmp"}}
+        with pytest.raises(ValueError, match="unknown option.*anomaly_dirr"):
+            rkv.configure_from_model_config(HFModelConfig())
+    finally:
+        rkv.configure(**{f: getattr(previous, f) for f in previous.__dataclass_fields__})
+
+
+def test_anomaly_capture_saves_a_replayable_sample(tmp_path, qwen2_forward, backend):
+    """A NaN in the head's input is captured once, as a sample that `rl-kernels repro` loads."""
+    model = tiny_qwen2()
+    apply_monkey_patch(model, use_remove_padding=False, use_fused_kernels=True,
+                       fused_kernels_backend=rkv.BACKEND_NAME)
+    previous = rkv.options()
+    try:
+        rkv.configure(anomaly_dir=str(tmp_path), anomaly_max_count=1, anomaly_recheck_every=1)
+        inputs = _inputs(rmpad=False)
+        with torch.no_grad():
+            model(**inputs, temperature=T, return_dict=True)  # clean: re-checked, nothing saved
+            assert os.listdir(tmp_path) == []
+            model.lm_head.weight[3, 0] = float("nan")
+            model(**inputs, temperature=T, return_dict=True)
+            model(**inputs, temperature=T, return_dict=True)  # over max_count: logged, not saved
+        files = os.listdir(tmp_path)
+        assert len(files) == 1 and files[0].endswith(".safetensors")
+        sample = load_sample(str(tmp_path / files[0]))
+        assert sample.temperature == pytest.approx(T)
+        assert sample.weight.shape == (VOCAB, 64) and torch.isnan(sample.weight[3, 0])
+        assert sample.labels.shape == (2, 9)
+        with safe_open(str(tmp_path / files[0]), framework="pt") as f:
+            meta = f.metadata()
+        assert meta["reason"].startswith("non-finite") and meta["verl_version"] == "0.9.1"
+        assert meta["rank"] == "0" and meta["call"] == "2"
+    finally:
+        rkv.configure(**{f: getattr(previous, f) for f in previous.__dataclass_fields__})
+
+
+def test_anomaly_recheck_catches_a_wrong_kernel(tmp_path, monkeypatch):
+    """A kernel result off by 0.01 nats (the size of verl's phantom-column bias) is caught by the
+    sampled float32 re-check although it is finite and <= 0."""
+    from rl_kernels.anomaly import AnomalyCapture
+
+    g = torch.Generator().manual_seed(6)
+    hidden, weight = torch.randn(6, 16, generator=g), torch.randn(50, 16, generator=g) * 0.5
+    labels = torch.randint(0, 50, (6,), generator=g)
+    from rl_kernels import linear_log_probs
+    out = linear_log_probs(hidden, weight, labels, backend="torch")
+    capture = AnomalyCapture(str(tmp_path), recheck_every=1, recheck_rows=6, recheck_tolerance=1e-3)
+    assert capture.check(hidden, weight, labels, temperature=1.0, ignore_index=-100,
+                         log_probs=out.log_probs, entropy=out.entropy) is None
+    reason = capture.check(hidden, weight, labels, temperature=1.0, ignore_index=-100,
+                           log_probs=out.log_probs - 0.01, entropy=out.entropy)
+    assert reason is not None and "re-check" in reason
+    assert len(os.listdir(tmp_path)) == 1
+
+
+def test_signature_table_matches_installed_verl():
+    """The signatures the patch checks are those of the installed verl 0.9.1 (guards the table)."""
+    import verl.models.transformers.monkey_patch as mp
+    import verl.utils.experimental.torch_functional as xtf
+
+    with verl_unpatched():
+        fns = {"patch_forward_with_backends": mp.patch_forward_with_backends,
+               "FusedLinearForPPO.__init__": xtf.FusedLinearForPPO.__init__,
+               "FusedLinearForPPO.forward": xtf.FusedLinearForPPO.forward,
+               **{n: getattr(verl_F, n) for n in rkv.LOGITS_FUNCTIONS}}
+        for label, fn in fns.items():
+            assert rkv._signature(fn) == rkv._EXPECTED_SIGNATURES[label], label
+            assert inspect.isfunction(fn)
