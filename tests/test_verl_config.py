@@ -47,3 +47,17 @@ def test_override_lines_alone_compose():
                        "+actor_rollout_ref.model.fused_kernel_options.rl_kernels.backend=triton")
     model = cfg["actor_rollout_ref"]["model"]
     assert model["fused_kernel_options"] == {"impl_backend": "rl_kernels", "rl_kernels": {"backend": "triton"}}
+
+
+def test_recipe_composes():
+    """integrations/verl/run_qwen2_5_grpo.sh, run with --cfg job, composes with the overrides."""
+    script = os.path.join(REPO, "integrations", "verl", "run_qwen2_5_grpo.sh")
+    proc = subprocess.run(["bash", script, "--cfg", "job"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHON": sys.executable})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cfg = yaml.safe_load(proc.stdout)
+    model = cfg["actor_rollout_ref"]["model"]
+    assert model["external_lib"] == "rl_kernels.integrations.verl"
+    assert model["use_fused_kernels"] is True
+    assert model["fused_kernel_options"]["impl_backend"] == rkv.BACKEND_NAME
+    assert cfg["algorithm"]["adv_estimator"] == "grpo"
