@@ -214,9 +214,9 @@ def _full_weight(weight, dtype):
     """The full lm_head weight in the compute dtype.
 
     Under FSDP2 verl shards an untied ``lm_head`` as its own unit, and the fused forward reads
-    ``self.lm_head.weight`` outside that unit's forward: a sharded DTensor (verl's own text-model
-    fused forward fails there with "mixed torch.Tensor and DTensor"). It is gathered with
-    ``full_tensor``; its gradient goes back as a partial sum averaged over the mesh (a
+    ``self.lm_head.weight`` outside that unit's forward: a sharded DTensor (verl's text-model
+    fused forward is reported failing there with "mixed torch.Tensor and DTensor", verl #5633).
+    It is gathered with ``full_tensor``; its gradient goes back as a partial sum averaged over the mesh (a
     reduce-scatter), as FSDP2 averages gradients. Under mixed precision the gathered weight is in
     the parameter dtype (float32) while ``hidden_states`` are in the compute dtype: it is cast.
     """
