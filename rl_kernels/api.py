@@ -66,9 +66,14 @@ def check_head_inputs(hidden_states, weight, labels, ignore_index) -> None:
         if t.device != hidden_states.device:
             raise ValueError(f"{name}: on {t.device}, but hidden_states is on {hidden_states.device}; "
                              f"all inputs must be on one device")
+    check_label_values(labels, weight.shape[0], ignore_index)
+
+
+def check_label_values(labels: torch.Tensor, vocab_size: int, ignore_index) -> None:
+    """Raise TypeError for a non-int ``ignore_index`` and ValueError for a label outside
+    [0, vocab_size) that is not ``ignore_index`` (naming the count and the first position)."""
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
         raise TypeError(f"ignore_index: expected an int, got {type(ignore_index).__name__}")
-    vocab_size = weight.shape[0]
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
     if labels.numel() and bool(bad.any()):
         flat = bad.reshape(-1).nonzero()[0, 0].item()

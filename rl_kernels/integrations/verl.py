@@ -147,12 +147,10 @@ def configure(**kwargs) -> VerlOptions:
             _options = new
             _capture = None
             if new.anomaly_dir:
-                _capture = AnomalyCapture(
-                    directory=str(new.anomaly_dir), max_count=int(new.anomaly_max_count),
-                    max_bytes=int(new.anomaly_max_bytes), max_log_prob=float(new.anomaly_max_log_prob),
-                    recheck_every=int(new.anomaly_recheck_every), recheck_rows=int(new.anomaly_recheck_rows),
-                    recheck_tolerance=float(new.anomaly_recheck_tolerance),
-                    metadata={"verl_version": verl_version(), "source": "rl_kernels.integrations.verl"})
+                settings = {k.removeprefix("anomaly_"): v for k, v in dataclasses.asdict(new).items()
+                            if k.startswith("anomaly_") and k != "anomaly_dir"}
+                _capture = AnomalyCapture(directory=str(new.anomaly_dir), **settings, metadata={
+                    "verl_version": verl_version(), "source": "rl_kernels.integrations.verl"})
             logger.info("rl_kernels verl options: %s", new)
     return _options
 
