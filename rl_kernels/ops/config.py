@@ -16,6 +16,16 @@ from ..ops_available import interpreting
 
 
 @dataclasses.dataclass(frozen=True)
+class BwdTile:
+    """Tile of the dlogits recompute kernel (the K step is the config's block_k)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclasses.dataclass(frozen=True)
 class KernelConfig:
     split_v: int  # vocab columns per split (first aggregation level); multiple of block_n
     block_m: int  # token rows per program
@@ -24,8 +34,10 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 3
     # backward dlogits kernel tiles
-    bwd_block_m: int = 128
-    bwd_block_n: int = 128
+    # dlogits tiles for the two backward passes: windows of all rows x a vocab chunk (dW pass) and
+    # of a row chunk x all vocab (dh pass). Tile shape does not change any element's K order.
+    bwd_cols: BwdTile = BwdTile(128, 256, 8, 3)
+    bwd_rows: BwdTile = BwdTile(128, 256, 8, 3)
     group_m: int = 8  # row blocks per group of the grouped tile order (L2 reuse)
 
     def upcast(self, dtype: torch.dtype) -> bool:
@@ -39,10 +51,16 @@ class KernelConfig:
 
 # H100, 16384 x 3584 x 152064 bf16, 2026-11-22 (scripts/diag/fwd_sweep.py): forward 1.19x cuBLAS
 # with BN=256 and grouped order (G8); 1.49x with BN=128; 2.20x with BN=128 ungrouped.
+# dlogits tiles measured on an H100 at 16384 x 3584 x 152064 with aligned windows
+# (scripts/diag/bwd_profile.py, 2026-11-22), as multiples of one full-size cuBLAS matmul:
+# 128x256 / 8 warps / 3 stages 1.29x (column windows) and 1.58x (row windows); 128x128/s3
+# 1.65x / 2.03x; 128x256/s4 1.35x / 1.76x; 256x128/s3 1.54x / 2.28x; 64x256/4 warps 1.96x / 1.97x
 CUDA_CONFIG = KernelConfig(split_v=2048, block_m=128, block_n=256, block_k=64,
-                           num_warps=8, num_stages=3, bwd_block_m=128, bwd_block_n=128, group_m=8)
+                           num_warps=8, num_stages=3, bwd_cols=BwdTile(128, 256, 8, 3),
+                           bwd_rows=BwdTile(128, 256, 8, 3), group_m=8)
 INTERPRETER_CONFIG = KernelConfig(split_v=256, block_m=32, block_n=64, block_k=32,
-                                  num_warps=4, num_stages=1, bwd_block_m=32, bwd_block_n=64, group_m=2)
+                                  num_warps=4, num_stages=1, bwd_cols=BwdTile(32, 64, 4, 1),
+                                  bwd_rows=BwdTile(32, 64, 4, 1), group_m=2)
 
 
 def default_config(device: torch.device) -> KernelConfig:

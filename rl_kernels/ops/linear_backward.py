@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .common import grouped_tile, logits_tile
-from .config import KernelConfig
+from .config import BwdTile, KernelConfig
 
 
 @triton.jit
@@ -77,6 +77,7 @@ def linear_dlogits(
     ignore_index: int,
     out: torch.Tensor,
     cfg: KernelConfig,
+    tile: BwdTile,
 ) -> torch.Tensor:
     """Write d(loss)/d(h.w) for logits[rows, cols] into ``out`` ((rows, cols), input dtype).
 
@@ -86,7 +87,7 @@ def linear_dlogits(
     """
     n_rows = rows.stop - rows.start
     n_cols = cols.stop - cols.start
-    grid = (triton.cdiv(n_rows, cfg.bwd_block_m) * triton.cdiv(n_cols, cfg.bwd_block_n),)
+    grid = (triton.cdiv(n_rows, tile.block_m) * triton.cdiv(n_cols, tile.block_n),)
     has_lp = grad_log_probs is not None
     has_ent = grad_entropy is not None
     _linear_dlogits_kernel[grid](
@@ -101,10 +102,10 @@ def linear_dlogits(
         grad_log_probs.stride(0) if has_lp else 0, grad_entropy.stride(0) if has_ent else 0,
         out.stride(0), out.stride(1),
         inv_temperature, ignore_index,
-        BLOCK_M=cfg.bwd_block_m, BLOCK_N=cfg.bwd_block_n, BLOCK_K=cfg.block_k,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=cfg.block_k,
         HAS_G_LP=has_lp, HAS_G_ENT=has_ent,
         UPCAST=cfg.upcast(hidden_states.dtype),
         DOT_PRECISION=cfg.dot_precision(hidden_states.dtype), GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     return out

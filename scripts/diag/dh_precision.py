@@ -20,11 +20,11 @@ for pad in (False, True):
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
             dz = storage[: (r1 - r0) * ld].view(r1 - r0, ld)[:, :v]
-            ops.linear_dlogits(hidden, weight, labels, lse, ent, g_lp, g_ent, slice(r0, r1), slice(0, v), 1.0, -100, dz, cfg)
+            ops.linear_dlogits(hidden, weight, labels, lse, ent, g_lp, g_ent, slice(r0, r1), slice(0, v), 1.0, -100, dz, cfg, cfg.bwd_rows)
             torch.mm(dz, weight, out=dh[r0:r1])
         print(f"pad={pad} reduced_precision_reduction={rpr}: rel dh {rel_err(dh, dh_ref):.2e}", flush=True)
 # also: full-batch window (all rows) at once
 torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
 dz = torch.empty(n, v, dtype=torch.bfloat16, device="cuda")
-ops.linear_dlogits(hidden, weight, labels, lse, ent, g_lp, g_ent, slice(0, n), slice(0, v), 1.0, -100, dz, cfg)
+ops.linear_dlogits(hidden, weight, labels, lse, ent, g_lp, g_ent, slice(0, n), slice(0, v), 1.0, -100, dz, cfg, cfg.bwd_rows)
 print(f"one window, fp32 mm of bf16 dz: rel dh {rel_err(dz.float() @ weight.float(), dh_ref):.2e}; bf16 mm: {rel_err(dz @ weight, dh_ref):.2e}")
