@@ -1,4 +1,4 @@
-"""Command line: ``rl-kernels repro [PATH ...]`` (also ``python -m rl_kernels repro``)."""
+"""Command line: ``rl-kernels repro [PATH ...]`` and ``rl-kernels bench`` (also ``python -m rl_kernels``)."""
 from __future__ import annotations
 
 import argparse
@@ -40,6 +40,23 @@ def _repro(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from . import bench
+
+    if args.plot:
+        import json
+
+        with open(args.plot) as f:
+            results = json.load(f)
+        png = args.png or os.path.splitext(args.plot)[0] + ".png"
+        bench.plot(results, png)
+        print(bench.format_tables(results))
+        print(f"wrote {png}")
+        return 0
+    return bench.run(args.shapes, json_path=args.json, png_path=args.png, stub_verl=args.stub_verl,
+                     only=args.impls)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .repro import DEFAULT_ATOL
 
@@ -55,6 +72,20 @@ def build_parser() -> argparse.ArgumentParser:
     repro.add_argument("--save", metavar="DIR",
                        help="write the bundled samples to DIR as .safetensors and exit")
     repro.set_defaults(func=_repro)
+
+    from .bench import DEFAULT_SHAPES
+
+    bench = sub.add_parser("bench", help="time the fused head vs cuBLAS matmul and its peers (GPU)")
+    bench.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), metavar="N,H,V",
+                       help="bf16 shapes (default: %(default)s)")
+    bench.add_argument("--impls", nargs="+", help="only these implementations (names as in the table)")
+    bench.add_argument("--json", help="write the results as JSON here")
+    bench.add_argument("--png", help="write a bar chart here (needs matplotlib)")
+    bench.add_argument("--plot", metavar="JSON", help="no timing: re-print and chart a saved JSON")
+    bench.add_argument("--stub-verl", action="store_true",
+                       help="import verl's kernels without its Ray/tensordict stack (GPU machines "
+                            "without a package index)")
+    bench.set_defaults(func=_bench)
     return parser
 
 

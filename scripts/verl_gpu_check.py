@@ -19,48 +19,13 @@ package imports fail (Ray / tensordict / omegaconf stack), ``verl/__init__`` and
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import os
 import sys
 import time
-import types
 
 import torch
 
-
-def import_verl():
-    """Import the verl modules the integration needs; stub verl's heavy stack if it is absent."""
-    try:
-        import verl.models.transformers.monkey_patch  # noqa: F401
-        return "verl (full install)"
-    except Exception as exc:  # noqa: BLE001 - any failure of the full import means: stub
-        for name in [m for m in sys.modules if m == "verl" or m.startswith("verl.")]:
-            del sys.modules[name]
-        reason = repr(exc)
-
-    class _Stub(types.ModuleType):
-        def __getattr__(self, name):
-            if name.startswith("__"):
-                raise AttributeError(name)
-            return type(name, (), {"__init__": lambda self, *a, **k: None})
-
-    try:
-        import tensordict  # noqa: F401
-    except ImportError:
-        for name in ("tensordict", "tensordict.tensorclass"):
-            stub = _Stub(name)
-            stub.__path__ = []
-            sys.modules[name] = stub
-    spec = importlib.util.find_spec("verl")
-    root = list(spec.submodule_search_locations)[0]
-    for sub in ("", "utils", "models", "models.transformers", "utils.experimental", "utils.kernel"):
-        name = "verl" + ("." + sub if sub else "")
-        mod = types.ModuleType(name)
-        mod.__path__ = [os.path.join(root, *sub.split("."))] if sub else [root]
-        sys.modules[name] = mod
-    import verl.models.transformers.monkey_patch  # noqa: F401
-    return f"verl with stubbed package inits ({reason[:120]})"
+from rl_kernels.bench import import_verl_modules
 
 
 def qwen2_half_b(device):
@@ -93,7 +58,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         print("verl_gpu_check: no CUDA device; nothing to measure")
         return 0
-    how = import_verl()
+    how = import_verl_modules(stub=True)
     import rl_kernels.integrations.verl as rkv
     import verl.utils.torch_functional as verl_F
     from tabulate import tabulate
