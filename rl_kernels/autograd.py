@@ -7,7 +7,7 @@ twin) and consumed at once by one matmul:
   * dh pass, windows of a token chunk x all vocab:  dh[chunk] = dz W     (full V reduction)
 Every gradient element is produced by a single matmul, rounded once to the output dtype, with
 no atomics (repeated runs give identical bits). The chunk buffer is bounded by
-``max(MIN_CHUNK_ELEMENTS, CHUNK_FRACTION * (N + V) * H)`` elements, i.e. a few percent of the
+``max(MIN_CHUNK_ELEMENTS, CHUNK_FRACTION * (N + V) * H)`` elements, i.e. 8% of the
 two gradients. Cost: two recomputes plus two matmuls (only the passes whose gradient is needed
 run). Window row strides are multiples of ``ALIGN`` elements: cuBLAS runs a 16-bit matmul whose
 operand has a leading dimension that is not a multiple of 8 several times slower (H100, dW pass
