@@ -2,24 +2,34 @@
 
 Saved state is O(N): (lse, entropy) per row. The backward needs dz = d(loss)/d(h.w) (N x V), which
 is never stored whole. It is recomputed window by window (Triton ``linear_dlogits`` or its torch
-twin) and consumed at once by one matmul:
-  * dW pass, windows of all rows x a vocab chunk:   dW[chunk] = dz^T h   (full N reduction)
-  * dh pass, windows of a token chunk x all vocab:  dh[chunk] = dz W     (full V reduction)
-Every gradient element is produced by a single matmul, rounded once to the output dtype, with
-no atomics (repeated runs give identical bits). The chunk buffer is bounded by
-``max(MIN_CHUNK_ELEMENTS, CHUNK_FRACTION * (N + V) * H)`` elements, i.e. 8% of the
-two gradients. Cost: two recomputes plus two matmuls (only the passes whose gradient is needed
-run). Window row strides are multiples of ``ALIGN`` elements: cuBLAS runs a 16-bit matmul whose
-operand has a leading dimension that is not a multiple of 8 several times slower (H100, dW pass
-on 16384 x 1842 windows: 3.5x a full-size matmul instead of ~1x).
+twin) and consumed at once by cuBLAS matmuls. Two schedules:
+
+* one recompute (both gradients needed, the usual case): windows of all rows x a vocab chunk;
+  each gives ``dW[chunk] = dz^T h`` (full N reduction) and adds ``dz W[chunk]`` to a float32 dh
+  accumulator. The accumulator (N x H float32) lives in the not-yet-written tail of dW's own
+  storage, so it costs no memory: the vocab rows whose storage it occupies are recomputed a
+  second time, after dh is final, to write their dW (2N of V rows for 16-bit weights). Falls back
+  to the two-pass schedule when the accumulator does not fit (N > V/2 for 16-bit weights) or
+  torch cannot add a 16-bit matmul into a float32 output (``addmm(out_dtype=float32)``), logged once.
+* two passes (otherwise): dW pass over vocab chunks, dh pass over token chunks (windows of a
+  token chunk x all vocab, ``dh[chunk] = dz W``).
+
+Every gradient element is rounded once to the output dtype (dh from its float32 sum), with no
+atomics: repeated runs give identical bits. The window buffer is bounded by
+``max(MIN_CHUNK_ELEMENTS, CHUNK_FRACTION * (N + V) * H)`` elements, i.e. 8% of the two
+gradients. Window row strides are multiples of ``ALIGN`` elements: cuBLAS runs a 16-bit matmul
+whose operand has a leading dimension that is not a multiple of 8 several times slower (H100, dW
+pass on 16384 x 1842 windows: 3.5x a full-size matmul instead of ~1x).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 
 import torch
 
+from ._logging import log_once
 from .torch_backend import torch_dlogits, torch_forward
 
 MIN_CHUNK_ELEMENTS = 1 << 22
@@ -70,6 +80,28 @@ def _full_precision_reduction():
          flags.allow_fp16_reduced_precision_reduction) = saved
 
 
+_ADDMM_OUT_DTYPE: dict = {}
+
+
+def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """acc (float32) += a @ b in float32. False when torch cannot do that for 16-bit a, b here."""
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+        return True
+    key = (a.device.type, a.dtype)
+    if key not in _ADDMM_OUT_DTYPE:
+        try:
+            probe = torch.zeros(2, 2, device=a.device)
+            torch.addmm(probe, a.new_ones(2, 2), a.new_ones(2, 2), out_dtype=torch.float32, out=probe)
+            _ADDMM_OUT_DTYPE[key] = bool(torch.all(probe == 2))
+        except (RuntimeError, TypeError, NotImplementedError):
+            _ADDMM_OUT_DTYPE[key] = False
+    if not _ADDMM_OUT_DTYPE[key]:
+        return False
+    torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    return True
+
+
 def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     if a.dtype == out.dtype and b.dtype == out.dtype:
         torch.mm(a, b, out=out)
@@ -112,26 +144,29 @@ def _chunked_backward(dlogits, hidden_states, weight, dz_dtype, need_dh, need_dw
     v = weight.shape[0]
     budget = max(MIN_CHUNK_ELEMENTS, int(CHUNK_FRACTION * (n + v) * h))
     v_pad = _round_up(v, ALIGN)
-    # dW pass: windows of all rows x `cols` columns; dh pass: `rows` rows x all columns; both
+    # column windows: all rows x `cols` columns; row windows: `rows` rows x all columns; both
     # with a row stride that is a multiple of ALIGN (cols itself, or v_pad)
     cols = min(v_pad, max(ALIGN, budget // max(n, 1) // ALIGN * ALIGN))
     rows = max(1, budget // v_pad)
-    buf = None
-    if n > 0:
-        size = max(n * cols if need_dw else 0, min(rows, n) * v_pad if need_dh else 0)
-        buf = torch.empty(size, dtype=dz_dtype, device=hidden_states.device)
-
+    if n == 0:
+        dw = torch.zeros_like(weight, memory_format=torch.contiguous_format) if need_dw else None
+        dh = torch.empty_like(hidden_states, memory_format=torch.contiguous_format) if need_dh else None
+        return dh, dw
+    if need_dh and need_dw:
+        result = _one_recompute(dlogits, hidden_states, weight, dz_dtype, cols)
+        if result is not None:
+            return result
+    size = max(n * cols if need_dw else 0, min(rows, n) * v_pad if need_dh else 0)
+    buf = torch.empty(size, dtype=dz_dtype, device=hidden_states.device)
     dw = None
     if need_dw:
-        alloc = torch.empty_like if n > 0 else torch.zeros_like  # no rows: dW = 0
-        dw = alloc(weight, memory_format=torch.contiguous_format)
-        if n > 0:
-            h_mm = hidden_states.to(dz_dtype)
-            window = buf[: n * cols].view(n, cols)
-            for c0 in range(0, v, cols):
-                c1 = min(v, c0 + cols)
-                dz = dlogits(slice(0, n), slice(c0, c1), window[:, : c1 - c0])
-                _mm_into(dw[c0:c1], dz.T, h_mm)
+        dw = torch.empty_like(weight, memory_format=torch.contiguous_format)
+        h_mm = hidden_states.to(dz_dtype)
+        window = buf[: n * cols].view(n, cols)
+        for c0 in range(0, v, cols):
+            c1 = min(v, c0 + cols)
+            dz = dlogits(slice(0, n), slice(c0, c1), window[:, : c1 - c0])
+            _mm_into(dw[c0:c1], dz.T, h_mm)
     dh = None
     if need_dh:
         dh = torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
@@ -140,6 +175,45 @@ def _chunked_backward(dlogits, hidden_states, weight, dz_dtype, need_dh, need_dw
             r1 = min(n, r0 + rows)
             dz = dlogits(slice(r0, r1), slice(0, v), buf[: (r1 - r0) * v_pad].view(r1 - r0, v_pad)[:, :v])
             _mm_into(dh[r0:r1], dz, w_mm)
+    return dh, dw
+
+
+def _one_recompute(dlogits, hidden_states, weight, dz_dtype, cols):
+    """The one-recompute schedule (module docstring); None when it cannot run here."""
+    n, h = hidden_states.shape
+    v = weight.shape[0]
+    dw = torch.empty_like(weight, memory_format=torch.contiguous_format)
+    acc_elems = n * h * 4 // dw.element_size()  # dW elements whose bytes hold the accumulator
+    if acc_elems * dw.element_size() != n * h * 4 or acc_elems > v * h - 2 * h:
+        log_once(logging.INFO, "rl_kernels backward: the float32 dh accumulator does not fit in dW's "
+                 "storage (N > V/2 for 16-bit weights); using two recompute passes")
+        return None
+    per_float = 4 // dw.element_size()
+    start = (v * h - acc_elems) // per_float * per_float  # float32-aligned
+    acc = dw.view(-1)[start:start + acc_elems].view(torch.float32).view(n, h)
+    tail = start // h  # dW rows from here on share bytes with the accumulator
+    h_mm = hidden_states.to(dz_dtype)
+    w_mm = weight.to(dz_dtype)
+    window = torch.empty(n * cols, dtype=dz_dtype, device=hidden_states.device).view(n, cols)
+    acc.zero_()
+    for c0 in range(0, v, cols):
+        c1 = min(v, c0 + cols)
+        dz = dlogits(slice(0, n), slice(c0, c1), window[:, : c1 - c0])
+        if not _accumulate(acc, dz, w_mm[c0:c1]):
+            log_once(logging.INFO, f"rl_kernels backward: torch cannot add a {dz.dtype} matmul into a "
+                     f"float32 output on {dz.device.type} (addmm out_dtype); using two recompute passes")
+            return None
+        if c1 <= tail:
+            _mm_into(dw[c0:c1], dz.T, h_mm)
+    dh = acc.to(hidden_states.dtype, copy=True)  # (a float32 .to would alias dW's storage)
+    # the accumulator is free: recompute the vocab rows that overlapped it, for their dW
+    first = tail // cols * cols
+    for c0 in range(first, v, cols):
+        c1 = min(v, c0 + cols)
+        if c1 <= tail:
+            continue
+        dz = dlogits(slice(0, n), slice(c0, c1), window[:, : c1 - c0])
+        _mm_into(dw[c0:c1], dz.T, h_mm)
     return dh, dw
 
 

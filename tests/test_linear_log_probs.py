@@ -69,6 +69,32 @@ def test_values_and_gradients_match_float64(backend, dtype, n, h, v, temperature
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("n,v,schedule", [(37, 1007, "one recompute"), (40, 41, "two passes")])
+def test_backward_schedules(backend, n, v, schedule, poison, small_chunks, monkeypatch):
+    """Both gradients: one recompute with the float32 dh accumulator in dW's tail storage (its
+    vocab rows recomputed afterwards), or two passes when the accumulator does not fit (N > V - 2
+    for float32 weights). Both against float64; poison makes an unwritten dW row show as NaN."""
+    calls = []
+    one = rl_autograd._one_recompute
+    monkeypatch.setattr(rl_autograd, "_one_recompute", lambda *a: calls.append(one(*a)) or calls[-1])
+    hidden, weight, labels = make_inputs(n, 16, v, torch.float32, seed=n + v)
+    g = torch.Generator().manual_seed(2)
+    g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    hr, wr = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    lp_ref, ent_ref = naive_reference(hr, wr, labels, 0.9)
+    (lp_ref * g_lp.double() + ent_ref * g_ent.double()).sum().backward()
+    hx, wx = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = linear_log_probs(hx, wx, labels, temperature=0.9, backend=backend)
+    (out.log_probs * g_lp + out.entropy * g_ent).sum().backward()
+    assert len(calls) == 1 and (calls[0] is not None) == (schedule == "one recompute")
+    if schedule == "two passes":  # the fallback is logged (once per process)
+        from rl_kernels import _logging
+        assert any("does not fit" in m for m in _logging._seen)
+    assert rel_err(hx.grad, hr.grad) <= GRAD_RTOL[torch.float32]
+    assert rel_err(wx.grad, wr.grad) <= GRAD_RTOL[torch.float32]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode", ["expanded_sum", "log_probs_only", "entropy_only", "no_entropy"])
 def test_gradient_modes(backend, mode, poison):
     """Upstream gradients that are expanded (stride 0), or only one output used."""
