@@ -8,7 +8,9 @@ twin) and consumed at once by cuBLAS matmuls. Two schedules:
   each gives ``dW[chunk] = dz^T h`` (full N reduction) and adds ``dz W[chunk]`` to a float32 dh
   accumulator. The accumulator (N x H float32) lives in the not-yet-written tail of dW's own
   storage, so it costs no memory: the vocab rows whose storage it occupies are recomputed a
-  second time, after dh is final, to write their dW (2N of V rows for 16-bit weights). Falls back
+  second time, after dh is final, to write their dW (2N of V rows for 16-bit weights). While dW
+  rows are still unwritten, windows are placed in their bytes and made as wide as fits (fewer
+  passes over the accumulator); later ones use the fixed buffer. Falls back
   to the two-pass schedule when the accumulator does not fit (N > V/2 for 16-bit weights) or
   torch cannot add a 16-bit matmul into a float32 output (``addmm(out_dtype=float32)``), logged once.
 * two passes (otherwise): dW pass over vocab chunks, dh pass over token chunks (windows of a
@@ -35,6 +37,7 @@ from .torch_backend import torch_dlogits, torch_forward
 MIN_CHUNK_ELEMENTS = 1 << 22
 CHUNK_FRACTION = 0.08  # of (N + V) * H: the buffer stays under 10% of the two gradients
 ALIGN = 64
+WIDE_FACTOR = 0  # windows placed in dW's unwritten rows are at most this many times `cols` (0: no cap)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,26 +197,49 @@ def _one_recompute(dlogits, hidden_states, weight, dz_dtype, cols):
     tail = start // h  # dW rows from here on share bytes with the accumulator
     h_mm = hidden_states.to(dz_dtype)
     w_mm = weight.to(dz_dtype)
-    window = torch.empty(n * cols, dtype=dz_dtype, device=hidden_states.device).view(n, cols)
+    buffer = torch.empty(n * cols, dtype=dz_dtype, device=hidden_states.device).view(n, cols)
+    flat = dw.view(-1)
+
+    def window(c0: int, free_until: int):
+        """(width, n x width window) for the chunk starting at vocab row c0. While dW rows
+        [c0, free_until) are unwritten, the window is placed in their bytes after this chunk's own
+        output rows, as wide as fits (fewer, wider windows: fewer passes over the accumulator);
+        otherwise it is the fixed buffer."""
+        wide = 0
+        if dz_dtype == dw.dtype and free_until > c0:
+            wide = (free_until - c0) * h // (h + n) // ALIGN * ALIGN
+        if WIDE_FACTOR:
+            wide = min(wide, WIDE_FACTOR * cols)
+        if wide <= cols:
+            return min(cols, v - c0), buffer
+        width = min(wide, v - c0)
+        base = (c0 + width) * h  # ends by c0*h + wide*(h + n) <= free_until*h
+        return width, flat[base: base + n * wide].view(n, wide)
+
     acc.zero_()
-    for c0 in range(0, v, cols):
-        c1 = min(v, c0 + cols)
-        dz = dlogits(slice(0, n), slice(c0, c1), window[:, : c1 - c0])
+    c0, unwritten = 0, None
+    while c0 < v:
+        width, win = window(c0, tail)
+        c1 = c0 + width
+        dz = dlogits(slice(0, n), slice(c0, c1), win[:, :width])
         if not _accumulate(acc, dz, w_mm[c0:c1]):
             log_once(logging.INFO, f"rl_kernels backward: torch cannot add a {dz.dtype} matmul into a "
                      f"float32 output on {dz.device.type} (addmm out_dtype); using two recompute passes")
             return None
-        if c1 <= tail:
+        if c1 <= tail and unwritten is None:
             _mm_into(dw[c0:c1], dz.T, h_mm)
+        elif unwritten is None:
+            unwritten = c0
+        c0 = c1
     dh = acc.to(hidden_states.dtype, copy=True)  # (a float32 .to would alias dW's storage)
-    # the accumulator is free: recompute the vocab rows that overlapped it, for their dW
-    first = tail // cols * cols
-    for c0 in range(first, v, cols):
-        c1 = min(v, c0 + cols)
-        if c1 <= tail:
-            continue
-        dz = dlogits(slice(0, n), slice(c0, c1), window[:, : c1 - c0])
+    # the accumulator is free: recompute the vocab rows whose dW is not written yet
+    c0 = v if unwritten is None else unwritten
+    while c0 < v:
+        width, win = window(c0, v)
+        c1 = c0 + width
+        dz = dlogits(slice(0, n), slice(c0, c1), win[:, :width])
         _mm_into(dw[c0:c1], dz.T, h_mm)
+        c0 = c1
     return dh, dw
 
 

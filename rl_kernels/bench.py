@@ -126,7 +126,9 @@ def bench_shape(n: int, h: int, v: int, impls: dict[str, Impl], progress=None) -
     from .reference import reference_linear_log_probs
 
     def bench(fn):
-        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+        # rep is a time budget (ms): 1 s gives ~6 samples even of a 150 ms step (200 ms gave 1-2,
+        # and a 10% spread between runs of the same code)
+        return triton.testing.do_bench(fn, warmup=25, rep=1000, return_mode="median")
 
     g = torch.Generator(device="cuda").manual_seed(0)
     hidden = torch.randn(n, h, device="cuda", generator=g).bfloat16()
