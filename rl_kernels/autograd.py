@@ -86,23 +86,28 @@ def _full_precision_reduction():
 _ADDMM_OUT_DTYPE: dict = {}
 
 
-def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
-    """acc (float32) += a @ b in float32. False when torch cannot do that for 16-bit a, b here."""
-    if a.dtype == torch.float32:
-        acc.addmm_(a, b)
+def _can_accumulate_fp32(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch adds a ``dtype`` matmul into a float32 output on ``device`` here."""
+    if dtype == torch.float32:
         return True
-    key = (a.device.type, a.dtype)
+    key = (device.type, dtype)
     if key not in _ADDMM_OUT_DTYPE:
         try:
-            probe = torch.zeros(2, 2, device=a.device)
-            torch.addmm(probe, a.new_ones(2, 2), a.new_ones(2, 2), out_dtype=torch.float32, out=probe)
+            probe = torch.zeros(2, 2, device=device)
+            ones = torch.ones(2, 2, device=device, dtype=dtype)
+            torch.addmm(probe, ones, ones, out_dtype=torch.float32, out=probe)
             _ADDMM_OUT_DTYPE[key] = bool(torch.all(probe == 2))
         except (RuntimeError, TypeError, NotImplementedError):
             _ADDMM_OUT_DTYPE[key] = False
-    if not _ADDMM_OUT_DTYPE[key]:
-        return False
-    torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    return True
+    return _ADDMM_OUT_DTYPE[key]
+
+
+def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc (float32) += a @ b, computed and summed in float32."""
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+    else:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
 
 
 def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -191,6 +196,11 @@ def _one_recompute(dlogits, hidden_states, weight, dz_dtype, cols):
         log_once(logging.INFO, "rl_kernels backward: the float32 dh accumulator does not fit in dW's "
                  "storage (N > V/2 for 16-bit weights); using two recompute passes")
         return None
+    if not _can_accumulate_fp32(hidden_states.device, dz_dtype):
+        log_once(logging.INFO, f"rl_kernels backward: torch cannot add a {dz_dtype} matmul into a "
+                 f"float32 output on {hidden_states.device.type} (addmm out_dtype); using two "
+                 f"recompute passes")
+        return None
     per_float = 4 // dw.element_size()
     start = (v * h - acc_elems) // per_float * per_float  # float32-aligned
     acc = dw.view(-1)[start:start + acc_elems].view(torch.float32).view(n, h)
@@ -222,10 +232,7 @@ def _one_recompute(dlogits, hidden_states, weight, dz_dtype, cols):
         width, win = window(c0, tail)
         c1 = c0 + width
         dz = dlogits(slice(0, n), slice(c0, c1), win[:, :width])
-        if not _accumulate(acc, dz, w_mm[c0:c1]):
-            log_once(logging.INFO, f"rl_kernels backward: torch cannot add a {dz.dtype} matmul into a "
-                     f"float32 output on {dz.device.type} (addmm out_dtype); using two recompute passes")
-            return None
+        _accumulate(acc, dz, w_mm[c0:c1])
         if c1 <= tail and unwritten is None:
             _mm_into(dw[c0:c1], dz.T, h_mm)
         elif unwritten is None:
