@@ -57,16 +57,27 @@ def check_head_inputs(hidden_states, weight, labels, ignore_index) -> None:
     if weight.dtype != hidden_states.dtype:
         raise TypeError(f"weight: dtype {weight.dtype} differs from hidden_states dtype "
                         f"{hidden_states.dtype}; cast one of them")
+    if weight.device != hidden_states.device:
+        raise ValueError(f"weight: on {weight.device}, but hidden_states is on {hidden_states.device}; "
+                         f"all inputs must be on one device")
+    check_labels(labels, hidden_states, "hidden_states", weight.shape[0], ignore_index)
+
+
+def check_labels(labels, like: torch.Tensor, like_name: str, vocab_size: int, ignore_index) -> None:
+    """Validate ``labels`` against ``like`` (hidden_states or logits): int64/int32, shape
+    ``like.shape[:-1]``, same device, values in [0, vocab_size) or ``ignore_index``. Raises
+    TypeError / ValueError naming the argument."""
+    if not isinstance(labels, torch.Tensor):
+        raise TypeError(f"labels: expected a torch.Tensor, got {type(labels).__name__}")
     if labels.dtype not in _LABEL_DTYPES:
         raise TypeError(f"labels: expected int64 or int32, got {_describe(labels)}")
-    if tuple(labels.shape) != tuple(hidden_states.shape[:-1]):
-        raise ValueError(f"labels: expected shape {tuple(hidden_states.shape[:-1])} "
-                         f"(hidden_states without its last dim), got {_describe(labels)}")
-    for name, t in (("weight", weight), ("labels", labels)):
-        if t.device != hidden_states.device:
-            raise ValueError(f"{name}: on {t.device}, but hidden_states is on {hidden_states.device}; "
-                             f"all inputs must be on one device")
-    check_label_values(labels, weight.shape[0], ignore_index)
+    if tuple(labels.shape) != tuple(like.shape[:-1]):
+        raise ValueError(f"labels: expected shape {tuple(like.shape[:-1])} "
+                         f"({like_name} without its last dim), got {_describe(labels)}")
+    if labels.device != like.device:
+        raise ValueError(f"labels: on {labels.device}, but {like_name} is on {like.device}; "
+                         f"all inputs must be on one device")
+    check_label_values(labels, vocab_size, ignore_index)
 
 
 def check_label_values(labels: torch.Tensor, vocab_size: int, ignore_index) -> None:
