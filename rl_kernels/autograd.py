@@ -190,9 +190,9 @@ def _one_recompute(dlogits, hidden_states, weight, dz_dtype, cols):
     """The one-recompute schedule (module docstring); None when it cannot run here."""
     n, h = hidden_states.shape
     v = weight.shape[0]
-    dw = torch.empty_like(weight, memory_format=torch.contiguous_format)
-    acc_elems = n * h * 4 // dw.element_size()  # dW elements whose bytes hold the accumulator
-    if acc_elems * dw.element_size() != n * h * 4 or acc_elems > v * h - 2 * h:
+    elem = weight.element_size()  # dW has the weight's dtype
+    acc_elems = n * h * 4 // elem  # dW elements whose bytes hold the accumulator
+    if acc_elems * elem != n * h * 4 or acc_elems > v * h - 2 * h:
         log_once(logging.INFO, "rl_kernels backward: the float32 dh accumulator does not fit in dW's "
                  "storage (N > V/2 for 16-bit weights); using two recompute passes")
         return None
@@ -201,7 +201,8 @@ def _one_recompute(dlogits, hidden_states, weight, dz_dtype, cols):
                  f"float32 output on {hidden_states.device.type} (addmm out_dtype); using two "
                  f"recompute passes")
         return None
-    per_float = 4 // dw.element_size()
+    dw = torch.empty_like(weight, memory_format=torch.contiguous_format)
+    per_float = 4 // elem
     start = (v * h - acc_elems) // per_float * per_float  # float32-aligned
     acc = dw.view(-1)[start:start + acc_elems].view(torch.float32).view(n, h)
     tail = start // h  # dW rows from here on share bytes with the accumulator
