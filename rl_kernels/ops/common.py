@@ -11,8 +11,40 @@
 Both are ``@triton.jit`` helpers inlined into the kernels of ``linear_forward``, ``split_combine``
 and ``linear_backward``.
 """
+import logging
+
+import torch
 import triton
 import triton.language as tl
+
+from .._logging import log_once
+from ..ops_available import interpreting
+
+try:  # host-side tensor descriptors (Triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton
+    TensorDescriptor = None
+
+
+def tma_ok(*tensors: torch.Tensor) -> bool:
+    """Whether 2-D ``tensors`` can be read through tensor descriptors (TMA): a Hopper-or-newer GPU
+    (or the interpreter), unit last stride, 16-byte aligned base and row stride. When not, the
+    pointer path runs; that choice is logged once per reason."""
+    if TensorDescriptor is None:
+        log_once(logging.INFO, "rl_kernels: this Triton has no tensor descriptors; the linear-head "
+                 "kernels use pointer loads")
+        return False
+    dev = tensors[0].device
+    if not interpreting() and (dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] < 9):
+        log_once(logging.INFO, f"rl_kernels: no TMA on {dev} (needs sm90+); pointer loads")
+        return False
+    for t in tensors:
+        if (t.stride(-1) != 1 or (t.stride(0) * t.element_size()) % 16
+                or t.data_ptr() % 16 or t.shape[0] == 0):
+            log_once(logging.INFO, f"rl_kernels: a {tuple(t.shape)} operand with strides {t.stride()} "
+                     f"is not TMA-aligned (unit last stride, 16-byte rows and base); pointer loads")
+            return False
+    return True
 
 
 @triton.jit
@@ -21,25 +53,41 @@ def logits_tile(
     stride_hn, stride_hk, stride_wv, stride_wk,
     inv_temperature,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr = False,
+    row0=0, col0=0,
 ):
     """z[i, j] = (h[rows[i]] . w[cols[j]]) * inv_temperature, fp32; masked entries are garbage-free
-    zeros before scaling (callers mask columns to -inf themselves). Offsets are int64."""
+    zeros before scaling (callers mask columns to -inf themselves). Offsets are int64.
+
+    With USE_TMA, ``h_ptr`` / ``w_ptr`` are tensor descriptors with blocks (BLOCK_M, BLOCK_K) /
+    (BLOCK_N, BLOCK_K), ``rows`` / ``cols`` are the ranges starting at ``row0`` / ``col0``, and the
+    copy engine fills out-of-bounds elements with zeros, so the masks are not needed. Both paths
+    sum K in the same BLOCK_K steps.
+    """
     offs_k = tl.arange(0, BLOCK_K)
-    h_base = h_ptr + rows.to(tl.int64)[:, None] * stride_hn
-    w_base = w_ptr + cols.to(tl.int64)[None, :] * stride_wv
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        ks = k0 + offs_k
-        k_mask = ks < H
-        a = tl.load(h_base + ks.to(tl.int64)[None, :] * stride_hk,
-                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(w_base + ks.to(tl.int64)[:, None] * stride_wk,
-                    mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        if UPCAST:  # the CPU interpreter computes bf16 dots wrongly; do them in fp32 there
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    if USE_TMA:
+        for k0 in range(0, H, BLOCK_K):
+            a = h_ptr.load([row0, k0])
+            b = w_ptr.load([col0, k0])
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b.T, acc, input_precision=DOT_PRECISION)
+    else:
+        h_base = h_ptr + rows.to(tl.int64)[:, None] * stride_hn
+        w_base = w_ptr + cols.to(tl.int64)[None, :] * stride_wv
+        for k0 in range(0, H, BLOCK_K):
+            ks = k0 + offs_k
+            k_mask = ks < H
+            a = tl.load(h_base + ks.to(tl.int64)[None, :] * stride_hk,
+                        mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(w_base + ks.to(tl.int64)[:, None] * stride_wk,
+                        mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+            if UPCAST:  # the CPU interpreter computes bf16 dots wrongly; do them in fp32 there
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
     return acc * inv_temperature
 
 

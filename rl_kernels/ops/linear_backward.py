@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import grouped_tile, logits_tile
+from .common import TensorDescriptor, grouped_tile, logits_tile, tma_ok
 from .config import BwdTile, KernelConfig
 
 
@@ -29,6 +29,7 @@ def _linear_dlogits_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_G_LP: tl.constexpr, HAS_G_ENT: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUP_M: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.cdiv(n_cols, BLOCK_N),
                                 GROUP_M)
@@ -41,7 +42,8 @@ def _linear_dlogits_kernel(
 
     z = logits_tile(h_ptr, w_ptr, rows, cols, row_mask, col_mask, H,
                     stride_hn, stride_hk, stride_wv, stride_wk, inv_temperature,
-                    BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PRECISION)
+                    BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PRECISION, USE_TMA,
+                    row_start + pid_m * BLOCK_M, col_start + pid_n * BLOCK_N)
     rows64 = rows.to(tl.int64)
     labels = tl.load(labels_ptr + rows64 * stride_lab, mask=row_mask, other=ignore_index)
     lse = tl.load(lse_ptr + rows64, mask=row_mask, other=0.0)
@@ -90,8 +92,13 @@ def linear_dlogits(
     grid = (triton.cdiv(n_rows, tile.block_m) * triton.cdiv(n_cols, tile.block_n),)
     has_lp = grad_log_probs is not None
     has_ent = grad_entropy is not None
+    use_tma = cfg.tma and tma_ok(hidden_states, weight)
+    h_arg, w_arg = hidden_states, weight
+    if use_tma:
+        h_arg = TensorDescriptor.from_tensor(hidden_states, [tile.block_m, cfg.block_k])
+        w_arg = TensorDescriptor.from_tensor(weight, [tile.block_n, cfg.block_k])
     _linear_dlogits_kernel[grid](
-        hidden_states, weight, labels, lse,
+        h_arg, w_arg, labels, lse,
         entropy if has_ent else lse,
         grad_log_probs if has_lp else lse,
         grad_entropy if has_ent else lse,
@@ -106,6 +113,6 @@ def linear_dlogits(
         HAS_G_LP=has_lp, HAS_G_ENT=has_ent,
         UPCAST=cfg.upcast(hidden_states.dtype),
         DOT_PRECISION=cfg.dot_precision(hidden_states.dtype), GROUP_M=cfg.group_m,
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        USE_TMA=use_tma, num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     return out
