@@ -1,13 +1,20 @@
-"""Forward mainloop of the fused linear head: per (token block x vocab split) partial statistics.
+"""Forward of the fused linear head: per (token block x vocab split) partial statistics.
 
 Program (pid_m, pid_s) owns rows [pid_m*BLOCK_M, +BLOCK_M) and vocab columns
 [pid_s*SPLIT_V, min(+SPLIT_V, V)). For each BLOCK_N tile of its split it runs the K-loop GEMM tile
 (``tl.dot``, fp32 accumulator), sets columns >= V to -inf (verl #2656/#2899: padded columns must
-carry no probability mass) and folds the tile into running per-row (m, s, b, z_y):
-m = max z, s = sum exp(z - m), b = sum exp(z - m)(z - m), z_y = logit of the label when it lies in
-this split (else 0). It writes these four [S, N] fp32 partials; ``split_combine`` merges them.
+carry no probability mass) and folds the tile into running per-row (m, s, b):
+m = max z, s = sum exp(z - m), b = sum exp(z - m)(z - m). It writes these three [S, N] fp32
+partials; ``split_combine`` merges them. The label logit z_y = h . w_y / T is a separate, cheap
+kernel (N rows of W): gathering it inside the tile loop cost ~5% of the forward and its branch
+blocked the loop flattening (H100 sweep, BENCHMARKS.md).
 The split size is a constant, not a function of N, so every row sees the same reduction tree in
 any batch (batch invariance) and there are no atomics (run-to-run identical bits).
+
+Mainloop variants are ``tl.constexpr`` flags that change scheduling, never arithmetic:
+USE_TMA (tensor-descriptor loads), FLATTEN (one software pipeline across the split's tiles, so the
+next tile's loads overlap this tile's softmax epilogue), WARP_SPEC (producer/consumer warps),
+EVEN_V (V is a multiple of BLOCK_N: no column masks in the epilogue).
 """
 from __future__ import annotations
 
@@ -15,57 +22,106 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import grouped_tile, logits_tile, merge_stats
-from .config import KernelConfig
+from .common import TensorDescriptor, grouped_tile, logits_tile, merge_stats, tma_ok
+from .config import KernelConfig, interpreting
 
 
 @triton.jit
 def _linear_split_stats_kernel(
-    h_ptr, w_ptr, labels_ptr,
-    part_m_ptr, part_s_ptr, part_b_ptr, part_zy_ptr,
+    h_ptr, w_ptr,
+    part_m_ptr, part_s_ptr, part_b_ptr,
     N, V, H,
-    stride_hn, stride_hk, stride_wv, stride_wk, stride_lab,
+    stride_hn, stride_hk, stride_wv, stride_wk,
     inv_temperature,
     SPLIT_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     COMPUTE_ENTROPY: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    GROUP_M: tl.constexpr, USE_TMA: tl.constexpr, EVEN_V: tl.constexpr,
+    FLATTEN: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):
     pid_m, pid_s = grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_M), tl.cdiv(V, SPLIT_V), GROUP_M)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row0 = pid_m * BLOCK_M
+    rows = row0 + tl.arange(0, BLOCK_M)
     row_mask = rows < N
-    labels = tl.load(labels_ptr + rows.to(tl.int64) * stride_lab, mask=row_mask, other=-1)
 
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     s = tl.zeros((BLOCK_M,), tl.float32)
     b = tl.zeros((BLOCK_M,), tl.float32)
-    zy = tl.zeros((BLOCK_M,), tl.float32)
 
     v_begin = pid_s * SPLIT_V
     v_end = tl.minimum(v_begin + SPLIT_V, V)
-    for v0 in range(v_begin, v_end, BLOCK_N):
+    for v0 in tl.range(v_begin, v_end, BLOCK_N, flatten=FLATTEN, warp_specialize=WARP_SPEC):
         cols = v0 + tl.arange(0, BLOCK_N)
         col_mask = cols < v_end
         z = logits_tile(h_ptr, w_ptr, rows, cols, row_mask, col_mask, H,
                         stride_hn, stride_hk, stride_wv, stride_wk, inv_temperature,
-                        BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PRECISION)
-        z = tl.where(col_mask[None, :], z, float("-inf"))
+                        BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PRECISION, USE_TMA, row0, v0)
+        if not EVEN_V:  # V % BLOCK_N != 0: the last tile's padded columns carry no mass
+            z = tl.where(col_mask[None, :], z, float("-inf"))
         tile_m = tl.max(z, axis=1)
         shifted = z - tile_m[:, None]
         e = tl.exp(shifted)
         tile_s = tl.sum(e, axis=1)
         if COMPUTE_ENTROPY:
-            tile_b = tl.sum(tl.where(col_mask[None, :], e * shifted, 0.0), axis=1)
+            if EVEN_V:
+                tile_b = tl.sum(e * shifted, axis=1)
+            else:  # exp(-inf) * -inf is NaN: zero the padded columns
+                tile_b = tl.sum(tl.where(col_mask[None, :], e * shifted, 0.0), axis=1)
         else:
             tile_b = tl.zeros((BLOCK_M,), tl.float32)
         m, s, b = merge_stats(m, s, b, tile_m, tile_s, tile_b)
-        zy += tl.sum(tl.where(cols[None, :] == labels[:, None], z, 0.0), axis=1)
 
     out = pid_s.to(tl.int64) * N + rows
     tl.store(part_m_ptr + out, m, mask=row_mask)
     tl.store(part_s_ptr + out, s, mask=row_mask)
-    tl.store(part_zy_ptr + out, zy, mask=row_mask)
     if COMPUTE_ENTROPY:
         tl.store(part_b_ptr + out, b, mask=row_mask)
+
+
+@triton.jit
+def _label_logits_kernel(
+    h_ptr, w_ptr, labels_ptr, out_ptr,
+    N, V, H,
+    stride_hn, stride_hk, stride_wv, stride_wk, stride_lab,
+    inv_temperature,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_mask = rows < N
+    labels = tl.load(labels_ptr + rows.to(tl.int64) * stride_lab, mask=row_mask, other=-1)
+    valid = row_mask & (labels >= 0) & (labels < V)
+    offs_k = tl.arange(0, BLOCK_K)
+    h_base = h_ptr + rows.to(tl.int64)[:, None] * stride_hn
+    w_base = w_ptr + tl.where(valid, labels, 0).to(tl.int64)[:, None] * stride_wv
+    acc = tl.zeros((BLOCK_R,), tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        ks = k0 + offs_k
+        mask = valid[:, None] & (ks < H)[None, :]
+        a = tl.load(h_base + ks.to(tl.int64)[None, :] * stride_hk, mask=mask, other=0.0)
+        b = tl.load(w_base + ks.to(tl.int64)[None, :] * stride_wk, mask=mask, other=0.0)
+        acc += tl.sum(a.to(tl.float32) * b.to(tl.float32), axis=1)
+    tl.store(out_ptr + rows, acc * inv_temperature, mask=row_mask)
+
+
+def label_logits(
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    inv_temperature: float,
+) -> torch.Tensor:
+    """z_y = (h_i . w_{y_i}) * inv_temperature per row, (N,) float32 (products and sum in
+    float32); rows whose label lies outside [0, V) (``ignore_index``) get 0. Reads N rows of W."""
+    n, h = hidden_states.shape
+    out = torch.empty(n, dtype=torch.float32, device=hidden_states.device)
+    block_r = 16 if interpreting() else 32
+    _label_logits_kernel[(triton.cdiv(n, block_r),)](
+        hidden_states, weight, labels, out,
+        n, weight.shape[0], h,
+        hidden_states.stride(0), hidden_states.stride(1), weight.stride(0), weight.stride(1),
+        labels.stride(0),
+        inv_temperature,
+        BLOCK_R=block_r, BLOCK_K=128,
+    )
+    return out
 
 
 def linear_split_stats(
@@ -80,24 +136,30 @@ def linear_split_stats(
 
     hidden_states: (N, H), weight: (V, H), both bf16/fp16/fp32 of one dtype, any strides.
     labels: (N,) int32/int64 (any value; only equality with column ids is used).
-    Returns (m, s, b, z_y), each (S, N) float32 with S = ceil(V / cfg.split_v); b is left
-    uninitialised when ``compute_entropy`` is False.
+    Returns (m, s, b, z_y): m, s, b (S, N) float32 with S = ceil(V / cfg.split_v) (b is left
+    uninitialised when ``compute_entropy`` is False), and the label logits z_y (N,) float32.
     """
     n, h = hidden_states.shape
     v = weight.shape[0]
     num_splits = triton.cdiv(v, cfg.split_v)
-    parts = torch.empty((4, num_splits, n), dtype=torch.float32, device=hidden_states.device)
+    parts = torch.empty((3, num_splits, n), dtype=torch.float32, device=hidden_states.device)
     grid = (triton.cdiv(n, cfg.block_m) * num_splits,)
+    use_tma = cfg.tma and tma_ok(hidden_states, weight)
+    h_arg, w_arg = hidden_states, weight
+    if use_tma:
+        h_arg = TensorDescriptor.from_tensor(hidden_states, [cfg.block_m, cfg.block_k])
+        w_arg = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k])
     _linear_split_stats_kernel[grid](
-        hidden_states, weight, labels,
-        parts[0], parts[1], parts[2], parts[3],
+        h_arg, w_arg,
+        parts[0], parts[1], parts[2],
         n, v, h,
         hidden_states.stride(0), hidden_states.stride(1), weight.stride(0), weight.stride(1),
-        labels.stride(0),
         inv_temperature,
         SPLIT_V=cfg.split_v, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         COMPUTE_ENTROPY=compute_entropy, UPCAST=cfg.upcast(hidden_states.dtype),
         DOT_PRECISION=cfg.dot_precision(hidden_states.dtype), GROUP_M=cfg.group_m,
+        USE_TMA=use_tma, EVEN_V=v % cfg.block_n == 0,
+        FLATTEN=cfg.flatten, WARP_SPEC=cfg.warp_specialize,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return parts[0], parts[1], parts[2], parts[3]
+    return parts[0], parts[1], parts[2], label_logits(hidden_states, weight, labels, inv_temperature)

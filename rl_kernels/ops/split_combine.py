@@ -1,9 +1,9 @@
 """Combine kernel: merges per-split softmax partials into log-probs, entropy and lse.
 
-Input partials (m, s, b, z_y) are (S, N) float32 (see ``linear_forward``); the S splits are merged
-in a fixed order with ``merge_stats`` (identity (-inf, 0, 0), never 0 for m: verl PR #7439).
+Input partials (m, s, b) are (S, N) float32 and the label logits z_y (N,) float32 (see
+``linear_forward``); the S splits are merged in a fixed order with ``merge_stats`` (identity (-inf, 0, 0), never 0 for m: verl PR #7439).
 The same merge serves vocab-parallel ranks, whose partials are stacked along S.
-Per row: lse = m + log s, log p(y) = z_y - lse, entropy = log s - b / s.
+Per row: lse = m + log s, log p(y) = min(z_y - lse, 0), entropy = log s - b / s.
 Rows whose label equals ``ignore_index`` get log-prob 0 and entropy 0 (lse is still written).
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from .common import merge_stats
 
 @triton.jit
 def _split_combine_kernel(
-    part_m_ptr, part_s_ptr, part_b_ptr, part_zy_ptr,
+    part_m_ptr, part_s_ptr, part_b_ptr, zy_ptr,
     labels_ptr, stride_lab,
     log_probs_ptr, entropy_ptr, lse_ptr,
     N, num_splits, ignore_index,
@@ -28,7 +28,6 @@ def _split_combine_kernel(
     m = tl.full((BLOCK,), float("-inf"), tl.float32)
     s = tl.zeros((BLOCK,), tl.float32)
     b = tl.zeros((BLOCK,), tl.float32)
-    zy = tl.zeros((BLOCK,), tl.float32)
     for sp in range(0, num_splits):
         off = sp * N + rows.to(tl.int64)
         pm = tl.load(part_m_ptr + off, mask=row_mask, other=float("-inf"))
@@ -38,13 +37,16 @@ def _split_combine_kernel(
         else:
             pb = tl.zeros((BLOCK,), tl.float32)
         m, s, b = merge_stats(m, s, b, pm, ps, pb)
-        zy += tl.load(part_zy_ptr + off, mask=row_mask, other=0.0)
+    zy = tl.load(zy_ptr + rows, mask=row_mask, other=0.0)
 
     log_s = tl.log(s)
     lse = m + log_s
     labels = tl.load(labels_ptr + rows.to(tl.int64) * stride_lab, mask=row_mask, other=ignore_index)
     valid = labels != ignore_index
-    tl.store(log_probs_ptr + rows, tl.where(valid, zy - lse, 0.0), mask=row_mask)
+    # z_y comes from its own dot product, so when p_y ~ 1 its rounding may put z_y - lse a few ulps
+    # above 0; log p <= 0 exactly, so clamp (the clamp only ever reduces the error).
+    log_p = tl.minimum(zy - lse, 0.0, propagate_nan=tl.PropagateNan.ALL)  # NaN rows stay NaN
+    tl.store(log_probs_ptr + rows, tl.where(valid, log_p, 0.0), mask=row_mask)
     tl.store(lse_ptr + rows, lse, mask=row_mask)
     if COMPUTE_ENTROPY:
         tl.store(entropy_ptr + rows, tl.where(valid, log_s - b / s, 0.0), mask=row_mask)
@@ -54,13 +56,14 @@ def split_combine(
     part_m: torch.Tensor,
     part_s: torch.Tensor,
     part_b: torch.Tensor,
-    part_zy: torch.Tensor,
+    label_logits: torch.Tensor,
     labels: torch.Tensor,
     ignore_index: int,
     compute_entropy: bool,
     block: int = 128,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Merge (S, N) float32 partials into (log_probs, entropy, lse), each (N,) float32.
+    """Merge (S, N) float32 partials and the (N,) label logits into (log_probs, entropy, lse), each
+    (N,) float32.
 
     ``labels`` is (N,) int32/int64; positions equal to ``ignore_index`` get log-prob and entropy 0.
     ``entropy`` is None when ``compute_entropy`` is False (``part_b`` is then not read).
@@ -70,7 +73,7 @@ def split_combine(
     lse = torch.empty_like(log_probs)
     entropy = torch.empty_like(log_probs) if compute_entropy else None
     _split_combine_kernel[(triton.cdiv(n, block),)](
-        part_m, part_s, part_b, part_zy,
+        part_m, part_s, part_b, label_logits,
         labels, labels.stride(0),
         log_probs, entropy if compute_entropy else log_probs, lse,
         n, num_splits, ignore_index,
