@@ -39,6 +39,10 @@ class KernelConfig:
     bwd_cols: BwdTile = BwdTile(128, 256, 8, 3)
     bwd_rows: BwdTile = BwdTile(128, 256, 8, 3)
     group_m: int = 8  # row blocks per group of the grouped tile order (L2 reuse)
+    # forward mainloop variants (tl.constexpr flags; none changes any element's arithmetic)
+    tma: bool = False  # tensor-descriptor (TMA) loads where the operands allow them (fwd and bwd)
+    flatten: bool = False  # one software pipeline across the split's tiles (tl.range flatten)
+    warp_specialize: bool = False  # producer/consumer warps (tl.range warp_specialize)
 
     def upcast(self, dtype: torch.dtype) -> bool:
         return interpreting() and dtype == torch.bfloat16
@@ -55,12 +59,22 @@ class KernelConfig:
 # (scripts/diag/bwd_profile.py, 2026-11-22), as multiples of one full-size cuBLAS matmul:
 # 128x256 / 8 warps / 3 stages 1.29x (column windows) and 1.58x (row windows); 128x128/s3
 # 1.65x / 2.03x; 128x256/s4 1.35x / 1.76x; 256x128/s3 1.54x / 2.28x; 64x256/4 warps 1.96x / 1.97x
-CUDA_CONFIG = KernelConfig(split_v=2048, block_m=128, block_n=256, block_k=64,
+# Mainloop flags, H100, 2026-11-23 (scripts/diag/fwd_sweep.py --bwd, 16384 x 3584 x 152064, label
+# gather still in the tile loop): forward 1.31x pointer loads -> 1.12x TMA -> 1.05x TMA + flatten;
+# fwd+bwd 5.10x -> 4.54x with TMA in the dlogits kernel too. Every variant bitwise equal.
+# With the label logit in its own kernel (same day): TMA + flatten 1.03x at both large shapes;
+# warp specialization +/-3% (not adopted); split 1024 vs 2048: N=512 1.35x -> 1.22x at an equal
+# time for the large shapes (1.03-1.04x), so one split of 1024 columns serves every N.
+CUDA_CONFIG = KernelConfig(split_v=1024, block_m=128, block_n=256, block_k=64,
                            num_warps=8, num_stages=3, bwd_cols=BwdTile(128, 256, 8, 3),
-                           bwd_rows=BwdTile(128, 256, 8, 3), group_m=8)
+                           bwd_rows=BwdTile(128, 256, 8, 3), group_m=8,
+                           tma=True, flatten=True, warp_specialize=False)
+# The interpreter runs the TMA path too (strided operands take the pointer path), so CPU tests
+# cover both.
 INTERPRETER_CONFIG = KernelConfig(split_v=256, block_m=32, block_n=64, block_k=32,
                                   num_warps=4, num_stages=1, bwd_cols=BwdTile(32, 64, 4, 1),
-                                  bwd_rows=BwdTile(32, 64, 4, 1), group_m=2)
+                                  bwd_rows=BwdTile(32, 64, 4, 1), group_m=2,
+                                  tma=True, flatten=True, warp_specialize=False)
 
 
 def default_config(device: torch.device) -> KernelConfig:
