@@ -1,6 +1,10 @@
-"""Forward mainloop config sweep: time vs cuBLAS (same run), max |Δ| vs the first config.
+"""Forward mainloop variant sweep: time vs cuBLAS (same run), max |Δ| vs the first variant.
 
-python scripts/diag/fwd_sweep.py [N,H,V ...]   (default: the three benchmark shapes)
+python scripts/diag/fwd_sweep.py [--bwd] [N,H,V ...]   (default: the three benchmark shapes)
+
+Each variant is a set of ``KernelConfig`` fields replaced in the shipped CUDA config. With
+``--bwd`` the forward+backward of ``linear_log_probs`` is timed too (random upstream gradients on
+both outputs), with the variant installed as the CUDA config.
 """
 import dataclasses
 import sys
@@ -8,36 +12,67 @@ import sys
 import torch
 import triton.testing
 
+import rl_kernels
 from rl_kernels import ops
+from rl_kernels.ops import config as ops_config
 
-SHAPES = sys.argv[1:] or ["512,3584,152064", "16384,3584,152064", "32768,4096,128256"]
-# (BM, BN, BK, warps, stages, GROUP_M, split_v); the first is the shipped CUDA config
-CONFIGS = [(128, 256, 64, 8, 3, 8, 2048), (128, 256, 64, 8, 3, 8, 1024), (128, 256, 64, 8, 3, 8, 512),
-           (128, 256, 64, 8, 3, 4, 1024), (128, 128, 64, 8, 3, 8, 1024), (64, 256, 64, 4, 3, 8, 1024)]
-bench = lambda f: triton.testing.do_bench(f, warmup=25, rep=200, return_mode="median")  # noqa: E731
+args = [a for a in sys.argv[1:] if not a.startswith("--")]
+WITH_BWD = "--bwd" in sys.argv
+SHAPES = args or ["512,3584,152064", "16384,3584,152064", "32768,4096,128256"]
+BASE = dict(tma=False, flatten=False, warp_specialize=False)
+VARIANTS = [
+    ("pointer loads", BASE),
+    ("TMA", dict(BASE, tma=True)),
+    ("TMA + flatten", dict(BASE, tma=True, flatten=True)),
+    ("TMA + WS", dict(BASE, tma=True, warp_specialize=True)),
+    ("TMA + flatten + WS", dict(BASE, tma=True, flatten=True, warp_specialize=True)),
+    ("TMA + flatten, 4 stages", dict(BASE, tma=True, flatten=True, num_stages=4)),
+    ("TMA + flatten, split 1024", dict(BASE, tma=True, flatten=True, split_v=1024)),
+]
+bench = lambda f: triton.testing.do_bench(f, warmup=25, rep=500, return_mode="median")  # noqa: E731
 
+shipped = ops_config.CUDA_CONFIG
 for shape in SHAPES:
     n, h, v = (int(x) for x in shape.split(","))
     g = torch.Generator(device="cuda").manual_seed(0)
     hid = torch.randn(n, h, device="cuda", generator=g).bfloat16()
     w = (0.02 * torch.randn(v, h, device="cuda", generator=g)).bfloat16()
     lab = torch.randint(0, v, (n,), device="cuda", generator=g)
+    g_lp = torch.randn(n, device="cuda", generator=g)
+    g_ent = torch.randn(n, device="cuda", generator=g)
     t_mm = bench(lambda: hid @ w.T)
     ref = None
-    print(f"{n}x{h}x{v}: cuBLAS {t_mm:.2f} ms", flush=True)
-    for bm, bn, bk, warps, stages, gm, split in CONFIGS:
-        cfg = dataclasses.replace(ops.CUDA_CONFIG, block_m=bm, block_n=bn, block_k=bk, num_warps=warps,
-                                  num_stages=stages, group_m=gm, split_v=split)
+    print(f"{n}x{h}x{v}: cuBLAS {t_mm:.2f} ms ({2 * n * h * v / t_mm / 1e9:.0f} TFLOP/s)", flush=True)
+    for name, fields in VARIANTS:
+        cfg = dataclasses.replace(shipped, **fields)
         try:
             f = lambda: ops.split_combine(*ops.linear_split_stats(hid, w, lab, 1.0, True, cfg),  # noqa: E731
                                           lab, -100, True)
             lp = f()[0]
             t = bench(f)
         except Exception as e:  # noqa: BLE001
-            print(f"  {cfg}: {type(e).__name__} {str(e)[:100]}")
+            print(f"  {name}: {type(e).__name__} {str(e)[:120]}", flush=True)
             continue
         ref = lp if ref is None else ref
-        print(f"  BM{bm} BN{bn} BK{bk} w{warps} s{stages} G{gm} split{split}: {t:.3f} ms = {t / t_mm:.2f}x mm, "
-              f"max|Δ| vs first {(lp - ref).abs().max().item():.1e}", flush=True)
+        line = (f"  {name:42s} fwd {t:7.3f} ms = {t / t_mm:.3f}x mm, "
+                f"max|Δ| vs first {(lp - ref).abs().max().item():.1e}")
+        if WITH_BWD:
+            ops_config.CUDA_CONFIG = cfg
+            hg = hid.detach().requires_grad_()
+            wg = w.detach().requires_grad_()
+
+            def step():
+                hg.grad = wg.grad = None
+                out = rl_kernels.linear_log_probs(hg, wg, lab)
+                torch.autograd.backward([out.log_probs, out.entropy], [g_lp, g_ent])
+            try:
+                step()
+                tb = bench(step)
+                line += f", fwd+bwd {tb:.2f} ms = {tb / t_mm:.3f}x mm"
+            except Exception as e:  # noqa: BLE001
+                line += f", fwd+bwd {type(e).__name__} {str(e)[:200]}"
+            ops_config.CUDA_CONFIG = shipped
+            del hg, wg
+        print(line, flush=True)
     del hid, w, lab
     torch.cuda.empty_cache()
