@@ -79,3 +79,33 @@ INTERPRETER_CONFIG = KernelConfig(split_v=256, block_m=32, block_n=64, block_k=3
 
 def default_config(device: torch.device) -> KernelConfig:
     return CUDA_CONFIG if device.type == "cuda" and not interpreting() else INTERPRETER_CONFIG
+
+
+@dataclasses.dataclass(frozen=True)
+class LogitsConfig:
+    """Launch shape of the from-logits kernels (``logits_stats``). ``split_v`` (a multiple of
+    ``block_v``) fixes each row's reduction tree whatever N or the launch shape, so results are
+    batch invariant; ``rows_per_sm`` sets where the two-level split takes over (few rows)."""
+
+    split_v: int  # columns per split (first aggregation level)
+    block_v: int  # columns per load inside a split
+    num_warps: int
+    bwd_block_v: int  # columns per backward program
+    bwd_num_warps: int
+    rows_per_sm: int  # one level when N >= rows_per_sm * multiprocessors
+
+
+# H100, bf16 16384 x 152064, 2026-11-23 (scripts/diag/logits_sweep.py; read ceiling 3057 GB/s, copy
+# 3025 GB/s): forward 4096 / 4 warps 94% of read (8 warps 81%, 2048 / 4 87%, 8192 / 8 88%, 16 warps
+# 58-76%); splits of 8192 / 32768 columns 79% / 82% (with 8 warps); backward 4096 / 4 warps 92% of copy
+# (8192 / 8 93%, 4096 / 8 87%, 16384 / 16 73%). At 512 rows the two-level split wins (68% vs 59%).
+LOGITS_CUDA_CONFIG = LogitsConfig(split_v=16384, block_v=4096, num_warps=4, bwd_block_v=4096,
+                                  bwd_num_warps=4, rows_per_sm=4)
+# Interpreter: small blocks so that odd vocabularies cover several splits and partial chunks.
+LOGITS_INTERPRETER_CONFIG = LogitsConfig(split_v=64, block_v=32, num_warps=4, bwd_block_v=64,
+                                         bwd_num_warps=4, rows_per_sm=4)
+
+
+def logits_config(device: torch.device) -> LogitsConfig:
+    return (LOGITS_CUDA_CONFIG if device.type == "cuda" and not interpreting()
+            else LOGITS_INTERPRETER_CONFIG)

@@ -1,0 +1,291 @@
+"""From-logits kernels: softmax statistics of materialized logits, forward and backward.
+
+Memory-bound: the forward reads the N x V logits once and writes O(N); the backward reads them
+once more and writes the N x V gradient once (optionally over the logits themselves).
+
+Forward, per row (z = logits * inv_temperature in float32): the vocabulary is cut into splits of
+SPLIT_V columns, each read in BLOCK_V chunks; a split's partial is (m, s, b, t) with m its max,
+s = sum exp(z - m), b = sum exp(z - m)(z - m) and t = sum z (for label smoothing). Partials are
+merged left to right with ``merge_stats``. Two launch shapes compute exactly the same arithmetic:
+
+* one level (many rows): a program per row walks its splits and finalizes;
+* two levels (few rows, long rows): a program per (row, split) writes its partial, then a combine
+  program per row block merges the S partials in the same order and finalizes.
+
+Both call the same ``_split_stats`` and ``_finalize`` helpers in the same order, so the results are
+bitwise identical between the two paths and independent of N (batch invariant).
+
+Finalize: log_sum = log s, lse = m + log_sum, log p_y = (z_y - m) - log_sum (no lse cancellation),
+entropy H = log_sum - b / s, mean log p = t / V - lse. Ignored rows (label == ignore_index) get
+log p 0 and entropy 0.
+
+Backward (per element, with p = exp((z - m) - log_sum)):
+    d/dz_j = p_j (g_lse - g_lp - g_smooth - g_ent (log p_j + H)) + g_lp [j == y] + g_smooth / V
+and d/dlogits = d/dz * inv_temperature, where g_lp, g_ent, g_lse and g_smooth are per-row upstream
+gradients of log p_y, H, lse and mean_j log p_j. Source: the softmax gradients in
+``../shared/design.md`` (d log p_y / dz = onehot - p, dH/dz = -p (log p + H), d lse / dz = p).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import triton
+import triton.language as tl
+
+from .._logging import log_once
+from .common import merge_stats
+from .config import LogitsConfig
+
+
+@triton.jit
+def _split_stats(row_ptr, stride_v, v_begin, V, inv_temperature,
+                 SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr,
+                 ENTROPY: tl.constexpr, ZSUM: tl.constexpr):
+    """Partial (m, s, b, t) of columns [v_begin, min(v_begin + SPLIT_V, V)) of one row."""
+    m = tl.full((), float("-inf"), tl.float32)
+    s = tl.zeros((), tl.float32)
+    b = tl.zeros((), tl.float32)
+    t = tl.zeros((), tl.float32)
+    v_end = tl.minimum(v_begin + SPLIT_V, V)
+    for c0 in range(v_begin, v_end, BLOCK_V):
+        cols = c0 + tl.arange(0, BLOCK_V)
+        mask = cols < v_end
+        z = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=mask, other=float("-inf"))
+        z = z.to(tl.float32) * inv_temperature
+        cm = tl.max(z, 0)
+        cm_safe = tl.where(cm == float("-inf"), 0.0, cm)
+        e = tl.exp(z - cm_safe)
+        cs = tl.sum(e, 0)
+        if ENTROPY:
+            cb = tl.sum(e * tl.where(e > 0, z - cm_safe, 0.0), 0)
+        else:
+            cb = tl.zeros((), tl.float32)
+        m, s, b = merge_stats(m, s, b, cm, cs, cb)
+        if ZSUM:
+            t += tl.sum(tl.where(mask, z, 0.0), 0)
+    return m, s, b, t
+
+
+@triton.jit
+def _finalize(row, m, s, b, t, x_ptr, stride_n, stride_v, labels_ptr, stride_lab, V,
+              inv_temperature, ignore_index,
+              log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_ptr, lse_ptr, mean_log_p_ptr,
+              LOG_PROBS: tl.constexpr, ENTROPY: tl.constexpr, ZSUM: tl.constexpr):
+    """Write the per-row outputs from the merged statistics (scalars of one row)."""
+    log_sum = tl.log(s)
+    lse = m + log_sum
+    tl.store(row_max_ptr + row, m)
+    tl.store(log_sum_ptr + row, log_sum)
+    tl.store(lse_ptr + row, lse)
+    valid = True
+    if LOG_PROBS:
+        label = tl.load(labels_ptr + row.to(tl.int64) * stride_lab)
+        valid = label != ignore_index
+        # out-of-range labels are reported by the caller after launch; never read out of bounds
+        safe = tl.where(valid & (label >= 0) & (label < V), label, 0).to(tl.int64)
+        zy = tl.load(x_ptr + row.to(tl.int64) * stride_n + safe * stride_v).to(tl.float32)
+        zy = zy * inv_temperature
+        tl.store(log_probs_ptr + row, tl.where(valid, (zy - m) - log_sum, 0.0))
+    if ENTROPY:
+        tl.store(entropy_ptr + row, tl.where(valid, log_sum - b / s, 0.0))
+    if ZSUM:
+        tl.store(mean_log_p_ptr + row, t / V - lse)
+
+
+@triton.jit
+def _logits_fwd_kernel(
+    x_ptr, stride_n, stride_v, labels_ptr, stride_lab,
+    part_m_ptr, part_s_ptr, part_b_ptr, part_t_ptr,
+    log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_ptr, lse_ptr, mean_log_p_ptr,
+    N, V, num_splits, inv_temperature, ignore_index,
+    SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, TWO_LEVEL: tl.constexpr,
+    LOG_PROBS: tl.constexpr, ENTROPY: tl.constexpr, ZSUM: tl.constexpr,
+):
+    """One level: program = row, merges all splits and finalizes. Two levels: program =
+    (row, split), writes the split's partial (m, s, b, t), each (S, N) float32."""
+    pid = tl.program_id(0)
+    if TWO_LEVEL:
+        row = pid // num_splits
+        split = pid % num_splits
+        row_ptr = x_ptr + row.to(tl.int64) * stride_n
+        m, s, b, t = _split_stats(row_ptr, stride_v, split * SPLIT_V, V, inv_temperature,
+                                  SPLIT_V, BLOCK_V, ENTROPY, ZSUM)
+        off = split.to(tl.int64) * N + row
+        tl.store(part_m_ptr + off, m)
+        tl.store(part_s_ptr + off, s)
+        tl.store(part_b_ptr + off, b)
+        tl.store(part_t_ptr + off, t)
+    else:
+        row = pid
+        row_ptr = x_ptr + row.to(tl.int64) * stride_n
+        m = tl.full((), float("-inf"), tl.float32)
+        s = tl.zeros((), tl.float32)
+        b = tl.zeros((), tl.float32)
+        t = tl.zeros((), tl.float32)
+        for split in range(0, num_splits):
+            pm, ps, pb, pt = _split_stats(row_ptr, stride_v, split * SPLIT_V, V, inv_temperature,
+                                          SPLIT_V, BLOCK_V, ENTROPY, ZSUM)
+            m, s, b = merge_stats(m, s, b, pm, ps, pb)
+            t += pt
+        _finalize(row, m, s, b, t, x_ptr, stride_n, stride_v, labels_ptr, stride_lab, V,
+                  inv_temperature, ignore_index,
+                  log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_ptr, lse_ptr, mean_log_p_ptr,
+                  LOG_PROBS, ENTROPY, ZSUM)
+
+
+@triton.jit
+def _logits_combine_kernel(
+    x_ptr, stride_n, stride_v, labels_ptr, stride_lab,
+    part_m_ptr, part_s_ptr, part_b_ptr, part_t_ptr,
+    log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_ptr, lse_ptr, mean_log_p_ptr,
+    N, V, num_splits, inv_temperature, ignore_index,
+    LOG_PROBS: tl.constexpr, ENTROPY: tl.constexpr, ZSUM: tl.constexpr,
+):
+    """Second level: program = row; merges the row's S partials in split order and finalizes."""
+    row = tl.program_id(0)
+    m = tl.full((), float("-inf"), tl.float32)
+    s = tl.zeros((), tl.float32)
+    b = tl.zeros((), tl.float32)
+    t = tl.zeros((), tl.float32)
+    part_m_ptr += row
+    part_s_ptr += row
+    part_b_ptr += row
+    part_t_ptr += row
+    for _ in range(0, num_splits):
+        m, s, b = merge_stats(m, s, b, tl.load(part_m_ptr), tl.load(part_s_ptr), tl.load(part_b_ptr))
+        t += tl.load(part_t_ptr)
+        part_m_ptr += N
+        part_s_ptr += N
+        part_b_ptr += N
+        part_t_ptr += N
+    _finalize(row, m, s, b, t, x_ptr, stride_n, stride_v, labels_ptr, stride_lab, V,
+              inv_temperature, ignore_index,
+              log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_ptr, lse_ptr, mean_log_p_ptr,
+              LOG_PROBS, ENTROPY, ZSUM)
+
+
+@triton.jit
+def _logits_bwd_kernel(
+    x_ptr, stride_n, stride_v, grad_ptr, stride_gn, stride_gv, labels_ptr, stride_lab,
+    row_max_ptr, log_sum_ptr, entropy_ptr,
+    g_lp_ptr, g_ent_ptr, g_lse_ptr, g_smooth_ptr,
+    V, inv_temperature, ignore_index,
+    BLOCK_V: tl.constexpr, HAS_LABELS: tl.constexpr, HAS_LP: tl.constexpr, HAS_ENT: tl.constexpr,
+    HAS_LSE: tl.constexpr, HAS_SMOOTH: tl.constexpr,
+):
+    """Program = (row, column block): grad[row, cols] = d loss / d logits in grad's dtype."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask = cols < V
+    cols64 = cols.to(tl.int64)
+    z = tl.load(x_ptr + row * stride_n + cols64 * stride_v, mask=mask, other=0.0)
+    z = z.to(tl.float32) * inv_temperature
+    log_p = (z - tl.load(row_max_ptr + row)) - tl.load(log_sum_ptr + row)
+    p = tl.exp(log_p)
+    coef = tl.zeros((), tl.float32)
+    valid = True
+    if HAS_LABELS:  # rows with label == ignore_index have constant log p and entropy (0)
+        label = tl.load(labels_ptr + row * stride_lab)
+        valid = label != ignore_index
+    if HAS_LP:
+        g_lp = tl.where(valid, tl.load(g_lp_ptr + row), 0.0)
+        coef -= g_lp
+    if HAS_LSE:
+        coef += tl.load(g_lse_ptr + row)
+    if HAS_SMOOTH:
+        g_smooth = tl.load(g_smooth_ptr + row)
+        coef -= g_smooth
+    dz = p * coef
+    if HAS_ENT:
+        g_ent = tl.where(valid, tl.load(g_ent_ptr + row), 0.0)
+        h = tl.load(entropy_ptr + row)
+        dz -= g_ent * p * tl.where(p > 0, log_p + h, 0.0)
+    if HAS_LP:
+        dz += tl.where(cols == label, g_lp, 0.0)
+    if HAS_SMOOTH:
+        dz += g_smooth / V
+    tl.store(grad_ptr + row * stride_gn + cols64 * stride_gv,
+             (dz * inv_temperature).to(grad_ptr.dtype.element_ty), mask=mask)
+
+
+def use_two_level(n: int, v: int, cfg: LogitsConfig, device: torch.device) -> bool:
+    """Two levels when one program per row would leave the GPU short of work: fewer rows than
+    ``cfg.rows_per_sm`` per multiprocessor, and more than one split per row."""
+    if v <= cfg.split_v:
+        return False
+    return n < cfg.rows_per_sm * _multiprocessors(device)
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def logits_forward(
+    logits: torch.Tensor, labels: torch.Tensor | None, inv_temperature: float, ignore_index: int,
+    want_entropy: bool, want_smoothing: bool, cfg: LogitsConfig, two_level: bool | None = None,
+) -> dict[str, torch.Tensor]:
+    """Softmax statistics of 2-D ``logits`` (N, V) (any strides; bf16/fp16/fp32).
+
+    ``labels``: (N,) int32/int64 or None (no log-probs). Returns a dict of (N,) float32 tensors:
+    ``row_max``, ``log_sum``, ``lse`` always; ``log_probs`` with labels; ``entropy`` when
+    ``want_entropy``; ``mean_log_p`` (mean over the vocabulary of log p) when ``want_smoothing``.
+    ``two_level=None`` picks the launch shape with :func:`use_two_level` (logged at debug level);
+    both shapes give bitwise identical results.
+    """
+    n, v = logits.shape
+    dev = logits.device
+    out = {k: torch.empty(n, dtype=torch.float32, device=dev) for k in ("row_max", "log_sum", "lse")}
+    if labels is not None:
+        out["log_probs"] = torch.empty(n, dtype=torch.float32, device=dev)
+    if want_entropy:
+        out["entropy"] = torch.empty(n, dtype=torch.float32, device=dev)
+    if want_smoothing:
+        out["mean_log_p"] = torch.empty(n, dtype=torch.float32, device=dev)
+    if n == 0:
+        return out
+    num_splits = triton.cdiv(v, cfg.split_v)
+    if two_level is None:
+        two_level = use_two_level(n, v, cfg, dev)
+        log_once(logging.DEBUG, f"rl_kernels: from-logits forward, {n} x {v}: "
+                 f"{'two-level split' if two_level else 'one level'} ({num_splits} splits per row)")
+    dummy = out["lse"]
+    lab = labels if labels is not None else torch.zeros(1, dtype=torch.int32, device=dev)
+    ptrs = (out.get("log_probs", dummy), out.get("entropy", dummy), out["row_max"], out["log_sum"],
+            out["lse"], out.get("mean_log_p", dummy))
+    flags = dict(LOG_PROBS=labels is not None, ENTROPY=want_entropy, ZSUM=want_smoothing)
+    part = (torch.empty((4, num_splits, n), dtype=torch.float32, device=dev) if two_level
+            else dummy.expand(4, 1, n))
+    args = (logits, logits.stride(0), logits.stride(1), lab, lab.stride(0), *part.unbind(0), *ptrs,
+            n, v, num_splits, inv_temperature, ignore_index)
+    _logits_fwd_kernel[(n * num_splits if two_level else n,)](
+        *args, SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, TWO_LEVEL=two_level, **flags,
+        num_warps=cfg.num_warps)
+    if two_level:
+        _logits_combine_kernel[(n,)](*args, **flags, num_warps=1)
+    return out
+
+
+def logits_backward(
+    logits: torch.Tensor, grad: torch.Tensor, labels: torch.Tensor | None, stats: dict,
+    grads: dict, inv_temperature: float, ignore_index: int, cfg: LogitsConfig,
+) -> torch.Tensor:
+    """Write d loss / d logits into ``grad`` (same shape as ``logits``, any strides; may be the
+    logits tensor itself). ``stats``: the forward's ``row_max``, ``log_sum`` and (with an entropy
+    gradient) ``entropy``. ``grads``: optional (N,) float32 per-row upstream gradients under keys
+    ``log_probs``, ``entropy``, ``lse``, ``smooth`` (the last: of the row's mean log p)."""
+    n, v = logits.shape
+    if n == 0 or v == 0:
+        return grad
+    dummy = stats["row_max"]
+    lab = labels if labels is not None else torch.zeros(1, dtype=torch.int32, device=logits.device)
+    _logits_bwd_kernel[(n, triton.cdiv(v, cfg.bwd_block_v))](
+        logits, logits.stride(0), logits.stride(1), grad, grad.stride(0), grad.stride(1),
+        lab, lab.stride(0), stats["row_max"], stats["log_sum"], stats.get("entropy", dummy),
+        grads.get("log_probs", dummy), grads.get("entropy", dummy), grads.get("lse", dummy),
+        grads.get("smooth", dummy), v, inv_temperature, ignore_index,
+        BLOCK_V=cfg.bwd_block_v, HAS_LABELS=labels is not None, HAS_LP="log_probs" in grads, HAS_ENT="entropy" in grads,
+        HAS_LSE="lse" in grads, HAS_SMOOTH="smooth" in grads, num_warps=cfg.bwd_num_warps)
+    return grad
