@@ -6,10 +6,14 @@ Public API:
     log_probs_from_logits(logits, labels, *, temperature=1.0, ignore_index=-100,
                           inplace_backward=False) -> log_probs
     entropy_from_logits(logits, *, temperature=1.0) -> entropy
+    logsumexp(logits, *, temperature=1.0) -> lse
+    logits_stats(logits, labels=None, *, temperature=1.0, ignore_index=-100, return_entropy=True,
+                 inplace_backward=False) -> LogitsStats(log_probs, entropy, lse)
+    cross_entropy(logits, labels, *, ignore_index=-100, reduction="mean", label_smoothing=0.0)
 """
 from .api import LogProbsOutput, linear_log_probs
-from .logits import entropy_from_logits, log_probs_from_logits
+from .logits import LogitsStats, cross_entropy, entropy_from_logits, log_probs_from_logits, logits_stats, logsumexp
 
 __version__ = "0.1.0"
-__all__ = ["LogProbsOutput", "linear_log_probs", "log_probs_from_logits", "entropy_from_logits",
-           "__version__"]
+__all__ = ["LogProbsOutput", "LogitsStats", "linear_log_probs", "log_probs_from_logits", "entropy_from_logits",
+           "logsumexp", "logits_stats", "cross_entropy", "__version__"]

@@ -63,9 +63,11 @@ def check_head_inputs(hidden_states, weight, labels, ignore_index) -> None:
     check_labels(labels, hidden_states, "hidden_states", weight.shape[0], ignore_index)
 
 
-def check_labels(labels, like: torch.Tensor, like_name: str, vocab_size: int, ignore_index) -> None:
+def check_labels(labels, like: torch.Tensor, like_name: str, vocab_size: int, ignore_index,
+                 check_values: bool = True) -> None:
     """Validate ``labels`` against ``like`` (hidden_states or logits): int64/int32, shape
-    ``like.shape[:-1]``, same device, values in [0, vocab_size) or ``ignore_index``. Raises
+    ``like.shape[:-1]``, same device, and (unless ``check_values`` is False, for callers that run
+    :func:`check_label_values` themselves) values in [0, vocab_size) or ``ignore_index``. Raises
     TypeError / ValueError naming the argument."""
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"labels: expected a torch.Tensor, got {type(labels).__name__}")
@@ -77,7 +79,10 @@ def check_labels(labels, like: torch.Tensor, like_name: str, vocab_size: int, ig
     if labels.device != like.device:
         raise ValueError(f"labels: on {labels.device}, but {like_name} is on {like.device}; "
                          f"all inputs must be on one device")
-    check_label_values(labels, vocab_size, ignore_index)
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+        raise TypeError(f"ignore_index: expected an int, got {type(ignore_index).__name__}")
+    if check_values:
+        check_label_values(labels, vocab_size, ignore_index)
 
 
 def check_label_values(labels: torch.Tensor, vocab_size: int, ignore_index) -> None:

@@ -1,29 +1,47 @@
-"""Log-probs and entropy from already-materialized logits (torch, chunked over rows).
+"""Log-probs, entropy, logsumexp and cross-entropy from already-materialized logits.
 
-This is the memory-lean torch path: logits are read in row chunks of at most
-``CHUNK_ELEMENTS`` elements, each chunk is upcast to float32, and only O(N) statistics
-(lse, entropy) are saved for backward, which recomputes the softmax chunk by chunk and writes
-the gradient once, in the logits dtype (optionally into the logits' own storage). Torch eager
-(verl's ``logprobs_from_logits`` + ``entropy_from_logits``) instead keeps several N x V copies
-(softmax, ``softmax * logits``, per-row log-softmax outputs) alive until backward.
+Two backends compute the same per-row statistics from one read of the logits and save only O(N)
+state for backward, which reads the logits once more and writes the gradient once, in the logits
+dtype (optionally into the logits' own storage):
+
+* ``triton`` (CUDA, or Triton's CPU interpreter): ``rl_kernels.ops.logits_stats``, a one-level
+  online-softmax kernel for many rows and a two-level split (per-split partials, then a combine)
+  for few rows, chosen automatically and bitwise identical to each other;
+* ``torch`` (any device): float32 row chunks of at most ``CHUNK_ELEMENTS`` elements.
+
+Torch eager (verl's ``logprobs_from_logits`` + ``entropy_from_logits``) instead keeps several
+N x V copies (softmax, ``softmax * logits``, per-row log-softmax outputs) alive until backward.
 
 Formulas (z = logits / temperature, p = softmax(z), lse = logsumexp(z)):
     log p_y = z_y - lse
-    H = -sum_j p_j log p_j                       (no lse - E[z] cancellation)
-    d log p_y / dz = onehot(y) - p
-    d H / dz_j = -p_j (log p_j + H)
-and d/dlogits = (d/dz) / temperature. Source: the softmax cross-entropy gradient and the entropy
-gradient derived in ``../shared/design.md`` (the same math as the fused kernels).
+    H = -sum_j p_j log p_j                       (computed as log s - b / s: no cancellation)
+    d log p_y / dz = onehot(y) - p,   d lse / dz = p,   dH/dz_j = -p_j (log p_j + H)
+    cross-entropy with label smoothing eps: (1 - eps) (-log p_y) + eps (-(1/V) sum_j log p_j)
+and d/dlogits = (d/dz) / temperature. Sources: the softmax gradients in ``../shared/design.md``;
+label smoothing as in Szegedy et al. 2016 ("Rethinking the Inception Architecture", sec. 7) and
+``torch.nn.functional.cross_entropy``.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from .api import _FLOAT_DTYPES, _describe, check_labels, check_temperature
+from .api import (_FLOAT_DTYPES, _describe, check_label_values, check_labels, check_temperature,
+                  resolve_backend)
 
-# logits elements per row chunk (x 4 bytes per float32 temporary: 256 MiB; a few temporaries live
-# at once). 2^24 measured 5% slower end to end on an H100 (scripts/verl_gpu_check.py).
+# logits elements per row chunk of the torch backend (x 4 bytes per float32 temporary: 256 MiB; a
+# few temporaries live at once). 2^24 measured 5% slower end to end on an H100.
 CHUNK_ELEMENTS = 1 << 26
+REDUCTIONS = ("none", "sum", "mean")
+
+
+class LogitsStats(NamedTuple):
+    """Per-row float32 statistics shaped like ``logits.shape[:-1]`` (None where not asked)."""
+
+    log_probs: torch.Tensor | None
+    entropy: torch.Tensor | None
+    lse: torch.Tensor
 
 
 def _check_logits(logits) -> None:
@@ -35,91 +53,206 @@ def _check_logits(logits) -> None:
         raise TypeError(f"logits: expected bfloat16, float16 or float32, got {_describe(logits)}")
 
 
-def _rows_per_chunk(vocab_size: int) -> int:
-    return max(1, CHUNK_ELEMENTS // vocab_size)
+# ----------------------------------------------------------------------------- torch backend
+
+def _torch_forward(logits, labels, inv_t, ignore_index, want_entropy, want_smoothing):
+    """Same outputs as ``ops.logits_forward``, in float32 row chunks."""
+    n, v = logits.shape
+    f32 = dict(dtype=torch.float32, device=logits.device)
+    out = {k: torch.empty(n, **f32) for k in ("row_max", "log_sum")}
+    if labels is not None:
+        out["log_probs"] = torch.empty(n, **f32)
+        valid = labels != ignore_index
+        # out-of-range labels raise after the forward (the caller checks); never index out of bounds
+        safe = torch.where(valid & (labels >= 0) & (labels < v), labels, 0).long()
+    if want_entropy:
+        out["entropy"] = torch.empty(n, **f32)
+    if want_smoothing:
+        out["mean_log_p"] = torch.empty(n, **f32)
+    step = max(1, CHUNK_ELEMENTS // v)
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        z = logits[r0:r1].to(torch.float32, copy=True).mul_(inv_t)
+        m = z.amax(dim=-1, keepdim=True)
+        m = torch.where(torch.isfinite(m), m, torch.zeros((), device=m.device))
+        z.sub_(m)
+        ls = torch.logsumexp(z, dim=-1)
+        out["row_max"][r0:r1] = m[:, 0]
+        out["log_sum"][r0:r1] = ls
+        if want_smoothing:
+            out["mean_log_p"][r0:r1] = z.sum(dim=-1) / v - ls
+        log_p = z.sub_(ls[:, None])
+        if labels is not None:
+            out["log_probs"][r0:r1] = log_p.gather(1, safe[r0:r1, None]).squeeze(1)
+        if want_entropy:
+            p = log_p.exp()
+            out["entropy"][r0:r1] = -(p * torch.where(p > 0, log_p, 0.0)).sum(dim=-1)
+    out["lse"] = out["row_max"] + out["log_sum"]
+    if labels is not None:
+        zero = torch.zeros((), device=logits.device)
+        out["log_probs"] = torch.where(valid, out["log_probs"], zero)
+        if want_entropy:
+            out["entropy"] = torch.where(valid, out["entropy"], zero)
+    return out
+
+
+def _torch_backward(logits, grad, labels, stats, grads, inv_t, ignore_index):
+    """Same contract as ``ops.logits_backward``."""
+    n, v = logits.shape
+    dev = logits.device
+    zero = torch.zeros((), device=dev)
+    valid = (labels != ignore_index) if labels is not None else None
+    g_lp, g_ent = grads.get("log_probs"), grads.get("entropy")
+    if valid is not None:
+        g_lp = torch.where(valid, g_lp, zero) if g_lp is not None else None
+        g_ent = torch.where(valid, g_ent, zero) if g_ent is not None else None
+    coef = torch.zeros(n, dtype=torch.float32, device=dev)
+    for key, sign in (("lse", 1.0), ("smooth", -1.0)):
+        if key in grads:
+            coef = coef + sign * grads[key]
+    if g_lp is not None:
+        coef = coef - g_lp
+        safe = torch.where(valid, labels, 0).long()
+    step = max(1, CHUNK_ELEMENTS // v)
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        log_p = (logits[r0:r1].to(torch.float32, copy=True).mul_(inv_t)
+                 .sub_(stats["row_max"][r0:r1, None]).sub_(stats["log_sum"][r0:r1, None]))
+        p = log_p.exp()
+        dz = p * coef[r0:r1, None]
+        if g_ent is not None:
+            dz -= g_ent[r0:r1, None] * p * torch.where(p > 0, log_p + stats["entropy"][r0:r1, None], 0.0)
+        if g_lp is not None:
+            dz.scatter_add_(1, safe[r0:r1, None], g_lp[r0:r1, None])
+        if "smooth" in grads:
+            dz += grads["smooth"][r0:r1, None] / v
+        grad[r0:r1] = dz.mul_(inv_t)
+    return grad
+
+
+# ----------------------------------------------------------------------------- autograd
+
+_OUTPUTS = ("log_probs", "entropy", "lse", "mean_log_p")
 
 
 class _LogitsStatsFunction(torch.autograd.Function):
-    """(log_probs or None, entropy or None) of 2-D logits; float32 outputs of shape (N,)."""
+    """2-D logits (N, V) -> (log_probs, entropy, lse, mean_log_p), float32 (N,) or None."""
 
     @staticmethod
-    def forward(ctx, logits, labels, inv_temperature, ignore_index, want_log_probs, want_entropy,
-                inplace_backward):
-        n, v = logits.shape
-        # lse = row_max + log_sum, kept apart: log p = (z - row_max) - log_sum has no cancellation
-        # at large |z| (z - lse in float32 loses ~|z| * 2^-24, e.g. 6e-4 nats at z = -1e4)
-        row_max = torch.empty(n, dtype=torch.float32, device=logits.device)
-        log_sum = torch.empty_like(row_max)
-        log_probs = torch.empty_like(row_max) if want_log_probs else None
-        entropy = torch.empty_like(row_max) if want_entropy else None
-        valid = safe = None
-        if want_log_probs:
-            valid = labels != ignore_index
-            safe = torch.where(valid, labels, 0).long()
-        step = _rows_per_chunk(v)
-        for r0 in range(0, n, step):
-            r1 = min(n, r0 + step)
-            z = logits[r0:r1].to(torch.float32, copy=True).mul_(inv_temperature)
-            m = z.amax(dim=-1, keepdim=True)
-            m = torch.where(torch.isfinite(m), m, torch.zeros((), device=m.device))
-            z.sub_(m)
-            ls = torch.logsumexp(z, dim=-1)
-            row_max[r0:r1] = m[:, 0]
-            log_sum[r0:r1] = ls
-            log_p = z.sub_(ls[:, None])
-            if want_log_probs:
-                log_probs[r0:r1] = log_p.gather(1, safe[r0:r1, None]).squeeze(1)
-            if want_entropy:
-                entropy[r0:r1] = -(log_p.exp() * log_p).sum(dim=-1)
-        if want_log_probs:
-            log_probs = torch.where(valid, log_probs, torch.zeros((), device=row_max.device))
-        ctx.save_for_backward(logits, safe if want_log_probs else None, valid if want_log_probs else None,
-                              row_max, log_sum, entropy)
-        ctx.inv_temperature = inv_temperature
-        ctx.inplace_backward = inplace_backward
-        return log_probs, entropy
+    def forward(ctx, logits, labels, inv_t, ignore_index, want_entropy, want_smoothing,
+                inplace_backward, backend):
+        if backend == "triton":
+            from . import ops
 
-    @staticmethod
-    def backward(ctx, grad_log_probs, grad_entropy):
-        logits, safe, valid, row_max, log_sum, entropy = ctx.saved_tensors
-        if not ctx.needs_input_grad[0]:
-            return (None,) * 7
-        n, v = logits.shape
-        if ctx.inplace_backward and logits.is_contiguous():
-            grad = logits  # documented: the logits' storage receives their gradient
+            stats = ops.logits_forward(logits, labels, inv_t, ignore_index, want_entropy,
+                                       want_smoothing, ops.logits_config(logits.device))
         else:
-            grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
-        if grad_log_probs is not None and valid is not None:
-            grad_log_probs = torch.where(valid, grad_log_probs.float(), torch.zeros((), device=log_sum.device))
-        step = _rows_per_chunk(v)
-        inv_t = ctx.inv_temperature
-        for r0 in range(0, n, step):
-            r1 = min(n, r0 + step)
-            log_p = (logits[r0:r1].to(torch.float32, copy=True).mul_(inv_t)
-                     .sub_(row_max[r0:r1, None]).sub_(log_sum[r0:r1, None]))
-            p = log_p.exp()
-            dz = torch.zeros_like(p)
-            if grad_entropy is not None:
-                # dH/dz = -p (log p + H)
-                dz -= p * (log_p + entropy[r0:r1, None]) * grad_entropy[r0:r1, None].float()
-            if grad_log_probs is not None and safe is not None:
-                g = grad_log_probs[r0:r1, None]
-                dz -= p * g
-                dz.scatter_add_(1, safe[r0:r1, None], g)
-            grad[r0:r1] = dz.mul_(inv_t)
-        return grad, None, None, None, None, None, None
+            stats = _torch_forward(logits, labels, inv_t, ignore_index, want_entropy, want_smoothing)
+        ctx.save_for_backward(logits, labels, stats["row_max"], stats["log_sum"],
+                              stats.get("entropy"))
+        ctx.inv_t, ctx.ignore_index = inv_t, ignore_index
+        ctx.inplace_backward, ctx.backend = inplace_backward, backend
+        ctx.set_materialize_grads(False)
+        return tuple(stats.get(k) for k in _OUTPUTS)
+
+    @staticmethod
+    def backward(ctx, *out_grads):
+        logits, labels, row_max, log_sum, entropy = ctx.saved_tensors
+        grads = {("smooth" if k == "mean_log_p" else k): g.float().contiguous()
+                 for k, g in zip(_OUTPUTS, out_grads) if g is not None}
+        if not ctx.needs_input_grad[0] or not grads:
+            return (None,) * 8
+        stats = {"row_max": row_max, "log_sum": log_sum, "entropy": entropy}
+        # documented: with inplace_backward the logits' storage receives their gradient
+        grad = logits if ctx.inplace_backward else torch.empty_like(
+            logits, memory_format=torch.contiguous_format)
+        if ctx.backend == "triton":
+            from . import ops
+
+            ops.logits_backward(logits, grad, labels, stats, grads, ctx.inv_t, ctx.ignore_index,
+                                ops.logits_config(logits.device))
+        else:
+            _torch_backward(logits, grad, labels, stats, grads, ctx.inv_t, ctx.ignore_index)
+        return grad, None, None, None, None, None, None, None
 
 
-def _run(logits, labels, temperature, ignore_index, want_log_probs, want_entropy, inplace_backward):
-    inv_temperature = 1.0 / check_temperature(temperature)
+def _run(logits, labels, temperature, ignore_index, want_entropy, want_smoothing,
+         inplace_backward, backend):
+    """Validate, flatten to 2-D, run; returns the four outputs shaped like logits.shape[:-1]."""
+    _check_logits(logits)
+    inv_t = 1.0 / check_temperature(temperature)
+    if labels is not None:  # label values are checked after the launch (the kernels clamp reads)
+        check_labels(labels, logits, "logits", logits.shape[-1], ignore_index, check_values=False)
+    if not isinstance(inplace_backward, bool):
+        raise TypeError(f"inplace_backward: expected a bool, got {type(inplace_backward).__name__}")
+    backend = resolve_backend(backend, logits.device)
     shape = logits.shape[:-1]
     logits2d = logits.reshape(-1, logits.shape[-1])
+    if inplace_backward and logits2d.data_ptr() != logits.data_ptr():
+        raise ValueError(f"inplace_backward=True: logits ({_describe(logits)}, strides "
+                         f"{logits.stride()}) cannot be viewed as (N, vocab_size) without a copy, so "
+                         f"their storage cannot receive the gradient; pass inplace_backward=False")
     labels1d = labels.reshape(-1) if labels is not None else None
-    log_probs, entropy = _LogitsStatsFunction.apply(
-        logits2d, labels1d, inv_temperature, ignore_index, want_log_probs, want_entropy,
-        inplace_backward)
-    return (log_probs.view(shape) if log_probs is not None else None,
-            entropy.view(shape) if entropy is not None else None)
+    outs = _LogitsStatsFunction.apply(logits2d, labels1d, inv_t, int(ignore_index), want_entropy,
+                                      want_smoothing, inplace_backward, backend)
+    if labels is not None:
+        # after the launch, so that the host sync of this check overlaps the kernels' run
+        check_label_values(labels, logits.shape[-1], ignore_index)
+    return tuple(o.view(shape) if o is not None else None for o in outs)
+
+
+# ----------------------------------------------------------------------------- public functions
+
+_ARGS_DOC = """
+        logits: (..., vocab_size) bfloat16, float16 or float32, any leading shape and strides (a
+            layout that cannot be viewed as 2-D is copied once by ``reshape``).
+        temperature: positive Python number; logits are divided by it."""
+_BACKEND_DOC = """
+        backend: 'auto' (Triton on CUDA, the torch backend elsewhere; logged once), 'triton'
+            (CUDA or TRITON_INTERPRET=1) or 'torch'."""
+_RAISES_DOC = """
+    Raises:
+        TypeError / ValueError naming the argument for a wrong type, dtype, shape, device,
+        temperature, or a label outside [0, vocab_size) that is not ``ignore_index``;
+        RuntimeError when the requested backend cannot run on the logits' device."""
+
+
+def logits_stats(
+    logits: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    return_entropy: bool = True,
+    inplace_backward: bool = False,
+    backend: str = "auto",
+) -> LogitsStats:
+    """Log-probs of ``labels``, entropy and logsumexp of ``softmax(logits / temperature)`` from a
+    single read of the logits (one kernel launch per level, O(N) extra memory).
+
+    Args:{args}
+        labels: (...) int64 or int32 token ids in [0, vocab_size), or ``ignore_index``; None
+            skips the log-probs.
+        ignore_index: label value whose row gets log-prob 0 and entropy 0 (and no gradient
+            through them; lse is still computed).
+        return_entropy: when False the entropy is not computed (returned as None).
+        inplace_backward: when True, backward writes d loss / d logits into the logits' own
+            storage instead of allocating an N x V tensor (saves one logits-sized buffer); the
+            logits must not be read after backward then (autograd does not check this). Off by
+            default because other consumers of the logits usually need them.{backend}
+
+    Returns:
+        ``LogitsStats(log_probs, entropy, lse)``: float32, nats, shape ``logits.shape[:-1]``, all
+        differentiable w.r.t. ``logits``; the gradient is written in the logits dtype.
+{raises}
+    Formula: log p_y = z_y - lse, H = -sum p log p, lse = log sum exp z with z = logits / T
+    (module docstring; ``../shared/design.md``).
+    """
+    if not isinstance(return_entropy, bool):
+        raise TypeError(f"return_entropy: expected a bool, got {type(return_entropy).__name__}")
+    log_probs, entropy, lse, _ = _run(logits, labels, temperature, ignore_index, return_entropy,
+                                      False, inplace_backward, backend)
+    return LogitsStats(log_probs, entropy, lse)
 
 
 def log_probs_from_logits(
@@ -129,48 +262,114 @@ def log_probs_from_logits(
     temperature: float = 1.0,
     ignore_index: int = -100,
     inplace_backward: bool = False,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Log-probabilities ``log softmax(logits / temperature)[labels]`` from materialized logits.
 
-    Args:
-        logits: (..., vocab_size) bfloat16, float16 or float32, any leading shape (a non-viewable
-            layout is copied once by ``reshape``).
+    Args:{args}
         labels: (...) int64 or int32 token ids in [0, vocab_size), or ``ignore_index``.
-        temperature: positive Python number; logits are divided by it.
         ignore_index: label value whose position gets log-prob 0 and gradient 0.
         inplace_backward: when True, backward writes d loss / d logits into the logits' own
             storage (as verl's flash-attn path does) instead of allocating a new N x V tensor;
-            the logits must not be read after backward then.
+            the logits must not be read after backward then.{backend}
 
     Returns:
         float32 log-probs (nats), shape ``labels.shape``; differentiable w.r.t. ``logits``.
-
-    Raises:
-        TypeError / ValueError naming the argument for a wrong type, dtype, shape, device or a
-        label outside [0, vocab_size) that is not ``ignore_index``.
-
-    Memory: O(N) saved for backward plus float32 row chunks of <= 2^26 elements at a time.
-    Formula: log p_y = z_y - logsumexp(z), gradient onehot(y) - softmax(z) (see module docstring).
+{raises}
+    Memory: O(N) saved for backward. Formula: log p_y = z_y - logsumexp(z), gradient
+    onehot(y) - softmax(z) (module docstring).
     """
-    _check_logits(logits)
-    check_labels(labels, logits, "logits", logits.shape[-1], ignore_index)
-    return _run(logits, labels, temperature, int(ignore_index), True, False, bool(inplace_backward))[0]
+    return _run(logits, labels, temperature, ignore_index, False, False, inplace_backward, backend)[0]
 
 
-def entropy_from_logits(logits: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
+def entropy_from_logits(logits: torch.Tensor, *, temperature: float = 1.0,
+                        backend: str = "auto") -> torch.Tensor:
     """Shannon entropy ``-sum p log p`` of ``softmax(logits / temperature)`` over the last dim.
 
-    Args:
-        logits: (..., vocab_size) bfloat16, float16 or float32, any leading shape.
-        temperature: positive Python number.
+    Args:{args}{backend}
 
     Returns:
         float32 entropy (nats), shape ``logits.shape[:-1]``; differentiable w.r.t. ``logits``.
-
-    Raises:
-        TypeError / ValueError naming the argument for a wrong type, dtype or shape.
-
-    Formula: H = -sum_j p_j log p_j, dH/dz_j = -p_j (log p_j + H) (see module docstring).
+{raises}
+    Formula: H = -sum_j p_j log p_j, dH/dz_j = -p_j (log p_j + H) (module docstring).
     """
-    _check_logits(logits)
-    return _run(logits, None, temperature, -100, False, True, False)[1]
+    return _run(logits, None, temperature, -100, True, False, False, backend)[1]
+
+
+def logsumexp(logits: torch.Tensor, *, temperature: float = 1.0, backend: str = "auto") -> torch.Tensor:
+    """``log sum_j exp(logits_j / temperature)`` over the last dim, in float32.
+
+    Args:{args}{backend}
+
+    Returns:
+        float32 (nats), shape ``logits.shape[:-1]``; differentiable (d lse / d logits =
+        softmax / temperature). Unlike ``torch.logsumexp`` on bf16 input, the result is not
+        rounded to the input dtype.
+{raises}
+    """
+    return _run(logits, None, temperature, -100, False, False, False, backend)[2]
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    inplace_backward: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Drop-in for ``torch.nn.functional.cross_entropy(logits, labels, ignore_index=...,
+    reduction=..., label_smoothing=...)`` on (N, C) logits and (N,) class-index labels, without
+    N x V float32 temporaries.
+
+    Args:
+        logits: (N, vocab_size) bfloat16, float16 or float32, any strides.
+        labels: (N,) int64 or int32 class indices in [0, vocab_size), or ``ignore_index``.
+        weight: class weights are not supported: anything but None raises NotImplementedError.
+        ignore_index: rows with this label contribute 0 and are not counted by 'mean'.
+        reduction: 'none' (per row), 'sum', or 'mean' (over non-ignored rows; NaN when all are
+            ignored, as torch).
+        label_smoothing: eps in [0, 1]: loss = (1 - eps) (-log p_y) + eps (-(1/V) sum_j log p_j).
+        inplace_backward: write the logits' gradient into their storage (see
+            :func:`logits_stats`).{backend}
+
+    Returns:
+        the loss in the logits dtype (as torch): shape (N,) for 'none', a scalar otherwise;
+        computed in float32 before that final rounding.
+{raises}
+        NotImplementedError for ``weight``; ValueError for a bad ``reduction`` or
+        ``label_smoothing``, or logits that are not 2-D.
+    """
+    if weight is not None:
+        raise NotImplementedError("weight: class weights are not supported by rl_kernels.cross_entropy; "
+                                  "use torch.nn.functional.cross_entropy")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) \
+            or not 0.0 <= float(label_smoothing) <= 1.0:
+        raise ValueError(f"label_smoothing: expected a float in [0, 1], got {label_smoothing!r}")
+    if isinstance(logits, torch.Tensor) and logits.dim() != 2:
+        raise ValueError(f"logits: expected 2-D (N, vocab_size), got {_describe(logits)}")
+    eps = float(label_smoothing)
+    log_probs, _, _, mean_log_p = _run(logits, labels, 1.0, ignore_index, False, eps > 0,
+                                       inplace_backward, backend)
+    valid = labels != ignore_index
+    loss = -(1.0 - eps) * log_probs
+    if eps > 0:
+        loss = torch.where(valid, loss - eps * mean_log_p, torch.zeros((), device=loss.device))
+    if reduction == "sum":
+        loss = loss.sum()
+    elif reduction == "mean":
+        loss = loss.sum() / valid.sum()
+    return loss.to(logits.dtype)
+
+
+def _fill_docs(fn):
+    fn.__doc__ = fn.__doc__.format(args=_ARGS_DOC, backend=_BACKEND_DOC, raises=_RAISES_DOC)
+
+
+for _fn in (logits_stats, log_probs_from_logits, entropy_from_logits, logsumexp, cross_entropy):
+    _fill_docs(_fn)

@@ -1,15 +1,23 @@
-"""rl_kernels.log_probs_from_logits / entropy_from_logits (torch, chunked) vs float64.
+"""From-logits functions (logits_stats, log_probs_from_logits, entropy_from_logits, logsumexp,
+cross_entropy) on both backends vs a float64 reference.
 
-Shapes: V = 301 (odd), 3 x 7 rows; CHUNK_ELEMENTS is patched to 4 rows' worth so that every
-call crosses chunk boundaries, including a last partial chunk (21 = 5 * 4 + 1).
+Shapes: V = 301 (odd), 3 x 7 rows with every other column (strided rows). The torch backend's
+CHUNK_ELEMENTS is patched to 4 rows' worth so that every call crosses chunk boundaries (21 =
+5 * 4 + 1). The Triton backend runs in the CPU interpreter with 64-column splits read in 32-column
+chunks, so V = 301 ends in a partial split and a partial chunk; both launch shapes (one level,
+two-level split) are forced in turn.
 """
 import pytest
 import torch
+import torch.nn.functional as F
 
 import rl_kernels.logits as logits_mod
-from rl_kernels import entropy_from_logits, log_probs_from_logits
+from rl_kernels import (cross_entropy, entropy_from_logits, log_probs_from_logits, logits_stats,
+                        logsumexp)
 
 V = 301
+PATHS = [("torch", None), ("triton", False), ("triton", True)]  # (backend, two_level)
+PATH_IDS = ["torch", "triton-1level", "triton-2level"]
 
 
 @pytest.fixture(autouse=True)
@@ -17,46 +25,144 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(logits_mod, "CHUNK_ELEMENTS", 4 * V)
 
 
+def _force(monkeypatch, two_level):
+    if two_level is not None:
+        from rl_kernels.ops import logits_stats as kernels
+
+        monkeypatch.setattr(kernels, "use_two_level", lambda *a: two_level)
+
+
 def _reference(x, labels, temperature, ignore_index=-100):
-    log_p = (x.double() / temperature).log_softmax(-1)
+    """float64 (log_probs, entropy, lse); log-prob and entropy 0 on ignored rows."""
+    z = x.double() / temperature
+    log_p = z.log_softmax(-1)
     valid = labels != ignore_index
     lp = log_p.gather(-1, torch.where(valid, labels, 0)[..., None])[..., 0]
-    return torch.where(valid, lp, 0.0), -(log_p.exp() * log_p).sum(-1)
+    p = log_p.exp()
+    ent = -(p * torch.where(p > 0, log_p, 0.0)).sum(-1)
+    return torch.where(valid, lp, 0.0), torch.where(valid, ent, 0.0), torch.logsumexp(z, -1)
 
 
+@pytest.mark.parametrize("backend,two_level", PATHS, ids=PATH_IDS)
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
-def test_values_and_gradients(poison, dtype, atol):
+def test_values_and_gradients(poison, monkeypatch, backend, two_level, dtype, atol):
+    _force(monkeypatch, two_level)
     g = torch.Generator().manual_seed(0)
     base = torch.randn(3, 7, 2 * V, generator=g) * 4
     labels = torch.randint(0, V, (3, 7), generator=g)
     labels[0, 1] = labels[2, 6] = -100
     x = base[..., ::2].to(dtype).requires_grad_()  # strided rows: every other column
-    g_lp, g_ent = torch.randn(3, 7, generator=g), torch.randn(3, 7, generator=g)
+    g_lp, g_ent, g_lse = (torch.randn(3, 7, generator=g) for _ in range(3))
 
-    lp = log_probs_from_logits(x, labels, temperature=0.7)
-    ent = entropy_from_logits(x, temperature=0.7)
-    (g_lp * lp + g_ent * ent).sum().backward()
+    out = logits_stats(x, labels, temperature=0.7, backend=backend)
+    (g_lp * out.log_probs + g_ent * out.entropy + g_lse * out.lse).sum().backward()
 
     x64 = x.detach().double().requires_grad_()
-    ref_lp, ref_ent = _reference(x64, labels, 0.7)
-    (g_lp * ref_lp + g_ent * ref_ent).sum().backward()
-    assert lp.dtype == ent.dtype == torch.float32 and lp.shape == labels.shape
-    torch.testing.assert_close(lp.double(), ref_lp, atol=1e-5, rtol=0)
-    torch.testing.assert_close(ent.double(), ref_ent, atol=1e-5, rtol=0)
-    assert torch.all(lp[labels == -100] == 0)
+    ref_lp, ref_ent, ref_lse = _reference(x64, labels, 0.7)
+    (g_lp * ref_lp + g_ent * ref_ent + g_lse * ref_lse).sum().backward()
+    for got, ref in ((out.log_probs, ref_lp), (out.entropy, ref_ent), (out.lse, ref_lse)):
+        assert got.dtype == torch.float32 and got.shape == labels.shape
+        torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=0)
+    assert torch.all(out.log_probs[labels == -100] == 0) and torch.all(out.entropy[labels == -100] == 0)
     assert x.grad.dtype == dtype
     torch.testing.assert_close(x.grad.double(), x64.grad, atol=atol, rtol=0)
 
 
-def test_extreme_logits_stay_finite():
-    x = torch.full((2, V), -1e4)
+@pytest.mark.parametrize("backend,two_level", PATHS, ids=PATH_IDS)
+def test_single_functions_match_logits_stats(monkeypatch, backend, two_level):
+    """log_probs_from_logits / entropy_from_logits / logsumexp: values and gradients vs float64."""
+    _force(monkeypatch, two_level)
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(5, V, generator=g) * 3).requires_grad_()
+    labels = torch.randint(0, V, (5,), generator=g)
+    x64 = x.detach().double().requires_grad_()
+
+    def ref_entropy(t):  # no labels: no row is ignored
+        p = (t / 1.3).softmax(-1)
+        return -(p * p.log()).sum(-1)
+
+    for fn, ref_fn in ((lambda t: log_probs_from_logits(t, labels, temperature=1.3, backend=backend),
+                        lambda t: _reference(t, labels, 1.3)[0]),
+                       (lambda t: entropy_from_logits(t, temperature=1.3, backend=backend), ref_entropy),
+                       (lambda t: logsumexp(t, temperature=1.3, backend=backend),
+                        lambda t: _reference(t, labels, 1.3)[2])):
+        x.grad = x64.grad = None
+        w = torch.randn(5, generator=g)
+        got, ref = fn(x), ref_fn(x64)
+        (w * got).sum().backward()
+        (w * ref).sum().backward()
+        torch.testing.assert_close(got.double(), ref.detach(), atol=1e-5, rtol=0)
+        torch.testing.assert_close(x.grad.double(), x64.grad, atol=1e-6, rtol=0)
+
+
+def test_two_level_and_one_level_are_bitwise_equal_and_batch_invariant(monkeypatch):
+    """Both launch shapes run the same per-split arithmetic in the same merge order, so they agree
+    bitwise; a row's result does not depend on which other rows are in the batch."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(9, 997, generator=g) * 5  # 997: prime, 16 splits of 64 with a partial last
+    labels = torch.randint(0, 997, (9,), generator=g)
+    results = []
+    for two_level in (False, True):
+        _force(monkeypatch, two_level)
+        results.append(logits_stats(x, labels, backend="triton"))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    _force(monkeypatch, False)
+    alone = logits_stats(x[4:5], labels[4:5], backend="triton")
+    for a, b in zip(alone, results[0]):
+        assert torch.equal(a[0], b[4])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_inplace_backward_writes_the_logits_storage(backend):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, V, generator=g)
+    labels = torch.randint(0, V, (6,), generator=g)
+    w = torch.randn(6, generator=g)
+    a = x.clone().requires_grad_()
+    (w * log_probs_from_logits(a, labels, backend=backend)).sum().backward()
+    leaf = x.clone().requires_grad_()
+    b = leaf * 1.0  # a non-leaf, as the logits coming out of a model's head
+    (w * log_probs_from_logits(b, labels, inplace_backward=True, backend=backend)).sum().backward()
+    torch.testing.assert_close(b.detach(), a.grad, atol=0, rtol=0)  # b's storage now holds the grad
+    torch.testing.assert_close(leaf.grad, a.grad, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.15])
+def test_cross_entropy_matches_torch(poison, backend, reduction, label_smoothing):
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(11, V, generator=g) * 3).requires_grad_()
+    labels = torch.randint(0, V, (11,), generator=g)
+    labels[3] = labels[7] = -100
+    x64 = x.detach().double().requires_grad_()
+    got = cross_entropy(x, labels, reduction=reduction, label_smoothing=label_smoothing, backend=backend)
+    ref = F.cross_entropy(x64, labels, reduction=reduction, label_smoothing=label_smoothing)
+    w = torch.randn(ref.shape, generator=g)
+    (w * got).sum().backward()
+    (w * ref).sum().backward()
+    assert got.dtype == x.dtype and got.shape == ref.shape
+    torch.testing.assert_close(got.double(), ref.detach(), atol=2e-5, rtol=0)
+    torch.testing.assert_close(x.grad.double(), x64.grad, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("backend,two_level", PATHS, ids=PATH_IDS)
+def test_extreme_logits_stay_finite(monkeypatch, backend, two_level):
+    _force(monkeypatch, two_level)
+    x = torch.full((3, V), -1e4)
     x[0, 5] = 50.0
-    labels = torch.tensor([5, 7])
-    lp = log_probs_from_logits(x, labels)
-    ent = entropy_from_logits(x)
-    assert torch.isfinite(lp).all() and torch.isfinite(ent).all()
-    assert lp[0].item() == pytest.approx(0.0, abs=1e-6) and lp[1].item() == pytest.approx(-5.7071, abs=1e-3)
-    assert ent[1].item() == pytest.approx(torch.log(torch.tensor(float(V))).item(), abs=1e-4)
+    x[2, :200] = float("-inf")  # masked-out vocabulary entries
+    labels = torch.tensor([5, 7, 250])
+    x = x.requires_grad_()
+    out = logits_stats(x, labels, backend=backend)
+    assert all(torch.isfinite(t).all() for t in out)
+    assert out.log_probs[0].item() == pytest.approx(0.0, abs=1e-6)
+    assert out.log_probs[1].item() == pytest.approx(-5.7071, abs=1e-3)
+    assert out.entropy[1].item() == pytest.approx(torch.log(torch.tensor(float(V))).item(), abs=1e-4)
+    assert out.entropy[2].item() == pytest.approx(torch.log(torch.tensor(101.0)).item(), abs=1e-4)
+    (out.log_probs + out.entropy).sum().backward()
+    assert torch.isfinite(x.grad).all() and torch.all(x.grad[2, :200] == 0)
 
 
 def test_bad_inputs_name_the_argument():
@@ -66,10 +172,26 @@ def test_bad_inputs_name_the_argument():
     with pytest.raises(ValueError, match=r"labels: expected shape \(4,\)"):
         log_probs_from_logits(x, torch.zeros(5, dtype=torch.long))
     with pytest.raises(ValueError, match="labels: 1 entries lie outside"):
-        log_probs_from_logits(x, torch.tensor([0, 1, V, -100]))
+        logits_stats(x, torch.tensor([0, 1, V, -100]))
     with pytest.raises(TypeError, match="labels: expected int64 or int32"):
         log_probs_from_logits(x, torch.zeros(4))
     with pytest.raises(ValueError, match="temperature: expected a positive finite number"):
         entropy_from_logits(x, temperature=0.0)
     with pytest.raises(ValueError, match="logits: expected shape"):
-        entropy_from_logits(torch.randn(4, 0))
+        logsumexp(torch.randn(4, 0))
+    with pytest.raises(ValueError, match="backend: expected one of"):
+        logsumexp(x, backend="cuda")
+    with pytest.raises(TypeError, match="inplace_backward: expected a bool"):
+        log_probs_from_logits(x, torch.zeros(4, dtype=torch.long), inplace_backward=1)
+    with pytest.raises(ValueError, match="inplace_backward=True: logits"):
+        log_probs_from_logits(torch.randn(2, V, 4).transpose(1, 2),  # (2, 4, V): not viewable as 2-D
+                              torch.zeros(2, 4, dtype=torch.long), inplace_backward=True)
+    labels = torch.zeros(4, dtype=torch.long)
+    with pytest.raises(NotImplementedError, match="weight: class weights"):
+        cross_entropy(x, labels, torch.ones(V))
+    with pytest.raises(ValueError, match="reduction: expected one of"):
+        cross_entropy(x, labels, reduction="batchmean")
+    with pytest.raises(ValueError, match="label_smoothing: expected a float in"):
+        cross_entropy(x, labels, label_smoothing=1.5)
+    with pytest.raises(ValueError, match="logits: expected 2-D"):
+        cross_entropy(x[None], labels[None])
