@@ -46,6 +46,7 @@ class HeadParams:
     inv_temperature: float
     ignore_index: int
     return_entropy: bool
+    return_lse: bool = False  # internal (distillation losses): lse as a differentiable output
 
 
 def head_forward(hidden_states, weight, labels, params: HeadParams):
@@ -118,7 +119,7 @@ def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def head_backward(hidden_states, weight, labels, lse, entropy, grad_log_probs, grad_entropy,
-                  params: HeadParams, need_dh: bool, need_dw: bool):
+                  params: HeadParams, need_dh: bool, need_dw: bool, grad_lse=None):
     """(dh or None, dW or None) in the input dtypes; see the module docstring."""
     if params.backend == "triton":
         from . import ops
@@ -130,14 +131,14 @@ def head_backward(hidden_states, weight, labels, lse, entropy, grad_log_probs, g
             tile = cfg.bwd_rows if cols.stop - cols.start == weight.shape[0] else cfg.bwd_cols
             return ops.linear_dlogits(hidden_states, weight, labels, lse, entropy, grad_log_probs,
                                       grad_entropy, rows, cols, params.inv_temperature,
-                                      params.ignore_index, out, cfg, tile)
+                                      params.ignore_index, out, cfg, tile, grad_lse)
     else:
         dz_dtype = torch.float32
 
         def dlogits(rows, cols, out):
             return torch_dlogits(hidden_states, weight, labels, lse, entropy, grad_log_probs,
                                  grad_entropy, rows, cols, params.inv_temperature,
-                                 params.ignore_index, out)
+                                 params.ignore_index, out, grad_lse)
 
     with _full_precision_reduction():
         return _chunked_backward(dlogits, hidden_states, weight, dz_dtype, need_dh, need_dw)
@@ -253,7 +254,8 @@ def _one_recompute(dlogits, hidden_states, weight, dz_dtype, cols):
 
 class LinearLogProbsFunction(torch.autograd.Function):
     """Inputs: hidden_states (N, H), weight (V, H), labels (N,), HeadParams.
-    Outputs: log_probs (N,) float32, plus entropy (N,) float32 when params.return_entropy."""
+    Outputs: log_probs (N,) float32, plus entropy (N,) float32 when params.return_entropy, plus
+    lse (N,) float32 when params.return_lse."""
 
     @staticmethod
     def forward(ctx, hidden_states, weight, labels, params: HeadParams):
@@ -262,18 +264,23 @@ class LinearLogProbsFunction(torch.autograd.Function):
                               entropy if entropy is not None else lse)
         ctx.params = params
         ctx.set_materialize_grads(False)
-        if params.return_entropy:
-            return log_probs, entropy
-        return log_probs
+        outs = (log_probs,) + ((entropy,) if params.return_entropy else ()) + \
+            ((lse.clone(),) if params.return_lse else ())
+        return outs if len(outs) > 1 else log_probs
 
     @staticmethod
-    def backward(ctx, grad_log_probs, grad_entropy=None):
+    def backward(ctx, grad_log_probs, *more):
         hidden_states, weight, labels, lse, entropy = ctx.saved_tensors
         params: HeadParams = ctx.params
+        grad_entropy = more[0] if params.return_entropy else None
+        grad_lse = more[-1] if params.return_lse else None
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if (grad_log_probs is None and grad_entropy is None) or not (need_dh or need_dw):
+        if (grad_log_probs is None and grad_entropy is None and grad_lse is None) \
+                or not (need_dh or need_dw):
             return None, None, None, None
+        if grad_lse is not None:
+            grad_lse = grad_lse.float().contiguous()
         dh, dw = head_backward(hidden_states, weight, labels, lse,
                                entropy if params.return_entropy else None,
-                               grad_log_probs, grad_entropy, params, need_dh, need_dw)
+                               grad_log_probs, grad_entropy, params, need_dh, need_dw, grad_lse)
         return dh, dw, None, None

@@ -66,6 +66,7 @@ def torch_dlogits(
     inv_temperature: float,
     ignore_index: int,
     out: torch.Tensor,
+    grad_lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch twin of ``rl_kernels.ops.linear_dlogits``: d(loss)/d(h.w) for logits[rows, cols]
     computed in ``out.dtype`` and written into ``out``."""
@@ -80,6 +81,8 @@ def torch_dlogits(
         dz += grad_log_probs[rows].to(dt)[:, None] * (onehot.to(dt) - p)
     if grad_entropy is not None:
         dz -= grad_entropy[rows].to(dt)[:, None] * p * (log_p + entropy[rows].to(dt)[:, None])
+    if grad_lse is not None:
+        dz += grad_lse[rows].to(dt)[:, None] * p
     valid = (lab != ignore_index)[:, None]
     out.copy_(torch.where(valid, dz * inv_temperature, torch.zeros((), dtype=dt, device=z.device)))
     return out

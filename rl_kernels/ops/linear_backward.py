@@ -3,7 +3,7 @@
 For a (rows x cols) window of the logits, program (pid_m, pid_n) recomputes its z tile with the
 same K-loop GEMM as the forward, then from the saved per-row lse and entropy H:
     log p = z - lse,  p = exp(log p)
-    dz    = g_lp * (onehot(y) - p) - g_H * p * (log p + H)      (z - E_p[z] = log p + H)
+    dz    = g_lp * (onehot(y) - p) - g_H * p * (log p + H) + g_lse * p   (z - E_p[z] = log p + H)
 and stores dz / temperature (the gradient w.r.t. the raw logits h.w) in the output dtype.
 Rows whose label is ``ignore_index`` get exactly 0 (a where, not a product, so a non-finite
 ignored row cannot leak NaN into dW). The caller turns these chunks into dh = dz W and
@@ -21,13 +21,13 @@ from .config import BwdTile, KernelConfig
 
 @triton.jit
 def _linear_dlogits_kernel(
-    h_ptr, w_ptr, labels_ptr, lse_ptr, entropy_ptr, g_lp_ptr, g_ent_ptr, dz_ptr,
+    h_ptr, w_ptr, labels_ptr, lse_ptr, entropy_ptr, g_lp_ptr, g_ent_ptr, g_lse_ptr, dz_ptr,
     row_start, n_rows, col_start, n_cols, H,
     stride_hn, stride_hk, stride_wv, stride_wk, stride_lab,
     stride_glp, stride_gent, stride_dzm, stride_dzn,
     inv_temperature, ignore_index,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_G_LP: tl.constexpr, HAS_G_ENT: tl.constexpr,
+    HAS_G_LP: tl.constexpr, HAS_G_ENT: tl.constexpr, HAS_G_LSE: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUP_M: tl.constexpr,
     USE_TMA: tl.constexpr,
 ):
@@ -58,6 +58,8 @@ def _linear_dlogits_kernel(
         g_ent = tl.load(g_ent_ptr + rows64 * stride_gent, mask=row_mask, other=0.0).to(tl.float32)
         ent = tl.load(entropy_ptr + rows64, mask=row_mask, other=0.0)
         dz -= g_ent[:, None] * p * (log_p + ent[:, None])
+    if HAS_G_LSE:  # d lse / dz = p (contiguous (N,) float32)
+        dz += tl.load(g_lse_ptr + rows64, mask=row_mask, other=0.0)[:, None] * p
     valid = labels != ignore_index
     dz = tl.where(valid[:, None], dz * inv_temperature, 0.0)
     dz_ptrs = (dz_ptr + local_rows.to(tl.int64)[:, None] * stride_dzm
@@ -80,12 +82,14 @@ def linear_dlogits(
     out: torch.Tensor,
     cfg: KernelConfig,
     tile: BwdTile,
+    grad_lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write d(loss)/d(h.w) for logits[rows, cols] into ``out`` ((rows, cols), input dtype).
 
     hidden_states (N, H) and weight (V, H) share a dtype; labels (N,) int; lse, entropy (N,)
     float32 from the forward; grad_log_probs / grad_entropy (N,) or None (any stride, 0 allowed).
-    ``entropy`` is required when ``grad_entropy`` is given.
+    ``entropy`` is required when ``grad_entropy`` is given. ``grad_lse``: (N,) contiguous float32
+    upstream gradient of the row logsumexp, or None.
     """
     n_rows = rows.stop - rows.start
     n_cols = cols.stop - cols.start
@@ -102,6 +106,7 @@ def linear_dlogits(
         entropy if has_ent else lse,
         grad_log_probs if has_lp else lse,
         grad_entropy if has_ent else lse,
+        grad_lse if grad_lse is not None else lse,
         out,
         rows.start, n_rows, cols.start, n_cols, hidden_states.shape[1],
         hidden_states.stride(0), hidden_states.stride(1), weight.stride(0), weight.stride(1),
@@ -110,7 +115,7 @@ def linear_dlogits(
         out.stride(0), out.stride(1),
         inv_temperature, ignore_index,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=cfg.block_k,
-        HAS_G_LP=has_lp, HAS_G_ENT=has_ent,
+        HAS_G_LP=has_lp, HAS_G_ENT=has_ent, HAS_G_LSE=grad_lse is not None,
         UPCAST=cfg.upcast(hidden_states.dtype),
         DOT_PRECISION=cfg.dot_precision(hidden_states.dtype), GROUP_M=cfg.group_m,
         USE_TMA=use_tma, num_warps=tile.num_warps, num_stages=tile.num_stages,
