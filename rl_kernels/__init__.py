@@ -10,10 +10,14 @@ Public API:
     logits_stats(logits, labels=None, *, temperature=1.0, ignore_index=-100, return_entropy=True,
                  inplace_backward=False) -> LogitsStats(log_probs, entropy, lse)
     cross_entropy(logits, labels, *, ignore_index=-100, reduction="mean", label_smoothing=0.0)
+    linear_topk_kl(hidden_states, weight, teacher_token_ids, teacher_log_probs, *, mask=None,
+                   temperature=1.0, kind="forward", renormalize_teacher=False,
+                   reduction="batchmean") -> loss
 """
 from .api import LogProbsOutput, linear_log_probs
+from .distill import linear_topk_kl
 from .logits import LogitsStats, cross_entropy, entropy_from_logits, log_probs_from_logits, logits_stats, logsumexp
 
 __version__ = "0.1.0"
 __all__ = ["LogProbsOutput", "LogitsStats", "linear_log_probs", "log_probs_from_logits", "entropy_from_logits",
-           "logsumexp", "logits_stats", "cross_entropy", "__version__"]
+           "logsumexp", "logits_stats", "cross_entropy", "linear_topk_kl", "__version__"]

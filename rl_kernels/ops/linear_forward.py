@@ -80,17 +80,20 @@ def _linear_split_stats_kernel(
 @triton.jit
 def _label_logits_kernel(
     h_ptr, w_ptr, labels_ptr, out_ptr,
-    N, V, H,
-    stride_hn, stride_hk, stride_wv, stride_wk, stride_lab,
+    N, V, H, K,
+    stride_hn, stride_hk, stride_wv, stride_wk, stride_lab, stride_labk,
     inv_temperature,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    # rows index the N * K (hidden row, id) pairs: hidden row = rows // K, id column = rows % K
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_mask = rows < N
-    labels = tl.load(labels_ptr + rows.to(tl.int64) * stride_lab, mask=row_mask, other=-1)
+    row_mask = rows < N * K
+    h_rows = (rows // K).to(tl.int64)
+    labels = tl.load(labels_ptr + h_rows * stride_lab + (rows % K).to(tl.int64) * stride_labk,
+                     mask=row_mask, other=-1)
     valid = row_mask & (labels >= 0) & (labels < V)
     offs_k = tl.arange(0, BLOCK_K)
-    h_base = h_ptr + rows.to(tl.int64)[:, None] * stride_hn
+    h_base = h_ptr + h_rows[:, None] * stride_hn
     w_base = w_ptr + tl.where(valid, labels, 0).to(tl.int64)[:, None] * stride_wv
     acc = tl.zeros((BLOCK_R,), tl.float32)
     for k0 in range(0, H, BLOCK_K):
@@ -108,16 +111,18 @@ def label_logits(
     labels: torch.Tensor,
     inv_temperature: float,
 ) -> torch.Tensor:
-    """z_y = (h_i . w_{y_i}) * inv_temperature per row, (N,) float32 (products and sum in
-    float32); rows whose label lies outside [0, V) (``ignore_index``) get 0. Reads N rows of W."""
+    """z_y = (h_i . w_{y_i}) * inv_temperature, float32 (products and sum in float32), shaped like
+    ``labels``: (N,) or (N, K) ids per row (K ids of row i all dot with h_i); ids outside [0, V)
+    (``ignore_index``) get 0. Reads one row of W per id."""
     n, h = hidden_states.shape
-    out = torch.empty(n, dtype=torch.float32, device=hidden_states.device)
+    k = labels.shape[1] if labels.dim() == 2 else 1
+    out = torch.empty(labels.shape, dtype=torch.float32, device=hidden_states.device)
     block_r = 16 if interpreting() else 32
-    _label_logits_kernel[(triton.cdiv(n, block_r),)](
+    _label_logits_kernel[(triton.cdiv(n * k, block_r),)](
         hidden_states, weight, labels, out,
-        n, weight.shape[0], h,
+        n, weight.shape[0], h, k,
         hidden_states.stride(0), hidden_states.stride(1), weight.stride(0), weight.stride(1),
-        labels.stride(0),
+        labels.stride(0), labels.stride(1) if labels.dim() == 2 else 0,
         inv_temperature,
         BLOCK_R=block_r, BLOCK_K=128,
     )

@@ -1,0 +1,91 @@
+"""linear_topk_kl vs a float64 reference built from materialized logits (values and gradients).
+
+Shapes are small and odd (N = 13 rows in a (2, ...) layout is not needed: 13 x 24 x 203); the
+Triton backend runs in the CPU interpreter with 64-column splits, so V = 203 ends in a partial
+split. Teacher log-probs are random (not a softmax of anything) unless renormalized.
+"""
+import pytest
+import torch
+
+from rl_kernels.distill import linear_topk_kl
+
+N, H, V = 13, 24, 203
+
+
+def _inputs(k, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(N, H, generator=g).to(dtype)
+    w = (0.3 * torch.randn(V, H, generator=g)).to(dtype)
+    ids = torch.stack([torch.randperm(V, generator=g)[:k] for _ in range(N)])
+    t_lp = torch.log_softmax(torch.randn(N, k, generator=g) * 2, -1) - 0.1 * torch.rand(N, k, generator=g)
+    mask = torch.rand(N, generator=g) > 0.25
+    return h, w, ids, t_lp, mask
+
+
+def _reference(h, w, ids, t_lp, mask, temperature, kind, renorm, reduction):
+    log_q = torch.log_softmax((h @ w.T) / temperature, -1).gather(1, ids)
+    log_pt = torch.log_softmax(t_lp, -1) if renorm else t_lp
+    if kind == "forward":
+        per = (log_pt.exp() * (log_pt - log_q)).sum(-1)
+    else:
+        per = (log_q.exp() * (log_q - log_pt)).sum(-1)
+    per = torch.where(mask, per * temperature**2, 0.0)
+    return {"none": per, "sum": per.sum(), "mean": per.sum() / mask.sum(), "batchmean": per.sum() / N}[reduction]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("k,kind,renorm,reduction,temperature", [
+    (5, "forward", False, "batchmean", 1.0),
+    (5, "reverse", True, "none", 0.7),
+    (1, "forward", True, "mean", 1.3),      # K = 1
+    (V, "forward", True, "sum", 1.0),       # K = V: the full KL
+    (V, "reverse", False, "mean", 2.0),
+])
+def test_topk_kl_values_and_gradients(poison, backend, k, kind, renorm, reduction, temperature):
+    h, w, ids, t_lp, mask = _inputs(k, seed=k)
+    hx, wx = h.clone().requires_grad_(), w.clone().requires_grad_()
+    got = linear_topk_kl(hx, wx, ids, t_lp, mask=mask, temperature=temperature, kind=kind,
+                         renormalize_teacher=renorm, reduction=reduction, backend=backend)
+    h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
+    ref = _reference(h64, w64, ids, t_lp.double(), mask, temperature, kind, renorm, reduction)
+    up = torch.randn(ref.shape, generator=torch.Generator().manual_seed(9)).double()
+    (up * ref).sum().backward()
+    (up.float() * got).sum().backward()
+    assert got.dtype == torch.float32 and got.shape == ref.shape
+    torch.testing.assert_close(got.double(), ref.detach(), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(hx.grad.double(), h64.grad, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(wx.grad.double(), w64.grad, atol=2e-5, rtol=1e-4)
+    assert torch.all(hx.grad[~mask] == 0)
+
+
+def test_full_vocab_renormalized_teacher_equals_torch_kl_div():
+    """K = V with the teacher's full log-softmax: exactly torch's kl_div (log_target) of the two
+    full distributions, times T^2."""
+    h, w, _, _, _ = _inputs(1, seed=3)
+    g = torch.Generator().manual_seed(4)
+    teacher = torch.log_softmax(torch.randn(N, V, generator=g), -1)
+    ids = torch.arange(V).expand(N, V)
+    got = linear_topk_kl(h, w, ids, teacher, temperature=1.5, backend="torch")
+    ref = torch.nn.functional.kl_div(torch.log_softmax(h.double() @ w.double().T / 1.5, -1),
+                                     teacher.double(), reduction="batchmean", log_target=True) * 1.5**2
+    torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_inputs_name_the_argument():
+    h, w, ids, t_lp, mask = _inputs(3)
+    with pytest.raises(ValueError, match="kind: expected one of"):
+        linear_topk_kl(h, w, ids, t_lp, kind="sym")
+    with pytest.raises(ValueError, match="reduction: expected one of"):
+        linear_topk_kl(h, w, ids, t_lp, reduction="avg")
+    with pytest.raises(ValueError, match="teacher_token_ids: values must lie in"):
+        linear_topk_kl(h, w, ids + V, t_lp)
+    with pytest.raises(ValueError, match="teacher_log_probs: expected shape"):
+        linear_topk_kl(h, w, ids, t_lp[:, :2])
+    with pytest.raises(ValueError, match="teacher_token_ids: expected"):
+        linear_topk_kl(h, w, ids.float(), t_lp)
+    with pytest.raises(ValueError, match="mask: expected"):
+        linear_topk_kl(h, w, ids, t_lp, mask=mask[:3])
+    with pytest.raises(NotImplementedError, match="process_group"):
+        linear_topk_kl(h, w, ids, t_lp, process_group=object())
+    with pytest.raises(ValueError, match="temperature"):
+        linear_topk_kl(h, w, ids, t_lp, temperature=-1.0)
