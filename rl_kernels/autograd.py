@@ -32,7 +32,7 @@ import logging
 import torch
 
 from ._logging import log_once
-from .torch_backend import torch_dlogits, torch_forward
+from .torch_backend import torch_dlogits, torch_forward, torch_gathered_logits
 
 MIN_CHUNK_ELEMENTS = 1 << 22
 CHUNK_FRACTION = 0.08  # of (N + V) * H: the buffer stays under 10% of the two gradients
@@ -119,8 +119,10 @@ def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def head_backward(hidden_states, weight, labels, lse, entropy, grad_log_probs, grad_entropy,
-                  params: HeadParams, need_dh: bool, need_dw: bool, grad_lse=None):
-    """(dh or None, dW or None) in the input dtypes; see the module docstring."""
+                  params: HeadParams, need_dh: bool, need_dw: bool, grad_lse=None, gathered=None):
+    """(dh or None, dW or None) in the input dtypes; see the module docstring. ``gathered``:
+    optional (ids (N, K), grad (N, K)): upstream gradients of the logits z[i, ids[i, k]], added to
+    each recomputed dlogits window as sparse entries (no dense (N, K, H) work)."""
     if params.backend == "triton":
         from . import ops
 
@@ -140,8 +142,25 @@ def head_backward(hidden_states, weight, labels, lse, entropy, grad_log_probs, g
                                  grad_entropy, rows, cols, params.inv_temperature,
                                  params.ignore_index, out, grad_lse)
 
+    if gathered is not None:
+        dlogits = _with_gathered(dlogits, *gathered, labels != params.ignore_index,
+                                 params.inv_temperature)
     with _full_precision_reduction():
         return _chunked_backward(dlogits, hidden_states, weight, dz_dtype, need_dh, need_dw)
+
+
+def _with_gathered(dlogits, ids, grad, valid, inv_temperature):
+    """Wrap a dlogits window function: add grad[i, k] * inv_temperature at (i, ids[i, k]) for the
+    ids inside the window's columns (rows whose label is ignored get nothing)."""
+    g = torch.where(valid[:, None], grad.float() * inv_temperature, torch.zeros((), device=grad.device))
+
+    def wrapped(rows, cols, out):
+        dz = dlogits(rows, cols, out)
+        ids_r = ids[rows]
+        r, k = ((ids_r >= cols.start) & (ids_r < cols.stop)).nonzero(as_tuple=True)
+        dz.index_put_((r, ids_r[r, k] - cols.start), g[rows][r, k].to(dz.dtype), accumulate=True)
+        return dz
+    return wrapped
 
 
 def _round_up(x: int, m: int) -> int:
@@ -258,29 +277,43 @@ class LinearLogProbsFunction(torch.autograd.Function):
     lse (N,) float32 when params.return_lse."""
 
     @staticmethod
-    def forward(ctx, hidden_states, weight, labels, params: HeadParams):
+    def forward(ctx, hidden_states, weight, labels, params: HeadParams, gather_ids=None):
         log_probs, entropy, lse = head_forward(hidden_states, weight, labels, params)
         ctx.save_for_backward(hidden_states, weight, labels, lse,
-                              entropy if entropy is not None else lse)
+                              entropy if entropy is not None else lse, gather_ids)
         ctx.params = params
         ctx.set_materialize_grads(False)
         outs = (log_probs,) + ((entropy,) if params.return_entropy else ()) + \
             ((lse.clone(),) if params.return_lse else ())
+        if gather_ids is not None:  # (N, K) logits z[i, ids[i, k]] (internal: distillation)
+            outs += (gathered_logits(hidden_states, weight, gather_ids, params),)
         return outs if len(outs) > 1 else log_probs
 
     @staticmethod
     def backward(ctx, grad_log_probs, *more):
-        hidden_states, weight, labels, lse, entropy = ctx.saved_tensors
+        hidden_states, weight, labels, lse, entropy, gather_ids = ctx.saved_tensors
         params: HeadParams = ctx.params
+        grad_gathered = more[-1] if gather_ids is not None else None
+        more = more[:-1] if gather_ids is not None else more
         grad_entropy = more[0] if params.return_entropy else None
         grad_lse = more[-1] if params.return_lse else None
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if (grad_log_probs is None and grad_entropy is None and grad_lse is None) \
+        if all(g is None for g in (grad_log_probs, grad_entropy, grad_lse, grad_gathered)) \
                 or not (need_dh or need_dw):
-            return None, None, None, None
+            return None, None, None, None, None
         if grad_lse is not None:
             grad_lse = grad_lse.float().contiguous()
         dh, dw = head_backward(hidden_states, weight, labels, lse,
                                entropy if params.return_entropy else None,
-                               grad_log_probs, grad_entropy, params, need_dh, need_dw, grad_lse)
-        return dh, dw, None, None
+                               grad_log_probs, grad_entropy, params, need_dh, need_dw, grad_lse,
+                               None if grad_gathered is None else (gather_ids, grad_gathered))
+        return dh, dw, None, None, None
+
+
+def gathered_logits(hidden_states, weight, ids, params: HeadParams) -> torch.Tensor:
+    """(N, K) float32 z[i, k] = hidden_states[i] . weight[ids[i, k]] * inv_temperature."""
+    if params.backend == "triton":
+        from .ops.linear_forward import label_logits
+
+        return label_logits(hidden_states, weight, ids, params.inv_temperature)
+    return torch_gathered_logits(hidden_states, weight, ids, params.inv_temperature)

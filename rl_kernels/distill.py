@@ -10,8 +10,8 @@ to the teacher's K ids:
 
 The logsumexp comes from the fused split-vocab kernels (``rl_kernels.linear_log_probs``' forward
 and backward with an lse gradient, d lse / dz = softmax(z)); the K logits z_{id_k} are K dot
-products per token (``ops.linear_forward.label_logits``), whose backward is a gather (dh) and a
-scatter-add over the distinct ids (dW). The T^2 factor keeps gradient magnitudes comparable
+products per token (``ops.linear_forward.label_logits``) whose gradients are added as sparse
+entries to the same recomputed dlogits windows, so dh and dW come from the head's own matmuls. The T^2 factor keeps gradient magnitudes comparable
 across temperatures (Hinton, Vinyals, Dean 2015, "Distilling the Knowledge in a Neural Network",
 sec. 2). Restricting the sums to the teacher's K ids is the usual sparse-teacher approximation
 when only top-K log-probs are available; with K = V and a renormalized teacher it is the full KL.
@@ -25,62 +25,6 @@ from .autograd import HeadParams, LinearLogProbsFunction
 
 KINDS = ("forward", "reverse")
 REDUCTIONS = ("none", "sum", "mean", "batchmean")
-_CHUNK_ELEMENTS = 1 << 25  # float32 elements of a (rows, K, H) temporary in the gather backward
-
-
-def _gathered_torch(hidden_states, weight, ids, inv_t):
-    """(N, K) float32 z = h_i . w_{ids[i, k]} * inv_t in row chunks (no (N, K, H) tensor)."""
-    n, k = ids.shape
-    h = hidden_states.shape[1]
-    out = torch.empty(n, k, dtype=torch.float32, device=hidden_states.device)
-    step = max(1, _CHUNK_ELEMENTS // max(1, k * h))
-    for r0 in range(0, n, step):
-        r1 = min(n, r0 + step)
-        w = weight[ids[r0:r1]].float()  # (rows, K, H)
-        out[r0:r1] = torch.einsum("nh,nkh->nk", hidden_states[r0:r1].float(), w) * inv_t
-    return out
-
-
-class _GatheredLogits(torch.autograd.Function):
-    """z[i, k] = hidden_states[i] . weight[ids[i, k]] * inv_t, (N, K) float32."""
-
-    @staticmethod
-    def forward(ctx, hidden_states, weight, ids, inv_t, backend):
-        if backend == "triton":
-            from .ops.linear_forward import label_logits
-
-            z = label_logits(hidden_states, weight, ids, inv_t)
-        else:
-            z = _gathered_torch(hidden_states, weight, ids, inv_t)
-        ctx.save_for_backward(hidden_states, weight, ids)
-        ctx.inv_t = inv_t
-        return z
-
-    @staticmethod
-    def backward(ctx, grad):
-        hidden_states, weight, ids = ctx.saved_tensors
-        n, k = ids.shape
-        h = hidden_states.shape[1]
-        g = grad.float() * ctx.inv_t
-        dh = dw = None
-        if ctx.needs_input_grad[0]:
-            dh = torch.empty_like(hidden_states)
-        if ctx.needs_input_grad[1]:
-            # float32 sums over the distinct ids only, then one scatter into a dense dW
-            uniq, inverse = torch.unique(ids, return_inverse=True)
-            acc = torch.zeros(uniq.numel(), h, dtype=torch.float32, device=weight.device)
-        step = max(1, _CHUNK_ELEMENTS // max(1, k * h))
-        for r0 in range(0, n, step):
-            r1 = min(n, r0 + step)
-            if dh is not None:
-                dh[r0:r1] = torch.einsum("nk,nkh->nh", g[r0:r1], weight[ids[r0:r1]].float())
-            if ctx.needs_input_grad[1]:
-                contrib = g[r0:r1, :, None] * hidden_states[r0:r1, None, :].float()
-                acc.index_add_(0, inverse[r0:r1].reshape(-1), contrib.reshape(-1, h))
-        if ctx.needs_input_grad[1]:
-            dw = torch.zeros_like(weight)
-            dw[uniq] = acc.to(weight.dtype)
-        return dh, dw, None, None, None
 
 
 def _check_inputs(hidden_states, weight, ids, teacher_log_probs, mask):
@@ -157,8 +101,7 @@ def linear_topk_kl(
         outside [0, vocab_size), or a bad ``kind`` / ``reduction`` / ``temperature``;
         NotImplementedError for ``process_group``; RuntimeError when the backend cannot run.
 
-    Memory: O(N K) besides the fused head's own; the weight gradient of the K-logit path is
-    accumulated in float32 over the distinct teacher ids only.
+    Memory: O(N K) besides the fused head's own (``linear_log_probs``' bounds).
     """
     if process_group is not None:
         raise NotImplementedError("process_group: vocab-parallel heads are not supported by "
@@ -182,8 +125,8 @@ def linear_topk_kl(
     labels = torch.where(valid, ids[:, 0], -100)
     params = HeadParams(backend=backend, inv_temperature=1.0 / t, ignore_index=-100,
                         return_entropy=False, return_lse=True)
-    _, lse = LinearLogProbsFunction.apply(h2, weight, labels, params)
-    log_q = _GatheredLogits.apply(h2, weight, ids, 1.0 / t, backend) - lse[:, None]
+    _, lse, z_ids = LinearLogProbsFunction.apply(h2, weight, labels, params, ids)
+    log_q = z_ids - lse[:, None]
 
     log_pt = teacher_log_probs.reshape(ids.shape).detach().float()
     if renormalize_teacher:

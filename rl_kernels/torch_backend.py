@@ -86,3 +86,17 @@ def torch_dlogits(
     valid = (lab != ignore_index)[:, None]
     out.copy_(torch.where(valid, dz * inv_temperature, torch.zeros((), dtype=dt, device=z.device)))
     return out
+
+
+def torch_gathered_logits(hidden_states, weight, ids, inv_temperature, chunk_elements=1 << 25):
+    """(N, K) float32 z[i, k] = h_i . w_{ids[i, k]} * inv_temperature, in row chunks of at most
+    ``chunk_elements`` float32 elements of the gathered (rows, K, H) weight rows."""
+    n, k = ids.shape
+    h = hidden_states.shape[1]
+    out = torch.empty(n, k, dtype=torch.float32, device=hidden_states.device)
+    step = max(1, chunk_elements // max(1, k * h))
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        w = weight[ids[r0:r1]].float()
+        out[r0:r1] = torch.einsum("nh,nkh->nk", hidden_states[r0:r1].float(), w) * inv_temperature
+    return out

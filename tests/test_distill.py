@@ -1,15 +1,22 @@
 """linear_topk_kl vs a float64 reference built from materialized logits (values and gradients).
 
-Shapes are small and odd (N = 13 rows in a (2, ...) layout is not needed: 13 x 24 x 203); the
-Triton backend runs in the CPU interpreter with 64-column splits, so V = 203 ends in a partial
+Shapes are small and odd (13 x 24 x 203); the Triton backend runs in the CPU interpreter with 64-column splits, so V = 203 ends in a partial
 split. Teacher log-probs are random (not a softmax of anything) unless renormalized.
 """
 import pytest
 import torch
 
+import rl_kernels.autograd as rl_autograd
 from rl_kernels.distill import linear_topk_kl
 
 N, H, V = 13, 24, 203
+
+
+@pytest.fixture(autouse=True)
+def small_windows(monkeypatch):
+    """Backward dlogits windows of ~64 columns: the teacher ids' sparse gradients land in several
+    windows (and in the recomputed ones)."""
+    monkeypatch.setattr(rl_autograd, "MIN_CHUNK_ELEMENTS", 64 * N)
 
 
 def _inputs(k, seed=0, dtype=torch.float32):
