@@ -15,7 +15,7 @@ merged left to right with ``merge_stats``. Two launch shapes compute exactly the
 Both call the same ``_split_stats`` and ``_finalize`` helpers in the same order, so the results are
 bitwise identical between the two paths and independent of N (batch invariant).
 
-Finalize: log_sum = log s, lse = m + log_sum, log p_y = (z_y - m) - log_sum (no lse cancellation),
+Finalize: log_sum = log s (>= 0 when s >= 1), lse = m + log_sum, log p_y = (z_y - m) - log_sum (no lse cancellation),
 entropy H = log_sum - b / s, mean log p = t / V - lse. Ignored rows (label == ignore_index) get
 log p 0 and entropy 0.
 
@@ -74,7 +74,10 @@ def _finalize(row, m, s, b, t, x_ptr, stride_n, stride_v, labels_ptr, stride_lab
               log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_ptr, lse_ptr, mean_log_p_ptr,
               LOG_PROBS: tl.constexpr, ENTROPY: tl.constexpr, ZSUM: tl.constexpr):
     """Write the per-row outputs from the merged statistics (scalars of one row)."""
+    # s >= 1 exactly (the row max contributes exp(0) = 1); the GPU's fast log can return a few
+    # 1e-7 below 0 for s just above 1, which would make log p > 0 and entropy < 0: clamp.
     log_sum = tl.log(s)
+    log_sum = tl.where(s >= 1.0, tl.maximum(log_sum, 0.0), log_sum)
     lse = m + log_sum
     tl.store(row_max_ptr + row, m)
     tl.store(log_sum_ptr + row, log_sum)

@@ -40,6 +40,7 @@ def _split_combine_kernel(
     zy = tl.load(zy_ptr + rows, mask=row_mask, other=0.0)
 
     log_s = tl.log(s)
+    log_s = tl.where(s >= 1.0, tl.maximum(log_s, 0.0), log_s)  # s >= 1 exactly; fast log may dip below 0
     lse = m + log_s
     labels = tl.load(labels_ptr + rows.to(tl.int64) * stride_lab, mask=row_mask, other=ignore_index)
     valid = labels != ignore_index
