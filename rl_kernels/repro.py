@@ -1,4 +1,10 @@
-"""Replay samples through every available backend and compare against a float64 reference."""
+"""Replay samples through every available backend and compare against a float64 reference.
+
+Linear-head samples (:class:`~rl_kernels.samples.Sample`) run through ``linear_log_probs`` (ours:
+Triton and torch backends), torch eager and verl's fused kernels; from-logits samples
+(:class:`~rl_kernels.samples.LogitsSample`) through ``logits_stats`` (ours: torch backend, and the
+Triton kernels in each launch shape, one-level and two-level split) and torch eager.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -7,16 +13,19 @@ from collections.abc import Callable
 
 import torch
 
-from .api import linear_log_probs
+from .api import check_labels, check_temperature, linear_log_probs
+from .logits import _check_logits, logits_stats
 from .ops_available import interpreting, triton_available
-from .reference import reference_linear_log_probs
-from .samples import Sample
+from .reference import reference_linear_log_probs, reference_logits_stats
+from .samples import LogitsSample, Sample
 
 # PASS needs max |error| <= atol (log-probs and entropy). Ours keep fp32 logits and land below
 # 5e-5 on bf16 inputs; backends that round logits to bf16 land at ~7e-3 and fail, as they should.
 DEFAULT_ATOL = 5e-4
 
 Backend = Callable[[Sample], tuple[torch.Tensor, torch.Tensor]]
+LogitsBackend = Callable[[LogitsSample], tuple[torch.Tensor, torch.Tensor]]
+TRITON_UNAVAILABLE = "needs CUDA or TRITON_INTERPRET=1 (Triton's CPU interpreter)"
 
 
 @dataclasses.dataclass
@@ -74,10 +83,75 @@ def _verl_backends() -> dict[str, Backend]:
     return found
 
 
+def torch_eager_logits(logits, labels, temperature=1.0, ignore_index=-100):
+    """verl's default from-logits path (``use_fused_kernels=False``) in float32, as
+    :func:`torch_eager` is for the linear head: logits divided by the temperature in their own
+    dtype (verl's ``logits / temperature``; skipped at T = 1 as verl does), then
+    ``logprobs_from_logits`` as float32 log_softmax + gather and ``entropy_from_logits`` as
+    logsumexp(z) - sum(softmax(z) * z) on the float32 logits; ``ignore_index`` masked to 0.
+    (verl's own ``entropy_from_logits``, and its ``logprobs_from_logits`` without flash-attn, run
+    in the logits dtype, so verl's errors are at least these.) Differentiable; the comparison
+    point of ``repro`` for logits samples and of ``rl-kernels bench --logits``."""
+    z = (logits if temperature == 1.0 else logits / temperature).float()
+    valid = labels != ignore_index
+    lp = torch.log_softmax(z, dim=-1).gather(-1, torch.where(valid, labels, 0).unsqueeze(-1)).squeeze(-1)
+    ent = torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)
+    return torch.where(valid, lp, 0.0), torch.where(valid, ent, 0.0)
+
+
+def _torch_eager_logits(s: LogitsSample):
+    return torch_eager_logits(s.logits, s.labels, s.temperature, s.ignore_index)
+
+
+def _ours_logits_torch(s: LogitsSample):
+    out = logits_stats(s.logits, s.labels, temperature=s.temperature, ignore_index=s.ignore_index,
+                       backend="torch")
+    return out.log_probs, out.entropy
+
+
+def _ours_logits_triton(two_level: bool) -> LogitsBackend:
+    """The Triton forward in one launch shape, forced (``logits_stats`` picks one by N), after
+    the public API's checks (a label out of range must not reach the kernel)."""
+    def run(s: LogitsSample):
+        from . import ops
+
+        _check_logits(s.logits)
+        inv_t = 1.0 / check_temperature(s.temperature)
+        check_labels(s.labels, s.logits, "logits", s.logits.shape[-1], s.ignore_index)
+        x = s.logits.reshape(-1, s.logits.shape[-1])
+        out = ops.logits_forward(x, s.labels.reshape(-1), inv_t, int(s.ignore_index),
+                                 True, False, ops.logits_config(x.device), two_level=two_level)
+        return out["log_probs"].view(s.labels.shape), out["entropy"].view(s.labels.shape)
+    return run
+
+
+def _triton_runs_on(device: torch.device) -> bool:
+    return triton_available() and (device.type == "cuda" or interpreting())
+
+
+def unavailable_backends(device: torch.device) -> dict[str, str]:
+    """name -> why, for our backends that cannot run on ``device`` (listed, not run)."""
+    if _triton_runs_on(device):
+        return {}
+    return {"rl_kernels triton (linear; from-logits 1-level and 2-level)":
+            TRITON_UNAVAILABLE if triton_available() else "triton is not installed"}
+
+
+def available_logits_backends(device: torch.device) -> dict[str, tuple[LogitsBackend, bool]]:
+    """name -> (callable, is_ours) for every from-logits backend that can run on ``device``."""
+    backends: dict[str, tuple[LogitsBackend, bool]] = {}
+    if _triton_runs_on(device):
+        backends["rl_kernels triton 1-level"] = (_ours_logits_triton(False), True)
+        backends["rl_kernels triton 2-level"] = (_ours_logits_triton(True), True)
+    backends["rl_kernels torch"] = (_ours_logits_torch, True)
+    backends["torch eager"] = (_torch_eager_logits, False)
+    return backends
+
+
 def available_backends(device: torch.device) -> dict[str, tuple[Backend, bool]]:
-    """name -> (callable, is_ours) for every backend that can run on ``device``."""
+    """name -> (callable, is_ours) for every linear-head backend that can run on ``device``."""
     backends: dict[str, tuple[Backend, bool]] = {}
-    if triton_available() and (device.type == "cuda" or interpreting()):
+    if _triton_runs_on(device):
         backends["rl_kernels triton"] = (_ours("triton"), True)
     backends["rl_kernels torch"] = (_ours("torch"), True)
     backends["torch eager"] = (_torch_eager, False)
@@ -86,18 +160,27 @@ def available_backends(device: torch.device) -> dict[str, tuple[Backend, bool]]:
     return backends
 
 
-def _to(s: Sample, device: torch.device) -> Sample:
+def _to(s: Sample | LogitsSample, device: torch.device) -> Sample | LogitsSample:
+    if isinstance(s, LogitsSample):
+        return dataclasses.replace(s, logits=s.logits.to(device), labels=s.labels.to(device))
     return dataclasses.replace(s, hidden_states=s.hidden_states.to(device),
                                weight=s.weight.to(device), labels=s.labels.to(device))
 
 
-def check_sample(sample: Sample, device: torch.device, atol: float = DEFAULT_ATOL,
-                 backends: dict[str, tuple[Backend, bool]] | None = None) -> list[Row]:
-    """One Row per backend: errors vs the float64 reference (over non-ignored positions)."""
-    backends = backends if backends is not None else available_backends(device)
-    ref = reference_linear_log_probs(sample.hidden_states, sample.weight, sample.labels,
-                                     temperature=sample.temperature,
+def check_sample(sample: Sample | LogitsSample, device: torch.device, atol: float = DEFAULT_ATOL,
+                 backends: dict[str, tuple[Backend | LogitsBackend, bool]] | None = None) -> list[Row]:
+    """One Row per backend: errors vs the float64 reference (over non-ignored positions).
+    ``backends`` must match the sample's kind (default: :func:`available_backends` for a
+    :class:`Sample`, :func:`available_logits_backends` for a :class:`LogitsSample`)."""
+    if isinstance(sample, LogitsSample):
+        backends = backends if backends is not None else available_logits_backends(device)
+        ref = reference_logits_stats(sample.logits, sample.labels, temperature=sample.temperature,
                                      ignore_index=sample.ignore_index)
+    else:
+        backends = backends if backends is not None else available_backends(device)
+        ref = reference_linear_log_probs(sample.hidden_states, sample.weight, sample.labels,
+                                         temperature=sample.temperature,
+                                         ignore_index=sample.ignore_index)
     valid = (sample.labels != sample.ignore_index).cpu()
     s_dev = _to(sample, device)
     rows = []

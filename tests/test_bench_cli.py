@@ -1,6 +1,7 @@
 """`rl-kernels bench` off the GPU: it says so and exits 0; `--plot` re-charts a saved result."""
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -35,3 +36,101 @@ def test_bench_rejects_bad_shape(monkeypatch):
     monkeypatch.setattr("rl_kernels.bench.implementations", lambda stub_verl: ({"rl_kernels": None}, {}))
     with pytest.raises(SystemExit, match="--shapes: expected N,H,V"):
         main(["bench", "--shapes", "16,8"])
+
+
+# ----------------------------------------------------------------------------- --logits
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-CUDA message")
+def test_bench_logits_without_cuda_exits_cleanly(capsys):
+    assert main(["bench", "--logits"]) == 0
+    assert "no CUDA device" in capsys.readouterr().out
+
+
+def _logits_results():
+    ceilings = {"bytes": 4 * 2**30, "read_sum_gbps": 2900.0, "read_amax_gbps": 3000.0,
+                "read_gbps": 3000.0, "copy_gbps": 2800.0}
+    ours = {"ce_only": False, "fwd_ms": 2.0, "fwd_gbps": 2491.0, "fwd_frac_read": 0.83, "fwd_bwd_ms": 6.0,
+            "bwd_ms": 4.0, "bwd_gbps": 2491.0, "bwd_frac_copy": 0.89, "fwd_extra_gb": 0.0001,
+            "fwd_bwd_extra_gb": 4.98, "max_err": 3e-6}
+    tiny = {**ours, "fwd_bwd_ms": 1.9, "bwd_ms": -0.1, "bwd_gbps": None, "bwd_frac_copy": None}
+    return {"kind": "logits", "device": "test", "torch": "x", "triton": "y", "date": "2026-11-23",
+            "absent": {"flash-attn": "ModuleNotFoundError: No module named 'flash_attn'"},
+            "ceilings": ceilings,
+            "shapes": [{"shape": [16384, 152064], "impls": {
+                "rl_kernels": ours, "torch eager": {"ce_only": False, "error": "out of memory"},
+                "liger (CE only)": {**ours, "ce_only": True, "max_err": 1e-2}}},
+                {"shape": [8, 1000], "impls": {"rl_kernels": tiny}}]}
+
+
+def test_bench_logits_plot_from_json(tmp_path, capsys):
+    path = tmp_path / "logits.json"
+    path.write_text(json.dumps(_logits_results()))
+    assert main(["bench", "--plot", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "read 3000 GB/s (sum 2900, amax 3000); copy 2800 GB/s" in out
+    assert "16384 x 152064 bf16 logits (4.64 GiB)" in out and "8 x 1000" in out
+    table = [line for line in out.splitlines() if line.startswith("| ")]
+    ours = next(line for line in table if line.startswith("| rl_kernels ") and "2491" in line)
+    assert "83%" in ours and "89%" in ours and "6.000" in ours
+    assert any("liger (CE only)" in line and "CE only" in line.split("|")[-2] for line in table)
+    assert any("torch eager" in line and "out of memory" in line for line in table)
+    assert "not importable here: flash-attn" in out
+    png = tmp_path / "logits.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and os.path.getsize(png) > 1000
+
+
+def test_bench_logits_shapes(monkeypatch):
+    from rl_kernels import bench
+
+    assert bench.parse_shapes(bench.DEFAULT_LOGITS_SHAPES, logits=True) == [(16384, 152064), (512, 152064)]
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "run_logits", lambda shapes, **kw: calls.append((shapes, kw)) or 0)
+    assert main(["bench", "--logits"]) == 0
+    assert main(["bench", "--logits", "--shapes", "8,1000", "4,33", "--impls", "rl_kernels",
+                 "--json", "r.json"]) == 0
+    assert calls[0][0] is None  # the defaults, resolved by run_logits
+    assert calls[1][0] == ["8,1000", "4,33"]
+    assert calls[1][1] == {"json_path": "r.json", "png_path": None, "only": ["rl_kernels"]}
+
+
+@pytest.mark.parametrize("shape", ["16,8,4", "16", "a,b", "0,100"])
+def test_bench_logits_rejects_bad_shape(monkeypatch, shape):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr("rl_kernels.bench.logits_implementations", lambda: ({"rl_kernels": None}, {}))
+    with pytest.raises(SystemExit, match="--shapes: expected N,V"):
+        main(["bench", "--logits", "--shapes", shape])
+
+
+def test_bench_logits_bandwidth_arithmetic():
+    from rl_kernels.bench import _bandwidths
+
+    ceilings = {"read_gbps": 2000.0, "copy_gbps": 2500.0}
+    rec = {"fwd_ms": 1.0, "fwd_bwd_ms": 3.0}
+    _bandwidths(rec, 1000, 500_000, ceilings)  # 1e9 bytes of bf16 logits
+    assert rec["fwd_gbps"] == pytest.approx(1000.0) and rec["fwd_frac_read"] == pytest.approx(0.5)
+    assert rec["bwd_ms"] == pytest.approx(2.0)
+    assert rec["bwd_gbps"] == pytest.approx(1000.0) and rec["bwd_frac_copy"] == pytest.approx(0.4)
+    rec = {"fwd_ms": 1.0, "fwd_bwd_ms": 0.9}
+    _bandwidths(rec, 1000, 500_000, ceilings)
+    assert rec["bwd_gbps"] is None and rec["bwd_frac_copy"] is None
+
+
+def test_bench_logits_implementations_on_cpu(monkeypatch):
+    """Ours and torch eager as the bench calls them: log-probs and entropy match float64. The
+    peers (CUDA only) are made unimportable, which the bench reports instead of failing."""
+    from rl_kernels.bench import logits_implementations
+    from rl_kernels.reference import reference_logits_stats
+
+    for name in ("flash_attn", "liger_kernel"):
+        monkeypatch.setitem(sys.modules, name, None)  # import raises ImportError
+    impls, absent = logits_implementations()
+    assert set(impls) == {"rl_kernels", "torch eager"} and set(absent) == {"flash-attn", "liger"}
+    g = torch.Generator().manual_seed(0)
+    x = 2.0 * torch.randn(6, 37, generator=g)
+    y = torch.randint(0, 37, (6,), generator=g)
+    ref = reference_logits_stats(x, y)
+    for name in ("rl_kernels", "torch eager"):
+        lp, ent = impls[name](x, y)
+        torch.testing.assert_close(lp.double(), ref.log_probs, rtol=0, atol=1e-5)
+        torch.testing.assert_close(ent.double(), ref.entropy, rtol=0, atol=1e-5)

@@ -8,7 +8,8 @@ import torch
 
 import rl_kernels.repro as repro
 from rl_kernels.cli import main
-from rl_kernels.samples import BUNDLED, load_sample, save_sample
+from rl_kernels.reference import reference_logits_stats
+from rl_kernels.samples import BUNDLED, LogitsSample, load_sample, save_logits_sample, save_sample
 
 from helpers import make_inputs
 
@@ -24,6 +25,13 @@ def test_bundled_repro_main_job_passes():
     assert len(ours) == len(BUNDLED) and all("PASS" in line for line in ours)
     # the anchors' symptom is visible: bf16 logits fail the 5e-4 tolerance
     assert any("torch eager" in line and "FAIL" in line for line in table)
+    # the from-logits sample: ours passes; eager fails (bf16 logits divided by T in bf16)
+    logits_rows = [line for line in table if line.startswith("| logits_bf16_temperature ")]
+    assert any("rl_kernels torch" in line and "PASS" in line for line in logits_rows)
+    assert any("torch eager" in line and "FAIL" in line for line in logits_rows)
+    if not torch.cuda.is_available():  # no interpreter in the main job: Triton rows are skipped
+        assert "skipped: rl_kernels triton" in proc.stdout
+        assert not any("triton" in line for line in table)
 
 
 @pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
@@ -38,10 +46,28 @@ def test_save_load_round_trip(tmp_path, suffix):
     assert s.temperature == 0.6 and s.ignore_index == -1 and s.metadata["step"] == "12"
 
 
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_save_load_logits_round_trip(tmp_path, suffix):
+    logits = torch.randn(2, 3, 17).bfloat16()
+    labels = torch.tensor([[1, -1, 16], [0, 5, -1]])
+    path = tmp_path / f"s{suffix}"
+    save_logits_sample(path, logits, labels, temperature=0.6, ignore_index=-1,
+                       metadata={"step": 3})
+    s = load_sample(path)
+    assert isinstance(s, LogitsSample) and s.logits.dtype == torch.bfloat16
+    assert torch.equal(s.logits, logits) and torch.equal(s.labels, labels)
+    assert s.temperature == 0.6 and s.ignore_index == -1 and s.metadata["step"] == "3"
+
+
 def test_saved_bundled_sample_replays_through_every_backend(tmp_path, capsys):
     assert main(["repro", "--save", str(tmp_path)]) == 0
     files = sorted(os.listdir(tmp_path))
     assert files == sorted(f"{name}.safetensors" for name in BUNDLED)
+    saved = load_sample(tmp_path / "logits_bf16_temperature.safetensors")
+    made = BUNDLED["logits_bf16_temperature"]()
+    assert isinstance(saved, LogitsSample) and torch.equal(saved.logits, made.logits)
+    assert torch.equal(saved.labels, made.labels) and saved.temperature == made.temperature
+    assert saved.description == made.description
     assert main(["repro", str(tmp_path / "ignore_index_3d.safetensors")]) == 0
     out = capsys.readouterr().out
     assert "rl_kernels torch" in out and "PASS" in out
@@ -64,14 +90,103 @@ def test_failing_backend_of_ours_gives_nonzero_exit(tmp_path, monkeypatch, capsy
     assert "FAIL" in capsys.readouterr().out
 
 
+def _logits_file(tmp_path, dtype=torch.float32):
+    """A small from-logits sample: 5 rows x 150 (three interpreter splits of 64, the last
+    partial), two ignored labels, T = 0.8."""
+    g = torch.Generator().manual_seed(7)
+    logits = (3.0 * torch.randn(5, 150, generator=g)).to(dtype)
+    labels = torch.randint(0, 150, (5,), generator=g)
+    labels[1] = labels[4] = -100
+    path = tmp_path / "logits.safetensors"
+    save_logits_sample(path, logits, labels, temperature=0.8)
+    return path
+
+
+def _table(out):
+    return [line for line in out.splitlines() if line.startswith("| ")]
+
+
+def test_logits_sample_replays_through_every_backend(tmp_path, capsys):
+    path = _logits_file(tmp_path)
+    assert main(["repro", str(path)]) == 0
+    rows = {line.split("|")[2].strip(): line for line in _table(capsys.readouterr().out)[1:]}
+    expected = {"rl_kernels torch", "torch eager"}
+    if "rl_kernels triton 1-level" in repro.available_logits_backends(torch.device("cpu")):
+        expected |= {"rl_kernels triton 1-level", "rl_kernels triton 2-level"}
+        # both launch shapes do the same arithmetic: the same errors
+        one, two = (rows[f"rl_kernels triton {k}-level"].split("|")[3:5] for k in (1, 2))
+        assert one == two
+    assert set(rows) == expected
+    # float32 logits: every backend, eager included, is within the tolerance
+    assert all("PASS" in line for line in rows.values())
+
+
+def test_logits_triton_rows_skipped_without_cuda_or_interpreter(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(repro, "interpreting", lambda: False)
+    path = _logits_file(tmp_path, torch.bfloat16)
+    assert main(["repro", "--device", "cpu", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "skipped: rl_kernels triton" in out
+    assert [line.split("|")[2].strip() for line in _table(out)[1:]] == ["rl_kernels torch",
+                                                                      "torch eager"]
+
+
+def test_failing_logits_backend_of_ours_gives_nonzero_exit(tmp_path, monkeypatch, capsys):
+    path = _logits_file(tmp_path)
+
+    def broken(s):
+        lp, ent = repro._torch_eager_logits(s)
+        return lp, ent + 1e-2
+
+    monkeypatch.setattr(repro, "available_logits_backends",
+                        lambda device: {"ours broken": (broken, True)})
+    assert main(["repro", str(path)]) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_reference_logits_stats():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 3, 40, generator=g).bfloat16()
+    labels = torch.randint(0, 40, (2, 3), generator=g)
+    labels[0, 2] = -100
+    ref = reference_logits_stats(logits, labels, temperature=0.5, chunk_elements=100)
+    z = logits.double() / 0.5
+    log_p = torch.log_softmax(z, -1)
+    valid = labels != -100
+    lp = log_p.gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+    ent = -(log_p.exp() * log_p).sum(-1)
+    assert ref.log_probs.dtype == torch.float64 and ref.log_probs.shape == (2, 3)
+    torch.testing.assert_close(ref.log_probs, torch.where(valid, lp, 0.0), rtol=0, atol=1e-12)
+    torch.testing.assert_close(ref.entropy, torch.where(valid, ent, 0.0), rtol=0, atol=1e-12)
+    torch.testing.assert_close(ref.lse, torch.logsumexp(z, -1), rtol=0, atol=1e-12)
+    assert reference_logits_stats(logits).log_probs is None
+
+
 def test_sample_errors(tmp_path):
-    torch.save({"logits": torch.randn(2, 5), "labels": torch.zeros(2, dtype=torch.long)},
-               tmp_path / "logits.pt")
-    with pytest.raises(ValueError, match="from-logits sample"):
+    torch.save({"logits": torch.randn(2, 5)}, tmp_path / "logits.pt")
+    with pytest.raises(ValueError, match=r"missing \['labels'\]; a from-logits sample"):
         load_sample(tmp_path / "logits.pt")
+    torch.save({"logits": torch.randn(2, 5), "labels": torch.zeros(3, dtype=torch.long)},
+               tmp_path / "mismatch.pt")
+    with pytest.raises(ValueError, match=r"labels \(3,\) do not match logits \(2, 5\)"):
+        load_sample(tmp_path / "mismatch.pt")
+    with pytest.raises(ValueError, match="labels: expected shape"):
+        save_logits_sample(tmp_path / "x.pt", torch.randn(2, 5), torch.zeros(5, dtype=torch.long))
     torch.save({"hidden_states": torch.randn(2, 5)}, tmp_path / "partial.pt")
     with pytest.raises(ValueError, match=r"missing \['weight', 'labels'\]"):
         load_sample(tmp_path / "partial.pt")
     with pytest.raises(ValueError, match="path: expected a .safetensors or .pt"):
         save_sample(tmp_path / "x.npz", torch.randn(2, 3), torch.randn(4, 3),
                     torch.zeros(2, dtype=torch.long))
+
+
+def test_logits_sample_with_bad_label(tmp_path):
+    """A label outside [0, V) is named before anything reads the logits at it."""
+    save_logits_sample(tmp_path / "bad.pt", torch.randn(3, 20), torch.tensor([1, 20, -100]))
+    with pytest.raises(ValueError, match=r"labels: 1 entries lie outside \[0, vocab_size=20\)"):
+        main(["repro", str(tmp_path / "bad.pt")])
+    sample = load_sample(tmp_path / "bad.pt")
+    for name, (fn, ours) in repro.available_logits_backends(torch.device("cpu")).items():
+        if ours:  # ours check before the kernels run (the reference checks for check_sample)
+            with pytest.raises(ValueError, match="labels: 1 entries"):
+                fn(sample)
