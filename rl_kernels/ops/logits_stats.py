@@ -74,10 +74,11 @@ def _finalize(row, m, s, b, t, x_ptr, stride_n, stride_v, labels_ptr, stride_lab
               log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_ptr, lse_ptr, mean_log_p_ptr,
               LOG_PROBS: tl.constexpr, ENTROPY: tl.constexpr, ZSUM: tl.constexpr):
     """Write the per-row outputs from the merged statistics (scalars of one row)."""
-    # s >= 1 exactly (the row max contributes exp(0) = 1); the GPU's fast log can return a few
-    # 1e-7 below 0 for s just above 1, which would make log p > 0 and entropy < 0: clamp.
+    # s >= 1 exactly when m is finite (the row max contributes exp(0) = 1), but the GPU's fast
+    # exp/log put log s a few 1e-7 below 0 on a row with p_y ~ 1 (H100), which made log p > 0 and
+    # entropy < 0: clamp (finite rows only, so an all -inf row keeps lse = -inf).
     log_sum = tl.log(s)
-    log_sum = tl.where(s >= 1.0, tl.maximum(log_sum, 0.0), log_sum)
+    log_sum = tl.where(m > float("-inf"), tl.maximum(log_sum, 0.0), log_sum)
     lse = m + log_sum
     tl.store(row_max_ptr + row, m)
     tl.store(log_sum_ptr + row, log_sum)
@@ -90,9 +91,11 @@ def _finalize(row, m, s, b, t, x_ptr, stride_n, stride_v, labels_ptr, stride_lab
         safe = tl.where(valid & (label >= 0) & (label < V), label, 0).to(tl.int64)
         zy = tl.load(x_ptr + row.to(tl.int64) * stride_n + safe * stride_v).to(tl.float32)
         zy = zy * inv_temperature
-        tl.store(log_probs_ptr + row, tl.where(valid, (zy - m) - log_sum, 0.0))
+        log_p = tl.minimum((zy - m) - log_sum, 0.0, propagate_nan=tl.PropagateNan.ALL)
+        tl.store(log_probs_ptr + row, tl.where(valid, log_p, 0.0))
     if ENTROPY:
-        tl.store(entropy_ptr + row, tl.where(valid, log_sum - b / s, 0.0))
+        ent = tl.maximum(log_sum - b / s, 0.0, propagate_nan=tl.PropagateNan.ALL)
+        tl.store(entropy_ptr + row, tl.where(valid, ent, 0.0))
     if ZSUM:
         tl.store(mean_log_p_ptr + row, t / V - lse)
 

@@ -40,7 +40,8 @@ def _split_combine_kernel(
     zy = tl.load(zy_ptr + rows, mask=row_mask, other=0.0)
 
     log_s = tl.log(s)
-    log_s = tl.where(s >= 1.0, tl.maximum(log_s, 0.0), log_s)  # s >= 1 exactly; fast log may dip below 0
+    # s >= 1 exactly for a finite m; the GPU's fast exp/log may put log s just below 0
+    log_s = tl.where(m > float("-inf"), tl.maximum(log_s, 0.0), log_s)
     lse = m + log_s
     labels = tl.load(labels_ptr + rows.to(tl.int64) * stride_lab, mask=row_mask, other=ignore_index)
     valid = labels != ignore_index
@@ -50,7 +51,8 @@ def _split_combine_kernel(
     tl.store(log_probs_ptr + rows, tl.where(valid, log_p, 0.0), mask=row_mask)
     tl.store(lse_ptr + rows, lse, mask=row_mask)
     if COMPUTE_ENTROPY:
-        tl.store(entropy_ptr + rows, tl.where(valid, log_s - b / s, 0.0), mask=row_mask)
+        ent = tl.maximum(log_s - b / s, 0.0, propagate_nan=tl.PropagateNan.ALL)
+        tl.store(entropy_ptr + rows, tl.where(valid, ent, 0.0), mask=row_mask)
 
 
 def split_combine(
