@@ -13,11 +13,13 @@ Public API:
     linear_topk_kl(hidden_states, weight, teacher_token_ids, teacher_log_probs, *, mask=None,
                    temperature=1.0, kind="forward", renormalize_teacher=False,
                    reduction="batchmean") -> loss
+    linear_jsd(student_hidden, student_weight, teacher_hidden, teacher_weight, *, beta=0.5,
+               temperature=1.0, labels=None, ignore_index=-100, reduction="mean") -> loss
 """
 from .api import LogProbsOutput, linear_log_probs
-from .distill import linear_topk_kl
+from .distill import linear_jsd, linear_topk_kl
 from .logits import LogitsStats, cross_entropy, entropy_from_logits, log_probs_from_logits, logits_stats, logsumexp
 
 __version__ = "0.1.0"
 __all__ = ["LogProbsOutput", "LogitsStats", "linear_log_probs", "log_probs_from_logits", "entropy_from_logits",
-           "logsumexp", "logits_stats", "cross_entropy", "linear_topk_kl", "__version__"]
+           "logsumexp", "logits_stats", "cross_entropy", "linear_topk_kl", "linear_jsd", "__version__"]

@@ -1,5 +1,9 @@
 """Distillation losses on the fused linear head (no N x V logits stored).
 
+``linear_jsd``: generalized Jensen-Shannon divergence between a student head and a teacher head
+in the same process (``ops.linear_jsd`` for the math and kernels); both heads' logits are
+recomputed tile by tile, gradients reach the student only.
+
 ``linear_topk_kl``: KL divergence between a teacher given only by its top-K log-probs per token
 (for example from an inference server) and the student's full-vocabulary distribution, restricted
 to the teacher's K ids:
@@ -20,8 +24,13 @@ from __future__ import annotations
 
 import torch
 
-from .api import _FLOAT_DTYPES, _LABEL_DTYPES, _describe, check_temperature, resolve_backend
-from .autograd import HeadParams, LinearLogProbsFunction
+import dataclasses
+import numbers
+
+from .api import _FLOAT_DTYPES, _LABEL_DTYPES, _describe, check_labels, check_temperature, resolve_backend
+from .autograd import (HeadParams, LinearLogProbsFunction, _chunked_backward, _full_precision_reduction,
+                       head_forward)
+from .torch_backend import torch_jsd_dlogits, torch_jsd_sums
 
 KINDS = ("forward", "reverse")
 REDUCTIONS = ("none", "sum", "mean", "batchmean")
@@ -136,6 +145,10 @@ def linear_topk_kl(
     else:
         per_token = (log_q.exp() * (log_q - log_pt)).sum(-1)
     per_token = torch.where(valid, per_token * (t * t), torch.zeros((), device=per_token.device))
+    return _reduce(per_token, valid, lead, reduction)
+
+
+def _reduce(per_token, valid, lead, reduction):
     if reduction == "none":
         return per_token.view(lead)
     if reduction == "sum":
@@ -143,3 +156,173 @@ def linear_topk_kl(
     if reduction == "mean":
         return per_token.sum() / valid.sum()
     return per_token.sum() / (lead[0] if len(lead) else 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class JSDParams:
+    backend: str  # resolved: "triton" or "torch"
+    inv_temperature: float
+    beta: float
+
+
+class LinearJSDFunction(torch.autograd.Function):
+    """Inputs: student_hidden (N, Hs), student_weight (V, Hs), teacher_hidden (N, Ht),
+    teacher_weight (V, Ht), valid (N,) bool, JSDParams. Output: (N,) float32 per-token divergence
+    x T^2, 0 where not valid. Gradients to the student's two inputs only."""
+
+    @staticmethod
+    def forward(ctx, student_hidden, student_weight, teacher_hidden, teacher_weight, valid, params):
+        n = student_hidden.shape[0]
+        zeros = torch.zeros(n, dtype=torch.long, device=student_hidden.device)
+        head = HeadParams(backend=params.backend, inv_temperature=params.inv_temperature,
+                          ignore_index=-100, return_entropy=False)
+        lse_s = head_forward(student_hidden, student_weight, zeros, head)[2].contiguous()
+        lse_t = head_forward(teacher_hidden, teacher_weight, zeros, head)[2].contiguous()
+        args = (student_hidden, student_weight, teacher_hidden, teacher_weight, lse_s, lse_t,
+                params.inv_temperature, params.beta)
+        if params.backend == "triton" and n:
+            from .ops import default_config
+            from .ops.linear_jsd import jsd_split_sums
+
+            cfg = default_config(student_hidden.device)
+            loss, g_sum = jsd_split_sums(*args, cfg, cfg.jsd_fwd)
+        else:
+            loss, g_sum = torch_jsd_sums(*args)
+        t2 = 1.0 / params.inv_temperature ** 2
+        ctx.save_for_backward(student_hidden, student_weight, teacher_hidden, teacher_weight,
+                              lse_s, lse_t, g_sum if g_sum is not None else lse_s, valid)
+        ctx.params = params
+        return torch.where(valid, loss.float() * t2, torch.zeros((), device=loss.device))
+
+    @staticmethod
+    def backward(ctx, grad):
+        hs, ws, ht, wt, lse_s, lse_t, g_sum, valid = ctx.saved_tensors
+        params: JSDParams = ctx.params
+        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if grad is None or not (need_dh or need_dw):
+            return None, None, None, None, None, None
+        scale = torch.where(valid, grad.float() / params.inv_temperature ** 2,
+                            torch.zeros((), device=grad.device)).contiguous()
+        g_sum = None if params.beta == 0.0 else g_sum
+        if params.backend == "triton":
+            from .ops import default_config
+            from .ops.linear_jsd import jsd_dlogits
+
+            cfg = default_config(hs.device)
+            dz_dtype = hs.dtype
+
+            def dlogits(rows, cols, out):
+                return jsd_dlogits(hs, ws, ht, wt, lse_s, lse_t, g_sum, scale, rows, cols,
+                                   params.inv_temperature, params.beta, out, cfg, cfg.jsd_bwd)
+        else:
+            dz_dtype = torch.float32
+
+            def dlogits(rows, cols, out):
+                return torch_jsd_dlogits(hs, ws, ht, wt, lse_s, lse_t, g_sum, scale, rows, cols,
+                                         params.inv_temperature, params.beta, out)
+        with _full_precision_reduction():
+            dh, dw = _chunked_backward(dlogits, hs, ws, dz_dtype, need_dh, need_dw)
+        return dh, dw, None, None, None, None
+
+
+def _check_head(hidden, weight, hname, wname, lead=None, dtype=None, device=None):
+    for name, t in ((hname, hidden), (wname, weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if hidden.dtype not in _FLOAT_DTYPES or hidden.dim() < 2:
+        raise TypeError(f"{hname}: expected (..., H) bfloat16/float16/float32, got {_describe(hidden)}")
+    if lead is not None and tuple(hidden.shape[:-1]) != lead:
+        raise ValueError(f"{hname}: expected leading shape {lead} (as student_hidden), got {_describe(hidden)}")
+    if dtype is not None and hidden.dtype != dtype:
+        raise TypeError(f"{hname}: dtype {hidden.dtype} differs from student_hidden's {dtype}; cast one of them")
+    if device is not None and hidden.device != device:
+        raise ValueError(f"{hname}: on {hidden.device}, but student_hidden is on {device}")
+    if weight.dim() != 2 or weight.dtype != hidden.dtype or weight.shape[1] != hidden.shape[-1] \
+            or weight.device != hidden.device or weight.shape[0] == 0:
+        raise ValueError(f"{wname}: expected (vocab_size >= 1, {hidden.shape[-1]}) {hidden.dtype} on "
+                         f"{hidden.device}, got {_describe(weight)}")
+
+
+def linear_jsd(
+    student_hidden: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    *,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    labels: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    process_group=None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Generalized Jensen-Shannon divergence between a student and a teacher linear head (fused).
+
+    With q = softmax(student_hidden @ student_weight.T / T), p = softmax(teacher_hidden @
+    teacher_weight.T / T) and M = beta p + (1 - beta) q, per token:
+
+        JSD_beta = beta KL(p || M) + (1 - beta) KL(q || M)      (0 < beta < 1)
+        beta = 0: KL(p || q) (forward KL),  beta = 1: KL(q || p) (reverse KL)
+
+    (Agarwal et al. 2024, "On-Policy Distillation of Language Models" (GKD), generalized JSD;
+    beta = 0 / 1 are the KL limits, the convention of Liger-Kernel's JSD.) The result is
+    multiplied by T^2, as in ``linear_topk_kl`` (Hinton et al. 2015); divide by temperature**2
+    for the unscaled value that Liger / TRL report. Neither head's N x V logits are stored: both
+    are recomputed tile by tile (``rl_kernels.ops.linear_jsd``).
+
+    Args:
+        student_hidden: (..., Hs) bfloat16/float16/float32. Differentiable.
+        student_weight: (vocab_size, Hs), same dtype and device. Differentiable.
+        teacher_hidden: (..., Ht) with the student's leading shape and dtype (Ht may differ).
+            No gradient flows to it.
+        teacher_weight: (vocab_size, Ht), the student's vocab_size. No gradient flows to it.
+        beta: Python number in [0, 1] (weight of the teacher in M).
+        temperature: positive Python number dividing both heads' logits; the loss is x T^2.
+        labels: optional int64/int32 of the leading shape; positions equal to ``ignore_index``
+            are excluded (0 loss, no gradient). Other values are not used.
+        ignore_index: int, see ``labels``.
+        reduction: 'mean' (default: sum / number of tokens not ignored), 'sum', 'none' (the
+            leading shape), 'batchmean' (sum / size of the first dim).
+        process_group: vocab-parallel heads: not supported yet (NotImplementedError).
+        backend: 'auto' | 'triton' | 'torch', as for ``linear_log_probs``.
+
+    Returns:
+        float32 loss in nats x T^2 (shape per ``reduction``), differentiable w.r.t.
+        ``student_hidden`` and ``student_weight``.
+
+    Raises:
+        TypeError / ValueError naming the argument for wrong types, dtypes, shapes (vocab sizes
+        that differ included), devices, ``beta`` outside [0, 1], a bad ``reduction`` or
+        ``temperature``; NotImplementedError for ``process_group``; RuntimeError when the backend
+        cannot run.
+
+    Cost: two fused forward passes (lse of each head), one pass of both GEMMs for the divergence,
+    and a backward recomputing both GEMM tiles per dlogits window (memory bounds as
+    ``linear_log_probs``' backward). Extra memory O(N).
+    """
+    if process_group is not None:
+        raise NotImplementedError("process_group: vocab-parallel heads are not supported by "
+                                  "linear_jsd yet (tensor-parallel issue)")
+    if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not 0.0 <= float(beta) <= 1.0:
+        raise ValueError(f"beta: expected a Python number in [0, 1], got {beta!r}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
+    t = check_temperature(temperature)
+    _check_head(student_hidden, student_weight, "student_hidden", "student_weight")
+    lead = tuple(student_hidden.shape[:-1])
+    _check_head(teacher_hidden, teacher_weight, "teacher_hidden", "teacher_weight", lead,
+                student_hidden.dtype, student_hidden.device)
+    if teacher_weight.shape[0] != student_weight.shape[0]:
+        raise ValueError(f"teacher_weight: vocab_size {teacher_weight.shape[0]} differs from "
+                         f"student_weight's {student_weight.shape[0]}; the heads must share a vocabulary")
+    if labels is not None:
+        check_labels(labels, student_hidden, "student_hidden", student_weight.shape[0], ignore_index)
+    backend = resolve_backend(backend, student_hidden.device)
+    hs = student_hidden.reshape(-1, student_hidden.shape[-1])
+    ht = teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1])
+    valid = (labels.reshape(-1) != ignore_index) if labels is not None else torch.ones(
+        hs.shape[0], dtype=torch.bool, device=hs.device)
+    params = JSDParams(backend=backend, inv_temperature=1.0 / t, beta=float(beta))
+    per_token = LinearJSDFunction.apply(hs, student_weight, ht, teacher_weight.detach(), valid, params)
+    return _reduce(per_token, valid, lead, reduction)

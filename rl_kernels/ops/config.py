@@ -38,6 +38,10 @@ class KernelConfig:
     # of a row chunk x all vocab (dh pass). Tile shape does not change any element's K order.
     bwd_cols: BwdTile = BwdTile(128, 256, 8, 3)
     bwd_rows: BwdTile = BwdTile(128, 256, 8, 3)
+    # both JSD kernels (two GEMM tiles, so two fp32 accumulators, live at once)
+    jsd_fwd: BwdTile = BwdTile(128, 128, 8, 3)
+    jsd_bwd: BwdTile = BwdTile(128, 128, 8, 3)
+    jsd_fused_k: bool = True  # one K loop for both heads' tiles (TMA, equal hidden sizes)
     group_m: int = 8  # row blocks per group of the grouped tile order (L2 reuse)
     # forward mainloop variants (tl.constexpr flags; none changes any element's arithmetic)
     tma: bool = False  # tensor-descriptor (TMA) loads where the operands allow them (fwd and bwd)
@@ -65,6 +69,10 @@ class KernelConfig:
 # With the label logit in its own kernel (same day): TMA + flatten 1.03x at both large shapes;
 # warp specialization +/-3% (not adopted); split 1024 vs 2048: N=512 1.35x -> 1.22x at an equal
 # time for the large shapes (1.03-1.04x), so one split of 1024 columns serves every N.
+# JSD kernels, H100, 4096 x 3584 x 152064 bf16, 2026-11-23 (scripts/diag/jsd_bench.py --sweep), as
+# multiples of one cuBLAS matmul: forward 128x128 / 8 warps / 3 stages 5.17x with two K loops, 4.65x
+# with one (jsd_fused_k); 2 stages 6.9x; 4 warps 10x; 128x256 and 256x128 / 16 warps 12-17x. Backward
+# 128x128 / 8 warps / 3 stages 4.9x; 2 stages 6.3x; 16-warp 128x256 / 256x128 15-20x.
 CUDA_CONFIG = KernelConfig(split_v=1024, block_m=128, block_n=256, block_k=64,
                            num_warps=8, num_stages=3, bwd_cols=BwdTile(128, 256, 8, 3),
                            bwd_rows=BwdTile(128, 256, 8, 3), group_m=8,
@@ -74,6 +82,7 @@ CUDA_CONFIG = KernelConfig(split_v=1024, block_m=128, block_n=256, block_k=64,
 INTERPRETER_CONFIG = KernelConfig(split_v=256, block_m=32, block_n=64, block_k=32,
                                   num_warps=4, num_stages=1, bwd_cols=BwdTile(32, 64, 4, 1),
                                   bwd_rows=BwdTile(32, 64, 4, 1), group_m=2,
+                                  jsd_fwd=BwdTile(32, 64, 4, 1), jsd_bwd=BwdTile(32, 64, 4, 1),
                                   tma=True, flatten=True, warp_specialize=False)
 
 
