@@ -40,8 +40,10 @@ def check_temperature(temperature) -> float:
     return value
 
 
-def check_head_inputs(hidden_states, weight, labels, ignore_index) -> None:
-    """Validate the linear-head inputs; raise TypeError / ValueError naming the argument."""
+def check_head_inputs(hidden_states, weight, labels, ignore_index, check_values: bool = True) -> None:
+    """Validate the linear-head inputs; raise TypeError / ValueError naming the argument. Label
+    values are checked against ``weight.shape[0]`` unless ``check_values`` is False (a vocab
+    shard: the caller checks global ids)."""
     for name, t in (("hidden_states", hidden_states), ("weight", weight), ("labels", labels)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -60,7 +62,7 @@ def check_head_inputs(hidden_states, weight, labels, ignore_index) -> None:
     if weight.device != hidden_states.device:
         raise ValueError(f"weight: on {weight.device}, but hidden_states is on {hidden_states.device}; "
                          f"all inputs must be on one device")
-    check_labels(labels, hidden_states, "hidden_states", weight.shape[0], ignore_index)
+    check_labels(labels, hidden_states, "hidden_states", weight.shape[0], ignore_index, check_values)
 
 
 def check_labels(labels, like: torch.Tensor, like_name: str, vocab_size: int, ignore_index,
@@ -128,6 +130,9 @@ def linear_log_probs(
     ignore_index: int = -100,
     return_entropy: bool = True,
     backend: str = "auto",
+    process_group=None,
+    vocab_start_index: int | None = None,
+    reduce_hidden_grad: bool = False,
 ) -> LogProbsOutput:
     """Log-probability of ``labels`` and entropy of softmax(hidden_states @ weight.T / temperature),
     without materializing the (tokens x vocab) logits.
@@ -145,6 +150,17 @@ def linear_log_probs(
         return_entropy: when False, entropy is not computed and returned as None.
         backend: "auto" (Triton on CUDA, torch elsewhere; the choice is logged once), "triton"
             (CUDA, or the CPU interpreter when TRITON_INTERPRET=1 was set before import), "torch".
+        process_group: a ``torch.distributed`` group over which the vocabulary is sharded
+            (Megatron-style vocab-parallel ``lm_head``; ``rl_kernels.parallel``). ``weight`` is
+            then this rank's contiguous shard (V_r, H) (shards may differ in size, ordered by
+            group rank), ``labels`` are global ids and ``ignore_index`` must be negative. One
+            all_gather of four (N,) float32 rows merges the shards; every rank returns the same
+            bits. Backward gives this shard's dW and this rank's partial dh.
+        vocab_start_index: global id of ``weight``'s first row; None derives it (and the total
+            vocab_size, for the label check) from the group with one small all_gather.
+        reduce_hidden_grad: with ``process_group``, all-reduce (sum) dh over the group in the
+            backward. Leave False under Megatron's ``ColumnParallelLinear`` convention, where
+            the head's input region all-reduces it (``rl_kernels.parallel``).
 
     Returns:
         ``LogProbsOutput(log_probs, entropy)``: float32 tensors shaped like ``labels``, in nats.
@@ -158,22 +174,37 @@ def linear_log_probs(
             mismatch, non-integer ``ignore_index``, non-number ``temperature``.
         ValueError: shape mismatch, labels outside [0, V) other than ``ignore_index``, temperature
             <= 0 or non-finite, inputs on different devices, unknown backend.
-        RuntimeError: backend "triton" on CPU without TRITON_INTERPRET=1, or without triton.
+        RuntimeError: backend "triton" on CPU without TRITON_INTERPRET=1, or without triton;
+            ``process_group`` without an initialized ``torch.distributed``.
 
     Formula: design.md "The math"; gradients d log p/dz = onehot - p, dH/dz = -p (log p + H).
     Bug cases covered: verl #2656/#2899 (padded vocab columns), verl PR #7439 (all-negative
     logits), verl #6913 (3-D hidden keeps its gradient).
     """
     inv_temperature = 1.0 / check_temperature(temperature)
-    check_head_inputs(hidden_states, weight, labels, ignore_index)
+    check_head_inputs(hidden_states, weight, labels, ignore_index, check_values=process_group is None)
     if not isinstance(return_entropy, bool):
         raise TypeError(f"return_entropy: expected a bool, got {type(return_entropy).__name__}")
+    if not isinstance(reduce_hidden_grad, bool):
+        raise TypeError(f"reduce_hidden_grad: expected a bool, got {type(reduce_hidden_grad).__name__}")
+    if process_group is None and (vocab_start_index is not None or reduce_hidden_grad):
+        raise ValueError("vocab_start_index / reduce_hidden_grad: only meaningful with process_group")
     resolved = resolve_backend(backend, hidden_states.device)
     lead_shape = labels.shape
     params = HeadParams(backend=resolved, inv_temperature=inv_temperature,
                         ignore_index=int(ignore_index), return_entropy=return_entropy)
-    out = LinearLogProbsFunction.apply(hidden_states.reshape(-1, hidden_states.shape[-1]), weight,
-                                       labels.reshape(-1), params)
+    h2, labels1 = hidden_states.reshape(-1, hidden_states.shape[-1]), labels.reshape(-1)
+    if process_group is not None:
+        from .parallel import ParallelParams, VocabParallelLinearFunction, shard_layout
+
+        start, total = shard_layout(process_group, weight.shape[0], vocab_start_index,
+                                    hidden_states.device, ignore_index)
+        if total is not None:
+            check_label_values(labels, total, ignore_index)
+        tp = ParallelParams(process_group, start, total, reduce_hidden_grad)
+        out = VocabParallelLinearFunction.apply(h2, weight, labels1, params, tp)
+    else:
+        out = LinearLogProbsFunction.apply(h2, weight, labels1, params)
     if return_entropy:
         log_probs, entropy = out
         return LogProbsOutput(log_probs.view(lead_shape), entropy.view(lead_shape))

@@ -177,7 +177,7 @@ class _LogitsStatsFunction(torch.autograd.Function):
 
 
 def _run(logits, labels, temperature, ignore_index, want_entropy, want_smoothing,
-         inplace_backward, backend):
+         inplace_backward, backend, process_group=None, vocab_start_index=None):
     """Validate, flatten to 2-D, run; returns the four outputs shaped like logits.shape[:-1]."""
     _check_logits(logits)
     inv_t = 1.0 / check_temperature(temperature)
@@ -188,6 +188,11 @@ def _run(logits, labels, temperature, ignore_index, want_entropy, want_smoothing
     backend = resolve_backend(backend, logits.device)
     shape = logits.shape[:-1]
     logits2d = logits.reshape(-1, logits.shape[-1])
+    if process_group is not None:
+        return _run_parallel(logits, logits2d, labels, inv_t, ignore_index, want_entropy,
+                             inplace_backward, backend, process_group, vocab_start_index)
+    if vocab_start_index is not None:
+        raise ValueError("vocab_start_index: only meaningful with process_group")
     if inplace_backward and logits2d.data_ptr() != logits.data_ptr():
         raise ValueError(f"inplace_backward=True: logits ({_describe(logits)}, strides "
                          f"{logits.stride()}) cannot be viewed as (N, vocab_size) without a copy, so "
@@ -201,6 +206,42 @@ def _run(logits, labels, temperature, ignore_index, want_entropy, want_smoothing
     return tuple(o.view(shape) if o is not None else None for o in outs)
 
 
+def _run_parallel(logits, logits2d, labels, inv_t, ignore_index, want_entropy, inplace_backward,
+                  backend, process_group, vocab_start_index):
+    """Vocab-sharded logits (``rl_kernels.parallel``): (log_probs, entropy, lse, None)."""
+    from .parallel import ParallelParams, VocabParallelLogitsFunction, shard_layout
+
+    if inplace_backward:
+        raise ValueError("inplace_backward: not supported with process_group (the gradient of a "
+                         "shard is written to a new tensor); pass inplace_backward=False")
+    start, total = shard_layout(process_group, logits.shape[-1], vocab_start_index, logits.device,
+                                ignore_index)
+    if labels is not None and total is not None:
+        check_label_values(labels, total, ignore_index)
+    if backend == "triton":
+        from . import ops
+
+        cfg = ops.logits_config(logits.device)
+
+        def run_forward(x, ent):
+            return ops.logits_forward(x, None, inv_t, ignore_index, ent, False, cfg)
+
+        def run_backward(x, grad, stats, grads):
+            return ops.logits_backward(x, grad, None, stats, grads, inv_t, ignore_index, cfg)
+    else:
+        def run_forward(x, ent):
+            return _torch_forward(x, None, inv_t, ignore_index, ent, False)
+
+        def run_backward(x, grad, stats, grads):
+            return _torch_backward(x, grad, None, stats, grads, inv_t, ignore_index)
+    tp = ParallelParams(process_group, start, total, False)
+    outs = VocabParallelLogitsFunction.apply(
+        logits2d, labels.reshape(-1) if labels is not None else None, inv_t, int(ignore_index),
+        want_entropy, tp, run_forward, run_backward)
+    shape = logits.shape[:-1]
+    return tuple(o.view(shape) if o is not None else None for o in outs) + (None,)
+
+
 # ----------------------------------------------------------------------------- public functions
 
 _ARGS_DOC = """
@@ -210,6 +251,14 @@ _ARGS_DOC = """
 _BACKEND_DOC = """
         backend: 'auto' (Triton on CUDA, the torch backend elsewhere; logged once), 'triton'
             (CUDA or TRITON_INTERPRET=1) or 'torch'."""
+_TP_DOC = """
+        process_group: a ``torch.distributed`` group over which the vocabulary is sharded:
+            ``logits`` is then this rank's contiguous vocab shard (shards may differ in size,
+            ordered by group rank), labels are global ids and ``ignore_index`` must be negative;
+            one all_gather of four (N,) float32 rows merges the shards and every rank returns the
+            same bits (``rl_kernels.parallel``). Backward gives the gradient of the local shard.
+        vocab_start_index: global id of the shard's first column; None derives it from the group
+            (one small all_gather)."""
 _RAISES_DOC = """
     Raises:
         TypeError / ValueError naming the argument for a wrong type, dtype, shape, device,
@@ -226,6 +275,8 @@ def logits_stats(
     return_entropy: bool = True,
     inplace_backward: bool = False,
     backend: str = "auto",
+    process_group=None,
+    vocab_start_index: int | None = None,
 ) -> LogitsStats:
     """Log-probs of ``labels``, entropy and logsumexp of ``softmax(logits / temperature)`` from a
     single read of the logits (one kernel launch per level, O(N) extra memory).
@@ -239,7 +290,7 @@ def logits_stats(
         inplace_backward: when True, backward writes d loss / d logits into the logits' own
             storage instead of allocating an N x V tensor (saves one logits-sized buffer); the
             logits must not be read after backward then (autograd does not check this). Off by
-            default because other consumers of the logits usually need them.{backend}
+            default because other consumers of the logits usually need them.{backend}{tp}
 
     Returns:
         ``LogitsStats(log_probs, entropy, lse)``: float32, nats, shape ``logits.shape[:-1]``, all
@@ -251,7 +302,8 @@ def logits_stats(
     if not isinstance(return_entropy, bool):
         raise TypeError(f"return_entropy: expected a bool, got {type(return_entropy).__name__}")
     log_probs, entropy, lse, _ = _run(logits, labels, temperature, ignore_index, return_entropy,
-                                      False, inplace_backward, backend)
+                                      False, inplace_backward, backend, process_group,
+                                      vocab_start_index)
     return LogitsStats(log_probs, entropy, lse)
 
 
@@ -263,6 +315,8 @@ def log_probs_from_logits(
     ignore_index: int = -100,
     inplace_backward: bool = False,
     backend: str = "auto",
+    process_group=None,
+    vocab_start_index: int | None = None,
 ) -> torch.Tensor:
     """Log-probabilities ``log softmax(logits / temperature)[labels]`` from materialized logits.
 
@@ -271,7 +325,7 @@ def log_probs_from_logits(
         ignore_index: label value whose position gets log-prob 0 and gradient 0.
         inplace_backward: when True, backward writes d loss / d logits into the logits' own
             storage (as verl's flash-attn path does) instead of allocating a new N x V tensor;
-            the logits must not be read after backward then.{backend}
+            the logits must not be read after backward then.{backend}{tp}
 
     Returns:
         float32 log-probs (nats), shape ``labels.shape``; differentiable w.r.t. ``logits``.
@@ -279,27 +333,30 @@ def log_probs_from_logits(
     Memory: O(N) saved for backward. Formula: log p_y = z_y - logsumexp(z), gradient
     onehot(y) - softmax(z) (module docstring).
     """
-    return _run(logits, labels, temperature, ignore_index, False, False, inplace_backward, backend)[0]
+    return _run(logits, labels, temperature, ignore_index, False, False, inplace_backward, backend,
+                process_group, vocab_start_index)[0]
 
 
-def entropy_from_logits(logits: torch.Tensor, *, temperature: float = 1.0,
-                        backend: str = "auto") -> torch.Tensor:
+def entropy_from_logits(logits: torch.Tensor, *, temperature: float = 1.0, backend: str = "auto",
+                        process_group=None, vocab_start_index: int | None = None) -> torch.Tensor:
     """Shannon entropy ``-sum p log p`` of ``softmax(logits / temperature)`` over the last dim.
 
-    Args:{args}{backend}
+    Args:{args}{backend}{tp}
 
     Returns:
         float32 entropy (nats), shape ``logits.shape[:-1]``; differentiable w.r.t. ``logits``.
 {raises}
     Formula: H = -sum_j p_j log p_j, dH/dz_j = -p_j (log p_j + H) (module docstring).
     """
-    return _run(logits, None, temperature, -100, True, False, False, backend)[1]
+    return _run(logits, None, temperature, -100, True, False, False, backend, process_group,
+                vocab_start_index)[1]
 
 
-def logsumexp(logits: torch.Tensor, *, temperature: float = 1.0, backend: str = "auto") -> torch.Tensor:
+def logsumexp(logits: torch.Tensor, *, temperature: float = 1.0, backend: str = "auto",
+              process_group=None, vocab_start_index: int | None = None) -> torch.Tensor:
     """``log sum_j exp(logits_j / temperature)`` over the last dim, in float32.
 
-    Args:{args}{backend}
+    Args:{args}{backend}{tp}
 
     Returns:
         float32 (nats), shape ``logits.shape[:-1]``; differentiable (d lse / d logits =
@@ -307,7 +364,8 @@ def logsumexp(logits: torch.Tensor, *, temperature: float = 1.0, backend: str = 
         rounded to the input dtype.
 {raises}
     """
-    return _run(logits, None, temperature, -100, False, False, False, backend)[2]
+    return _run(logits, None, temperature, -100, False, False, False, backend, process_group,
+                vocab_start_index)[2]
 
 
 def cross_entropy(
@@ -368,7 +426,7 @@ def cross_entropy(
 
 
 def _fill_docs(fn):
-    fn.__doc__ = fn.__doc__.format(args=_ARGS_DOC, backend=_BACKEND_DOC, raises=_RAISES_DOC)
+    fn.__doc__ = fn.__doc__.format(args=_ARGS_DOC, backend=_BACKEND_DOC, raises=_RAISES_DOC, tp=_TP_DOC)
 
 
 for _fn in (logits_stats, log_probs_from_logits, entropy_from_logits, logsumexp, cross_entropy):

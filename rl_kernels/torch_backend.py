@@ -34,7 +34,8 @@ def torch_forward(
     v = weight.shape[0]
     w = weight.to(compute_dtype)
     valid = labels != ignore_index
-    safe_labels = torch.where(valid, labels, 0).long()
+    # ids outside [0, V) (a vocab shard's "label in another shard") gather column 0, unused
+    safe_labels = torch.where(valid & (labels >= 0) & (labels < v), labels, 0).long()
     log_probs = torch.empty(n, dtype=compute_dtype, device=hidden_states.device)
     lse = torch.empty_like(log_probs)
     entropy = torch.empty_like(log_probs) if compute_entropy else None

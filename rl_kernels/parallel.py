@@ -1,0 +1,209 @@
+"""Vocab tensor parallelism: log-probs / entropy of a vocabulary sharded over a process group.
+
+Rank r of the group holds the contiguous vocab rows [start_r, start_r + V_r) of the head (or of
+the logits); shards may differ in size and are ordered by group rank. Every rank runs the
+single-GPU kernels on its shard and gets, per token, its shard's statistics
+    lse_r = logsumexp_{v in shard} z_v,   H_r = entropy of the shard's own softmax,
+    z_y,r = the label logit where the label falls in the shard (else 0), owned_r in {0, 1}.
+One collective (an all_gather of these four (N,) float32 rows) gives every rank the same (W, 4, N)
+tensor, merged in rank order by the same code, so all ranks return bitwise identical results:
+    lse = log sum_r exp(lse_r),  w_r = exp(lse_r - lse),  H = sum_r w_r (H_r - log w_r),
+    log p_y = z_y - lse  with z_y = the owner's z_y,r.
+(The entropy merge is the chain rule of entropy over the partition of the vocabulary into
+shards: H = H(w) + sum_r w_r H_r; Cover & Thomas, "Elements of Information Theory", thm 2.5.1.)
+A non-ignored label owned by no rank, or by two, raises ValueError (no garbage).
+
+Backward, on each rank, from the merged lse and H: dz on the shard is the single-GPU gradient
+with global statistics (d log p_y/dz = onehot(y) - p, dH/dz = -p (log p + H), p = exp(z - lse)),
+so dW is the local shard's gradient and dh = dz W_shard is this rank's *partial* sum. The full dh
+is the sum over the group. Megatron convention (Megatron-LM ``ColumnParallelLinear``): the input of
+the vocab-parallel head passes through ``copy_to_tensor_model_parallel_region``, identity forward
+and all-reduce backward, so the loss function returns the partial dh and the all-reduce happens
+there. verl's Megatron actor computes the head with Megatron's ``ColumnParallelLinear`` output
+layer, so its hidden states carry that all-reduce already: keep ``reduce_hidden_grad=False``
+there. Pass ``reduce_hidden_grad=True`` when the hidden states come from plain (replicated)
+code: the backward then all-reduces dh over the group itself.
+"""
+from __future__ import annotations
+
+import dataclasses
+import numbers
+
+import torch
+
+from .autograd import HeadParams, gathered_logits, head_backward, head_forward
+
+
+def _dist():
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("process_group: torch.distributed is not initialized "
+                           "(call torch.distributed.init_process_group first)")
+    return dist
+
+
+def shard_layout(process_group, local_vocab: int, vocab_start_index, device, ignore_index):
+    """(vocab_start_index, vocab_size or None): this rank's first global id and the total
+    vocabulary. Without ``vocab_start_index`` one small all_gather of the shard sizes derives both
+    (shards in group-rank order). Raises ValueError / TypeError naming the argument."""
+    dist = _dist()
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral) or ignore_index >= 0:
+        raise ValueError(f"ignore_index: with process_group it must be a negative int (global ids "
+                         f"are shifted per shard), got {ignore_index!r}")
+    if vocab_start_index is not None:
+        if isinstance(vocab_start_index, bool) or not isinstance(vocab_start_index, numbers.Integral) \
+                or vocab_start_index < 0:
+            raise ValueError(f"vocab_start_index: expected a non-negative int, got {vocab_start_index!r}")
+        return int(vocab_start_index), None
+    world = dist.get_world_size(process_group)
+    mine = torch.tensor([local_vocab], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(sizes, mine, group=process_group)
+    sizes = [int(s) for s in torch.cat(sizes).tolist()]
+    rank = dist.get_rank(process_group)
+    return sum(sizes[:rank]), sum(sizes)
+
+
+def local_labels(labels, start: int, local_vocab: int, ignore_index: int):
+    """(local ids, owned): ids shifted into the shard; rows whose label lies in another shard get
+    the id ``local_vocab`` (matches no column), ignored rows keep ``ignore_index``."""
+    owned = (labels >= start) & (labels < start + local_vocab)
+    local = torch.where(owned, labels - start, local_vocab)
+    return torch.where(labels == ignore_index, ignore_index, local), owned
+
+
+def merge_shards(process_group, lse_r, entropy_r, z_y_r, owned, labels, ignore_index, vocab_size):
+    """all_gather the four (N,) float32 shard statistics over the group and merge them in rank
+    order (module docstring). Returns (log_probs, entropy, lse), (N,) float32, identical bits on
+    every rank; entropy and log_probs are 0 where ``labels`` (if given) is ``ignore_index``; the
+    returned entropy is None when ``entropy_r`` is None. Raises ValueError for a label owned by no
+    rank or by several."""
+    dist = _dist()
+    n = lse_r.shape[0]
+    zero = torch.zeros((), device=lse_r.device)
+    part = torch.stack([lse_r.float(), entropy_r.float() if entropy_r is not None else zero.expand(n),
+                        torch.where(owned, z_y_r.float(), zero), owned.float()])
+    gathered = [torch.empty_like(part) for _ in range(dist.get_world_size(process_group))]
+    dist.all_gather(gathered, part.contiguous(), group=process_group)
+    lse_w, ent_w, zy_w, own_w = torch.stack(gathered).unbind(1)  # (W, N) each
+
+    m = lse_w.amax(0)
+    m = torch.where(torch.isfinite(m), m, zero)
+    lse = m + torch.log(torch.exp(lse_w - m).sum(0))
+    log_w = lse_w - lse
+    w = log_w.exp()
+    entropy = torch.where(w > 0, w * (ent_w - log_w), zero).sum(0).clamp_min(0.0) \
+        if entropy_r is not None else None
+    if labels is None:
+        return None, entropy, lse
+    valid = labels != ignore_index
+    count = own_w.sum(0)
+    bad = valid & (count != 1)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        what = "no shard" if int(count[i]) == 0 else f"{int(count[i])} shards (overlapping vocab_start_index)"
+        raise ValueError(f"labels: {int(bad.sum())} labels are held by no shard or by several; first at "
+                         f"flat position {i}: label {int(labels[i])} is in {what}"
+                         + (f" (vocab_size {vocab_size})" if vocab_size is not None else ""))
+    log_probs = torch.where(valid, (zy_w.sum(0) - lse).clamp_max(0.0), zero)
+    if entropy is not None:
+        entropy = torch.where(valid, entropy, zero)
+    return log_probs, entropy, lse
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelParams:
+    process_group: object
+    start: int
+    vocab_size: int | None  # None when vocab_start_index was given (no collective for it)
+    reduce_hidden_grad: bool
+
+
+class VocabParallelLinearFunction(torch.autograd.Function):
+    """hidden_states (N, H), weight shard (V_r, H), global labels (N,), HeadParams, ParallelParams
+    -> log_probs (N,) [, entropy (N,)], float32, identical on every rank."""
+
+    @staticmethod
+    def forward(ctx, hidden_states, weight, labels, params: HeadParams, tp: ParallelParams):
+        v_r = weight.shape[0]
+        local, owned = local_labels(labels, tp.start, v_r, params.ignore_index)
+        local_params = dataclasses.replace(params, return_entropy=True) if params.return_entropy else params
+        _, ent_r, lse_r = head_forward(hidden_states, weight, local, local_params)
+        z_y = gathered_logits(hidden_states, weight, torch.where(owned, local, 0)[:, None], params)[:, 0]
+        log_probs, entropy, lse = merge_shards(tp.process_group, lse_r, ent_r, z_y, owned, labels,
+                                               params.ignore_index, tp.vocab_size)
+        # the merged entropy of ignored rows is 0 here; the backward masks those rows anyway
+        ctx.save_for_backward(hidden_states, weight, local, lse, entropy if entropy is not None else lse)
+        ctx.params, ctx.tp = params, tp
+        ctx.set_materialize_grads(False)
+        return (log_probs, entropy) if params.return_entropy else log_probs
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy=None):
+        hidden_states, weight, local, lse, entropy = ctx.saved_tensors
+        params, tp = ctx.params, ctx.tp
+        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if (grad_log_probs is None and grad_entropy is None) or not (need_dh or need_dw):
+            return None, None, None, None, None
+        dh, dw = head_backward(hidden_states, weight, local, lse,
+                               entropy if params.return_entropy else None, grad_log_probs,
+                               grad_entropy, params, need_dh, need_dw)
+        if dh is not None and tp.reduce_hidden_grad:
+            _dist().all_reduce(dh, group=tp.process_group)
+        return (dh if need_dh else None), dw, None, None, None
+
+
+class VocabParallelLogitsFunction(torch.autograd.Function):
+    """Logits shard (N, V_r), global labels (N,) or None -> (log_probs or None, entropy or None,
+    lse), float32 (N,), identical on every rank. ``run_forward(logits, want_entropy)`` and
+    ``run_backward(logits, grad, stats, grads)`` are the single-device launchers (labels None)."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, inv_t, ignore_index, want_entropy, tp: ParallelParams,
+                run_forward, run_backward):
+        v_r = logits.shape[1]
+        stats = run_forward(logits, want_entropy)
+        owned = None
+        z_y = None
+        if labels is not None:
+            local, owned = local_labels(labels, tp.start, v_r, ignore_index)
+            z_y = logits.gather(1, torch.where(owned, local, 0).long()[:, None])[:, 0].float() * inv_t
+        else:
+            owned = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+            z_y = torch.zeros(logits.shape[0], device=logits.device)
+        log_probs, entropy, lse = merge_shards(tp.process_group, stats["lse"], stats.get("entropy"),
+                                               z_y, owned, labels, ignore_index, tp.vocab_size)
+        ctx.save_for_backward(logits, labels, owned, lse, entropy)
+        ctx.inv_t, ctx.ignore_index, ctx.tp, ctx.run_backward = inv_t, ignore_index, tp, run_backward
+        ctx.set_materialize_grads(False)
+        return log_probs, entropy, lse
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent, g_lse):
+        logits, labels, owned, lse, entropy = ctx.saved_tensors
+        none = (None,) * 8
+        if not ctx.needs_input_grad[0] or (g_lp is None and g_ent is None and g_lse is None):
+            return none
+        zero = torch.zeros((), device=logits.device)
+        valid = (labels != ctx.ignore_index) if labels is not None else None
+        # onehot(y) - p on the shard: the -p part folds into the lse coefficient on every rank, the
+        # onehot part is added below on the owner's column only
+        coef = g_lse.float() if g_lse is not None else torch.zeros(lse.shape, device=lse.device)
+        if g_lp is not None:
+            g_lp = torch.where(valid, g_lp.float(), zero)
+            coef = coef - g_lp
+        grads = {"lse": coef.contiguous()}
+        if g_ent is not None:
+            grads["entropy"] = (torch.where(valid, g_ent.float(), zero) if valid is not None
+                                else g_ent.float()).contiguous()
+        stats = {"row_max": lse, "log_sum": torch.zeros_like(lse)}
+        if entropy is not None:
+            stats["entropy"] = entropy
+        grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+        ctx.run_backward(logits, grad, stats, grads)
+        if g_lp is not None:
+            rows = owned.nonzero()[:, 0]
+            cols = (labels[rows] - ctx.tp.start).long()
+            grad[rows, cols] += (g_lp[rows] * ctx.inv_t).to(grad.dtype)
+        return (grad,) + none[1:]

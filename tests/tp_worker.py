@@ -1,0 +1,97 @@
+"""Worker for tests/test_parallel.py: one process per rank of a gloo group (CPU).
+
+Every rank builds the same inputs from one seed, keeps its own vocab shard (uneven sizes) and
+checks, against the unsharded float64 reference: log-probs / entropy / lse, dW of its shard, dh
+(partial sums all-reduced, or reduce_hidden_grad=True), the gradient of a logits shard, that all
+ranks hold identical bits, and that a label held by no shard raises.
+"""
+import os
+
+import torch
+import torch.distributed as dist
+
+N, H, V = 13, 24, 203
+BOUNDS = {2: [0, 120, 203], 3: [0, 50, 151, 203]}
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(N, H, generator=g)
+    weight = torch.randn(V, H, generator=g) * 0.4
+    labels = torch.randint(0, V, (N,), generator=g)
+    labels[torch.rand(N, generator=g) < 0.25] = -100
+    labels[0], labels[1] = V - 1, 0  # the first and the last id
+    g_lp, g_ent = torch.randn(2, N, generator=g)
+    return hidden, weight, labels, g_lp, g_ent
+
+
+def _reference(hidden, weight, labels, temperature, g_lp, g_ent):
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    z = h64 @ w64.T / temperature
+    log_p = torch.log_softmax(z, -1)
+    valid = labels != -100
+    lp = torch.where(valid, log_p.gather(1, labels.clamp_min(0)[:, None])[:, 0], 0.0)
+    ent = torch.where(valid, -(log_p.exp() * log_p).sum(-1), 0.0)
+    (lp * g_lp.double() + ent * g_ent.double()).sum().backward()
+    return lp.detach(), ent.detach(), torch.logsumexp(z, -1).detach(), h64.grad, w64.grad
+
+
+def _same_on_all_ranks(t):
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t.contiguous())
+    return all(torch.equal(o, out[0]) for o in out)
+
+
+def run(rank, world, init_file, backend):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    from rl_kernels import linear_log_probs, logits_stats
+
+    group = dist.group.WORLD
+    lo, hi = BOUNDS[world][rank], BOUNDS[world][rank + 1]
+    hidden, weight, labels, g_lp, g_ent = _inputs()
+    tol = dict(atol=3e-5, rtol=1e-4)
+    for temperature, reduce_dh, give_start in ((1.0, False, False), (0.7, True, True)):
+        ref_lp, ref_ent, ref_lse, ref_dh, ref_dw = _reference(hidden, weight, labels, temperature, g_lp, g_ent)
+        hx = hidden.clone().requires_grad_()
+        wx = weight[lo:hi].clone().requires_grad_()
+        out = linear_log_probs(hx, wx, labels, temperature=temperature, backend=backend, process_group=group,
+                               vocab_start_index=lo if give_start else None, reduce_hidden_grad=reduce_dh)
+        (out.log_probs * g_lp + out.entropy * g_ent).sum().backward()
+        torch.testing.assert_close(out.log_probs.double(), ref_lp, **tol)
+        torch.testing.assert_close(out.entropy.double(), ref_ent, **tol)
+        assert _same_on_all_ranks(out.log_probs) and _same_on_all_ranks(out.entropy)
+        torch.testing.assert_close(wx.grad.double(), ref_dw[lo:hi], **tol)
+        dh = hx.grad.clone()
+        if not reduce_dh:  # a partial sum: the group's sum is the gradient
+            assert not torch.allclose(dh.double(), ref_dh, atol=1e-3)
+            dist.all_reduce(dh)
+        torch.testing.assert_close(dh.double(), ref_dh, **tol)
+
+        # from-logits: the shard of the logits (float32 from the same inputs)
+        logits = (hidden @ weight[lo:hi].T).requires_grad_()
+        stats = logits_stats(logits, labels, temperature=temperature, backend=backend, process_group=group,
+                             vocab_start_index=lo if give_start else None)
+        torch.testing.assert_close(stats.log_probs.double(), ref_lp, **tol)
+        torch.testing.assert_close(stats.entropy.double(), ref_ent, **tol)
+        torch.testing.assert_close(stats.lse.double(), ref_lse, **tol)
+        assert _same_on_all_ranks(stats.log_probs) and _same_on_all_ranks(stats.lse)
+        g_lse = torch.randn(N, generator=torch.Generator().manual_seed(3))
+        (stats.log_probs * g_lp + stats.entropy * g_ent + stats.lse * g_lse).sum().backward()
+        z = (hidden.double() @ weight.double().T).requires_grad_()
+        log_p = torch.log_softmax(z / temperature, -1)
+        valid = labels != -100
+        lp = torch.where(valid, log_p.gather(1, labels.clamp_min(0)[:, None])[:, 0], 0.0)
+        ent = torch.where(valid, -(log_p.exp() * log_p).sum(-1), 0.0)
+        (lp * g_lp + ent * g_ent + torch.logsumexp(z / temperature, -1) * g_lse).sum().backward()
+        torch.testing.assert_close(logits.grad.double(), z.grad[:, lo:hi], **tol)
+
+    # a wrong vocab_start_index leaves label V - 1 in no shard: every rank raises
+    try:
+        linear_log_probs(hidden, weight[lo:hi], labels, backend=backend, process_group=group,
+                         vocab_start_index=lo - 1 if rank == world - 1 else lo)
+    except ValueError as e:
+        assert "labels" in str(e) and "no shard" in str(e), e
+    else:
+        raise AssertionError("a label held by no shard did not raise")
+    dist.destroy_process_group()
