@@ -119,10 +119,12 @@ def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def head_backward(hidden_states, weight, labels, lse, entropy, grad_log_probs, grad_entropy,
-                  params: HeadParams, need_dh: bool, need_dw: bool, grad_lse=None, gathered=None):
+                  params: HeadParams, need_dh: bool, need_dw: bool, grad_lse=None, gathered=None,
+                  dh_float32: bool = False):
     """(dh or None, dW or None) in the input dtypes; see the module docstring. ``gathered``:
     optional (ids (N, K), grad (N, K)): upstream gradients of the logits z[i, ids[i, k]], added to
-    each recomputed dlogits window as sparse entries (no dense (N, K, H) work)."""
+    each recomputed dlogits window as sparse entries (no dense (N, K, H) work). ``dh_float32``:
+    return dh unrounded in float32 (a vocab shard's partial sum, rounded after the all-reduce)."""
     if params.backend == "triton":
         from . import ops
 
@@ -146,7 +148,7 @@ def head_backward(hidden_states, weight, labels, lse, entropy, grad_log_probs, g
         dlogits = _with_gathered(dlogits, *gathered, labels != params.ignore_index,
                                  params.inv_temperature)
     with _full_precision_reduction():
-        return _chunked_backward(dlogits, hidden_states, weight, dz_dtype, need_dh, need_dw)
+        return _chunked_backward(dlogits, hidden_states, weight, dz_dtype, need_dh, need_dw, dh_float32)
 
 
 def _with_gathered(dlogits, ids, grad, valid, inv_temperature):
@@ -167,7 +169,7 @@ def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
-def _chunked_backward(dlogits, hidden_states, weight, dz_dtype, need_dh, need_dw):
+def _chunked_backward(dlogits, hidden_states, weight, dz_dtype, need_dh, need_dw, dh_float32=False):
     n, h = hidden_states.shape
     v = weight.shape[0]
     budget = max(MIN_CHUNK_ELEMENTS, int(CHUNK_FRACTION * (n + v) * h))
@@ -181,7 +183,7 @@ def _chunked_backward(dlogits, hidden_states, weight, dz_dtype, need_dh, need_dw
         dh = torch.empty_like(hidden_states, memory_format=torch.contiguous_format) if need_dh else None
         return dh, dw
     if need_dh and need_dw:
-        result = _one_recompute(dlogits, hidden_states, weight, dz_dtype, cols)
+        result = _one_recompute(dlogits, hidden_states, weight, dz_dtype, cols, dh_float32)
         if result is not None:
             return result
     size = max(n * cols if need_dw else 0, min(rows, n) * v_pad if need_dh else 0)
@@ -197,16 +199,20 @@ def _chunked_backward(dlogits, hidden_states, weight, dz_dtype, need_dh, need_dw
             _mm_into(dw[c0:c1], dz.T, h_mm)
     dh = None
     if need_dh:
-        dh = torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
+        dh = torch.empty_like(hidden_states, memory_format=torch.contiguous_format,
+                              dtype=torch.float32 if dh_float32 else None)
         w_mm = weight.to(dz_dtype)
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
             dz = dlogits(slice(r0, r1), slice(0, v), buf[: (r1 - r0) * v_pad].view(r1 - r0, v_pad)[:, :v])
-            _mm_into(dh[r0:r1], dz, w_mm)
+            if dh_float32 and dz.dtype != torch.float32 and _can_accumulate_fp32(dz.device, dz.dtype):
+                _accumulate(dh[r0:r1].zero_(), dz, w_mm)
+            else:
+                _mm_into(dh[r0:r1], dz, w_mm)
     return dh, dw
 
 
-def _one_recompute(dlogits, hidden_states, weight, dz_dtype, cols):
+def _one_recompute(dlogits, hidden_states, weight, dz_dtype, cols, dh_float32=False):
     """The one-recompute schedule (module docstring); None when it cannot run here."""
     n, h = hidden_states.shape
     v = weight.shape[0]
@@ -259,7 +265,8 @@ def _one_recompute(dlogits, hidden_states, weight, dz_dtype, cols):
         elif unwritten is None:
             unwritten = c0
         c0 = c1
-    dh = acc.to(hidden_states.dtype, copy=True)  # (a float32 .to would alias dW's storage)
+    # (copy: the accumulator aliases dW's storage)
+    dh = acc.clone() if dh_float32 else acc.to(hidden_states.dtype, copy=True)
     # the accumulator is free: recompute the vocab rows whose dW is not written yet
     c0 = v if unwritten is None else unwritten
     while c0 < v:

@@ -16,13 +16,19 @@ A non-ignored label owned by no rank, or by two, raises ValueError (no garbage).
 Backward, on each rank, from the merged lse and H: dz on the shard is the single-GPU gradient
 with global statistics (d log p_y/dz = onehot(y) - p, dH/dz = -p (log p + H), p = exp(z - lse)),
 so dW is the local shard's gradient and dh = dz W_shard is this rank's *partial* sum. The full dh
-is the sum over the group. Megatron convention (Megatron-LM ``ColumnParallelLinear``): the input of
-the vocab-parallel head passes through ``copy_to_tensor_model_parallel_region``, identity forward
-and all-reduce backward, so the loss function returns the partial dh and the all-reduce happens
-there. verl's Megatron actor computes the head with Megatron's ``ColumnParallelLinear`` output
-layer, so its hidden states carry that all-reduce already: keep ``reduce_hidden_grad=False``
-there. Pass ``reduce_hidden_grad=True`` when the hidden states come from plain (replicated)
-code: the backward then all-reduces dh over the group itself.
+is the sum over the group. Megatron convention (Megatron-LM ``ColumnParallelLinear``): the input
+of the vocab-parallel head passes through ``copy_to_tensor_model_parallel_region`` (identity
+forward, all-reduce backward), or, with sequence parallelism, through
+``gather_from_sequence_parallel_region`` (all-gather forward, reduce-scatter backward); either
+region sums the ranks' partial dh, so the loss function returns the partial dh (rounded to the
+input dtype, as Megatron's own vocab-parallel cross-entropy does). verl's Megatron fused path
+(``verl/models/mcore/model_forward_fused.py``) calls the head on the output of
+``gather_from_sequence_parallel_region`` when ``sequence_parallel`` is on: keep
+``reduce_hidden_grad=False`` there. Without sequence parallelism that path passes the decoder
+output straight in, and nothing else sums dh over the tensor-parallel group: pass
+``reduce_hidden_grad=True``, and the backward all-reduces the float32 partials over the group and
+rounds once (the unsharded head's accuracy; twice the bytes of a 16-bit all-reduce). The example
+``integrations/verl/megatron_vocab_parallel.py`` does exactly this.
 """
 from __future__ import annotations
 
@@ -148,9 +154,12 @@ class VocabParallelLinearFunction(torch.autograd.Function):
             return None, None, None, None, None
         dh, dw = head_backward(hidden_states, weight, local, lse,
                                entropy if params.return_entropy else None, grad_log_probs,
-                               grad_entropy, params, need_dh, need_dw)
+                               grad_entropy, params, need_dh, need_dw,
+                               dh_float32=tp.reduce_hidden_grad)
         if dh is not None and tp.reduce_hidden_grad:
+            # summed in float32, rounded once: as accurate as the unsharded head
             _dist().all_reduce(dh, group=tp.process_group)
+            dh = dh.to(hidden_states.dtype)
         return (dh if need_dh else None), dw, None, None, None
 
 

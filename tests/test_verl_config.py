@@ -5,6 +5,8 @@ import subprocess
 import sys
 
 import pytest
+
+pytest.importorskip("verl", reason="verl is not installed (pip install -e '.[verl]')")
 import yaml
 
 import rl_kernels.integrations.verl as rkv

@@ -12,6 +12,8 @@ import inspect
 import os
 
 import pytest
+
+pytest.importorskip("verl", reason="verl is not installed (pip install -e '.[verl]')")
 import torch
 import verl.utils.torch_functional as verl_F
 from safetensors import safe_open

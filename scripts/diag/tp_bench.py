@@ -1,6 +1,8 @@
 """Vocab-parallel linear_log_probs over NCCL: correctness and time vs the unsharded kernel.
 
 torchrun --nproc_per_node=2 scripts/diag/tp_bench.py [N,H,V]   (default 16384,3584,152064)
+TP_BACKEND=gloo torchrun --nproc_per_node=2 ... on a one-GPU machine: both ranks share the GPU
+(gloo moves the gathered rows through the host): the correctness checks only, no timing.
 
 Each rank holds half of the vocabulary (uneven when V is odd); hidden states are replicated.
 Checks: log-probs / entropy identical bits on every rank and equal (to float32 rounding) to the
@@ -18,9 +20,10 @@ import triton.testing
 
 import rl_kernels
 
-dist.init_process_group("nccl")
+dist.init_process_group(os.environ.get("TP_BACKEND", "nccl"))
 rank, world = dist.get_rank(), dist.get_world_size()
-torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+shared_gpu = torch.cuda.device_count() < world
 dev = torch.device("cuda")
 n, h, v = (int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "16384,3584,152064").split(","))
 g = torch.Generator(device=dev).manual_seed(0)
@@ -58,7 +61,7 @@ for t in (out.log_probs, out.entropy, hx.grad):
     same.append(all(torch.equal(x, all_t[0]) for x in all_t))
 hu, wu = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
 ref = step(hu, wu)
-say(f"{torch.cuda.get_device_name()} x{world}, NCCL, {n}x{h}x{v} bf16, shards {bounds}, {time.strftime('%Y-%m-%d')}")
+say(f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()}, {world} ranks, {dist.get_backend()}, {n}x{h}x{v} bf16, shards {bounds}, {time.strftime('%Y-%m-%d')}")
 say(f"  identical bits on all ranks: log_probs {same[0]}, entropy {same[1]}, dh {same[2]}")
 say(f"  vs unsharded kernel: max|dlogp| {(out.log_probs - ref.log_probs).abs().max().item():.2e}, "
     f"max|dent| {(out.entropy - ref.entropy).abs().max().item():.2e}, "
@@ -93,6 +96,10 @@ def tp_fb():
     step(hx, wx, process_group=dist.group.WORLD, vocab_start_index=lo, reduce_hidden_grad=True)
 
 
+if shared_gpu:
+    say("  timing skipped: the ranks share one GPU")
+    dist.destroy_process_group()
+    sys.exit(0)
 t_tp_f, t_tp_fb = bench(tp_fwd), bench(tp_fb)
 if rank == 0:
     def one_fwd():
