@@ -77,6 +77,18 @@ ent_ref = torch.where(valid, -(lp64.exp() * lp64).sum(-1), 0.0)
 say(f"  vs float64 (first {m} tokens): max|dlogp| {(out.log_probs[:m].double() - lp_ref).abs().max().item():.2e}, "
     f"max|dent| {(out.entropy[:m].double() - ent_ref).abs().max().item():.2e}, dh rel {rel(hx.grad[:m], h64.grad):.2e}")
 del h64, w64, lp64
+# from-logits path: this rank's logits shard vs the unsharded logits (Triton kernels both)
+with torch.no_grad():
+    local_logits = hidden @ shard.T
+    st = rl_kernels.logits_stats(local_logits, labels, temperature=0.9, process_group=dist.group.WORLD)
+    all_lp = [torch.empty_like(st.log_probs) for _ in range(world)]
+    dist.all_gather(all_lp, st.log_probs)
+    del local_logits
+    full = rl_kernels.logits_stats(hidden @ weight.T, labels, temperature=0.9)
+say(f"  logits_stats on a logits shard: identical on all ranks {all(torch.equal(x, all_lp[0]) for x in all_lp)}, "
+    f"vs unsharded max|dlogp| {(st.log_probs - full.log_probs).abs().max().item():.2e}, "
+    f"max|dent| {(st.entropy - full.entropy).abs().max().item():.2e}, max|dlse| {(st.lse - full.lse).abs().max().item():.2e}")
+del st, full
 torch.cuda.empty_cache()
 
 
@@ -100,7 +112,12 @@ if shared_gpu:
     say("  timing skipped: the ranks share one GPU")
     dist.destroy_process_group()
     sys.exit(0)
-t_tp_f, t_tp_fb = bench(tp_fwd), bench(tp_fb)
+def tp_fb_partial():  # Megatron convention: partial dh, no all-reduce inside
+    hx.grad = wx.grad = None
+    step(hx, wx, process_group=dist.group.WORLD, vocab_start_index=lo)
+
+
+t_tp_f, t_tp_fb, t_tp_fb_partial = bench(tp_fwd), bench(tp_fb), bench(tp_fb_partial)
 if rank == 0:
     def one_fwd():
         with torch.no_grad():
@@ -115,6 +132,7 @@ if rank == 0:
     print(f"  one GPU unsharded: cuBLAS mm {t_mm:.2f} ms, fwd {t_f:.2f} ms ({t_f / t_mm:.2f}x mm), "
           f"fwd+bwd {t_fb:.2f} ms ({t_fb / t_mm:.2f}x mm)")
     print(f"  {world} GPUs vocab-parallel: fwd {t_tp_f:.2f} ms ({t_f / t_tp_f:.2f}x speed-up), "
-          f"fwd+bwd {t_tp_fb:.2f} ms ({t_fb / t_tp_fb:.2f}x speed-up, ideal {world}x)")
+          f"fwd+bwd {t_tp_fb:.2f} ms ({t_fb / t_tp_fb:.2f}x speed-up, ideal {world}x; "
+          f"{t_tp_fb_partial:.2f} ms with the partial dh, no all-reduce inside)")
 dist.barrier()
 dist.destroy_process_group()
