@@ -36,7 +36,7 @@ KINDS = ("forward", "reverse")
 REDUCTIONS = ("none", "sum", "mean", "batchmean")
 
 
-def _check_inputs(hidden_states, weight, ids, teacher_log_probs, mask):
+def _check_inputs(hidden_states, weight, ids, teacher_log_probs, mask, vocab_size=None):
     for name, t in (("hidden_states", hidden_states), ("weight", weight),
                     ("teacher_token_ids", ids), ("teacher_log_probs", teacher_log_probs)):
         if not isinstance(t, torch.Tensor):
@@ -60,7 +60,7 @@ def _check_inputs(hidden_states, weight, ids, teacher_log_probs, mask):
                              or mask.device != hidden_states.device):
         raise ValueError(f"mask: expected a bool/0-1 tensor of shape {lead} on {hidden_states.device}, got "
                          + (_describe(mask) if isinstance(mask, torch.Tensor) else type(mask).__name__))
-    v = weight.shape[0]
+    v = weight.shape[0] if vocab_size is None else vocab_size
     if ids.numel() and bool(((ids < 0) | (ids >= v)).any()):
         raise ValueError(f"teacher_token_ids: values must lie in [0, vocab_size={v}); got min "
                          f"{int(ids.min())}, max {int(ids.max())}")
@@ -78,6 +78,8 @@ def linear_topk_kl(
     renormalize_teacher: bool = False,
     reduction: str = "batchmean",
     process_group=None,
+    vocab_start_index: int | None = None,
+    reduce_hidden_grad: bool = False,
     backend: str = "auto",
 ) -> torch.Tensor:
     """KL divergence to a top-K teacher, student log-probs over the full vocabulary (fused).
@@ -98,7 +100,13 @@ def linear_topk_kl(
             probabilities then sum to 1; with K = V and True, the loss is the full KL).
         reduction: 'none' (shape ``...``), 'sum', 'mean' (over tokens with mask 1), 'batchmean'
             (sum / size of the first dim, as ``torch.nn.functional.kl_div``).
-        process_group: vocab-parallel student head: not supported yet (NotImplementedError).
+        process_group: vocab-parallel student head, as for ``linear_log_probs``: ``weight`` is
+            this rank's contiguous vocab shard, ``teacher_token_ids`` are global ids; the
+            student's lse and the K logits are merged after one all_gather of (N, 1 + 2K)
+            float32 (``rl_kernels.parallel``), so every rank returns the same loss. Backward:
+            this shard's dW and a partial dh (Megatron convention, see ``rl_kernels.parallel``).
+        vocab_start_index: global id of the shard's first row; None derives it from the group.
+        reduce_hidden_grad: with ``process_group``, all-reduce dh over the group in backward.
         backend: 'auto' | 'triton' | 'torch', as for ``linear_log_probs``.
 
     Returns:
@@ -108,13 +116,11 @@ def linear_topk_kl(
     Raises:
         TypeError / ValueError naming the argument for wrong types, dtypes, shapes, devices, ids
         outside [0, vocab_size), or a bad ``kind`` / ``reduction`` / ``temperature``;
-        NotImplementedError for ``process_group``; RuntimeError when the backend cannot run.
+        an id held by no shard (or several) with ``process_group``; RuntimeError when the
+        backend cannot run or ``torch.distributed`` is not initialized.
 
     Memory: O(N K) besides the fused head's own (``linear_log_probs``' bounds).
     """
-    if process_group is not None:
-        raise NotImplementedError("process_group: vocab-parallel heads are not supported by "
-                                  "linear_topk_kl yet (tensor-parallel issue)")
     if kind not in KINDS:
         raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
     if reduction not in REDUCTIONS:
@@ -122,7 +128,24 @@ def linear_topk_kl(
     if not isinstance(renormalize_teacher, bool):
         raise TypeError(f"renormalize_teacher: expected a bool, got {type(renormalize_teacher).__name__}")
     t = check_temperature(temperature)
-    _check_inputs(hidden_states, weight, teacher_token_ids, teacher_log_probs, mask)
+    tp = None
+    if process_group is not None:
+        from .parallel import ParallelParams, shard_layout
+
+        if not isinstance(reduce_hidden_grad, bool):
+            raise TypeError(f"reduce_hidden_grad: expected a bool, got {type(reduce_hidden_grad).__name__}")
+        # global ids: only >= 0 here; the upper bound once the layout is known
+        _check_inputs(hidden_states, weight, teacher_token_ids, teacher_log_probs, mask,
+                      vocab_size=torch.iinfo(torch.int64).max)
+        start, total = shard_layout(process_group, weight.shape[0], vocab_start_index, weight.device, -100)
+        if total is not None and bool((teacher_token_ids >= total).any()):
+            raise ValueError(f"teacher_token_ids: values must lie in [0, vocab_size={total}) (the sharded "
+                             f"vocabulary); got max {int(teacher_token_ids.max())}")
+        tp = ParallelParams(process_group, start, total, reduce_hidden_grad)
+    elif vocab_start_index is not None or reduce_hidden_grad:
+        raise ValueError("vocab_start_index / reduce_hidden_grad: only meaningful with process_group")
+    else:
+        _check_inputs(hidden_states, weight, teacher_token_ids, teacher_log_probs, mask)
     backend = resolve_backend(backend, hidden_states.device)
     lead = hidden_states.shape[:-1]
     h2 = hidden_states.reshape(-1, hidden_states.shape[-1])
@@ -133,8 +156,13 @@ def linear_topk_kl(
     # student lse over the full vocabulary (fused head; rows with mask 0 get no gradient)
     labels = torch.where(valid, ids[:, 0], -100)
     params = HeadParams(backend=backend, inv_temperature=1.0 / t, ignore_index=-100,
-                        return_entropy=False, return_lse=True)
-    _, lse, z_ids = LinearLogProbsFunction.apply(h2, weight, labels, params, ids)
+                        return_entropy=False, return_lse=tp is None)
+    if tp is not None:
+        from .parallel import VocabParallelLseGatherFunction
+
+        lse, z_ids = VocabParallelLseGatherFunction.apply(h2, weight, valid, ids, params, tp)
+    else:
+        _, lse, z_ids = LinearLogProbsFunction.apply(h2, weight, labels, params, ids)
     log_q = z_ids - lse[:, None]
 
     log_pt = teacher_log_probs.reshape(ids.shape).detach().float()

@@ -79,25 +79,34 @@ def local_labels(labels, start: int, local_vocab: int, ignore_index: int):
     return torch.where(labels == ignore_index, ignore_index, local), owned
 
 
+def _all_gather(process_group, part: torch.Tensor) -> torch.Tensor:
+    """(W, *part.shape): every rank's ``part`` in group-rank order (one all_gather)."""
+    dist = _dist()
+    gathered = [torch.empty_like(part) for _ in range(dist.get_world_size(process_group))]
+    dist.all_gather(gathered, part.contiguous(), group=process_group)
+    return torch.stack(gathered)
+
+
+def _merge_lse(lse_w: torch.Tensor):
+    """(lse, log w_r) from the (W, N) shard logsumexps, in rank order."""
+    m = lse_w.amax(0)
+    m = torch.where(torch.isfinite(m), m, torch.zeros((), device=m.device))
+    lse = m + torch.log(torch.exp(lse_w - m).sum(0))
+    return lse, lse_w - lse
+
+
 def merge_shards(process_group, lse_r, entropy_r, z_y_r, owned, labels, ignore_index, vocab_size):
     """all_gather the four (N,) float32 shard statistics over the group and merge them in rank
     order (module docstring). Returns (log_probs, entropy, lse), (N,) float32, identical bits on
     every rank; entropy and log_probs are 0 where ``labels`` (if given) is ``ignore_index``; the
     returned entropy is None when ``entropy_r`` is None. Raises ValueError for a label owned by no
     rank or by several."""
-    dist = _dist()
     n = lse_r.shape[0]
     zero = torch.zeros((), device=lse_r.device)
     part = torch.stack([lse_r.float(), entropy_r.float() if entropy_r is not None else zero.expand(n),
                         torch.where(owned, z_y_r.float(), zero), owned.float()])
-    gathered = [torch.empty_like(part) for _ in range(dist.get_world_size(process_group))]
-    dist.all_gather(gathered, part.contiguous(), group=process_group)
-    lse_w, ent_w, zy_w, own_w = torch.stack(gathered).unbind(1)  # (W, N) each
-
-    m = lse_w.amax(0)
-    m = torch.where(torch.isfinite(m), m, zero)
-    lse = m + torch.log(torch.exp(lse_w - m).sum(0))
-    log_w = lse_w - lse
+    lse_w, ent_w, zy_w, own_w = _all_gather(process_group, part).unbind(1)  # (W, N) each
+    lse, log_w = _merge_lse(lse_w)
     w = log_w.exp()
     entropy = torch.where(w > 0, w * (ent_w - log_w), zero).sum(0).clamp_min(0.0) \
         if entropy_r is not None else None
@@ -216,3 +225,53 @@ class VocabParallelLogitsFunction(torch.autograd.Function):
             cols = (labels[rows] - ctx.tp.start).long()
             grad[rows, cols] += (g_lp[rows] * ctx.inv_t).to(grad.dtype)
         return (grad,) + none[1:]
+
+
+class VocabParallelLseGatherFunction(torch.autograd.Function):
+    """hidden_states (N, H), weight shard (V_r, H), valid (N,) bool, global ids (N, K),
+    HeadParams, ParallelParams -> (lse (N,), z (N, K)) float32, identical on every rank: the row
+    logsumexp over the whole sharded vocabulary and the logits at ``ids`` (each from the rank that
+    holds it), merged after one all_gather. Backward: d lse/dz = p on every shard, the gradients of
+    z as sparse entries on the owner's shard (``autograd._with_gathered``); rows with ``valid``
+    False get none. For the distillation losses (``rl_kernels.distill``)."""
+
+    @staticmethod
+    def forward(ctx, hidden_states, weight, valid, ids, params: HeadParams, tp: ParallelParams):
+        v_r = weight.shape[0]
+        labels = torch.where(valid, v_r, params.ignore_index)  # no label column on any shard
+        _, _, lse_r = head_forward(hidden_states, weight, labels, params)
+        owned = (ids >= tp.start) & (ids < tp.start + v_r)
+        local_ids = torch.where(owned, ids - tp.start, -1)
+        z_r = gathered_logits(hidden_states, weight, local_ids.clamp_min(0), params)
+        zero = torch.zeros((), device=z_r.device)
+        part = torch.cat([lse_r.float()[:, None], torch.where(owned, z_r, zero), owned.float()], 1)
+        k = ids.shape[1]
+        gathered = _all_gather(tp.process_group, part)  # (W, N, 1 + 2K)
+        lse, _ = _merge_lse(gathered[:, :, 0])
+        count = gathered[:, :, 1 + k:].sum(0)
+        if bool((count != 1).any()):
+            bad = (count != 1).nonzero()[0]
+            raise ValueError(f"teacher_token_ids: id {int(ids[bad[0], bad[1]])} at (token {int(bad[0])}, "
+                             f"k {int(bad[1])}) is held by {int(count[bad[0], bad[1]])} shards, expected one "
+                             f"(check vocab_start_index)")
+        z = gathered[:, :, 1:1 + k].sum(0)
+        ctx.save_for_backward(hidden_states, weight, labels, lse, local_ids)
+        ctx.params, ctx.tp = params, tp
+        ctx.set_materialize_grads(False)
+        return lse, z
+
+    @staticmethod
+    def backward(ctx, grad_lse, grad_z):
+        hidden_states, weight, labels, lse, local_ids = ctx.saved_tensors
+        params, tp = ctx.params, ctx.tp
+        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if (grad_lse is None and grad_z is None) or not (need_dh or need_dw):
+            return (None,) * 6
+        dh, dw = head_backward(hidden_states, weight, labels, lse, None, None, None, params, need_dh,
+                               need_dw, grad_lse.float().contiguous() if grad_lse is not None else None,
+                               (local_ids, grad_z) if grad_z is not None else None,
+                               dh_float32=tp.reduce_hidden_grad)
+        if dh is not None and tp.reduce_hidden_grad:
+            _dist().all_reduce(dh, group=tp.process_group)
+            dh = dh.to(hidden_states.dtype)
+        return dh, dw, None, None, None, None

@@ -92,7 +92,9 @@ def test_bad_inputs_name_the_argument():
         linear_topk_kl(h, w, ids.float(), t_lp)
     with pytest.raises(ValueError, match="mask: expected"):
         linear_topk_kl(h, w, ids, t_lp, mask=mask[:3])
-    with pytest.raises(NotImplementedError, match="process_group"):
+    with pytest.raises(RuntimeError, match="process_group: torch.distributed is not initialized"):
         linear_topk_kl(h, w, ids, t_lp, process_group=object())
+    with pytest.raises(ValueError, match="vocab_start_index"):
+        linear_topk_kl(h, w, ids, t_lp, vocab_start_index=3)
     with pytest.raises(ValueError, match="temperature"):
         linear_topk_kl(h, w, ids, t_lp, temperature=-1.0)

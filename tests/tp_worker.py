@@ -86,6 +86,35 @@ def run(rank, world, init_file, backend):
         (lp * g_lp + ent * g_ent + torch.logsumexp(z / temperature, -1) * g_lse).sum().backward()
         torch.testing.assert_close(logits.grad.double(), z.grad[:, lo:hi], **tol)
 
+    # top-K KL with a sharded student head: K ids spread over the shards (V - 1 and 0 included)
+    from rl_kernels import linear_topk_kl
+
+    g = torch.Generator().manual_seed(4)
+    k = 6
+    ids = torch.stack([torch.randperm(V, generator=g)[:k] for _ in range(N)])
+    ids[0, 0], ids[1, 0] = V - 1, 0
+    t_lp = torch.log_softmax(torch.randn(N, k, generator=g), -1)
+    mask = labels != -100
+    for kind, reduce_dh in (("forward", True), ("reverse", False)):
+        hx = hidden.clone().requires_grad_()
+        wx = weight[lo:hi].clone().requires_grad_()
+        loss = linear_topk_kl(hx, wx, ids, t_lp, mask=mask, temperature=0.8, kind=kind, reduction="sum",
+                              backend=backend, process_group=group, reduce_hidden_grad=reduce_dh)
+        loss.backward()
+        h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+        log_q = torch.log_softmax(h64 @ w64.T / 0.8, -1).gather(1, ids)
+        lp = t_lp.double()
+        per = (lp.exp() * (lp - log_q)).sum(-1) if kind == "forward" else (log_q.exp() * (log_q - lp)).sum(-1)
+        ref = torch.where(mask, per * 0.64, 0.0).sum()
+        ref.backward()
+        torch.testing.assert_close(loss.double(), ref.detach(), **tol)
+        assert _same_on_all_ranks(loss.detach().reshape(1))
+        torch.testing.assert_close(wx.grad.double(), w64.grad[lo:hi], **tol)
+        dh = hx.grad.clone()
+        if not reduce_dh:
+            dist.all_reduce(dh)
+        torch.testing.assert_close(dh.double(), h64.grad, **tol)
+
     # a wrong vocab_start_index leaves label V - 1 in no shard: every rank raises
     try:
         linear_log_probs(hidden, weight[lo:hi], labels, backend=backend, process_group=group,
