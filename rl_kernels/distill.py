@@ -191,6 +191,7 @@ class JSDParams:
     backend: str  # resolved: "triton" or "torch"
     inv_temperature: float
     beta: float
+    tp: object = None  # parallel.ParallelParams for vocab-sharded heads
 
 
 class LinearJSDFunction(torch.autograd.Function):
@@ -206,6 +207,12 @@ class LinearJSDFunction(torch.autograd.Function):
                           ignore_index=-100, return_entropy=False)
         lse_s = head_forward(student_hidden, student_weight, zeros, head)[2].contiguous()
         lse_t = head_forward(teacher_hidden, teacher_weight, zeros, head)[2].contiguous()
+        tp = params.tp
+        if tp is not None:  # shard lse -> global lse of both heads (one all_gather)
+            from .parallel import _all_gather, _merge_lse
+
+            lse_w = _all_gather(tp.process_group, torch.stack([lse_s, lse_t]))
+            lse_s, lse_t = (_merge_lse(lse_w[:, i])[0].contiguous() for i in (0, 1))
         args = (student_hidden, student_weight, teacher_hidden, teacher_weight, lse_s, lse_t,
                 params.inv_temperature, params.beta)
         if params.backend == "triton" and n:
@@ -216,6 +223,14 @@ class LinearJSDFunction(torch.autograd.Function):
             loss, g_sum = jsd_split_sums(*args, cfg, cfg.jsd_fwd)
         else:
             loss, g_sum = torch_jsd_sums(*args)
+        if tp is not None:  # shard sums -> global sums, added in rank order (one all_gather)
+            from .parallel import _all_gather
+
+            sums = _all_gather(tp.process_group, torch.stack(
+                [loss.float(), g_sum.float() if g_sum is not None else torch.zeros_like(loss, dtype=torch.float32)]
+            )).sum(0)
+            loss = sums[0]
+            g_sum = sums[1] if 0.0 < params.beta < 1.0 else (loss if params.beta == 1.0 else None)
         t2 = 1.0 / params.inv_temperature ** 2
         ctx.save_for_backward(student_hidden, student_weight, teacher_hidden, teacher_weight,
                               lse_s, lse_t, g_sum if g_sum is not None else lse_s, valid)
@@ -248,8 +263,14 @@ class LinearJSDFunction(torch.autograd.Function):
             def dlogits(rows, cols, out):
                 return torch_jsd_dlogits(hs, ws, ht, wt, lse_s, lse_t, g_sum, scale, rows, cols,
                                          params.inv_temperature, params.beta, out)
+        reduce_dh = params.tp is not None and params.tp.reduce_hidden_grad
         with _full_precision_reduction():
-            dh, dw = _chunked_backward(dlogits, hs, ws, dz_dtype, need_dh, need_dw)
+            dh, dw = _chunked_backward(dlogits, hs, ws, dz_dtype, need_dh, need_dw, reduce_dh)
+        if dh is not None and reduce_dh:
+            from .parallel import _dist
+
+            _dist().all_reduce(dh, group=params.tp.process_group)
+            dh = dh.to(hs.dtype)
         return dh, dw, None, None, None, None
 
 
@@ -283,6 +304,8 @@ def linear_jsd(
     ignore_index: int = -100,
     reduction: str = "mean",
     process_group=None,
+    vocab_start_index: int | None = None,
+    reduce_hidden_grad: bool = False,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Generalized Jensen-Shannon divergence between a student and a teacher linear head (fused).
@@ -312,7 +335,12 @@ def linear_jsd(
         ignore_index: int, see ``labels``.
         reduction: 'mean' (default: sum / number of tokens not ignored), 'sum', 'none' (the
             leading shape), 'batchmean' (sum / size of the first dim).
-        process_group: vocab-parallel heads: not supported yet (NotImplementedError).
+        process_group: vocab-parallel heads, as for ``linear_log_probs``: both weights are this
+            rank's shard of the same vocab rows. Two all_gathers of (2, N) float32 (the heads'
+            lse, then the shard sums) give every rank the same loss; backward gives the student
+            shard's dW and a partial dh (``rl_kernels.parallel``).
+        vocab_start_index: global id of the shards' first row; None derives it from the group.
+        reduce_hidden_grad: with ``process_group``, all-reduce dh over the group in backward.
         backend: 'auto' | 'triton' | 'torch', as for ``linear_log_probs``.
 
     Returns:
@@ -322,16 +350,13 @@ def linear_jsd(
     Raises:
         TypeError / ValueError naming the argument for wrong types, dtypes, shapes (vocab sizes
         that differ included), devices, ``beta`` outside [0, 1], a bad ``reduction`` or
-        ``temperature``; NotImplementedError for ``process_group``; RuntimeError when the backend
-        cannot run.
+        ``temperature``; RuntimeError when the backend cannot run or ``process_group`` is given
+        without an initialized ``torch.distributed``.
 
     Cost: two fused forward passes (lse of each head), one pass of both GEMMs for the divergence,
     and a backward recomputing both GEMM tiles per dlogits window (memory bounds as
     ``linear_log_probs``' backward). Extra memory O(N).
     """
-    if process_group is not None:
-        raise NotImplementedError("process_group: vocab-parallel heads are not supported by "
-                                  "linear_jsd yet (tensor-parallel issue)")
     if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not 0.0 <= float(beta) <= 1.0:
         raise ValueError(f"beta: expected a Python number in [0, 1], got {beta!r}")
     if reduction not in REDUCTIONS:
@@ -345,12 +370,25 @@ def linear_jsd(
         raise ValueError(f"teacher_weight: vocab_size {teacher_weight.shape[0]} differs from "
                          f"student_weight's {student_weight.shape[0]}; the heads must share a vocabulary")
     if labels is not None:
-        check_labels(labels, student_hidden, "student_hidden", student_weight.shape[0], ignore_index)
+        # (only a mask: with process_group the ids are global, their values are not checked)
+        check_labels(labels, student_hidden, "student_hidden", student_weight.shape[0], ignore_index,
+                     check_values=process_group is None)
+    tp = None
+    if process_group is not None:
+        from .parallel import ParallelParams, shard_layout
+
+        if not isinstance(reduce_hidden_grad, bool):
+            raise TypeError(f"reduce_hidden_grad: expected a bool, got {type(reduce_hidden_grad).__name__}")
+        start, total = shard_layout(process_group, student_weight.shape[0], vocab_start_index,
+                                    student_weight.device, ignore_index)
+        tp = ParallelParams(process_group, start, total, reduce_hidden_grad)
+    elif vocab_start_index is not None or reduce_hidden_grad:
+        raise ValueError("vocab_start_index / reduce_hidden_grad: only meaningful with process_group")
     backend = resolve_backend(backend, student_hidden.device)
     hs = student_hidden.reshape(-1, student_hidden.shape[-1])
     ht = teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1])
     valid = (labels.reshape(-1) != ignore_index) if labels is not None else torch.ones(
         hs.shape[0], dtype=torch.bool, device=hs.device)
-    params = JSDParams(backend=backend, inv_temperature=1.0 / t, beta=float(beta))
+    params = JSDParams(backend=backend, inv_temperature=1.0 / t, beta=float(beta), tp=tp)
     per_token = LinearJSDFunction.apply(hs, student_weight, ht, teacher_weight.detach(), valid, params)
     return _reduce(per_token, valid, lead, reduction)

@@ -112,8 +112,10 @@ def test_jsd_bad_inputs_name_the_argument():
         linear_jsd(hs, ws[:, :-1], ht, wt)
     with pytest.raises(ValueError, match="labels"):
         linear_jsd(hs, ws, ht, wt, labels=labels[:-1])
-    with pytest.raises(NotImplementedError, match="process_group"):
+    with pytest.raises(RuntimeError, match="process_group: torch.distributed is not initialized"):
         linear_jsd(hs, ws, ht, wt, process_group=object())
+    with pytest.raises(ValueError, match="vocab_start_index"):
+        linear_jsd(hs, ws, ht, wt, reduce_hidden_grad=True)
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.4, 1.0])

@@ -1,4 +1,5 @@
 """Worker for tests/test_parallel.py: one process per rank of a gloo group (CPU).
+Also checks linear_topk_kl and linear_jsd with sharded heads.
 
 Every rank builds the same inputs from one seed, keeps its own vocab shard (uneven sizes) and
 checks, against the unsharded float64 reference: log-probs / entropy / lse, dW of its shard, dh
@@ -106,6 +107,35 @@ def run(rank, world, init_file, backend):
         lp = t_lp.double()
         per = (lp.exp() * (lp - log_q)).sum(-1) if kind == "forward" else (log_q.exp() * (log_q - lp)).sum(-1)
         ref = torch.where(mask, per * 0.64, 0.0).sum()
+        ref.backward()
+        torch.testing.assert_close(loss.double(), ref.detach(), **tol)
+        assert _same_on_all_ranks(loss.detach().reshape(1))
+        torch.testing.assert_close(wx.grad.double(), w64.grad[lo:hi], **tol)
+        dh = hx.grad.clone()
+        if not reduce_dh:
+            dist.all_reduce(dh)
+        torch.testing.assert_close(dh.double(), h64.grad, **tol)
+
+    # JSD between two sharded heads (teacher of another hidden size), beta 0.3 and 1
+    from rl_kernels import linear_jsd
+
+    ht = torch.randn(N, H + 8, generator=g)
+    wt = 0.4 * torch.randn(V, H + 8, generator=g)
+    for beta, reduce_dh in ((0.3, True), (1.0, False)):
+        hx = hidden.clone().requires_grad_()
+        wx = weight[lo:hi].clone().requires_grad_()
+        loss = linear_jsd(hx, wx, ht, wt[lo:hi], beta=beta, temperature=1.2, labels=labels, reduction="sum",
+                          backend=backend, process_group=group, reduce_hidden_grad=reduce_dh)
+        loss.backward()
+        h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+        lq = torch.log_softmax(h64 @ w64.T / 1.2, -1)
+        lp = torch.log_softmax(ht.double() @ wt.double().T / 1.2, -1)
+        if beta == 1.0:
+            per = (lq.exp() * (lq - lp)).sum(-1)
+        else:
+            lm = (beta * lp.exp() + (1 - beta) * lq.exp()).log()
+            per = beta * (lp.exp() * (lp - lm)).sum(-1) + (1 - beta) * (lq.exp() * (lq - lm)).sum(-1)
+        ref = torch.where(labels != -100, per * 1.44, 0.0).sum()
         ref.backward()
         torch.testing.assert_close(loss.double(), ref.detach(), **tol)
         assert _same_on_all_ranks(loss.detach().reshape(1))
