@@ -266,11 +266,10 @@ class LinearJSDFunction(torch.autograd.Function):
         reduce_dh = params.tp is not None and params.tp.reduce_hidden_grad
         with _full_precision_reduction():
             dh, dw = _chunked_backward(dlogits, hs, ws, dz_dtype, need_dh, need_dw, reduce_dh)
-        if dh is not None and reduce_dh:
-            from .parallel import _dist
+        if reduce_dh:
+            from .parallel import finish_hidden_grad
 
-            _dist().all_reduce(dh, group=params.tp.process_group)
-            dh = dh.to(hs.dtype)
+            dh = finish_hidden_grad(dh, params.tp, hs.dtype)
         return dh, dw, None, None, None, None
 
 

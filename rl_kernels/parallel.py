@@ -87,6 +87,15 @@ def _all_gather(process_group, part: torch.Tensor) -> torch.Tensor:
     return torch.stack(gathered)
 
 
+def finish_hidden_grad(dh, tp, dtype):
+    """With ``tp.reduce_hidden_grad``: sum the float32 partial ``dh`` over the group and round it
+    once to ``dtype`` (else ``dh`` as is: the caller's region sums it)."""
+    if dh is None or tp is None or not tp.reduce_hidden_grad:
+        return dh
+    _dist().all_reduce(dh, group=tp.process_group)
+    return dh.to(dtype)
+
+
 def _merge_lse(lse_w: torch.Tensor):
     """(lse, log w_r) from the (W, N) shard logsumexps, in rank order."""
     m = lse_w.amax(0)
@@ -165,11 +174,8 @@ class VocabParallelLinearFunction(torch.autograd.Function):
                                entropy if params.return_entropy else None, grad_log_probs,
                                grad_entropy, params, need_dh, need_dw,
                                dh_float32=tp.reduce_hidden_grad)
-        if dh is not None and tp.reduce_hidden_grad:
-            # summed in float32, rounded once: as accurate as the unsharded head
-            _dist().all_reduce(dh, group=tp.process_group)
-            dh = dh.to(hidden_states.dtype)
-        return (dh if need_dh else None), dw, None, None, None
+        # summed in float32, rounded once: as accurate as the unsharded head
+        return finish_hidden_grad(dh, tp, hidden_states.dtype), dw, None, None, None
 
 
 class VocabParallelLogitsFunction(torch.autograd.Function):
@@ -271,7 +277,4 @@ class VocabParallelLseGatherFunction(torch.autograd.Function):
                                need_dw, grad_lse.float().contiguous() if grad_lse is not None else None,
                                (local_ids, grad_z) if grad_z is not None else None,
                                dh_float32=tp.reduce_hidden_grad)
-        if dh is not None and tp.reduce_hidden_grad:
-            _dist().all_reduce(dh, group=tp.process_group)
-            dh = dh.to(hidden_states.dtype)
-        return dh, dw, None, None, None, None
+        return finish_hidden_grad(dh, tp, hidden_states.dtype), dw, None, None, None, None

@@ -43,6 +43,15 @@ def _same_on_all_ranks(t):
     return all(torch.equal(o, out[0]) for o in out)
 
 
+def _check_dh(dh, ref, reduced, tol):
+    """dh is the gradient (reduce_hidden_grad=True) or a partial sum whose group sum is."""
+    dh = dh.clone()
+    if not reduced:
+        assert not torch.allclose(dh.double(), ref, atol=1e-3)  # a partial sum, not the gradient
+        dist.all_reduce(dh)
+    torch.testing.assert_close(dh.double(), ref, **tol)
+
+
 def run(rank, world, init_file, backend):
     os.environ.setdefault("TRITON_INTERPRET", "1")
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -63,11 +72,7 @@ def run(rank, world, init_file, backend):
         torch.testing.assert_close(out.entropy.double(), ref_ent, **tol)
         assert _same_on_all_ranks(out.log_probs) and _same_on_all_ranks(out.entropy)
         torch.testing.assert_close(wx.grad.double(), ref_dw[lo:hi], **tol)
-        dh = hx.grad.clone()
-        if not reduce_dh:  # a partial sum: the group's sum is the gradient
-            assert not torch.allclose(dh.double(), ref_dh, atol=1e-3)
-            dist.all_reduce(dh)
-        torch.testing.assert_close(dh.double(), ref_dh, **tol)
+        _check_dh(hx.grad, ref_dh, reduce_dh, tol)
 
         # from-logits: the shard of the logits (float32 from the same inputs)
         logits = (hidden @ weight[lo:hi].T).requires_grad_()
@@ -111,10 +116,7 @@ def run(rank, world, init_file, backend):
         torch.testing.assert_close(loss.double(), ref.detach(), **tol)
         assert _same_on_all_ranks(loss.detach().reshape(1))
         torch.testing.assert_close(wx.grad.double(), w64.grad[lo:hi], **tol)
-        dh = hx.grad.clone()
-        if not reduce_dh:
-            dist.all_reduce(dh)
-        torch.testing.assert_close(dh.double(), h64.grad, **tol)
+        _check_dh(hx.grad, h64.grad, reduce_dh, tol)
 
     # JSD between two sharded heads (teacher of another hidden size), beta 0.3 and 1
     from rl_kernels import linear_jsd
@@ -140,10 +142,7 @@ def run(rank, world, init_file, backend):
         torch.testing.assert_close(loss.double(), ref.detach(), **tol)
         assert _same_on_all_ranks(loss.detach().reshape(1))
         torch.testing.assert_close(wx.grad.double(), w64.grad[lo:hi], **tol)
-        dh = hx.grad.clone()
-        if not reduce_dh:
-            dist.all_reduce(dh)
-        torch.testing.assert_close(dh.double(), h64.grad, **tol)
+        _check_dh(hx.grad, h64.grad, reduce_dh, tol)
 
     # a wrong vocab_start_index leaves label V - 1 in no shard: every rank raises
     try:
