@@ -56,3 +56,22 @@ def rel_err(a, b):
     """||a - b||_F / ||b||_F in float64."""
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def jsd_reference(hs, ws, ht, wt, labels, beta, temperature, reduction):
+    """Generalized JSD (beta 0 / 1: the two KLs) x T^2 from dense logits of both heads, in the
+    inputs' dtype (float64 for an oracle), with autograd; 0 where labels == -100."""
+    log_q = torch.log_softmax(hs @ ws.T / temperature, -1)
+    log_p = torch.log_softmax(ht @ wt.T / temperature, -1)
+    if beta == 0:
+        per = torch.nn.functional.kl_div(log_q, log_p, reduction="none", log_target=True).sum(-1)
+    elif beta == 1:
+        per = torch.nn.functional.kl_div(log_p, log_q, reduction="none", log_target=True).sum(-1)
+    else:
+        m = beta * log_p.exp() + (1 - beta) * log_q.exp()
+        per = (beta * (log_p.exp() * (log_p - m.log())).sum(-1)
+               + (1 - beta) * (log_q.exp() * (log_q - m.log())).sum(-1))
+    valid = labels != -100
+    per = torch.where(valid, per * temperature**2, 0.0)
+    return {"none": per, "sum": per.sum(), "mean": per.sum() / valid.sum(),
+            "batchmean": per.sum() / per.shape[0]}[reduction]

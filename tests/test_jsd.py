@@ -10,6 +10,8 @@ import torch
 import rl_kernels.autograd as rl_autograd
 from rl_kernels import linear_jsd
 
+from helpers import jsd_reference
+
 N, HS, HT, V = 13, 24, 40, 203
 
 
@@ -29,24 +31,6 @@ def _inputs(seed=0, dtype=torch.float32, lead=(N,)):
     return hs, ws, ht, wt, labels
 
 
-def _reference(hs, ws, ht, wt, labels, beta, temperature, reduction):
-    """Dense float64: log-softmax of both heads, the textbook JSD / KL formulas."""
-    log_q = torch.log_softmax(hs @ ws.T / temperature, -1)
-    log_p = torch.log_softmax(ht @ wt.T / temperature, -1)
-    if beta == 0:
-        per = torch.nn.functional.kl_div(log_q, log_p, reduction="none", log_target=True).sum(-1)
-    elif beta == 1:
-        per = torch.nn.functional.kl_div(log_p, log_q, reduction="none", log_target=True).sum(-1)
-    else:
-        m = beta * log_p.exp() + (1 - beta) * log_q.exp()
-        per = (beta * (log_p.exp() * (log_p - m.log())).sum(-1)
-               + (1 - beta) * (log_q.exp() * (log_q - m.log())).sum(-1))
-    valid = labels != -100
-    per = torch.where(valid, per * temperature**2, 0.0)
-    return {"none": per, "sum": per.sum(), "mean": per.sum() / valid.sum(),
-            "batchmean": per.sum() / per.shape[0]}[reduction]
-
-
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("beta,temperature,reduction", [
     (0.5, 1.0, "mean"),
@@ -62,7 +46,7 @@ def test_jsd_values_and_student_gradients(poison, backend, beta, temperature, re
     got = linear_jsd(hsx, wsx, htx, wtx, beta=beta, temperature=temperature, labels=labels,
                      reduction=reduction, backend=backend)
     hs64, ws64 = hs.double().requires_grad_(), ws.double().requires_grad_()
-    ref = _reference(hs64, ws64, ht.double(), wt.double(), labels, beta, temperature, reduction)
+    ref = jsd_reference(hs64, ws64, ht.double(), wt.double(), labels, beta, temperature, reduction)
     up = torch.randn(ref.shape, generator=torch.Generator().manual_seed(5)).double()
     (up * ref).sum().backward()
     (up.float() * got).sum().backward()
@@ -91,7 +75,7 @@ def test_jsd_of_identical_heads_is_zero(backend):
 def test_jsd_3d_leading_shape_and_bf16_triton():
     hs, ws, ht, wt, labels = _inputs(seed=7, dtype=torch.bfloat16, lead=(3, 5))
     got = linear_jsd(hs, ws, ht, wt, beta=0.5, labels=labels, reduction="none", backend="triton")
-    ref = _reference(hs.double(), ws.double(), ht.double(), wt.double(), labels, 0.5, 1.0, "none")
+    ref = jsd_reference(hs.double(), ws.double(), ht.double(), wt.double(), labels, 0.5, 1.0, "none")
     assert got.shape == (3, 5)
     torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-4)
 
@@ -138,6 +122,6 @@ def test_jsd_fused_k_loop_is_bitwise_equal_to_two_loops(monkeypatch, beta):
         loss.sum().backward()
         results.append((loss, hsx.grad))
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
-    ref = _reference(hs.double(), ws.double(), ht.double(), wt.double(), torch.zeros(N, dtype=torch.long),
+    ref = jsd_reference(hs.double(), ws.double(), ht.double(), wt.double(), torch.zeros(N, dtype=torch.long),
                      beta, 1.0, "none")
     torch.testing.assert_close(results[1][0].double(), ref, atol=2e-6, rtol=2e-5)
