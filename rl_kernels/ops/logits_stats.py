@@ -76,9 +76,12 @@ def _finalize(row, m, s, b, t, x_ptr, stride_n, stride_v, labels_ptr, stride_lab
     """Write the per-row outputs from the merged statistics (scalars of one row)."""
     # s >= 1 exactly when m is finite (the row max contributes exp(0) = 1), but the GPU's fast
     # exp/log put log s a few 1e-7 below 0 on a row with p_y ~ 1 (H100), which made log p > 0 and
-    # entropy < 0: clamp (finite rows only, so an all -inf row keeps lse = -inf).
+    # entropy < 0: clamp (finite rows only, so an all -inf row keeps lse = -inf). The clamp must
+    # propagate NaN: a NaN logit makes s NaN (the max ignores it), and max(NaN, 0) = 0 would turn
+    # that row's lse and log-prob finite.
     log_sum = tl.log(s)
-    log_sum = tl.where(m > float("-inf"), tl.maximum(log_sum, 0.0), log_sum)
+    log_sum = tl.where(m > float("-inf"), tl.maximum(log_sum, 0.0, propagate_nan=tl.PropagateNan.ALL),
+                       log_sum)
     lse = m + log_sum
     tl.store(row_max_ptr + row, m)
     tl.store(log_sum_ptr + row, log_sum)

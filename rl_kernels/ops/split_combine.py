@@ -41,7 +41,8 @@ def _split_combine_kernel(
 
     log_s = tl.log(s)
     # s >= 1 exactly for a finite m; the GPU's fast exp/log may put log s just below 0
-    log_s = tl.where(m > float("-inf"), tl.maximum(log_s, 0.0), log_s)
+    # (propagating NaN: max(NaN, 0) = 0 would give a NaN row a finite lse)
+    log_s = tl.where(m > float("-inf"), tl.maximum(log_s, 0.0, propagate_nan=tl.PropagateNan.ALL), log_s)
     lse = m + log_s
     labels = tl.load(labels_ptr + rows.to(tl.int64) * stride_lab, mask=row_mask, other=ignore_index)
     valid = labels != ignore_index
