@@ -37,7 +37,7 @@ import numbers
 
 import torch
 
-from .autograd import HeadParams, gathered_logits, head_backward, head_forward
+from .autograd import HeadParams, first_order_only, gathered_logits, head_backward, head_forward
 
 
 def _dist():
@@ -117,7 +117,8 @@ def merge_shards(process_group, lse_r, entropy_r, z_y_r, owned, labels, ignore_i
     lse_w, ent_w, zy_w, own_w = _all_gather(process_group, part).unbind(1)  # (W, N) each
     lse, log_w = _merge_lse(lse_w)
     w = log_w.exp()
-    entropy = torch.where(w > 0, w * (ent_w - log_w), zero).sum(0).clamp_min(0.0) \
+    # a shard with w = 0 adds 0 (not 0 * inf); a NaN w (a non-finite row) must stay NaN
+    entropy = torch.where(w == 0, zero, w * (ent_w - log_w)).sum(0).clamp_min(0.0) \
         if entropy_r is not None else None
     if labels is None:
         return None, entropy, lse
@@ -159,11 +160,12 @@ class VocabParallelLinearFunction(torch.autograd.Function):
                                                params.ignore_index, tp.vocab_size)
         # the merged entropy of ignored rows is 0 here; the backward masks those rows anyway
         ctx.save_for_backward(hidden_states, weight, local, lse, entropy if entropy is not None else lse)
-        ctx.params, ctx.tp = params, tp
+        ctx.params, ctx.tp, ctx.fn_name = params, tp, params.name
         ctx.set_materialize_grads(False)
         return (log_probs, entropy) if params.return_entropy else log_probs
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad_log_probs, grad_entropy=None):
         hidden_states, weight, local, lse, entropy = ctx.saved_tensors
         params, tp = ctx.params, ctx.tp
@@ -185,7 +187,7 @@ class VocabParallelLogitsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels, inv_t, ignore_index, want_entropy, tp: ParallelParams,
-                run_forward, run_backward):
+                run_forward, run_backward, fn_name):
         v_r = logits.shape[1]
         stats = run_forward(logits, want_entropy)
         owned = None
@@ -200,13 +202,15 @@ class VocabParallelLogitsFunction(torch.autograd.Function):
                                                z_y, owned, labels, ignore_index, tp.vocab_size)
         ctx.save_for_backward(logits, labels, owned, lse, entropy)
         ctx.inv_t, ctx.ignore_index, ctx.tp, ctx.run_backward = inv_t, ignore_index, tp, run_backward
+        ctx.fn_name = fn_name
         ctx.set_materialize_grads(False)
         return log_probs, entropy, lse
 
     @staticmethod
+    @first_order_only
     def backward(ctx, g_lp, g_ent, g_lse):
         logits, labels, owned, lse, entropy = ctx.saved_tensors
-        none = (None,) * 8
+        none = (None,) * 9
         if not ctx.needs_input_grad[0] or (g_lp is None and g_ent is None and g_lse is None):
             return none
         zero = torch.zeros((), device=logits.device)
@@ -262,11 +266,12 @@ class VocabParallelLseGatherFunction(torch.autograd.Function):
                              f"(check vocab_start_index)")
         z = gathered[:, :, 1:1 + k].sum(0)
         ctx.save_for_backward(hidden_states, weight, labels, lse, local_ids)
-        ctx.params, ctx.tp = params, tp
+        ctx.params, ctx.tp, ctx.fn_name = params, tp, params.name
         ctx.set_materialize_grads(False)
         return lse, z
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad_lse, grad_z):
         hidden_states, weight, labels, lse, local_ids = ctx.saved_tensors
         params, tp = ctx.params, ctx.tp
