@@ -27,17 +27,45 @@ def _describe(t: torch.Tensor) -> str:
     return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
 
 
+# the kernels scale logits by 1 / temperature in float32: both T and 1 / T must be normal float32
+# numbers, or the scale overflows to inf (T < 2.9e-39) or flushes to 0 (T > 8.5e37)
+TEMPERATURE_RANGE = (1.0 / torch.finfo(torch.float32).max, 1.0 / torch.finfo(torch.float32).tiny)
+
+
 def check_temperature(temperature) -> float:
     """Return ``temperature`` as a float; raise TypeError / ValueError when it is not a positive
-    finite Python number (bool and tensors are rejected)."""
+    finite Python number (bool and tensors are rejected) inside ``TEMPERATURE_RANGE`` (where
+    1 / temperature is a normal float32 number)."""
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
         raise TypeError(f"temperature: expected a positive finite Python number (float or int), "
                         f"got {type(temperature).__name__}"
                         + ("; pass float(temperature)" if isinstance(temperature, torch.Tensor) else ""))
-    value = float(temperature)
+    try:
+        value = float(temperature)
+    except OverflowError:
+        value = math.inf
     if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"temperature: expected a positive finite number, got {value!r}")
+        raise ValueError(f"temperature: expected a positive finite number, got {temperature!r}")
+    lo, hi = TEMPERATURE_RANGE
+    if not lo <= value <= hi:
+        raise ValueError(f"temperature: {value!r} is outside the usable range [{lo:.3g}, {hi:.3g}] "
+                         f"(1 / temperature must be a normal float32 number: the logits are "
+                         f"scaled by it in float32)")
     return value
+
+
+def check_ignore_index(ignore_index, labels: torch.Tensor | None = None) -> int:
+    """Return ``ignore_index`` as an int; raise TypeError for a non-int (bool included) and
+    ValueError when it does not fit ``labels``' dtype (int64, or int32 for int32 labels): a value
+    that wraps around would silently ignore other rows."""
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+        raise TypeError(f"ignore_index: expected an int, got {type(ignore_index).__name__}")
+    dtype = labels.dtype if labels is not None and labels.dtype in _LABEL_DTYPES else torch.int64
+    info = torch.iinfo(dtype)
+    if not info.min <= int(ignore_index) <= info.max:
+        raise ValueError(f"ignore_index: {int(ignore_index)} does not fit the labels' dtype {dtype} "
+                         f"(range [{info.min}, {info.max}])")
+    return int(ignore_index)
 
 
 def check_head_inputs(hidden_states, weight, labels, ignore_index, check_values: bool = True) -> None:
@@ -51,6 +79,7 @@ def check_head_inputs(hidden_states, weight, labels, ignore_index, check_values:
         raise ValueError("hidden_states: expected shape (..., H), got a 0-d tensor")
     if hidden_states.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"hidden_states: expected bfloat16, float16 or float32, got {_describe(hidden_states)}")
+    check_hidden_size(hidden_states, "hidden_states")
     if weight.dim() != 2 or weight.shape[1] != hidden_states.shape[-1]:
         raise ValueError(f"weight: expected shape (vocab_size, H) with H = hidden_states.shape[-1] = "
                          f"{hidden_states.shape[-1]}, got {_describe(weight)}")
@@ -63,6 +92,12 @@ def check_head_inputs(hidden_states, weight, labels, ignore_index, check_values:
         raise ValueError(f"weight: on {weight.device}, but hidden_states is on {hidden_states.device}; "
                          f"all inputs must be on one device")
     check_labels(labels, hidden_states, "hidden_states", weight.shape[0], ignore_index, check_values)
+
+
+def check_hidden_size(hidden_states: torch.Tensor, name: str) -> None:
+    """Raise ValueError when the last dim (the hidden size H) of ``hidden_states`` is 0."""
+    if hidden_states.shape[-1] == 0:
+        raise ValueError(f"{name}: expected shape (..., H) with hidden size H >= 1, got {_describe(hidden_states)}")
 
 
 def check_labels(labels, like: torch.Tensor, like_name: str, vocab_size: int, ignore_index,
@@ -81,8 +116,7 @@ def check_labels(labels, like: torch.Tensor, like_name: str, vocab_size: int, ig
     if labels.device != like.device:
         raise ValueError(f"labels: on {labels.device}, but {like_name} is on {like.device}; "
                          f"all inputs must be on one device")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
-        raise TypeError(f"ignore_index: expected an int, got {type(ignore_index).__name__}")
+    check_ignore_index(ignore_index, labels)
     if check_values:
         check_label_values(labels, vocab_size, ignore_index)
 
@@ -90,8 +124,7 @@ def check_labels(labels, like: torch.Tensor, like_name: str, vocab_size: int, ig
 def check_label_values(labels: torch.Tensor, vocab_size: int, ignore_index) -> None:
     """Raise TypeError for a non-int ``ignore_index`` and ValueError for a label outside
     [0, vocab_size) that is not ``ignore_index`` (naming the count and the first position)."""
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
-        raise TypeError(f"ignore_index: expected an int, got {type(ignore_index).__name__}")
+    check_ignore_index(ignore_index, labels)
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
     if labels.numel() and bool(bad.any()):
         flat = bad.reshape(-1).nonzero()[0, 0].item()
@@ -166,18 +199,26 @@ def linear_log_probs(
         ``LogProbsOutput(log_probs, entropy)``: float32 tensors shaped like ``labels``, in nats.
         Logits are accumulated and kept in float32 on every backend. A row whose hidden state
         holds NaN/inf gets a non-finite log-prob and entropy; other rows are unaffected (in the
-        backward, such a row's gradient reaches every dW row, as in any matmul, unless its label
-        is ``ignore_index``).
+        backward, such a row's gradient reaches every dW row, as in any matmul). A row whose
+        label is ``ignore_index`` contributes exactly nothing to dW and dh, even when its hidden
+        state is non-finite (it is selected out, not multiplied by 0).
 
     Raises:
         TypeError: a non-tensor input, unsupported dtype, ``weight``/``hidden_states`` dtype
             mismatch, non-integer ``ignore_index``, non-number ``temperature``.
-        ValueError: shape mismatch, labels outside [0, V) other than ``ignore_index``, temperature
-            <= 0 or non-finite, inputs on different devices, unknown backend.
+        ValueError: shape mismatch, hidden size H = 0, labels outside [0, V) other than
+            ``ignore_index``, an ``ignore_index`` that does not fit the labels' dtype, a
+            temperature <= 0, non-finite or outside ``TEMPERATURE_RANGE`` (1/T must be a normal
+            float32: about [2.9e-39, 8.5e37]), inputs on different devices, unknown backend.
         RuntimeError: backend "triton" on CPU without TRITON_INTERPRET=1, or without triton;
-            ``process_group`` without an initialized ``torch.distributed``.
+            ``process_group`` without an initialized ``torch.distributed``; differentiating the
+            gradient again (``create_graph=True`` gives correct first derivatives, whose own
+            backward raises "double backward is not supported by rl_kernels.linear_log_probs").
 
-    Formula: design.md "The math"; gradients d log p/dz = onehot - p, dH/dz = -p (log p + H).
+    Formula: with p = softmax(z), log p(y) = z_y - logsumexp(z) and H = log s - b / s where
+    s = sum exp(z - m), b = sum exp(z - m)(z - m), m = max z (no lse - E[z] cancellation);
+    gradients d log p/dz = onehot - p, dH/dz = -p (log p + H) (Shannon entropy; softmax
+    derivative), divided by T for the raw logits h.w.
     Bug cases covered: verl #2656/#2899 (padded vocab columns), verl PR #7439 (all-negative
     logits), verl #6913 (3-D hidden keeps its gradient).
     """

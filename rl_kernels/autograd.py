@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 
 import torch
@@ -47,6 +48,53 @@ class HeadParams:
     ignore_index: int
     return_entropy: bool
     return_lse: bool = False  # internal (distillation losses): lse as a differentiable output
+    name: str = "linear_log_probs"  # the public function, for error messages
+
+
+def first_order_only(backward):
+    """Decorate an autograd Function's ``backward``: gradients are computed without a graph, and
+    under ``create_graph=True`` they are wired to a node that raises "double backward is not
+    supported by rl_kernels.<ctx.fn_name>" when differentiated again. The first derivatives stay
+    correct; a second derivative never comes out silently wrong (or silently zero)."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        with torch.no_grad():
+            outs = backward(ctx, *grads)
+        if not torch.is_grad_enabled():
+            return outs
+        msg = (f"double backward is not supported by rl_kernels.{ctx.fn_name}: its backward "
+               f"computes first derivatives only")
+        present = [i for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.is_floating_point()]
+        # the node's extra inputs: what the gradients depend on (the saved inputs and the
+        # incoming gradients), so that differentiating the gradients reaches the node
+        deps = [t for t in (*ctx.saved_tensors, *grads)
+                if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not present or not deps:
+            return outs
+        delayed = getattr(getattr(torch._C, "_functions", None), "DelayedError", None)
+        if delayed is None:  # pragma: no cover - torch without the C++ node: refuse up front
+            raise RuntimeError(msg + " (create_graph=True)")
+        guarded = delayed(msg.encode(), len(present) + len(deps))(*[outs[i] for i in present], *deps)
+        outs = list(outs)
+        for i, g in zip(present, guarded):
+            outs[i] = g
+        return tuple(outs)
+    return wrapper
+
+
+def hidden_for_weight_grad(hidden_states: torch.Tensor, ignored: torch.Tensor,
+                           lse: torch.Tensor) -> torch.Tensor:
+    """``hidden_states`` with the rows that must not reach dW zeroed: rows that are ``ignored``
+    (label == ignore_index, or masked) and non-finite. Their dlogits rows are exactly 0, but in
+    dW = dz^T h a NaN/inf hidden value times 0 is NaN, which would spread over all of dW. A row of
+    non-finite hidden states has a non-finite lse (every logit of the row is NaN or +-inf), so the
+    check reads O(N) values; it costs one host sync, and a copy of hidden_states only when such a
+    row exists."""
+    bad = ignored & ~torch.isfinite(lse)
+    if bool(bad.any()):
+        return hidden_states.masked_fill(bad[:, None], 0)
+    return hidden_states
 
 
 def head_forward(hidden_states, weight, labels, params: HeadParams):
@@ -147,8 +195,11 @@ def head_backward(hidden_states, weight, labels, lse, entropy, grad_log_probs, g
     if gathered is not None:
         dlogits = _with_gathered(dlogits, *gathered, labels != params.ignore_index,
                                  params.inv_temperature)
+    h_dw = hidden_for_weight_grad(hidden_states, labels == params.ignore_index, lse) if need_dw \
+        else hidden_states
     with _full_precision_reduction():
-        return _chunked_backward(dlogits, hidden_states, weight, dz_dtype, need_dh, need_dw, dh_float32)
+        return _chunked_backward(dlogits, hidden_states, weight, dz_dtype, need_dh, need_dw, dh_float32,
+                                 h_dw)
 
 
 def _with_gathered(dlogits, ids, grad, valid, inv_temperature):
@@ -169,7 +220,11 @@ def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
-def _chunked_backward(dlogits, hidden_states, weight, dz_dtype, need_dh, need_dw, dh_float32=False):
+def _chunked_backward(dlogits, hidden_states, weight, dz_dtype, need_dh, need_dw, dh_float32=False,
+                      h_dw=None):
+    """dh, dW from dlogits windows (module docstring). ``h_dw``: the hidden states that multiply
+    into dW (``hidden_for_weight_grad``); default ``hidden_states``."""
+    h_dw = hidden_states if h_dw is None else h_dw
     n, h = hidden_states.shape
     v = weight.shape[0]
     budget = max(MIN_CHUNK_ELEMENTS, int(CHUNK_FRACTION * (n + v) * h))
@@ -183,7 +238,7 @@ def _chunked_backward(dlogits, hidden_states, weight, dz_dtype, need_dh, need_dw
         dh = torch.empty_like(hidden_states, memory_format=torch.contiguous_format) if need_dh else None
         return dh, dw
     if need_dh and need_dw:
-        result = _one_recompute(dlogits, hidden_states, weight, dz_dtype, cols, dh_float32)
+        result = _one_recompute(dlogits, hidden_states, weight, dz_dtype, cols, dh_float32, h_dw)
         if result is not None:
             return result
     size = max(n * cols if need_dw else 0, min(rows, n) * v_pad if need_dh else 0)
@@ -191,7 +246,7 @@ def _chunked_backward(dlogits, hidden_states, weight, dz_dtype, need_dh, need_dw
     dw = None
     if need_dw:
         dw = torch.empty_like(weight, memory_format=torch.contiguous_format)
-        h_mm = hidden_states.to(dz_dtype)
+        h_mm = h_dw.to(dz_dtype)
         window = buf[: n * cols].view(n, cols)
         for c0 in range(0, v, cols):
             c1 = min(v, c0 + cols)
@@ -212,7 +267,7 @@ def _chunked_backward(dlogits, hidden_states, weight, dz_dtype, need_dh, need_dw
     return dh, dw
 
 
-def _one_recompute(dlogits, hidden_states, weight, dz_dtype, cols, dh_float32=False):
+def _one_recompute(dlogits, hidden_states, weight, dz_dtype, cols, dh_float32=False, h_dw=None):
     """The one-recompute schedule (module docstring); None when it cannot run here."""
     n, h = hidden_states.shape
     v = weight.shape[0]
@@ -232,7 +287,7 @@ def _one_recompute(dlogits, hidden_states, weight, dz_dtype, cols, dh_float32=Fa
     start = (v * h - acc_elems) // per_float * per_float  # float32-aligned
     acc = dw.view(-1)[start:start + acc_elems].view(torch.float32).view(n, h)
     tail = start // h  # dW rows from here on share bytes with the accumulator
-    h_mm = hidden_states.to(dz_dtype)
+    h_mm = (hidden_states if h_dw is None else h_dw).to(dz_dtype)
     w_mm = weight.to(dz_dtype)
     buffer = torch.empty(n * cols, dtype=dz_dtype, device=hidden_states.device).view(n, cols)
     flat = dw.view(-1)
@@ -288,7 +343,7 @@ class LinearLogProbsFunction(torch.autograd.Function):
         log_probs, entropy, lse = head_forward(hidden_states, weight, labels, params)
         ctx.save_for_backward(hidden_states, weight, labels, lse,
                               entropy if entropy is not None else lse, gather_ids)
-        ctx.params = params
+        ctx.params, ctx.fn_name = params, params.name
         ctx.set_materialize_grads(False)
         outs = (log_probs,) + ((entropy,) if params.return_entropy else ()) + \
             ((lse.clone(),) if params.return_lse else ())
@@ -297,6 +352,7 @@ class LinearLogProbsFunction(torch.autograd.Function):
         return outs if len(outs) > 1 else log_probs
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad_log_probs, *more):
         hidden_states, weight, labels, lse, entropy, gather_ids = ctx.saved_tensors
         params: HeadParams = ctx.params

@@ -27,9 +27,10 @@ import torch
 import dataclasses
 import numbers
 
-from .api import _FLOAT_DTYPES, _LABEL_DTYPES, _describe, check_labels, check_temperature, resolve_backend
+from .api import (_FLOAT_DTYPES, _LABEL_DTYPES, _describe, check_hidden_size, check_labels,
+                  check_temperature, resolve_backend)
 from .autograd import (HeadParams, LinearLogProbsFunction, _chunked_backward, _full_precision_reduction,
-                       head_forward)
+                       first_order_only, head_forward, hidden_for_weight_grad)
 from .torch_backend import torch_jsd_dlogits, torch_jsd_sums
 
 KINDS = ("forward", "reverse")
@@ -41,8 +42,12 @@ def _check_inputs(hidden_states, weight, ids, teacher_log_probs, mask, vocab_siz
                     ("teacher_token_ids", ids), ("teacher_log_probs", teacher_log_probs)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if hidden_states.dtype not in _FLOAT_DTYPES or hidden_states.dim() < 2:
-        raise TypeError(f"hidden_states: expected (..., H) bfloat16/float16/float32, got {_describe(hidden_states)}")
+    if hidden_states.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"hidden_states: expected bfloat16, float16 or float32, got {_describe(hidden_states)}")
+    if hidden_states.dim() < 2:
+        raise ValueError(f"hidden_states: expected shape (..., H) with at least one token dim (e.g. "
+                         f"(N, H)), got {_describe(hidden_states)}")
+    check_hidden_size(hidden_states, "hidden_states")
     if weight.dim() != 2 or weight.dtype != hidden_states.dtype or weight.shape[1] != hidden_states.shape[-1]:
         raise ValueError(f"weight: expected (vocab_size, {hidden_states.shape[-1]}) {hidden_states.dtype}, "
                          f"got {_describe(weight)}")
@@ -64,6 +69,12 @@ def _check_inputs(hidden_states, weight, ids, teacher_log_probs, mask, vocab_siz
     if ids.numel() and bool(((ids < 0) | (ids >= v)).any()):
         raise ValueError(f"teacher_token_ids: values must lie in [0, vocab_size={v}); got min "
                          f"{int(ids.min())}, max {int(ids.max())}")
+    bad = torch.isnan(teacher_log_probs) | (teacher_log_probs == float("inf"))
+    if teacher_log_probs.numel() and bool(bad.any()):
+        first = bad.reshape(-1).nonzero()[0, 0].item()
+        raise ValueError(f"teacher_log_probs: {int(bad.sum())} entries are NaN or +inf (log-probs lie in "
+                         f"[-inf, 0]; -inf marks a zero-probability slot); first at flat position "
+                         f"{first}: {teacher_log_probs.reshape(-1)[first].item()}")
 
 
 def linear_topk_kl(
@@ -90,7 +101,12 @@ def linear_topk_kl(
         teacher_token_ids: (..., K) int64/int32 ids in [0, vocab_size) (K >= 1, any K <= V).
         teacher_log_probs: (..., K) float teacher log-probs (nats) at those ids, taken as given:
             they should already be at ``temperature`` (inference servers return the log-probs of
-            the distribution they sampled from). No gradient flows to them.
+            the distribution they sampled from). No gradient flows to them. -inf marks a
+            zero-probability slot (a token the server filtered): it is out of the teacher's
+            support and adds exactly 0 to the loss and the gradient, for both kinds (forward:
+            0 log 0 = 0, the ``xlogy`` convention; reverse: the slot is left out, like an id
+            outside the top K); ``renormalize_teacher`` renormalizes over the other slots. NaN
+            or +inf entries raise ValueError.
         mask: (...) bool or 0/1; tokens with mask 0 contribute 0 and get no gradient.
         temperature: positive Python number: the student logits are divided by it and the loss
             is multiplied by temperature^2 (Hinton et al. 2015).
@@ -114,8 +130,9 @@ def linear_topk_kl(
         otherwise; differentiable w.r.t. ``hidden_states`` and ``weight``.
 
     Raises:
-        TypeError / ValueError naming the argument for wrong types, dtypes, shapes, devices, ids
-        outside [0, vocab_size), or a bad ``kind`` / ``reduction`` / ``temperature``;
+        TypeError / ValueError naming the argument for wrong types, dtypes, shapes (H = 0
+        included), devices, ids outside [0, vocab_size), NaN / +inf teacher log-probs, or a bad
+        ``kind`` / ``reduction`` / ``temperature``; RuntimeError on double backward;
         an id held by no shard (or several) with ``process_group``; RuntimeError when the
         backend cannot run or ``torch.distributed`` is not initialized.
 
@@ -156,7 +173,7 @@ def linear_topk_kl(
     # student lse over the full vocabulary (fused head; rows with mask 0 get no gradient)
     labels = torch.where(valid, ids[:, 0], -100)
     params = HeadParams(backend=backend, inv_temperature=1.0 / t, ignore_index=-100,
-                        return_entropy=False, return_lse=tp is None)
+                        return_entropy=False, return_lse=tp is None, name="linear_topk_kl")
     if tp is not None:
         from .parallel import VocabParallelLseGatherFunction
 
@@ -166,13 +183,19 @@ def linear_topk_kl(
     log_q = z_ids - lse[:, None]
 
     log_pt = teacher_log_probs.reshape(ids.shape).detach().float()
-    if renormalize_teacher:
-        log_pt = torch.log_softmax(log_pt, dim=-1)
+    # slots with teacher log-prob -inf (zero probability: filtered by the server) are out of the
+    # teacher's support and contribute exactly 0 to the sum, forward and reverse alike
+    support = log_pt > float("-inf")
+    if renormalize_teacher:  # over the supported slots; a token with none keeps all -inf
+        log_pt = torch.where(support.any(-1, keepdim=True), torch.log_softmax(log_pt, dim=-1), log_pt)
+    zero = torch.zeros((), device=log_q.device)
+    log_pt = torch.where(support, log_pt, zero)  # any finite value: those terms are selected out
     if kind == "forward":
-        per_token = (log_pt.exp() * (log_pt - log_q)).sum(-1)
+        terms = log_pt.exp() * (log_pt - log_q)
     else:
-        per_token = (log_q.exp() * (log_q - log_pt)).sum(-1)
-    per_token = torch.where(valid, per_token * (t * t), torch.zeros((), device=per_token.device))
+        terms = log_q.exp() * (log_q - log_pt)
+    per_token = torch.where(support, terms, zero).sum(-1)
+    per_token = torch.where(valid, per_token * (t * t), zero)
     return _reduce(per_token, valid, lead, reduction)
 
 
@@ -234,10 +257,11 @@ class LinearJSDFunction(torch.autograd.Function):
         t2 = 1.0 / params.inv_temperature ** 2
         ctx.save_for_backward(student_hidden, student_weight, teacher_hidden, teacher_weight,
                               lse_s, lse_t, g_sum if g_sum is not None else lse_s, valid)
-        ctx.params = params
+        ctx.params, ctx.fn_name = params, "linear_jsd"
         return torch.where(valid, loss.float() * t2, torch.zeros((), device=loss.device))
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad):
         hs, ws, ht, wt, lse_s, lse_t, g_sum, valid = ctx.saved_tensors
         params: JSDParams = ctx.params
@@ -264,8 +288,9 @@ class LinearJSDFunction(torch.autograd.Function):
                 return torch_jsd_dlogits(hs, ws, ht, wt, lse_s, lse_t, g_sum, scale, rows, cols,
                                          params.inv_temperature, params.beta, out)
         reduce_dh = params.tp is not None and params.tp.reduce_hidden_grad
+        h_dw = hidden_for_weight_grad(hs, ~valid, lse_s) if need_dw else hs
         with _full_precision_reduction():
-            dh, dw = _chunked_backward(dlogits, hs, ws, dz_dtype, need_dh, need_dw, reduce_dh)
+            dh, dw = _chunked_backward(dlogits, hs, ws, dz_dtype, need_dh, need_dw, reduce_dh, h_dw)
         if reduce_dh:
             from .parallel import finish_hidden_grad
 
@@ -277,8 +302,12 @@ def _check_head(hidden, weight, hname, wname, lead=None, dtype=None, device=None
     for name, t in ((hname, hidden), (wname, weight)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if hidden.dtype not in _FLOAT_DTYPES or hidden.dim() < 2:
-        raise TypeError(f"{hname}: expected (..., H) bfloat16/float16/float32, got {_describe(hidden)}")
+    if hidden.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{hname}: expected bfloat16, float16 or float32, got {_describe(hidden)}")
+    if hidden.dim() < 2:
+        raise ValueError(f"{hname}: expected shape (..., H) with at least one token dim (e.g. (N, H)), "
+                         f"got {_describe(hidden)}")
+    check_hidden_size(hidden, hname)
     if lead is not None and tuple(hidden.shape[:-1]) != lead:
         raise ValueError(f"{hname}: expected leading shape {lead} (as student_hidden), got {_describe(hidden)}")
     if dtype is not None and hidden.dtype != dtype:
@@ -348,9 +377,11 @@ def linear_jsd(
 
     Raises:
         TypeError / ValueError naming the argument for wrong types, dtypes, shapes (vocab sizes
-        that differ included), devices, ``beta`` outside [0, 1], a bad ``reduction`` or
-        ``temperature``; RuntimeError when the backend cannot run or ``process_group`` is given
-        without an initialized ``torch.distributed``.
+        that differ and H = 0 included), devices, ``beta`` outside [0, 1], a bad ``reduction`` or
+        ``temperature``; RuntimeError when the backend cannot run, ``process_group`` is given
+        without an initialized ``torch.distributed``, or on double backward. A token whose hidden
+        states are non-finite gets a non-finite loss; an excluded token (``labels`` ==
+        ``ignore_index``) contributes exactly nothing to the gradients, even when non-finite.
 
     Cost: two fused forward passes (lse of each head), one pass of both GEMMs for the divergence,
     and a backward recomputing both GEMM tiles per dlogits window (memory bounds as

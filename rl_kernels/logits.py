@@ -17,8 +17,9 @@ Formulas (z = logits / temperature, p = softmax(z), lse = logsumexp(z)):
     H = -sum_j p_j log p_j                       (computed as log s - b / s: no cancellation)
     d log p_y / dz = onehot(y) - p,   d lse / dz = p,   dH/dz_j = -p_j (log p_j + H)
     cross-entropy with label smoothing eps: (1 - eps) (-log p_y) + eps (-(1/V) sum_j log p_j)
-and d/dlogits = (d/dz) / temperature. Sources: the softmax gradients in ``../shared/design.md``;
-label smoothing as in Szegedy et al. 2016 ("Rethinking the Inception Architecture", sec. 7) and
+and d/dlogits = (d/dz) / temperature. Sources: the softmax derivative d p_j / dz_k = p_j ([j == k]
+- p_k), from which the three gradients follow (dH/dz_k = -sum_j (1 + log p_j) dp_j/dz_k); label
+smoothing as in Szegedy et al. 2016 ("Rethinking the Inception Architecture", sec. 7) and
 ``torch.nn.functional.cross_entropy``.
 """
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 
 from .api import (_FLOAT_DTYPES, _describe, check_label_values, check_labels, check_temperature,
                   resolve_backend)
+from .autograd import first_order_only
 
 # logits elements per row chunk of the torch backend (x 4 bytes per float32 temporary: 256 MiB; a
 # few temporaries live at once). 2^24 measured 5% slower end to end on an H100.
@@ -140,7 +142,7 @@ class _LogitsStatsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels, inv_t, ignore_index, want_entropy, want_smoothing,
-                inplace_backward, backend):
+                inplace_backward, backend, fn_name):
         if backend == "triton":
             from . import ops
 
@@ -151,17 +153,18 @@ class _LogitsStatsFunction(torch.autograd.Function):
         ctx.save_for_backward(logits, labels, stats["row_max"], stats["log_sum"],
                               stats.get("entropy"))
         ctx.inv_t, ctx.ignore_index = inv_t, ignore_index
-        ctx.inplace_backward, ctx.backend = inplace_backward, backend
+        ctx.inplace_backward, ctx.backend, ctx.fn_name = inplace_backward, backend, fn_name
         ctx.set_materialize_grads(False)
         return tuple(stats.get(k) for k in _OUTPUTS)
 
     @staticmethod
+    @first_order_only
     def backward(ctx, *out_grads):
         logits, labels, row_max, log_sum, entropy = ctx.saved_tensors
         grads = {("smooth" if k == "mean_log_p" else k): g.float().contiguous()
                  for k, g in zip(_OUTPUTS, out_grads) if g is not None}
         if not ctx.needs_input_grad[0] or not grads:
-            return (None,) * 8
+            return (None,) * 9
         stats = {"row_max": row_max, "log_sum": log_sum, "entropy": entropy}
         # documented: with inplace_backward the logits' storage receives their gradient
         grad = logits if ctx.inplace_backward else torch.empty_like(
@@ -173,12 +176,18 @@ class _LogitsStatsFunction(torch.autograd.Function):
                                 ops.logits_config(logits.device))
         else:
             _torch_backward(logits, grad, labels, stats, grads, ctx.inv_t, ctx.ignore_index)
-        return grad, None, None, None, None, None, None, None
+        if ctx.inplace_backward:
+            # the kernel wrote through a raw pointer: tell autograd the logits changed, so that any
+            # other saved use of them (a second consumer, retain_graph and a second backward)
+            # raises torch's "modified by an inplace operation" error instead of reading gradients
+            torch.autograd.graph.increment_version(logits)
+        return grad, None, None, None, None, None, None, None, None
 
 
 def _run(logits, labels, temperature, ignore_index, want_entropy, want_smoothing,
-         inplace_backward, backend, process_group=None, vocab_start_index=None):
-    """Validate, flatten to 2-D, run; returns the four outputs shaped like logits.shape[:-1]."""
+         inplace_backward, backend, process_group=None, vocab_start_index=None, *, fn_name):
+    """Validate, flatten to 2-D, run; returns the four outputs shaped like logits.shape[:-1].
+    ``fn_name``: the public function (error messages)."""
     _check_logits(logits)
     inv_t = 1.0 / check_temperature(temperature)
     if labels is not None:  # label values are checked after the launch (the kernels clamp reads)
@@ -190,24 +199,37 @@ def _run(logits, labels, temperature, ignore_index, want_entropy, want_smoothing
     logits2d = logits.reshape(-1, logits.shape[-1])
     if process_group is not None:
         return _run_parallel(logits, logits2d, labels, inv_t, ignore_index, want_entropy,
-                             inplace_backward, backend, process_group, vocab_start_index)
+                             inplace_backward, backend, process_group, vocab_start_index, fn_name)
     if vocab_start_index is not None:
         raise ValueError("vocab_start_index: only meaningful with process_group")
-    if inplace_backward and logits2d.data_ptr() != logits.data_ptr():
-        raise ValueError(f"inplace_backward=True: logits ({_describe(logits)}, strides "
-                         f"{logits.stride()}) cannot be viewed as (N, vocab_size) without a copy, so "
-                         f"their storage cannot receive the gradient; pass inplace_backward=False")
+    if inplace_backward:
+        _check_inplace_target(logits, logits2d)
     labels1d = labels.reshape(-1) if labels is not None else None
     outs = _LogitsStatsFunction.apply(logits2d, labels1d, inv_t, int(ignore_index), want_entropy,
-                                      want_smoothing, inplace_backward, backend)
+                                      want_smoothing, inplace_backward, backend, fn_name)
     if labels is not None:
         # after the launch, so that the host sync of this check overlaps the kernels' run
         check_label_values(labels, logits.shape[-1], ignore_index)
     return tuple(o.view(shape) if o is not None else None for o in outs)
 
 
+def _check_inplace_target(logits, logits2d) -> None:
+    """Refuse ``inplace_backward=True`` (before anything is written) when the logits' storage
+    cannot receive their gradient element for element: a reshape that copies, or elements that
+    share memory (expanded / zero-stride or otherwise overlapping logits)."""
+    if logits2d.data_ptr() != logits.data_ptr():
+        raise ValueError(f"inplace_backward=True: logits ({_describe(logits)}, strides "
+                         f"{logits.stride()}) cannot be viewed as (N, vocab_size) without a copy, so "
+                         f"their storage cannot receive the gradient; pass inplace_backward=False")
+    if torch._debug_has_internal_overlap(logits2d) != 0:  # 1: overlap, 2: cannot tell
+        raise ValueError(f"inplace_backward=True: logits ({_describe(logits)}, strides "
+                         f"{logits.stride()}) have elements that share memory (expanded or "
+                         f"overlapping), so their gradient cannot be written over them; pass "
+                         f"inplace_backward=False")
+
+
 def _run_parallel(logits, logits2d, labels, inv_t, ignore_index, want_entropy, inplace_backward,
-                  backend, process_group, vocab_start_index):
+                  backend, process_group, vocab_start_index, fn_name):
     """Vocab-sharded logits (``rl_kernels.parallel``): (log_probs, entropy, lse, None)."""
     from .parallel import ParallelParams, VocabParallelLogitsFunction, shard_layout
 
@@ -237,7 +259,7 @@ def _run_parallel(logits, logits2d, labels, inv_t, ignore_index, want_entropy, i
     tp = ParallelParams(process_group, start, total, False)
     outs = VocabParallelLogitsFunction.apply(
         logits2d, labels.reshape(-1) if labels is not None else None, inv_t, int(ignore_index),
-        want_entropy, tp, run_forward, run_backward)
+        want_entropy, tp, run_forward, run_backward, fn_name)
     shape = logits.shape[:-1]
     return tuple(o.view(shape) if o is not None else None for o in outs) + (None,)
 
@@ -260,10 +282,16 @@ _TP_DOC = """
         vocab_start_index: global id of the shard's first column; None derives it from the group
             (one small all_gather)."""
 _RAISES_DOC = """
+    Non-finite logits (NaN, +inf) in a row give non-finite outputs and gradient for that row
+    only; -inf logits are zero-probability columns.
+
     Raises:
         TypeError / ValueError naming the argument for a wrong type, dtype, shape, device,
-        temperature, or a label outside [0, vocab_size) that is not ``ignore_index``;
-        RuntimeError when the requested backend cannot run on the logits' device."""
+        temperature (outside ``rl_kernels.api.TEMPERATURE_RANGE`` included), a label outside
+        [0, vocab_size) that is not ``ignore_index``, or an ``ignore_index`` that does not fit
+        the labels' dtype; RuntimeError when the requested backend cannot run on the logits'
+        device, and when a gradient is differentiated again (double backward is not
+        supported: ``create_graph=True`` gives correct first derivatives only)."""
 
 
 def logits_stats(
@@ -288,22 +316,25 @@ def logits_stats(
             through them; lse is still computed).
         return_entropy: when False the entropy is not computed (returned as None).
         inplace_backward: when True, backward writes d loss / d logits into the logits' own
-            storage instead of allocating an N x V tensor (saves one logits-sized buffer); the
-            logits must not be read after backward then (autograd does not check this). Off by
-            default because other consumers of the logits usually need them.{backend}{tp}
+            storage instead of allocating an N x V tensor (saves one logits-sized buffer). The
+            write is reported to autograd (the logits' version counter), so a later backward that
+            still needs the logits (another consumer, ``retain_graph`` and a second backward)
+            raises torch's "modified by an inplace operation" error rather than reading the
+            gradient; expanded or overlapping logits are refused (ValueError) before anything is
+            written. Off by default because other consumers of the logits usually need them.{backend}{tp}
 
     Returns:
         ``LogitsStats(log_probs, entropy, lse)``: float32, nats, shape ``logits.shape[:-1]``, all
         differentiable w.r.t. ``logits``; the gradient is written in the logits dtype.
 {raises}
     Formula: log p_y = z_y - lse, H = -sum p log p, lse = log sum exp z with z = logits / T
-    (module docstring; ``../shared/design.md``).
+    (module docstring).
     """
     if not isinstance(return_entropy, bool):
         raise TypeError(f"return_entropy: expected a bool, got {type(return_entropy).__name__}")
     log_probs, entropy, lse, _ = _run(logits, labels, temperature, ignore_index, return_entropy,
                                       False, inplace_backward, backend, process_group,
-                                      vocab_start_index)
+                                      vocab_start_index, fn_name="logits_stats")
     return LogitsStats(log_probs, entropy, lse)
 
 
@@ -325,7 +356,7 @@ def log_probs_from_logits(
         ignore_index: label value whose position gets log-prob 0 and gradient 0.
         inplace_backward: when True, backward writes d loss / d logits into the logits' own
             storage (as verl's flash-attn path does) instead of allocating a new N x V tensor;
-            the logits must not be read after backward then.{backend}{tp}
+            autograd is told of the write, as for :func:`logits_stats`.{backend}{tp}
 
     Returns:
         float32 log-probs (nats), shape ``labels.shape``; differentiable w.r.t. ``logits``.
@@ -334,7 +365,7 @@ def log_probs_from_logits(
     onehot(y) - softmax(z) (module docstring).
     """
     return _run(logits, labels, temperature, ignore_index, False, False, inplace_backward, backend,
-                process_group, vocab_start_index)[0]
+                process_group, vocab_start_index, fn_name="log_probs_from_logits")[0]
 
 
 def entropy_from_logits(logits: torch.Tensor, *, temperature: float = 1.0, backend: str = "auto",
@@ -349,7 +380,7 @@ def entropy_from_logits(logits: torch.Tensor, *, temperature: float = 1.0, backe
     Formula: H = -sum_j p_j log p_j, dH/dz_j = -p_j (log p_j + H) (module docstring).
     """
     return _run(logits, None, temperature, -100, True, False, False, backend, process_group,
-                vocab_start_index)[1]
+                vocab_start_index, fn_name="entropy_from_logits")[1]
 
 
 def logsumexp(logits: torch.Tensor, *, temperature: float = 1.0, backend: str = "auto",
@@ -365,7 +396,7 @@ def logsumexp(logits: torch.Tensor, *, temperature: float = 1.0, backend: str = 
 {raises}
     """
     return _run(logits, None, temperature, -100, False, False, False, backend, process_group,
-                vocab_start_index)[2]
+                vocab_start_index, fn_name="logsumexp")[2]
 
 
 def cross_entropy(
@@ -413,7 +444,7 @@ def cross_entropy(
         raise ValueError(f"logits: expected 2-D (N, vocab_size), got {_describe(logits)}")
     eps = float(label_smoothing)
     log_probs, _, _, mean_log_p = _run(logits, labels, 1.0, ignore_index, False, eps > 0,
-                                       inplace_backward, backend)
+                                       inplace_backward, backend, fn_name="cross_entropy")
     valid = labels != ignore_index
     loss = -(1.0 - eps) * log_probs
     if eps > 0:
