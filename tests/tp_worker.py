@@ -139,6 +139,34 @@ def run(rank, world, init_file, backend):
         torch.testing.assert_close(wx.grad.double(), w64.grad[lo:hi], **tol)
         _check_dh(hx.grad, h64.grad, reduce_dh, tol)
 
+    # non-finite rows: a NaN row with a label gives non-finite outputs for that row only; a NaN
+    # row whose label is ignored contributes nothing to dW or dh (NaN * 0 must not reach dW)
+    bad_h, bad_labels = hidden.clone(), labels.clone()
+    bad_h[2, 3], bad_labels[2] = float("nan"), 5
+    bad_h[4, 1], bad_labels[4] = float("inf"), -100
+    hx = bad_h.clone().requires_grad_()
+    wx = weight[lo:hi].clone().requires_grad_()
+    out = linear_log_probs(hx, wx, bad_labels, backend=backend, process_group=group, reduce_hidden_grad=True)
+    ok = torch.arange(N) != 2
+    assert not torch.isfinite(out.log_probs[2]) and not torch.isfinite(out.entropy[2]), out
+    clean = bad_h.clone()
+    clean[2] = clean[4] = 0.0
+    ref_lp, ref_ent, _, _, _ = _reference(clean, weight, bad_labels, 1.0, g_lp, g_ent)
+    torch.testing.assert_close(out.log_probs[ok].double(), ref_lp[ok], **tol)
+    torch.testing.assert_close(out.entropy[ok].double(), ref_ent[ok], **tol)
+    stats = logits_stats(bad_h @ weight[lo:hi].T, bad_labels, backend=backend, process_group=group)
+    assert not torch.isfinite(stats.log_probs[2]) and not torch.isfinite(stats.lse[2])
+    assert not torch.isfinite(stats.entropy[2])
+    torch.testing.assert_close(stats.log_probs[ok].double(), ref_lp[ok], **tol)
+    ign_labels = bad_labels.clone()
+    ign_labels[2] = -100  # now both non-finite rows are ignored
+    hx = bad_h.clone().requires_grad_()
+    out = linear_log_probs(hx, wx, ign_labels, backend=backend, process_group=group, reduce_hidden_grad=True)
+    (out.log_probs * g_lp + out.entropy * g_ent).sum().backward()
+    _, _, _, ref_dh, ref_dw = _reference(clean, weight, ign_labels, 1.0, g_lp, g_ent)
+    torch.testing.assert_close(wx.grad.double(), ref_dw[lo:hi], **tol)
+    torch.testing.assert_close(hx.grad.double(), ref_dh, **tol)
+
     # a wrong vocab_start_index leaves label V - 1 in no shard: every rank raises
     try:
         linear_log_probs(hidden, weight[lo:hi], labels, backend=backend, process_group=group,

@@ -1,0 +1,108 @@
+"""A/B timing of two versions of rl_kernels in one process: the working tree's ``rl_kernels``
+against an older copy of the package directory (e.g. from ``git archive``), imported under another
+name. Each case alternates A and B for several rounds (median of ``do_bench`` medians), with the
+cuBLAS ``hidden @ W.T`` of the same shape as the unit.
+
+    mkdir -p .ab && git archive <rev> rl_kernels | tar -x -C .ab && mv .ab/rl_kernels .ab/rl_kernels_old
+    python scripts/diag/ab_versions.py --old .ab/rl_kernels_old [--rounds 5]
+
+Cases: linear head forward (no grad) and forward+backward at 16384 x 3584 x 152064, 4096 x 3584 x
+152064 and 512 x 3584 x 152064; logits_stats forward and forward+backward at 16384 x 152064 and
+512 x 152064 (bf16). Prints a table: ms of A and B, B / A, and x matmul.
+"""
+import argparse
+import importlib.util
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import triton.testing
+
+import rl_kernels as new
+
+
+def load_old(path: Path):
+    spec = importlib.util.spec_from_file_location("rl_kernels_old", path / "__init__.py",
+                                                  submodule_search_locations=[str(path)])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["rl_kernels_old"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=50, rep=400, return_mode="median")
+
+
+def head_cases(n, h, v):
+    g = torch.Generator(device="cuda").manual_seed(n)
+    hid = torch.randn(n, h, device="cuda", generator=g).bfloat16()
+    w = (0.02 * torch.randn(v, h, device="cuda", generator=g)).bfloat16()
+    lab = torch.randint(0, v, (n,), device="cuda", generator=g)
+    hx, wx = hid.clone().requires_grad_(), w.clone().requires_grad_()
+
+    def fwd(mod):
+        def run():
+            with torch.no_grad():
+                mod.linear_log_probs(hid, w, lab)
+        return run
+
+    def fwd_bwd(mod):
+        def run():
+            hx.grad = wx.grad = None
+            out = mod.linear_log_probs(hx, wx, lab)
+            (out.log_probs.sum() + out.entropy.sum()).backward()
+        return run
+    mm = bench(lambda: hid @ w.T)
+    return [(f"head fwd {n}x{h}x{v}", fwd, mm), (f"head fwd+bwd {n}x{h}x{v}", fwd_bwd, mm)]
+
+
+def logits_cases(n, v):
+    g = torch.Generator(device="cuda").manual_seed(n + 1)
+    x = torch.randn(n, v, device="cuda", generator=g).bfloat16()
+    lab = torch.randint(0, v, (n,), device="cuda", generator=g)
+    xg = x.clone().requires_grad_()
+
+    def fwd(mod):
+        def run():
+            with torch.no_grad():
+                mod.logits_stats(x, lab)
+        return run
+
+    def fwd_bwd(mod):
+        def run():
+            xg.grad = None
+            s = mod.logits_stats(xg, lab)
+            (s.log_probs.sum() + s.entropy.sum()).backward()
+        return run
+    return [(f"logits fwd {n}x{v}", fwd, None), (f"logits fwd+bwd {n}x{v}", fwd_bwd, None)]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--old", type=Path, required=True, help="directory of the older rl_kernels package")
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    old = load_old(args.old)
+    cases = []
+    for shape in ((16384, 3584, 152064), (4096, 3584, 152064), (512, 3584, 152064)):
+        cases += head_cases(*shape)
+    for shape in ((16384, 152064), (512, 152064)):
+        cases += logits_cases(*shape)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; A = {args.old}, B = working tree")
+    print(f"{'case':36s} {'A ms':>9s} {'B ms':>9s} {'B/A':>7s} {'A xmm':>7s} {'B xmm':>7s}")
+    for name, make, mm in cases:
+        a_fn, b_fn = make(old), make(new)
+        a_fn(), b_fn()  # compile both
+        ta, tb = [], []
+        for _ in range(args.rounds):
+            ta.append(bench(a_fn))
+            tb.append(bench(b_fn))
+        a, b = statistics.median(ta), statistics.median(tb)
+        xmm = (f"{a / mm:7.3f} {b / mm:7.3f}" if mm else f"{'':7s} {'':7s}")
+        print(f"{name:36s} {a:9.3f} {b:9.3f} {b / a:7.3f} {xmm}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,315 @@
+"""No silent wrong results, on both backends (Triton in the CPU interpreter): non-finite rows stay
+non-finite (and only those rows), in-place backward is caught by autograd's version counter or
+refused, double backward raises one clear error, an ignored non-finite row contributes nothing to
+dW / dh, -inf teacher log-probs follow 0 log 0 = 0, and edge values get clear errors.
+
+Every check compares against a float64 oracle on fresh random inputs; each class failed on the
+code before the fix (NaN hidden by a NaN-dropping clamp, NaN * 0 in dW, 0 * -inf in the KL, ...).
+"""
+import math
+
+import pytest
+import torch
+
+import rl_kernels
+from rl_kernels import (cross_entropy, entropy_from_logits, linear_jsd, linear_log_probs, linear_topk_kl,
+                        log_probs_from_logits, logits_stats, logsumexp)
+from rl_kernels.ops import logits_stats as kernels
+
+from helpers import make_inputs, naive_reference
+
+PATHS = [("torch", None), ("triton", False), ("triton", True)]  # (backend, two_level)
+PATH_IDS = ["torch", "triton-1level", "triton-2level"]
+BACKENDS = ["torch", "triton"]
+TOL = dict(atol=2e-5, rtol=1e-5)
+
+
+def _force(monkeypatch, two_level):
+    if two_level is not None:
+        monkeypatch.setattr(kernels, "use_two_level", lambda *a: two_level)
+
+
+def _logits(n=5, v=300, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, v, generator=g) * 2, torch.randint(0, v, (n,), generator=g)
+
+
+def _ref_logits(x, labels, temperature=1.0):
+    z = x.double() / temperature
+    log_p = torch.log_softmax(z, -1)
+    return (log_p.gather(1, labels[:, None])[:, 0], -(log_p.exp() * log_p).sum(-1), torch.logsumexp(z, -1))
+
+
+# ----------------------------------------------------------------------------- 1. non-finite rows
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("backend,two_level", PATHS, ids=PATH_IDS)
+def test_non_finite_logits_row_gives_non_finite_outputs_for_that_row_only(monkeypatch, backend, two_level, bad):
+    _force(monkeypatch, two_level)
+    x, labels = _logits()
+    x[1, 7] = bad  # one element of row 1 (not its label column)
+    labels[1] = 3
+    ref_lp, ref_ent, ref_lse = _ref_logits(x, labels, 0.7)
+    xg = x.clone().requires_grad_()
+    s = logits_stats(xg, labels, temperature=0.7, backend=backend)
+    ok = torch.arange(5) != 1
+    for got, ref in ((s.log_probs, ref_lp), (s.entropy, ref_ent), (s.lse, ref_lse)):
+        assert not torch.isfinite(got[1]), got
+        torch.testing.assert_close(got[ok].double(), ref[ok], **TOL)
+    # the single-output functions, and cross_entropy, agree
+    assert not torch.isfinite(log_probs_from_logits(x, labels, temperature=0.7, backend=backend)[1])
+    assert not torch.isfinite(entropy_from_logits(x, temperature=0.7, backend=backend)[1])
+    assert not torch.isfinite(logsumexp(x, temperature=0.7, backend=backend)[1])
+    ce = cross_entropy(x, labels, reduction="none", label_smoothing=0.1, backend=backend)
+    assert not torch.isfinite(ce[1]) and torch.isfinite(ce[ok]).all()
+    # backward: the row's gradient is non-finite, the others are finite and right
+    (s.log_probs.sum() + s.entropy.sum() + s.lse.sum()).backward()
+    assert not torch.isfinite(xg.grad[1]).all()
+    z = x.double().requires_grad_()
+    lp, ent, lse = _ref_logits(z, labels, 0.7)
+    (lp[ok].sum() + ent[ok].sum() + lse[ok].sum()).backward()
+    torch.testing.assert_close(xg.grad[ok].double(), z.grad[ok], **TOL)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_non_finite_hidden_row_of_the_linear_head(backend):
+    hidden, weight, labels = make_inputs(6, 24, 70, torch.float32, seed=1, ignore_frac=0.0)
+    hidden[2, 5] = float("nan")
+    out = linear_log_probs(hidden, weight, labels, temperature=0.9, backend=backend)
+    ref_lp, ref_ent = naive_reference(hidden, weight, labels, temperature=0.9)
+    ok = torch.arange(6) != 2
+    assert not torch.isfinite(out.log_probs[2]) and not torch.isfinite(out.entropy[2])
+    torch.testing.assert_close(out.log_probs[ok].double(), ref_lp[ok], **TOL)
+    torch.testing.assert_close(out.entropy[ok].double(), ref_ent[ok], **TOL)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_non_finite_rows_of_the_distillation_losses(backend):
+    hidden, weight, labels = make_inputs(6, 16, 50, torch.float32, seed=2, ignore_frac=0.0)
+    hidden[4, 0] = float("nan")
+    g = torch.Generator().manual_seed(5)
+    ids = torch.stack([torch.randperm(50, generator=g)[:4] for _ in range(6)])
+    t_lp = torch.log_softmax(torch.randn(6, 4, generator=g), -1)
+    kl = linear_topk_kl(hidden, weight, ids, t_lp, reduction="none", backend=backend)
+    teacher_h, teacher_w, _ = make_inputs(6, 12, 50, torch.float32, seed=3)
+    jsd = linear_jsd(hidden, weight, teacher_h, teacher_w, reduction="none", backend=backend)
+    for loss in (kl, jsd):
+        assert not torch.isfinite(loss[4]) and torch.isfinite(loss[torch.arange(6) != 4]).all(), loss
+
+
+# ----------------------------------------------------------------------------- 4. ignored rows
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ignored_non_finite_row_contributes_nothing(backend, bad):
+    hidden, weight, labels = make_inputs(7, 16, 60, torch.float32, seed=4, ignore_frac=0.0)
+    hidden[3, 2] = bad
+    labels[3] = -100
+    g = torch.Generator().manual_seed(6)
+    g_lp, g_ent = torch.randn(2, 7, generator=g)
+    hx, wx = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = linear_log_probs(hx, wx, labels, backend=backend)
+    (out.log_probs * g_lp + out.entropy * g_ent).sum().backward()
+    assert out.log_probs[3] == 0 and out.entropy[3] == 0
+    clean = hidden.clone()
+    clean[3] = 0.0  # an ignored row's value is irrelevant to the exact result
+    h64, w64 = clean.double().requires_grad_(), weight.double().requires_grad_()
+    lp, ent = naive_reference(h64, w64, labels)
+    (lp * g_lp.double() + ent * g_ent.double()).sum().backward()
+    torch.testing.assert_close(wx.grad.double(), w64.grad, **TOL)
+    torch.testing.assert_close(hx.grad.double(), h64.grad, **TOL)
+    assert torch.equal(hx.grad[3], torch.zeros(16))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_masked_non_finite_row_of_the_distillation_losses_contributes_nothing(backend):
+    hidden, weight, labels = make_inputs(6, 16, 50, torch.float32, seed=7, ignore_frac=0.0)
+    hidden[1, 3] = float("nan")
+    mask = torch.ones(6, dtype=torch.bool)
+    mask[1] = False
+    labels[1] = -100
+    g = torch.Generator().manual_seed(8)
+    ids = torch.stack([torch.randperm(50, generator=g)[:4] for _ in range(6)])
+    t_lp = torch.log_softmax(torch.randn(6, 4, generator=g), -1)
+    teacher_h, teacher_w, _ = make_inputs(6, 12, 50, torch.float32, seed=9)
+    for fn in (lambda h, w: linear_topk_kl(h, w, ids, t_lp, mask=mask, reduction="sum", backend=backend),
+               lambda h, w: linear_jsd(h, w, teacher_h, teacher_w, labels=labels, reduction="sum",
+                                       backend=backend)):
+        wx = weight.clone().requires_grad_()
+        hx = hidden.clone().requires_grad_()
+        fn(hx, wx).backward()
+        assert torch.isfinite(wx.grad).all() and torch.isfinite(hx.grad).all()
+        assert torch.equal(hx.grad[1], torch.zeros(16))
+        clean = hidden.clone()
+        clean[1] = 0.0
+        w64, h64 = weight.double().requires_grad_(), clean.double().requires_grad_()
+        fn(h64.float(), w64.float()).backward()  # same function on the cleaned row
+        torch.testing.assert_close(wx.grad.double(), w64.grad, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- 2. in-place backward
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_inplace_backward_is_caught_by_autograd_or_correct(backend):
+    x, labels = _logits(6, 50, seed=10)
+
+    def grad(inplace, order):
+        xl = x.clone().requires_grad_()
+        y = xl * 1.0  # non-leaf logits with a second consumer that saves them
+        if order == "ours_first":
+            loss = log_probs_from_logits(y, labels, inplace_backward=inplace, backend=backend).sum() + (y * y).sum()
+        else:
+            loss = (y * y).sum() + log_probs_from_logits(y, labels, inplace_backward=inplace, backend=backend).sum()
+        loss.backward()
+        return xl.grad
+
+    # autograd runs the later consumer's backward first: (y * y) then ours -> correct gradients
+    torch.testing.assert_close(grad(True, "ours_first"), grad(False, "ours_first"), atol=1e-6, rtol=1e-6)
+    # ours runs first and overwrites y, which y * y still needs -> torch's own error, no wrong numbers
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        grad(True, "theirs_first")
+    # retain_graph and a second backward over the overwritten logits
+    y = x.clone().requires_grad_() * 1.0
+    lp = log_probs_from_logits(y, labels, inplace_backward=True, backend=backend).sum()
+    lp.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        lp.backward()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_inplace_backward_refuses_overlapping_logits_before_writing(backend):
+    row = torch.randn(1, 40, requires_grad=True)
+    labels = torch.tensor([1, 2, 3])
+    expanded = row.expand(3, 40)
+    before = row.detach().clone()
+    with pytest.raises(ValueError, match="inplace_backward=True: logits .* share memory"):
+        logits_stats(expanded, labels, inplace_backward=True, backend=backend)
+    assert torch.equal(row.detach(), before)
+    # the same logits without in-place backward are fine (the gradient sums over the expansion)
+    logits_stats(expanded, labels, backend=backend).log_probs.sum().backward()
+    assert torch.isfinite(row.grad).all()
+
+
+# ----------------------------------------------------------------------------- 3. double backward
+
+def _double_backward_cases(backend):
+    hidden, weight, labels = make_inputs(4, 8, 30, torch.float32, seed=11)
+    x, lab = _logits(4, 30, seed=12)
+    g = torch.Generator().manual_seed(13)
+    ids = torch.stack([torch.randperm(30, generator=g)[:3] for _ in range(4)])
+    t_lp = torch.log_softmax(torch.randn(4, 3, generator=g), -1)
+    th, tw, _ = make_inputs(4, 8, 30, torch.float32, seed=14)
+    return {
+        "linear_log_probs": (hidden, lambda h: linear_log_probs(h, weight, labels, backend=backend).log_probs.sum()),
+        "logits_stats": (x, lambda z: logits_stats(z, lab, backend=backend).entropy.sum()),
+        "log_probs_from_logits": (x, lambda z: log_probs_from_logits(z, lab, backend=backend).sum()),
+        "entropy_from_logits": (x, lambda z: entropy_from_logits(z, backend=backend).sum()),
+        "logsumexp": (x, lambda z: logsumexp(z, backend=backend).sum()),
+        "cross_entropy": (x, lambda z: cross_entropy(z, lab, backend=backend)),
+        "linear_topk_kl": (hidden, lambda h: linear_topk_kl(h, weight, ids, t_lp, backend=backend)),
+        "linear_jsd": (hidden, lambda h: linear_jsd(h, weight, th, tw, backend=backend)),
+    }
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_double_backward_raises_one_clear_error(backend):
+    for name, (inp, fn) in _double_backward_cases(backend).items():
+        xg = inp.clone().requires_grad_()
+        (g1,) = torch.autograd.grad(fn(xg), xg, create_graph=True)
+        # the first derivative is the one a plain backward gives
+        xc = inp.clone().requires_grad_()
+        (g_ref,) = torch.autograd.grad(fn(xc), xc)
+        torch.testing.assert_close(g1.detach(), g_ref, atol=1e-6, rtol=1e-6)
+        with pytest.raises(RuntimeError, match=f"double backward is not supported by rl_kernels.{name}"):
+            torch.autograd.grad((g1 * torch.randn_like(g1)).sum(), xg)
+
+
+# ----------------------------------------------------------------------------- 5. -inf teacher
+
+def _topk_reference(h64, w64, ids, t_lp, kind, renormalize, temperature):
+    log_q = torch.log_softmax(h64 @ w64.T / temperature, -1).gather(1, ids)
+    lp = t_lp.double()
+    if renormalize:
+        lp = torch.log_softmax(lp, -1)
+    support = lp > -math.inf
+    lp0 = torch.where(support, lp, 0.0)
+    terms = lp0.exp() * (lp0 - log_q) if kind == "forward" else log_q.exp() * (log_q - lp0)
+    return (torch.where(support, terms, 0.0).sum(-1) * temperature ** 2).sum()
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+@pytest.mark.parametrize("kind", ["forward", "reverse"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_topk_kl_minus_inf_teacher_slots_count_zero(backend, kind, renormalize):
+    hidden, weight, _ = make_inputs(5, 16, 40, torch.float32, seed=15)
+    g = torch.Generator().manual_seed(16)
+    ids = torch.stack([torch.randperm(40, generator=g)[:4] for _ in range(5)])
+    t_lp = torch.log_softmax(torch.randn(5, 4, generator=g), -1)
+    t_lp[0, 1] = t_lp[3, 0] = t_lp[3, 3] = -math.inf  # filtered slots
+    hx, wx = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = linear_topk_kl(hx, wx, ids, t_lp, kind=kind, renormalize_teacher=renormalize,
+                          temperature=0.8, reduction="sum", backend=backend)
+    loss.backward()
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    ref = _topk_reference(h64, w64, ids, t_lp, kind, renormalize, 0.8)
+    ref.backward()
+    assert torch.isfinite(ref)
+    torch.testing.assert_close(loss.double(), ref.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(hx.grad.double(), h64.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(wx.grad.double(), w64.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "+inf"])
+def test_topk_kl_rejects_nan_and_plus_inf_teacher_log_probs(bad):
+    hidden, weight, _ = make_inputs(3, 8, 20, torch.float32, seed=17)
+    ids = torch.tensor([[0, 1], [2, 3], [4, 5]])
+    t_lp = torch.full((3, 2), -0.7)
+    t_lp[2, 1] = bad
+    with pytest.raises(ValueError, match=r"teacher_log_probs: 1 entries are NaN or \+inf.*position 5"):
+        linear_topk_kl(hidden, weight, ids, t_lp, backend="torch")
+
+
+# ----------------------------------------------------------------------------- 6. edge values
+
+def test_edge_values_get_clear_errors():
+    h0, w0 = torch.randn(3, 0), torch.randn(10, 0)
+    labels = torch.tensor([1, 2, 3])
+    with pytest.raises(ValueError, match=r"hidden_states: expected shape \(\.\.\., H\) with hidden size H >= 1"):
+        linear_log_probs(h0, w0, labels, backend="torch")
+    with pytest.raises(ValueError, match="hidden_states: .*hidden size H >= 1"):
+        linear_topk_kl(h0, w0, torch.zeros(3, 1, dtype=torch.long), torch.zeros(3, 1), backend="torch")
+    with pytest.raises(ValueError, match="student_hidden: .*hidden size H >= 1"):
+        linear_jsd(h0, w0, h0, w0, backend="torch")
+    hidden, weight, _ = make_inputs(3, 8, 10, torch.float32)
+    with pytest.raises(ValueError, match=r"ignore_index: 9223372036854775808 does not fit the labels' dtype torch.int64"):
+        linear_log_probs(hidden, weight, labels, ignore_index=2 ** 63, backend="torch")
+    with pytest.raises(ValueError, match=r"ignore_index: -2147483649 does not fit the labels' dtype torch.int32"):
+        linear_log_probs(hidden, weight, labels.int(), ignore_index=-(2 ** 31) - 1, backend="torch")
+    with pytest.raises(ValueError, match="ignore_index: .* does not fit"):
+        log_probs_from_logits(torch.randn(3, 10), labels.int(), ignore_index=2 ** 31, backend="torch")
+    for t in (1e-40, 1e39):
+        with pytest.raises(ValueError, match=r"temperature: .* outside the usable range \[2.94e-39, 8.51e\+37\]"):
+            linear_log_probs(hidden, weight, labels, temperature=t, backend="torch")
+        with pytest.raises(ValueError, match="temperature: .* outside the usable range"):
+            logits_stats(torch.randn(3, 10), labels, temperature=t, backend="torch")
+    with pytest.raises(ValueError, match="temperature: expected a positive finite number"):
+        linear_log_probs(hidden, weight, labels, temperature=10 ** 400, backend="torch")
+    # a 1-D hidden with a fine dtype: the message says what is wrong (the shape)
+    with pytest.raises(ValueError, match=r"hidden_states: expected shape \(\.\.\., H\) with at least one token dim"):
+        linear_topk_kl(torch.randn(8), weight, torch.zeros(1, dtype=torch.long), torch.zeros(1), backend="torch")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_extreme_usable_temperatures_match_float64(backend):
+    hidden, weight, labels = make_inputs(3, 8, 10, torch.float32, seed=18, ignore_frac=0.0)
+    # tiny T (logits ~1e30, still inside float32): a one-hot softmax
+    out = linear_log_probs(hidden, weight, labels, temperature=1e-30, backend=backend)
+    ref_lp, ref_ent = naive_reference(hidden, weight, labels, temperature=1e-30)
+    # (log p ~ -1e28 is a difference of two ~1e30 float32 numbers: a few ulps of 1e30)
+    torch.testing.assert_close(out.log_probs.double(), ref_lp, atol=0, rtol=1e-4)
+    torch.testing.assert_close(out.entropy.double(), ref_ent, atol=1e-6, rtol=0)
+    # the largest usable T: 1 / T is the smallest normal float32, the softmax is uniform
+    out = linear_log_probs(hidden, weight, labels, temperature=rl_kernels.api.TEMPERATURE_RANGE[1],
+                           backend=backend)
+    torch.testing.assert_close(out.entropy, torch.full((3,), math.log(10)), atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.log_probs, torch.full((3,), -math.log(10)), atol=1e-5, rtol=0)
