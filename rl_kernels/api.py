@@ -68,10 +68,11 @@ def check_ignore_index(ignore_index, labels: torch.Tensor | None = None) -> int:
     return int(ignore_index)
 
 
-def check_head_inputs(hidden_states, weight, labels, ignore_index, check_values: bool = True) -> None:
+def check_head_inputs(hidden_states, weight, labels, ignore_index, check_values: bool = True) -> bool | None:
     """Validate the linear-head inputs; raise TypeError / ValueError naming the argument. Label
     values are checked against ``weight.shape[0]`` unless ``check_values`` is False (a vocab
-    shard: the caller checks global ids)."""
+    shard: the caller checks global ids). Returns whether a label equals ``ignore_index`` (None
+    when the values were not checked)."""
     for name, t in (("hidden_states", hidden_states), ("weight", weight), ("labels", labels)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -91,7 +92,7 @@ def check_head_inputs(hidden_states, weight, labels, ignore_index, check_values:
     if weight.device != hidden_states.device:
         raise ValueError(f"weight: on {weight.device}, but hidden_states is on {hidden_states.device}; "
                          f"all inputs must be on one device")
-    check_labels(labels, hidden_states, "hidden_states", weight.shape[0], ignore_index, check_values)
+    return check_labels(labels, hidden_states, "hidden_states", weight.shape[0], ignore_index, check_values)
 
 
 def check_hidden_size(hidden_states: torch.Tensor, name: str) -> None:
@@ -101,11 +102,12 @@ def check_hidden_size(hidden_states: torch.Tensor, name: str) -> None:
 
 
 def check_labels(labels, like: torch.Tensor, like_name: str, vocab_size: int, ignore_index,
-                 check_values: bool = True) -> None:
+                 check_values: bool = True) -> bool | None:
     """Validate ``labels`` against ``like`` (hidden_states or logits): int64/int32, shape
     ``like.shape[:-1]``, same device, and (unless ``check_values`` is False, for callers that run
     :func:`check_label_values` themselves) values in [0, vocab_size) or ``ignore_index``. Raises
-    TypeError / ValueError naming the argument."""
+    TypeError / ValueError naming the argument. Returns :func:`check_label_values`' result, or
+    None without ``check_values``."""
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"labels: expected a torch.Tensor, got {type(labels).__name__}")
     if labels.dtype not in _LABEL_DTYPES:
@@ -117,20 +119,25 @@ def check_labels(labels, like: torch.Tensor, like_name: str, vocab_size: int, ig
         raise ValueError(f"labels: on {labels.device}, but {like_name} is on {like.device}; "
                          f"all inputs must be on one device")
     check_ignore_index(ignore_index, labels)
-    if check_values:
-        check_label_values(labels, vocab_size, ignore_index)
+    return check_label_values(labels, vocab_size, ignore_index) if check_values else None
 
 
-def check_label_values(labels: torch.Tensor, vocab_size: int, ignore_index) -> None:
+def check_label_values(labels: torch.Tensor, vocab_size: int, ignore_index) -> bool:
     """Raise TypeError for a non-int ``ignore_index`` and ValueError for a label outside
-    [0, vocab_size) that is not ``ignore_index`` (naming the count and the first position)."""
+    [0, vocab_size) that is not ``ignore_index`` (naming the count and the first position).
+    Returns whether any label equals ``ignore_index`` (read in the same host sync)."""
     check_ignore_index(ignore_index, labels)
-    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
-    if labels.numel() and bool(bad.any()):
+    if not labels.numel():
+        return False
+    ignored = labels == ignore_index
+    bad = ~ignored & ((labels < 0) | (labels >= vocab_size))
+    any_bad, any_ignored = torch.stack([bad.any(), ignored.any()]).tolist()
+    if any_bad:
         flat = bad.reshape(-1).nonzero()[0, 0].item()
         raise ValueError(f"labels: {int(bad.sum())} entries lie outside [0, vocab_size={vocab_size}) "
                          f"and are not ignore_index={ignore_index}; first at flat position {flat}: "
                          f"{labels.reshape(-1)[flat].item()}")
+    return bool(any_ignored)
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -223,7 +230,8 @@ def linear_log_probs(
     logits), verl #6913 (3-D hidden keeps its gradient).
     """
     inv_temperature = 1.0 / check_temperature(temperature)
-    check_head_inputs(hidden_states, weight, labels, ignore_index, check_values=process_group is None)
+    has_ignored = check_head_inputs(hidden_states, weight, labels, ignore_index,
+                                    check_values=process_group is None)
     if not isinstance(return_entropy, bool):
         raise TypeError(f"return_entropy: expected a bool, got {type(return_entropy).__name__}")
     if not isinstance(reduce_hidden_grad, bool):
@@ -232,20 +240,24 @@ def linear_log_probs(
         raise ValueError("vocab_start_index / reduce_hidden_grad: only meaningful with process_group")
     resolved = resolve_backend(backend, hidden_states.device)
     lead_shape = labels.shape
-    params = HeadParams(backend=resolved, inv_temperature=inv_temperature,
-                        ignore_index=int(ignore_index), return_entropy=return_entropy)
     h2, labels1 = hidden_states.reshape(-1, hidden_states.shape[-1]), labels.reshape(-1)
+
+    def params(has_ignored):
+        return HeadParams(backend=resolved, inv_temperature=inv_temperature,
+                          ignore_index=int(ignore_index), return_entropy=return_entropy,
+                          may_have_ignored=has_ignored is not False)
+
     if process_group is not None:
         from .parallel import ParallelParams, VocabParallelLinearFunction, shard_layout
 
         start, total = shard_layout(process_group, weight.shape[0], vocab_start_index,
                                     hidden_states.device, ignore_index)
         if total is not None:
-            check_label_values(labels, total, ignore_index)
+            has_ignored = check_label_values(labels, total, ignore_index)
         tp = ParallelParams(process_group, start, total, reduce_hidden_grad)
-        out = VocabParallelLinearFunction.apply(h2, weight, labels1, params, tp)
+        out = VocabParallelLinearFunction.apply(h2, weight, labels1, params(has_ignored), tp)
     else:
-        out = LinearLogProbsFunction.apply(h2, weight, labels1, params)
+        out = LinearLogProbsFunction.apply(h2, weight, labels1, params(has_ignored))
     if return_entropy:
         log_probs, entropy = out
         return LogProbsOutput(log_probs.view(lead_shape), entropy.view(lead_shape))

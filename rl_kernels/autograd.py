@@ -49,6 +49,9 @@ class HeadParams:
     return_entropy: bool
     return_lse: bool = False  # internal (distillation losses): lse as a differentiable output
     name: str = "linear_log_probs"  # the public function, for error messages
+    # False when the caller knows no label equals ignore_index (read in the label check's host
+    # sync): the backward then skips the non-finite ignored-row check and its host sync
+    may_have_ignored: bool = True
 
 
 def first_order_only(backward):
@@ -195,8 +198,9 @@ def head_backward(hidden_states, weight, labels, lse, entropy, grad_log_probs, g
     if gathered is not None:
         dlogits = _with_gathered(dlogits, *gathered, labels != params.ignore_index,
                                  params.inv_temperature)
-    h_dw = hidden_for_weight_grad(hidden_states, labels == params.ignore_index, lse) if need_dw \
-        else hidden_states
+    h_dw = hidden_states
+    if need_dw and params.may_have_ignored:
+        h_dw = hidden_for_weight_grad(hidden_states, labels == params.ignore_index, lse)
     with _full_precision_reduction():
         return _chunked_backward(dlogits, hidden_states, weight, dz_dtype, need_dh, need_dw, dh_float32,
                                  h_dw)

@@ -173,7 +173,8 @@ def linear_topk_kl(
     # student lse over the full vocabulary (fused head; rows with mask 0 get no gradient)
     labels = torch.where(valid, ids[:, 0], -100)
     params = HeadParams(backend=backend, inv_temperature=1.0 / t, ignore_index=-100,
-                        return_entropy=False, return_lse=tp is None, name="linear_topk_kl")
+                        return_entropy=False, return_lse=tp is None, name="linear_topk_kl",
+                        may_have_ignored=mask is not None)
     if tp is not None:
         from .parallel import VocabParallelLseGatherFunction
 
@@ -215,6 +216,7 @@ class JSDParams:
     inv_temperature: float
     beta: float
     tp: object = None  # parallel.ParallelParams for vocab-sharded heads
+    may_have_ignored: bool = True  # False: no token is excluded (no ignored-row check in backward)
 
 
 class LinearJSDFunction(torch.autograd.Function):
@@ -288,7 +290,7 @@ class LinearJSDFunction(torch.autograd.Function):
                 return torch_jsd_dlogits(hs, ws, ht, wt, lse_s, lse_t, g_sum, scale, rows, cols,
                                          params.inv_temperature, params.beta, out)
         reduce_dh = params.tp is not None and params.tp.reduce_hidden_grad
-        h_dw = hidden_for_weight_grad(hs, ~valid, lse_s) if need_dw else hs
+        h_dw = hidden_for_weight_grad(hs, ~valid, lse_s) if need_dw and params.may_have_ignored else hs
         with _full_precision_reduction():
             dh, dw = _chunked_backward(dlogits, hs, ws, dz_dtype, need_dh, need_dw, reduce_dh, h_dw)
         if reduce_dh:
@@ -399,10 +401,11 @@ def linear_jsd(
     if teacher_weight.shape[0] != student_weight.shape[0]:
         raise ValueError(f"teacher_weight: vocab_size {teacher_weight.shape[0]} differs from "
                          f"student_weight's {student_weight.shape[0]}; the heads must share a vocabulary")
+    has_ignored = False
     if labels is not None:
         # (only a mask: with process_group the ids are global, their values are not checked)
-        check_labels(labels, student_hidden, "student_hidden", student_weight.shape[0], ignore_index,
-                     check_values=process_group is None)
+        has_ignored = check_labels(labels, student_hidden, "student_hidden", student_weight.shape[0],
+                                   ignore_index, check_values=process_group is None)
     tp = None
     if process_group is not None:
         from .parallel import ParallelParams, shard_layout
@@ -419,6 +422,7 @@ def linear_jsd(
     ht = teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1])
     valid = (labels.reshape(-1) != ignore_index) if labels is not None else torch.ones(
         hs.shape[0], dtype=torch.bool, device=hs.device)
-    params = JSDParams(backend=backend, inv_temperature=1.0 / t, beta=float(beta), tp=tp)
+    params = JSDParams(backend=backend, inv_temperature=1.0 / t, beta=float(beta), tp=tp,
+                       may_have_ignored=has_ignored is not False)
     per_token = LinearJSDFunction.apply(hs, student_weight, ht, teacher_weight.detach(), valid, params)
     return _reduce(per_token, valid, lead, reduction)

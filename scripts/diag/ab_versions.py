@@ -91,7 +91,7 @@ def main():
     for shape in ((16384, 152064), (512, 152064)):
         cases += logits_cases(*shape)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; A = {args.old}, B = working tree")
-    print(f"{'case':36s} {'A ms':>9s} {'B ms':>9s} {'B/A':>7s} {'A xmm':>7s} {'B xmm':>7s}")
+    print(f"{'case':36s} {'A ms':>9s} {'B ms':>9s} {'B/A':>7s} {'per-round B/A':>15s} {'A xmm':>7s} {'B xmm':>7s}")
     for name, make, mm in cases:
         a_fn, b_fn = make(old), make(new)
         a_fn(), b_fn()  # compile both
@@ -100,8 +100,10 @@ def main():
             ta.append(bench(a_fn))
             tb.append(bench(b_fn))
         a, b = statistics.median(ta), statistics.median(tb)
+        ratios = [y / x for x, y in zip(ta, tb)]
+        spread = f"{min(ratios):.3f}-{max(ratios):.3f}"
         xmm = (f"{a / mm:7.3f} {b / mm:7.3f}" if mm else f"{'':7s} {'':7s}")
-        print(f"{name:36s} {a:9.3f} {b:9.3f} {b / a:7.3f} {xmm}", flush=True)
+        print(f"{name:36s} {a:9.3f} {b:9.3f} {b / a:7.3f} {spread:>15s} {xmm}", flush=True)
 
 
 if __name__ == "__main__":
