@@ -39,9 +39,8 @@ from collections.abc import Callable
 import torch
 
 from ._logging import log_once
+from .cli import DEFAULT_LOGITS_SHAPES, DEFAULT_SHAPES, UsageError  # noqa: F401 - re-exported
 
-DEFAULT_SHAPES = ("16384,3584,152064", "32768,4096,128256", "512,3584,152064")
-DEFAULT_LOGITS_SHAPES = ("16384,152064", "512,152064")
 ERROR_ROWS = 256
 CEILING_BYTES = 4 * 2**30  # bf16 tensor of the bandwidth ceilings
 
@@ -216,6 +215,34 @@ def format_tables(results: dict) -> str:
     return "\n".join(lines)
 
 
+def load_results(path: str) -> tuple[dict, str]:
+    """A saved ``--json`` result and its tables (``rl-kernels bench --plot``). ValueError naming
+    ``path`` when it is missing, unreadable, not JSON or not a bench result."""
+    if not os.path.exists(path):
+        raise ValueError(f"{path}: no such file")
+    if os.path.isdir(path):
+        raise ValueError(f"{path}: is a directory, not a bench result (.json)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            results = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno} column "
+                         f"{exc.colno})") from exc
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON (not UTF-8 text)") from exc
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
+    if not isinstance(results, dict) or not isinstance(results.get("shapes"), list):
+        raise ValueError(f"{path}: not an rl-kernels bench result (expected a JSON object with a "
+                         f"'shapes' list, as written by rl-kernels bench --json)")
+    try:
+        text = format_tables(results)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+        what = f"missing key {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
+        raise ValueError(f"{path}: not a complete rl-kernels bench result ({what})") from exc
+    return results, text
+
+
 def plot(results: dict, path: str) -> None:
     """Bar chart of fwd and fwd+bwd time / cuBLAS matmul per shape and implementation."""
     import matplotlib
@@ -250,12 +277,13 @@ def _select(impls: dict, only) -> dict:
         return impls
     unknown = sorted(set(only) - set(impls))
     if unknown:
-        raise SystemExit(f"--impls: unknown {unknown}; available here: {sorted(impls)}")
+        raise UsageError(f"argument --impls: unknown {unknown}; available here: {sorted(impls)}")
     return {k: v for k, v in impls.items() if k in only}
 
 
 def parse_shapes(shapes, logits: bool = False) -> list[tuple[int, ...]]:
-    """'N,H,V' strings (with ``logits``: 'N,V') -> int tuples; SystemExit naming --shapes."""
+    """'N,H,V' strings (with ``logits``: 'N,V') -> int tuples; a UsageError (SystemExit with
+    status 2) naming --shapes."""
     want, form = (2, "N,V (two integers, with --logits)") if logits else (3, "N,H,V (three integers)")
     parsed = []
     for s in shapes:
@@ -264,7 +292,7 @@ def parse_shapes(shapes, logits: bool = False) -> list[tuple[int, ...]]:
         except ValueError:
             dims = ()
         if len(dims) != want or min(dims) < 1:
-            raise SystemExit(f"--shapes: expected {form}, got {s!r}")
+            raise UsageError(f"argument --shapes: expected {form}, got {s!r}")
         parsed.append(dims)
     return parsed
 

@@ -1,27 +1,133 @@
-"""Command line: ``rl-kernels repro [PATH ...]`` and ``rl-kernels bench`` (also ``python -m rl_kernels``)."""
+"""Command line: ``rl-kernels repro [PATH ...]`` and ``rl-kernels bench`` (also ``python -m rl_kernels``).
+
+Bad input never ends in a traceback: a usage error (a bad option value) is one line on stderr and
+exit status 2; a sample file that cannot be replayed is an ERROR row and one line on stderr, the
+other files still run, and the exit status is 1. ``-v`` (before or after the subcommand) logs at
+INFO level and prints the traceback of any error.
+"""
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
+import traceback
 
 import torch
 
+# the bench's default shapes, here so that building the parser does not import the bench
+DEFAULT_SHAPES = ("16384,3584,152064", "32768,4096,128256", "512,3584,152064")
+DEFAULT_LOGITS_SHAPES = ("16384,152064", "512,152064")
+
+
+class UsageError(SystemExit):
+    """A bad command-line argument found after parsing: exit status 2, ``str()`` the message.
+    ``main`` prints it as one line; raised outside ``main`` it still exits with status 2."""
+
+    def __init__(self, message: str):
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class CommandError(Exception):
+    """An error of the command that is not a usage error (exit status 1), already one line."""
+
+
+def _one_line(exc: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _verbose(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "verbose", False))
+
+
+# ----------------------------------------------------------------------------- argument types
+def _tolerance(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
+def _device(text: str) -> torch.device:
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError, TypeError):
+        raise argparse.ArgumentTypeError(f"unknown device {text!r}; expected cpu, cuda or cuda:N") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise argparse.ArgumentTypeError(f"{text!r} is not supported; expected cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r} is not available here (no CUDA device); use --device cpu")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text!r} is not available here ({torch.cuda.device_count()} "
+                                         f"CUDA device(s))")
+    return device
+
+
+def _writable_file(option: str, path: str) -> None:
+    """UsageError unless ``path`` can be created: its directory exists and it is not a directory."""
+    if os.path.isdir(path):
+        raise UsageError(f"argument {option}: {path!r} is a directory; expected a file name")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UsageError(f"argument {option}: cannot write {path!r}: directory {folder!r} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"argument {option}: cannot write {path!r}: directory {folder!r} is not writable")
+
+
+# ----------------------------------------------------------------------------- repro
+def _save_bundled(target: str) -> int:
+    from .samples import bundled_samples, write_sample
+
+    if os.path.exists(target) and not os.path.isdir(target):
+        raise UsageError(f"argument --save: {target!r} exists and is not a directory")
+    try:
+        os.makedirs(target, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"argument --save: cannot create directory {target!r}: "
+                         f"{exc.strerror or _one_line(exc)}") from exc
+    if not os.access(target, os.W_OK | os.X_OK):
+        raise UsageError(f"argument --save: directory {target!r} is not writable")
+    for s in bundled_samples():
+        path = os.path.join(target, f"{s.name}.safetensors")
+        try:
+            write_sample(path, s)
+        except Exception as exc:  # noqa: BLE001 - OSError, SafetensorError: one line
+            raise CommandError(f"--save: cannot write {path}: {_one_line(exc)}") from exc
+        print(f"wrote {path}")
+    return 0
+
+
+_METADATA_FIRST = ("reason", "rank", "call", "verl_version", "model", "time", "step", "source")
+
+
+def _describe_metadata(meta: dict) -> str:
+    keys = [k for k in _METADATA_FIRST if k in meta]
+    keys += sorted(k for k in meta if k not in _METADATA_FIRST and k != "description")
+    return "; ".join(f"{k}={' '.join(str(meta[k]).split())[:120]}" for k in keys)
+
 
 def _repro(args: argparse.Namespace) -> int:
-    from .repro import (available_backends, available_logits_backends, check_sample, format_table,
+    from .repro import (BASELINE_BUG, INPUT_NON_FINITE, available_backends,
+                        available_logits_backends, check_sample, error_row, format_table,
                         unavailable_backends)
-    from .samples import BUNDLED, LogitsSample, bundled_samples, load_sample, write_sample
+    from .samples import BUNDLED, LogitsSample, SampleError, load_sample
 
     if args.save:
-        os.makedirs(args.save, exist_ok=True)
-        for s in bundled_samples():
-            path = os.path.join(args.save, f"{s.name}.safetensors")
-            write_sample(path, s)
-            print(f"wrote {path}")
-        return 0
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if args.paths:
+            raise UsageError("argument --save: writes the bundled samples; give no PATH with it")
+        return _save_bundled(args.save)
+    device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     backends = available_backends(device)
     logits_backends = available_logits_backends(device)
     print(f"device: {device}; tolerance {args.atol:g} vs float64")
@@ -29,60 +135,125 @@ def _repro(args: argparse.Namespace) -> int:
     print(f"  backends, logits samples: {', '.join(logits_backends)}")
     for name, why in unavailable_backends(device).items():
         print(f"  skipped: {name}: {why}")
-    samples = [load_sample(p) for p in args.paths] if args.paths else None
-    rows = []
-    for s in samples if samples is not None else (make() for make in BUNDLED.values()):
-        if not args.paths:
+
+    rows, errors = [], []
+
+    def error(label: str, message: str) -> None:
+        if _verbose(args):
+            traceback.print_exc()
+        print(f"rl-kernels repro: error: {message}", file=sys.stderr)
+        errors.append(message)
+        rows.append(error_row(label, message.removeprefix(f"{label}: ")))
+
+    def run(s) -> None:
+        try:
+            rows.extend(check_sample(s, device, atol=args.atol,
+                                     backends=logits_backends if isinstance(s, LogitsSample) else backends))
+        except Exception as exc:  # noqa: BLE001 - reported as an error row; the others go on
+            error(s.name, f"{s.name}: check failed: {type(exc).__name__}: {_one_line(exc)}")
+
+    if not args.paths:
+        for make in BUNDLED.values():
+            s = make()
             print(f"  {s.name}: {s.description}")
-        rows += check_sample(s, device, atol=args.atol,
-                             backends=logits_backends if isinstance(s, LogitsSample) else backends)
+            run(s)
+    for path in args.paths:
+        try:
+            s = load_sample(path)
+        except SampleError as exc:
+            error(path, str(exc))
+            continue
+        except Exception as exc:  # noqa: BLE001 - an unforeseen way for a file to be bad
+            error(path, f"{path}: {type(exc).__name__}: {_one_line(exc)}")
+            continue
+        if s.description:
+            print(f"  {s.name}: {s.description}")
+        if set(s.metadata) - {"description"}:
+            print(f"  {s.name}: metadata: {_describe_metadata(s.metadata)}")
+        run(s)
     print(format_table(rows))
     failed = [r for r in rows if r.ours and not r.passed]
-    if failed:
-        print(f"FAIL: {len(failed)} case(s) of ours failed", file=sys.stderr)
+    if any(r.status == BASELINE_BUG for r in rows):
+        print(f"{BASELINE_BUG}: a known bug of that baseline, which the sample reproduces; "
+              f"only rl_kernels rows decide the exit status")
+    non_finite = list(dict.fromkeys(r.sample for r in rows if "input holds NaN/inf" in r.note))
+    if non_finite:
+        print(f"input NaN/inf: {', '.join(non_finite)}: the rows named in the note are not "
+              f"compared (a non-finite input, not a kernel failure)")
+    if failed or errors:
+        what = ([f"{len(failed)} case(s) of ours failed"] if failed else []) + \
+            ([f"{len(errors)} sample(s) could not be checked (ERROR rows)"] if errors else [])
+        print(f"FAIL: {'; '.join(what)}", file=sys.stderr)
         return 1
-    print("all rl_kernels backends PASS")
+    if rows and all(r.status == INPUT_NON_FINITE for r in rows if r.ours):
+        print("no rl_kernels row failed; nothing was compared (every row's input holds NaN/inf)")
+        return 0
+    print("all rl_kernels backends PASS" + (" on the rows with finite inputs" if non_finite else ""))
     return 0
 
 
+# ----------------------------------------------------------------------------- bench
 def _bench(args: argparse.Namespace) -> int:
+    for option, path in (("--json", args.json), ("--png", args.png)):
+        if path:
+            _writable_file(option, path)
     from . import bench
 
     if args.plot:
-        import json
-
-        with open(args.plot) as f:
-            results = json.load(f)
+        results, text = bench.load_results(args.plot)
         png = args.png or os.path.splitext(args.plot)[0] + ".png"
-        bench.plot(results, png)
-        print(bench.format_tables(results))
+        _writable_file("--png", png)
+        try:
+            bench.plot(results, png)
+        except ImportError as exc:
+            raise CommandError(f"--plot: the chart needs matplotlib (pip install 'rl-kernels[bench]'): "
+                               f"{_one_line(exc)}") from exc
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+            raise CommandError(f"{args.plot}: not a complete rl-kernels bench result "
+                               f"({type(exc).__name__}: {_one_line(exc)})") from exc
+        print(text)
         print(f"wrote {png}")
         return 0
+    if args.shapes:
+        bench.parse_shapes(args.shapes, logits=args.logits)  # a bad shape: exit 2 before timing
     return bench.run(args.shapes, json_path=args.json, png_path=args.png, stub_verl=args.stub_verl,
                      only=args.impls, logits=args.logits)
+
+
+# ----------------------------------------------------------------------------- parser / main
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """One line (no usage block) and exit status 2."""
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _add_verbose(parser: argparse.ArgumentParser, default) -> None:
+    parser.add_argument("-v", "--verbose", "--debug", action="store_true", default=default,
+                        help="log at INFO level; print the traceback of an error")
 
 
 def build_parser() -> argparse.ArgumentParser:
     from .repro import DEFAULT_ATOL
 
-    parser = argparse.ArgumentParser(prog="rl-kernels", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser = _Parser(prog="rl-kernels", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_verbose(parser, False)
     sub = parser.add_subparsers(dest="command", required=True)
     repro = sub.add_parser("repro", help="compare every backend against float64 on samples")
+    _add_verbose(repro, argparse.SUPPRESS)
     repro.add_argument("paths", nargs="*", help=".safetensors/.pt sample files, each holding "
                        "hidden_states/weight/labels or logits/labels "
                        "(default: the bundled bug-catalogue samples)")
-    repro.add_argument("--atol", type=float, default=DEFAULT_ATOL,
-                       help="max |error| for PASS (default %(default)g)")
-    repro.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    repro.add_argument("--atol", type=_tolerance, default=DEFAULT_ATOL,
+                       help="max |error| for PASS, a finite number >= 0 (default %(default)g)")
+    repro.add_argument("--device", type=_device, help="cpu, cuda or cuda:N (default: cuda when available)")
     repro.add_argument("--save", metavar="DIR",
                        help="write the bundled samples to DIR as .safetensors and exit")
     repro.set_defaults(func=_repro)
 
-    from .bench import DEFAULT_LOGITS_SHAPES, DEFAULT_SHAPES
-
     bench = sub.add_parser("bench", help="time the fused head vs cuBLAS matmul and its peers, or "
                            "(--logits) the from-logits kernels vs bandwidth ceilings (GPU)")
+    _add_verbose(bench, argparse.SUPPRESS)
     bench.add_argument("--logits", action="store_true",
                        help="benchmark the from-logits path (logits_stats) on bf16 N x V logits "
                             "instead: ms and GB/s vs the read / copy bandwidth measured in the run")
@@ -101,10 +272,39 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command; returns the exit status (raises SystemExit(2) for a usage error)."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(name)s: %(message)s")
-    return args.func(args)
+    prog = f"rl-kernels {args.command}"
+    try:
+        return args.func(args)
+    except UsageError as exc:
+        if args.verbose:
+            traceback.print_exc()
+        print(f"{prog}: error: {exc.message} (see {prog} --help)", file=sys.stderr)
+        raise
+    except SystemExit as exc:  # a plain SystemExit("message") from below: a usage error too
+        if isinstance(exc.code, int) or exc.code is None:
+            raise
+        print(f"{prog}: error: {_one_line(exc)}", file=sys.stderr)
+        raise UsageError(str(exc.code)) from exc
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except (CommandError, OSError, ValueError, TypeError, ImportError) as exc:
+        if args.verbose:
+            traceback.print_exc()
+        detail = _one_line(exc) if isinstance(exc, (CommandError, ValueError)) else \
+            f"{type(exc).__name__}: {_one_line(exc)}"
+        print(f"{prog}: error: {detail}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # noqa: BLE001 - no traceback unless asked for
+        if args.verbose:
+            traceback.print_exc()
+        print(f"{prog}: error: {type(exc).__name__}: {_one_line(exc)} (an internal error; rerun "
+              f"with -v for the traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -39,6 +39,21 @@ class Row:
     positive_log_probs: int
     passed: bool
     note: str = ""
+    status: str = ""  # the table's result when not plain PASS / FAIL ("FAIL (baseline bug)", ...)
+
+    @property
+    def result(self) -> str:
+        return self.status or ("PASS" if self.passed else "FAIL")
+
+
+BASELINE_BUG = "FAIL (baseline bug)"
+INPUT_NON_FINITE = "n/a: input NaN/inf"
+ERROR = "ERROR"
+
+
+def error_row(sample: str, message: str) -> Row:
+    """The row of a sample file that could not be loaded or checked (counts as a failure)."""
+    return Row(sample, "-", False, math.nan, math.nan, -1, -1, False, message, ERROR)
 
 
 def _ours(backend: str) -> Backend:
@@ -167,11 +182,44 @@ def _to(s: Sample | LogitsSample, device: torch.device) -> Sample | LogitsSample
                                weight=s.weight.to(device), labels=s.labels.to(device))
 
 
+def _positions(mask: torch.Tensor, limit: int = 8) -> str:
+    """``[1, 3]`` (1-D) or ``[(0, 1), (1, 2)]``: the first ``limit`` True entries of ``mask``."""
+    idx = mask.nonzero().tolist()
+    text = ", ".join(str(i[0] if len(i) == 1 else tuple(i)) for i in idx[:limit])
+    return f"[{text}{f', ... ({len(idx)} in all)' if len(idx) > limit else ''}]"
+
+
+def non_finite_inputs(sample: Sample | LogitsSample) -> tuple[torch.Tensor, str]:
+    """(mask shaped like ``sample.labels``: the rows whose inputs hold NaN/inf, a description ""
+    when none). A NaN/inf in ``weight`` reaches every row."""
+    if isinstance(sample, LogitsSample):
+        bad = ~torch.isfinite(sample.logits).all(-1).cpu()
+        return bad, (f"input holds NaN/inf in rows {_positions(bad)} of {tuple(bad.shape)}"
+                     if bad.any() else "")
+    bad = ~torch.isfinite(sample.hidden_states).all(-1).cpu()
+    bad_vocab = ~torch.isfinite(sample.weight).all(-1).cpu()
+    if bad_vocab.any():
+        return torch.ones_like(bad), (f"input holds NaN/inf in weight rows (vocab ids) "
+                                      f"{_positions(bad_vocab)}: every row depends on them")
+    return bad, (f"input holds NaN/inf in rows {_positions(bad)} of hidden_states "
+                 f"{tuple(sample.hidden_states.shape)}" if bad.any() else "")
+
+
+def _baseline_bug(sample: Sample | LogitsSample, backend: str) -> str | None:
+    return next((why for prefix, why in getattr(sample, "baseline_bugs", {}).items()
+                 if backend.startswith(prefix)), None)
+
+
 def check_sample(sample: Sample | LogitsSample, device: torch.device, atol: float = DEFAULT_ATOL,
                  backends: dict[str, tuple[Backend | LogitsBackend, bool]] | None = None) -> list[Row]:
     """One Row per backend: errors vs the float64 reference (over non-ignored positions).
     ``backends`` must match the sample's kind (default: :func:`available_backends` for a
-    :class:`Sample`, :func:`available_logits_backends` for a :class:`LogitsSample`)."""
+    :class:`Sample`, :func:`available_logits_backends` for a :class:`LogitsSample`).
+
+    Rows whose inputs hold NaN/inf (:func:`non_finite_inputs`) are left out of the comparison and
+    named in each row's note (the input, not a kernel, is non-finite); when no row is left, the
+    result is ``n/a: input NaN/inf``. A failing baseline row that the sample lists in
+    ``baseline_bugs`` (the bundled bug catalogue) is ``FAIL (baseline bug)``: expected."""
     if isinstance(sample, LogitsSample):
         backends = backends if backends is not None else available_logits_backends(device)
         ref = reference_logits_stats(sample.logits, sample.labels, temperature=sample.temperature,
@@ -181,7 +229,9 @@ def check_sample(sample: Sample | LogitsSample, device: torch.device, atol: floa
         ref = reference_linear_log_probs(sample.hidden_states, sample.weight, sample.labels,
                                          temperature=sample.temperature,
                                          ignore_index=sample.ignore_index)
-    valid = (sample.labels != sample.ignore_index).cpu()
+    bad_input, input_note = non_finite_inputs(sample)
+    valid = (sample.labels != sample.ignore_index).cpu() & ~bad_input
+    nothing_to_compare = bool(bad_input.any()) and not valid.any()
     s_dev = _to(sample, device)
     rows = []
     for name, (fn, ours) in backends.items():
@@ -189,25 +239,44 @@ def check_sample(sample: Sample | LogitsSample, device: torch.device, atol: floa
             with torch.no_grad():
                 lp, ent = fn(s_dev)
         except Exception as exc:  # noqa: BLE001 - a peer failing is a result to report
-            rows.append(Row(sample.name, name, ours, math.nan, math.nan, -1, -1, False,
-                            f"{type(exc).__name__}: {str(exc)[:80]}"))
-            continue
-        lp, ent = lp.double().cpu(), ent.double().cpu()
-        non_finite = int((~torch.isfinite(lp[valid])).sum() + (~torch.isfinite(ent[valid])).sum())
-        positive = int((lp[valid] > 0).sum())
-        e_lp = (lp - ref.log_probs)[valid].abs().max().item() if valid.any() else 0.0
-        e_ent = (ent - ref.entropy)[valid].abs().max().item() if valid.any() else 0.0
-        passed = non_finite == 0 and positive == 0 and e_lp <= atol and e_ent <= atol
-        rows.append(Row(sample.name, name, ours, e_lp, e_ent, non_finite, positive, passed))
+            row = Row(sample.name, name, ours, math.nan, math.nan, -1, -1, False,
+                      f"{type(exc).__name__}: {' '.join(str(exc).split())[:80]}")
+        else:
+            lp, ent = lp.double().cpu(), ent.double().cpu()
+            non_finite = int((~torch.isfinite(lp[valid])).sum() + (~torch.isfinite(ent[valid])).sum())
+            positive = int((lp[valid] > 0).sum())
+            e_lp = (lp - ref.log_probs)[valid].abs().max().item() if valid.any() else 0.0
+            e_ent = (ent - ref.entropy)[valid].abs().max().item() if valid.any() else 0.0
+            passed = non_finite == 0 and positive == 0 and e_lp <= atol and e_ent <= atol
+            row = Row(sample.name, name, ours, e_lp, e_ent, non_finite, positive, passed)
+            if nothing_to_compare:
+                row.passed, row.status = True, INPUT_NON_FINITE
+        bug = None if ours or row.passed else _baseline_bug(sample, name)
+        if bug:
+            row.status = BASELINE_BUG
+            row.note = "; ".join(x for x in (f"expected: {bug}", row.note) if x)
+        if input_note:
+            row.note = "; ".join(x for x in (input_note + " (not compared)", row.note) if x)
+        rows.append(row)
     return rows
+
+
+def _cut(text: str, limit: int = 160) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def format_table(rows: list[Row]) -> str:
     from tabulate import tabulate
 
-    table = [[r.sample, r.backend, f"{r.err_log_probs:.2e}", f"{r.err_entropy:.2e}",
-              r.non_finite, r.positive_log_probs, "PASS" if r.passed else "FAIL", r.note]
+    def err(x: float, r: Row) -> str | None:
+        return None if r.status in (ERROR, INPUT_NON_FINITE) else f"{x:.2e}"
+
+    def count(x: int, r: Row) -> int | None:
+        return None if r.status in (ERROR, INPUT_NON_FINITE) else x
+
+    table = [[r.sample, r.backend, err(r.err_log_probs, r), err(r.err_entropy, r),
+              count(r.non_finite, r), count(r.positive_log_probs, r), r.result, _cut(r.note)]
              for r in rows]
     headers = ["sample", "backend", "max|Δ log_probs|", "max|Δ entropy|", "non-finite",
                "log_probs>0", "result", "note"]
-    return tabulate(table, headers=headers, tablefmt="github")
+    return tabulate(table, headers=headers, tablefmt="github", missingval="-")

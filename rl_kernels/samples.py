@@ -9,7 +9,8 @@ A sample file is ``.safetensors`` or ``.pt`` holding either
 
 and optionally ``temperature`` (0-d tensor or number) and ``ignore_index``. ``save_sample`` /
 ``save_logits_sample`` write one from tensors captured in training; ``load_sample`` reads either
-kind back.
+kind back. Both check the tensors with the public API's rules (TypeError / ValueError naming the
+argument; :class:`SampleError`, a ValueError naming the file, from ``load_sample``).
 """
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ LOGITS_SAMPLE_TENSORS = ("logits", "labels")
 
 @dataclasses.dataclass
 class Sample:
+    """A linear-head sample. ``baseline_bugs``: backend name (prefix) -> the known bug of that
+    baseline which this sample shows (bundled samples); a failing row of it is marked expected."""
+
     name: str
     hidden_states: torch.Tensor
     weight: torch.Tensor
@@ -33,6 +37,7 @@ class Sample:
     ignore_index: int = -100
     description: str = ""
     metadata: dict = dataclasses.field(default_factory=dict)
+    baseline_bugs: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -46,22 +51,52 @@ class LogitsSample:
     ignore_index: int = -100
     description: str = ""
     metadata: dict = dataclasses.field(default_factory=dict)
+    baseline_bugs: dict = dataclasses.field(default_factory=dict)
 
 
-def _write(path: str, tensors: dict, temperature: float, ignore_index: int,
-           metadata: dict | None) -> None:
+class SampleError(ValueError):
+    """A sample file that cannot be replayed: missing, unreadable, not a sample, or holding inputs
+    the public API rejects. ``str()`` is ``"<path>: <reason>"``; ``path`` and ``reason`` too."""
+
+    def __init__(self, path: str, reason: str):
+        super().__init__(f"{path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+def _fspath(path) -> str:
+    from .anomaly import check_path_arg
+
+    return check_path_arg("path", path)
+
+
+def _sample_path(path) -> str:
+    path = _fspath(path)
+    if not path.endswith((".safetensors", ".pt")):
+        raise ValueError(f"path: expected a .safetensors or .pt file name, got {path!r}")
+    return path
+
+
+def _write(path: str, tensors: dict, temperature: float, ignore_index: int, metadata: dict) -> None:
     tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
     tensors["temperature"] = torch.tensor(float(temperature), dtype=torch.float64)
     tensors["ignore_index"] = torch.tensor(int(ignore_index), dtype=torch.int64)
-    meta = {str(k): str(v) for k, v in (metadata or {}).items()}
+    meta = {str(k): str(v) for k, v in metadata.items()}
     if path.endswith(".safetensors"):
         from safetensors.torch import save_file
 
         save_file(tensors, path, metadata=meta)
-    elif path.endswith(".pt"):
-        torch.save({**tensors, "metadata": meta}, path)
     else:
-        raise ValueError(f"path: expected a .safetensors or .pt file name, got {path!r}")
+        torch.save({**tensors, "metadata": meta}, path)
+
+
+def _check_options(temperature, ignore_index, metadata) -> tuple[float, dict]:
+    from .anomaly import check_metadata_arg
+    from .api import check_ignore_index, check_temperature
+
+    temperature = check_temperature(temperature)
+    check_ignore_index(ignore_index)
+    return temperature, check_metadata_arg("metadata", metadata)
 
 
 def save_sample(path: str | os.PathLike, hidden_states: torch.Tensor, weight: torch.Tensor,
@@ -71,9 +106,16 @@ def save_sample(path: str | os.PathLike, hidden_states: torch.Tensor, weight: to
 
     ``.safetensors`` (recommended) or ``.pt`` by the path's suffix; tensors are detached, moved to
     CPU and stored in their own dtypes; ``metadata`` values are stored as strings.
-    Raises ValueError for another suffix.
+    Every argument is checked first, with the rules of :func:`rl_kernels.linear_log_probs`
+    (tensors of matching shapes, dtypes and device, labels in [0, V) or ``ignore_index``, a
+    positive finite temperature): TypeError / ValueError naming it; ValueError for another suffix.
     """
-    _write(os.fspath(path), {"hidden_states": hidden_states, "weight": weight, "labels": labels},
+    from .api import check_head_inputs
+
+    path = _sample_path(path)
+    temperature, metadata = _check_options(temperature, ignore_index, metadata)
+    check_head_inputs(hidden_states, weight, labels, ignore_index)
+    _write(path, {"hidden_states": hidden_states, "weight": weight, "labels": labels},
            temperature, ignore_index, metadata)
 
 
@@ -83,12 +125,19 @@ def save_logits_sample(path: str | os.PathLike, logits: torch.Tensor, labels: to
     """Write a from-logits sample (``logits`` (..., V), ``labels`` (...)) that
     ``rl-kernels repro PATH`` loads; same file rules as :func:`save_sample`. Pass the logits as
     they were before the division by the temperature (the replay divides by ``temperature``).
-    Raises ValueError for another suffix or labels not shaped ``logits.shape[:-1]``."""
-    if tuple(labels.shape) != tuple(logits.shape[:-1]):
+    Arguments are checked with the rules of :func:`rl_kernels.logits_stats`: TypeError /
+    ValueError naming the argument (labels not shaped ``logits.shape[:-1]``, a bad suffix ...)."""
+    from .api import check_labels
+    from .logits import _check_logits
+
+    path = _sample_path(path)
+    temperature, metadata = _check_options(temperature, ignore_index, metadata)
+    _check_logits(logits)
+    if isinstance(labels, torch.Tensor) and tuple(labels.shape) != tuple(logits.shape[:-1]):
         raise ValueError(f"labels: expected shape {tuple(logits.shape[:-1])} (logits.shape[:-1]), "
                          f"got {tuple(labels.shape)}")
-    _write(os.fspath(path), {"logits": logits, "labels": labels}, temperature, ignore_index,
-           metadata)
+    check_labels(labels, logits, "logits", logits.shape[-1], ignore_index)
+    _write(path, {"logits": logits, "labels": labels}, temperature, ignore_index, metadata)
 
 
 def write_sample(path: str | os.PathLike, sample: Sample | LogitsSample) -> None:
@@ -102,55 +151,133 @@ def write_sample(path: str | os.PathLike, sample: Sample | LogitsSample) -> None
                     temperature=sample.temperature, ignore_index=sample.ignore_index, metadata=meta)
 
 
-def load_sample(path: str | os.PathLike) -> Sample | LogitsSample:
-    """Read a sample file (see module docstring): a :class:`Sample` when it holds
-    ``hidden_states``, else a :class:`LogitsSample` when it holds ``logits``. Raises ValueError
-    for a missing key, or labels of a from-logits sample not shaped ``logits.shape[:-1]``."""
-    path = os.fspath(path)
-    meta: dict = {}
-    if path.endswith(".safetensors"):
+_KINDS = "a sample file is .safetensors or a torch.save .pt"
+
+
+def _short(exc: BaseException, limit: int = 160) -> str:
+    """One line of an exception's message (torch.load's long weights_only text cut to its cause)."""
+    text = str(exc)
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1]
+        text = text.split("Check the documentation of torch.load")[0]
+    text = " ".join(text.split()) or type(exc).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _looks_like_safetensors(head: bytes) -> bool:
+    return len(head) >= 9 and head[8:9] == b"{"
+
+
+def _read(path: str) -> tuple[dict, dict]:
+    """(tensors and scalars, metadata) of a sample file; SampleError for anything unreadable."""
+    if not os.path.exists(path):
+        raise SampleError(path, "no such file")
+    if os.path.isdir(path):
+        raise SampleError(path, f"is a directory, not a sample file ({_KINDS})")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+    except OSError as exc:
+        raise SampleError(path, f"cannot be read ({exc.strerror or _short(exc)})") from exc
+    if not head:
+        raise SampleError(path, f"is empty, not a sample file ({_KINDS})")
+    if path.endswith(".safetensors") or (not path.endswith(".pt") and _looks_like_safetensors(head)):
         from safetensors import safe_open
 
-        with safe_open(path, framework="pt") as f:
-            data = {k: f.get_tensor(k) for k in f.keys()}
-            meta = dict(f.metadata() or {})
-    else:
+        try:
+            with safe_open(path, framework="pt") as f:
+                data = {k: f.get_tensor(k) for k in f.keys()}
+                meta = dict(f.metadata() or {})
+        except Exception as exc:  # noqa: BLE001 - SafetensorError and friends: not a sample file
+            raise SampleError(path, f"not a readable .safetensors file ({_short(exc)})") from exc
+        return data, meta
+    if not (head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"):  # zip or legacy pickle
+        raise SampleError(path, ("not a torch.save file (no zip or pickle header)"
+                                 if path.endswith(".pt") else f"not a sample file ({_KINDS})"))
+    try:
         data = torch.load(path, map_location="cpu", weights_only=True)
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected a dict of tensors, got {type(data).__name__}")
-        meta = dict(data.pop("metadata", {}) or {})
+    except Exception as exc:  # noqa: BLE001 - UnpicklingError, EOFError, KeyError on garbage
+        raise SampleError(path, f"not a torch.save file that torch.load(weights_only=True) "
+                                f"reads ({type(exc).__name__}: {_short(exc)})") from exc
+    if not isinstance(data, dict):
+        raise SampleError(path, f"expected a dict of tensors, got {type(data).__name__}")
+    meta = data.pop("metadata", None) or {}
+    if not isinstance(meta, dict):
+        raise SampleError(path, f"metadata: expected a dict, got {type(meta).__name__}")
+    return data, {str(k): str(v) for k, v in meta.items()}
 
-    def scalar(key, default):
-        value = data.get(key, default)
-        return value.item() if isinstance(value, torch.Tensor) else value
 
-    if "logits" in data and "hidden_states" not in data:
-        if "labels" not in data:
-            raise ValueError(f"{path}: missing ['labels']; a from-logits sample holds "
-                             f"{list(LOGITS_SAMPLE_TENSORS)} and optionally 'temperature', "
-                             f"'ignore_index'")
-        logits, labels = data["logits"], data["labels"]
-        if tuple(labels.shape) != tuple(logits.shape[:-1]):
-            raise ValueError(f"{path}: labels {tuple(labels.shape)} do not match logits "
-                             f"{tuple(logits.shape)} (expected logits.shape[:-1])")
-        return LogitsSample(name=os.path.basename(path), logits=logits, labels=labels,
-                            temperature=float(scalar("temperature", 1.0)),
-                            ignore_index=int(scalar("ignore_index", -100)),
-                            description=meta.get("description", ""), metadata=meta)
-    missing = [k for k in SAMPLE_TENSORS if k not in data]
+def _scalar(data: dict, key: str, default):
+    """A 0-d (or one-element) tensor or a number as a Python number; ValueError otherwise."""
+    value = data.get(key, default)
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{key}: expected a scalar (0-d tensor or number), got a tensor of "
+                             f"shape {tuple(value.shape)}")
+        value = value.item()
+    return value
+
+
+def _validated(path: str, data: dict, meta: dict) -> Sample | LogitsSample:
+    from .api import check_head_inputs, check_labels, check_temperature
+    from .logits import _check_logits
+
+    is_logits = "logits" in data and "hidden_states" not in data
+    keys = LOGITS_SAMPLE_TENSORS if is_logits else SAMPLE_TENSORS
+    missing = [k for k in keys if k not in data]
     if missing:
-        raise ValueError(f"{path}: missing {missing}; a sample holds {list(SAMPLE_TENSORS)} "
-                         f"(or {list(LOGITS_SAMPLE_TENSORS)} for a from-logits sample) and "
-                         f"optionally 'temperature', 'ignore_index'")
+        if is_logits:
+            raise SampleError(path, f"missing {missing}; a from-logits sample holds "
+                                    f"{list(LOGITS_SAMPLE_TENSORS)} and optionally 'temperature', "
+                                    f"'ignore_index'")
+        raise SampleError(path, f"missing {missing}; a sample holds {list(SAMPLE_TENSORS)} (or "
+                                f"{list(LOGITS_SAMPLE_TENSORS)} for a from-logits sample) and "
+                                f"optionally 'temperature', 'ignore_index'")
+    try:
+        temperature = check_temperature(_scalar(data, "temperature", 1.0))
+        ignore_index = _scalar(data, "ignore_index", -100)
+        if is_logits:
+            logits, labels = data["logits"], data["labels"]
+            _check_logits(logits)
+            if isinstance(labels, torch.Tensor) and tuple(labels.shape) != tuple(logits.shape[:-1]):
+                raise ValueError(f"labels {tuple(labels.shape)} do not match logits "
+                                 f"{tuple(logits.shape)} (expected logits.shape[:-1])")
+            check_labels(labels, logits, "logits", logits.shape[-1], ignore_index)
+        else:
+            check_head_inputs(data["hidden_states"], data["weight"], data["labels"], ignore_index)
+    except (TypeError, ValueError) as exc:
+        raise SampleError(path, str(exc)) from exc
+    common = dict(name=os.path.basename(path), labels=data["labels"], temperature=temperature,
+                  ignore_index=int(ignore_index), description=meta.get("description", ""),
+                  metadata=meta)
+    if is_logits:
+        return LogitsSample(logits=data["logits"], **common)
+    return Sample(hidden_states=data["hidden_states"], weight=data["weight"], **common)
 
-    return Sample(name=os.path.basename(path), hidden_states=data["hidden_states"],
-                  weight=data["weight"], labels=data["labels"],
-                  temperature=float(scalar("temperature", 1.0)),
-                  ignore_index=int(scalar("ignore_index", -100)),
-                  description=meta.get("description", ""), metadata=meta)
+
+def load_sample(path: str | os.PathLike) -> Sample | LogitsSample:
+    """Read a sample file (see module docstring): a :class:`Sample` when it holds
+    ``hidden_states``, else a :class:`LogitsSample` when it holds ``logits``.
+
+    The sample is validated with the public API's rules (those of ``linear_log_probs`` /
+    ``logits_stats``: tensor dtypes, shapes that fit together, labels in [0, V) or
+    ``ignore_index``, a positive finite scalar temperature). Raises :class:`SampleError` (a
+    ValueError) naming the path and what is wrong: no such file, a directory, an empty or
+    unreadable file, a missing key, inputs the API rejects."""
+    path = _fspath(path)
+    data, meta = _read(path)
+    return _validated(path, data, meta)
 
 
 # --------------------------------------------------------------------------- bundled samples
+
+# what the baselines get wrong on the bundled samples (repro marks their FAIL rows as expected)
+_EAGER_BF16 = "logits rounded to bf16, as in verl's default path"
+
+
+def _bugs(verl: str | None = None) -> dict:
+    return {"torch eager": _EAGER_BF16, **({"verl": verl} if verl else {})}
+
 
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
@@ -167,7 +294,8 @@ def _vocab_tail_crafted(vocab_size: int, seed: int) -> Sample:
     return Sample(f"vocab_tail_crafted_V{vocab_size}", hidden.bfloat16(), weight.bfloat16(), labels,
                   temperature=1.5,
                   description=f"verl #2656/#2899: V={vocab_size} not a multiple of the tile; "
-                              f"one dominant weight row (the last), all others very negative")
+                              f"one dominant weight row (the last), all others very negative",
+                  baseline_bugs=_bugs("verl #2656/#2899"))
 
 
 def _vocab_tail_random() -> Sample:
@@ -178,7 +306,8 @@ def _vocab_tail_random() -> Sample:
                   (0.02 * torch.randn(v, h, generator=g)).bfloat16(),
                   torch.randint(0, v, (n,), generator=g),
                   description="verl < 0.7.1: phantom padded columns bias log-probs by +0.0145 on "
-                              "plain random data at V=50304 (H=1024); bf16 logits err ~7e-3")
+                              "plain random data at V=50304 (H=1024); bf16 logits err ~7e-3",
+                  baseline_bugs=_bugs("verl < 0.7.1: phantom padded columns"))
 
 
 def _all_negative() -> Sample:
@@ -189,7 +318,8 @@ def _all_negative() -> Sample:
     return Sample("all_negative_logits", hidden.bfloat16(), weight.bfloat16(),
                   torch.randint(0, v, (n,), generator=g),
                   description="verl PR #7439: every logit <= -100; a max initialised at 0 "
-                              "underflows the sum -> inf/NaN")
+                              "underflows the sum -> inf/NaN",
+                  baseline_bugs=_bugs("verl PR #7439"))
 
 
 def _ignore_index_3d() -> Sample:
@@ -200,7 +330,8 @@ def _ignore_index_3d() -> Sample:
     return Sample("ignore_index_3d", torch.randn(b, t, h, generator=g).bfloat16(),
                   (0.05 * torch.randn(v, h, generator=g)).bfloat16(), labels, temperature=0.7,
                   description="verl triton: labels -100 read uninitialised memory; (B, T, H) "
-                              "hidden states (verl #6913)")
+                              "hidden states (verl #6913)",
+                  baseline_bugs=_bugs("verl #6913"))
 
 
 def _hidden_not_multiple_of_128() -> Sample:
@@ -209,7 +340,8 @@ def _hidden_not_multiple_of_128() -> Sample:
     return Sample("hidden_904", torch.randn(n, h, generator=g).bfloat16(),
                   (0.02 * torch.randn(v, h, generator=g)).bfloat16(),
                   torch.randint(0, v, (n,), generator=g),
-                  description="verl triton asserts H % 128 == 0; H = 896 + 8, odd V")
+                  description="verl triton asserts H % 128 == 0; H = 896 + 8, odd V",
+                  baseline_bugs=_bugs("verl triton asserts H % 128 == 0"))
 
 
 def _logits_bf16_temperature() -> LogitsSample:
@@ -228,7 +360,8 @@ def _logits_bf16_temperature() -> LogitsSample:
                                     "bf16 logits, which verl divides by T in bf16 (z rounded by "
                                     "up to |z| 2^-9: 0.17 nats here); labels -100; a row of "
                                     "logits <= -100 (PR #7439); a row dominated by the last "
-                                    "column; V=1000")
+                                    "column; V=1000",
+                        baseline_bugs={"torch eager": "logits / T in bf16, as in verl's logits path"})
 
 
 BUNDLED: dict[str, Callable[[], Sample | LogitsSample]] = {

@@ -9,7 +9,8 @@ import torch
 import rl_kernels.repro as repro
 from rl_kernels.cli import main
 from rl_kernels.reference import reference_logits_stats
-from rl_kernels.samples import BUNDLED, LogitsSample, load_sample, save_logits_sample, save_sample
+from rl_kernels.samples import (BUNDLED, LogitsSample, SampleError, load_sample, save_logits_sample,
+                                save_sample)
 
 from helpers import make_inputs
 
@@ -180,12 +181,19 @@ def test_sample_errors(tmp_path):
                     torch.zeros(2, dtype=torch.long))
 
 
-def test_logits_sample_with_bad_label(tmp_path):
-    """A label outside [0, V) is named before anything reads the logits at it."""
-    save_logits_sample(tmp_path / "bad.pt", torch.randn(3, 20), torch.tensor([1, 20, -100]))
+def test_logits_sample_with_bad_label(tmp_path, capsys):
+    """A label outside [0, V) is named before anything reads the logits at it: by
+    save_logits_sample, by load_sample (an ERROR row of repro, exit 1) and by our backends."""
+    logits, labels = torch.randn(3, 20), torch.tensor([1, 20, -100])
     with pytest.raises(ValueError, match=r"labels: 1 entries lie outside \[0, vocab_size=20\)"):
-        main(["repro", str(tmp_path / "bad.pt")])
-    sample = load_sample(tmp_path / "bad.pt")
+        save_logits_sample(tmp_path / "bad.pt", logits, labels)
+    torch.save({"logits": logits, "labels": labels}, tmp_path / "bad.pt")  # written around the check
+    with pytest.raises(SampleError, match=r"bad.pt: labels: 1 entries lie outside \[0, vocab_size=20\)"):
+        load_sample(tmp_path / "bad.pt")
+    assert main(["repro", str(tmp_path / "bad.pt")]) == 1
+    captured = capsys.readouterr()
+    assert "labels: 1 entries lie outside" in captured.err and "ERROR" in captured.out
+    sample = LogitsSample("bad", logits, labels)
     for name, (fn, ours) in repro.available_logits_backends(torch.device("cpu")).items():
         if ours:  # ours check before the kernels run (the reference checks for check_sample)
             with pytest.raises(ValueError, match="labels: 1 entries"):

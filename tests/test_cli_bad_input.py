@@ -1,0 +1,405 @@
+"""Bad input to `rl-kernels repro` / `rl-kernels bench` and to the helpers behind them: one line
+naming the file or argument, a non-zero exit (2 for usage errors), never a traceback (unless -v);
+save_sample / save_logits_sample / AnomalyCapture / verl configure() validate every argument."""
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import rl_kernels.repro as repro
+import rl_kernels.samples as samples
+from rl_kernels.anomaly import AnomalyCapture
+from rl_kernels.cli import build_parser, main
+from rl_kernels.samples import SampleError, load_sample, save_logits_sample, save_sample
+
+
+@pytest.fixture(autouse=True)
+def _no_interpreter(monkeypatch):
+    """Our torch backend and torch eager only: the Triton interpreter is slow, and beside the point."""
+    monkeypatch.setattr(repro, "interpreting", lambda: False)
+
+
+def _tensors(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(4, 8, 16, generator=g)
+    weight = 0.5 * torch.randn(32, 16, generator=g)
+    labels = torch.randint(0, 32, (4, 8), generator=g)
+    return hidden, weight, labels
+
+
+def _write(path, **tensors):
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+    return path
+
+
+def _good(tmp_path, name="good.safetensors", seed=0):
+    hidden, weight, labels = _tensors(seed)
+    save_sample(tmp_path / name, hidden, weight, labels, temperature=0.7)
+    return tmp_path / name
+
+
+def _one_line_naming(err: str, name: str) -> str:
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if name in line]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def _table(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith("| ")][1:]
+
+
+# ----------------------------------------------------------------------------- bad sample files
+def _bad_files(tmp_path):
+    """name -> (path, what the error line must say)."""
+    hidden, weight, labels = _tensors()
+    os.mkdir(tmp_path / "a_dir")
+    (tmp_path / "empty.pt").write_bytes(b"")
+    (tmp_path / "empty.safetensors").write_bytes(b"")
+    junk = bytes(range(7, 256)) * 3
+    (tmp_path / "junk.safetensors").write_bytes(junk)
+    (tmp_path / "junk.pt").write_bytes(junk)
+    (tmp_path / "pickle_junk.pt").write_bytes(b"\x80\x02" + junk)  # passes the header sniff
+    (tmp_path / "notes.txt").write_text("not a sample\n")
+    torch.save(torch.zeros(3), tmp_path / "tensor.pt")
+    torch.save({"hidden_states": [1.0, 2.0], "weight": weight, "labels": labels}, tmp_path / "list.pt")
+    return {
+        "missing": (tmp_path / "nope.safetensors", "no such file"),
+        "directory": (tmp_path / "a_dir", "is a directory"),
+        "empty .pt": (tmp_path / "empty.pt", "is empty"),
+        "empty .safetensors": (tmp_path / "empty.safetensors", "is empty"),
+        "random bytes .safetensors": (tmp_path / "junk.safetensors", "not a readable .safetensors file"),
+        "random bytes .pt": (tmp_path / "junk.pt", "not a torch.save file"),
+        "pickle-like bytes .pt": (tmp_path / "pickle_junk.pt", "not a torch.save file"),
+        "text file": (tmp_path / "notes.txt", "not a sample file"),
+        "not a dict": (tmp_path / "tensor.pt", "expected a dict of tensors, got Tensor"),
+        "list, not tensor": (tmp_path / "list.pt", "hidden_states: expected a torch.Tensor, got list"),
+        "missing keys": (_write(tmp_path / "partial.safetensors", hidden_states=hidden, labels=labels),
+                         "missing ['weight']"),
+        "logits without labels": (_write(tmp_path / "lonely.safetensors", logits=torch.randn(3, 5)),
+                                  "missing ['labels']"),
+        "H of hidden vs weight": (_write(tmp_path / "h.safetensors", hidden_states=hidden,
+                                         weight=torch.randn(32, 12), labels=labels),
+                                  "weight: expected shape (vocab_size, H) with H = hidden_states.shape[-1] = 16"),
+        "labels shape": (_write(tmp_path / "shape.safetensors", hidden_states=hidden, weight=weight,
+                                labels=labels[:, :5]), "labels: expected shape (4, 8)"),
+        "labels dtype": (_write(tmp_path / "ldtype.safetensors", hidden_states=hidden, weight=weight,
+                                labels=labels.float()), "labels: expected int64 or int32"),
+        "labels out of range": (_write(tmp_path / "range.safetensors", hidden_states=hidden,
+                                       weight=weight, labels=labels + 32),
+                                "labels: 32 entries lie outside [0, vocab_size=32)"),
+        "weight dtype": (_write(tmp_path / "wdtype.safetensors", hidden_states=hidden.bfloat16(),
+                                weight=weight, labels=labels), "weight: dtype torch.float32 differs"),
+        "negative temperature": (_write(tmp_path / "tneg.safetensors", hidden_states=hidden,
+                                        weight=weight, labels=labels, temperature=torch.tensor(-1.0)),
+                                 "temperature: expected a positive finite number, got -1.0"),
+        "NaN temperature": (_write(tmp_path / "tnan.safetensors", hidden_states=hidden, weight=weight,
+                                   labels=labels, temperature=torch.tensor(math.nan)),
+                            "temperature: expected a positive finite number, got nan"),
+        "vector temperature": (_write(tmp_path / "tvec.safetensors", hidden_states=hidden,
+                                      weight=weight, labels=labels, temperature=torch.ones(2)),
+                               "temperature: expected a scalar (0-d tensor or number)"),
+        "float ignore_index": (_write(tmp_path / "ii.safetensors", hidden_states=hidden, weight=weight,
+                                      labels=labels, ignore_index=torch.tensor(1.5)),
+                               "ignore_index: expected an int"),
+        "logits vs labels": (_write(tmp_path / "logits.safetensors", logits=torch.randn(4, 8, 32),
+                                    labels=labels[:, :3]), "labels (4, 3) do not match logits (4, 8, 32)"),
+    }
+
+
+def test_every_bad_sample_file_is_one_error_line(tmp_path, capsys):
+    cases = _bad_files(tmp_path)
+    for case, (path, what) in cases.items():
+        assert main(["repro", "--device", "cpu", str(path)]) == 1, case
+        out, err = capsys.readouterr()
+        line = _one_line_naming(err, str(path))
+        assert line.startswith("rl-kernels repro: error: ") and what in line, (case, line)
+        assert "Traceback" not in out
+        rows = _table(out)
+        assert len(rows) == 1 and "ERROR" in rows[0] and str(path) in rows[0], (case, out)
+        with pytest.raises(SampleError, match=re.escape(str(path))):  # the API: a ValueError naming the path
+            load_sample(path)
+
+
+def test_one_bad_file_among_several_does_not_discard_the_others(tmp_path, capsys):
+    good, other = _good(tmp_path), _good(tmp_path, "other.safetensors", seed=1)
+    bad = tmp_path / "junk.pt"
+    bad.write_bytes(b"\x00garbage" * 10)
+    assert main(["repro", "--device", "cpu", str(good), str(bad), str(other)]) == 1
+    out, err = capsys.readouterr()
+    rows = _table(out)
+    assert [r.split("|")[1].strip() for r in rows] == ["good.safetensors"] * 2 + [str(bad)] + \
+        ["other.safetensors"] * 2
+    assert all("PASS" in r for r in rows if "ERROR" not in r)
+    assert "not a torch.save file" in _one_line_naming(err, str(bad))
+    assert "1 sample(s) could not be checked" in err
+
+
+def test_subprocess_bad_files_and_usage_errors(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(os.urandom(64))
+    good = _good(tmp_path)
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "rl_kernels", *args], capture_output=True,
+                              text=True, env=env, timeout=120)
+
+    proc = run("repro", str(junk), str(good), "--atol", "1e-3")
+    assert proc.returncode == 1 and "Traceback" not in proc.stdout + proc.stderr
+    assert "not a torch.save file" in _one_line_naming(proc.stderr, str(junk))
+    assert sum("PASS" in r for r in _table(proc.stdout)) == 2
+    proc = run("repro", "--atol", "-1", str(good))
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        "rl-kernels repro: error: argument --atol: expected a finite number >= 0, got '-1' "
+        "(see rl-kernels repro --help)"]
+
+
+def test_verbose_shows_the_traceback(tmp_path, capsys):
+    for argv in (["repro", "-v"], ["-v", "repro"], ["repro", "--debug"]):
+        assert main([*argv, str(tmp_path / "nope.pt")]) == 1
+        err = capsys.readouterr().err
+        assert "Traceback" in err and "SampleError: " in err and "no such file" in err
+
+
+# ----------------------------------------------------------------------------- usage errors: exit 2
+def _usage_error(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2, argv
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err and len(err.strip().splitlines()) == 1, err
+    return err.strip()
+
+
+def test_usage_errors_exit_2(tmp_path, capsys):
+    good = str(_good(tmp_path))
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    cases = [
+        (["repro", "--atol", "-0.001", good], "argument --atol: expected a finite number >= 0, got '-0.001'"),
+        (["repro", "--atol=-1e-3", good], "argument --atol: expected a finite number >= 0, got '-1e-3'"),
+        (["repro", "--atol", "nan", good], "argument --atol: expected a finite number >= 0, got 'nan'"),
+        (["repro", "--atol", "abc", good], "argument --atol"),
+        (["repro", "--device", "tpu9", good], "argument --device: unknown device 'tpu9'"),
+        (["repro", "--device", "meta", good], "argument --device: 'meta' is not supported"),
+        (["repro", "--device", "cuda:99", good], "argument --device: 'cuda:99' is not available here"),
+        (["repro", "--save", str(afile)], "argument --save: "),
+        (["repro", "--save", str(afile / "sub")], "argument --save: cannot create directory"),
+        (["repro", "--save", str(tmp_path), good], "argument --save: writes the bundled samples"),
+        (["bench", "--shapes", "16,8"], "argument --shapes: expected N,H,V"),
+        (["bench", "--logits", "--shapes", "16,8,4"], "argument --shapes: expected N,V"),
+        (["bench", "--json", str(tmp_path / "no_dir" / "r.json")], "argument --json: cannot write"),
+        (["bench", "--png", str(tmp_path)], "argument --png: "),
+    ]
+    for argv, what in cases:
+        line = _usage_error(argv, capsys)
+        assert what in line and line.startswith("rl-kernels"), (argv, line)
+
+
+# ----------------------------------------------------------------------------- bench --plot
+def test_bench_plot_bad_json(tmp_path, capsys):
+    (tmp_path / "cut.json").write_text('{"shapes": [')
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "partial.json").write_text(json.dumps({"shapes": [{"shape": [1, 2, 3]}]}))
+    (tmp_path / "bytes.json").write_bytes(b"\xff\xfe\x00junk")
+    cases = {"nope.json": "no such file", "cut.json": "not valid JSON",
+             "list.json": "not an rl-kernels bench result",
+             "partial.json": "not a complete rl-kernels bench result (missing key 'device')",
+             "bytes.json": "not valid JSON"}
+    for name, what in cases.items():
+        path = str(tmp_path / name)
+        assert main(["bench", "--plot", path]) == 1, name
+        out, err = capsys.readouterr()
+        line = _one_line_naming(err, path)
+        assert line.startswith("rl-kernels bench: error: ") and what in line, line
+        assert "Traceback" not in out and not os.path.exists(tmp_path / (name[:-5] + ".png"))
+
+
+def test_repro_does_not_import_the_bench(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "rl_kernels.bench", None)  # importing it now raises
+    build_parser()
+    assert main(["repro", "--device", "cpu", str(_good(tmp_path))]) == 0
+    monkeypatch.undo()
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--help"])
+    assert exc.value.code == 0 and "16384,3584,152064" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- what the table says
+def test_nan_input_rows_are_reported_as_input_not_kernel_failure(tmp_path, capsys):
+    hidden, weight, labels = _tensors()
+    hidden[1, 2, 3] = math.nan
+    hidden[3, 0, 0] = math.inf
+    save_sample(tmp_path / "nan.safetensors", hidden, weight, labels)
+    logits = torch.randn(5, 40)
+    logits[2, 7] = math.nan
+    save_logits_sample(tmp_path / "nan_logits.pt", logits, torch.randint(0, 40, (5,)))
+    assert main(["repro", "--device", "cpu", str(tmp_path / "nan.safetensors"),
+                 str(tmp_path / "nan_logits.pt")]) == 0
+    out, err = capsys.readouterr()
+    rows = _table(out)
+    assert len(rows) == 4 and all("PASS" in r for r in rows), out
+    assert all("input holds NaN/inf in rows [(1, 2), (3, 0)]" in r for r in rows[:2])
+    assert all("input holds NaN/inf in rows [2]" in r for r in rows[2:])
+    assert "not a kernel failure" in out and "Traceback" not in out + err
+
+
+def test_anomaly_sample_replays_with_its_metadata(tmp_path, capsys):
+    hidden, weight, labels = _tensors()
+    weight[3, 0] = math.nan
+    from rl_kernels import linear_log_probs
+
+    out = linear_log_probs(hidden, weight, labels, temperature=0.7, backend="torch")
+    capture = AnomalyCapture(str(tmp_path), metadata={"verl_version": "0.9.1", "model": "tiny"})
+    reason = capture.check(hidden, weight, labels, temperature=0.7, ignore_index=-100,
+                           log_probs=out.log_probs, entropy=out.entropy)
+    assert reason == "non-finite log-prob or entropy"
+    (path,) = [tmp_path / f for f in os.listdir(tmp_path)]
+    assert main(["repro", "--device", "cpu", str(path)]) == 0
+    text = capsys.readouterr().out
+    meta = next(line for line in text.splitlines() if "metadata:" in line)
+    for part in ("reason=non-finite log-prob or entropy", "rank=0", "call=1", "verl_version=0.9.1",
+                 "model=tiny"):
+        assert part in meta, meta
+    rows = _table(text)
+    assert rows and all("n/a: input NaN/inf" in r and "FAIL" not in r for r in rows)
+    assert all("input holds NaN/inf in weight rows (vocab ids) [3]" in r for r in rows)
+
+
+def test_default_table_marks_the_baselines_known_bugs(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(samples, "BUNDLED", {"hidden_904": samples.BUNDLED["hidden_904"]})
+    assert main(["repro", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    rows = {r.split("|")[2].strip(): r for r in _table(out)}
+    assert "PASS" in rows["rl_kernels torch"]
+    eager = rows["torch eager"]
+    assert "FAIL (baseline bug)" in eager and "expected: logits rounded to bf16" in eager
+    assert "FAIL (baseline bug): a known bug of that baseline" in out
+    # a user's sample has no known baseline bug: a failing baseline is a plain FAIL
+    hidden, weight, labels = _tensors()
+    save_sample(tmp_path / "mine.pt", hidden.bfloat16() * 40, weight.bfloat16(), labels)
+    assert main(["repro", "--device", "cpu", str(tmp_path / "mine.pt")]) == 0
+    eager = next(r for r in _table(capsys.readouterr().out) if "torch eager" in r)
+    assert "| FAIL " in eager and "baseline bug" not in eager
+
+
+# ----------------------------------------------------------------------------- helper arguments
+def test_save_sample_validates_every_argument(tmp_path):
+    hidden, weight, labels = _tensors()
+    path = tmp_path / "s.safetensors"
+    cases = [
+        (dict(hidden_states=hidden.tolist()), TypeError, "hidden_states: expected a torch.Tensor, got list"),
+        (dict(weight=weight.numpy()), TypeError, "weight: expected a torch.Tensor, got ndarray"),
+        (dict(labels=labels.numpy()), TypeError, "labels: expected a torch.Tensor, got ndarray"),
+        (dict(temperature="0.7"), TypeError, "temperature: expected a positive finite"),
+        (dict(temperature=math.nan), ValueError, "temperature: expected a positive finite number, got nan"),
+        (dict(temperature=torch.tensor(0.7)), TypeError, "temperature: .*pass float"),
+        (dict(ignore_index="-100"), TypeError, "ignore_index: expected an int"),
+        (dict(ignore_index=True), TypeError, "ignore_index: expected an int"),
+        (dict(metadata=["step", 3]), TypeError, r"metadata: expected a dict or None, got \['step', 3\]"),
+        (dict(weight=torch.randn(32, 12)), ValueError, "weight: expected shape"),
+        (dict(labels=labels[:, :2]), ValueError, "labels: expected shape"),
+        (dict(labels=labels + 32), ValueError, "labels: 32 entries lie outside"),
+        (dict(path=3), TypeError, "path: expected a path"),
+        (dict(path=tmp_path / "s.npz"), ValueError, "path: expected a .safetensors or .pt"),
+    ]
+    for change, error, match in cases:
+        args = {**dict(path=path, hidden_states=hidden, weight=weight, labels=labels), **change}
+        with pytest.raises(error, match=match):
+            save_sample(args.pop("path"), args.pop("hidden_states"), args.pop("weight"),
+                        args.pop("labels"), **args)
+    assert os.listdir(tmp_path) == []
+
+
+def test_save_logits_sample_validates_every_argument(tmp_path):
+    logits, labels = torch.randn(3, 20), torch.tensor([1, 19, -100])
+    path = tmp_path / "s.pt"
+    cases = [
+        (dict(logits=logits.tolist()), TypeError, "logits: expected a torch.Tensor, got list"),
+        (dict(logits=np.zeros((3, 20))), TypeError, "logits: expected a torch.Tensor, got ndarray"),
+        (dict(logits=logits.double()), TypeError, "logits: expected bfloat16, float16 or float32"),
+        (dict(labels=[1, 2, 3]), TypeError, "labels: expected a torch.Tensor, got list"),
+        (dict(labels=torch.tensor([1, 20, 0])), ValueError, "labels: 1 entries lie outside"),
+        (dict(temperature="hot"), TypeError, "temperature: expected a positive finite"),
+        (dict(temperature=-0.5), ValueError, "temperature: expected a positive finite number"),
+        (dict(ignore_index=1.5), TypeError, "ignore_index: expected an int"),
+        (dict(metadata="step 3"), TypeError, "metadata: expected a dict or None"),
+    ]
+    for change, error, match in cases:
+        args = {**dict(logits=logits, labels=labels), **change}
+        with pytest.raises(error, match=match):
+            save_logits_sample(path, args.pop("logits"), args.pop("labels"), **args)
+    assert os.listdir(tmp_path) == []
+
+
+def test_anomaly_capture_validates_every_argument(tmp_path):
+    cases = [
+        (dict(max_count="abc"), TypeError, "max_count: expected an int >= 0, got 'abc' \\(str\\)"),
+        (dict(max_count=True), TypeError, "max_count: expected an int >= 0, got True \\(bool\\)"),
+        (dict(max_count=-1), ValueError, "max_count: expected an int >= 0, got -1"),
+        (dict(max_bytes=1.5e9), TypeError, "max_bytes: expected an int"),
+        (dict(recheck_every="often"), TypeError, "recheck_every: expected an int >= 0, got 'often'"),
+        (dict(recheck_rows=None), TypeError, "recheck_rows: expected an int"),
+        (dict(recheck_tolerance=math.nan), ValueError, "recheck_tolerance: expected a finite number > 0, got nan"),
+        (dict(recheck_tolerance=0.0), ValueError, "recheck_tolerance: expected a finite number > 0"),
+        (dict(recheck_tolerance="1e-3"), TypeError, "recheck_tolerance: expected a finite number"),
+        (dict(max_log_prob=math.inf), ValueError, "max_log_prob: expected a finite number >= 0, got inf"),
+        (dict(max_log_prob=-0.1), ValueError, "max_log_prob: expected a finite number >= 0"),
+        (dict(directory=""), ValueError, "directory: expected a non-empty path"),
+        (dict(directory=7), TypeError, "directory: expected a path"),
+        (dict(metadata=[("a", 1)]), TypeError, "metadata: expected a dict or None"),
+    ]
+    for change, error, match in cases:
+        with pytest.raises(error, match=match):
+            AnomalyCapture(**{"directory": str(tmp_path), **change})
+    AnomalyCapture(str(tmp_path), max_count=0, recheck_every=3, max_log_prob=0, recheck_tolerance=1)
+
+
+# ----------------------------------------------------------------------------- verl configure()
+def test_verl_configure_validates_and_is_atomic(tmp_path):
+    pytest.importorskip("verl", reason="verl is not installed (pip install -e '.[verl]')")
+    import rl_kernels.integrations.verl as rkv
+
+    previous = rkv.options()
+    capture = rkv._capture
+    prefix = "fused_kernel_options.rl_kernels."
+    cases = [
+        (dict(patch_logits_path="no"), TypeError, "patch_logits_path: expected a bool .*'no'"),
+        (dict(patch_logits_path=1), TypeError, "patch_logits_path: expected a bool"),
+        (dict(backend=3), ValueError, "backend: expected one of"),
+        (dict(anomaly_dir=5), TypeError, "anomaly_dir: expected a path"),
+        (dict(anomaly_dir=""), ValueError, "anomaly_dir: expected a non-empty path"),
+        (dict(anomaly_max_count="abc"), TypeError, "anomaly_max_count: expected an int >= 0, got 'abc'"),
+        (dict(anomaly_max_count=-1), ValueError, "anomaly_max_count: expected an int >= 0, got -1"),
+        (dict(anomaly_max_bytes=True), TypeError, "anomaly_max_bytes: expected an int"),
+        (dict(anomaly_recheck_every="often"), TypeError, "anomaly_recheck_every: expected an int"),
+        (dict(anomaly_recheck_rows=2.5), TypeError, "anomaly_recheck_rows: expected an int"),
+        (dict(anomaly_recheck_tolerance=math.nan), ValueError,
+         "anomaly_recheck_tolerance: expected a finite number > 0, got nan"),
+        (dict(anomaly_max_log_prob=math.inf), ValueError, "anomaly_max_log_prob: expected a finite number"),
+    ]
+    try:
+        for change, error, match in cases:
+            for _ in range(2):  # the repeated call raises too: nothing of the first one was kept
+                with pytest.raises(error, match=prefix + match):
+                    rkv.configure(**change)
+                assert rkv.options() == previous and rkv._capture is capture, change
+            if "anomaly_dir" not in change:  # with capture on: not built, the options not taken
+                with pytest.raises(error, match=match):
+                    rkv.configure(anomaly_dir=str(tmp_path), **change)
+                assert rkv.options() == previous and rkv._capture is capture
+        # a good call still works, and builds the capture
+        assert rkv.configure(anomaly_dir=str(tmp_path), anomaly_recheck_every=5).anomaly_recheck_every == 5
+        assert rkv._capture is not None and rkv._capture.recheck_every == 5
+    finally:
+        rkv.configure(**{f: getattr(previous, f) for f in previous.__dataclass_fields__})
+    assert rkv.options() == previous
