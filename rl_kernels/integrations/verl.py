@@ -47,7 +47,7 @@ import threading
 import torch
 
 from .._logging import log_once, logger
-from ..anomaly import AnomalyCapture
+from ..anomaly import AnomalyCapture, check_bool_arg, check_float_arg, check_int_arg, check_path_arg
 from ..api import BACKENDS, linear_log_probs
 from ..logits import entropy_from_logits as _rk_entropy_from_logits
 from ..logits import log_probs_from_logits as _rk_log_probs_from_logits
@@ -98,9 +98,22 @@ class VerlOptions:
     anomaly_recheck_tolerance: float = 1e-3
 
     def __post_init__(self):
-        if self.backend not in BACKENDS:
-            raise ValueError(f"fused_kernel_options.rl_kernels.backend: expected one of {BACKENDS}, "
-                             f"got {self.backend!r}")
+        """Validate every option (type, range, NaN): TypeError / ValueError naming it."""
+        def name(field: str) -> str:
+            return f"fused_kernel_options.rl_kernels.{field}"
+
+        if not isinstance(self.backend, str) or self.backend not in BACKENDS:
+            raise ValueError(f"{name('backend')}: expected one of {BACKENDS}, got {self.backend!r}")
+        check_bool_arg(name("patch_logits_path"), self.patch_logits_path)
+        if self.anomaly_dir is not None:  # None: no capture
+            check_path_arg(name("anomaly_dir"), self.anomaly_dir)
+        for field in ("anomaly_max_count", "anomaly_max_bytes", "anomaly_recheck_every",
+                      "anomaly_recheck_rows"):
+            check_int_arg(name(field), getattr(self, field))
+        # log-probs are <= 0: a negative bound would flag every call
+        check_float_arg(name("anomaly_max_log_prob"), self.anomaly_max_log_prob)
+        check_float_arg(name("anomaly_recheck_tolerance"), self.anomaly_recheck_tolerance,
+                        inclusive=False)
 
 
 _lock = threading.RLock()
@@ -131,7 +144,10 @@ def options() -> VerlOptions:
 
 
 def configure(**kwargs) -> VerlOptions:
-    """Set options (keys of :class:`VerlOptions`); unknown keys raise ValueError naming them."""
+    """Set options (keys of :class:`VerlOptions`). Atomic: every value is validated (type, range,
+    NaN) and the anomaly capture is built before anything changes, so a call that raises leaves
+    the previous options in force. Unknown keys raise ValueError naming them; bad values
+    TypeError / ValueError naming the option."""
     global _options, _capture
     fields = {f.name for f in dataclasses.fields(VerlOptions)}
     unknown = sorted(set(kwargs) - fields)
@@ -139,19 +155,21 @@ def configure(**kwargs) -> VerlOptions:
         raise ValueError(f"fused_kernel_options.rl_kernels: unknown option(s) {unknown}; "
                          f"expected some of {sorted(fields)}")
     with _lock:
-        new = dataclasses.replace(_options, **kwargs)
+        new = dataclasses.replace(_options, **kwargs)  # validates (VerlOptions.__post_init__)
+        if new == _options:
+            return _options
+        capture = None
+        if new.anomaly_dir:
+            settings = {k.removeprefix("anomaly_"): v for k, v in dataclasses.asdict(new).items()
+                        if k.startswith("anomaly_") and k != "anomaly_dir"}
+            capture = AnomalyCapture(directory=str(new.anomaly_dir), **settings, metadata={
+                "verl_version": verl_version(), "source": "rl_kernels.integrations.verl"})
+        # nothing above changed the module state; commit
         if _patched and new.patch_logits_path != _options.patch_logits_path:
             logger.warning("rl_kernels: patch_logits_path=%s arrived after verl was patched; it takes "
                            "effect at the next patch() (call unpatch() and patch())", new.patch_logits_path)
-        if new != _options:
-            _options = new
-            _capture = None
-            if new.anomaly_dir:
-                settings = {k.removeprefix("anomaly_"): v for k, v in dataclasses.asdict(new).items()
-                            if k.startswith("anomaly_") and k != "anomaly_dir"}
-                _capture = AnomalyCapture(directory=str(new.anomaly_dir), **settings, metadata={
-                    "verl_version": verl_version(), "source": "rl_kernels.integrations.verl"})
-            logger.info("rl_kernels verl options: %s", new)
+        _options, _capture = new, capture
+        logger.info("rl_kernels verl options: %s", new)
     return _options
 
 
