@@ -92,7 +92,8 @@ def check_head_inputs(hidden_states, weight, labels, ignore_index, check_values:
     if weight.device != hidden_states.device:
         raise ValueError(f"weight: on {weight.device}, but hidden_states is on {hidden_states.device}; "
                          f"all inputs must be on one device")
-    return check_labels(labels, hidden_states, "hidden_states", weight.shape[0], ignore_index, check_values)
+    return check_labels(labels, hidden_states, "hidden_states", weight.shape[0], ignore_index, check_values,
+                        report_ignored=True)
 
 
 def check_hidden_size(hidden_states: torch.Tensor, name: str) -> None:
@@ -102,7 +103,7 @@ def check_hidden_size(hidden_states: torch.Tensor, name: str) -> None:
 
 
 def check_labels(labels, like: torch.Tensor, like_name: str, vocab_size: int, ignore_index,
-                 check_values: bool = True) -> bool | None:
+                 check_values: bool = True, report_ignored: bool = False) -> bool | None:
     """Validate ``labels`` against ``like`` (hidden_states or logits): int64/int32, shape
     ``like.shape[:-1]``, same device, and (unless ``check_values`` is False, for callers that run
     :func:`check_label_values` themselves) values in [0, vocab_size) or ``ignore_index``. Raises
@@ -119,25 +120,31 @@ def check_labels(labels, like: torch.Tensor, like_name: str, vocab_size: int, ig
         raise ValueError(f"labels: on {labels.device}, but {like_name} is on {like.device}; "
                          f"all inputs must be on one device")
     check_ignore_index(ignore_index, labels)
-    return check_label_values(labels, vocab_size, ignore_index) if check_values else None
+    return check_label_values(labels, vocab_size, ignore_index, report_ignored) if check_values else None
 
 
-def check_label_values(labels: torch.Tensor, vocab_size: int, ignore_index) -> bool:
+def check_label_values(labels: torch.Tensor, vocab_size: int, ignore_index,
+                       report_ignored: bool = False) -> bool | None:
     """Raise TypeError for a non-int ``ignore_index`` and ValueError for a label outside
     [0, vocab_size) that is not ``ignore_index`` (naming the count and the first position).
-    Returns whether any label equals ``ignore_index`` (read in the same host sync)."""
+    With ``report_ignored``, returns whether any label equals ``ignore_index``, read in the same
+    host sync (two more small reductions); otherwise None."""
     check_ignore_index(ignore_index, labels)
     if not labels.numel():
-        return False
-    ignored = labels == ignore_index
-    bad = ~ignored & ((labels < 0) | (labels >= vocab_size))
-    any_bad, any_ignored = torch.stack([bad.any(), ignored.any()]).tolist()
+        return False if report_ignored else None
+    kept = labels != ignore_index
+    bad = kept & ((labels < 0) | (labels >= vocab_size))
+    if report_ignored:
+        any_bad, all_kept = torch.stack([bad.any(), kept.all()]).tolist()
+        any_ignored = not all_kept
+    else:
+        any_bad, any_ignored = bool(bad.any()), None
     if any_bad:
         flat = bad.reshape(-1).nonzero()[0, 0].item()
         raise ValueError(f"labels: {int(bad.sum())} entries lie outside [0, vocab_size={vocab_size}) "
                          f"and are not ignore_index={ignore_index}; first at flat position {flat}: "
                          f"{labels.reshape(-1)[flat].item()}")
-    return bool(any_ignored)
+    return None if any_ignored is None else bool(any_ignored)
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -253,7 +260,7 @@ def linear_log_probs(
         start, total = shard_layout(process_group, weight.shape[0], vocab_start_index,
                                     hidden_states.device, ignore_index)
         if total is not None:
-            has_ignored = check_label_values(labels, total, ignore_index)
+            has_ignored = check_label_values(labels, total, ignore_index, report_ignored=True)
         tp = ParallelParams(process_group, start, total, reduce_hidden_grad)
         out = VocabParallelLinearFunction.apply(h2, weight, labels1, params(has_ignored), tp)
     else:

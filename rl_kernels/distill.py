@@ -405,7 +405,7 @@ def linear_jsd(
     if labels is not None:
         # (only a mask: with process_group the ids are global, their values are not checked)
         has_ignored = check_labels(labels, student_hidden, "student_hidden", student_weight.shape[0],
-                                   ignore_index, check_values=process_group is None)
+                                   ignore_index, check_values=process_group is None, report_ignored=True)
     tp = None
     if process_group is not None:
         from .parallel import ParallelParams, shard_layout
