@@ -17,10 +17,12 @@ BACKENDS = ("auto", "triton", "torch")
 
 
 class LogProbsOutput(NamedTuple):
-    """log_probs and entropy, float32, shaped like ``labels`` (entropy None when not asked)."""
+    """log_probs, entropy and sum_pi_squared, float32, shaped like ``labels`` (entropy /
+    sum_pi_squared None when not asked)."""
 
     log_probs: torch.Tensor
     entropy: torch.Tensor | None
+    sum_pi_squared: torch.Tensor | None = None
 
 
 def _describe(t: torch.Tensor) -> str:
@@ -176,6 +178,7 @@ def linear_log_probs(
     temperature: float = 1.0,
     ignore_index: int = -100,
     return_entropy: bool = True,
+    return_sum_pi_squared: bool = False,
     backend: str = "auto",
     process_group=None,
     vocab_start_index: int | None = None,
@@ -195,6 +198,9 @@ def linear_log_probs(
         temperature: positive finite Python number (int accepted); logits are divided by it.
         ignore_index: label value whose position gets log-prob 0, entropy 0 and zero gradient.
         return_entropy: when False, entropy is not computed and returned as None.
+        return_sum_pi_squared: also return sum_v p_v^2 (the collision probability used by verl's
+            optimal-token-baseline estimators): one more accumulator in the same GEMM tiles,
+            merged by the same split tree; differentiable (d/dz_v = 2 p_v (p_v - sum p^2)).
         backend: "auto" (Triton on CUDA, torch elsewhere; the choice is logged once), "triton"
             (CUDA, or the CPU interpreter when TRITON_INTERPRET=1 was set before import), "torch".
         process_group: a ``torch.distributed`` group over which the vocabulary is sharded
@@ -210,7 +216,9 @@ def linear_log_probs(
             the head's input region all-reduces it (``rl_kernels.parallel``).
 
     Returns:
-        ``LogProbsOutput(log_probs, entropy)``: float32 tensors shaped like ``labels``, in nats.
+        ``LogProbsOutput(log_probs, entropy, sum_pi_squared)``: float32 tensors shaped like
+        ``labels``, in nats (sum_pi_squared: a probability; None unless asked). Rows whose label
+        is ``ignore_index`` get 0 for all three.
         Logits are accumulated and kept in float32 on every backend. A row whose hidden state
         holds NaN/inf gets a non-finite log-prob and entropy; other rows are unaffected (in the
         backward, such a row's gradient reaches every dW row, as in any matmul). A row whose
@@ -239,8 +247,9 @@ def linear_log_probs(
     inv_temperature = 1.0 / check_temperature(temperature)
     has_ignored = check_head_inputs(hidden_states, weight, labels, ignore_index,
                                     check_values=process_group is None)
-    if not isinstance(return_entropy, bool):
-        raise TypeError(f"return_entropy: expected a bool, got {type(return_entropy).__name__}")
+    for name, flag in (("return_entropy", return_entropy), ("return_sum_pi_squared", return_sum_pi_squared)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
     if not isinstance(reduce_hidden_grad, bool):
         raise TypeError(f"reduce_hidden_grad: expected a bool, got {type(reduce_hidden_grad).__name__}")
     if process_group is None and (vocab_start_index is not None or reduce_hidden_grad):
@@ -252,7 +261,8 @@ def linear_log_probs(
     def params(has_ignored):
         return HeadParams(backend=resolved, inv_temperature=inv_temperature,
                           ignore_index=int(ignore_index), return_entropy=return_entropy,
-                          may_have_ignored=has_ignored is not False)
+                          may_have_ignored=has_ignored is not False,
+                          return_sum_pi_squared=return_sum_pi_squared)
 
     if process_group is not None:
         from .parallel import ParallelParams, VocabParallelLinearFunction, shard_layout
@@ -265,7 +275,8 @@ def linear_log_probs(
         out = VocabParallelLinearFunction.apply(h2, weight, labels1, params(has_ignored), tp)
     else:
         out = LinearLogProbsFunction.apply(h2, weight, labels1, params(has_ignored))
-    if return_entropy:
-        log_probs, entropy = out
-        return LogProbsOutput(log_probs.view(lead_shape), entropy.view(lead_shape))
-    return LogProbsOutput(out.view(lead_shape), None)
+    outs = list(out) if isinstance(out, tuple) else [out]
+    log_probs = outs.pop(0).view(lead_shape)
+    entropy = outs.pop(0).view(lead_shape) if return_entropy else None
+    sum_sq = outs.pop(0).view(lead_shape) if return_sum_pi_squared else None
+    return LogProbsOutput(log_probs, entropy, sum_sq)

@@ -52,6 +52,7 @@ class HeadParams:
     # False when the caller knows no label equals ignore_index (read in the label check's host
     # sync): the backward then skips the non-finite ignored-row check and its host sync
     may_have_ignored: bool = True
+    return_sum_pi_squared: bool = False  # sum_j p_j^2 as a differentiable output
 
 
 def first_order_only(backward):
@@ -101,20 +102,23 @@ def hidden_for_weight_grad(hidden_states: torch.Tensor, ignored: torch.Tensor,
 
 
 def head_forward(hidden_states, weight, labels, params: HeadParams):
-    """(log_probs, entropy or None, lse), (N,) float32 each, no autograd."""
+    """(log_probs, entropy or None, lse, sum_sq or None), (N,) float32 each, no autograd."""
+    sq = params.return_sum_pi_squared
     if params.backend == "triton":
         from . import ops
 
         n = hidden_states.shape[0]
         if n == 0:
             empty = hidden_states.new_empty(0, dtype=torch.float32)
-            return empty, (empty.clone() if params.return_entropy else None), empty.clone()
+            return (empty, (empty.clone() if params.return_entropy else None), empty.clone(),
+                    empty.clone() if sq else None)
         cfg = ops.default_config(hidden_states.device)
-        parts = ops.linear_split_stats(hidden_states, weight, labels, params.inv_temperature,
-                                       params.return_entropy, cfg)
-        return ops.split_combine(*parts, labels, params.ignore_index, params.return_entropy)
+        m, s, b, z_y, q = ops.linear_split_stats(hidden_states, weight, labels, params.inv_temperature,
+                                                 params.return_entropy, cfg, compute_sum_sq=sq)
+        return ops.split_combine(m, s, b, z_y, labels, params.ignore_index, params.return_entropy,
+                                 part_q=q)
     return torch_forward(hidden_states, weight, labels, params.inv_temperature,
-                         params.ignore_index, params.return_entropy)
+                         params.ignore_index, params.return_entropy, compute_sum_sq=sq)
 
 
 @contextlib.contextmanager
@@ -171,11 +175,13 @@ def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 def head_backward(hidden_states, weight, labels, lse, entropy, grad_log_probs, grad_entropy,
                   params: HeadParams, need_dh: bool, need_dw: bool, grad_lse=None, gathered=None,
-                  dh_float32: bool = False):
+                  dh_float32: bool = False, sum_sq=None, grad_sum_sq=None):
     """(dh or None, dW or None) in the input dtypes; see the module docstring. ``gathered``:
     optional (ids (N, K), grad (N, K)): upstream gradients of the logits z[i, ids[i, k]], added to
     each recomputed dlogits window as sparse entries (no dense (N, K, H) work). ``dh_float32``:
-    return dh unrounded in float32 (a vocab shard's partial sum, rounded after the all-reduce)."""
+    return dh unrounded in float32 (a vocab shard's partial sum, rounded after the all-reduce).
+    ``sum_sq``, ``grad_sum_sq``: the forward's sum_j p_j^2 and its upstream gradient, (N,) float32
+    contiguous, or None."""
     if params.backend == "triton":
         from . import ops
 
@@ -186,14 +192,14 @@ def head_backward(hidden_states, weight, labels, lse, entropy, grad_log_probs, g
             tile = cfg.bwd_rows if cols.stop - cols.start == weight.shape[0] else cfg.bwd_cols
             return ops.linear_dlogits(hidden_states, weight, labels, lse, entropy, grad_log_probs,
                                       grad_entropy, rows, cols, params.inv_temperature,
-                                      params.ignore_index, out, cfg, tile, grad_lse)
+                                      params.ignore_index, out, cfg, tile, grad_lse, sum_sq, grad_sum_sq)
     else:
         dz_dtype = torch.float32
 
         def dlogits(rows, cols, out):
             return torch_dlogits(hidden_states, weight, labels, lse, entropy, grad_log_probs,
                                  grad_entropy, rows, cols, params.inv_temperature,
-                                 params.ignore_index, out, grad_lse)
+                                 params.ignore_index, out, grad_lse, sum_sq, grad_sum_sq)
 
     if gathered is not None:
         dlogits = _with_gathered(dlogits, *gathered, labels != params.ignore_index,
@@ -339,18 +345,19 @@ def _one_recompute(dlogits, hidden_states, weight, dz_dtype, cols, dh_float32=Fa
 
 class LinearLogProbsFunction(torch.autograd.Function):
     """Inputs: hidden_states (N, H), weight (V, H), labels (N,), HeadParams.
-    Outputs: log_probs (N,) float32, plus entropy (N,) float32 when params.return_entropy, plus
-    lse (N,) float32 when params.return_lse."""
+    Outputs, in this order: log_probs (N,) float32, entropy (N,) when params.return_entropy, lse
+    (N,) when params.return_lse, sum_j p_j^2 (N,) when params.return_sum_pi_squared, and the (N, K)
+    logits at ``gather_ids`` when given."""
 
     @staticmethod
     def forward(ctx, hidden_states, weight, labels, params: HeadParams, gather_ids=None):
-        log_probs, entropy, lse = head_forward(hidden_states, weight, labels, params)
-        ctx.save_for_backward(hidden_states, weight, labels, lse,
-                              entropy if entropy is not None else lse, gather_ids)
+        log_probs, entropy, lse, sum_sq = head_forward(hidden_states, weight, labels, params)
+        ctx.save_for_backward(hidden_states, weight, labels, lse, entropy, sum_sq, gather_ids)
         ctx.params, ctx.fn_name = params, params.name
         ctx.set_materialize_grads(False)
         outs = (log_probs,) + ((entropy,) if params.return_entropy else ()) + \
-            ((lse.clone(),) if params.return_lse else ())
+            ((lse.clone(),) if params.return_lse else ()) + \
+            ((sum_sq,) if params.return_sum_pi_squared else ())
         if gather_ids is not None:  # (N, K) logits z[i, ids[i, k]] (internal: distillation)
             outs += (gathered_logits(hidden_states, weight, gather_ids, params),)
         return outs if len(outs) > 1 else log_probs
@@ -358,22 +365,25 @@ class LinearLogProbsFunction(torch.autograd.Function):
     @staticmethod
     @first_order_only
     def backward(ctx, grad_log_probs, *more):
-        hidden_states, weight, labels, lse, entropy, gather_ids = ctx.saved_tensors
+        hidden_states, weight, labels, lse, entropy, sum_sq, gather_ids = ctx.saved_tensors
         params: HeadParams = ctx.params
-        grad_gathered = more[-1] if gather_ids is not None else None
-        more = more[:-1] if gather_ids is not None else more
-        grad_entropy = more[0] if params.return_entropy else None
-        grad_lse = more[-1] if params.return_lse else None
+        more = list(more)
+        grad_entropy = more.pop(0) if params.return_entropy else None
+        grad_lse = more.pop(0) if params.return_lse else None
+        grad_sum_sq = more.pop(0) if params.return_sum_pi_squared else None
+        grad_gathered = more.pop(0) if gather_ids is not None else None
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if all(g is None for g in (grad_log_probs, grad_entropy, grad_lse, grad_gathered)) \
+        if all(g is None for g in (grad_log_probs, grad_entropy, grad_lse, grad_sum_sq, grad_gathered)) \
                 or not (need_dh or need_dw):
             return None, None, None, None, None
         if grad_lse is not None:
             grad_lse = grad_lse.float().contiguous()
-        dh, dw = head_backward(hidden_states, weight, labels, lse,
-                               entropy if params.return_entropy else None,
+        if grad_sum_sq is not None:
+            grad_sum_sq = grad_sum_sq.float().contiguous()
+        dh, dw = head_backward(hidden_states, weight, labels, lse, entropy,
                                grad_log_probs, grad_entropy, params, need_dh, need_dw, grad_lse,
-                               None if grad_gathered is None else (gather_ids, grad_gathered))
+                               None if grad_gathered is None else (gather_ids, grad_gathered),
+                               sum_sq=sum_sq, grad_sum_sq=grad_sum_sq)
         return dh, dw, None, None, None
 
 

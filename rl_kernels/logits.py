@@ -44,6 +44,7 @@ class LogitsStats(NamedTuple):
     log_probs: torch.Tensor | None
     entropy: torch.Tensor | None
     lse: torch.Tensor
+    sum_pi_squared: torch.Tensor | None = None
 
 
 def _check_logits(logits) -> None:
@@ -57,7 +58,7 @@ def _check_logits(logits) -> None:
 
 # ----------------------------------------------------------------------------- torch backend
 
-def _torch_forward(logits, labels, inv_t, ignore_index, want_entropy, want_smoothing):
+def _torch_forward(logits, labels, inv_t, ignore_index, want_entropy, want_smoothing, want_sum_sq=False):
     """Same outputs as ``ops.logits_forward``, in float32 row chunks."""
     n, v = logits.shape
     f32 = dict(dtype=torch.float32, device=logits.device)
@@ -71,6 +72,8 @@ def _torch_forward(logits, labels, inv_t, ignore_index, want_entropy, want_smoot
         out["entropy"] = torch.empty(n, **f32)
     if want_smoothing:
         out["mean_log_p"] = torch.empty(n, **f32)
+    if want_sum_sq:
+        out["sum_pi_squared"] = torch.empty(n, **f32)
     step = max(1, CHUNK_ELEMENTS // v)
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
@@ -86,15 +89,20 @@ def _torch_forward(logits, labels, inv_t, ignore_index, want_entropy, want_smoot
         log_p = z.sub_(ls[:, None])
         if labels is not None:
             out["log_probs"][r0:r1] = log_p.gather(1, safe[r0:r1, None]).squeeze(1)
-        if want_entropy:
+        if want_entropy or want_sum_sq:
             p = log_p.exp()
+        if want_entropy:
             out["entropy"][r0:r1] = -(p * torch.where(p > 0, log_p, 0.0)).sum(dim=-1)
+        if want_sum_sq:
+            out["sum_pi_squared"][r0:r1] = (p * p).sum(dim=-1)
     out["lse"] = out["row_max"] + out["log_sum"]
     if labels is not None:
         zero = torch.zeros((), device=logits.device)
         out["log_probs"] = torch.where(valid, out["log_probs"], zero)
         if want_entropy:
             out["entropy"] = torch.where(valid, out["entropy"], zero)
+        if want_sum_sq:
+            out["sum_pi_squared"] = torch.where(valid, out["sum_pi_squared"], zero)
     return out
 
 
@@ -104,10 +112,11 @@ def _torch_backward(logits, grad, labels, stats, grads, inv_t, ignore_index):
     dev = logits.device
     zero = torch.zeros((), device=dev)
     valid = (labels != ignore_index) if labels is not None else None
-    g_lp, g_ent = grads.get("log_probs"), grads.get("entropy")
+    g_lp, g_ent, g_sq = grads.get("log_probs"), grads.get("entropy"), grads.get("sum_pi_squared")
     if valid is not None:
         g_lp = torch.where(valid, g_lp, zero) if g_lp is not None else None
         g_ent = torch.where(valid, g_ent, zero) if g_ent is not None else None
+        g_sq = torch.where(valid, g_sq, zero) if g_sq is not None else None
     coef = torch.zeros(n, dtype=torch.float32, device=dev)
     for key, sign in (("lse", 1.0), ("smooth", -1.0)):
         if key in grads:
@@ -124,6 +133,8 @@ def _torch_backward(logits, grad, labels, stats, grads, inv_t, ignore_index):
         dz = p * coef[r0:r1, None]
         if g_ent is not None:
             dz -= g_ent[r0:r1, None] * p * torch.where(p > 0, log_p + stats["entropy"][r0:r1, None], 0.0)
+        if g_sq is not None:
+            dz += (2.0 * g_sq[r0:r1, None]) * p * (p - stats["sum_pi_squared"][r0:r1, None])
         if g_lp is not None:
             dz.scatter_add_(1, safe[r0:r1, None], g_lp[r0:r1, None])
         if "smooth" in grads:
@@ -134,24 +145,27 @@ def _torch_backward(logits, grad, labels, stats, grads, inv_t, ignore_index):
 
 # ----------------------------------------------------------------------------- autograd
 
-_OUTPUTS = ("log_probs", "entropy", "lse", "mean_log_p")
+_OUTPUTS = ("log_probs", "entropy", "lse", "mean_log_p", "sum_pi_squared")
 
 
 class _LogitsStatsFunction(torch.autograd.Function):
-    """2-D logits (N, V) -> (log_probs, entropy, lse, mean_log_p), float32 (N,) or None."""
+    """2-D logits (N, V) -> (log_probs, entropy, lse, mean_log_p, sum_pi_squared), float32 (N,)
+    or None."""
 
     @staticmethod
     def forward(ctx, logits, labels, inv_t, ignore_index, want_entropy, want_smoothing,
-                inplace_backward, backend, fn_name):
+                inplace_backward, backend, fn_name, want_sum_sq=False):
         if backend == "triton":
             from . import ops
 
             stats = ops.logits_forward(logits, labels, inv_t, ignore_index, want_entropy,
-                                       want_smoothing, ops.logits_config(logits.device))
+                                       want_smoothing, ops.logits_config(logits.device),
+                                       want_sum_sq=want_sum_sq)
         else:
-            stats = _torch_forward(logits, labels, inv_t, ignore_index, want_entropy, want_smoothing)
+            stats = _torch_forward(logits, labels, inv_t, ignore_index, want_entropy, want_smoothing,
+                                   want_sum_sq)
         ctx.save_for_backward(logits, labels, stats["row_max"], stats["log_sum"],
-                              stats.get("entropy"))
+                              stats.get("entropy"), stats.get("sum_pi_squared"))
         ctx.inv_t, ctx.ignore_index = inv_t, ignore_index
         ctx.inplace_backward, ctx.backend, ctx.fn_name = inplace_backward, backend, fn_name
         ctx.set_materialize_grads(False)
@@ -160,12 +174,12 @@ class _LogitsStatsFunction(torch.autograd.Function):
     @staticmethod
     @first_order_only
     def backward(ctx, *out_grads):
-        logits, labels, row_max, log_sum, entropy = ctx.saved_tensors
+        logits, labels, row_max, log_sum, entropy, sum_sq = ctx.saved_tensors
         grads = {("smooth" if k == "mean_log_p" else k): g.float().contiguous()
                  for k, g in zip(_OUTPUTS, out_grads) if g is not None}
         if not ctx.needs_input_grad[0] or not grads:
-            return (None,) * 9
-        stats = {"row_max": row_max, "log_sum": log_sum, "entropy": entropy}
+            return (None,) * 10
+        stats = {"row_max": row_max, "log_sum": log_sum, "entropy": entropy, "sum_pi_squared": sum_sq}
         # documented: with inplace_backward the logits' storage receives their gradient
         grad = logits if ctx.inplace_backward else torch.empty_like(
             logits, memory_format=torch.contiguous_format)
@@ -181,13 +195,14 @@ class _LogitsStatsFunction(torch.autograd.Function):
             # other saved use of them (a second consumer, retain_graph and a second backward)
             # raises torch's "modified by an inplace operation" error instead of reading gradients
             torch.autograd.graph.increment_version(logits)
-        return grad, None, None, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None, None, None
 
 
 def _run(logits, labels, temperature, ignore_index, want_entropy, want_smoothing,
-         inplace_backward, backend, process_group=None, vocab_start_index=None, *, fn_name):
-    """Validate, flatten to 2-D, run; returns the four outputs shaped like logits.shape[:-1].
-    ``fn_name``: the public function (error messages)."""
+         inplace_backward, backend, process_group=None, vocab_start_index=None, *, fn_name,
+         want_sum_sq=False):
+    """Validate, flatten to 2-D, run; returns the five outputs (``_OUTPUTS``) shaped like
+    logits.shape[:-1]. ``fn_name``: the public function (error messages)."""
     _check_logits(logits)
     inv_t = 1.0 / check_temperature(temperature)
     if labels is not None:  # label values are checked after the launch (the kernels clamp reads)
@@ -199,14 +214,15 @@ def _run(logits, labels, temperature, ignore_index, want_entropy, want_smoothing
     logits2d = logits.reshape(-1, logits.shape[-1])
     if process_group is not None:
         return _run_parallel(logits, logits2d, labels, inv_t, ignore_index, want_entropy,
-                             inplace_backward, backend, process_group, vocab_start_index, fn_name)
+                             inplace_backward, backend, process_group, vocab_start_index, fn_name,
+                             want_sum_sq)
     if vocab_start_index is not None:
         raise ValueError("vocab_start_index: only meaningful with process_group")
     if inplace_backward:
         _check_inplace_target(logits, logits2d)
     labels1d = labels.reshape(-1) if labels is not None else None
     outs = _LogitsStatsFunction.apply(logits2d, labels1d, inv_t, int(ignore_index), want_entropy,
-                                      want_smoothing, inplace_backward, backend, fn_name)
+                                      want_smoothing, inplace_backward, backend, fn_name, want_sum_sq)
     if labels is not None:
         # after the launch, so that the host sync of this check overlaps the kernels' run
         check_label_values(labels, logits.shape[-1], ignore_index)
@@ -229,8 +245,9 @@ def _check_inplace_target(logits, logits2d) -> None:
 
 
 def _run_parallel(logits, logits2d, labels, inv_t, ignore_index, want_entropy, inplace_backward,
-                  backend, process_group, vocab_start_index, fn_name):
-    """Vocab-sharded logits (``rl_kernels.parallel``): (log_probs, entropy, lse, None)."""
+                  backend, process_group, vocab_start_index, fn_name, want_sum_sq=False):
+    """Vocab-sharded logits (``rl_kernels.parallel``): (log_probs, entropy, lse, None,
+    sum_pi_squared)."""
     from .parallel import ParallelParams, VocabParallelLogitsFunction, shard_layout
 
     if inplace_backward:
@@ -245,23 +262,24 @@ def _run_parallel(logits, logits2d, labels, inv_t, ignore_index, want_entropy, i
 
         cfg = ops.logits_config(logits.device)
 
-        def run_forward(x, ent):
-            return ops.logits_forward(x, None, inv_t, ignore_index, ent, False, cfg)
+        def run_forward(x, ent, sq):
+            return ops.logits_forward(x, None, inv_t, ignore_index, ent, False, cfg, want_sum_sq=sq)
 
         def run_backward(x, grad, stats, grads):
             return ops.logits_backward(x, grad, None, stats, grads, inv_t, ignore_index, cfg)
     else:
-        def run_forward(x, ent):
-            return _torch_forward(x, None, inv_t, ignore_index, ent, False)
+        def run_forward(x, ent, sq):
+            return _torch_forward(x, None, inv_t, ignore_index, ent, False, sq)
 
         def run_backward(x, grad, stats, grads):
             return _torch_backward(x, grad, None, stats, grads, inv_t, ignore_index)
     tp = ParallelParams(process_group, start, total, False)
     outs = VocabParallelLogitsFunction.apply(
         logits2d, labels.reshape(-1) if labels is not None else None, inv_t, int(ignore_index),
-        want_entropy, tp, run_forward, run_backward, fn_name)
+        want_entropy, tp, run_forward, run_backward, fn_name, want_sum_sq)
     shape = logits.shape[:-1]
-    return tuple(o.view(shape) if o is not None else None for o in outs) + (None,)
+    log_probs, entropy, lse, sum_sq = (o.view(shape) if o is not None else None for o in outs)
+    return log_probs, entropy, lse, None, sum_sq
 
 
 # ----------------------------------------------------------------------------- public functions
@@ -301,6 +319,7 @@ def logits_stats(
     temperature: float = 1.0,
     ignore_index: int = -100,
     return_entropy: bool = True,
+    return_sum_pi_squared: bool = False,
     inplace_backward: bool = False,
     backend: str = "auto",
     process_group=None,
@@ -315,6 +334,9 @@ def logits_stats(
         ignore_index: label value whose row gets log-prob 0 and entropy 0 (and no gradient
             through them; lse is still computed).
         return_entropy: when False the entropy is not computed (returned as None).
+        return_sum_pi_squared: also return sum_j p_j^2 (the collision probability; verl's
+            optimal-token-baseline estimators use it), from one more accumulator of the same
+            read, differentiable (d/dz_j = 2 p_j (p_j - sum_k p_k^2)).
         inplace_backward: when True, backward writes d loss / d logits into the logits' own
             storage instead of allocating an N x V tensor (saves one logits-sized buffer). The
             write is reported to autograd (the logits' version counter), so a later backward that
@@ -324,18 +346,21 @@ def logits_stats(
             written. Off by default because other consumers of the logits usually need them.{backend}{tp}
 
     Returns:
-        ``LogitsStats(log_probs, entropy, lse)``: float32, nats, shape ``logits.shape[:-1]``, all
+        ``LogitsStats(log_probs, entropy, lse, sum_pi_squared)``: float32, shape
+        ``logits.shape[:-1]`` (nats, except sum_pi_squared: a probability, None unless asked), all
         differentiable w.r.t. ``logits``; the gradient is written in the logits dtype.
 {raises}
     Formula: log p_y = z_y - lse, H = -sum p log p, lse = log sum exp z with z = logits / T
     (module docstring).
     """
-    if not isinstance(return_entropy, bool):
-        raise TypeError(f"return_entropy: expected a bool, got {type(return_entropy).__name__}")
-    log_probs, entropy, lse, _ = _run(logits, labels, temperature, ignore_index, return_entropy,
-                                      False, inplace_backward, backend, process_group,
-                                      vocab_start_index, fn_name="logits_stats")
-    return LogitsStats(log_probs, entropy, lse)
+    for name, flag in (("return_entropy", return_entropy), ("return_sum_pi_squared", return_sum_pi_squared)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
+    log_probs, entropy, lse, _, sum_sq = _run(logits, labels, temperature, ignore_index, return_entropy,
+                                              False, inplace_backward, backend, process_group,
+                                              vocab_start_index, fn_name="logits_stats",
+                                              want_sum_sq=return_sum_pi_squared)
+    return LogitsStats(log_probs, entropy, lse, sum_sq)
 
 
 def log_probs_from_logits(
@@ -399,6 +424,25 @@ def logsumexp(logits: torch.Tensor, *, temperature: float = 1.0, backend: str = 
                 vocab_start_index, fn_name="logsumexp")[2]
 
 
+def sum_pi_squared_from_logits(logits: torch.Tensor, *, temperature: float = 1.0, backend: str = "auto",
+                               process_group=None, vocab_start_index: int | None = None) -> torch.Tensor:
+    """Sum of squared probabilities ``sum_j softmax(logits / temperature)_j^2`` over the last dim
+    (the collision probability; verl's optimal-token-baseline advantage estimators use it).
+
+    Args:{args}{backend}{tp}
+
+    Returns:
+        float32 in (0, 1], shape ``logits.shape[:-1]``; differentiable w.r.t. ``logits``.
+{raises}
+    Formula: with m = max z, s = sum exp(z - m) and q = sum exp(2 (z - m)), sum_j p_j^2 = q / s^2
+    (one read, same split tree as the lse); d/dz_j = 2 p_j (p_j - sum_k p_k^2) (from the softmax
+    derivative d p_k / dz_j = p_k ([k == j] - p_j)). Vocab shards merge as sum_r w_r^2 S_r with
+    w_r the shard's probability mass (``rl_kernels.parallel``).
+    """
+    return _run(logits, None, temperature, -100, False, False, False, backend, process_group,
+                vocab_start_index, fn_name="sum_pi_squared_from_logits", want_sum_sq=True)[4]
+
+
 def cross_entropy(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -443,8 +487,8 @@ def cross_entropy(
     if isinstance(logits, torch.Tensor) and logits.dim() != 2:
         raise ValueError(f"logits: expected 2-D (N, vocab_size), got {_describe(logits)}")
     eps = float(label_smoothing)
-    log_probs, _, _, mean_log_p = _run(logits, labels, 1.0, ignore_index, False, eps > 0,
-                                       inplace_backward, backend, fn_name="cross_entropy")
+    log_probs, _, _, mean_log_p, _ = _run(logits, labels, 1.0, ignore_index, False, eps > 0,
+                                          inplace_backward, backend, fn_name="cross_entropy")
     valid = labels != ignore_index
     loss = -(1.0 - eps) * log_probs
     if eps > 0:
@@ -460,5 +504,6 @@ def _fill_docs(fn):
     fn.__doc__ = fn.__doc__.format(args=_ARGS_DOC, backend=_BACKEND_DOC, raises=_RAISES_DOC, tp=_TP_DOC)
 
 
-for _fn in (logits_stats, log_probs_from_logits, entropy_from_logits, logsumexp, cross_entropy):
+for _fn in (logits_stats, log_probs_from_logits, entropy_from_logits, logsumexp, sum_pi_squared_from_logits,
+            cross_entropy):
     _fill_docs(_fn)

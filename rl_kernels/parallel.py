@@ -104,24 +104,30 @@ def _merge_lse(lse_w: torch.Tensor):
     return lse, lse_w - lse
 
 
-def merge_shards(process_group, lse_r, entropy_r, z_y_r, owned, labels, ignore_index, vocab_size):
-    """all_gather the four (N,) float32 shard statistics over the group and merge them in rank
-    order (module docstring). Returns (log_probs, entropy, lse), (N,) float32, identical bits on
-    every rank; entropy and log_probs are 0 where ``labels`` (if given) is ``ignore_index``; the
-    returned entropy is None when ``entropy_r`` is None. Raises ValueError for a label owned by no
-    rank or by several."""
+def merge_shards(process_group, lse_r, entropy_r, z_y_r, owned, labels, ignore_index, vocab_size,
+                 sum_sq_r=None):
+    """all_gather the four (N,) float32 shard statistics (five with ``sum_sq_r``, the shard's own
+    sum of squared probabilities) over the group and merge them in rank order (module docstring).
+    Returns (log_probs, entropy, lse, sum_sq), (N,) float32, identical bits on every rank; entropy
+    and log_probs are 0 where ``labels`` (if given) is ``ignore_index``; entropy / sum_sq are None
+    when ``entropy_r`` / ``sum_sq_r`` are. sum_j p_j^2 = sum_r w_r^2 S_r (p_j = w_r p_j,r on shard
+    r). Raises ValueError for a label owned by no rank or by several."""
     n = lse_r.shape[0]
     zero = torch.zeros((), device=lse_r.device)
-    part = torch.stack([lse_r.float(), entropy_r.float() if entropy_r is not None else zero.expand(n),
-                        torch.where(owned, z_y_r.float(), zero), owned.float()])
-    lse_w, ent_w, zy_w, own_w = _all_gather(process_group, part).unbind(1)  # (W, N) each
+    rows = [lse_r.float(), entropy_r.float() if entropy_r is not None else zero.expand(n),
+            torch.where(owned, z_y_r.float(), zero), owned.float()]
+    if sum_sq_r is not None:
+        rows.append(sum_sq_r.float())
+    gathered = _all_gather(process_group, torch.stack(rows)).unbind(1)  # (W, N) each
+    lse_w, ent_w, zy_w, own_w = gathered[:4]
     lse, log_w = _merge_lse(lse_w)
     w = log_w.exp()
+    sum_sq = (w * w * gathered[4]).sum(0) if sum_sq_r is not None else None
     # a shard with w = 0 adds 0 (not 0 * inf); a NaN w (a non-finite row) must stay NaN
     entropy = torch.where(w == 0, zero, w * (ent_w - log_w)).sum(0).clamp_min(0.0) \
         if entropy_r is not None else None
     if labels is None:
-        return None, entropy, lse
+        return None, entropy, lse, sum_sq
     valid = labels != ignore_index
     count = own_w.sum(0)
     bad = valid & (count != 1)
@@ -134,7 +140,7 @@ def merge_shards(process_group, lse_r, entropy_r, z_y_r, owned, labels, ignore_i
     log_probs = torch.where(valid, (zy_w.sum(0) - lse).clamp_max(0.0), zero)
     if entropy is not None:
         entropy = torch.where(valid, entropy, zero)
-    return log_probs, entropy, lse
+    return log_probs, entropy, lse, sum_sq
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,42 +160,48 @@ class VocabParallelLinearFunction(torch.autograd.Function):
         v_r = weight.shape[0]
         local, owned = local_labels(labels, tp.start, v_r, params.ignore_index)
         local_params = dataclasses.replace(params, return_entropy=True) if params.return_entropy else params
-        _, ent_r, lse_r = head_forward(hidden_states, weight, local, local_params)
+        _, ent_r, lse_r, sq_r = head_forward(hidden_states, weight, local, local_params)
         z_y = gathered_logits(hidden_states, weight, torch.where(owned, local, 0)[:, None], params)[:, 0]
-        log_probs, entropy, lse = merge_shards(tp.process_group, lse_r, ent_r, z_y, owned, labels,
-                                               params.ignore_index, tp.vocab_size)
+        log_probs, entropy, lse, sum_sq = merge_shards(tp.process_group, lse_r, ent_r, z_y, owned, labels,
+                                                       params.ignore_index, tp.vocab_size, sq_r)
         # the merged entropy of ignored rows is 0 here; the backward masks those rows anyway
-        ctx.save_for_backward(hidden_states, weight, local, lse, entropy if entropy is not None else lse)
+        ctx.save_for_backward(hidden_states, weight, local, lse, entropy, sum_sq)
         ctx.params, ctx.tp, ctx.fn_name = params, tp, params.name
         ctx.set_materialize_grads(False)
-        return (log_probs, entropy) if params.return_entropy else log_probs
+        outs = (log_probs,) + ((entropy,) if params.return_entropy else ()) + \
+            ((sum_sq,) if params.return_sum_pi_squared else ())
+        return outs if len(outs) > 1 else log_probs
 
     @staticmethod
     @first_order_only
-    def backward(ctx, grad_log_probs, grad_entropy=None):
-        hidden_states, weight, local, lse, entropy = ctx.saved_tensors
+    def backward(ctx, grad_log_probs, *more):
+        hidden_states, weight, local, lse, entropy, sum_sq = ctx.saved_tensors
         params, tp = ctx.params, ctx.tp
+        more = list(more)
+        grad_entropy = more.pop(0) if params.return_entropy else None
+        grad_sum_sq = more.pop(0) if params.return_sum_pi_squared else None
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if (grad_log_probs is None and grad_entropy is None) or not (need_dh or need_dw):
+        if all(g is None for g in (grad_log_probs, grad_entropy, grad_sum_sq)) or not (need_dh or need_dw):
             return None, None, None, None, None
-        dh, dw = head_backward(hidden_states, weight, local, lse,
-                               entropy if params.return_entropy else None, grad_log_probs,
+        dh, dw = head_backward(hidden_states, weight, local, lse, entropy, grad_log_probs,
                                grad_entropy, params, need_dh, need_dw,
-                               dh_float32=tp.reduce_hidden_grad)
+                               dh_float32=tp.reduce_hidden_grad, sum_sq=sum_sq,
+                               grad_sum_sq=None if grad_sum_sq is None else grad_sum_sq.float().contiguous())
         # summed in float32, rounded once: as accurate as the unsharded head
         return finish_hidden_grad(dh, tp, hidden_states.dtype), dw, None, None, None
 
 
 class VocabParallelLogitsFunction(torch.autograd.Function):
     """Logits shard (N, V_r), global labels (N,) or None -> (log_probs or None, entropy or None,
-    lse), float32 (N,), identical on every rank. ``run_forward(logits, want_entropy)`` and
-    ``run_backward(logits, grad, stats, grads)`` are the single-device launchers (labels None)."""
+    lse, sum_pi_squared or None), float32 (N,), identical on every rank.
+    ``run_forward(logits, want_entropy, want_sum_sq)`` and ``run_backward(logits, grad, stats,
+    grads)`` are the single-device launchers (labels None)."""
 
     @staticmethod
     def forward(ctx, logits, labels, inv_t, ignore_index, want_entropy, tp: ParallelParams,
-                run_forward, run_backward, fn_name):
+                run_forward, run_backward, fn_name, want_sum_sq=False):
         v_r = logits.shape[1]
-        stats = run_forward(logits, want_entropy)
+        stats = run_forward(logits, want_entropy, want_sum_sq)
         owned = None
         z_y = None
         if labels is not None:
@@ -198,20 +210,21 @@ class VocabParallelLogitsFunction(torch.autograd.Function):
         else:
             owned = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
             z_y = torch.zeros(logits.shape[0], device=logits.device)
-        log_probs, entropy, lse = merge_shards(tp.process_group, stats["lse"], stats.get("entropy"),
-                                               z_y, owned, labels, ignore_index, tp.vocab_size)
-        ctx.save_for_backward(logits, labels, owned, lse, entropy)
+        log_probs, entropy, lse, sum_sq = merge_shards(
+            tp.process_group, stats["lse"], stats.get("entropy"), z_y, owned, labels, ignore_index,
+            tp.vocab_size, stats.get("sum_pi_squared"))
+        ctx.save_for_backward(logits, labels, owned, lse, entropy, sum_sq)
         ctx.inv_t, ctx.ignore_index, ctx.tp, ctx.run_backward = inv_t, ignore_index, tp, run_backward
         ctx.fn_name = fn_name
         ctx.set_materialize_grads(False)
-        return log_probs, entropy, lse
+        return log_probs, entropy, lse, sum_sq
 
     @staticmethod
     @first_order_only
-    def backward(ctx, g_lp, g_ent, g_lse):
-        logits, labels, owned, lse, entropy = ctx.saved_tensors
-        none = (None,) * 9
-        if not ctx.needs_input_grad[0] or (g_lp is None and g_ent is None and g_lse is None):
+    def backward(ctx, g_lp, g_ent, g_lse, g_sq):
+        logits, labels, owned, lse, entropy, sum_sq = ctx.saved_tensors
+        none = (None,) * 10
+        if not ctx.needs_input_grad[0] or all(g is None for g in (g_lp, g_ent, g_lse, g_sq)):
             return none
         zero = torch.zeros((), device=logits.device)
         valid = (labels != ctx.ignore_index) if labels is not None else None
@@ -228,6 +241,9 @@ class VocabParallelLogitsFunction(torch.autograd.Function):
         stats = {"row_max": lse, "log_sum": torch.zeros_like(lse)}
         if entropy is not None:
             stats["entropy"] = entropy
+        if g_sq is not None:  # global p = exp(z - lse) and global S on every shard
+            stats["sum_pi_squared"] = sum_sq
+            grads["sum_pi_squared"] = g_sq.float().contiguous()
         grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
         ctx.run_backward(logits, grad, stats, grads)
         if g_lp is not None:
@@ -249,7 +265,7 @@ class VocabParallelLseGatherFunction(torch.autograd.Function):
     def forward(ctx, hidden_states, weight, valid, ids, params: HeadParams, tp: ParallelParams):
         v_r = weight.shape[0]
         labels = torch.where(valid, v_r, params.ignore_index)  # no label column on any shard
-        _, _, lse_r = head_forward(hidden_states, weight, labels, params)
+        _, _, lse_r, _ = head_forward(hidden_states, weight, labels, params)
         owned = (ids >= tp.start) & (ids < tp.start + v_r)
         local_ids = torch.where(owned, ids - tp.start, -1)
         z_r = gathered_logits(hidden_states, weight, local_ids.clamp_min(0), params)

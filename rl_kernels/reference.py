@@ -23,7 +23,7 @@ def reference_linear_log_probs(
     inv_t = 1.0 / check_temperature(temperature)
     h = hidden_states.reshape(-1, hidden_states.shape[-1])
     with torch.no_grad():
-        lp, ent, _ = torch_forward(h, weight, labels.reshape(-1), inv_t, ignore_index, True,
+        lp, ent, _, _ = torch_forward(h, weight, labels.reshape(-1), inv_t, ignore_index, True,
                                    compute_dtype=torch.float64, chunk_elements=chunk_elements)
     return LogProbsOutput(lp.view(labels.shape), ent.view(labels.shape))
 

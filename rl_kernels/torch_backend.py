@@ -24,8 +24,10 @@ def torch_forward(
     compute_entropy: bool,
     compute_dtype: torch.dtype = torch.float32,
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """(log_probs, entropy, lse), each (N,) in ``compute_dtype``; entropy None if not asked.
+    compute_sum_sq: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """(log_probs, entropy, lse, sum_sq), each (N,) in ``compute_dtype``; entropy / sum_sq
+    (sum_j p_j^2) None if not asked.
 
     hidden_states (N, H), weight (V, H), labels (N,) int. Positions equal to ``ignore_index`` get
     log-prob 0 and entropy 0. Entropy is -sum p log p (no lse - E[z] cancellation).
@@ -39,6 +41,7 @@ def torch_forward(
     log_probs = torch.empty(n, dtype=compute_dtype, device=hidden_states.device)
     lse = torch.empty_like(log_probs)
     entropy = torch.empty_like(log_probs) if compute_entropy else None
+    sum_sq = torch.empty_like(log_probs) if compute_sum_sq else None
     rows = max(1, chunk_elements // max(v, 1))
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
@@ -46,14 +49,20 @@ def torch_forward(
         lse_c = torch.logsumexp(z, dim=-1)
         lse[r0:r1] = lse_c
         log_probs[r0:r1] = z.gather(1, safe_labels[r0:r1, None]).squeeze(1) - lse_c
-        if compute_entropy:
+        if compute_entropy or compute_sum_sq:
             log_p = z.sub_(lse_c[:, None])
-            entropy[r0:r1] = -(log_p.exp() * log_p).sum(dim=-1)
+            p = log_p.exp()
+        if compute_entropy:
+            entropy[r0:r1] = -(p * log_p).sum(dim=-1)
+        if compute_sum_sq:
+            sum_sq[r0:r1] = (p * p).sum(dim=-1)
     zero = torch.zeros((), dtype=compute_dtype, device=log_probs.device)
     log_probs = torch.where(valid, log_probs, zero)
     if compute_entropy:
         entropy = torch.where(valid, entropy, zero)
-    return log_probs, entropy, lse
+    if compute_sum_sq:
+        sum_sq = torch.where(valid, sum_sq, zero)
+    return log_probs, entropy, lse, sum_sq
 
 
 def torch_dlogits(
@@ -70,6 +79,8 @@ def torch_dlogits(
     ignore_index: int,
     out: torch.Tensor,
     grad_lse: torch.Tensor | None = None,
+    sum_sq: torch.Tensor | None = None,
+    grad_sum_sq: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch twin of ``rl_kernels.ops.linear_dlogits``: d(loss)/d(h.w) for logits[rows, cols]
     computed in ``out.dtype`` and written into ``out``."""
@@ -86,6 +97,8 @@ def torch_dlogits(
         dz -= grad_entropy[rows].to(dt)[:, None] * p * (log_p + entropy[rows].to(dt)[:, None])
     if grad_lse is not None:
         dz += grad_lse[rows].to(dt)[:, None] * p
+    if grad_sum_sq is not None:
+        dz += (2 * grad_sum_sq[rows].to(dt))[:, None] * p * (p - sum_sq[rows].to(dt)[:, None])
     valid = (lab != ignore_index)[:, None]
     out.copy_(torch.where(valid, dz * inv_temperature, torch.zeros((), dtype=dt, device=z.device)))
     return out

@@ -36,7 +36,7 @@ def reference_grads(hidden, weight, labels, g_lp, g_ent, temperature=1.0, ignore
     float64 buffer beyond ``chunk`` rows). hidden (N, H), weight (V, H), labels (N,)."""
     h64, w64 = hidden.double(), weight.double()
     inv_t = 1.0 / temperature
-    _, ent, lse = torch_forward(h64, w64, labels, inv_t, ignore_index, True, torch.float64)
+    _, ent, lse, _ = torch_forward(h64, w64, labels, inv_t, ignore_index, True, torch.float64)
     n, v = hidden.shape[0], weight.shape[0]
     dh = torch.empty_like(h64)
     dw = torch.zeros_like(w64)

@@ -104,11 +104,11 @@ def test_two_level_and_one_level_are_bitwise_equal_and_batch_invariant(monkeypat
     results = []
     for two_level in (False, True):
         _force(monkeypatch, two_level)
-        results.append(logits_stats(x, labels, backend="triton"))
+        results.append(logits_stats(x, labels, return_sum_pi_squared=True, backend="triton"))
     for a, b in zip(*results):
         assert torch.equal(a, b)
     _force(monkeypatch, False)
-    alone = logits_stats(x[4:5], labels[4:5], backend="triton")
+    alone = logits_stats(x[4:5], labels[4:5], return_sum_pi_squared=True, backend="triton")
     for a, b in zip(alone, results[0]):
         assert torch.equal(a[0], b[4])
 
@@ -155,9 +155,11 @@ def test_extreme_logits_stay_finite(monkeypatch, backend, two_level):
     x[2, :200] = float("-inf")  # masked-out vocabulary entries
     labels = torch.tensor([5, 7, 250])
     x = x.requires_grad_()
-    out = logits_stats(x, labels, backend=backend)
+    out = logits_stats(x, labels, return_sum_pi_squared=True, backend=backend)
     assert all(torch.isfinite(t).all() for t in out)
     assert out.log_probs[0].item() == pytest.approx(0.0, abs=1e-6)
+    assert out.sum_pi_squared[0].item() == pytest.approx(1.0, abs=1e-6)  # one-hot
+    assert out.sum_pi_squared[1].item() == pytest.approx(1.0 / V, rel=1e-5)  # uniform
     assert out.log_probs[1].item() == pytest.approx(-5.7071, abs=1e-3)
     assert out.entropy[1].item() == pytest.approx(torch.log(torch.tensor(float(V))).item(), abs=1e-4)
     assert out.entropy[2].item() == pytest.approx(torch.log(torch.tensor(101.0)).item(), abs=1e-4)

@@ -139,6 +139,31 @@ def run(rank, world, init_file, backend):
         torch.testing.assert_close(wx.grad.double(), w64.grad[lo:hi], **tol)
         _check_dh(hx.grad, h64.grad, reduce_dh, tol)
 
+    # sum of squared probabilities over the sharded vocabulary: fused head and logits shard
+    g_sq = torch.randn(N, generator=torch.Generator().manual_seed(9))
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    p = torch.softmax(h64 @ w64.T / 0.9, -1)
+    ref_sq = torch.where(labels != -100, (p * p).sum(-1), 0.0)
+    (ref_sq * g_sq.double()).sum().backward()
+    hx, wx = hidden.clone().requires_grad_(), weight[lo:hi].clone().requires_grad_()
+    out = linear_log_probs(hx, wx, labels, temperature=0.9, return_sum_pi_squared=True, backend=backend,
+                           process_group=group, reduce_hidden_grad=True)
+    (out.sum_pi_squared * g_sq).sum().backward()
+    torch.testing.assert_close(out.sum_pi_squared.double(), ref_sq.detach(), **tol)
+    assert _same_on_all_ranks(out.sum_pi_squared)
+    torch.testing.assert_close(wx.grad.double(), w64.grad[lo:hi], **tol)
+    torch.testing.assert_close(hx.grad.double(), h64.grad, **tol)
+    from rl_kernels import sum_pi_squared_from_logits
+
+    z = (hidden.double() @ weight.double().T).requires_grad_()
+    p = torch.softmax(z / 0.9, -1)
+    ((p * p).sum(-1) * g_sq.double()).sum().backward()
+    shard = (hidden @ weight[lo:hi].T).requires_grad_()
+    sq = sum_pi_squared_from_logits(shard, temperature=0.9, backend=backend, process_group=group)
+    (sq * g_sq).sum().backward()
+    torch.testing.assert_close(sq.double(), (p * p).sum(-1).detach(), **tol)
+    torch.testing.assert_close(shard.grad.double(), z.grad[:, lo:hi], **tol)
+
     # non-finite rows: a NaN row with a label gives non-finite outputs for that row only; a NaN
     # row whose label is ignored contributes nothing to dW or dh (NaN * 0 must not reach dW)
     bad_h, bad_labels = hidden.clone(), labels.clone()

@@ -7,6 +7,7 @@
 * ``merge_stats``: the associative merge of two softmax partials (m, s, b), where
   ``s = sum exp(z - m)`` and ``b = sum exp(z - m) * (z - m)`` (b is kept relative to m so that the
   entropy ``log s - b / s`` never subtracts two large numbers). Identity: (-inf, 0, 0).
+  ``merge_sum_sq`` merges ``q = sum exp(2 (z - m))`` alongside (sum_j p_j^2 = q / s^2).
 
 Both are ``@triton.jit`` helpers inlined into the kernels of ``linear_forward``, ``split_combine``
 and ``linear_backward``.
@@ -92,18 +93,32 @@ def logits_tile(
 
 
 @triton.jit
-def merge_stats(m1, s1, b1, m2, s2, b2):
-    """(m1, s1, b1) (+) (m2, s2, b2) -> (m, s, b). An operand with s == 0 is the identity
-    (-inf, 0, 0) and contributes nothing, which avoids exp(-inf - (-inf)) = NaN."""
+def merge_scales(m1, s1, m2, s2):
+    """The common max m of two partials and each one's shift d = m_i - m and scale a = exp(d).
+    An operand with s == 0 is the identity (-inf, 0, 0): d = 0, so exp(-inf - (-inf)) = NaN never
+    arises."""
     m = tl.maximum(m1, m2)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     d1 = tl.where(s1 > 0, m1 - m_safe, 0.0)
     d2 = tl.where(s2 > 0, m2 - m_safe, 0.0)
-    a1 = tl.exp(d1)
-    a2 = tl.exp(d2)
+    return m, d1, d2, tl.exp(d1), tl.exp(d2)
+
+
+@triton.jit
+def merge_stats(m1, s1, b1, m2, s2, b2):
+    """(m1, s1, b1) (+) (m2, s2, b2) -> (m, s, b); see ``merge_scales``."""
+    m, d1, d2, a1, a2 = merge_scales(m1, s1, m2, s2)
     s = a1 * s1 + a2 * s2
     b = a1 * (b1 + s1 * d1) + a2 * (b2 + s2 * d2)
     return m, s, b
+
+
+@triton.jit
+def merge_sum_sq(m1, s1, q1, m2, s2, q2):
+    """Merged q = sum exp(2 (z - m)) of two partials (relative to their maxima m1, m2): each
+    scales by exp(2 d) = a^2. With s: sum_j p_j^2 = q / s^2."""
+    _, _, _, a1, a2 = merge_scales(m1, s1, m2, s2)
+    return a1 * a1 * q1 + a2 * a2 * q2
 
 
 @triton.jit

@@ -4,6 +4,7 @@ For a (rows x cols) window of the logits, program (pid_m, pid_n) recomputes its 
 same K-loop GEMM as the forward, then from the saved per-row lse and entropy H:
     log p = z - lse,  p = exp(log p)
     dz    = g_lp * (onehot(y) - p) - g_H * p * (log p + H) + g_lse * p   (z - E_p[z] = log p + H)
+            + 2 g_S * p * (p - S)                                         (S = sum_j p_j^2)
 and stores dz / temperature (the gradient w.r.t. the raw logits h.w) in the output dtype.
 Rows whose label is ``ignore_index`` get exactly 0 (a where, not a product, so a non-finite
 ignored row cannot leak NaN into dW). The caller turns these chunks into dh = dz W and
@@ -29,7 +30,7 @@ def _linear_dlogits_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_G_LP: tl.constexpr, HAS_G_ENT: tl.constexpr, HAS_G_LSE: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUP_M: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr, sum_sq_ptr=None, g_sq_ptr=None, HAS_G_SQ: tl.constexpr = False,
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.cdiv(n_cols, BLOCK_N),
                                 GROUP_M)
@@ -60,6 +61,9 @@ def _linear_dlogits_kernel(
         dz -= g_ent[:, None] * p * (log_p + ent[:, None])
     if HAS_G_LSE:  # d lse / dz = p (contiguous (N,) float32)
         dz += tl.load(g_lse_ptr + rows64, mask=row_mask, other=0.0)[:, None] * p
+    if HAS_G_SQ:  # d(sum p^2)/dz_j = 2 p_j (p_j - sum p^2) (contiguous (N,) float32 each)
+        g_sq = 2.0 * tl.load(g_sq_ptr + rows64, mask=row_mask, other=0.0)
+        dz += g_sq[:, None] * p * (p - tl.load(sum_sq_ptr + rows64, mask=row_mask, other=0.0)[:, None])
     valid = labels != ignore_index
     dz = tl.where(valid[:, None], dz * inv_temperature, 0.0)
     dz_ptrs = (dz_ptr + local_rows.to(tl.int64)[:, None] * stride_dzm
@@ -83,13 +87,16 @@ def linear_dlogits(
     cfg: KernelConfig,
     tile: BwdTile,
     grad_lse: torch.Tensor | None = None,
+    sum_sq: torch.Tensor | None = None,
+    grad_sum_sq: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write d(loss)/d(h.w) for logits[rows, cols] into ``out`` ((rows, cols), input dtype).
 
     hidden_states (N, H) and weight (V, H) share a dtype; labels (N,) int; lse, entropy (N,)
     float32 from the forward; grad_log_probs / grad_entropy (N,) or None (any stride, 0 allowed).
     ``entropy`` is required when ``grad_entropy`` is given. ``grad_lse``: (N,) contiguous float32
-    upstream gradient of the row logsumexp, or None.
+    upstream gradient of the row logsumexp, or None. ``grad_sum_sq`` with ``sum_sq``: (N,)
+    contiguous float32 upstream gradient of sum_j p_j^2 and its forward value, or None.
     """
     n_rows = rows.stop - rows.start
     n_cols = cols.stop - cols.start
@@ -118,6 +125,8 @@ def linear_dlogits(
         HAS_G_LP=has_lp, HAS_G_ENT=has_ent, HAS_G_LSE=grad_lse is not None,
         UPCAST=cfg.upcast(hidden_states.dtype),
         DOT_PRECISION=cfg.dot_precision(hidden_states.dtype), GROUP_M=cfg.group_m,
-        USE_TMA=use_tma, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        USE_TMA=use_tma, sum_sq_ptr=sum_sq if grad_sum_sq is not None else lse,
+        g_sq_ptr=grad_sum_sq if grad_sum_sq is not None else lse, HAS_G_SQ=grad_sum_sq is not None,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     return out

@@ -22,21 +22,21 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import TensorDescriptor, grouped_tile, logits_tile, merge_stats, tma_ok
+from .common import TensorDescriptor, grouped_tile, logits_tile, merge_stats, merge_sum_sq, tma_ok
 from .config import KernelConfig, interpreting
 
 
 @triton.jit
 def _linear_split_stats_kernel(
     h_ptr, w_ptr,
-    part_m_ptr, part_s_ptr, part_b_ptr,
+    part_m_ptr, part_s_ptr, part_b_ptr, part_q_ptr,
     N, V, H,
     stride_hn, stride_hk, stride_wv, stride_wk,
     inv_temperature,
     SPLIT_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     COMPUTE_ENTROPY: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     GROUP_M: tl.constexpr, USE_TMA: tl.constexpr, EVEN_V: tl.constexpr,
-    FLATTEN: tl.constexpr, WARP_SPEC: tl.constexpr,
+    FLATTEN: tl.constexpr, WARP_SPEC: tl.constexpr, SUMSQ: tl.constexpr = False,
 ):
     pid_m, pid_s = grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_M), tl.cdiv(V, SPLIT_V), GROUP_M)
     row0 = pid_m * BLOCK_M
@@ -46,6 +46,7 @@ def _linear_split_stats_kernel(
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     s = tl.zeros((BLOCK_M,), tl.float32)
     b = tl.zeros((BLOCK_M,), tl.float32)
+    q = tl.zeros((BLOCK_M,), tl.float32)
 
     v_begin = pid_s * SPLIT_V
     v_end = tl.minimum(v_begin + SPLIT_V, V)
@@ -68,6 +69,8 @@ def _linear_split_stats_kernel(
                 tile_b = tl.sum(tl.where(col_mask[None, :], e * shifted, 0.0), axis=1)
         else:
             tile_b = tl.zeros((BLOCK_M,), tl.float32)
+        if SUMSQ:  # sum exp(2 (z - m)), merged before m and s move on
+            q = merge_sum_sq(m, s, q, tile_m, tile_s, tl.sum(e * e, axis=1))
         m, s, b = merge_stats(m, s, b, tile_m, tile_s, tile_b)
 
     out = pid_s.to(tl.int64) * N + rows
@@ -75,6 +78,8 @@ def _linear_split_stats_kernel(
     tl.store(part_s_ptr + out, s, mask=row_mask)
     if COMPUTE_ENTROPY:
         tl.store(part_b_ptr + out, b, mask=row_mask)
+    if SUMSQ:
+        tl.store(part_q_ptr + out, q, mask=row_mask)
 
 
 @triton.jit
@@ -136,18 +141,20 @@ def linear_split_stats(
     inv_temperature: float,
     compute_entropy: bool,
     cfg: KernelConfig,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    compute_sum_sq: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Per-split partials of the linear head.
 
     hidden_states: (N, H), weight: (V, H), both bf16/fp16/fp32 of one dtype, any strides.
     labels: (N,) int32/int64 (any value; only equality with column ids is used).
-    Returns (m, s, b, z_y): m, s, b (S, N) float32 with S = ceil(V / cfg.split_v) (b is left
-    uninitialised when ``compute_entropy`` is False), and the label logits z_y (N,) float32.
+    Returns (m, s, b, z_y, q): m, s, b (S, N) float32 with S = ceil(V / cfg.split_v) (b is left
+    uninitialised when ``compute_entropy`` is False), the label logits z_y (N,) float32, and
+    q = sum exp(2 (z - m)) (S, N) when ``compute_sum_sq`` (else None).
     """
     n, h = hidden_states.shape
     v = weight.shape[0]
     num_splits = triton.cdiv(v, cfg.split_v)
-    parts = torch.empty((3, num_splits, n), dtype=torch.float32, device=hidden_states.device)
+    parts = torch.empty((3 + compute_sum_sq, num_splits, n), dtype=torch.float32, device=hidden_states.device)
     grid = (triton.cdiv(n, cfg.block_m) * num_splits,)
     use_tma = cfg.tma and tma_ok(hidden_states, weight)
     h_arg, w_arg = hidden_states, weight
@@ -156,7 +163,7 @@ def linear_split_stats(
         w_arg = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k])
     _linear_split_stats_kernel[grid](
         h_arg, w_arg,
-        parts[0], parts[1], parts[2],
+        parts[0], parts[1], parts[2], parts[-1],
         n, v, h,
         hidden_states.stride(0), hidden_states.stride(1), weight.stride(0), weight.stride(1),
         inv_temperature,
@@ -164,7 +171,8 @@ def linear_split_stats(
         COMPUTE_ENTROPY=compute_entropy, UPCAST=cfg.upcast(hidden_states.dtype),
         DOT_PRECISION=cfg.dot_precision(hidden_states.dtype), GROUP_M=cfg.group_m,
         USE_TMA=use_tma, EVEN_V=v % cfg.block_n == 0,
-        FLATTEN=cfg.flatten, WARP_SPEC=cfg.warp_specialize,
+        FLATTEN=cfg.flatten, WARP_SPEC=cfg.warp_specialize, SUMSQ=compute_sum_sq,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return parts[0], parts[1], parts[2], label_logits(hidden_states, weight, labels, inv_temperature)
+    return (parts[0], parts[1], parts[2], label_logits(hidden_states, weight, labels, inv_temperature),
+            parts[3] if compute_sum_sq else None)

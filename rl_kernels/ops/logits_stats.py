@@ -4,9 +4,10 @@ Memory-bound: the forward reads the N x V logits once and writes O(N); the backw
 once more and writes the N x V gradient once (optionally over the logits themselves).
 
 Forward, per row (z = logits * inv_temperature in float32): the vocabulary is cut into splits of
-SPLIT_V columns, each read in BLOCK_V chunks; a split's partial is (m, s, b, t) with m its max,
-s = sum exp(z - m), b = sum exp(z - m)(z - m) and t = sum z (for label smoothing). Partials are
-merged left to right with ``merge_stats``. Two launch shapes compute exactly the same arithmetic:
+SPLIT_V columns, each read in BLOCK_V chunks; a split's partial is (m, s, b, t, q) with m its max,
+s = sum exp(z - m), b = sum exp(z - m)(z - m), t = sum z (for label smoothing) and, on request,
+q = sum exp(2 (z - m)) (for sum_j p_j^2 = q / s^2). Partials are merged left to right with
+``merge_stats`` / ``merge_sum_sq``. Two launch shapes compute exactly the same arithmetic:
 
 * one level (many rows): a program per row walks its splits and finalizes;
 * two levels (few rows, long rows): a program per (row, split) writes its partial, then a combine
@@ -19,11 +20,13 @@ Finalize: log_sum = log s (>= 0 when s >= 1), lse = m + log_sum, log p_y = (z_y 
 entropy H = log_sum - b / s, mean log p = t / V - lse. Ignored rows (label == ignore_index) get
 log p 0 and entropy 0.
 
-Backward (per element, with p = exp((z - m) - log_sum)):
-    d/dz_j = p_j (g_lse - g_lp - g_smooth - g_ent (log p_j + H)) + g_lp [j == y] + g_smooth / V
-and d/dlogits = d/dz * inv_temperature, where g_lp, g_ent, g_lse and g_smooth are per-row upstream
-gradients of log p_y, H, lse and mean_j log p_j. Source: the softmax gradients in
-``../shared/design.md`` (d log p_y / dz = onehot - p, dH/dz = -p (log p + H), d lse / dz = p).
+Backward (per element, with p = exp((z - m) - log_sum), S = sum_k p_k^2):
+    d/dz_j = p_j (g_lse - g_lp - g_smooth - g_ent (log p_j + H) + 2 g_sq (p_j - S))
+             + g_lp [j == y] + g_smooth / V
+and d/dlogits = d/dz * inv_temperature, where g_lp, g_ent, g_lse, g_smooth and g_sq are per-row
+upstream gradients of log p_y, H, lse, mean_j log p_j and S. Source: the softmax derivative
+d p_k / dz_j = p_k ([k == j] - p_j), which gives d log p_y / dz = onehot - p, dH/dz = -p (log p + H),
+d lse / dz = p and dS/dz_j = sum_k 2 p_k p_k ([k == j] - p_j) = 2 p_j (p_j - S).
 """
 from __future__ import annotations
 
@@ -35,19 +38,20 @@ import triton
 import triton.language as tl
 
 from .._logging import log_once
-from .common import merge_stats
+from .common import merge_stats, merge_sum_sq
 from .config import LogitsConfig
 
 
 @triton.jit
 def _split_stats(row_ptr, stride_v, v_begin, V, inv_temperature,
                  SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr,
-                 ENTROPY: tl.constexpr, ZSUM: tl.constexpr):
-    """Partial (m, s, b, t) of columns [v_begin, min(v_begin + SPLIT_V, V)) of one row."""
+                 ENTROPY: tl.constexpr, ZSUM: tl.constexpr, SUMSQ: tl.constexpr):
+    """Partial (m, s, b, t, q) of columns [v_begin, min(v_begin + SPLIT_V, V)) of one row."""
     m = tl.full((), float("-inf"), tl.float32)
     s = tl.zeros((), tl.float32)
     b = tl.zeros((), tl.float32)
     t = tl.zeros((), tl.float32)
+    q = tl.zeros((), tl.float32)
     v_end = tl.minimum(v_begin + SPLIT_V, V)
     for c0 in range(v_begin, v_end, BLOCK_V):
         cols = c0 + tl.arange(0, BLOCK_V)
@@ -62,17 +66,19 @@ def _split_stats(row_ptr, stride_v, v_begin, V, inv_temperature,
             cb = tl.sum(e * tl.where(e > 0, z - cm_safe, 0.0), 0)
         else:
             cb = tl.zeros((), tl.float32)
+        if SUMSQ:  # (before m, s move on: the merge needs both sides' maxima)
+            q = merge_sum_sq(m, s, q, cm, cs, tl.sum(e * e, 0))
         m, s, b = merge_stats(m, s, b, cm, cs, cb)
         if ZSUM:
             t += tl.sum(tl.where(mask, z, 0.0), 0)
-    return m, s, b, t
+    return m, s, b, t, q
 
 
 @triton.jit
-def _finalize(row, m, s, b, t, x_ptr, stride_n, stride_v, labels_ptr, stride_lab, V,
+def _finalize(row, m, s, b, t, q, x_ptr, stride_n, stride_v, labels_ptr, stride_lab, V,
               inv_temperature, ignore_index,
-              log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_ptr, lse_ptr, mean_log_p_ptr,
-              LOG_PROBS: tl.constexpr, ENTROPY: tl.constexpr, ZSUM: tl.constexpr):
+              log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_ptr, lse_ptr, mean_log_p_ptr, sum_sq_ptr,
+              LOG_PROBS: tl.constexpr, ENTROPY: tl.constexpr, ZSUM: tl.constexpr, SUMSQ: tl.constexpr):
     """Write the per-row outputs from the merged statistics (scalars of one row)."""
     # s >= 1 exactly when m is finite (the row max contributes exp(0) = 1), but the GPU's fast
     # exp/log put log s a few 1e-7 below 0 on a row with p_y ~ 1 (H100), which made log p > 0 and
@@ -101,31 +107,35 @@ def _finalize(row, m, s, b, t, x_ptr, stride_n, stride_v, labels_ptr, stride_lab
         tl.store(entropy_ptr + row, tl.where(valid, ent, 0.0))
     if ZSUM:
         tl.store(mean_log_p_ptr + row, t / V - lse)
+    if SUMSQ:  # sum_j p_j^2 = q / s^2 (0 for ignored rows, as log p and entropy)
+        tl.store(sum_sq_ptr + row, tl.where(valid, q / (s * s), 0.0))
 
 
 @triton.jit
 def _logits_fwd_kernel(
     x_ptr, stride_n, stride_v, labels_ptr, stride_lab,
-    part_m_ptr, part_s_ptr, part_b_ptr, part_t_ptr,
-    log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_ptr, lse_ptr, mean_log_p_ptr,
+    part_m_ptr, part_s_ptr, part_b_ptr, part_t_ptr, part_q_ptr,
+    log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_ptr, lse_ptr, mean_log_p_ptr, sum_sq_ptr,
     N, V, num_splits, inv_temperature, ignore_index,
     SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, TWO_LEVEL: tl.constexpr,
-    LOG_PROBS: tl.constexpr, ENTROPY: tl.constexpr, ZSUM: tl.constexpr,
+    LOG_PROBS: tl.constexpr, ENTROPY: tl.constexpr, ZSUM: tl.constexpr, SUMSQ: tl.constexpr,
 ):
     """One level: program = row, merges all splits and finalizes. Two levels: program =
-    (row, split), writes the split's partial (m, s, b, t), each (S, N) float32."""
+    (row, split), writes the split's partial (m, s, b, t, q), each (S, N) float32."""
     pid = tl.program_id(0)
     if TWO_LEVEL:
         row = pid // num_splits
         split = pid % num_splits
         row_ptr = x_ptr + row.to(tl.int64) * stride_n
-        m, s, b, t = _split_stats(row_ptr, stride_v, split * SPLIT_V, V, inv_temperature,
-                                  SPLIT_V, BLOCK_V, ENTROPY, ZSUM)
+        m, s, b, t, q = _split_stats(row_ptr, stride_v, split * SPLIT_V, V, inv_temperature,
+                                     SPLIT_V, BLOCK_V, ENTROPY, ZSUM, SUMSQ)
         off = split.to(tl.int64) * N + row
         tl.store(part_m_ptr + off, m)
         tl.store(part_s_ptr + off, s)
         tl.store(part_b_ptr + off, b)
         tl.store(part_t_ptr + off, t)
+        if SUMSQ:
+            tl.store(part_q_ptr + off, q)
     else:
         row = pid
         row_ptr = x_ptr + row.to(tl.int64) * stride_n
@@ -133,24 +143,27 @@ def _logits_fwd_kernel(
         s = tl.zeros((), tl.float32)
         b = tl.zeros((), tl.float32)
         t = tl.zeros((), tl.float32)
+        q = tl.zeros((), tl.float32)
         for split in range(0, num_splits):
-            pm, ps, pb, pt = _split_stats(row_ptr, stride_v, split * SPLIT_V, V, inv_temperature,
-                                          SPLIT_V, BLOCK_V, ENTROPY, ZSUM)
+            pm, ps, pb, pt, pq = _split_stats(row_ptr, stride_v, split * SPLIT_V, V, inv_temperature,
+                                              SPLIT_V, BLOCK_V, ENTROPY, ZSUM, SUMSQ)
+            if SUMSQ:
+                q = merge_sum_sq(m, s, q, pm, ps, pq)
             m, s, b = merge_stats(m, s, b, pm, ps, pb)
             t += pt
-        _finalize(row, m, s, b, t, x_ptr, stride_n, stride_v, labels_ptr, stride_lab, V,
+        _finalize(row, m, s, b, t, q, x_ptr, stride_n, stride_v, labels_ptr, stride_lab, V,
                   inv_temperature, ignore_index,
                   log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_ptr, lse_ptr, mean_log_p_ptr,
-                  LOG_PROBS, ENTROPY, ZSUM)
+                  sum_sq_ptr, LOG_PROBS, ENTROPY, ZSUM, SUMSQ)
 
 
 @triton.jit
 def _logits_combine_kernel(
     x_ptr, stride_n, stride_v, labels_ptr, stride_lab,
-    part_m_ptr, part_s_ptr, part_b_ptr, part_t_ptr,
-    log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_ptr, lse_ptr, mean_log_p_ptr,
+    part_m_ptr, part_s_ptr, part_b_ptr, part_t_ptr, part_q_ptr,
+    log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_ptr, lse_ptr, mean_log_p_ptr, sum_sq_ptr,
     N, V, num_splits, inv_temperature, ignore_index,
-    LOG_PROBS: tl.constexpr, ENTROPY: tl.constexpr, ZSUM: tl.constexpr,
+    LOG_PROBS: tl.constexpr, ENTROPY: tl.constexpr, ZSUM: tl.constexpr, SUMSQ: tl.constexpr,
 ):
     """Second level: program = row; merges the row's S partials in split order and finalizes."""
     row = tl.program_id(0)
@@ -158,31 +171,38 @@ def _logits_combine_kernel(
     s = tl.zeros((), tl.float32)
     b = tl.zeros((), tl.float32)
     t = tl.zeros((), tl.float32)
+    q = tl.zeros((), tl.float32)
     part_m_ptr += row
     part_s_ptr += row
     part_b_ptr += row
     part_t_ptr += row
+    part_q_ptr += row
     for _ in range(0, num_splits):
-        m, s, b = merge_stats(m, s, b, tl.load(part_m_ptr), tl.load(part_s_ptr), tl.load(part_b_ptr))
+        pm = tl.load(part_m_ptr)
+        ps = tl.load(part_s_ptr)
+        if SUMSQ:
+            q = merge_sum_sq(m, s, q, pm, ps, tl.load(part_q_ptr))
+        m, s, b = merge_stats(m, s, b, pm, ps, tl.load(part_b_ptr))
         t += tl.load(part_t_ptr)
         part_m_ptr += N
         part_s_ptr += N
         part_b_ptr += N
         part_t_ptr += N
-    _finalize(row, m, s, b, t, x_ptr, stride_n, stride_v, labels_ptr, stride_lab, V,
+        part_q_ptr += N
+    _finalize(row, m, s, b, t, q, x_ptr, stride_n, stride_v, labels_ptr, stride_lab, V,
               inv_temperature, ignore_index,
               log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_ptr, lse_ptr, mean_log_p_ptr,
-              LOG_PROBS, ENTROPY, ZSUM)
+              sum_sq_ptr, LOG_PROBS, ENTROPY, ZSUM, SUMSQ)
 
 
 @triton.jit
 def _logits_bwd_kernel(
     x_ptr, stride_n, stride_v, grad_ptr, stride_gn, stride_gv, labels_ptr, stride_lab,
-    row_max_ptr, log_sum_ptr, entropy_ptr,
-    g_lp_ptr, g_ent_ptr, g_lse_ptr, g_smooth_ptr,
+    row_max_ptr, log_sum_ptr, entropy_ptr, sum_sq_ptr,
+    g_lp_ptr, g_ent_ptr, g_lse_ptr, g_smooth_ptr, g_sq_ptr,
     V, inv_temperature, ignore_index,
     BLOCK_V: tl.constexpr, HAS_LABELS: tl.constexpr, HAS_LP: tl.constexpr, HAS_ENT: tl.constexpr,
-    HAS_LSE: tl.constexpr, HAS_SMOOTH: tl.constexpr,
+    HAS_LSE: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_SQ: tl.constexpr,
 ):
     """Program = (row, column block): grad[row, cols] = d loss / d logits in grad's dtype."""
     row = tl.program_id(0).to(tl.int64)
@@ -211,6 +231,9 @@ def _logits_bwd_kernel(
         g_ent = tl.where(valid, tl.load(g_ent_ptr + row), 0.0)
         h = tl.load(entropy_ptr + row)
         dz -= g_ent * p * tl.where(p > 0, log_p + h, 0.0)
+    if HAS_SQ:  # d(sum p^2)/dz_j = 2 p_j (p_j - sum p^2)
+        g_sq = tl.where(valid, tl.load(g_sq_ptr + row), 0.0)
+        dz += (2.0 * g_sq) * p * (p - tl.load(sum_sq_ptr + row))
     if HAS_LP:
         dz += tl.where(cols == label, g_lp, 0.0)
     if HAS_SMOOTH:
@@ -235,12 +258,14 @@ def _multiprocessors(device: torch.device) -> int:
 def logits_forward(
     logits: torch.Tensor, labels: torch.Tensor | None, inv_temperature: float, ignore_index: int,
     want_entropy: bool, want_smoothing: bool, cfg: LogitsConfig, two_level: bool | None = None,
+    want_sum_sq: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Softmax statistics of 2-D ``logits`` (N, V) (any strides; bf16/fp16/fp32).
 
     ``labels``: (N,) int32/int64 or None (no log-probs). Returns a dict of (N,) float32 tensors:
     ``row_max``, ``log_sum``, ``lse`` always; ``log_probs`` with labels; ``entropy`` when
-    ``want_entropy``; ``mean_log_p`` (mean over the vocabulary of log p) when ``want_smoothing``.
+    ``want_entropy``; ``mean_log_p`` (mean over the vocabulary of log p) when ``want_smoothing``;
+    ``sum_pi_squared`` (sum_j p_j^2) when ``want_sum_sq``.
     ``two_level=None`` picks the launch shape with :func:`use_two_level` (logged at debug level);
     both shapes give bitwise identical results.
     """
@@ -253,6 +278,8 @@ def logits_forward(
         out["entropy"] = torch.empty(n, dtype=torch.float32, device=dev)
     if want_smoothing:
         out["mean_log_p"] = torch.empty(n, dtype=torch.float32, device=dev)
+    if want_sum_sq:
+        out["sum_pi_squared"] = torch.empty(n, dtype=torch.float32, device=dev)
     if n == 0:
         return out
     num_splits = triton.cdiv(v, cfg.split_v)
@@ -263,11 +290,13 @@ def logits_forward(
     dummy = out["lse"]
     lab = labels if labels is not None else torch.zeros(1, dtype=torch.int32, device=dev)
     ptrs = (out.get("log_probs", dummy), out.get("entropy", dummy), out["row_max"], out["log_sum"],
-            out["lse"], out.get("mean_log_p", dummy))
-    flags = dict(LOG_PROBS=labels is not None, ENTROPY=want_entropy, ZSUM=want_smoothing)
-    part = (torch.empty((4, num_splits, n), dtype=torch.float32, device=dev) if two_level
-            else dummy.expand(4, 1, n))
-    args = (logits, logits.stride(0), logits.stride(1), lab, lab.stride(0), *part.unbind(0), *ptrs,
+            out["lse"], out.get("mean_log_p", dummy), out.get("sum_pi_squared", dummy))
+    flags = dict(LOG_PROBS=labels is not None, ENTROPY=want_entropy, ZSUM=want_smoothing,
+                 SUMSQ=want_sum_sq)
+    part = (torch.empty((4 + want_sum_sq, num_splits, n), dtype=torch.float32, device=dev) if two_level
+            else dummy.expand(4 + want_sum_sq, 1, n))
+    part = tuple(part.unbind(0)) + (() if want_sum_sq else (dummy.expand(1, n),))
+    args = (logits, logits.stride(0), logits.stride(1), lab, lab.stride(0), *part, *ptrs,
             n, v, num_splits, inv_temperature, ignore_index)
     _logits_fwd_kernel[(n * num_splits if two_level else n,)](
         *args, SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, TWO_LEVEL=two_level, **flags,
@@ -284,7 +313,8 @@ def logits_backward(
     """Write d loss / d logits into ``grad`` (same shape as ``logits``, any strides; may be the
     logits tensor itself). ``stats``: the forward's ``row_max``, ``log_sum`` and (with an entropy
     gradient) ``entropy``. ``grads``: optional (N,) float32 per-row upstream gradients under keys
-    ``log_probs``, ``entropy``, ``lse``, ``smooth`` (the last: of the row's mean log p)."""
+    ``log_probs``, ``entropy``, ``lse``, ``smooth`` (the last: of the row's mean log p) and
+    ``sum_pi_squared`` (then ``stats`` holds the forward's ``sum_pi_squared`` too)."""
     n, v = logits.shape
     if n == 0 or v == 0:
         return grad
@@ -293,8 +323,10 @@ def logits_backward(
     _logits_bwd_kernel[(n, triton.cdiv(v, cfg.bwd_block_v))](
         logits, logits.stride(0), logits.stride(1), grad, grad.stride(0), grad.stride(1),
         lab, lab.stride(0), stats["row_max"], stats["log_sum"], stats.get("entropy", dummy),
+        stats.get("sum_pi_squared", dummy),
         grads.get("log_probs", dummy), grads.get("entropy", dummy), grads.get("lse", dummy),
-        grads.get("smooth", dummy), v, inv_temperature, ignore_index,
+        grads.get("smooth", dummy), grads.get("sum_pi_squared", dummy), v, inv_temperature, ignore_index,
         BLOCK_V=cfg.bwd_block_v, HAS_LABELS=labels is not None, HAS_LP="log_probs" in grads, HAS_ENT="entropy" in grads,
-        HAS_LSE="lse" in grads, HAS_SMOOTH="smooth" in grads, num_warps=cfg.bwd_num_warps)
+        HAS_LSE="lse" in grads, HAS_SMOOTH="smooth" in grads, HAS_SQ="sum_pi_squared" in grads,
+        num_warps=cfg.bwd_num_warps)
     return grad

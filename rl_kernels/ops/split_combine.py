@@ -3,7 +3,8 @@
 Input partials (m, s, b) are (S, N) float32 and the label logits z_y (N,) float32 (see
 ``linear_forward``); the S splits are merged in a fixed order with ``merge_stats`` (identity (-inf, 0, 0), never 0 for m: verl PR #7439).
 The same merge serves vocab-parallel ranks, whose partials are stacked along S.
-Per row: lse = m + log s, log p(y) = min(z_y - lse, 0), entropy = log s - b / s.
+Per row: lse = m + log s, log p(y) = min(z_y - lse, 0), entropy = log s - b / s, and on request
+sum_j p_j^2 = q / s^2 from the partials q = sum exp(2 (z - m)).
 Rows whose label equals ``ignore_index`` get log-prob 0 and entropy 0 (lse is still written).
 """
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import merge_stats
+from .common import merge_stats, merge_sum_sq
 
 
 @triton.jit
@@ -22,12 +23,14 @@ def _split_combine_kernel(
     log_probs_ptr, entropy_ptr, lse_ptr,
     N, num_splits, ignore_index,
     BLOCK: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr,
+    part_q_ptr=None, sum_sq_ptr=None, SUMSQ: tl.constexpr = False,
 ):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     row_mask = rows < N
     m = tl.full((BLOCK,), float("-inf"), tl.float32)
     s = tl.zeros((BLOCK,), tl.float32)
     b = tl.zeros((BLOCK,), tl.float32)
+    q = tl.zeros((BLOCK,), tl.float32)
     for sp in range(0, num_splits):
         off = sp * N + rows.to(tl.int64)
         pm = tl.load(part_m_ptr + off, mask=row_mask, other=float("-inf"))
@@ -36,6 +39,8 @@ def _split_combine_kernel(
             pb = tl.load(part_b_ptr + off, mask=row_mask, other=0.0)
         else:
             pb = tl.zeros((BLOCK,), tl.float32)
+        if SUMSQ:
+            q = merge_sum_sq(m, s, q, pm, ps, tl.load(part_q_ptr + off, mask=row_mask, other=0.0))
         m, s, b = merge_stats(m, s, b, pm, ps, pb)
     zy = tl.load(zy_ptr + rows, mask=row_mask, other=0.0)
 
@@ -54,6 +59,8 @@ def _split_combine_kernel(
     if COMPUTE_ENTROPY:
         ent = tl.maximum(log_s - b / s, 0.0, propagate_nan=tl.PropagateNan.ALL)
         tl.store(entropy_ptr + rows, tl.where(valid, ent, 0.0), mask=row_mask)
+    if SUMSQ:  # sum_j p_j^2 = q / s^2 (0 for ignored rows, as log p and entropy)
+        tl.store(sum_sq_ptr + rows, tl.where(valid, q / (s * s), 0.0), mask=row_mask)
 
 
 def split_combine(
@@ -65,22 +72,27 @@ def split_combine(
     ignore_index: int,
     compute_entropy: bool,
     block: int = 128,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Merge (S, N) float32 partials and the (N,) label logits into (log_probs, entropy, lse), each
-    (N,) float32.
+    part_q: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """Merge (S, N) float32 partials and the (N,) label logits into (log_probs, entropy, lse,
+    sum_sq), each (N,) float32.
 
     ``labels`` is (N,) int32/int64; positions equal to ``ignore_index`` get log-prob and entropy 0.
-    ``entropy`` is None when ``compute_entropy`` is False (``part_b`` is then not read).
+    ``entropy`` is None when ``compute_entropy`` is False (``part_b`` is then not read);
+    ``sum_sq`` (sum_j p_j^2) is None unless the (S, N) partials ``part_q`` are given.
     """
     num_splits, n = part_m.shape
     log_probs = torch.empty(n, dtype=torch.float32, device=part_m.device)
     lse = torch.empty_like(log_probs)
     entropy = torch.empty_like(log_probs) if compute_entropy else None
+    sum_sq = torch.empty_like(log_probs) if part_q is not None else None
     _split_combine_kernel[(triton.cdiv(n, block),)](
         part_m, part_s, part_b, label_logits,
         labels, labels.stride(0),
         log_probs, entropy if compute_entropy else log_probs, lse,
         n, num_splits, ignore_index,
         BLOCK=block, COMPUTE_ENTROPY=compute_entropy,
+        part_q_ptr=part_q if part_q is not None else part_m, sum_sq_ptr=sum_sq if sum_sq is not None else lse,
+        SUMSQ=part_q is not None,
     )
-    return log_probs, entropy, lse
+    return log_probs, entropy, lse, sum_sq
