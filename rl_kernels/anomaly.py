@@ -150,7 +150,7 @@ class AnomalyCapture:
         if n == 0 or self.recheck_rows == 0:
             return None
         rows = torch.linspace(0, n - 1, min(self.recheck_rows, n), device=h.device).round().long()
-        ref_lp, ref_ent, _ = torch_forward(h[rows], weight.detach(), y[rows], 1.0 / temperature,
+        ref_lp, ref_ent, _, _ = torch_forward(h[rows], weight.detach(), y[rows], 1.0 / temperature,
                                            ignore_index, entropy is not None)
         diff = (ref_lp - lp.reshape(-1)[rows]).abs().max()
         if entropy is not None:
