@@ -206,3 +206,39 @@ def test_jsd_bf16_against_float64():
         assert val_err <= 2e-3 and dh_err <= 1e-2 and dw_err <= 1e-2
         del h64, w64
         torch.cuda.empty_cache()
+
+
+def test_sum_pi_squared_bf16_against_float64():
+    """sum_j p_j^2 from the fused head (mainloop accumulator) and from logits (both launch
+    shapes, bitwise equal), with its gradient, at the Qwen head shape."""
+    from rl_kernels import sum_pi_squared_from_logits
+    from rl_kernels.ops import logits_stats as kernels
+
+    n, h, v = 1024, 3584, 152064
+    hidden, weight, labels = _inputs(n, h, v, seed=5)
+    g = torch.Generator(device="cuda").manual_seed(6)
+    up = torch.randn(n, device="cuda", generator=g)
+    hx, wx = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = linear_log_probs(hx, wx, labels, return_sum_pi_squared=True, backend="triton")
+    (out.sum_pi_squared * up).sum().backward()
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    p = torch.softmax(h64 @ w64.T, -1)
+    ref = torch.where(labels != -100, (p * p).sum(-1), 0.0)
+    (ref * up.double()).sum().backward()
+    assert (out.sum_pi_squared.double() - ref.detach()).abs().max() < 1e-5
+    assert rel_err(hx.grad, h64.grad) < 2.5e-3 and rel_err(wx.grad, w64.grad) < 2.5e-3
+    plain = linear_log_probs(hidden, weight, labels, backend="triton")
+    assert torch.equal(plain.log_probs, out.log_probs.detach()) and torch.equal(plain.entropy, out.entropy.detach())
+    del p, h64, w64
+    x = (hidden @ weight.T).float()
+    results = []
+    for two_level in (False, True):
+        orig = kernels.use_two_level
+        kernels.use_two_level = lambda *a, two_level=two_level: two_level
+        try:
+            results.append(sum_pi_squared_from_logits(x, backend="triton"))
+        finally:
+            kernels.use_two_level = orig
+    assert torch.equal(results[0], results[1])
+    p = torch.softmax(x.double(), -1)
+    assert (results[0].double() - (p * p).sum(-1)).abs().max() < 1e-5
