@@ -71,6 +71,7 @@ def main():
     g = torch.Generator(device="cuda").manual_seed(0)
     base = (2 * torch.randn(n, v, device="cuda", generator=g)).bfloat16()
     labels = torch.randint(0, v, (n,), device="cuda", generator=g)
+    up = torch.randn(2, n, device="cuda", generator=g)
 
     def verl_logits(backward):
         def run():
@@ -79,8 +80,8 @@ def main():
             bak = x.clone()
             ent = vtp.vocab_parallel_entropy(x)
             lp = vtp.vocab_parallel_log_probs_from_logits(bak, labels)
-            if backward:
-                (ent.float().sum() + lp.float().sum()).backward()
+            if backward:  # random upstream gradients: contiguous, as verl's losses give
+                torch.autograd.backward([ent, lp], [up[0].to(ent.dtype), up[1].to(lp.dtype)])
             return lp, ent
         return run
 
@@ -92,7 +93,7 @@ def main():
             ent = rl_kernels.entropy_from_logits(x, process_group=tp, vocab_start_index=0)
             lp = rl_kernels.log_probs_from_logits(bak, labels, process_group=tp, vocab_start_index=0)
             if backward:
-                (ent.sum() + lp.sum()).backward()
+                torch.autograd.backward([ent, lp], [up[0], up[1]])
             return lp, ent
         return run
 
@@ -137,7 +138,7 @@ def main():
             lp, ent = vlce.linear_cross_entropy(hx if backward else hidden, wx if backward else weight,
                                                 labels, 1.0, "none", tp)
             if backward:
-                (lp.sum() + ent.sum()).backward()
+                torch.autograd.backward([lp, ent], [up[0].to(lp.dtype), up[1].to(ent.dtype)])
             return lp, ent
         return run
 
@@ -146,7 +147,7 @@ def main():
             hx.grad = wx.grad = None
             out = rl_kernels.linear_log_probs(hx if backward else hidden, wx if backward else weight, labels)
             if backward:
-                (out.log_probs.sum() + out.entropy.sum()).backward()
+                torch.autograd.backward([out.log_probs, out.entropy], [up[0], up[1]])
             return out.log_probs, out.entropy
         return run
 
