@@ -161,6 +161,22 @@ def main():
         rows.append(("fused", name, t_f / t_mm, t_fb / t_mm, mem, err, str(lp.dtype).replace("torch.", "")))
         print(rows[-1], flush=True)
 
+    # the fused head with sum_j p_j^2 on (one more accumulator in the mainloop)
+    def ours_fused_sq(backward):
+        def run():
+            hx.grad = wx.grad = None
+            out = rl_kernels.linear_log_probs(hx if backward else hidden, wx if backward else weight, labels,
+                                              return_sum_pi_squared=True)
+            if backward:
+                torch.autograd.backward([out.log_probs, out.entropy, out.sum_pi_squared], [up[0], up[1], up[0]])
+            return out.log_probs, out.entropy
+        return run
+    with torch.no_grad():
+        t_f = bench(ours_fused_sq(False))
+    rows.append(("fused", "rl_kernels + sum_pi_squared", t_f / t_mm, bench(ours_fused_sq(True)) / t_mm,
+                 peak_extra(ours_fused_sq(True)), float("nan"), "float32"))
+    print(rows[-1], flush=True)
+
     print(f"\nlogits: {16384}x{152064} bf16 (ms); fused: 16384x3584x152064 bf16 (x cuBLAS mm = {t_mm:.2f} ms)")
     print(f"{'path':9s} {'implementation':30s} {'fwd':>9s} {'fwd+bwd':>9s} {'peak GiB':>9s} {'max|err| lp':>12s} out")
     for path, name, f, fb, mem, err, dt in rows:
