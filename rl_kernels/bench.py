@@ -230,6 +230,8 @@ def load_results(path: str) -> tuple[dict, str]:
                          f"{exc.colno})") from exc
     except UnicodeDecodeError as exc:
         raise ValueError(f"{path}: not valid JSON (not UTF-8 text)") from exc
+    except RecursionError as exc:
+        raise ValueError(f"{path}: not an rl-kernels bench result (JSON nested too deeply)") from exc
     except OSError as exc:
         raise ValueError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
     if not isinstance(results, dict) or not isinstance(results.get("shapes"), list):

@@ -75,7 +75,10 @@ def _device(text: str) -> torch.device:
 
 
 def _writable_file(option: str, path: str) -> None:
-    """UsageError unless ``path`` can be created: its directory exists and it is not a directory."""
+    """UsageError unless ``path`` can be created: its directory exists and it is not a directory
+    (and, for --png, it ends in .png)."""
+    if option == "--png" and not path.lower().endswith(".png"):
+        raise UsageError(f"argument {option}: {path!r}: expected a file name ending in .png")
     if os.path.isdir(path):
         raise UsageError(f"argument {option}: {path!r} is a directory; expected a file name")
     folder = os.path.dirname(os.path.abspath(path))

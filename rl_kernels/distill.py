@@ -27,7 +27,7 @@ import torch
 import dataclasses
 import numbers
 
-from .api import (_FLOAT_DTYPES, _LABEL_DTYPES, _describe, check_hidden_size, check_labels,
+from .api import (_FLOAT_DTYPES, _LABEL_DTYPES, _describe, check_has_data, check_hidden_size, check_labels,
                   check_temperature, resolve_backend)
 from .autograd import (HeadParams, LinearLogProbsFunction, _chunked_backward, _full_precision_reduction,
                        first_order_only, head_forward, hidden_for_weight_grad)
@@ -42,14 +42,16 @@ def _check_inputs(hidden_states, weight, ids, teacher_log_probs, mask, vocab_siz
                     ("teacher_token_ids", ids), ("teacher_log_probs", teacher_log_probs)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        check_has_data(t, name)
     if hidden_states.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"hidden_states: expected bfloat16, float16 or float32, got {_describe(hidden_states)}")
     if hidden_states.dim() < 2:
         raise ValueError(f"hidden_states: expected shape (..., H) with at least one token dim (e.g. "
                          f"(N, H)), got {_describe(hidden_states)}")
     check_hidden_size(hidden_states, "hidden_states")
-    if weight.dim() != 2 or weight.dtype != hidden_states.dtype or weight.shape[1] != hidden_states.shape[-1]:
-        raise ValueError(f"weight: expected (vocab_size, {hidden_states.shape[-1]}) {hidden_states.dtype}, "
+    if weight.dim() != 2 or weight.dtype != hidden_states.dtype or weight.shape[1] != hidden_states.shape[-1] \
+            or weight.shape[0] == 0:
+        raise ValueError(f"weight: expected (vocab_size >= 1, {hidden_states.shape[-1]}) {hidden_states.dtype}, "
                          f"got {_describe(weight)}")
     lead = tuple(hidden_states.shape[:-1])
     if ids.dtype not in _LABEL_DTYPES or ids.dim() != len(lead) + 1 or tuple(ids.shape[:-1]) != lead \
@@ -65,6 +67,9 @@ def _check_inputs(hidden_states, weight, ids, teacher_log_probs, mask, vocab_siz
                              or mask.device != hidden_states.device):
         raise ValueError(f"mask: expected a bool/0-1 tensor of shape {lead} on {hidden_states.device}, got "
                          + (_describe(mask) if isinstance(mask, torch.Tensor) else type(mask).__name__))
+    if mask is not None and mask.dtype != torch.bool and mask.numel() and bool(((mask != 0) & (mask != 1)).any()):
+        raise ValueError(f"mask: expected bool or 0/1 values, got other values ({_describe(mask)}; e.g. "
+                         f"{mask[(mask != 0) & (mask != 1)].reshape(-1)[0].item()!r})")
     v = weight.shape[0] if vocab_size is None else vocab_size
     if ids.numel() and bool(((ids < 0) | (ids >= v)).any()):
         raise ValueError(f"teacher_token_ids: values must lie in [0, vocab_size={v}); got min "
@@ -304,6 +309,7 @@ def _check_head(hidden, weight, hname, wname, lead=None, dtype=None, device=None
     for name, t in ((hname, hidden), (wname, weight)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        check_has_data(t, name)
     if hidden.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"{hname}: expected bfloat16, float16 or float32, got {_describe(hidden)}")
     if hidden.dim() < 2:

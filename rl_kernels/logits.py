@@ -28,8 +28,8 @@ from typing import NamedTuple
 
 import torch
 
-from .api import (_FLOAT_DTYPES, _describe, check_label_values, check_labels, check_temperature,
-                  resolve_backend)
+from .api import (_FLOAT_DTYPES, _describe, check_has_data, check_label_values, check_labels,
+                  check_temperature, resolve_backend)
 from .autograd import first_order_only
 
 # logits elements per row chunk of the torch backend (x 4 bytes per float32 temporary: 256 MiB; a
@@ -50,6 +50,7 @@ class LogitsStats(NamedTuple):
 def _check_logits(logits) -> None:
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"logits: expected a torch.Tensor, got {type(logits).__name__}")
+    check_has_data(logits, "logits")
     if logits.dim() < 1 or logits.shape[-1] == 0:
         raise ValueError(f"logits: expected shape (..., vocab_size) with vocab_size >= 1, got {_describe(logits)}")
     if logits.dtype not in _FLOAT_DTYPES:
@@ -118,9 +119,14 @@ def _torch_backward(logits, grad, labels, stats, grads, inv_t, ignore_index):
         g_ent = torch.where(valid, g_ent, zero) if g_ent is not None else None
         g_sq = torch.where(valid, g_sq, zero) if g_sq is not None else None
     coef = torch.zeros(n, dtype=torch.float32, device=dev)
+    # rows that get exactly 0 (selected, not multiplied by 0): ignored, and no lse / smoothing
+    # gradient reaches them
+    active = valid.clone() if valid is not None else None
     for key, sign in (("lse", 1.0), ("smooth", -1.0)):
         if key in grads:
             coef = coef + sign * grads[key]
+            if active is not None:
+                active |= grads[key] != 0
     if g_lp is not None:
         coef = coef - g_lp
         safe = torch.where(valid, labels, 0).long()
@@ -139,7 +145,10 @@ def _torch_backward(logits, grad, labels, stats, grads, inv_t, ignore_index):
             dz.scatter_add_(1, safe[r0:r1, None], g_lp[r0:r1, None])
         if "smooth" in grads:
             dz += grads["smooth"][r0:r1, None] / v
-        grad[r0:r1] = dz.mul_(inv_t)
+        dz.mul_(inv_t)
+        if active is not None:
+            dz = torch.where(active[r0:r1, None], dz, zero)
+        grad[r0:r1] = dz
     return grad
 
 
@@ -229,6 +238,18 @@ def _run(logits, labels, temperature, ignore_index, want_entropy, want_smoothing
     return tuple(o.view(shape) if o is not None else None for o in outs)
 
 
+def _overlaps(x: torch.Tensor) -> bool:
+    """Whether two elements of 2-D ``x`` share memory: dims of size > 1 sorted by stride must
+    each step over everything the smaller ones span (a zero stride always overlaps)."""
+    dims = sorted((st, sz) for st, sz in zip(x.stride(), x.shape) if sz > 1)
+    span = 0  # largest offset reachable with the dims so far
+    for stride, size in dims:
+        if stride <= span:
+            return True
+        span += stride * (size - 1)
+    return False
+
+
 def _check_inplace_target(logits, logits2d) -> None:
     """Refuse ``inplace_backward=True`` (before anything is written) when the logits' storage
     cannot receive their gradient element for element: a reshape that copies, or elements that
@@ -237,7 +258,7 @@ def _check_inplace_target(logits, logits2d) -> None:
         raise ValueError(f"inplace_backward=True: logits ({_describe(logits)}, strides "
                          f"{logits.stride()}) cannot be viewed as (N, vocab_size) without a copy, so "
                          f"their storage cannot receive the gradient; pass inplace_backward=False")
-    if torch._debug_has_internal_overlap(logits2d) != 0:  # 1: overlap, 2: cannot tell
+    if _overlaps(logits2d):
         raise ValueError(f"inplace_backward=True: logits ({_describe(logits)}, strides "
                          f"{logits.stride()}) have elements that share memory (expanded or "
                          f"overlapping), so their gradient cannot be written over them; pass "
@@ -265,14 +286,14 @@ def _run_parallel(logits, logits2d, labels, inv_t, ignore_index, want_entropy, i
         def run_forward(x, ent, sq):
             return ops.logits_forward(x, None, inv_t, ignore_index, ent, False, cfg, want_sum_sq=sq)
 
-        def run_backward(x, grad, stats, grads):
-            return ops.logits_backward(x, grad, None, stats, grads, inv_t, ignore_index, cfg)
+        def run_backward(x, grad, stats, grads, row_labels):
+            return ops.logits_backward(x, grad, row_labels, stats, grads, inv_t, ignore_index, cfg)
     else:
         def run_forward(x, ent, sq):
             return _torch_forward(x, None, inv_t, ignore_index, ent, False, sq)
 
-        def run_backward(x, grad, stats, grads):
-            return _torch_backward(x, grad, None, stats, grads, inv_t, ignore_index)
+        def run_backward(x, grad, stats, grads, row_labels):
+            return _torch_backward(x, grad, row_labels, stats, grads, inv_t, ignore_index)
     tp = ParallelParams(process_group, start, total, False)
     outs = VocabParallelLogitsFunction.apply(
         logits2d, labels.reshape(-1) if labels is not None else None, inv_t, int(ignore_index),
@@ -389,6 +410,8 @@ def log_probs_from_logits(
     Memory: O(N) saved for backward. Formula: log p_y = z_y - logsumexp(z), gradient
     onehot(y) - softmax(z) (module docstring).
     """
+    if labels is None:
+        raise TypeError("labels: expected a torch.Tensor of token ids, got None")
     return _run(logits, labels, temperature, ignore_index, False, False, inplace_backward, backend,
                 process_group, vocab_start_index, fn_name="log_probs_from_logits")[0]
 
@@ -476,6 +499,8 @@ def cross_entropy(
         NotImplementedError for ``weight``; ValueError for a bad ``reduction`` or
         ``label_smoothing``, or logits that are not 2-D.
     """
+    if labels is None:
+        raise TypeError("labels: expected a torch.Tensor of class indices, got None")
     if weight is not None:
         raise NotImplementedError("weight: class weights are not supported by rl_kernels.cross_entropy; "
                                   "use torch.nn.functional.cross_entropy")

@@ -54,6 +54,9 @@ def shard_layout(process_group, local_vocab: int, vocab_start_index, device, ign
     vocabulary. Without ``vocab_start_index`` one small all_gather of the shard sizes derives both
     (shards in group-rank order). Raises ValueError / TypeError naming the argument."""
     dist = _dist()
+    if not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(f"process_group: expected a torch.distributed.ProcessGroup (e.g. "
+                        f"torch.distributed.group.WORLD or a new_group()), got {type(process_group).__name__}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral) or ignore_index >= 0:
         raise ValueError(f"ignore_index: with process_group it must be a negative int (global ids "
                          f"are shifted per shard), got {ignore_index!r}")
@@ -245,7 +248,11 @@ class VocabParallelLogitsFunction(torch.autograd.Function):
             stats["sum_pi_squared"] = sum_sq
             grads["sum_pi_squared"] = g_sq.float().contiguous()
         grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
-        ctx.run_backward(logits, grad, stats, grads)
+        # labels for the shard kernel: only the ignored / kept mask (id -1 ... matches no column,
+        # and no log-prob gradient is passed: the onehot part is added below)
+        row_labels = None if labels is None else torch.where(valid, -1 if ctx.ignore_index != -1 else -2,
+                                                             ctx.ignore_index)
+        ctx.run_backward(logits, grad, stats, grads, row_labels)
         if g_lp is not None:
             rows = owned.nonzero()[:, 0]
             cols = (labels[rows] - ctx.tp.start).long()

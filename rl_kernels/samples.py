@@ -77,7 +77,18 @@ def _sample_path(path) -> str:
     return path
 
 
+def _check_target(path: str) -> None:
+    """ValueError naming ``path`` unless a file can be created there: not a directory, and its
+    directory exists."""
+    if os.path.isdir(path):
+        raise ValueError(f"path: {path!r} is a directory; expected a file name ending in .safetensors or .pt")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"path: cannot write {path!r}: directory {folder!r} does not exist")
+
+
 def _write(path: str, tensors: dict, temperature: float, ignore_index: int, metadata: dict) -> None:
+    _check_target(path)
     tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
     tensors["temperature"] = torch.tensor(float(temperature), dtype=torch.float64)
     tensors["ignore_index"] = torch.tensor(int(ignore_index), dtype=torch.int64)
@@ -174,6 +185,8 @@ def _read(path: str) -> tuple[dict, dict]:
         raise SampleError(path, "no such file")
     if os.path.isdir(path):
         raise SampleError(path, f"is a directory, not a sample file ({_KINDS})")
+    if not os.path.isfile(path):  # a FIFO, socket or device: reading could block forever
+        raise SampleError(path, f"is not a regular file ({_KINDS})")
     try:
         with open(path, "rb") as f:
             head = f.read(16)

@@ -403,3 +403,26 @@ def test_verl_configure_validates_and_is_atomic(tmp_path):
     finally:
         rkv.configure(**{f: getattr(previous, f) for f in previous.__dataclass_fields__})
     assert rkv.options() == previous
+
+
+# ----------------------------------------------------------------------------- found by the audit
+def test_audit_cases_fifo_deep_json_png_suffix_and_save_targets(tmp_path, capsys):
+    fifo = tmp_path / "x.safetensors"
+    os.mkfifo(fifo)
+    assert main(["repro", "--device", "cpu", str(fifo)]) == 1  # would block forever in open()
+    assert "is not a regular file" in _one_line_naming(capsys.readouterr().err, "x.safetensors")
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100000 + "]" * 100000)
+    assert main(["bench", "--plot", str(deep)]) == 1
+    assert "nested too deeply" in _one_line_naming(capsys.readouterr().err, "deep.json")
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--plot", str(deep), "--png", str(tmp_path / "chart.notanimage")])
+    assert exc.value.code == 2
+    assert "expected a file name ending in .png" in _one_line_naming(capsys.readouterr().err, "--png")
+    hidden, weight, labels = _tensors()
+    (tmp_path / "d.safetensors").mkdir()
+    for target, what in ((tmp_path / "d.safetensors", "is a directory"),
+                         (tmp_path / "missing" / "s.safetensors", "does not exist"),
+                         (tmp_path / "missing" / "s.pt", "does not exist")):
+        with pytest.raises(ValueError, match=f"path: .*{what}"):
+            save_sample(target, hidden, weight, labels)

@@ -313,3 +313,74 @@ def test_extreme_usable_temperatures_match_float64(backend):
                            backend=backend)
     torch.testing.assert_close(out.entropy, torch.full((3,), math.log(10)), atol=1e-5, rtol=0)
     torch.testing.assert_close(out.log_probs, torch.full((3,), -math.log(10)), atol=1e-5, rtol=0)
+
+
+# ----------------------------------------------------------------------------- found by the audit
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), "all -inf"])
+@pytest.mark.parametrize("backend,two_level", PATHS, ids=PATH_IDS)
+def test_from_logits_ignored_non_finite_row_gets_exactly_zero_gradient(monkeypatch, backend, two_level, bad):
+    _force(monkeypatch, two_level)
+    x, labels = _logits(4, 300, seed=20)
+    if bad == "all -inf":
+        x[2] = float("-inf")
+    else:
+        x[2, 5] = bad
+    labels[2] = -100
+    for fn in (lambda z: log_probs_from_logits(z, labels, backend=backend).sum(),
+               lambda z: logits_stats(z, labels, backend=backend).entropy.sum(),
+               lambda z: cross_entropy(z, labels, label_smoothing=0.1, backend=backend)):
+        xg = x.clone().requires_grad_()
+        fn(xg).backward()
+        assert torch.equal(xg.grad[2], torch.zeros(300)), xg.grad[2]
+        assert torch.isfinite(xg.grad).all()
+    # an lse gradient does reach an ignored row: then its (non-finite) gradient is honest
+    xg = x.clone().requires_grad_()
+    logits_stats(xg, labels, backend=backend).lse.sum().backward()
+    assert not torch.isfinite(xg.grad[2]).all() and torch.isfinite(xg.grad[torch.arange(4) != 2]).all()
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_jsd_nan_teacher_row_gives_nan_student_gradient(backend, beta):
+    sh, sw, _ = make_inputs(4, 8, 16, torch.float32, seed=21)
+    th, tw, _ = make_inputs(4, 6, 16, torch.float32, seed=22)
+    th[0, 2] = float("nan")
+    shx = sh.clone().requires_grad_()
+    loss = linear_jsd(shx, sw, th, tw, beta=beta, reduction="none", backend=backend)
+    loss.sum().backward()
+    assert not torch.isfinite(loss[0]) and torch.isfinite(loss[1:]).all()
+    assert not torch.isfinite(shx.grad[0]).all() and torch.isfinite(shx.grad[1:]).all()
+
+
+def test_more_bad_inputs_name_the_argument():
+    x = torch.randn(3, 10)
+    with pytest.raises(TypeError, match="labels: expected a torch.Tensor of token ids, got None"):
+        log_probs_from_logits(x, None)
+    with pytest.raises(TypeError, match="labels: expected a torch.Tensor of class indices, got None"):
+        cross_entropy(x, None)
+    with pytest.raises(ValueError, match=r"weight: expected \(vocab_size >= 1"):
+        linear_topk_kl(torch.randn(0, 8), torch.randn(0, 8), torch.zeros(0, 1, dtype=torch.long),
+                       torch.zeros(0, 1), backend="torch")
+    with pytest.raises(ValueError, match="logits: a meta tensor holds no data"):
+        logits_stats(torch.empty(3, 10, device="meta"), backend="torch")
+    with pytest.raises(ValueError, match="hidden_states: a meta tensor holds no data"):
+        linear_log_probs(torch.empty(3, 8, device="meta"), torch.randn(10, 8), torch.zeros(3, dtype=torch.long))
+    hidden, weight, _ = make_inputs(3, 8, 10, torch.float32)
+    ids, t_lp = torch.tensor([[0, 1], [2, 3], [4, 5]]), torch.full((3, 2), -0.7)
+    with pytest.raises(ValueError, match="mask: expected bool or 0/1 values, got other values .* 0.5"):
+        linear_topk_kl(hidden, weight, ids, t_lp, mask=torch.tensor([1.0, 0.5, 0.0]), backend="torch")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_inplace_backward_accepts_non_overlapping_views(backend):
+    g = torch.Generator().manual_seed(23)
+    big = torch.randn(4, 80, generator=g)
+    labels = torch.randint(0, 40, (4,), generator=g)
+    for view in (lambda t: t[:, :40], lambda t: t[:, ::2]):
+        ref_in = view(big.clone()).requires_grad_()
+        log_probs_from_logits(ref_in * 1.0, labels, backend=backend).sum().backward()
+        leaf = big.clone().requires_grad_()
+        y = leaf * 1.0
+        log_probs_from_logits(view(y), labels, inplace_backward=True, backend=backend).sum().backward()
+        torch.testing.assert_close(view(leaf.grad), ref_in.grad, atol=1e-6, rtol=1e-6)

@@ -192,6 +192,20 @@ def run(rank, world, init_file, backend):
     torch.testing.assert_close(wx.grad.double(), ref_dw[lo:hi], **tol)
     torch.testing.assert_close(hx.grad.double(), ref_dh, **tol)
 
+    # an ignored NaN row of a logits shard gets exactly zero gradient (selected out)
+    shard = (bad_h @ weight[lo:hi].T).requires_grad_()
+    from rl_kernels import log_probs_from_logits
+
+    log_probs_from_logits(shard, ign_labels, backend=backend, process_group=group).sum().backward()
+    assert torch.equal(shard.grad[2], torch.zeros_like(shard.grad[2])) and torch.isfinite(shard.grad).all()
+    # a process_group of the wrong type, with torch.distributed initialized
+    try:
+        linear_log_probs(hidden, weight[lo:hi], labels, backend=backend, process_group="tp")
+    except TypeError as e:
+        assert "process_group: expected a torch.distributed.ProcessGroup" in str(e), e
+    else:
+        raise AssertionError("a str process_group did not raise")
+
     # a wrong vocab_start_index leaves label V - 1 in no shard: every rank raises
     try:
         linear_log_probs(hidden, weight[lo:hi], labels, backend=backend, process_group=group,

@@ -52,8 +52,9 @@ def _jsd_terms(lq, lp, beta, log_beta, log_1mbeta, MODE: tl.constexpr):
     else:
         a = log_beta + lp
         b = log_1mbeta + lq
-        hi = tl.maximum(a, b)
-        log_m = hi + tl.log(1.0 + tl.exp(tl.minimum(a, b) - hi))
+        # NaN-propagating: a NaN teacher logit must make g (hence the student's gradient) NaN
+        hi = tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+        log_m = hi + tl.log(1.0 + tl.exp(tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL) - hi))
         g = (1.0 - beta) * q * (lq - log_m)
         loss = beta * tl.exp(lp) * (lp - log_m) + g
     return loss, g, q

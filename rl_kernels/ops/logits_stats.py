@@ -215,17 +215,24 @@ def _logits_bwd_kernel(
     p = tl.exp(log_p)
     coef = tl.zeros((), tl.float32)
     valid = True
+    # an ignored row gets exactly 0 unless an lse / smoothing gradient reaches it: selected, not
+    # multiplied by 0 (a NaN/inf row would otherwise leak NaN into the logits' producer)
+    active = True
     if HAS_LABELS:  # rows with label == ignore_index have constant log p and entropy (0)
         label = tl.load(labels_ptr + row * stride_lab)
         valid = label != ignore_index
+        active = valid
     if HAS_LP:
         g_lp = tl.where(valid, tl.load(g_lp_ptr + row), 0.0)
         coef -= g_lp
     if HAS_LSE:
-        coef += tl.load(g_lse_ptr + row)
+        g_lse = tl.load(g_lse_ptr + row)
+        coef += g_lse
+        active = active | (g_lse != 0)
     if HAS_SMOOTH:
         g_smooth = tl.load(g_smooth_ptr + row)
         coef -= g_smooth
+        active = active | (g_smooth != 0)
     dz = p * coef
     if HAS_ENT:
         g_ent = tl.where(valid, tl.load(g_ent_ptr + row), 0.0)
@@ -238,8 +245,8 @@ def _logits_bwd_kernel(
         dz += tl.where(cols == label, g_lp, 0.0)
     if HAS_SMOOTH:
         dz += g_smooth / V
-    tl.store(grad_ptr + row * stride_gn + cols64 * stride_gv,
-             (dz * inv_temperature).to(grad_ptr.dtype.element_ty), mask=mask)
+    dz = tl.where(active, dz * inv_temperature, 0.0)
+    tl.store(grad_ptr + row * stride_gn + cols64 * stride_gv, dz.to(grad_ptr.dtype.element_ty), mask=mask)
 
 
 def use_two_level(n: int, v: int, cfg: LogitsConfig, device: torch.device) -> bool:
