@@ -27,8 +27,9 @@ input dtype, as Megatron's own vocab-parallel cross-entropy does). verl's Megatr
 ``reduce_hidden_grad=False`` there. Without sequence parallelism that path passes the decoder
 output straight in, and nothing else sums dh over the tensor-parallel group: pass
 ``reduce_hidden_grad=True``, and the backward all-reduces the float32 partials over the group and
-rounds once (the unsharded head's accuracy; twice the bytes of a 16-bit all-reduce). The example
-``integrations/verl/megatron_vocab_parallel.py`` does exactly this.
+rounds once (the unsharded head's accuracy; twice the bytes of a 16-bit all-reduce). The verl
+integration (``rl_kernels/integrations/verl_megatron.py``) makes this choice per call and its
+tests prove both cases against an unsharded float64 gradient.
 """
 from __future__ import annotations
 

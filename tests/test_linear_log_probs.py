@@ -308,7 +308,7 @@ def _args():
      "labels: 1 entries lie outside [0, vocab_size=20)"),
     (lambda h, w, l: (h, w, torch.tensor([0, -1, 2, 3, 4])), ValueError, "first at flat position 1: -1"),
     (lambda h, w, l: (h, w[:0], l), ValueError, "vocab_size must be >= 1"),
-    (lambda h, w, l: (h, w, l.to("meta")), ValueError, "labels: on meta"),
+    (lambda h, w, l: (h, w, l.to("meta")), ValueError, "labels: a meta tensor holds no data"),
     (lambda h, w, l: (h.numpy(), w, l), TypeError, "hidden_states: expected a torch.Tensor"),
 ])
 def test_bad_tensors_raise_clear_errors(change, exc, words):

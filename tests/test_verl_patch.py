@@ -8,6 +8,7 @@ rounding of different summation orders.
 """
 import ast
 import importlib
+import importlib.util
 import inspect
 import os
 
@@ -16,6 +17,8 @@ import pytest
 pytest.importorskip("verl", reason="verl is not installed (pip install -e '.[verl]')")
 import torch
 import verl.utils.torch_functional as verl_F
+
+import rl_kernels
 from safetensors import safe_open
 from transformers import Qwen2ForCausalLM
 from verl.models.transformers.monkey_patch import apply_monkey_patch
@@ -350,10 +353,63 @@ def test_signature_table_matches_installed_verl():
     import verl.utils.experimental.torch_functional as xtf
 
     with verl_unpatched():
+        from verl.workers.engine.base import EngineRegistry
+
         fns = {"patch_forward_with_backends": mp.patch_forward_with_backends,
                "FusedLinearForPPO.__init__": xtf.FusedLinearForPPO.__init__,
                "FusedLinearForPPO.forward": xtf.FusedLinearForPPO.forward,
-               **{n: getattr(verl_F, n) for n in rkv.LOGITS_FUNCTIONS}}
+               "EngineRegistry.get_engine_cls": vars(EngineRegistry)["get_engine_cls"].__func__,
+               **{n: getattr(verl_F, n) for n in rkv.LOGITS_FUNCTIONS + (rkv.SUM_PI_SQUARED_FUNCTION,)}}
         for label, fn in fns.items():
             assert rkv._signature(fn) == rkv._EXPECTED_SIGNATURES[label], label
             assert inspect.isfunction(fn)
+        assert set(fns) == set(rkv._EXPECTED_SIGNATURES)
+        # the Megatron part (rl_kernels.integrations.verl_megatron), when megatron-core is installed
+        if importlib.util.find_spec("megatron.core") is not None:
+            import megatron.core.tensor_parallel as mcore_tp
+            import verl.utils.megatron.tensor_parallel as vtp
+            from verl.utils.kernel.linear_cross_entropy import LinearCrossEntropy
+
+            import rl_kernels.integrations.verl_megatron as rkm
+
+            fns = {**{n: getattr(vtp, n) for n in rkm.LOGITS_FUNCTIONS + (rkm.SUM_PI_SQUARED_FUNCTION,)},
+                   "LinearCrossEntropy.forward": LinearCrossEntropy.forward,
+                   rkm.GATHER: getattr(mcore_tp, rkm.GATHER)}
+            assert set(fns) == set(rkm.EXPECTED_SIGNATURES)
+            for label, fn in fns.items():
+                assert rkv._signature(fn) == rkm.EXPECTED_SIGNATURES[label], label
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sum_pi_squared_function(dtype):
+    """verl.utils.torch_functional.calculate_sum_pi_squared_from_logits (the FSDP engine's sum of
+    squared probabilities) is rl-kernels' while patched: vs float64 and verl's original."""
+    if not hasattr(rl_kernels, "sum_pi_squared_from_logits"):
+        pytest.skip("rl_kernels.sum_pi_squared_from_logits is not in this rl-kernels yet")
+    assert verl_F.calculate_sum_pi_squared_from_logits is rkv.calculate_sum_pi_squared_from_logits
+    g = torch.Generator().manual_seed(8)
+    logits = (torch.randn(3, 5, 301, generator=g) * 3).to(dtype)
+    g_out = torch.randn(3, 5, generator=g)
+
+    def run():
+        x = logits.clone().requires_grad_()
+        out = verl_F.calculate_sum_pi_squared_from_logits(x)
+        (out * g_out).sum().backward()
+        return out, x.grad
+
+    before = rkv.call_counts()["sum_pi_squared_calls"]
+    ours, ours_grad = run()
+    assert rkv.call_counts()["sum_pi_squared_calls"] == before + 1
+    x64 = logits.double().requires_grad_()
+    want = x64.softmax(-1).pow(2).sum(-1)
+    (want * g_out.double()).sum().backward()
+    assert ours.dtype == torch.float32 and ours.shape == (3, 5)
+    torch.testing.assert_close(ours.double(), want.detach(), atol=1e-6, rtol=1e-5)
+    atol, rtol = (1e-6, 1e-5) if dtype == torch.float32 else (1e-4, 2 ** -7)
+    torch.testing.assert_close(ours_grad.double(), x64.grad, atol=atol, rtol=rtol)
+    with verl_unpatched():
+        theirs, theirs_grad = run()
+    err = (ours.double() - want).abs().max()
+    assert err <= (theirs.double() - want).abs().max() + 1e-7
+    if dtype == torch.float32:
+        torch.testing.assert_close(ours_grad, theirs_grad, atol=1e-6, rtol=1e-4)

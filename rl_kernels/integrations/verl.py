@@ -9,7 +9,7 @@ Turn it on in a verl run with overrides only (see ``integrations/verl/README.md`
 verl imports ``external_lib`` in ``HFModelConfig.__post_init__`` inside every Ray worker, before
 it builds the model; the import calls :func:`patch`, which
 
-* **fused path** (``use_fused_kernels=True``): registers a new ``impl_backend`` name,
+* **FSDP fused path** (``use_fused_kernels=True``): registers a new ``impl_backend`` name,
   ``rl_kernels``. ``verl.models.transformers.monkey_patch.patch_forward_with_backends`` accepts
   it and installs verl's own fused forward for the model class (``dense_common`` for text models,
   the ``qwen2_vl`` / ``qwen3_vl`` / ``glm4v`` / ``qwen3_5`` variants for VLMs), so label rolling,
@@ -20,13 +20,24 @@ it builds the model; the import calls :func:`patch`, which
   verl's fused forwards always ask for it). verl's ``triton``, ``torch`` and ``liger`` backends
   are left untouched, so they stay available for comparison. verl prints "Using Torch backend"
   for such a model (its torch-backend forward is reused); this module then logs the real backend.
-* **logits path** (``use_fused_kernels=False``): replaces ``logprobs_from_logits``,
+* **FSDP logits path** (``use_fused_kernels=False``): replaces ``logprobs_from_logits``,
   ``entropy_from_logits`` and ``entropy_from_logits_with_chunking`` in
   ``verl.utils.torch_functional`` and in every loaded module that imported them by name, with
   :mod:`rl_kernels.logits` (chunked float32; O(N) saved state; float32 outputs, where verl's
   non-flash-attn path returns the logits dtype). Modules imported later get the patched functions
   from ``verl.utils.torch_functional`` itself. Patch before verl's engine is built (verl's import
   of ``external_lib`` does): the FSDP engine caches ``entropy_from_logits`` at construction.
+  ``calculate_sum_pi_squared_from_logits`` (the FSDP engine's sum of squared probabilities) goes
+  to ``rl_kernels.sum_pi_squared_from_logits`` the same way.
+* **Megatron engine** (:mod:`rl_kernels.integrations.verl_megatron`, when ``megatron.core`` is
+  importable): verl's vocab-parallel from-logits functions (logits path) and the
+  ``linear_cross_entropy`` of its Megatron fused forwards (fused path), on the tensor-parallel
+  group, with the hidden-state gradient summed exactly once over that group.
+
+:func:`patch` logs, per engine, exactly what it replaced (also :func:`report`); when verl builds
+an engine, the engine is named once, with a warning if rl-kernels does not serve it (VeOmni,
+torchtitan, Automodel, ...). :func:`call_counts` counts the calls per consumer, and after the
+first :data:`SUMMARY_AFTER_CALLS` calls one INFO line says how many tokens went through which path.
 
 Options come from ``actor_rollout_ref.model.fused_kernel_options.rl_kernels`` (a dict; keys in
 :class:`VerlOptions`) of the ``HFModelConfig`` that imports this module and of every later one,
@@ -38,25 +49,32 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.metadata
-import inspect
 import logging
 import sys
 import threading
 
 import torch
 
+import rl_kernels
+
 from .._logging import log_once, logger
 from ..anomaly import AnomalyCapture, check_bool_arg, check_float_arg, check_int_arg, check_path_arg
 from ..api import BACKENDS, linear_log_probs
 from ..logits import entropy_from_logits as _rk_entropy_from_logits
 from ..logits import log_probs_from_logits as _rk_log_probs_from_logits
+from . import verl_megatron
+from ._verl_common import (SUMMARY_AFTER_CALLS, SUPPORTED_VERL, VerlIntegrationError, call_counts,  # noqa: F401
+                           check_signature, record, replace_by_name, restore, set_attr, verl_version)
+from ._verl_common import signature as _signature
 
 BACKEND_NAME = "rl_kernels"
 """The ``fused_kernel_options.impl_backend`` value that selects rl-kernels."""
 
-SUPPORTED_VERL = ("0.9.",)
 LOGITS_FUNCTIONS = ("logprobs_from_logits", "entropy_from_logits", "entropy_from_logits_with_chunking")
+SUM_PI_SQUARED_FUNCTION = "calculate_sum_pi_squared_from_logits"
+SERVED_ENGINES = {"verl.workers.engine.fsdp.transformer_impl": "FSDP",
+                  "verl.workers.engine.megatron.transformer_impl": "Megatron"}
+"""verl engine modules whose engines (and their subclasses: fsdp_turbo, MindSpeed) rl-kernels serves."""
 
 # parameter names (with defaults) this patch was written against (verl 0.9.1)
 _EXPECTED_SIGNATURES = {
@@ -66,11 +84,9 @@ _EXPECTED_SIGNATURES = {
     "logprobs_from_logits": ["logits", "labels", "inplace_backward=True"],
     "entropy_from_logits": ["logits"],
     "entropy_from_logits_with_chunking": ["logits", "chunk_size=2048"],
+    "calculate_sum_pi_squared_from_logits": ["logits"],
+    "EngineRegistry.get_engine_cls": ["cls", "model_type", "backend"],
 }
-
-
-class VerlIntegrationError(RuntimeError):
-    """verl is missing, of an unsupported version, or its functions changed their signatures."""
 
 
 @dataclasses.dataclass
@@ -78,8 +94,11 @@ class VerlOptions:
     """Options under ``fused_kernel_options.rl_kernels`` (all optional).
 
     backend: ``auto`` (Triton on CUDA, torch otherwise), ``triton`` or ``torch``, passed to
-        :func:`rl_kernels.linear_log_probs` on the fused path.
-    patch_logits_path: replace verl's from-logits functions (``use_fused_kernels=False`` path).
+        :func:`rl_kernels.linear_log_probs` on the fused paths (FSDP and Megatron).
+    patch_logits_path: replace verl's from-logits functions (``use_fused_kernels=False`` path:
+        FSDP and Megatron engines, and the sum-of-squared-probabilities functions).
+    patch_megatron_fused: replace ``linear_cross_entropy`` in verl's Megatron fused forwards
+        (``use_fused_kernels=True`` with the Megatron engine); False keeps verl's kernel there.
     anomaly_dir: turn on anomaly capture (:mod:`rl_kernels.anomaly`), writing samples here.
     anomaly_max_count, anomaly_max_bytes: per-process bounds on what capture writes.
     anomaly_max_log_prob: a log-prob above this is an anomaly.
@@ -89,6 +108,7 @@ class VerlOptions:
 
     backend: str = "auto"
     patch_logits_path: bool = True
+    patch_megatron_fused: bool = True
     anomaly_dir: str | None = None
     anomaly_max_count: int = 4
     anomaly_max_bytes: int = 8 << 30
@@ -105,6 +125,7 @@ class VerlOptions:
         if not isinstance(self.backend, str) or self.backend not in BACKENDS:
             raise ValueError(f"{name('backend')}: expected one of {BACKENDS}, got {self.backend!r}")
         check_bool_arg(name("patch_logits_path"), self.patch_logits_path)
+        check_bool_arg(name("patch_megatron_fused"), self.patch_megatron_fused)
         if self.anomaly_dir is not None:  # None: no capture
             check_path_arg(name("anomaly_dir"), self.anomaly_dir)
         for field in ("anomaly_max_count", "anomaly_max_bytes", "anomaly_recheck_every",
@@ -119,23 +140,9 @@ class VerlOptions:
 _lock = threading.RLock()
 _options = VerlOptions()
 _capture: AnomalyCapture | None = None
-_undo: list = []            # (owner, attribute name, original value), in patch order
 _patched = False
 _model_names: list[str] = []
-_counts = {"fused_calls": 0, "fused_tokens": 0, "logits_log_probs_calls": 0, "logits_entropy_calls": 0}
-
-
-def verl_version() -> str:
-    try:
-        return importlib.metadata.version("verl")
-    except importlib.metadata.PackageNotFoundError as exc:
-        raise VerlIntegrationError("rl_kernels.integrations.verl: verl is not installed "
-                                   "(pip install 'rl-kernels[verl]')") from exc
-
-
-def call_counts() -> dict:
-    """Calls (and fused tokens) served by rl-kernels in this process since the first patch."""
-    return dict(_counts)
+_report: dict = {}           # part ("FSDP fused path", ...) -> (replaced?, what), of the last patch()
 
 
 def options() -> VerlOptions:
@@ -165,9 +172,10 @@ def configure(**kwargs) -> VerlOptions:
             capture = AnomalyCapture(directory=str(new.anomaly_dir), **settings, metadata={
                 "verl_version": verl_version(), "source": "rl_kernels.integrations.verl"})
         # nothing above changed the module state; commit
-        if _patched and new.patch_logits_path != _options.patch_logits_path:
-            logger.warning("rl_kernels: patch_logits_path=%s arrived after verl was patched; it takes "
-                           "effect at the next patch() (call unpatch() and patch())", new.patch_logits_path)
+        for field in ("patch_logits_path", "patch_megatron_fused"):
+            if _patched and getattr(new, field) != getattr(_options, field):
+                logger.warning("rl_kernels: %s=%s arrived after verl was patched; it takes effect at the "
+                               "next patch() (call unpatch() and patch())", field, getattr(new, field))
         _options, _capture = new, capture
         logger.info("rl_kernels verl options: %s", new)
     return _options
@@ -202,27 +210,11 @@ def _model_config_in_import_stack():
     return None
 
 
-def _signature(fn) -> list[str]:
-    out = []
-    for p in inspect.signature(fn).parameters.values():
-        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            continue
-        out.append(p.name if p.default is p.empty else f"{p.name}={p.default!r}")
-    return out
-
-
 def _check_signature(label: str, fn) -> None:
-    got = _signature(fn)
-    if got != _EXPECTED_SIGNATURES[label]:
-        raise VerlIntegrationError(
-            f"rl_kernels.integrations.verl: verl {verl_version()} changed {label}: expected parameters "
-            f"{_EXPECTED_SIGNATURES[label]}, found {got}. This patch supports verl {SUPPORTED_VERL}; "
-            f"pin verl==0.9.1 or update rl-kernels.")
+    check_signature(label, fn, _EXPECTED_SIGNATURES[label])
 
 
-def _set(owner, name, value) -> None:
-    _undo.append((owner, name, getattr(owner, name)))
-    setattr(owner, name, value)
+_set = set_attr
 
 
 # ----------------------------------------------------------------------------- fused path
@@ -257,8 +249,7 @@ def _fused_log_probs_entropy(hidden_states, vocab_weights, input_ids, temperatur
     vocab_weights = _full_weight(vocab_weights, hidden_states.dtype)
     out = linear_log_probs(hidden_states, vocab_weights, input_ids, temperature=temperature,
                            return_entropy=True, backend=_options.backend)
-    _counts["fused_calls"] += 1
-    _counts["fused_tokens"] += input_ids.numel()
+    record("fused_fsdp_calls", "fused fsdp", input_ids.numel())
     if _capture is not None:
         _capture.check(hidden_states, vocab_weights, input_ids, temperature=float(temperature),
                        ignore_index=-100, log_probs=out.log_probs, entropy=out.entropy,
@@ -321,15 +312,17 @@ def logprobs_from_logits(logits, labels, inplace_backward=True):
     the gradient into the logits' storage as verl's flash-attn path does (verl passes False when
     it also needs the logits for entropy). See :func:`rl_kernels.log_probs_from_logits`.
     """
-    _counts["logits_log_probs_calls"] += 1
-    return _rk_log_probs_from_logits(logits, labels, inplace_backward=bool(inplace_backward))
+    out = _rk_log_probs_from_logits(logits, labels, inplace_backward=bool(inplace_backward))
+    record("logits_log_probs_calls", "logits fsdp", labels.numel())
+    return out
 
 
 @torch.compiler.disable
 def entropy_from_logits(logits):
     """rl-kernels replacement for ``verl.utils.torch_functional.entropy_from_logits`` (float32)."""
-    _counts["logits_entropy_calls"] += 1
-    return _rk_entropy_from_logits(logits)
+    out = _rk_entropy_from_logits(logits)
+    record("logits_entropy_calls", "logits fsdp", logits.shape[:-1].numel())
+    return out
 
 
 @torch.compiler.disable
@@ -338,8 +331,18 @@ def entropy_from_logits_with_chunking(logits, chunk_size=2048):
     (by elements, not rows), so ``chunk_size`` is only validated."""
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
-    _counts["logits_entropy_calls"] += 1
-    return _rk_entropy_from_logits(logits)
+    out = _rk_entropy_from_logits(logits)
+    record("logits_entropy_calls", "logits fsdp", logits.shape[:-1].numel())
+    return out
+
+
+@torch.compiler.disable
+def calculate_sum_pi_squared_from_logits(logits):
+    """rl-kernels replacement for ``verl.utils.torch_functional.calculate_sum_pi_squared_from_logits``:
+    sum over the vocabulary of softmax(logits)^2 (float32, shape ``logits.shape[:-1]``)."""
+    out = rl_kernels.sum_pi_squared_from_logits(logits)
+    record("sum_pi_squared_calls", "sum_pi_squared fsdp", logits.shape[:-1].numel())
+    return out
 
 
 _REPLACEMENTS = {
@@ -349,28 +352,92 @@ _REPLACEMENTS = {
 }
 
 
-def _patch_logits_path(torch_functional) -> list[str]:
-    """Replace the three functions in ``torch_functional`` and wherever they were imported by name."""
-    originals = {}
-    for name in LOGITS_FUNCTIONS:
+def _checked(torch_functional, names) -> None:
+    for name in names:
         fn = getattr(torch_functional, name, None)
         if fn is None:
             raise VerlIntegrationError(f"rl_kernels.integrations.verl: verl.utils.torch_functional has no "
                                        f"{name} in verl {verl_version()}")
         _check_signature(name, fn)
-        originals[name] = fn
-    places = []
-    for mod_name, mod in list(sys.modules.items()):
-        namespace = getattr(mod, "__dict__", None)
-        if not isinstance(namespace, dict) or mod is torch_functional:
-            continue
-        for name, fn in originals.items():
-            if namespace.get(name) is fn:
-                _set(mod, name, _REPLACEMENTS[name])
-                places.append(f"{mod_name}.{name}")
-    for name in LOGITS_FUNCTIONS:
-        _set(torch_functional, name, _REPLACEMENTS[name])
-    return places
+
+
+def _patch_logits_path(torch_functional) -> list[str]:
+    """Replace the three functions in ``torch_functional`` and wherever they were imported by name."""
+    _checked(torch_functional, LOGITS_FUNCTIONS)
+    return replace_by_name(torch_functional, _REPLACEMENTS)
+
+
+def _sum_pi_squared_available() -> bool:
+    if hasattr(rl_kernels, "sum_pi_squared_from_logits"):
+        return True
+    log_once(logging.INFO, "rl_kernels: this rl-kernels has no sum_pi_squared_from_logits: verl's "
+             "sum-of-squared-probabilities functions are not replaced")
+    return False
+
+
+# ----------------------------------------------------------------------------- engine report
+_WHEN = {"FSDP fused path": " (models with impl_backend=rl_kernels)",
+         "FSDP logits path": " (use_fused_kernels=False)", "Megatron logits path": " (use_fused_kernels=False)",
+         "Megatron fused path": " (use_fused_kernels=True)"}
+
+
+def _engine_family(engine_cls):
+    for klass in getattr(engine_cls, "__mro__", ()):
+        family = SERVED_ENGINES.get(klass.__module__)
+        if family is not None:
+            return family
+    return None
+
+
+def _report_engine(model_type, backend, engine_cls) -> None:
+    """Log once which rl-kernels paths serve the verl engine just chosen; warn for one it does not."""
+    if model_type != "language_model" or not isinstance(engine_cls, type):
+        return  # the critic's value head computes no log-probs
+    name = f"verl engine '{backend}' ({engine_cls.__name__})"
+    family = _engine_family(engine_cls)
+    if family is not None:
+        parts = {part: entry for part, entry in _report.items() if part.startswith(family) or
+                 part == f"sum_pi_squared ({family})"}
+        done = [part + _WHEN.get(part, "") for part, (ok, _) in parts.items() if ok]
+        if done:
+            log_once(logging.INFO, f"rl_kernels: {name} is served by rl-kernels: {', '.join(done)}"
+                     + "".join(f"; {part}: {what}" for part, (ok, what) in parts.items() if not ok))
+        else:
+            log_once(logging.WARNING, f"rl_kernels: {name}: rl-kernels replaced nothing it uses ("
+                     + "; ".join(f"{part}: {what}" for part, (_, what) in parts.items()) + ")")
+        return
+    module = sys.modules.get(engine_cls.__module__)
+    namespace = vars(module) if module is not None else {}
+    import verl.utils.torch_functional as torch_functional
+    ours = set(map(id, _REPLACEMENTS.values()))
+    by_name = sorted(bound for bound, value in namespace.items() if id(value) in ours)
+    uses_module = any(value is torch_functional for value in namespace.values())
+    if _report.get("FSDP logits path", (False,))[0] and (by_name or uses_module):
+        detail = ("only its calls to verl.utils.torch_functional's from-logits functions ("
+                  + ", ".join(by_name + (["verl_F.*"] if uses_module else [])) + ") go through rl-kernels; "
+                  "its fused path and everything else stay verl's")
+    else:
+        detail = "its log-probs and entropy are computed by verl's own code"
+    log_once(logging.WARNING, f"rl_kernels: {name} is not an engine rl-kernels serves (FSDP: fsdp, fsdp2; "
+             f"Megatron: megatron): {detail}")
+
+
+def _wrap_engine_registry(base) -> None:
+    registry = base.EngineRegistry
+    original = vars(registry)["get_engine_cls"]
+    if not isinstance(original, classmethod):
+        raise VerlIntegrationError(f"rl_kernels.integrations.verl: verl {verl_version()} changed "
+                                   f"EngineRegistry.get_engine_cls (no longer a classmethod)")
+    _check_signature("EngineRegistry.get_engine_cls", original.__func__)
+
+    @functools.wraps(original.__func__)
+    def get_engine_cls(cls, model_type, backend):
+        engine_cls = original.__func__(cls, model_type, backend)
+        _report_engine(model_type, backend, engine_cls)
+        return engine_cls
+
+    get_engine_cls._rl_kernels_original = original
+    _set(registry, "get_engine_cls", classmethod(get_engine_cls))
 
 
 # ----------------------------------------------------------------------------- patch / unpatch
@@ -386,9 +453,59 @@ def _wrap_model_config(model_config_module) -> None:
     _set(cls, "__post_init__", __post_init__)
 
 
+def _patch_all(monkey_patch, experimental_tf, torch_functional) -> dict:
+    """Apply every patch; returns the report {part: (replaced?, what)}. The caller rolls back on error."""
+    report = {}
+    try:  # imports verl's engines first, so that their by-name imports are patched and listed below
+        import verl.workers.engine.base as engine_base
+    except ImportError as exc:
+        log_once(logging.INFO, f"rl_kernels: verl.workers.engine not importable ({exc}); the verl engine in "
+                 f"use is not reported")
+    else:
+        _wrap_engine_registry(engine_base)
+    _set(monkey_patch, "patch_forward_with_backends",
+         _make_patch_forward_with_backends(monkey_patch.patch_forward_with_backends))
+    _set(experimental_tf, "FusedLinearForPPO", _make_fused_linear_class(experimental_tf.FusedLinearForPPO))
+    report["FSDP fused path"] = (True, f"impl_backend='{BACKEND_NAME}' (verl.models.transformers.monkey_patch."
+                                 f"patch_forward_with_backends, verl.utils.experimental.torch_functional."
+                                 f"FusedLinearForPPO; verl's triton/torch/liger backends unchanged)")
+    logits_path = _options.patch_logits_path
+    if logits_path:
+        places = _patch_logits_path(torch_functional)
+        report["FSDP logits path"] = (True, f"{', '.join(LOGITS_FUNCTIONS)} in verl.utils.torch_functional and "
+                                      f"{len(places)} by-name import(s) ({', '.join(places) or 'none loaded yet'})")
+    else:
+        report["FSDP logits path"] = (False, "not replaced (patch_logits_path=False)")
+    sum_pi_squared = logits_path and _sum_pi_squared_available()
+    if sum_pi_squared:
+        _checked(torch_functional, (SUM_PI_SQUARED_FUNCTION,))
+        places = replace_by_name(torch_functional, {SUM_PI_SQUARED_FUNCTION: calculate_sum_pi_squared_from_logits})
+        report["sum_pi_squared (FSDP)"] = (True, f"{SUM_PI_SQUARED_FUNCTION} in verl.utils.torch_functional and "
+                                           f"{len(places)} by-name import(s) ({', '.join(places) or 'none'})")
+    else:
+        report["sum_pi_squared (FSDP)"] = (False, "not replaced (" + (
+            "rl_kernels has no sum_pi_squared_from_logits" if logits_path else "patch_logits_path=False") + ")")
+    megatron = verl_megatron.patch(logits_path=logits_path, fused_path=_options.patch_megatron_fused,
+                                   sum_pi_squared=sum_pi_squared, options=options)
+    off = {"Megatron logits path": (logits_path, "not replaced (patch_logits_path=False)"),
+           "Megatron fused path": (_options.patch_megatron_fused, "not replaced (patch_megatron_fused=False)"),
+           "sum_pi_squared (Megatron)": (sum_pi_squared, report["sum_pi_squared (FSDP)"][1])}
+    for part, (ok, what) in megatron.items():
+        switched_on, reason = off[part]
+        report[part] = (ok, what) if switched_on or what.startswith("not patched") else (False, reason)
+    try:
+        import verl.workers.config.model as model_config_module
+    except ImportError as exc:  # a stubbed verl without the worker stack
+        log_once(logging.INFO, f"rl_kernels: verl.workers.config.model not importable ({exc}); "
+                 f"options come from rl_kernels.integrations.verl.configure() only")
+    else:
+        _wrap_model_config(model_config_module)
+    return report
+
+
 def patch() -> None:
     """Patch verl (idempotent). Raises VerlIntegrationError when verl does not fit (see module doc)."""
-    global _patched
+    global _patched, _report
     with _lock:
         if _patched:
             return
@@ -404,56 +521,35 @@ def patch() -> None:
         _check_signature("FusedLinearForPPO.__init__", experimental_tf.FusedLinearForPPO.__init__)
         _check_signature("FusedLinearForPPO.forward", experimental_tf.FusedLinearForPPO.forward)
         try:
-            _set(monkey_patch, "patch_forward_with_backends",
-                 _make_patch_forward_with_backends(monkey_patch.patch_forward_with_backends))
-            _set(experimental_tf, "FusedLinearForPPO", _make_fused_linear_class(experimental_tf.FusedLinearForPPO))
-            places = _patch_logits_path(torch_functional) if _options.patch_logits_path else []
-            try:
-                import verl.workers.config.model as model_config_module
-            except ImportError as exc:  # a stubbed verl without the worker stack
-                log_once(logging.INFO, f"rl_kernels: verl.workers.config.model not importable ({exc}); "
-                         f"options come from rl_kernels.integrations.verl.configure() only")
-            else:
-                _wrap_model_config(model_config_module)
+            report = _patch_all(monkey_patch, experimental_tf, torch_functional)
         except BaseException:
             _restore()
             raise
-        _patched = True
-        logger.info("rl_kernels patched verl %s: fused path impl_backend='%s' "
-                    "(verl.models.transformers.monkey_patch.patch_forward_with_backends, "
-                    "verl.utils.experimental.torch_functional.FusedLinearForPPO); logits path: %s",
-                    version, BACKEND_NAME,
-                    (f"{', '.join(LOGITS_FUNCTIONS)} in verl.utils.torch_functional and {len(places)} "
-                     f"by-name import(s) ({', '.join(places) or 'none loaded yet'})")
-                    if _options.patch_logits_path else "off (patch_logits_path=False)")
+        _report, _patched = report, True
+        logger.info("rl_kernels patched verl %s:\n%s", version, "\n".join(
+            f"  {part}: {what}" for part, (_, what) in report.items()))
+
+
+def report() -> dict:
+    """What the last :func:`patch` replaced: ``{part: (replaced?, what)}``, parts "FSDP fused path",
+    "FSDP logits path", "sum_pi_squared (FSDP)", "Megatron logits path", "Megatron fused path",
+    "sum_pi_squared (Megatron)". Empty while unpatched."""
+    return dict(_report) if _patched else {}
 
 
 def _restore() -> None:
-    originals = {}
-    while _undo:
-        owner, name, value = _undo.pop()
-        if name in _REPLACEMENTS and getattr(owner, name) is _REPLACEMENTS[name]:
-            originals[name] = value
-        setattr(owner, name, value)
-    # modules imported while patched took the replacements from verl.utils.torch_functional
-    for mod in list(sys.modules.values()):
-        namespace = getattr(mod, "__dict__", None)
-        if not isinstance(namespace, dict):
-            continue
-        for name, original in originals.items():
-            if namespace.get(name) is _REPLACEMENTS[name]:
-                setattr(mod, name, original)
+    restore()
 
 
 def unpatch() -> None:
     """Undo :func:`patch` (idempotent). Models already patched with impl_backend='rl_kernels' keep
     verl's fused forward, whose ``FusedLinearForPPO`` then rejects that backend name."""
-    global _patched
+    global _patched, _report
     with _lock:
         if not _patched:
             return
         _restore()
-        _patched = False
+        _patched, _report = False, {}
         logger.info("rl_kernels: verl patches removed")
 
 

@@ -1,0 +1,163 @@
+"""State shared by the verl patches (``verl.py``: FSDP and the entry point, ``verl_megatron.py``).
+
+* the undo log of every attribute the patches set (:func:`set_attr`, :func:`restore`), including
+  the functions replaced wherever they were imported by name (:func:`replace_by_name`);
+* the per-consumer call counters (:func:`record`, :func:`call_counts`) and the one-time
+  "served N calls" INFO line;
+* signature checks and the error type.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+import sys
+
+from .._logging import logger
+
+SUPPORTED_VERL = ("0.9.",)
+
+SUMMARY_AFTER_CALLS = 8
+"""After this many calls served in a process, one INFO line says how many tokens rl-kernels
+served and by which path (so the training log shows that it is on)."""
+
+
+class VerlIntegrationError(RuntimeError):
+    """verl is missing, of an unsupported version, or its functions changed their signatures."""
+
+
+def verl_version() -> str:
+    try:
+        return importlib.metadata.version("verl")
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise VerlIntegrationError("rl_kernels.integrations.verl: verl is not installed "
+                                   "(pip install 'rl-kernels[verl]')") from exc
+
+
+def signature(fn) -> list[str]:
+    """Parameter names, ``name=default`` for those with a default (``*args`` / ``**kwargs`` left out)."""
+    out = []
+    for p in inspect.signature(fn).parameters.values():
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        out.append(p.name if p.default is p.empty else f"{p.name}={p.default!r}")
+    return out
+
+
+def check_signature(label: str, fn, expected: list[str], package: str = "verl") -> None:
+    got = signature(fn)
+    if got != expected:
+        found = verl_version() if package == "verl" else _version(package)
+        raise VerlIntegrationError(
+            f"rl_kernels.integrations.verl: {package} {found} changed {label}: expected parameters "
+            f"{expected}, found {got}. This patch supports verl {SUPPORTED_VERL} (with megatron-core "
+            f"0.16); pin verl==0.9.1 or update rl-kernels.")
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "(version unknown)"
+
+
+# ----------------------------------------------------------------------------- undo log
+_undo: list = []             # (owner, attribute name, original value as stored), in patch order
+_by_name: dict = {}          # id(replacement) -> (replacement, original), see replace_by_name
+_MISSING = object()
+
+
+def set_attr(owner, name, value, *, restore_imports: bool = False) -> None:
+    """setattr, remembered for :func:`restore`. On a class the raw ``__dict__`` entry is kept (a
+    classmethod stays a classmethod when it is put back). ``restore_imports``: ``owner`` is a
+    module that others import ``name`` from; :func:`restore` also puts the original back in
+    modules that imported ``value`` while it was patched."""
+    if isinstance(owner, type) and name in vars(owner):
+        previous = vars(owner)[name]
+    else:
+        previous = getattr(owner, name, _MISSING)
+    _undo.append((owner, name, previous))
+    setattr(owner, name, value)
+    if restore_imports and previous is not _MISSING:
+        _by_name[id(value)] = (value, previous)
+
+
+def replace_by_name(source, replacements: dict) -> list[str]:
+    """Replace ``source.<name>`` by ``replacements[name]`` and every binding of the same function
+    object in every loaded module (``from source import name``, under any alias). Modules imported
+    later take the replacement from ``source``; :func:`restore` puts the originals back there too.
+    Returns the by-name places patched (``module.name``), ``source`` itself not included."""
+    originals = {id(getattr(source, name)): (getattr(source, name), fn) for name, fn in replacements.items()}
+    places = []
+    for mod_name, mod in list(sys.modules.items()):
+        namespace = getattr(mod, "__dict__", None)
+        if not isinstance(namespace, dict) or mod is source or mod_name.startswith("rl_kernels."):
+            continue
+        for bound, value in list(namespace.items()):
+            hit = originals.get(id(value))
+            if hit is not None and hit[0] is value:
+                set_attr(mod, bound, hit[1])
+                places.append(f"{mod_name}.{bound}")
+    for name, fn in replacements.items():
+        set_attr(source, name, fn, restore_imports=True)
+    return places
+
+
+def restore() -> None:
+    """Undo every :func:`set_attr`, newest first; then put the originals back in modules that
+    imported a :func:`replace_by_name` replacement while it was patched."""
+    while _undo:
+        owner, name, value = _undo.pop()
+        if value is _MISSING:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, value)
+    if not _by_name:
+        return
+    for mod_name, mod in list(sys.modules.items()):
+        namespace = getattr(mod, "__dict__", None)
+        if not isinstance(namespace, dict) or mod_name.startswith("rl_kernels."):  # where they are defined
+            continue
+        for bound, value in list(namespace.items()):
+            hit = _by_name.get(id(value))
+            if hit is not None and hit[0] is value:
+                setattr(mod, bound, hit[1])
+    _by_name.clear()
+
+
+# ----------------------------------------------------------------------------- counters
+COUNT_KEYS = (
+    "fused_fsdp_calls", "fused_fsdp_tokens", "fused_megatron_calls", "fused_megatron_tokens",
+    "logits_log_probs_calls", "logits_entropy_calls",
+    "megatron_logits_log_probs_calls", "megatron_logits_entropy_calls", "sum_pi_squared_calls",
+)
+_counts = dict.fromkeys(COUNT_KEYS, 0)
+_served = {}                 # path label -> [calls, tokens], for the summary line
+_summary_logged = False
+
+
+def record(key: str, path: str, tokens: int) -> None:
+    """Count one call served by rl-kernels: ``_counts[key] += 1``, the path's token rows, and,
+    for the fused paths, ``<path>_tokens``. Logs the summary line once, at the
+    :data:`SUMMARY_AFTER_CALLS`-th call of the process."""
+    global _summary_logged
+    _counts[key] += 1
+    if key.startswith("fused_"):
+        _counts[key.replace("_calls", "_tokens")] += tokens
+    served = _served.setdefault(path, [0, 0])
+    served[0] += 1
+    served[1] += tokens
+    if not _summary_logged and sum(c for c, _ in _served.values()) >= SUMMARY_AFTER_CALLS:
+        _summary_logged = True
+        calls = sum(c for c, _ in _served.values())
+        tokens_all = sum(t for _, t in _served.values())
+        logger.info("rl_kernels: served %d calls / %d tokens in this process: %s", calls, tokens_all,
+                    ", ".join(f"{p} {c} calls / {t} tokens" for p, (c, t) in _served.items()))
+
+
+def call_counts() -> dict:
+    """Calls (and fused tokens) served by rl-kernels in this process, per consumer (keys in
+    :data:`COUNT_KEYS`), plus ``fused_calls`` / ``fused_tokens``: both fused paths together."""
+    out = dict(_counts)
+    out["fused_calls"] = out["fused_fsdp_calls"] + out["fused_megatron_calls"]
+    out["fused_tokens"] = out["fused_fsdp_tokens"] + out["fused_megatron_tokens"]
+    return out

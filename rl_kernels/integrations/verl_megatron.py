@@ -1,0 +1,313 @@
+"""verl's Megatron engine on rl-kernels (applied by :func:`rl_kernels.integrations.verl.patch`).
+
+Megatron shards the (padded) vocabulary evenly over the tensor-parallel (TP) group: rank r holds
+rows ``[r * V_r, (r + 1) * V_r)`` of the output layer, and the logits it computes are that shard's
+columns. The padded rows are real rows of the last shard and their logits are part of the
+softmax, in verl's functions and here alike. Every replacement calls rl-kernels with
+``process_group=<the TP group>`` and ``vocab_start_index = tp_rank * V_r`` (no collective for the
+layout; one all_gather of a few float32 rows per token merges the shards, identical bits on
+every rank; :mod:`rl_kernels.parallel`). With a TP group of one rank, no process group is passed.
+
+**Logits path** (``use_fused_kernels=False``; ``MegatronEngineWithLMHead._lm_head_logits_processor``
+imports these by name from ``verl.utils.megatron.tensor_parallel``; the logits are
+``(1, T, V_r)``, already divided by the temperature in place by verl):
+
+* ``vocab_parallel_log_probs_from_logits(logits, labels)`` -> :func:`rl_kernels.log_probs_from_logits`
+* ``vocab_parallel_entropy(vocab_parallel_logits)`` and
+  ``vocab_parallel_entropy_with_chunking(vocab_parallel_logits, chunk_size=2048)`` ->
+  :func:`rl_kernels.entropy_from_logits` (rl-kernels always chunks; ``chunk_size`` is validated)
+* ``vocab_parallel_sum_pi_squared(vocab_parallel_logits)`` -> ``rl_kernels.sum_pi_squared_from_logits``
+
+float32 outputs of shape ``logits.shape[:-1]``, differentiable, and none of them writes into the
+logits (verl's Megatron cross-entropy does, which is why verl clones the logits first; that
+clone stays verl's).
+
+**Fused path** (``use_fused_kernels=True``): ``fused_output_processor`` / ``_fused_GPTModel_forward``
+(``verl.models.mcore.model_forward_fused``) and the 1F1B-overlap postprocess
+(``verl.models.mcore.model_forward_1f1b_overlap``) call ``linear_cross_entropy(hidden, weight,
+labels, temperature, "none", tp_group)``, imported by name from
+``verl.utils.kernel.linear_cross_entropy``; those two bindings are replaced by
+:func:`linear_cross_entropy` below (verl's kernel itself, and the FSDP models' use of it, are left
+alone). It pairs ``hidden.reshape(-1, H)`` with ``labels.reshape(-1)`` as verl's kernel does
+(verl passes ``(T, 1, H)`` and ``(1, T)``) and returns float32 ``(log_probs, entropy)`` shaped like
+``labels`` (verl's kernel returns them flat; verl's callers reshape either).
+
+**Hidden-state gradient over the TP group.** Each rank's backward gives the gradient of its
+vocab shard only, a *partial* dh; the gradient of the decoder output is the sum over the TP
+group, and exactly one thing must form that sum:
+
+* With sequence parallelism verl calls the head on ``gather_from_sequence_parallel_region(hidden)``
+  (all-gather forward, reduce-scatter backward): that backward sums the partial dh, so here
+  ``reduce_hidden_grad=False``.
+* Without it verl passes the decoder output straight in. Megatron's own output layer
+  (``ColumnParallelLinear``) would all-reduce dgrad in its backward
+  (``copy_to_tensor_model_parallel_region``), but verl bypasses the output layer, and verl 0.9.1's
+  ``linear_cross_entropy`` backward (``verl/utils/kernel/kernels.py``,
+  ``efficient_entropy_backward``) computes ``d_hidden = d_logits @ weight_shard`` with no
+  collective: nothing sums it. So here ``reduce_hidden_grad=True``: the backward all-reduces the
+  float32 partials over the group and rounds once.
+
+The decision is made per call, not from the config: ``gather_from_sequence_parallel_region`` is
+wrapped where these two modules look it up (``model_forward_fused``'s by-name binding, and
+``megatron.core.tensor_parallel``'s, from which the 1F1B postprocess imports it at call time)
+so that its output tensor carries ``_rl_kernels_dh_summed = True`` (and the group) when its
+backward reduce-scatters (``tensor_parallel_output_grad=True``, the default); the wrapper
+changes nothing else. :func:`linear_cross_entropy` uses
+``reduce_hidden_grad = not getattr(hidden, "_rl_kernels_dh_summed", False)``.
+``tests/test_verl_megatron.py`` checks both cases through verl's own ``fused_output_processor``
+(each rank's dh equals the unsharded float64 gradient, or its rows of it).
+
+Skipped, with an INFO line, when ``megatron.core`` is not importable.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import numbers
+
+import torch
+
+import rl_kernels
+
+from .._logging import log_once, logger
+from ._verl_common import VerlIntegrationError, check_signature, record, replace_by_name, set_attr, verl_version
+
+LOGITS_FUNCTIONS = ("vocab_parallel_log_probs_from_logits", "vocab_parallel_entropy",
+                    "vocab_parallel_entropy_with_chunking")
+SUM_PI_SQUARED_FUNCTION = "vocab_parallel_sum_pi_squared"
+TENSOR_PARALLEL_MODULE = "verl.utils.megatron.tensor_parallel"
+FUSED_MODULES = ("verl.models.mcore.model_forward_fused", "verl.models.mcore.model_forward_1f1b_overlap")
+GATHER = "gather_from_sequence_parallel_region"
+
+# parameter names (with defaults) this patch was written against (verl 0.9.1, megatron-core 0.16.1)
+EXPECTED_SIGNATURES = {
+    "vocab_parallel_log_probs_from_logits": ["logits", "labels"],
+    "vocab_parallel_entropy": ["vocab_parallel_logits"],
+    "vocab_parallel_entropy_with_chunking": ["vocab_parallel_logits", "chunk_size=2048"],
+    "vocab_parallel_sum_pi_squared": ["vocab_parallel_logits"],
+    "LinearCrossEntropy.forward": ["ctx", "hidden", "weight", "labels", "temperature=1.0",
+                                   "reduction='none'", "dist_process_group=None"],
+    GATHER: ["input_", "tensor_parallel_output_grad=True", "group=None", "output_split_sizes=None",
+             "use_global_buffer=False"],
+}
+
+_options_getter = None       # verl.py's options(): the fused backend is read per call
+
+
+def _tensor_parallel():
+    """(group, rank): Megatron's TP group (None when it has one rank) and this rank in it."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return None, 0
+    return parallel_state.get_tensor_model_parallel_group(), parallel_state.get_tensor_model_parallel_rank()
+
+
+def _shard_kwargs(logits) -> dict:
+    group, rank = _tensor_parallel()
+    if group is None:
+        return {}
+    return {"process_group": group, "vocab_start_index": rank * logits.shape[-1]}
+
+
+def _rows(t) -> int:
+    return t.shape[:-1].numel()
+
+
+# ----------------------------------------------------------------------------- logits path
+@torch.compiler.disable
+def vocab_parallel_log_probs_from_logits(logits, labels):
+    """rl-kernels replacement for verl's ``vocab_parallel_log_probs_from_logits`` (float32,
+    shape ``labels.shape``; the logits are left untouched)."""
+    out = rl_kernels.log_probs_from_logits(logits, labels, **_shard_kwargs(logits))
+    record("megatron_logits_log_probs_calls", "logits megatron", labels.numel())
+    return out
+
+
+@torch.compiler.disable
+def vocab_parallel_entropy(vocab_parallel_logits):
+    """rl-kernels replacement for verl's ``vocab_parallel_entropy`` (float32, non-destructive)."""
+    out = rl_kernels.entropy_from_logits(vocab_parallel_logits, **_shard_kwargs(vocab_parallel_logits))
+    record("megatron_logits_entropy_calls", "logits megatron", _rows(vocab_parallel_logits))
+    return out
+
+
+@torch.compiler.disable
+def vocab_parallel_entropy_with_chunking(vocab_parallel_logits, chunk_size=2048):
+    """rl-kernels replacement for verl's ``vocab_parallel_entropy_with_chunking``; rl-kernels
+    always chunks (by elements), so ``chunk_size`` is only validated."""
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
+    out = rl_kernels.entropy_from_logits(vocab_parallel_logits, **_shard_kwargs(vocab_parallel_logits))
+    record("megatron_logits_entropy_calls", "logits megatron", _rows(vocab_parallel_logits))
+    return out
+
+
+@torch.compiler.disable
+def vocab_parallel_sum_pi_squared(vocab_parallel_logits):
+    """rl-kernels replacement for verl's ``vocab_parallel_sum_pi_squared``: sum over the whole
+    vocabulary of softmax(logits)^2 (float32, shape ``logits.shape[:-1]``, differentiable)."""
+    out = rl_kernels.sum_pi_squared_from_logits(vocab_parallel_logits, **_shard_kwargs(vocab_parallel_logits))
+    record("sum_pi_squared_calls", "sum_pi_squared megatron", _rows(vocab_parallel_logits))
+    return out
+
+
+LOGITS_REPLACEMENTS = {
+    "vocab_parallel_log_probs_from_logits": vocab_parallel_log_probs_from_logits,
+    "vocab_parallel_entropy": vocab_parallel_entropy,
+    "vocab_parallel_entropy_with_chunking": vocab_parallel_entropy_with_chunking,
+}
+
+
+# ----------------------------------------------------------------------------- fused path
+def _temperature(temperature) -> float:
+    if isinstance(temperature, torch.Tensor):
+        if temperature.numel() != 1:
+            raise ValueError(f"temperature: the fused path takes one temperature per call, got a tensor "
+                             f"of shape {tuple(temperature.shape)}")
+        temperature = temperature.item()
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        raise TypeError(f"temperature: expected a float or a 1-element tensor, got {temperature!r}")
+    return float(temperature)
+
+
+@torch.compiler.disable
+def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="none", dist_process_group=None):
+    """rl-kernels replacement for verl's ``linear_cross_entropy`` in its Megatron fused forwards.
+
+    hidden: ``(..., H)`` (verl: ``(T, 1, H)``); weight: this rank's ``(V_r, H)`` vocab shard;
+    labels: global ids, ``labels.numel()`` rows paired with ``hidden.reshape(-1, H)`` as verl's
+    kernel pairs them. Returns float32 ``(log_probs, entropy)`` shaped like ``labels``. dh over
+    the TP group: see the module docstring (``reduce_hidden_grad`` unless ``hidden`` is the output
+    of ``gather_from_sequence_parallel_region``).
+    """
+    if reduction != "none":
+        raise ValueError(f"reduction: rl-kernels' linear_cross_entropy returns per-token log-probs and "
+                         f"entropy (reduction='none', what verl's Megatron fused forward passes), got "
+                         f"{reduction!r}")
+    temperature = _temperature(temperature)
+    if _rows(hidden) != labels.numel():
+        raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)}: expected "
+                         f"hidden.shape[:-1].numel() == labels.numel()")
+    if weight.dtype != hidden.dtype:
+        log_once(logging.INFO, f"rl_kernels: output weight {weight.dtype} is cast to the hidden_states "
+                 f"dtype {hidden.dtype} for the fused head (Megatron)")
+        weight = weight.to(hidden.dtype)
+    kwargs = {}
+    if dist_process_group is not None and torch.distributed.get_world_size(dist_process_group) > 1:
+        summed = bool(getattr(hidden, "_rl_kernels_dh_summed", False))
+        if summed and getattr(hidden, "_rl_kernels_dh_group", dist_process_group) is not dist_process_group:
+            raise ValueError("hidden: the gather_from_sequence_parallel_region that produced it sums dh over "
+                             "another group than dist_process_group; rl-kernels cannot tell who sums dh")
+        kwargs = {"process_group": dist_process_group,
+                  "vocab_start_index": torch.distributed.get_rank(dist_process_group) * weight.shape[0],
+                  "reduce_hidden_grad": not summed}
+    backend = _options_getter().backend if _options_getter is not None else "auto"
+    out = rl_kernels.linear_log_probs(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
+                                      temperature=temperature, return_entropy=True, backend=backend, **kwargs)
+    record("fused_megatron_calls", "fused megatron", labels.numel())
+    return out.log_probs.view(labels.shape), out.entropy.view(labels.shape)
+
+
+def _make_gather(original):
+    """``gather_from_sequence_parallel_region`` that tags its output when its backward sums dh."""
+    from megatron.core import parallel_state
+
+    @functools.wraps(original)
+    def gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True, group=None,
+                                             output_split_sizes=None, use_global_buffer=False):
+        out = original(input_, tensor_parallel_output_grad, group, output_split_sizes, use_global_buffer)
+        if tensor_parallel_output_grad and isinstance(out, torch.Tensor):
+            # backward: reduce-scatter over `group`, i.e. the partial dh of the ranks is summed
+            out._rl_kernels_dh_summed = True
+            out._rl_kernels_dh_group = group if group is not None else \
+                parallel_state.get_tensor_model_parallel_group()
+        return out
+
+    gather_from_sequence_parallel_region._rl_kernels_original = original
+    return gather_from_sequence_parallel_region
+
+
+# ----------------------------------------------------------------------------- patch
+def patch(*, logits_path: bool, fused_path: bool, sum_pi_squared: bool, options) -> dict:
+    """Patch verl's Megatron paths. Returns ``{part: (replaced?, what)}`` for the parts
+    "Megatron logits path", "Megatron fused path" and "sum_pi_squared (Megatron)" of the report
+    (False where the caller's switch is off: the caller words those). Raises VerlIntegrationError
+    when a signature differs (the caller rolls back). Nothing is patched when ``megatron.core``
+    is not importable."""
+    global _options_getter
+    parts = ("Megatron logits path", "Megatron fused path", "sum_pi_squared (Megatron)")
+    try:
+        import megatron.core.parallel_state  # noqa: F401
+        import megatron.core.tensor_parallel as mcore_tp
+    except ImportError as exc:
+        logger.info("rl_kernels: megatron.core is not importable (%s): verl's Megatron engine is not "
+                    "patched", exc)
+        return dict.fromkeys(parts, (False, f"not patched (megatron.core not importable: {exc})"))
+    _options_getter = options
+    report = dict.fromkeys(parts, (False, "off"))
+    if logits_path or sum_pi_squared:
+        try:
+            tensor_parallel = importlib.import_module(TENSOR_PARALLEL_MODULE)
+        except ImportError as exc:
+            logger.info("rl_kernels: %s is not importable (%s): verl's Megatron logits path is not patched",
+                        TENSOR_PARALLEL_MODULE, exc)
+            tensor_parallel = None
+            report["Megatron logits path"] = report["sum_pi_squared (Megatron)"] = \
+                (False, f"not patched ({TENSOR_PARALLEL_MODULE} not importable: {exc})")
+    if (logits_path or sum_pi_squared) and tensor_parallel is not None:
+        names = (LOGITS_FUNCTIONS if logits_path else ()) + ((SUM_PI_SQUARED_FUNCTION,) if sum_pi_squared else ())
+        for name in names:
+            check_signature(name, getattr(tensor_parallel, name), EXPECTED_SIGNATURES[name])
+        if logits_path:
+            places = replace_by_name(tensor_parallel, LOGITS_REPLACEMENTS)
+            report["Megatron logits path"] = (True, f"{', '.join(LOGITS_FUNCTIONS)} in {TENSOR_PARALLEL_MODULE} "
+                                              f"and {len(places)} by-name import(s) "
+                                              f"({', '.join(places) or 'none loaded yet'})")
+        if sum_pi_squared:
+            places = replace_by_name(tensor_parallel, {SUM_PI_SQUARED_FUNCTION: vocab_parallel_sum_pi_squared})
+            report["sum_pi_squared (Megatron)"] = (True, f"{SUM_PI_SQUARED_FUNCTION} in {TENSOR_PARALLEL_MODULE} "
+                                                   f"and {len(places)} by-name import(s) "
+                                                   f"({', '.join(places) or 'none loaded yet'})")
+    if fused_path:
+        report["Megatron fused path"] = _patch_fused(mcore_tp)
+    return report
+
+
+def _patch_fused(mcore_tp) -> tuple:
+    from verl.utils.kernel import linear_cross_entropy as lce_module
+
+    check_signature("LinearCrossEntropy.forward", lce_module.LinearCrossEntropy.forward,
+                    EXPECTED_SIGNATURES["LinearCrossEntropy.forward"])
+    original_gather = getattr(mcore_tp, GATHER)
+    check_signature(GATHER, original_gather, EXPECTED_SIGNATURES[GATHER], package="megatron-core")
+    modules, skipped = [], []
+    for name in FUSED_MODULES:
+        try:
+            modules.append(importlib.import_module(name))
+        except ImportError as exc:
+            skipped.append(f"{name} ({exc})")
+    for mod in modules:
+        if getattr(mod, "linear_cross_entropy", None) is not lce_module.linear_cross_entropy:
+            raise VerlIntegrationError(f"rl_kernels.integrations.verl: verl {verl_version()} changed "
+                                       f"{mod.__name__}: it no longer binds verl.utils.kernel.linear_cross_entropy."
+                                       f"linear_cross_entropy by name; update rl-kernels")
+    if not modules:
+        logger.info("rl_kernels: verl's Megatron fused forwards are not importable (%s): the Megatron "
+                    "fused path is not patched", "; ".join(skipped))
+        return False, f"not patched ({'; '.join(skipped)})"
+    gather = _make_gather(original_gather)
+    places = []
+    for mod in modules:
+        set_attr(mod, "linear_cross_entropy", linear_cross_entropy)
+        places.append(f"{mod.__name__}.linear_cross_entropy")
+        if getattr(mod, GATHER, None) is original_gather:  # model_forward_fused binds it by name
+            set_attr(mod, GATHER, gather, restore_imports=True)
+    # the 1F1B-overlap postprocess imports it from megatron.core.tensor_parallel at call time
+    set_attr(mcore_tp, GATHER, gather, restore_imports=True)
+    line = (f"{', '.join(places)} (dh over the TP group summed by gather_from_sequence_parallel_region under "
+            f"sequence parallelism, else all-reduced by rl-kernels)")
+    if skipped:
+        line += f"; not importable, not patched: {'; '.join(skipped)}"
+    return True, line

@@ -1,0 +1,389 @@
+"""Worker for tests/test_verl_megatron.py: one process per rank of a gloo group (CPU), with
+Megatron's parallel state initialized for tensor parallelism over all ranks.
+
+Every rank builds the same full inputs from one seed and keeps its even vocab shard, as Megatron
+does. verl's own code is called: ``MegatronEngineWithLMHead._lm_head_logits_processor`` (logits
+path, through the by-name imports of ``transformer_impl``) and ``fused_output_processor`` (fused
+path), and checked against the unsharded float64 reference (values, gradients), against verl's
+original functions where they run on CPU, and for identical bits on every rank.
+"""
+import logging
+import os
+import sys
+import types
+
+import torch
+import torch.distributed as dist
+
+T_SEQ, H, V_R = 12, 16, 37          # tokens (divisible by 2 and 3), hidden, vocab rows per rank (odd)
+TEMPERATURE = 0.7
+VAL = dict(atol=2e-5, rtol=1e-4)     # float32 values
+GRAD = dict(atol=1e-5, rtol=1e-4)    # float32 gradients
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+    def messages(self, level=logging.INFO):
+        return [r.getMessage() for r in self.records if r.levelno == level]
+
+
+# ----------------------------------------------------------------------------- CPU stand-in
+class _CpuGather(torch.autograd.Function):
+    """Megatron's _GatherFromSequenceParallelRegion on CPU: all-gather along dim 0 forward;
+    backward reduce-scatter (sum over the group, then this rank's rows) or, without
+    tensor_parallel_output_grad, only this rank's rows."""
+
+    @staticmethod
+    def forward(ctx, x, group, sum_grad):
+        ctx.group, ctx.sum_grad = group, sum_grad
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, 0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        if ctx.sum_grad:
+            dist.all_reduce(grad, group=ctx.group)
+        world, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        rows = grad.shape[0] // world
+        return grad[rank * rows:(rank + 1) * rows], None, None
+
+
+def gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True, group=None,
+                                         output_split_sizes=None, use_global_buffer=False):
+    from megatron.core import parallel_state
+
+    group = group if group is not None else parallel_state.get_tensor_model_parallel_group()
+    return _CpuGather.apply(input_, group, tensor_parallel_output_grad)
+
+
+def _same_on_all_ranks(t):
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t.contiguous())
+    return all(torch.equal(o, out[0]) for o in out)
+
+
+# ----------------------------------------------------------------------------- run
+def run(rank, world, init_file):
+    # verl's _VocabParallelEntropy wraps a two-op product in torch.compile (about 25 s of CPU
+    # compilation per process): run it eagerly, same math
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    assert parallel_state.get_tensor_model_parallel_rank() == rank
+
+    # Megatron's gather_from_sequence_parallel_region allocates its output on CUDA; put the CPU
+    # stand-in (same semantics) where verl looks it up BEFORE rl-kernels' patch wraps it
+    import megatron.core.tensor_parallel as mcore_tp
+    import megatron.core.tensor_parallel.mappings as mappings
+    import verl.models.mcore.model_forward_1f1b_overlap as overlap
+    import verl.models.mcore.model_forward_fused as fused
+    import verl.utils.megatron.tensor_parallel as vtp
+    import verl.utils.torch_functional as verl_F
+    import verl.workers.engine.megatron.transformer_impl as mti
+    from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy as verl_lce
+
+    for mod in (mcore_tp, mappings, fused):
+        mod.gather_from_sequence_parallel_region = gather_from_sequence_parallel_region
+    originals = {
+        (vtp, n): getattr(vtp, n) for n in ("vocab_parallel_log_probs_from_logits", "vocab_parallel_entropy",
+                                              "vocab_parallel_entropy_with_chunking", "vocab_parallel_sum_pi_squared")}
+    originals.update({(mti, n): getattr(mti, n) for _, n in list(originals)})
+    originals.update({(fused, "linear_cross_entropy"): verl_lce, (overlap, "linear_cross_entropy"): verl_lce,
+                      (fused, "gather_from_sequence_parallel_region"): gather_from_sequence_parallel_region,
+                      (mcore_tp, "gather_from_sequence_parallel_region"): gather_from_sequence_parallel_region,
+                      (verl_F, "calculate_sum_pi_squared_from_logits"): verl_F.calculate_sum_pi_squared_from_logits})
+
+    records = _Records()
+    logging.getLogger("rl_kernels").addHandler(records)
+    import rl_kernels.integrations.verl as rkv  # the import patches verl
+    import rl_kernels.integrations.verl_megatron as rkm
+
+    try:
+        _check_patched(rkv, rkm, vtp, mti, fused, overlap, verl_F, mcore_tp)
+        before = rkv.call_counts()
+        for dtype in (torch.float32, torch.bfloat16):
+            _check_logits_path(rkv, mti, rank, world, dtype)
+        for sp in (False, True):
+            _check_fused(rank, world, sp, torch.float32)
+        _check_fused(rank, world, False, torch.bfloat16)
+        _check_fused_arguments(rkm, rank, world)
+        after = rkv.call_counts()
+        # per dtype: the processor twice (plain, chunked entropy); verl's own run is not counted
+        assert after["megatron_logits_log_probs_calls"] - before["megatron_logits_log_probs_calls"] == 4, after
+        assert after["megatron_logits_entropy_calls"] - before["megatron_logits_entropy_calls"] == 4, after
+        assert after["sum_pi_squared_calls"] - before["sum_pi_squared_calls"] == 4, after
+        assert after["fused_megatron_calls"] - before["fused_megatron_calls"] == 5, after
+        assert after["fused_megatron_tokens"] - before["fused_megatron_tokens"] == 5 * T_SEQ, after
+        assert after["fused_calls"] == after["fused_fsdp_calls"] + after["fused_megatron_calls"]
+        summary = [m for m in records.messages() if m.startswith("rl_kernels: served 8 calls")]
+        assert len(summary) == 1 and "megatron" in summary[0], records.messages()
+
+        _check_unpatch_restores(rkv, rkm, originals)
+        if rank == 0:
+            _check_engine_report(rkv, records)
+            _check_signature_change_rolls_back(rkv, vtp, verl_F, originals)
+            _check_without_megatron(rkv, vtp, originals, records)
+        dist.barrier()
+    finally:
+        logging.getLogger("rl_kernels").removeHandler(records)
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def _check_patched(rkv, rkm, vtp, mti, fused, overlap, verl_F, mcore_tp):
+    assert rkv.is_patched()
+    for name in ("vocab_parallel_log_probs_from_logits", "vocab_parallel_entropy",
+                 "vocab_parallel_entropy_with_chunking", "vocab_parallel_sum_pi_squared"):
+        ours = getattr(rkm, name)
+        assert getattr(vtp, name) is ours, name
+        assert getattr(mti, name) is ours, f"transformer_impl.{name} (imported by name) not patched"
+    assert fused.linear_cross_entropy is rkm.linear_cross_entropy
+    assert overlap.linear_cross_entropy is rkm.linear_cross_entropy
+    assert verl_F.calculate_sum_pi_squared_from_logits is rkv.calculate_sum_pi_squared_from_logits
+    # the tagging wrappers around the stand-in, where the two fused forwards look the gather up
+    assert fused.gather_from_sequence_parallel_region._rl_kernels_original is gather_from_sequence_parallel_region
+    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region as late_import  # 1F1B's
+    assert late_import is mcore_tp.gather_from_sequence_parallel_region
+    assert late_import._rl_kernels_original is gather_from_sequence_parallel_region
+    x = torch.randn(2, 1, 3)
+    assert late_import(x)._rl_kernels_dh_summed is True
+    assert not hasattr(late_import(x, tensor_parallel_output_grad=False), "_rl_kernels_dh_summed")
+    report = rkv.report()
+    for part in ("Megatron logits path", "Megatron fused path", "sum_pi_squared (Megatron)",
+                 "FSDP fused path", "FSDP logits path", "sum_pi_squared (FSDP)"):
+        assert report[part][0], (part, report[part])
+    assert "verl.workers.engine.megatron.transformer_impl.vocab_parallel_entropy" in report["Megatron logits path"][1]
+
+
+# ----------------------------------------------------------------------------- logits path
+def _logits_reference(full, labels, temps, g, dtype):
+    """float64 log-probs, entropy, sum p^2 of softmax(full / T) and d(loss)/d(full) (loss = g . outputs);
+    the division by T is rounded to the logits dtype first, as verl's in-place div_ does."""
+    z = (full.to(dtype) / temps.unsqueeze(-1).to(dtype)).double().requires_grad_()
+    log_p = z.log_softmax(-1)
+    lp = log_p.gather(-1, labels[..., None])[..., 0]
+    ent = -(log_p.exp() * log_p).sum(-1)
+    sq = log_p.exp().pow(2).sum(-1)
+    (g[0] * lp + g[1] * ent + g[2] * sq).sum().backward()
+    return lp.detach(), ent.detach(), sq.detach(), z.grad / temps.unsqueeze(-1).double()
+
+
+def _processor(mti, shard, labels, temps, g, chunking=False):
+    """verl's own Megatron logits processor on this rank's shard; returns outputs and d/d(shard)."""
+    engine = types.SimpleNamespace(engine_config=types.SimpleNamespace(
+        entropy_from_logits_with_chunking=chunking, entropy_from_logits_chunk_size=4))
+    leaf = shard.clone().requires_grad_()
+    logits = leaf * 1  # a non-leaf like the model's output: verl divides it by T in place
+    ret = mti.MegatronEngineWithLMHead._lm_head_logits_processor(
+        engine, logits, labels, temps.clone(), calculate_sum_pi_squared=True, calculate_entropy=True,
+        distillation_use_topk=False, distillation_only=False, logits_processor_func=None, batch=None,
+        data_format="thd")
+    (g[0] * ret["log_probs"] + g[1] * ret["entropy"] + g[2] * ret["sum_pi_squared"]).sum().backward()
+    return ret["log_probs"], ret["entropy"], ret["sum_pi_squared"], leaf.grad
+
+
+def _check_logits_path(rkv, mti, rank, world, dtype):
+    from verl_helpers import verl_unpatched
+
+    gen = torch.Generator().manual_seed(1)
+    full = torch.randn(1, T_SEQ, world * V_R, generator=gen) * 3
+    labels = torch.randint(0, world * V_R, (1, T_SEQ), generator=gen)
+    labels[0, 0], labels[0, 1] = world * V_R - 1, 0  # last (padded-shard) and first id
+    temps = 0.5 + torch.rand(1, T_SEQ, generator=gen)  # per-token temperatures, != 1
+    g = torch.randn(3, 1, T_SEQ, generator=gen)
+    lo, hi = rank * V_R, (rank + 1) * V_R
+    shard = full[..., lo:hi].to(dtype)
+
+    ours = _processor(mti, shard, labels, temps, g)
+    ref_lp, ref_ent, ref_sq, ref_grad = _logits_reference(full, labels, temps, g, dtype)
+    for got, want in zip(ours[:3], (ref_lp, ref_ent, ref_sq)):
+        assert got.dtype == torch.float32 and got.shape == labels.shape
+        torch.testing.assert_close(got.double(), want, **VAL)
+        assert _same_on_all_ranks(got)
+    # bf16: each of the three gradients is rounded to bf16, autograd adds them in bf16 and verl's
+    # in-place division by T rounds again: up to about one bf16 ulp (2^-8) of a term of size 1
+    grad_tol = GRAD if dtype == torch.float32 else dict(atol=2 ** -8, rtol=2 ** -7)
+    torch.testing.assert_close(ours[3].double(), ref_grad[..., lo:hi], **grad_tol)
+    chunked = _processor(mti, shard, labels, temps, g, chunking=True)
+    assert torch.equal(chunked[1], ours[1])
+
+    # verl's own functions (Megatron's cross-entropy, _VocabParallelEntropy). Its sum p^2 is plain
+    # torch ops around in-place all_reduces, whose backward autograd does not sum over the group:
+    # its gradient is left out of the loss here (verl uses sum p^2 as a detached baseline)
+    g_no_sq = torch.cat([g[:2], torch.zeros_like(g[2:])])
+    with verl_unpatched():
+        theirs = _processor(mti, shard, labels, temps, g_no_sq)
+    if dtype == torch.float32:
+        for got, want in zip(ours[:3], theirs[:3]):
+            torch.testing.assert_close(got, want.float(), **VAL)
+        ref_grad_no_sq = _logits_reference(full, labels, temps, g_no_sq, dtype)[3]
+        torch.testing.assert_close(theirs[3].double(), ref_grad_no_sq[..., lo:hi], **GRAD)
+    else:  # verl's entropy and sum p^2 come back in bf16: ours must be no worse against float64
+        for got, base, want in zip(ours[:3], theirs[:3], (ref_lp, ref_ent, ref_sq)):
+            assert (got.double() - want).abs().max() <= (base.double() - want).abs().max() + 1e-6
+
+
+# ----------------------------------------------------------------------------- fused path
+def _fused_inputs(world):
+    gen = torch.Generator().manual_seed(2)
+    hidden = torch.randn(T_SEQ, 1, H, generator=gen)             # Megatron (S, B, H), packed: B = 1
+    weight = torch.randn(world * V_R, H, generator=gen) * 0.5
+    labels = torch.randint(0, world * V_R, (1, T_SEQ), generator=gen)  # (B, S) like verl's labels_rmpad
+    labels[0, 0] = world * V_R - 1
+    g_lp, g_ent = torch.randn(2, 1, T_SEQ, generator=gen)
+    return hidden, weight, labels, g_lp, g_ent
+
+
+def _fused_reference(hidden, weight, labels, g_lp, g_ent):
+    h64 = hidden.double()[:, 0].requires_grad_()
+    w64 = weight.double().requires_grad_()
+    log_p = (h64 @ w64.T / TEMPERATURE).log_softmax(-1)
+    lp = log_p.gather(1, labels[0][:, None])[:, 0]
+    ent = -(log_p.exp() * log_p).sum(-1)
+    (g_lp[0].double() * lp + g_ent[0].double() * ent).sum().backward()
+    return lp.detach(), ent.detach(), h64.grad[:, None], w64.grad
+
+
+def _check_fused(rank, world, sequence_parallel, dtype):
+    """verl's fused_output_processor (hook mode) with real tensors. SP off: hidden replicated, dh
+    must be the full gradient on every rank (rl-kernels all-reduces). SP on: each rank holds its
+    sequence chunk; the gather's backward sums dh, rl-kernels must not sum it again."""
+    from megatron.core import parallel_state
+    from verl.models.mcore.model_forward_fused import FusedOutputProcessorContext, fused_output_processor
+
+    hidden, weight, labels, g_lp, g_ent = _fused_inputs(world)
+    hidden, weight = hidden.to(dtype), weight.to(dtype)
+    lo, hi = rank * V_R, (rank + 1) * V_R
+    rows = T_SEQ // world
+    local = (hidden[rank * rows:(rank + 1) * rows] if sequence_parallel else hidden).clone().requires_grad_()
+    w_shard = weight[lo:hi].clone().requires_grad_()
+    config = types.SimpleNamespace(sequence_parallel=sequence_parallel, config_logger_dir="")
+    out = fused_output_processor(hidden_states=local, output_layer=None, output_weight=w_shard, labels=labels,
+                                 context=FusedOutputProcessorContext(temperature=TEMPERATURE), config=config)
+    assert out.log_probs.shape == labels.shape and out.log_probs.dtype == torch.float32
+    (g_lp * out.log_probs + g_ent * out.entropy).sum().backward()
+
+    ref_lp, ref_ent, ref_dh, ref_dw = _fused_reference(hidden, weight, labels, g_lp, g_ent)
+    torch.testing.assert_close(out.log_probs[0].double(), ref_lp, **VAL)
+    torch.testing.assert_close(out.entropy[0].double(), ref_ent, **VAL)
+    assert _same_on_all_ranks(out.log_probs) and _same_on_all_ranks(out.entropy)
+    grad_tol = GRAD if dtype == torch.float32 else dict(atol=1e-3, rtol=2 ** -7)
+    want_dh = ref_dh[rank * rows:(rank + 1) * rows] if sequence_parallel else ref_dh
+    torch.testing.assert_close(local.grad.double(), want_dh, **grad_tol)
+    torch.testing.assert_close(w_shard.grad.double(), ref_dw[lo:hi], **grad_tol)
+    assert parallel_state.get_tensor_model_parallel_world_size() == world
+
+
+def _check_fused_arguments(rkm, rank, world):
+    from megatron.core import parallel_state
+
+    hidden, weight, labels, _, _ = _fused_inputs(world)
+    group = parallel_state.get_tensor_model_parallel_group()
+    w_shard = weight[rank * V_R:(rank + 1) * V_R]
+    a = rkm.linear_cross_entropy(hidden, w_shard, labels, TEMPERATURE, "none", group)
+    b = rkm.linear_cross_entropy(hidden, w_shard, labels, torch.tensor([TEMPERATURE]), "none", group)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    for bad, match in (({"reduction": "mean"}, "reduction"),
+                       ({"temperature": torch.tensor([0.5, 0.7])}, "one temperature")):
+        kwargs = {"temperature": TEMPERATURE, "reduction": "none", "dist_process_group": group, **bad}
+        try:
+            rkm.linear_cross_entropy(hidden, w_shard, labels, **kwargs)
+        except ValueError as e:
+            assert match in str(e), e
+        else:
+            raise AssertionError(f"{bad} did not raise")
+
+
+# ----------------------------------------------------------------------------- patch mechanics
+def _check_unpatch_restores(rkv, rkm, originals):
+    rkv.unpatch()
+    for (owner, name), value in originals.items():
+        assert getattr(owner, name) is value, f"{owner.__name__}.{name} not restored"
+    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region as g
+    assert g is gather_from_sequence_parallel_region
+    from verl.workers.engine.base import EngineRegistry
+    assert not hasattr(vars(EngineRegistry)["get_engine_cls"].__func__, "_rl_kernels_original")
+    rkv.patch()
+    for (owner, name), value in originals.items():
+        assert getattr(owner, name) is not value, f"{owner.__name__}.{name} not re-patched"
+
+
+def _check_engine_report(rkv, records):
+    from verl.workers.engine.base import BaseEngine, EngineRegistry
+
+    os.environ["VERL_ENGINE_DEVICE"] = "cuda"  # megatron is registered for CUDA
+    try:
+        cls = EngineRegistry.get_engine_cls("language_model", "megatron")
+        assert cls.__name__ == "MegatronEngineWithLMHead"
+        served = [m for m in records.messages() if "verl engine 'megatron'" in m]
+        assert len(served) == 1 and "is served by rl-kernels: Megatron logits path" in served[0], served
+        assert "Megatron fused path (use_fused_kernels=True)" in served[0] and "sum_pi_squared" in served[0]
+        assert EngineRegistry.get_engine_cls("value_model", "megatron").__name__ == "MegatronEngineWithValueHead"
+        assert not [m for m in records.messages() if "(MegatronEngineWithValueHead)" in m]  # no log-probs there
+
+        class VeOmniLikeEngine(BaseEngine):  # an engine rl-kernels does not serve
+            pass
+
+        EngineRegistry.register(model_type="language_model", backend="rlk_test_unserved", device="cuda")(
+            VeOmniLikeEngine)
+        try:
+            for _ in range(2):
+                assert EngineRegistry.get_engine_cls("language_model", "rlk_test_unserved") is VeOmniLikeEngine
+        finally:
+            del EngineRegistry._engines["language_model"]["rlk_test_unserved"]
+        warned = [m for m in records.messages(logging.WARNING) if "rlk_test_unserved" in m]
+        assert len(warned) == 1 and "VeOmniLikeEngine" in warned[0] and "not an engine" in warned[0], warned
+    finally:
+        del os.environ["VERL_ENGINE_DEVICE"]
+
+
+def _check_signature_change_rolls_back(rkv, vtp, verl_F, originals):
+    import verl.models.transformers.monkey_patch as monkey_patch
+
+    def vocab_parallel_entropy(vocab_parallel_logits, group=None):  # a hypothetical future verl
+        return vocab_parallel_logits
+
+    rkv.unpatch()
+    vtp.vocab_parallel_entropy = vocab_parallel_entropy
+    try:
+        rkv.patch()
+    except rkv.VerlIntegrationError as e:
+        assert "vocab_parallel_entropy" in str(e) and "group=None" in str(e), e
+    else:
+        raise AssertionError("a changed signature did not raise")
+    finally:
+        vtp.vocab_parallel_entropy = originals[(vtp, "vocab_parallel_entropy")]
+    assert not rkv.is_patched()
+    assert not hasattr(monkey_patch.patch_forward_with_backends, "_rl_kernels_original")  # rolled back
+    for (owner, name), value in originals.items():
+        assert getattr(owner, name) is value, f"{owner.__name__}.{name} not rolled back"
+    rkv.patch()
+
+
+def _check_without_megatron(rkv, vtp, originals, records):
+    rkv.unpatch()
+    saved = {name: sys.modules[name] for name in ("megatron.core.parallel_state", "megatron.core.tensor_parallel")}
+    sys.modules.update(dict.fromkeys(saved))  # None: "import megatron.core..." raises ImportError
+    try:
+        rkv.patch()
+    finally:
+        sys.modules.update(saved)
+    report = rkv.report()
+    for part in ("Megatron logits path", "Megatron fused path", "sum_pi_squared (Megatron)"):
+        assert not report[part][0] and "megatron.core not importable" in report[part][1], report[part]
+    assert report["FSDP logits path"][0]
+    assert vtp.vocab_parallel_entropy is originals[(vtp, "vocab_parallel_entropy")]
+    assert any("megatron.core is not importable" in m for m in records.messages())
+    rkv.unpatch()
+    rkv.patch()
