@@ -112,7 +112,7 @@ def head_forward(hidden_states, weight, labels, params: HeadParams):
             empty = hidden_states.new_empty(0, dtype=torch.float32)
             return (empty, (empty.clone() if params.return_entropy else None), empty.clone(),
                     empty.clone() if sq else None)
-        cfg = ops.default_config(hidden_states.device)
+        cfg = ops.default_config(hidden_states.device, hidden_states.dtype)
         m, s, b, z_y, q = ops.linear_split_stats(hidden_states, weight, labels, params.inv_temperature,
                                                  params.return_entropy, cfg, compute_sum_sq=sq)
         return ops.split_combine(m, s, b, z_y, labels, params.ignore_index, params.return_entropy,
@@ -185,7 +185,7 @@ def head_backward(hidden_states, weight, labels, lse, entropy, grad_log_probs, g
     if params.backend == "triton":
         from . import ops
 
-        cfg = ops.default_config(hidden_states.device)
+        cfg = ops.default_config(hidden_states.device, hidden_states.dtype)
         dz_dtype = hidden_states.dtype
 
         def dlogits(rows, cols, out):

@@ -249,7 +249,7 @@ class LinearJSDFunction(torch.autograd.Function):
             from .ops import default_config
             from .ops.linear_jsd import jsd_split_sums
 
-            cfg = default_config(student_hidden.device)
+            cfg = default_config(student_hidden.device, student_hidden.dtype)
             loss, g_sum = jsd_split_sums(*args, cfg, cfg.jsd_fwd)
         else:
             loss, g_sum = torch_jsd_sums(*args)
@@ -282,7 +282,7 @@ class LinearJSDFunction(torch.autograd.Function):
             from .ops import default_config
             from .ops.linear_jsd import jsd_dlogits
 
-            cfg = default_config(hs.device)
+            cfg = default_config(hs.device, hs.dtype)
             dz_dtype = hs.dtype
 
             def dlogits(rows, cols, out):

@@ -116,7 +116,7 @@ def test_jsd_fused_k_loop_is_bitwise_equal_to_two_loops(monkeypatch, beta):
     base = ops.default_config(hs.device)
     results = []
     for fused in (False, True):
-        monkeypatch.setattr(ops, "default_config", lambda d, f=fused: dataclasses.replace(base, jsd_fused_k=f))
+        monkeypatch.setattr(ops, "default_config", lambda d, dtype=None, f=fused: dataclasses.replace(base, jsd_fused_k=f))
         hsx = hs.clone().requires_grad_()
         loss = linear_jsd(hsx, ws, ht, wt, beta=beta, reduction="none", backend="triton")
         loss.sum().backward()

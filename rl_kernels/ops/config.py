@@ -9,6 +9,8 @@ interpreter's bf16 dot is wrong.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 
 import torch
 
@@ -77,6 +79,84 @@ CUDA_CONFIG = KernelConfig(split_v=1024, block_m=128, block_n=256, block_k=64,
                            num_warps=8, num_stages=3, bwd_cols=BwdTile(128, 256, 8, 3),
                            bwd_rows=BwdTile(128, 256, 8, 3), group_m=8,
                            tma=True, flatten=True, warp_specialize=False)
+
+
+# ----------------------------------------------------------------------------- configuration classes
+# A class is a shared-memory budget per block (bytes, the device's opt-in limit) and, per input
+# dtype, the tiles that fit it. A K-loop stage holds one (BLOCK_M x BLOCK_K) and one
+# (BLOCK_N x BLOCK_K) operand tile, four for the JSD kernels (two heads), so the pipeline needs
+# about stages * (BM + BN) * BK * element size bytes (x2 for JSD); the compiled kernels' own
+# figure is checked against the limit by tests/test_gpu_configs.py. Every class keeps split_v =
+# 1024 (a multiple of every BLOCK_N), and nothing depends on N: batch invariance and run-to-run
+# identity hold in every class; the K step (hence a row's summation order) differs between
+# classes and dtypes only. float16 uses the bfloat16 tiles; float32 gets a smaller K step.
+@dataclasses.dataclass(frozen=True)
+class ConfigClass:
+    name: str
+    smem_limit: int  # bytes of shared memory per block the tiles are built for
+    tma: bool  # tensor-descriptor loads (sm90+ only; tma_ok() checks the device too)
+    bf16: KernelConfig  # bfloat16 and float16
+    fp32: KernelConfig
+
+    def for_dtype(self, dtype: torch.dtype) -> KernelConfig:
+        return self.fp32 if dtype == torch.float32 else self.bf16
+
+
+def _cfg(bm, bn, bk, warps, stages, jsd, **kw) -> KernelConfig:
+    """A class's config: the forward and both dlogits passes share (bm, bn, warps, stages); the
+    JSD kernels get ``jsd`` = (bm, bn, warps, stages)."""
+    tile = BwdTile(bm, bn, warps, stages)
+    return KernelConfig(split_v=1024, block_m=bm, block_n=bn, block_k=bk, num_warps=warps,
+                        num_stages=stages, bwd_cols=tile, bwd_rows=tile, jsd_fwd=BwdTile(*jsd),
+                        jsd_bwd=BwdTile(*jsd), group_m=8, flatten=True, **kw)
+
+
+# A100 (sm80, 163 KB, no TMA): 128 x 128 tiles, 98 KB (JSD 131 KB bf16, 98 KB fp32).
+_AMPERE_FP32 = _cfg(128, 128, 32, 8, 3, (64, 128, 4, 2))
+AMPERE = ConfigClass("ampere", 166912, False, _cfg(128, 128, 64, 8, 3, (128, 128, 8, 2)), _AMPERE_FP32)
+# H100 / H200 / B200 (sm90+, 227 KB): bf16 is the tuned CUDA_CONFIG (147 KB of operand stages).
+# fp32 (full-precision products run on the FMA units, not the tensor cores) takes the ampere fp32
+# tiles on the pointer path: on the H100 (2026-11-23, 4096 x 3584 x 152064, scripts/diag/
+# config_bench.py) 128 x 256 / BK 32 with TMA ran 23.6x cuBLAS forward and 148x forward+backward
+# (the 128 x 256 fp32 accumulator spills), 128 x 128 / BK 32 2.36x and 6.6x.
+HOPPER = ConfigClass("hopper", 232448, True, CUDA_CONFIG, _AMPERE_FP32)
+# A10 / L40S / RTX 3090-5090 (sm86 / sm89 / sm120, 99 KB): K step 32 (bf16 49 KB, fp32 49 KB).
+ADA = ConfigClass("ada", 101376, False,
+                  _cfg(128, 128, 32, 8, 3, (64, 128, 4, 2)),
+                  _cfg(64, 128, 32, 4, 2, (64, 64, 4, 2)))
+# anything with less (e.g. 64 KB): small tiles (bf16 25 KB, fp32 32 KB, JSD fp32 49 KB).
+SMALL = ConfigClass("small", 65536, False,
+                    _cfg(64, 128, 32, 4, 2, (64, 64, 4, 2)),
+                    _cfg(64, 64, 32, 4, 2, (32, 64, 4, 2)))
+CLASSES = {c.name: c for c in (HOPPER, AMPERE, ADA, SMALL)}
+CONFIG_CLASS_ENV = "RL_KERNELS_CONFIG_CLASS"
+"""Environment variable that forces a configuration class by name (tests, or a user who hits a
+problem): one of ``CLASSES``. Forcing a class with more shared memory than the device has fails
+at the first launch with Triton's out-of-resources error."""
+
+
+@functools.cache
+def _device_class(index: int) -> ConfigClass:
+    props = torch.cuda.get_device_properties(index)
+    smem = getattr(props, "shared_memory_per_block_optin", 0) or 0
+    major = props.major
+    for cls in (HOPPER, AMPERE, ADA, SMALL):
+        if smem >= cls.smem_limit and (not cls.tma or major >= 9):
+            return cls
+    return SMALL
+
+
+def config_class(device: torch.device) -> ConfigClass:
+    """The configuration class for a CUDA ``device``: ``$RL_KERNELS_CONFIG_CLASS`` when set, else
+    the largest class whose shared-memory limit the device's opt-in limit covers (TMA classes
+    need sm90+). Read from the device, so an unknown GPU gets tiles that fit."""
+    forced = os.environ.get(CONFIG_CLASS_ENV, "").strip()
+    if forced:
+        if forced not in CLASSES:
+            raise ValueError(f"{CONFIG_CLASS_ENV}={forced!r}: expected one of {sorted(CLASSES)}")
+        return CLASSES[forced]
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _device_class(index)
 # The interpreter runs the TMA path too (strided operands take the pointer path), so CPU tests
 # cover both.
 INTERPRETER_CONFIG = KernelConfig(split_v=256, block_m=32, block_n=64, block_k=32,
@@ -86,8 +166,18 @@ INTERPRETER_CONFIG = KernelConfig(split_v=256, block_m=32, block_n=64, block_k=3
                                   tma=True, flatten=True, warp_specialize=False)
 
 
-def default_config(device: torch.device) -> KernelConfig:
-    return CUDA_CONFIG if device.type == "cuda" and not interpreting() else INTERPRETER_CONFIG
+FORCED_CONFIG: KernelConfig | None = None
+"""Internal switch for sweeps and tests: when set, every launch (the interpreter's too) uses it."""
+
+
+def default_config(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> KernelConfig:
+    """The linear-head / JSD tiles for ``device`` and the inputs' ``dtype`` (never a function of
+    the number of tokens). The interpreter has its own small tiles."""
+    if FORCED_CONFIG is not None:
+        return FORCED_CONFIG
+    if device.type != "cuda" or interpreting():
+        return INTERPRETER_CONFIG
+    return config_class(device).for_dtype(dtype)
 
 
 @dataclasses.dataclass(frozen=True)

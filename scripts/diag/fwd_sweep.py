@@ -57,7 +57,7 @@ for shape in SHAPES:
         line = (f"  {name:42s} fwd {t:7.3f} ms = {t / t_mm:.3f}x mm, "
                 f"max|Δ| vs first {(lp - ref).abs().max().item():.1e}")
         if WITH_BWD:
-            ops_config.CUDA_CONFIG = cfg
+            ops_config.FORCED_CONFIG = cfg
             hg = hid.detach().requires_grad_()
             wg = w.detach().requires_grad_()
 
@@ -71,7 +71,7 @@ for shape in SHAPES:
                 line += f", fwd+bwd {tb:.2f} ms = {tb / t_mm:.3f}x mm"
             except Exception as e:  # noqa: BLE001
                 line += f", fwd+bwd {type(e).__name__} {str(e)[:200]}"
-            ops_config.CUDA_CONFIG = shipped
+            ops_config.FORCED_CONFIG = None
             del hg, wg
         print(line, flush=True)
     del hid, w, lab

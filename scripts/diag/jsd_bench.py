@@ -123,7 +123,7 @@ if "--sweep" in sys.argv:
     base = ops.default_config(torch.device(dev))
 
     def run_with(cfg):
-        ops.default_config = lambda d: cfg  # noqa: E731
+        ops.default_config = lambda d, dtype=None: cfg  # noqa: E731
         with torch.no_grad():
             tf = bench(lambda: rl_kernels.linear_jsd(hs, ws, ht, wt, beta=0.5, temperature=T, labels=labels))
         return tf, bench(ours(0.5))
@@ -143,7 +143,7 @@ if "--sweep" in sys.argv:
                       f"bwd {(t - tf) / t_mm:.2f}x mm")
             except Exception as e:  # noqa: BLE001
                 print(f"  sweep fused={fused} bwd {bwd}: failed {type(e).__name__}: {str(e)[:150]}")
-    ops.default_config = lambda d: base  # noqa: E731
+    ops.default_config = lambda d, dtype=None: base  # noqa: E731
 
 for beta in (() if "--no-final" in sys.argv else (0.0, 0.5, 1.0)):
     f = ours(beta)

@@ -1,0 +1,79 @@
+"""Configuration classes (GPU generation / shared memory x dtype): every class's tiles fit its
+shared-memory budget by the operand-stage estimate, keep the batch-invariance rules, and compute
+the right values in the interpreter (bf16 and fp32, linear head forward + backward and JSD) with
+bitwise batch invariance. The compiled kernels' own shared memory is checked per class and
+target on a GPU (``tests/test_gpu_configs.py``)."""
+import dataclasses
+
+import pytest
+import torch
+
+from rl_kernels import linear_jsd, linear_log_probs
+from rl_kernels.ops import config as config_mod
+
+from helpers import jsd_reference, make_inputs, naive_reference, reference_grads
+
+CLASS_NAMES = sorted(config_mod.CLASSES)
+
+
+def stage_bytes(cfg, elem, jsd=False):
+    """Operand bytes of the software pipeline (what the budget has to hold, before Triton's own
+    scratch): stages x (BM + BN) x BK x element size, twice that for the two JSD heads."""
+    tiles = [(cfg.block_m, cfg.block_n, cfg.num_stages), (cfg.bwd_cols.block_m, cfg.bwd_cols.block_n,
+             cfg.bwd_cols.num_stages), (cfg.bwd_rows.block_m, cfg.bwd_rows.block_n, cfg.bwd_rows.num_stages)]
+    if jsd:
+        tiles = [(t.block_m, t.block_n, t.num_stages) for t in (cfg.jsd_fwd, cfg.jsd_bwd)]
+    return max(st * (bm + bn) * cfg.block_k * elem * (2 if jsd else 1) for bm, bn, st in tiles)
+
+
+@pytest.mark.parametrize("name", CLASS_NAMES)
+def test_every_class_fits_its_budget_and_keeps_the_invariance_rules(name):
+    cls = config_mod.CLASSES[name]
+    for dtype, elem in ((torch.bfloat16, 2), (torch.float16, 2), (torch.float32, 4)):
+        cfg = cls.for_dtype(dtype)
+        # room for Triton's layout-conversion scratch: operand stages use at most 70% of the budget
+        assert stage_bytes(cfg, elem) <= 0.7 * cls.smem_limit, (name, dtype)
+        assert stage_bytes(cfg, elem, jsd=True) <= 0.9 * cls.smem_limit, (name, dtype)
+        assert cfg.split_v % cfg.block_n == 0 and cfg.split_v == 1024
+        if not cls.tma:
+            assert not cfg.tma
+
+
+def test_class_override_by_environment(monkeypatch):
+    monkeypatch.setenv(config_mod.CONFIG_CLASS_ENV, "ampere")
+    assert config_mod.config_class(torch.device("cuda", 0)) is config_mod.AMPERE
+    monkeypatch.setenv(config_mod.CONFIG_CLASS_ENV, "volta")
+    with pytest.raises(ValueError, match="RL_KERNELS_CONFIG_CLASS='volta': expected one of"):
+        config_mod.config_class(torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("name", CLASS_NAMES)
+def test_every_class_computes_the_head_right_in_the_interpreter(monkeypatch, name, dtype):
+    cfg = config_mod.CLASSES[name].for_dtype(dtype)
+    monkeypatch.setattr(config_mod, "FORCED_CONFIG", dataclasses.replace(cfg, tma=False))
+    n, h, v = 37, 72, 1100  # several splits, a partial last tile, K not a multiple of BK
+    hidden, weight, labels = make_inputs(n, h, v, dtype, seed=30)
+    g = torch.Generator().manual_seed(31)
+    g_lp, g_ent = torch.randn(2, n, generator=g)
+    hx, wx = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = linear_log_probs(hx, wx, labels, temperature=0.9, backend="triton")
+    torch.autograd.backward([out.log_probs, out.entropy], [g_lp, g_ent])
+    ref_lp, ref_ent = naive_reference(hidden, weight, labels, temperature=0.9)
+    ref_dh, ref_dw = reference_grads(hidden, weight, labels, g_lp, g_ent, temperature=0.9)
+    tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-4, rtol=1e-3)
+    torch.testing.assert_close(out.log_probs.double(), ref_lp, **tol)
+    torch.testing.assert_close(out.entropy.double(), ref_ent, **tol)
+    gtol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(hx.grad.double(), ref_dh, **gtol)
+    torch.testing.assert_close(wx.grad.double(), ref_dw, **gtol)
+    # batch invariance: the first rows alone give the same bits (the interpreter's numpy dot may
+    # round a row differently at another position inside a tile; the GPU test slices anywhere)
+    part = linear_log_probs(hidden[:4], weight, labels[:4], temperature=0.9, backend="triton")
+    assert torch.equal(part.log_probs, out.log_probs.detach()[:4])
+    assert torch.equal(part.entropy, out.entropy.detach()[:4])
+    if dtype == torch.float32:  # the JSD tiles of the class too
+        th, tw, _ = make_inputs(n, 40, v, dtype, seed=32)
+        loss = linear_jsd(hidden, weight, th, tw, beta=0.5, labels=labels, backend="triton")
+        ref = jsd_reference(hidden.double(), weight.double(), th.double(), tw.double(), labels, 0.5, 1.0, "mean")
+        torch.testing.assert_close(loss.double(), ref, atol=1e-5, rtol=1e-4)
