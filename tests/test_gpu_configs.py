@@ -158,3 +158,49 @@ def test_every_class_numerics_invariance_identity_on_this_gpu(monkeypatch, name,
     ref_j = jsd_reference(hidden[:256].double(), weight.double(), th.double(), tw.double(),
                           labels[:256], 0.5, 1.0, "mean")
     assert abs(loss.item() - ref_j.item()) <= 1e-4 * max(1.0, abs(ref_j.item()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16", "fp32"])
+def test_topk_kl_vocab_parallel_and_logits_backward_in_every_dtype(dtype):
+    """The public functions not covered above, in each dtype on the default class: top-K KL
+    (forward + backward), the vocab-parallel head and from-logits path on a one-rank NCCL group,
+    and the from-logits backward, against float64."""
+    import torch.distributed as dist
+
+    from rl_kernels import linear_topk_kl, log_probs_from_logits
+
+    n, h, v, k = 512, 1024, 50257, 16
+    hidden, weight, labels = make_inputs(n, h, v, dtype, seed=6, device="cuda", w_scale=0.02)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    ids = torch.randint(0, v, (n, k), device="cuda", generator=g)
+    t_lp = torch.log_softmax(torch.randn(n, k, device="cuda", generator=g), -1)
+    hx, wx = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = linear_topk_kl(hx, wx, ids, t_lp, reduction="sum")
+    loss.backward()
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    log_q = torch.log_softmax(h64 @ w64.T, -1).gather(1, ids)
+    ref = (t_lp.double().exp() * (t_lp.double() - log_q)).sum()
+    ref.backward()
+    assert abs(loss.item() - ref.item()) <= 1e-4 * abs(ref.item())
+    gtol = 1e-4 if dtype == torch.float32 else 5e-3
+    assert rel_err(hx.grad, h64.grad) < gtol and rel_err(wx.grad, w64.grad) < gtol
+    # logits backward in the dtype
+    x = (hidden.float() @ weight.float().T).to(dtype).requires_grad_()
+    log_probs_from_logits(x, labels).sum().backward()
+    z = x.detach().double().requires_grad_()
+    valid = labels != -100
+    torch.where(valid, torch.log_softmax(z, -1).gather(1, labels.clamp_min(0)[:, None])[:, 0], 0.0).sum().backward()
+    assert rel_err(x.grad, z.grad) < (1e-5 if dtype == torch.float32 else 5e-3)
+    # one-rank NCCL group: bitwise the unsharded results
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
+    try:
+        group = dist.group.WORLD
+        a = linear_log_probs(hidden, weight, labels, process_group=group)
+        b = linear_log_probs(hidden, weight, labels)
+        assert torch.equal(a.log_probs, b.log_probs) and torch.equal(a.entropy, b.entropy)
+        sa = logits_stats(x.detach(), labels, process_group=group)
+        sb = logits_stats(x.detach(), labels)
+        assert (sa.log_probs - sb.log_probs).abs().max() <= 1e-6
+    finally:
+        dist.destroy_process_group()
