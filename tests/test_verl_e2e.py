@@ -42,6 +42,7 @@ def ray_cluster(tmp_path_factory):
 
 
 def _compose(model_dir, option, extra=()):
+    """option: a file of the conf/ group (``fused``, ``logits``), or None for verl unpatched."""
     import verl
     from hydra import compose, initialize_config_dir
 
@@ -49,7 +50,7 @@ def _compose(model_dir, option, extra=()):
     with initialize_config_dir(config_dir=config_dir, version_base=None):
         return compose("ppo_trainer", overrides=[
             f"hydra.searchpath=[file://{REPO}/conf]",
-            f"+rl_kernels={option}",
+            *([f"+rl_kernels={option}"] if option else []),
             f"actor_rollout_ref.model.path={model_dir}",
             "+actor_rollout_ref.model.load_tokenizer=False",
             "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
@@ -141,6 +142,9 @@ def test_verl_ref_worker_on_ray_uses_rl_kernels(ray_cluster, tmp_path, option):
     finally:
         for w in group.workers:
             ray.kill(w)
+        from ray.util.placement_group import remove_placement_group
+        for pg in pool.pgs or []:  # the cluster has 2 CPUs, each run reserves one
+            remove_placement_group(pg)
 
     log_probs = no_padding_2_padding(tu.get(out, "log_probs"), data)
     entropy = no_padding_2_padding(tu.get(out, "entropy"), data)
@@ -156,3 +160,95 @@ def test_verl_ref_worker_on_ray_uses_rl_kernels(ray_cluster, tmp_path, option):
     else:
         assert counts["fused_calls"] == 0
         assert counts["logits_log_probs_calls"] >= 1 and counts["logits_entropy_calls"] >= 1, counts
+
+
+# ----------------------------------------------------------------------------- actor update
+ACTOR_OVERRIDES = [
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.actor.entropy_coeff=0.01",
+    "actor_rollout_ref.actor.fsdp_config.model_dtype=fp32",
+    "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype: fp32, reduce_dtype: fp32, buffer_dtype: fp32}",
+    "actor_rollout_ref.actor.fsdp_config.use_torch_compile=False",
+    # SGD: the parameter update is the (clipped) gradient; AdamW's first step, lr * g / (|g| + eps),
+    # would magnify float32 noise in near-zero gradient entries
+    "actor_rollout_ref.actor.optim.optimizer=SGD",
+    "actor_rollout_ref.actor.optim.weight_decay=0.0",
+    "actor_rollout_ref.actor.optim.lr=1.0",
+]
+
+
+def _params(self):
+    from torch.distributed.tensor import DTensor
+
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for n, p in self.actor.engine.module.named_parameters()}
+
+
+def _update_actor(ray, tmp_path, model, option):
+    """One verl update_actor step through a Ray actor worker (role 'actor'); returns the
+    parameters before and after, and the worker's rl-kernels counts."""
+    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    model_dir = tmp_path / "model"
+    if not model_dir.exists():
+        model.save_pretrained(model_dir)
+    extra = ["actor_rollout_ref.model.fused_kernel_options.rl_kernels.backend=torch"] if option == "fused" else []
+    config = _compose(model_dir, option, ACTOR_OVERRIDES + extra)
+    pool = RayResourcePool(process_on_nodes=[1], use_gpu=False, max_colocate_count=1)
+    worker = RayClassWithInitArgs(cls=ray.remote(ActorRolloutRefWorker), config=config.actor_rollout_ref,
+                                  role="actor")
+    group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=worker, device_name="cpu")
+    try:
+        ray.get([w.__ray_call__.remote(_init_gloo) for w in group.workers])
+        group.init_model()
+        before = ray.get(group.workers[0].__ray_call__.remote(_params))
+        batch = _batch()
+        g = torch.Generator().manual_seed(3)
+        mask = batch["response_mask"]
+        batch["advantages"] = torch.randn(mask.shape, generator=g) * mask
+        batch["old_log_probs"] = torch.zeros(mask.shape)  # on-policy: verl uses the detached log-probs
+        data = left_right_2_no_padding(batch)
+        tu.assign_non_tensor(data, calculate_entropy=True, distillation_use_topk=False, distillation_only=False,
+                             global_batch_size=2, mini_batch_size=2, epochs=1, seed=1,
+                             dataloader_kwargs={"shuffle": False}, compute_loss=True, temperature=T)
+        group.update_actor(data)
+        after = ray.get(group.workers[0].__ray_call__.remote(_params))
+        counts, _ = ray.get(group.workers[0].__ray_call__.remote(_counts))
+    finally:
+        for w in group.workers:
+            ray.kill(w)
+        # free the pool's placement group: the cluster has 2 CPUs, each run reserves one
+        from ray.util.placement_group import remove_placement_group
+        for pg in pool.pgs or []:
+            remove_placement_group(pg)
+    return before, after, counts
+
+
+@pytest.mark.parametrize("option", ["fused", "logits"])
+def test_verl_update_actor_on_ray_matches_unpatched(ray_cluster, tmp_path, option):
+    """verl's actor worker runs one update_actor step (PPO loss with entropy bonus, SGD) with
+    rl-kernels and without (no external_lib): the parameter updates match to 1e-4 relative."""
+    model = tiny_qwen2()
+    ref_before, ref_after, ref_counts = _update_actor(ray_cluster, tmp_path, model, None)
+    before, after, counts = _update_actor(ray_cluster, tmp_path, model, option)
+    assert ref_counts is not None and sum(ref_counts.values()) == 0  # unpatched worker: nothing served
+    if option == "fused":
+        assert counts["fused_fsdp_calls"] >= 1 and counts["logits_log_probs_calls"] == 0, counts
+    else:
+        assert counts["fused_calls"] == 0 and counts["logits_log_probs_calls"] >= 1, counts
+    moved = 0
+    for name in ref_before:
+        torch.testing.assert_close(before[name], ref_before[name], atol=0, rtol=0)
+        ref = ref_after[name] - ref_before[name]
+        update = after[name] - before[name]
+        if ref.norm() == 0:
+            assert update.norm() == 0, name
+            continue
+        moved += 1
+        err = (update - ref).norm() / ref.norm()
+        assert err < 1e-4, f"{name}: relative parameter-update error {err:.2e} ({option})"
+    assert moved >= 10

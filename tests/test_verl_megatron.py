@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 
 # found, not imported: only the spawned ranks pay for importing verl and Megatron-Core
-for _name in ("verl", "megatron.core"):
+for _name in ("verl", "megatron", "megatron.core"):  # the parent first: find_spec of a child raises
     if importlib.util.find_spec(_name) is None:
         pytest.skip(f"{_name} is not installed (pip install -e '.[verl]')", allow_module_level=True)
 import torch.multiprocessing as mp

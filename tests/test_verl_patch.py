@@ -1,4 +1,7 @@
-"""rl_kernels.integrations.verl patched into verl 0.9.1 in this process.
+"""rl_kernels.integrations.verl patched into the installed verl (0.7.x, 0.8.0 or 0.9.x) in this process.
+
+Marked ``verl_matrix``: ``.ci/run`` also runs this file in venvs with verl 0.7.1 and 0.8.0
+(``pytest -m verl_matrix``); tests of one release only skip, with the reason, on the others.
 
 The tiny Qwen2 (H=64, 2 layers, V=1037) goes through verl's own ``apply_monkey_patch`` with
 ``fused_kernels_backend='rl_kernels'``; verl's unpatched logits path (HF forward, then verl's
@@ -27,6 +30,9 @@ import rl_kernels.integrations.verl as rkv
 from rl_kernels.samples import load_sample
 from verl_helpers import VOCAB, tiny_qwen2, verl_logits_path, verl_unpatched
 
+pytestmark = pytest.mark.verl_matrix
+
+VERL = rkv.verl_minor()  # "0.7", "0.8" or "0.9"
 T = 0.7
 VALUE_ATOL = 2e-5
 GRAD_RTOL = 1e-4
@@ -110,6 +116,7 @@ def test_fused_path_matches_verl_logits_path(qwen2_forward, rmpad, kernel_backen
             assert err < GRAD_RTOL, f"{name}: relative gradient error {err:.2e} (backend {kernel_backend})"
 
 
+@pytest.mark.skipif(VERL == "0.7", reason="verl 0.7.x's fused forward has no shift_labels")
 def test_shift_labels_take_precedence(qwen2_forward, backend):
     """verl #6068: the engine passes globally rolled labels as shift_labels under Ulysses SP; the
     fused forward must use them instead of rolling its local shard."""
@@ -224,7 +231,8 @@ def _logits_function_imports():
 
 def test_every_by_name_import_is_patched():
     imports = _logits_function_imports()
-    assert len(imports) >= 4, imports  # verl 0.9.1 has 5 (fsdp/automodel/torchtitan engines, ...)
+    # verl 0.9.1 has 5 (fsdp/automodel/torchtitan engines, ...), 0.8.0 2, 0.7.1 more (legacy workers)
+    assert len(imports) >= (4 if VERL == "0.9" else 2), imports
     checked = 0
     for module, bound, original, top_level in imports:
         try:
@@ -234,7 +242,7 @@ def test_every_by_name_import_is_patched():
         if top_level:
             assert getattr(mod, bound) is getattr(rkv, original), f"{module}.{bound} not patched"
             checked += 1
-    assert checked >= 2
+    assert checked >= (2 if VERL == "0.9" else 1)
     # modules imported before the patch are found through sys.modules
     rkv.unpatch()
     for module, bound, original, top_level in imports:
@@ -260,8 +268,12 @@ def test_patch_is_idempotent_and_undoable():
         assert mp.patch_forward_with_backends is patched[0]._rl_kernels_original
         assert xtf.FusedLinearForPPO is patched[1]._rl_kernels_base
         assert verl_F.logprobs_from_logits.__module__ == "verl.utils.torch_functional"
-        with pytest.raises(ValueError, match="Unsupported FusedLinearForPPO backend"):
-            xtf.FusedLinearForPPO(impl_backend=rkv.BACKEND_NAME)
+        if VERL == "0.9":
+            with pytest.raises(ValueError, match="Unsupported FusedLinearForPPO backend"):
+                xtf.FusedLinearForPPO(impl_backend=rkv.BACKEND_NAME)
+        else:  # verl 0.7.x / 0.8.0: FusedLinearForPPO takes no impl_backend at all
+            with pytest.raises(TypeError):
+                xtf.FusedLinearForPPO(impl_backend=rkv.BACKEND_NAME)
     assert hasattr(mp.patch_forward_with_backends, "_rl_kernels_original")  # patched again
     assert xtf.FusedLinearForPPO._rl_kernels_base is patched[1]._rl_kernels_base
     assert verl_F.logprobs_from_logits is rkv.logprobs_from_logits
@@ -322,7 +334,7 @@ def test_anomaly_capture_saves_a_replayable_sample(tmp_path, qwen2_forward, back
         assert sample.labels.shape == (2, 9)
         with safe_open(str(tmp_path / files[0]), framework="pt") as f:
             meta = f.metadata()
-        assert meta["reason"].startswith("non-finite") and meta["verl_version"] == "0.9.1"
+        assert meta["reason"].startswith("non-finite") and meta["verl_version"] == rkv.verl_version()
         assert meta["rank"] == "0" and meta["call"] == "2"
     finally:
         rkv.configure(**{f: getattr(previous, f) for f in previous.__dataclass_fields__})
@@ -360,12 +372,15 @@ def test_signature_table_matches_installed_verl():
                "FusedLinearForPPO.forward": xtf.FusedLinearForPPO.forward,
                "EngineRegistry.get_engine_cls": vars(EngineRegistry)["get_engine_cls"].__func__,
                **{n: getattr(verl_F, n) for n in rkv.LOGITS_FUNCTIONS + (rkv.SUM_PI_SQUARED_FUNCTION,)}}
+        if VERL == "0.7":
+            from verl.workers.actor.dp_actor import DataParallelPPOActor
+            fns["DataParallelPPOActor.__init__"] = DataParallelPPOActor.__init__
         for label, fn in fns.items():
-            assert rkv._signature(fn) == rkv._EXPECTED_SIGNATURES[label], label
+            assert rkv._signature(fn) == rkv._expected_signatures()[label], label
             assert inspect.isfunction(fn)
-        assert set(fns) == set(rkv._EXPECTED_SIGNATURES)
+        assert set(fns) == set(rkv._expected_signatures())
         # the Megatron part (rl_kernels.integrations.verl_megatron), when megatron-core is installed
-        if importlib.util.find_spec("megatron.core") is not None:
+        if VERL == "0.9" and importlib.util.find_spec("megatron.core") is not None:
             import megatron.core.tensor_parallel as mcore_tp
             import verl.utils.megatron.tensor_parallel as vtp
             from verl.utils.kernel.linear_cross_entropy import LinearCrossEntropy
@@ -413,3 +428,69 @@ def test_sum_pi_squared_function(dtype):
     assert err <= (theirs.double() - want).abs().max() + 1e-7
     if dtype == torch.float32:
         torch.testing.assert_close(ours_grad, theirs_grad, atol=1e-6, rtol=1e-4)
+
+
+def test_fused_routing_follows_the_model_not_impl_backend(qwen2_forward, backend):
+    """verl 0.7.x / 0.8.0 build ``FusedLinearForPPO()`` bare: rl-kernels serves it only inside the
+    forward of a model patched with impl_backend='rl_kernels'; a bare one elsewhere is verl's."""
+    import verl.utils.experimental.torch_functional as xtf
+
+    g = torch.Generator().manual_seed(9)
+    hidden, weight = torch.randn(1, 5, 64, generator=g), torch.randn(VOCAB, 64, generator=g)
+    ids = torch.randint(0, VOCAB, (1, 5), generator=g)
+    before = rkv.call_counts()["fused_calls"]
+    with torch.no_grad():
+        xtf.FusedLinearForPPO()(hidden, weight, ids, temperature=T)
+    assert rkv.call_counts()["fused_calls"] == before  # not inside a served model: verl's code
+    model = tiny_qwen2()
+    apply_monkey_patch(model, use_remove_padding=False, use_fused_kernels=True,
+                       fused_kernels_backend=rkv.BACKEND_NAME)
+    assert model._rl_kernels_fused
+    other = tiny_qwen2(seed=1)  # same class, not patched for rl-kernels: verl's forward
+    with torch.no_grad():
+        out = other(**_inputs(rmpad=False), return_dict=True)
+    assert rkv.call_counts()["fused_calls"] == before
+    with torch.no_grad():
+        model(**_inputs(rmpad=False), temperature=T, return_dict=True)
+    assert rkv.call_counts()["fused_calls"] == before + 1
+
+
+@pytest.mark.skipif(VERL != "0.7", reason="verl 0.8.0+ passes globally rolled shift_labels under Ulysses SP")
+def test_fused_with_ulysses_is_refused_on_verl_0_7(qwen2_forward, backend, monkeypatch):
+    """verl #3512 / #3723: 0.7.x's fused forward rolls each Ulysses shard's labels; refused, loudly."""
+    import verl.utils.ulysses as ulysses
+
+    model = tiny_qwen2()
+    apply_monkey_patch(model, use_remove_padding=True, use_fused_kernels=True,
+                       fused_kernels_backend=rkv.BACKEND_NAME)
+    monkeypatch.setattr(ulysses, "get_ulysses_sequence_parallel_world_size", lambda group=None: 2)
+    with pytest.raises(rkv.VerlIntegrationError, match=r"Ulysses.*ulysses_sequence_parallel_size=2.*#3512"):
+        model(**_inputs(rmpad=True), temperature=T, return_dict=True)
+    monkeypatch.undo()
+    with torch.no_grad():  # SP of one rank: served
+        model(**_inputs(rmpad=True), temperature=T, return_dict=True)
+
+
+def test_options_from_the_worker_config_in_scope():
+    """verl 0.7.x's legacy workers import external_lib in init_model with no HFModelConfig on the
+    stack: the options come from the worker's own ``self.config.model``."""
+    from omegaconf import OmegaConf
+
+    class ActorRolloutRefWorker:  # stands for verl.workers.fsdp_workers.ActorRolloutRefWorker
+        def __init__(self):
+            self.config = OmegaConf.create({"model": {
+                "external_lib": "rl_kernels.integrations.verl", "use_fused_kernels": True,
+                "fused_kernel_options": {"impl_backend": "rl_kernels", "rl_kernels": {"backend": "triton"}}}})
+
+        def init_model(self):
+            return rkv._model_config_in_import_stack()
+
+    ActorRolloutRefWorker.__module__ = "verl.workers.fsdp_workers"
+    previous = rkv.options()
+    try:
+        found = ActorRolloutRefWorker().init_model()
+        assert found is not None and found.external_lib == "rl_kernels.integrations.verl"
+        rkv.configure_from_model_config(found)
+        assert rkv.options().backend == "triton"
+    finally:
+        rkv.configure(**{f: getattr(previous, f) for f in previous.__dataclass_fields__})

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GRPO on GSM8K with Qwen2.5-3B-Instruct, log-probs and entropy by rl-kernels (verl 0.9.x, FSDP2,
+# GRPO on GSM8K with Qwen2.5-3B-Instruct, log-probs and entropy by rl-kernels (verl 0.7.0-0.9.x, FSDP2,
 # vLLM rollout, one node of 8 GPUs). The three rl-kernels lines are marked; everything else is
 # a plain verl GRPO run. Extra Hydra overrides are appended from the command line, e.g.
 #   bash run_qwen2_5_grpo.sh trainer.n_gpus_per_node=4

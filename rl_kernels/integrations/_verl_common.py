@@ -14,7 +14,8 @@ import sys
 
 from .._logging import logger
 
-SUPPORTED_VERL = ("0.9.",)
+SUPPORTED_VERL = ("0.7.", "0.8.", "0.9.")
+"""verl releases this integration supports (tested: 0.7.1, 0.8.0, 0.9.1; see integrations/verl/README.md)."""
 
 SUMMARY_AFTER_CALLS = 8
 """After this many calls served in a process, one INFO line says how many tokens rl-kernels
@@ -49,8 +50,8 @@ def check_signature(label: str, fn, expected: list[str], package: str = "verl") 
         found = verl_version() if package == "verl" else _version(package)
         raise VerlIntegrationError(
             f"rl_kernels.integrations.verl: {package} {found} changed {label}: expected parameters "
-            f"{expected}, found {got}. This patch supports verl {SUPPORTED_VERL} (with megatron-core "
-            f"0.16); pin verl==0.9.1 or update rl-kernels.")
+            f"{expected}, found {got}. This patch supports verl 0.7.0-0.9.x (tested: 0.7.1, "
+            f"0.8.0, 0.9.1; Megatron with megatron-core 0.16 on 0.9.x); pin one of those or update rl-kernels.")
 
 
 def _version(package: str) -> str:

@@ -6,18 +6,23 @@ Turn it on in a verl run with overrides only (see ``integrations/verl/README.md`
     actor_rollout_ref.model.use_fused_kernels=True
     actor_rollout_ref.model.fused_kernel_options.impl_backend=rl_kernels
 
-verl imports ``external_lib`` in ``HFModelConfig.__post_init__`` inside every Ray worker, before
-it builds the model; the import calls :func:`patch`, which
+Supported: verl 0.7.0 to 0.9.x (:data:`SUPPORTED_VERL`; tested on 0.7.1, 0.8.0 and 0.9.1, see the
+table in ``integrations/verl/README.md``). verl 0.8+ imports ``external_lib`` in
+``HFModelConfig.__post_init__``, verl 0.7.x's legacy workers (``fsdp_workers``) in ``init_model``;
+either way inside every Ray worker, before it builds the model. The import calls :func:`patch`, which
 
 * **FSDP fused path** (``use_fused_kernels=True``): registers a new ``impl_backend`` name,
   ``rl_kernels``. ``verl.models.transformers.monkey_patch.patch_forward_with_backends`` accepts
   it and installs verl's own fused forward for the model class (``dense_common`` for text models,
   the ``qwen2_vl`` / ``qwen3_vl`` / ``glm4v`` / ``qwen3_5`` variants for VLMs), so label rolling,
   ``shift_labels`` precedence (verl #6068), ``temperature``, shapes with rmpad on and off and the
-  ``CausalLMOutputForPPO`` output stay verl's. Those forwards build
-  ``FusedLinearForPPO(impl_backend=<the model's backend>)``; the patched class sends the
-  ``rl_kernels`` backend to :func:`rl_kernels.linear_log_probs` (entropy is always returned:
-  verl's fused forwards always ask for it). verl's ``triton``, ``torch`` and ``liger`` backends
+  ``CausalLMOutputForPPO`` output stay verl's. The model is marked (``_rl_kernels_fused``) and
+  its class forward wrapped: inside a marked model's forward, the ``FusedLinearForPPO`` that
+  verl's forward builds (bare on verl 0.7.x / 0.8.0, with ``impl_backend=<the model's backend>``
+  on 0.9.x) goes to :func:`rl_kernels.linear_log_probs` (entropy is always returned: verl's fused
+  forwards always ask for it). A forward without ``shift_labels`` (verl 0.7.x) under Ulysses
+  sequence parallelism is refused with :class:`VerlIntegrationError` (labels rolled per shard,
+  verl #3512, #3723), at ``DataParallelPPOActor`` construction and at the forward. verl's ``triton``, ``torch`` and ``liger`` backends
   are left untouched, so they stay available for comparison. verl prints "Using Torch backend"
   for such a model (its torch-backend forward is reused); this module then logs the real backend.
 * **FSDP logits path** (``use_fused_kernels=False``): replaces ``logprobs_from_logits``,
@@ -28,9 +33,12 @@ it builds the model; the import calls :func:`patch`, which
   from ``verl.utils.torch_functional`` itself. Patch before verl's engine is built (verl's import
   of ``external_lib`` does): the FSDP engine caches ``entropy_from_logits`` at construction.
   ``calculate_sum_pi_squared_from_logits`` (the FSDP engine's sum of squared probabilities) goes
-  to ``rl_kernels.sum_pi_squared_from_logits`` the same way.
-* **Megatron engine** (:mod:`rl_kernels.integrations.verl_megatron`, when ``megatron.core`` is
-  importable): verl's vocab-parallel from-logits functions (logits path) and the
+  to ``rl_kernels.sum_pi_squared_from_logits`` the same way. On verl 0.7.x the legacy actor,
+  ``DataParallelPPOActor``, imports ``logprobs_from_logits`` by name (patched) and caches
+  ``torch.compile`` of the entropy / Σπ² functions in ``__init__``: the wrapped ``__init__``
+  replaces those caches by rl-kernels' functions.
+* **Megatron engine** (:mod:`rl_kernels.integrations.verl_megatron`, verl 0.9.x only, when
+  ``megatron.core`` is importable): verl's vocab-parallel from-logits functions (logits path) and the
   ``linear_cross_entropy`` of its Megatron fused forwards (fused path), on the tensor-parallel
   group, with the hidden-state gradient summed exactly once over that group.
 
@@ -40,15 +48,18 @@ torchtitan, Automodel, ...). :func:`call_counts` counts the calls per consumer, 
 first :data:`SUMMARY_AFTER_CALLS` calls one INFO line says how many tokens went through which path.
 
 Options come from ``actor_rollout_ref.model.fused_kernel_options.rl_kernels`` (a dict; keys in
-:class:`VerlOptions`) of the ``HFModelConfig`` that imports this module and of every later one,
+:class:`VerlOptions`) of the config in scope when verl imports this module (the ``HFModelConfig``,
+or the verl 0.7.x legacy worker's ``self.config.model``) and of every later ``HFModelConfig``,
 or from :func:`configure`. The patch is idempotent, :func:`unpatch` undoes it, it logs once what
 it patched with the verl version, and it raises :class:`VerlIntegrationError` when verl's
-functions do not have the signatures it was written for (verl 0.9.x).
+functions do not have the signatures of its table for the installed minor release (:data:`SIGNATURES`).
 """
 from __future__ import annotations
 
 import dataclasses
+import contextvars
 import functools
+import inspect
 import logging
 import sys
 import threading
@@ -76,8 +87,10 @@ SERVED_ENGINES = {"verl.workers.engine.fsdp.transformer_impl": "FSDP",
                   "verl.workers.engine.megatron.transformer_impl": "Megatron"}
 """verl engine modules whose engines (and their subclasses: fsdp_turbo, MindSpeed) rl-kernels serves."""
 
-# parameter names (with defaults) this patch was written against (verl 0.9.1)
-_EXPECTED_SIGNATURES = {
+# parameter names (with defaults) this patch was written against, per verl minor release (the
+# installed wheels of verl 0.7.1, 0.8.0 and 0.9.1); a release whose functions differ raises
+# VerlIntegrationError and the patch rolls back
+_SIGNATURES_0_9 = {
     "patch_forward_with_backends": ["model", "use_fused_kernels=False", "fused_kernels_backend=None"],
     "FusedLinearForPPO.__init__": ["self", "chunk_size=512", "impl_backend='torch'"],
     "FusedLinearForPPO.forward": ["self", "hidden_states", "vocab_weights", "input_ids", "temperature=1.0"],
@@ -87,6 +100,23 @@ _EXPECTED_SIGNATURES = {
     "calculate_sum_pi_squared_from_logits": ["logits"],
     "EngineRegistry.get_engine_cls": ["cls", "model_type", "backend"],
 }
+# verl 0.8.0: engine workers; FusedLinearForPPO takes no impl_backend (verl builds it bare)
+_SIGNATURES_0_8 = {**_SIGNATURES_0_9, "FusedLinearForPPO.__init__": ["self", "chunk_size=512"]}
+# verl 0.7.x: also the legacy workers' DataParallelPPOActor (by-name imports, compiled caches)
+_SIGNATURES_0_7 = {**_SIGNATURES_0_8,
+                   "DataParallelPPOActor.__init__": ["self", "config", "actor_module", "actor_optimizer=None"]}
+SIGNATURES = {"0.7": _SIGNATURES_0_7, "0.8": _SIGNATURES_0_8, "0.9": _SIGNATURES_0_9}
+"""verl minor release -> {label: expected parameters}."""
+
+
+def verl_minor(version: str | None = None) -> str:
+    """``"0.7"``, ``"0.8"`` or ``"0.9"`` for the installed (or given) verl version."""
+    version = version or verl_version()
+    return ".".join(version.split(".")[:2])
+
+
+def _expected_signatures() -> dict:
+    return SIGNATURES[verl_minor()]
 
 
 @dataclasses.dataclass
@@ -189,8 +219,9 @@ def _plain(value):
 
 
 def configure_from_model_config(model_config) -> None:
-    """Apply ``model_config.fused_kernel_options['rl_kernels']`` (a verl ``HFModelConfig``)."""
-    fko = _plain(getattr(model_config, "fused_kernel_options", None) or {})
+    """Apply ``model_config.fused_kernel_options['rl_kernels']`` (a verl ``HFModelConfig``, or the
+    ``model`` section of a verl 0.7.x legacy worker's config: a DictConfig)."""
+    fko = _plain(_get(model_config, "fused_kernel_options") or {})
     section = fko.get(BACKEND_NAME)
     if section is None:
         return
@@ -200,18 +231,33 @@ def configure_from_model_config(model_config) -> None:
 
 
 def _model_config_in_import_stack():
-    """The verl ``HFModelConfig`` whose ``__post_init__`` is importing this module, if any."""
+    """The model config that is importing this module, if any: the ``HFModelConfig`` whose
+    ``__post_init__`` imports ``external_lib`` (verl 0.8+ and 0.7's engine workers), or the model
+    section (``self.config.model``) of the verl 0.7.x legacy worker (``fsdp_workers``'
+    ``ActorRolloutRefWorker`` / ``CriticWorker``) whose ``init_model`` imports it."""
     frame = sys._getframe(1)
     while frame is not None:
         obj = frame.f_locals.get("self")
         if type(obj).__name__ == "HFModelConfig" and hasattr(obj, "fused_kernel_options"):
             return obj
+        model = getattr(getattr(obj, "config", None), "model", None) if obj is not None else None
+        if (model is not None and type(obj).__module__.startswith("verl.workers.")
+                and _get(model, "external_lib") is not None and _get(model, "fused_kernel_options") is not None):
+            return model
         frame = frame.f_back
     return None
 
 
+def _get(config, key):
+    """``config.key`` / ``config[key]`` / None, for dataclasses, dicts and OmegaConf nodes."""
+    try:
+        return config.get(key) if hasattr(config, "get") else getattr(config, key, None)
+    except Exception:  # noqa: BLE001 - a struct OmegaConf node without the key
+        return None
+
+
 def _check_signature(label: str, fn) -> None:
-    check_signature(label, fn, _EXPECTED_SIGNATURES[label])
+    check_signature(label, fn, _expected_signatures()[label])
 
 
 _set = set_attr
@@ -257,19 +303,31 @@ def _fused_log_probs_entropy(hidden_states, vocab_weights, input_ids, temperatur
     return out.log_probs, out.entropy
 
 
-def _make_fused_linear_class(base):
-    class FusedLinearForPPO(base):
-        """verl's ``FusedLinearForPPO`` plus ``impl_backend='rl_kernels'`` (rl_kernels.linear_log_probs)."""
+_serving = contextvars.ContextVar("rl_kernels_serving", default=False)
+"""True while the forward of a model that rl-kernels serves runs (set by :func:`_serving_forward`)."""
+_UNSET = object()
 
-        def __init__(self, chunk_size: int = 512, impl_backend: str = "torch"):
-            if impl_backend == BACKEND_NAME:
-                super().__init__(chunk_size=chunk_size, impl_backend="torch")
+
+def _make_fused_linear_class(base):
+    takes_backend = "impl_backend" in inspect.signature(base.__init__).parameters
+
+    class FusedLinearForPPO(base):
+        """verl's ``FusedLinearForPPO``, routed to :func:`rl_kernels.linear_log_probs` when it runs
+        inside the forward of a model rl-kernels serves (any verl; 0.7.x and 0.8.0 build it bare,
+        with no ``impl_backend``) or when built with ``impl_backend='rl_kernels'`` (verl 0.9.x)."""
+
+        def __init__(self, chunk_size: int = 512, impl_backend=_UNSET):
+            ours = impl_backend == BACKEND_NAME
+            if impl_backend is _UNSET or (ours and not takes_backend):
+                super().__init__(chunk_size=chunk_size)
+            else:  # verl's own backends (0.9.x) are its business
+                super().__init__(chunk_size=chunk_size, impl_backend="torch" if ours else impl_backend)
+            if ours:
                 self.impl_backend = BACKEND_NAME
-            else:
-                super().__init__(chunk_size=chunk_size, impl_backend=impl_backend)
+            self._rl_kernels = ours
 
         def forward(self, hidden_states, vocab_weights, input_ids, temperature: float = 1.0):
-            if self.impl_backend != BACKEND_NAME:
+            if not (self._rl_kernels or _serving.get()):
                 return super().forward(hidden_states, vocab_weights, input_ids, temperature)
             return _fused_log_probs_entropy(hidden_states, vocab_weights, input_ids, temperature)
 
@@ -278,10 +336,59 @@ def _make_fused_linear_class(base):
     return FusedLinearForPPO
 
 
+def _ulysses_world_size() -> int:
+    try:
+        from verl.utils.ulysses import get_ulysses_sequence_parallel_world_size
+    except ImportError:
+        return 1
+    return get_ulysses_sequence_parallel_world_size()
+
+
+def _refuse_ulysses(has_shift_labels: bool, size: int | None = None) -> None:
+    """verl 0.7.x's fused forwards roll the labels of their own sequence shard under Ulysses
+    sequence parallelism (wrong labels at shard boundaries: verl #3512, #3723; verl 0.8.0 passes
+    globally rolled ``shift_labels``). rl-kernels refuses that combination rather than serve it."""
+    if has_shift_labels:
+        return
+    size = _ulysses_world_size() if size is None else size
+    if size > 1:
+        raise VerlIntegrationError(
+            f"rl_kernels.integrations.verl: use_fused_kernels=True with Ulysses sequence parallelism "
+            f"(ulysses_sequence_parallel_size={size}) is refused on verl {verl_version()}: its fused forward "
+            f"rolls the labels of each sequence shard, so the label at every shard boundary is wrong "
+            f"(verl #3512, #3723; fixed in verl 0.8.0 by shift_labels). Use verl>=0.8, "
+            f"ulysses_sequence_parallel_size=1, or use_fused_kernels=False (rl-kernels' logits path).")
+
+
+def _serving_forward(forward):
+    """verl's fused forward for a model class, which routes the ``FusedLinearForPPO`` it builds to
+    rl-kernels for the models marked ``_rl_kernels_fused`` (others run verl's forward unchanged)."""
+    if getattr(forward, "_rl_kernels_serving", False):
+        return forward
+    has_shift_labels = "shift_labels" in inspect.signature(forward).parameters
+
+    @functools.wraps(forward)
+    def serving_forward(self, *args, **kwargs):
+        if not getattr(self, "_rl_kernels_fused", False):
+            return forward(self, *args, **kwargs)
+        _refuse_ulysses(has_shift_labels)
+        token = _serving.set(True)
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            _serving.reset(token)
+
+    serving_forward._rl_kernels_serving = True
+    serving_forward._rl_kernels_verl_forward = forward
+    return serving_forward
+
+
 def _make_patch_forward_with_backends(original):
     @functools.wraps(original)
     def patch_forward_with_backends(model, use_fused_kernels=False, fused_kernels_backend=None):
         if fused_kernels_backend != BACKEND_NAME:
+            if use_fused_kernels:
+                model._rl_kernels_fused = False
             return original(model, use_fused_kernels=use_fused_kernels,
                             fused_kernels_backend=fused_kernels_backend)
         cls = model.__class__.__name__
@@ -290,9 +397,13 @@ def _make_patch_forward_with_backends(original):
                      f"{cls} keeps its logits forward; log-probs/entropy come from rl-kernels' from-logits "
                      f"functions" + ("" if _options.patch_logits_path else " (disabled by patch_logits_path)"))
             return original(model, use_fused_kernels=False, fused_kernels_backend=None)
-        # verl's torch-backend forward for this model class; it builds FusedLinearForPPO with
-        # the model's backend name, which the patched class routes to rl-kernels
+        # verl's torch-backend forward for this model class (label rolling, shift_labels,
+        # temperature, rmpad shapes, CausalLMOutputForPPO stay verl's), wrapped so that the
+        # FusedLinearForPPO it builds runs rl-kernels for this model: the model is marked, the
+        # wrapper sees the mark (verl 0.7.x/0.8.0 never pass impl_backend to FusedLinearForPPO)
         original(model, use_fused_kernels=True, fused_kernels_backend="torch")
+        model.__class__.forward = _serving_forward(model.__class__.forward)
+        model._rl_kernels_fused = True
         model._verl_fused_kernels_backend = BACKEND_NAME
         name = getattr(getattr(model, "config", None), "name_or_path", "") or cls
         _model_names.append(str(name))
@@ -304,6 +415,14 @@ def _make_patch_forward_with_backends(original):
 
 
 # ----------------------------------------------------------------------------- logits path
+def _viewable_2d(logits) -> bool:
+    try:
+        logits.view(-1, logits.shape[-1])
+    except RuntimeError:
+        return False
+    return True
+
+
 @torch.compiler.disable
 def logprobs_from_logits(logits, labels, inplace_backward=True):
     """rl-kernels replacement for ``verl.utils.torch_functional.logprobs_from_logits``.
@@ -312,6 +431,11 @@ def logprobs_from_logits(logits, labels, inplace_backward=True):
     the gradient into the logits' storage as verl's flash-attn path does (verl passes False when
     it also needs the logits for entropy). See :func:`rl_kernels.log_probs_from_logits`.
     """
+    if inplace_backward and not _viewable_2d(logits):
+        # verl's flash-attn path reshapes such logits (a copy, e.g. verl 0.7.x dp_actor's
+        # logits[:, -response_length - 1:-1] slice) and writes the gradient into that copy:
+        # the same as not writing in place
+        inplace_backward = False
     out = _rk_log_probs_from_logits(logits, labels, inplace_backward=bool(inplace_backward))
     record("logits_log_probs_calls", "logits fsdp", labels.numel())
     return out
@@ -373,6 +497,38 @@ def _sum_pi_squared_available() -> bool:
     log_once(logging.INFO, "rl_kernels: this rl-kernels has no sum_pi_squared_from_logits: verl's "
              "sum-of-squared-probabilities functions are not replaced")
     return False
+
+
+DP_ACTOR_MODULE = "verl.workers.actor.dp_actor"
+"""verl 0.7.x's legacy FSDP actor: by-name ``logprobs_from_logits``, and ``torch.compile`` caches of
+``entropy_from_logits[_with_chunking]`` / ``calculate_sum_pi_squared_from_logits`` built in
+``DataParallelPPOActor.__init__``."""
+
+
+def _wrap_dp_actor(dp_actor, logits_path: bool, sum_pi_squared: bool) -> str:
+    """Wrap ``DataParallelPPOActor.__init__``: the compiled from-logits caches it builds (after verl
+    imported ``external_lib``) are replaced by rl-kernels' functions, and fused kernels with Ulysses
+    SP are refused at construction on verl 0.7.x (see :func:`_refuse_ulysses`)."""
+    cls = dp_actor.DataParallelPPOActor
+    original = cls.__init__
+    _check_signature("DataParallelPPOActor.__init__", original)
+
+    @functools.wraps(original)
+    def __init__(self, config, actor_module, actor_optimizer=None):
+        original(self, config, actor_module, actor_optimizer)
+        if getattr(self, "use_fused_kernels", False) and getattr(self, "use_ulysses_sp", False) and any(
+                getattr(m, "_rl_kernels_fused", False) for m in actor_module.modules()):
+            _refuse_ulysses(has_shift_labels=False, size=int(self.ulysses_sequence_parallel_size))
+        if logits_path and hasattr(self, "compute_entropy_from_logits"):
+            chunking = bool(_get(config, "entropy_from_logits_with_chunking"))
+            self.compute_entropy_from_logits = (entropy_from_logits_with_chunking if chunking
+                                                else entropy_from_logits)
+        if sum_pi_squared and hasattr(self, SUM_PI_SQUARED_FUNCTION):
+            setattr(self, SUM_PI_SQUARED_FUNCTION, calculate_sum_pi_squared_from_logits)
+
+    _set(cls, "__init__", __init__)
+    return (f"{DP_ACTOR_MODULE}.DataParallelPPOActor.__init__ (compiled entropy"
+            + (" / sum_pi_squared" if sum_pi_squared else "") + " caches replaced)")
 
 
 # ----------------------------------------------------------------------------- engine report
@@ -456,6 +612,10 @@ def _wrap_model_config(model_config_module) -> None:
 def _patch_all(monkey_patch, experimental_tf, torch_functional) -> dict:
     """Apply every patch; returns the report {part: (replaced?, what)}. The caller rolls back on error."""
     report = {}
+    dp_actor = None
+    if "DataParallelPPOActor.__init__" in _expected_signatures():  # verl 0.7.x: the legacy workers' actor,
+        import importlib                                           # imported first: its by-name imports are listed
+        dp_actor = importlib.import_module(DP_ACTOR_MODULE)
     try:  # imports verl's engines first, so that their by-name imports are patched and listed below
         import verl.workers.engine.base as engine_base
     except ImportError as exc:
@@ -485,8 +645,17 @@ def _patch_all(monkey_patch, experimental_tf, torch_functional) -> dict:
     else:
         report["sum_pi_squared (FSDP)"] = (False, "not replaced (" + (
             "rl_kernels has no sum_pi_squared_from_logits" if logits_path else "patch_logits_path=False") + ")")
-    megatron = verl_megatron.patch(logits_path=logits_path, fused_path=_options.patch_megatron_fused,
-                                   sum_pi_squared=sum_pi_squared, options=options)
+    if dp_actor is not None:
+        what = _wrap_dp_actor(dp_actor, logits_path, sum_pi_squared)
+        if logits_path:
+            report["FSDP logits path"] = (True, report["FSDP logits path"][1] + "; " + what)
+    if verl_minor() == "0.9":
+        megatron = verl_megatron.patch(logits_path=logits_path, fused_path=_options.patch_megatron_fused,
+                                       sum_pi_squared=sum_pi_squared, options=options)
+    else:
+        why = f"not patched (verl {verl_version()}: rl-kernels serves verl's Megatron engine on verl 0.9.x only)"
+        megatron = dict.fromkeys(("Megatron logits path", "Megatron fused path", "sum_pi_squared (Megatron)"),
+                                 (False, why))
     off = {"Megatron logits path": (logits_path, "not replaced (patch_logits_path=False)"),
            "Megatron fused path": (_options.patch_megatron_fused, "not replaced (patch_megatron_fused=False)"),
            "sum_pi_squared (Megatron)": (sum_pi_squared, report["sum_pi_squared (FSDP)"][1])}

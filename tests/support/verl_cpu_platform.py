@@ -29,6 +29,8 @@ class _CPUDeviceModule(SimpleNamespace):
             return getattr(torch.cpu, name)
         if name.startswith(("memory_", "max_memory", "reset_")) or name in ("mem_get_info",):
             return (lambda *a, **k: (0, 0)) if name == "mem_get_info" else _zero
+        if name in ("get_device_name", "get_device_capability"):  # the actor's train step asks
+            return (lambda *a, **k: "cpu") if name == "get_device_name" else (lambda *a, **k: (0, 0))
         if name in ("empty_cache", "ipc_collect", "set_device", "manual_seed", "manual_seed_all"):
             return _none
         raise AttributeError(name)
