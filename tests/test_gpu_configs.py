@@ -162,9 +162,10 @@ def test_every_class_numerics_invariance_identity_on_this_gpu(monkeypatch, name,
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16", "fp32"])
 def test_topk_kl_vocab_parallel_and_logits_backward_in_every_dtype(dtype):
-    """The public functions not covered above, in each dtype on the default class: top-K KL
-    (forward + backward), the vocab-parallel head and from-logits path on a one-rank NCCL group,
-    and the from-logits backward, against float64."""
+    """The public functions not covered above, in each dtype on the default class: top-K KL and
+    JSD (forward + backward) against float64, the from-logits backward against float64, and the
+    vocab-parallel head (forward + backward) and from-logits path on a one-rank NCCL group
+    against the unsharded results."""
     import torch.distributed as dist
 
     from rl_kernels import linear_topk_kl, log_probs_from_logits
@@ -172,6 +173,7 @@ def test_topk_kl_vocab_parallel_and_logits_backward_in_every_dtype(dtype):
     n, h, v, k = 512, 1024, 50257, 16
     hidden, weight, labels = make_inputs(n, h, v, dtype, seed=6, device="cuda", w_scale=0.02)
     g = torch.Generator(device="cuda").manual_seed(7)
+    g_lp, g_ent = torch.randn(2, n, device="cuda", generator=g)
     ids = torch.randint(0, v, (n, k), device="cuda", generator=g)
     t_lp = torch.log_softmax(torch.randn(n, k, device="cuda", generator=g), -1)
     hx, wx = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
@@ -202,5 +204,26 @@ def test_topk_kl_vocab_parallel_and_logits_backward_in_every_dtype(dtype):
         sa = logits_stats(x.detach(), labels, process_group=group)
         sb = logits_stats(x.detach(), labels)
         assert (sa.log_probs - sb.log_probs).abs().max() <= 1e-6
+        # backward through the vocab-parallel head: the unsharded gradients
+        grads = []
+        for pg in (group, None):
+            hp, wp = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+            o = linear_log_probs(hp, wp, labels, process_group=pg)
+            torch.autograd.backward([o.log_probs, o.entropy], [g_lp, g_ent])
+            grads.append((hp.grad, wp.grad))
+        assert rel_err(grads[0][0], grads[1][0]) < 1e-6 and rel_err(grads[0][1], grads[1][1]) < 1e-6
     finally:
         dist.destroy_process_group()
+    # JSD forward + backward in the dtype vs float64
+    th, tw, _ = make_inputs(n, 768, v, dtype, seed=8, device="cuda", w_scale=0.02)
+    hj, wj = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = linear_jsd(hj, wj, th, tw, beta=0.5, labels=labels, reduction="sum")
+    loss.backward()
+    from helpers import jsd_reference
+
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    ref = jsd_reference(h64, w64, th.double(), tw.double(), labels, 0.5, 1.0, "sum")
+    ref.backward()
+    assert abs(loss.item() - ref.item()) <= 1e-4 * abs(ref.item())
+    jtol = 1e-4 if dtype == torch.float32 else 5e-3
+    assert rel_err(hj.grad, h64.grad) < jtol and rel_err(wj.grad, w64.grad) < jtol
