@@ -80,9 +80,7 @@ def check_head_inputs(hidden_states, weight, labels, ignore_index, check_values:
     shard: the caller checks global ids). Returns whether a label equals ``ignore_index`` (None
     when the values were not checked)."""
     for name, t in (("hidden_states", hidden_states), ("weight", weight), ("labels", labels)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        check_has_data(t, name)
+        check_tensor_arg(name, t)
     if hidden_states.dim() < 1:
         raise ValueError("hidden_states: expected shape (..., H), got a 0-d tensor")
     if hidden_states.dtype not in _FLOAT_DTYPES:
@@ -107,6 +105,13 @@ def check_has_data(t: torch.Tensor, name: str) -> None:
     """Raise ValueError for a tensor without data (the meta device)."""
     if t.device.type == "meta":
         raise ValueError(f"{name}: a meta tensor holds no data ({_describe(t)}); pass a real CPU or CUDA tensor")
+
+
+def check_tensor_arg(name: str, t) -> None:
+    """TypeError unless ``t`` is a torch.Tensor; ValueError for one without data (meta)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    check_has_data(t, name)
 
 
 def check_hidden_size(hidden_states: torch.Tensor, name: str) -> None:

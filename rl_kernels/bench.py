@@ -123,7 +123,8 @@ def implementations(stub_verl: bool = False) -> tuple[dict[str, Impl], dict[str,
     return impls, absent
 
 
-def _peak_extra_gb(fn) -> float:
+def peak_extra_gib(fn) -> float:
+    """GiB allocated on the current CUDA device beyond what was allocated before ``fn()``, at its peak."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -158,7 +159,7 @@ def bench_shape(n: int, h: int, v: int, impls: dict[str, Impl], progress=None) -
         try:
             with torch.no_grad():
                 rec["fwd_ms"] = bench(lambda: fn(hidden, weight, labels))
-                rec["fwd_extra_gb"] = _peak_extra_gb(lambda: fn(hidden, weight, labels))
+                rec["fwd_extra_gb"] = peak_extra_gib(lambda: fn(hidden, weight, labels))
                 lp = fn(hidden[:rows], weight, labels[:rows])[0]
                 rec["max_err"] = (lp.double() - ref).abs().max().item()
             hx, wx = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
@@ -173,7 +174,7 @@ def bench_shape(n: int, h: int, v: int, impls: dict[str, Impl], progress=None) -
                 hx.grad = wx.grad = None
 
             rec["fwd_bwd_ms"] = bench(fwd_bwd)
-            rec["fwd_bwd_extra_gb"] = _peak_extra_gb(fwd_bwd)
+            rec["fwd_bwd_extra_gb"] = peak_extra_gib(fwd_bwd)
             hx = wx = None  # free the gradient copies before the next implementation
             rec["fwd_x_mm"] = rec["fwd_ms"] / t_mm
             rec["fwd_bwd_x_mm"] = rec["fwd_bwd_ms"] / t_mm
@@ -433,7 +434,7 @@ def bench_logits_shape(n: int, v: int, impls: dict[str, LogitsImpl], ceilings: d
         try:
             with torch.no_grad():
                 rec["fwd_ms"] = _do_bench(lambda: fn(logits, labels))
-                rec["fwd_extra_gb"] = _peak_extra_gb(lambda: fn(logits, labels))
+                rec["fwd_extra_gb"] = peak_extra_gib(lambda: fn(logits, labels))
                 lp = fn(logits[:rows], labels[:rows])[0]
                 rec["max_err"] = (lp.double() - ref).abs().max().item()
             x = logits.clone().requires_grad_()
@@ -448,7 +449,7 @@ def bench_logits_shape(n: int, v: int, impls: dict[str, LogitsImpl], ceilings: d
                 x.grad = None
 
             rec["fwd_bwd_ms"] = _do_bench(fwd_bwd)
-            rec["fwd_bwd_extra_gb"] = _peak_extra_gb(fwd_bwd)
+            rec["fwd_bwd_extra_gb"] = peak_extra_gib(fwd_bwd)
             x = None  # free the copy before the next implementation
             _bandwidths(rec, n, v, ceilings)
         except torch.OutOfMemoryError:

@@ -27,8 +27,8 @@ import torch
 import dataclasses
 import numbers
 
-from .api import (_FLOAT_DTYPES, _LABEL_DTYPES, _describe, check_has_data, check_hidden_size, check_labels,
-                  check_temperature, resolve_backend)
+from .api import (_FLOAT_DTYPES, _LABEL_DTYPES, _describe, check_hidden_size, check_labels, check_temperature,
+                  check_tensor_arg, resolve_backend)
 from .autograd import (HeadParams, LinearLogProbsFunction, _chunked_backward, _full_precision_reduction,
                        first_order_only, head_forward, hidden_for_weight_grad)
 from .torch_backend import torch_jsd_dlogits, torch_jsd_sums
@@ -40,9 +40,7 @@ REDUCTIONS = ("none", "sum", "mean", "batchmean")
 def _check_inputs(hidden_states, weight, ids, teacher_log_probs, mask, vocab_size=None):
     for name, t in (("hidden_states", hidden_states), ("weight", weight),
                     ("teacher_token_ids", ids), ("teacher_log_probs", teacher_log_probs)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        check_has_data(t, name)
+        check_tensor_arg(name, t)
     if hidden_states.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"hidden_states: expected bfloat16, float16 or float32, got {_describe(hidden_states)}")
     if hidden_states.dim() < 2:
@@ -307,9 +305,7 @@ class LinearJSDFunction(torch.autograd.Function):
 
 def _check_head(hidden, weight, hname, wname, lead=None, dtype=None, device=None):
     for name, t in ((hname, hidden), (wname, weight)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        check_has_data(t, name)
+        check_tensor_arg(name, t)
     if hidden.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"{hname}: expected bfloat16, float16 or float32, got {_describe(hidden)}")
     if hidden.dim() < 2:

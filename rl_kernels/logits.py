@@ -28,8 +28,8 @@ from typing import NamedTuple
 
 import torch
 
-from .api import (_FLOAT_DTYPES, _describe, check_has_data, check_label_values, check_labels,
-                  check_temperature, resolve_backend)
+from .api import (_FLOAT_DTYPES, _describe, check_label_values, check_labels, check_temperature,
+                  check_tensor_arg, resolve_backend)
 from .autograd import first_order_only
 
 # logits elements per row chunk of the torch backend (x 4 bytes per float32 temporary: 256 MiB; a
@@ -48,9 +48,7 @@ class LogitsStats(NamedTuple):
 
 
 def _check_logits(logits) -> None:
-    if not isinstance(logits, torch.Tensor):
-        raise TypeError(f"logits: expected a torch.Tensor, got {type(logits).__name__}")
-    check_has_data(logits, "logits")
+    check_tensor_arg("logits", logits)
     if logits.dim() < 1 or logits.shape[-1] == 0:
         raise ValueError(f"logits: expected shape (..., vocab_size) with vocab_size >= 1, got {_describe(logits)}")
     if logits.dtype not in _FLOAT_DTYPES:

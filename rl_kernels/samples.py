@@ -389,6 +389,6 @@ BUNDLED: dict[str, Callable[[], Sample | LogitsSample]] = {
 
 
 def bundled_samples() -> list[Sample | LogitsSample]:
-    """The bug-catalogue samples of design.md, generated deterministically (bf16, CPU); the
+    """The bug-catalogue samples (module docstring), generated deterministically (bf16, CPU); the
     last one is a from-logits sample."""
     return [make() for make in BUNDLED.values()]

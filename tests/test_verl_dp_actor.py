@@ -16,7 +16,7 @@ pytest.importorskip("verl", reason="verl is not installed (pip install -e '.[ver
 import torch
 
 import rl_kernels.integrations.verl as rkv
-from verl_helpers import VOCAB, tiny_qwen2, verl_unpatched
+from verl_helpers import rollout_tensors, tiny_qwen2, verl_unpatched
 
 pytestmark = [pytest.mark.verl_matrix,
               pytest.mark.skipif(rkv.verl_minor() != "0.7",
@@ -67,23 +67,13 @@ def qwen2_forward():
 
 
 def _data():
-    """Two sequences (5 prompt + 6 response tokens), one left-padded, one right-padded."""
+    """The two rollout sequences of ``verl_helpers.rollout_tensors`` with advantages."""
     from verl import DataProto
 
-    g = torch.Generator().manual_seed(1)
-    prompts = torch.randint(0, VOCAB, (2, 5), generator=g)
-    responses = torch.randint(0, VOCAB, (2, 6), generator=g)
-    input_ids = torch.cat([prompts, responses], 1)
-    attention_mask = torch.ones_like(input_ids)
-    attention_mask[1, :2] = 0
-    attention_mask[0, -2:] = 0
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    response_mask = attention_mask[:, 5:].clone()
-    advantages = torch.randn(2, 6, generator=g) * response_mask
+    tensors, g = rollout_tensors()
+    advantages = torch.randn(2, 6, generator=g) * tensors["response_mask"]
     return DataProto.from_dict(
-        tensors={"prompts": prompts, "responses": responses, "input_ids": input_ids,
-                 "attention_mask": attention_mask, "position_ids": position_ids, "response_mask": response_mask,
-                 "advantages": advantages, "old_log_probs": torch.zeros(2, 6)},
+        tensors={**tensors, "advantages": advantages, "old_log_probs": torch.zeros(2, 6)},
         meta_info={"temperature": T, "micro_batch_size": 2, "use_dynamic_bsz": False})
 
 

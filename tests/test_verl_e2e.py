@@ -11,12 +11,13 @@ the gloo process group is created before ``init_model`` (verl would ask for 'cpu
 FSDP2 with fp32 parameters and forward_only=False (verl's ref offload policy pins memory, which
 needs an accelerator). The tiny model is saved with ``save_pretrained`` under the test's tmp path.
 """
+import contextlib
 import os
 
 import pytest
 import torch
 
-from verl_helpers import VOCAB, tiny_qwen2
+from verl_helpers import rollout_tensors, tiny_qwen2
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -68,20 +69,10 @@ def _compose(model_dir, option, extra=()):
 
 
 def _batch():
-    """Two sequences (5 prompt + 6 response tokens), one left-padded, one right-padded."""
+    """The two rollout sequences of ``verl_helpers.rollout_tensors`` as a TensorDict."""
     from tensordict import TensorDict
 
-    g = torch.Generator().manual_seed(1)
-    prompts = torch.randint(0, VOCAB, (2, 5), generator=g)
-    responses = torch.randint(0, VOCAB, (2, 6), generator=g)
-    input_ids = torch.cat([prompts, responses], 1)
-    attention_mask = torch.ones_like(input_ids)
-    attention_mask[1, :2] = 0
-    attention_mask[0, -2:] = 0
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    return TensorDict({"prompts": prompts, "responses": responses, "input_ids": input_ids,
-                       "attention_mask": attention_mask, "response_mask": attention_mask[:, 5:].clone(),
-                       "position_ids": position_ids}, batch_size=[2])
+    return TensorDict(rollout_tensors()[0], batch_size=[2])
 
 
 def _driver_reference(model, batch):
@@ -112,12 +103,35 @@ def _init_gloo(self):
         dist.init_process_group("gloo")
 
 
+@contextlib.contextmanager
+def _worker_group(ray, config, role):
+    """One Ray ActorRolloutRefWorker of ``role`` on a 1-CPU pool, with its gloo group and
+    ``init_model`` done (HFModelConfig.__post_init__ imports external_lib in the worker there);
+    the worker is killed and the pool's placement group freed on exit (the cluster has 2 CPUs,
+    each run reserves one)."""
+    from ray.util.placement_group import remove_placement_group
+    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    pool = RayResourcePool(process_on_nodes=[1], use_gpu=False, max_colocate_count=1)
+    worker = RayClassWithInitArgs(cls=ray.remote(ActorRolloutRefWorker), config=config.actor_rollout_ref,
+                                  role=role)
+    group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=worker, device_name="cpu")
+    try:
+        ray.get([w.__ray_call__.remote(_init_gloo) for w in group.workers])
+        group.init_model()
+        yield group
+    finally:
+        for w in group.workers:
+            ray.kill(w)
+        for pg in pool.pgs or []:
+            remove_placement_group(pg)
+
+
 @pytest.mark.parametrize("option", ["fused", "logits"])
 def test_verl_ref_worker_on_ray_uses_rl_kernels(ray_cluster, tmp_path, option):
     ray = ray_cluster
-    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
     from verl.utils import tensordict_utils as tu
-    from verl.workers.engine_workers import ActorRolloutRefWorker
     from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
 
     model = tiny_qwen2()
@@ -127,24 +141,12 @@ def test_verl_ref_worker_on_ray_uses_rl_kernels(ray_cluster, tmp_path, option):
                       if option == "fused" else [])
     assert config.actor_rollout_ref.model.external_lib == "rl_kernels.integrations.verl"
 
-    pool = RayResourcePool(process_on_nodes=[1], use_gpu=False, max_colocate_count=1)
-    worker = RayClassWithInitArgs(cls=ray.remote(ActorRolloutRefWorker), config=config.actor_rollout_ref,
-                                  role="ref")
-    group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=worker, device_name="cpu")
-    try:
-        ray.get([w.__ray_call__.remote(_init_gloo) for w in group.workers])
-        group.init_model()  # HFModelConfig.__post_init__ imports external_lib in the worker here
+    with _worker_group(ray, config, "ref") as group:
         batch = _batch()
         data = left_right_2_no_padding(batch.clone())
         tu.assign_non_tensor(data, calculate_entropy=True, compute_loss=False, temperature=T)
         out = group.compute_ref_log_prob(data)
         counts, backend = ray.get(group.workers[0].__ray_call__.remote(_counts))
-    finally:
-        for w in group.workers:
-            ray.kill(w)
-        from ray.util.placement_group import remove_placement_group
-        for pg in pool.pgs or []:  # the cluster has 2 CPUs, each run reserves one
-            remove_placement_group(pg)
 
     log_probs = no_padding_2_padding(tu.get(out, "log_probs"), data)
     entropy = no_padding_2_padding(tu.get(out, "entropy"), data)
@@ -188,9 +190,7 @@ def _params(self):
 def _update_actor(ray, tmp_path, model, option):
     """One verl update_actor step through a Ray actor worker (role 'actor'); returns the
     parameters before and after, and the worker's rl-kernels counts."""
-    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
     from verl.utils import tensordict_utils as tu
-    from verl.workers.engine_workers import ActorRolloutRefWorker
     from verl.workers.utils.padding import left_right_2_no_padding
 
     model_dir = tmp_path / "model"
@@ -198,13 +198,7 @@ def _update_actor(ray, tmp_path, model, option):
         model.save_pretrained(model_dir)
     extra = ["actor_rollout_ref.model.fused_kernel_options.rl_kernels.backend=torch"] if option == "fused" else []
     config = _compose(model_dir, option, ACTOR_OVERRIDES + extra)
-    pool = RayResourcePool(process_on_nodes=[1], use_gpu=False, max_colocate_count=1)
-    worker = RayClassWithInitArgs(cls=ray.remote(ActorRolloutRefWorker), config=config.actor_rollout_ref,
-                                  role="actor")
-    group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=worker, device_name="cpu")
-    try:
-        ray.get([w.__ray_call__.remote(_init_gloo) for w in group.workers])
-        group.init_model()
+    with _worker_group(ray, config, "actor") as group:
         before = ray.get(group.workers[0].__ray_call__.remote(_params))
         batch = _batch()
         g = torch.Generator().manual_seed(3)
@@ -218,13 +212,6 @@ def _update_actor(ray, tmp_path, model, option):
         group.update_actor(data)
         after = ray.get(group.workers[0].__ray_call__.remote(_params))
         counts, _ = ray.get(group.workers[0].__ray_call__.remote(_counts))
-    finally:
-        for w in group.workers:
-            ray.kill(w)
-        # free the pool's placement group: the cluster has 2 CPUs, each run reserves one
-        from ray.util.placement_group import remove_placement_group
-        for pg in pool.pgs or []:
-            remove_placement_group(pg)
     return before, after, counts
 
 

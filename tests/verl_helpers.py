@@ -26,6 +26,23 @@ def tiny_qwen2(seed: int = 0, lm_head_std: float = 0.5):
     return model
 
 
+def rollout_tensors():
+    """Two sequences (5 prompt + 6 response tokens), one left-padded, one right-padded: a dict of
+    prompts, responses, input_ids, attention_mask, position_ids, response_mask, and the generator
+    that drew them (for more draws in the same stream)."""
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, VOCAB, (2, 5), generator=g)
+    responses = torch.randint(0, VOCAB, (2, 6), generator=g)
+    input_ids = torch.cat([prompts, responses], 1)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, :2] = 0
+    attention_mask[0, -2:] = 0
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    return {"prompts": prompts, "responses": responses, "input_ids": input_ids,
+            "attention_mask": attention_mask, "position_ids": position_ids,
+            "response_mask": attention_mask[:, 5:].clone()}, g
+
+
 @contextlib.contextmanager
 def verl_unpatched():
     """verl exactly as installed (rl-kernels' patches removed), restored on exit."""

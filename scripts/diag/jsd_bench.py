@@ -13,6 +13,7 @@ import triton.testing
 import rl_kernels
 import rl_kernels.distill
 import rl_kernels.ops as ops
+from rl_kernels.bench import peak_extra_gib as peak_extra
 from rl_kernels.ops.config import BwdTile
 
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
@@ -31,15 +32,6 @@ T = 0.9
 
 def bench(f):
     return triton.testing.do_bench(f, warmup=3, rep=600, return_mode="median")
-
-
-def peak_extra(f):
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    f()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
 hsx, wsx = hs.clone().requires_grad_(), ws.clone().requires_grad_()

@@ -26,6 +26,7 @@ import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import rl_kernels  # noqa: E402
+from rl_kernels.bench import peak_extra_gib as peak_extra  # noqa: E402
 from rl_kernels.reference import reference_linear_log_probs  # noqa: E402
 
 
@@ -42,15 +43,6 @@ def import_verl(*names):
 
 def bench(fn):
     return triton.testing.do_bench(fn, warmup=50, rep=500, return_mode="median")
-
-
-def peak_extra(fn):
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
 def main():
