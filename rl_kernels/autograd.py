@@ -114,11 +114,11 @@ def head_forward(hidden_states, weight, labels, params: HeadParams):
                     empty.clone() if sq else None)
         cfg = ops.default_config(hidden_states.device, hidden_states.dtype)
         m, s, b, z_y, q = ops.linear_split_stats(hidden_states, weight, labels, params.inv_temperature,
-                                                 params.return_entropy, cfg, compute_sum_sq=sq)
+                                                 params.return_entropy, cfg, return_sum_pi_squared=sq)
         return ops.split_combine(m, s, b, z_y, labels, params.ignore_index, params.return_entropy,
                                  part_q=q)
     return torch_forward(hidden_states, weight, labels, params.inv_temperature,
-                         params.ignore_index, params.return_entropy, compute_sum_sq=sq)
+                         params.ignore_index, params.return_entropy, return_sum_pi_squared=sq)
 
 
 @contextlib.contextmanager

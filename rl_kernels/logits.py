@@ -57,7 +57,7 @@ def _check_logits(logits) -> None:
 
 # ----------------------------------------------------------------------------- torch backend
 
-def _torch_forward(logits, labels, inv_t, ignore_index, want_entropy, want_smoothing, want_sum_sq=False):
+def _torch_forward(logits, labels, inv_temperature, ignore_index, return_entropy, return_mean_log_p, return_sum_pi_squared=False):
     """Same outputs as ``ops.logits_forward``, in float32 row chunks."""
     n, v = logits.shape
     f32 = dict(dtype=torch.float32, device=logits.device)
@@ -67,45 +67,45 @@ def _torch_forward(logits, labels, inv_t, ignore_index, want_entropy, want_smoot
         valid = labels != ignore_index
         # out-of-range labels raise after the forward (the caller checks); never index out of bounds
         safe = torch.where(valid & (labels >= 0) & (labels < v), labels, 0).long()
-    if want_entropy:
+    if return_entropy:
         out["entropy"] = torch.empty(n, **f32)
-    if want_smoothing:
+    if return_mean_log_p:
         out["mean_log_p"] = torch.empty(n, **f32)
-    if want_sum_sq:
+    if return_sum_pi_squared:
         out["sum_pi_squared"] = torch.empty(n, **f32)
     step = max(1, CHUNK_ELEMENTS // v)
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
-        z = logits[r0:r1].to(torch.float32, copy=True).mul_(inv_t)
+        z = logits[r0:r1].to(torch.float32, copy=True).mul_(inv_temperature)
         m = z.amax(dim=-1, keepdim=True)
         m = torch.where(torch.isfinite(m), m, torch.zeros((), device=m.device))
         z.sub_(m)
         ls = torch.logsumexp(z, dim=-1)
         out["row_max"][r0:r1] = m[:, 0]
         out["log_sum"][r0:r1] = ls
-        if want_smoothing:
+        if return_mean_log_p:
             out["mean_log_p"][r0:r1] = z.sum(dim=-1) / v - ls
         log_p = z.sub_(ls[:, None])
         if labels is not None:
             out["log_probs"][r0:r1] = log_p.gather(1, safe[r0:r1, None]).squeeze(1)
-        if want_entropy or want_sum_sq:
+        if return_entropy or return_sum_pi_squared:
             p = log_p.exp()
-        if want_entropy:
+        if return_entropy:
             out["entropy"][r0:r1] = -(p * torch.where(p > 0, log_p, 0.0)).sum(dim=-1)
-        if want_sum_sq:
+        if return_sum_pi_squared:
             out["sum_pi_squared"][r0:r1] = (p * p).sum(dim=-1)
     out["lse"] = out["row_max"] + out["log_sum"]
     if labels is not None:
         zero = torch.zeros((), device=logits.device)
         out["log_probs"] = torch.where(valid, out["log_probs"], zero)
-        if want_entropy:
+        if return_entropy:
             out["entropy"] = torch.where(valid, out["entropy"], zero)
-        if want_sum_sq:
+        if return_sum_pi_squared:
             out["sum_pi_squared"] = torch.where(valid, out["sum_pi_squared"], zero)
     return out
 
 
-def _torch_backward(logits, grad, labels, stats, grads, inv_t, ignore_index):
+def _torch_backward(logits, grad, labels, stats, grads, inv_temperature, ignore_index):
     """Same contract as ``ops.logits_backward``."""
     n, v = logits.shape
     dev = logits.device
@@ -131,7 +131,7 @@ def _torch_backward(logits, grad, labels, stats, grads, inv_t, ignore_index):
     step = max(1, CHUNK_ELEMENTS // v)
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
-        log_p = (logits[r0:r1].to(torch.float32, copy=True).mul_(inv_t)
+        log_p = (logits[r0:r1].to(torch.float32, copy=True).mul_(inv_temperature)
                  .sub_(stats["row_max"][r0:r1, None]).sub_(stats["log_sum"][r0:r1, None]))
         p = log_p.exp()
         dz = p * coef[r0:r1, None]
@@ -143,7 +143,7 @@ def _torch_backward(logits, grad, labels, stats, grads, inv_t, ignore_index):
             dz.scatter_add_(1, safe[r0:r1, None], g_lp[r0:r1, None])
         if "smooth" in grads:
             dz += grads["smooth"][r0:r1, None] / v
-        dz.mul_(inv_t)
+        dz.mul_(inv_temperature)
         if active is not None:
             dz = torch.where(active[r0:r1, None], dz, zero)
         grad[r0:r1] = dz
@@ -160,20 +160,20 @@ class _LogitsStatsFunction(torch.autograd.Function):
     or None."""
 
     @staticmethod
-    def forward(ctx, logits, labels, inv_t, ignore_index, want_entropy, want_smoothing,
-                inplace_backward, backend, fn_name, want_sum_sq=False):
+    def forward(ctx, logits, labels, inv_temperature, ignore_index, return_entropy, return_mean_log_p,
+                inplace_backward, backend, fn_name, return_sum_pi_squared=False):
         if backend == "triton":
             from . import ops
 
-            stats = ops.logits_forward(logits, labels, inv_t, ignore_index, want_entropy,
-                                       want_smoothing, ops.logits_config(logits.device),
-                                       want_sum_sq=want_sum_sq)
+            stats = ops.logits_forward(logits, labels, inv_temperature, ignore_index, return_entropy,
+                                       return_mean_log_p, ops.logits_config(logits.device),
+                                       return_sum_pi_squared=return_sum_pi_squared)
         else:
-            stats = _torch_forward(logits, labels, inv_t, ignore_index, want_entropy, want_smoothing,
-                                   want_sum_sq)
+            stats = _torch_forward(logits, labels, inv_temperature, ignore_index, return_entropy, return_mean_log_p,
+                                   return_sum_pi_squared)
         ctx.save_for_backward(logits, labels, stats["row_max"], stats["log_sum"],
                               stats.get("entropy"), stats.get("sum_pi_squared"))
-        ctx.inv_t, ctx.ignore_index = inv_t, ignore_index
+        ctx.inv_temperature, ctx.ignore_index = inv_temperature, ignore_index
         ctx.inplace_backward, ctx.backend, ctx.fn_name = inplace_backward, backend, fn_name
         ctx.set_materialize_grads(False)
         return tuple(stats.get(k) for k in _OUTPUTS)
@@ -193,10 +193,10 @@ class _LogitsStatsFunction(torch.autograd.Function):
         if ctx.backend == "triton":
             from . import ops
 
-            ops.logits_backward(logits, grad, labels, stats, grads, ctx.inv_t, ctx.ignore_index,
+            ops.logits_backward(logits, grad, labels, stats, grads, ctx.inv_temperature, ctx.ignore_index,
                                 ops.logits_config(logits.device))
         else:
-            _torch_backward(logits, grad, labels, stats, grads, ctx.inv_t, ctx.ignore_index)
+            _torch_backward(logits, grad, labels, stats, grads, ctx.inv_temperature, ctx.ignore_index)
         if ctx.inplace_backward:
             # the kernel wrote through a raw pointer: tell autograd the logits changed, so that any
             # other saved use of them (a second consumer, retain_graph and a second backward)
@@ -205,13 +205,13 @@ class _LogitsStatsFunction(torch.autograd.Function):
         return grad, None, None, None, None, None, None, None, None, None
 
 
-def _run(logits, labels, temperature, ignore_index, want_entropy, want_smoothing,
+def _run(logits, labels, temperature, ignore_index, return_entropy, return_mean_log_p,
          inplace_backward, backend, process_group=None, vocab_start_index=None, *, fn_name,
-         want_sum_sq=False):
+         return_sum_pi_squared=False):
     """Validate, flatten to 2-D, run; returns the five outputs (``_OUTPUTS``) shaped like
     logits.shape[:-1]. ``fn_name``: the public function (error messages)."""
     _check_logits(logits)
-    inv_t = 1.0 / check_temperature(temperature)
+    inv_temperature = 1.0 / check_temperature(temperature)
     if labels is not None:  # label values are checked after the launch (the kernels clamp reads)
         check_labels(labels, logits, "logits", logits.shape[-1], ignore_index, check_values=False)
     if not isinstance(inplace_backward, bool):
@@ -220,16 +220,16 @@ def _run(logits, labels, temperature, ignore_index, want_entropy, want_smoothing
     shape = logits.shape[:-1]
     logits2d = logits.reshape(-1, logits.shape[-1])
     if process_group is not None:
-        return _run_parallel(logits, logits2d, labels, inv_t, ignore_index, want_entropy,
+        return _run_parallel(logits, logits2d, labels, inv_temperature, ignore_index, return_entropy,
                              inplace_backward, backend, process_group, vocab_start_index, fn_name,
-                             want_sum_sq)
+                             return_sum_pi_squared)
     if vocab_start_index is not None:
         raise ValueError("vocab_start_index: only meaningful with process_group")
     if inplace_backward:
         _check_inplace_target(logits, logits2d)
     labels1d = labels.reshape(-1) if labels is not None else None
-    outs = _LogitsStatsFunction.apply(logits2d, labels1d, inv_t, int(ignore_index), want_entropy,
-                                      want_smoothing, inplace_backward, backend, fn_name, want_sum_sq)
+    outs = _LogitsStatsFunction.apply(logits2d, labels1d, inv_temperature, int(ignore_index), return_entropy,
+                                      return_mean_log_p, inplace_backward, backend, fn_name, return_sum_pi_squared)
     if labels is not None:
         # after the launch, so that the host sync of this check overlaps the kernels' run
         check_label_values(labels, logits.shape[-1], ignore_index)
@@ -263,8 +263,8 @@ def _check_inplace_target(logits, logits2d) -> None:
                          f"inplace_backward=False")
 
 
-def _run_parallel(logits, logits2d, labels, inv_t, ignore_index, want_entropy, inplace_backward,
-                  backend, process_group, vocab_start_index, fn_name, want_sum_sq=False):
+def _run_parallel(logits, logits2d, labels, inv_temperature, ignore_index, return_entropy, inplace_backward,
+                  backend, process_group, vocab_start_index, fn_name, return_sum_pi_squared=False):
     """Vocab-sharded logits (``rl_kernels.parallel``): (log_probs, entropy, lse, None,
     sum_pi_squared)."""
     from .parallel import ParallelParams, VocabParallelLogitsFunction, shard_layout
@@ -282,20 +282,20 @@ def _run_parallel(logits, logits2d, labels, inv_t, ignore_index, want_entropy, i
         cfg = ops.logits_config(logits.device)
 
         def run_forward(x, ent, sq):
-            return ops.logits_forward(x, None, inv_t, ignore_index, ent, False, cfg, want_sum_sq=sq)
+            return ops.logits_forward(x, None, inv_temperature, ignore_index, ent, False, cfg, return_sum_pi_squared=sq)
 
         def run_backward(x, grad, stats, grads, row_labels):
-            return ops.logits_backward(x, grad, row_labels, stats, grads, inv_t, ignore_index, cfg)
+            return ops.logits_backward(x, grad, row_labels, stats, grads, inv_temperature, ignore_index, cfg)
     else:
         def run_forward(x, ent, sq):
-            return _torch_forward(x, None, inv_t, ignore_index, ent, False, sq)
+            return _torch_forward(x, None, inv_temperature, ignore_index, ent, False, sq)
 
         def run_backward(x, grad, stats, grads, row_labels):
-            return _torch_backward(x, grad, row_labels, stats, grads, inv_t, ignore_index)
+            return _torch_backward(x, grad, row_labels, stats, grads, inv_temperature, ignore_index)
     tp = ParallelParams(process_group, start, total, False)
     outs = VocabParallelLogitsFunction.apply(
-        logits2d, labels.reshape(-1) if labels is not None else None, inv_t, int(ignore_index),
-        want_entropy, tp, run_forward, run_backward, fn_name, want_sum_sq)
+        logits2d, labels.reshape(-1) if labels is not None else None, inv_temperature, int(ignore_index),
+        return_entropy, tp, run_forward, run_backward, fn_name, return_sum_pi_squared)
     shape = logits.shape[:-1]
     log_probs, entropy, lse, sum_sq = (o.view(shape) if o is not None else None for o in outs)
     return log_probs, entropy, lse, None, sum_sq
@@ -378,7 +378,7 @@ def logits_stats(
     log_probs, entropy, lse, _, sum_sq = _run(logits, labels, temperature, ignore_index, return_entropy,
                                               False, inplace_backward, backend, process_group,
                                               vocab_start_index, fn_name="logits_stats",
-                                              want_sum_sq=return_sum_pi_squared)
+                                              return_sum_pi_squared=return_sum_pi_squared)
     return LogitsStats(log_probs, entropy, lse, sum_sq)
 
 
@@ -461,7 +461,7 @@ def sum_pi_squared_from_logits(logits: torch.Tensor, *, temperature: float = 1.0
     w_r the shard's probability mass (``rl_kernels.parallel``).
     """
     return _run(logits, None, temperature, -100, False, False, False, backend, process_group,
-                vocab_start_index, fn_name="sum_pi_squared_from_logits", want_sum_sq=True)[4]
+                vocab_start_index, fn_name="sum_pi_squared_from_logits", return_sum_pi_squared=True)[4]
 
 
 def cross_entropy(

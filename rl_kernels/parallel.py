@@ -198,19 +198,19 @@ class VocabParallelLinearFunction(torch.autograd.Function):
 class VocabParallelLogitsFunction(torch.autograd.Function):
     """Logits shard (N, V_r), global labels (N,) or None -> (log_probs or None, entropy or None,
     lse, sum_pi_squared or None), float32 (N,), identical on every rank.
-    ``run_forward(logits, want_entropy, want_sum_sq)`` and ``run_backward(logits, grad, stats,
+    ``run_forward(logits, return_entropy, return_sum_pi_squared)`` and ``run_backward(logits, grad, stats,
     grads)`` are the single-device launchers (labels None)."""
 
     @staticmethod
-    def forward(ctx, logits, labels, inv_t, ignore_index, want_entropy, tp: ParallelParams,
-                run_forward, run_backward, fn_name, want_sum_sq=False):
+    def forward(ctx, logits, labels, inv_temperature, ignore_index, return_entropy, tp: ParallelParams,
+                run_forward, run_backward, fn_name, return_sum_pi_squared=False):
         v_r = logits.shape[1]
-        stats = run_forward(logits, want_entropy, want_sum_sq)
+        stats = run_forward(logits, return_entropy, return_sum_pi_squared)
         owned = None
         z_y = None
         if labels is not None:
             local, owned = local_labels(labels, tp.start, v_r, ignore_index)
-            z_y = logits.gather(1, torch.where(owned, local, 0).long()[:, None])[:, 0].float() * inv_t
+            z_y = logits.gather(1, torch.where(owned, local, 0).long()[:, None])[:, 0].float() * inv_temperature
         else:
             owned = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
             z_y = torch.zeros(logits.shape[0], device=logits.device)
@@ -218,7 +218,7 @@ class VocabParallelLogitsFunction(torch.autograd.Function):
             tp.process_group, stats["lse"], stats.get("entropy"), z_y, owned, labels, ignore_index,
             tp.vocab_size, stats.get("sum_pi_squared"))
         ctx.save_for_backward(logits, labels, owned, lse, entropy, sum_sq)
-        ctx.inv_t, ctx.ignore_index, ctx.tp, ctx.run_backward = inv_t, ignore_index, tp, run_backward
+        ctx.inv_temperature, ctx.ignore_index, ctx.tp, ctx.run_backward = inv_temperature, ignore_index, tp, run_backward
         ctx.fn_name = fn_name
         ctx.set_materialize_grads(False)
         return log_probs, entropy, lse, sum_sq
@@ -257,7 +257,7 @@ class VocabParallelLogitsFunction(torch.autograd.Function):
         if g_lp is not None:
             rows = owned.nonzero()[:, 0]
             cols = (labels[rows] - ctx.tp.start).long()
-            grad[rows, cols] += (g_lp[rows] * ctx.inv_t).to(grad.dtype)
+            grad[rows, cols] += (g_lp[rows] * ctx.inv_temperature).to(grad.dtype)
         return (grad,) + none[1:]
 
 

@@ -20,10 +20,10 @@ def reference_linear_log_probs(
     """``linear_log_probs`` computed in float64 from the given (possibly bf16) inputs, chunked
     over tokens (at most ``chunk_elements`` float64 logits at a time). Returns float64 tensors
     shaped like ``labels``. Raises as ``linear_log_probs`` for a bad temperature."""
-    inv_t = 1.0 / check_temperature(temperature)
+    inv_temperature = 1.0 / check_temperature(temperature)
     h = hidden_states.reshape(-1, hidden_states.shape[-1])
     with torch.no_grad():
-        lp, ent, _, _ = torch_forward(h, weight, labels.reshape(-1), inv_t, ignore_index, True,
+        lp, ent, _, _ = torch_forward(h, weight, labels.reshape(-1), inv_temperature, ignore_index, True,
                                    compute_dtype=torch.float64, chunk_elements=chunk_elements)
     return LogProbsOutput(lp.view(labels.shape), ent.view(labels.shape))
 

@@ -131,10 +131,10 @@ def _ours_logits_triton(two_level: bool) -> LogitsBackend:
         from . import ops
 
         _check_logits(s.logits)
-        inv_t = 1.0 / check_temperature(s.temperature)
+        inv_temperature = 1.0 / check_temperature(s.temperature)
         check_labels(s.labels, s.logits, "logits", s.logits.shape[-1], s.ignore_index)
         x = s.logits.reshape(-1, s.logits.shape[-1])
-        out = ops.logits_forward(x, s.labels.reshape(-1), inv_t, int(s.ignore_index),
+        out = ops.logits_forward(x, s.labels.reshape(-1), inv_temperature, int(s.ignore_index),
                                  True, False, ops.logits_config(x.device), two_level=two_level)
         return out["log_probs"].view(s.labels.shape), out["entropy"].view(s.labels.shape)
     return run

@@ -21,10 +21,10 @@ def torch_forward(
     labels: torch.Tensor,
     inv_temperature: float,
     ignore_index: int,
-    compute_entropy: bool,
+    return_entropy: bool,
     compute_dtype: torch.dtype = torch.float32,
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
-    compute_sum_sq: bool = False,
+    return_sum_pi_squared: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """(log_probs, entropy, lse, sum_sq), each (N,) in ``compute_dtype``; entropy / sum_sq
     (sum_j p_j^2) None if not asked.
@@ -40,8 +40,8 @@ def torch_forward(
     safe_labels = torch.where(valid & (labels >= 0) & (labels < v), labels, 0).long()
     log_probs = torch.empty(n, dtype=compute_dtype, device=hidden_states.device)
     lse = torch.empty_like(log_probs)
-    entropy = torch.empty_like(log_probs) if compute_entropy else None
-    sum_sq = torch.empty_like(log_probs) if compute_sum_sq else None
+    entropy = torch.empty_like(log_probs) if return_entropy else None
+    sum_sq = torch.empty_like(log_probs) if return_sum_pi_squared else None
     rows = max(1, chunk_elements // max(v, 1))
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
@@ -49,18 +49,18 @@ def torch_forward(
         lse_c = torch.logsumexp(z, dim=-1)
         lse[r0:r1] = lse_c
         log_probs[r0:r1] = z.gather(1, safe_labels[r0:r1, None]).squeeze(1) - lse_c
-        if compute_entropy or compute_sum_sq:
+        if return_entropy or return_sum_pi_squared:
             log_p = z.sub_(lse_c[:, None])
             p = log_p.exp()
-        if compute_entropy:
+        if return_entropy:
             entropy[r0:r1] = -(p * log_p).sum(dim=-1)
-        if compute_sum_sq:
+        if return_sum_pi_squared:
             sum_sq[r0:r1] = (p * p).sum(dim=-1)
     zero = torch.zeros((), dtype=compute_dtype, device=log_probs.device)
     log_probs = torch.where(valid, log_probs, zero)
-    if compute_entropy:
+    if return_entropy:
         entropy = torch.where(valid, entropy, zero)
-    if compute_sum_sq:
+    if return_sum_pi_squared:
         sum_sq = torch.where(valid, sum_sq, zero)
     return log_probs, entropy, lse, sum_sq
 

@@ -35,8 +35,8 @@ def reference_grads(hidden, weight, labels, g_lp, g_ent, temperature=1.0, ignore
     """Float64 dh, dW of sum(g_lp * log_probs + g_ent * entropy), chunked over tokens (no N x V
     float64 buffer beyond ``chunk`` rows). hidden (N, H), weight (V, H), labels (N,)."""
     h64, w64 = hidden.double(), weight.double()
-    inv_t = 1.0 / temperature
-    _, ent, lse, _ = torch_forward(h64, w64, labels, inv_t, ignore_index, True, torch.float64)
+    inv_temperature = 1.0 / temperature
+    _, ent, lse, _ = torch_forward(h64, w64, labels, inv_temperature, ignore_index, True, torch.float64)
     n, v = hidden.shape[0], weight.shape[0]
     dh = torch.empty_like(h64)
     dw = torch.zeros_like(w64)
@@ -46,7 +46,7 @@ def reference_grads(hidden, weight, labels, g_lp, g_ent, temperature=1.0, ignore
         torch_dlogits(h64, w64, labels, lse, ent,
                       None if g_lp is None else g_lp.double(),
                       None if g_ent is None else g_ent.double(),
-                      rows, slice(0, v), inv_t, ignore_index, dz)
+                      rows, slice(0, v), inv_temperature, ignore_index, dz)
         dh[rows] = dz @ w64
         dw += dz.T @ h64[rows]
     return dh, dw

@@ -34,7 +34,7 @@ def _linear_split_stats_kernel(
     stride_hn, stride_hk, stride_wv, stride_wk,
     inv_temperature,
     SPLIT_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    COMPUTE_ENTROPY: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ENTROPY: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     GROUP_M: tl.constexpr, USE_TMA: tl.constexpr, EVEN_V: tl.constexpr,
     FLATTEN: tl.constexpr, WARP_SPEC: tl.constexpr, SUMSQ: tl.constexpr = False,
 ):
@@ -62,7 +62,7 @@ def _linear_split_stats_kernel(
         shifted = z - tile_m[:, None]
         e = tl.exp(shifted)
         tile_s = tl.sum(e, axis=1)
-        if COMPUTE_ENTROPY:
+        if ENTROPY:
             if EVEN_V:
                 tile_b = tl.sum(e * shifted, axis=1)
             else:  # exp(-inf) * -inf is NaN: zero the padded columns
@@ -76,7 +76,7 @@ def _linear_split_stats_kernel(
     out = pid_s.to(tl.int64) * N + rows
     tl.store(part_m_ptr + out, m, mask=row_mask)
     tl.store(part_s_ptr + out, s, mask=row_mask)
-    if COMPUTE_ENTROPY:
+    if ENTROPY:
         tl.store(part_b_ptr + out, b, mask=row_mask)
     if SUMSQ:
         tl.store(part_q_ptr + out, q, mask=row_mask)
@@ -139,22 +139,22 @@ def linear_split_stats(
     weight: torch.Tensor,
     labels: torch.Tensor,
     inv_temperature: float,
-    compute_entropy: bool,
+    return_entropy: bool,
     cfg: KernelConfig,
-    compute_sum_sq: bool = False,
+    return_sum_pi_squared: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """Per-split partials of the linear head.
 
     hidden_states: (N, H), weight: (V, H), both bf16/fp16/fp32 of one dtype, any strides.
     labels: (N,) int32/int64 (any value; only equality with column ids is used).
     Returns (m, s, b, z_y, q): m, s, b (S, N) float32 with S = ceil(V / cfg.split_v) (b is left
-    uninitialised when ``compute_entropy`` is False), the label logits z_y (N,) float32, and
-    q = sum exp(2 (z - m)) (S, N) when ``compute_sum_sq`` (else None).
+    uninitialised when ``return_entropy`` is False), the label logits z_y (N,) float32, and
+    q = sum exp(2 (z - m)) (S, N) when ``return_sum_pi_squared`` (else None).
     """
     n, h = hidden_states.shape
     v = weight.shape[0]
     num_splits = triton.cdiv(v, cfg.split_v)
-    parts = torch.empty((3 + compute_sum_sq, num_splits, n), dtype=torch.float32, device=hidden_states.device)
+    parts = torch.empty((3 + return_sum_pi_squared, num_splits, n), dtype=torch.float32, device=hidden_states.device)
     grid = (triton.cdiv(n, cfg.block_m) * num_splits,)
     use_tma = cfg.tma and tma_ok(hidden_states, weight)
     h_arg, w_arg = hidden_states, weight
@@ -168,11 +168,11 @@ def linear_split_stats(
         hidden_states.stride(0), hidden_states.stride(1), weight.stride(0), weight.stride(1),
         inv_temperature,
         SPLIT_V=cfg.split_v, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        COMPUTE_ENTROPY=compute_entropy, UPCAST=cfg.upcast(hidden_states.dtype),
+        ENTROPY=return_entropy, UPCAST=cfg.upcast(hidden_states.dtype),
         DOT_PRECISION=cfg.dot_precision(hidden_states.dtype), GROUP_M=cfg.group_m,
         USE_TMA=use_tma, EVEN_V=v % cfg.block_n == 0,
-        FLATTEN=cfg.flatten, WARP_SPEC=cfg.warp_specialize, SUMSQ=compute_sum_sq,
+        FLATTEN=cfg.flatten, WARP_SPEC=cfg.warp_specialize, SUMSQ=return_sum_pi_squared,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return (parts[0], parts[1], parts[2], label_logits(hidden_states, weight, labels, inv_temperature),
-            parts[3] if compute_sum_sq else None)
+            parts[3] if return_sum_pi_squared else None)

@@ -264,15 +264,15 @@ def _multiprocessors(device: torch.device) -> int:
 
 def logits_forward(
     logits: torch.Tensor, labels: torch.Tensor | None, inv_temperature: float, ignore_index: int,
-    want_entropy: bool, want_smoothing: bool, cfg: LogitsConfig, two_level: bool | None = None,
-    want_sum_sq: bool = False,
+    return_entropy: bool, return_mean_log_p: bool, cfg: LogitsConfig, two_level: bool | None = None,
+    return_sum_pi_squared: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Softmax statistics of 2-D ``logits`` (N, V) (any strides; bf16/fp16/fp32).
 
     ``labels``: (N,) int32/int64 or None (no log-probs). Returns a dict of (N,) float32 tensors:
     ``row_max``, ``log_sum``, ``lse`` always; ``log_probs`` with labels; ``entropy`` when
-    ``want_entropy``; ``mean_log_p`` (mean over the vocabulary of log p) when ``want_smoothing``;
-    ``sum_pi_squared`` (sum_j p_j^2) when ``want_sum_sq``.
+    ``return_entropy``; ``mean_log_p`` (mean over the vocabulary of log p) when ``return_mean_log_p``;
+    ``sum_pi_squared`` (sum_j p_j^2) when ``return_sum_pi_squared``.
     ``two_level=None`` picks the launch shape with :func:`use_two_level` (logged at debug level);
     both shapes give bitwise identical results.
     """
@@ -281,11 +281,11 @@ def logits_forward(
     out = {k: torch.empty(n, dtype=torch.float32, device=dev) for k in ("row_max", "log_sum", "lse")}
     if labels is not None:
         out["log_probs"] = torch.empty(n, dtype=torch.float32, device=dev)
-    if want_entropy:
+    if return_entropy:
         out["entropy"] = torch.empty(n, dtype=torch.float32, device=dev)
-    if want_smoothing:
+    if return_mean_log_p:
         out["mean_log_p"] = torch.empty(n, dtype=torch.float32, device=dev)
-    if want_sum_sq:
+    if return_sum_pi_squared:
         out["sum_pi_squared"] = torch.empty(n, dtype=torch.float32, device=dev)
     if n == 0:
         return out
@@ -298,11 +298,11 @@ def logits_forward(
     lab = labels if labels is not None else torch.zeros(1, dtype=torch.int32, device=dev)
     ptrs = (out.get("log_probs", dummy), out.get("entropy", dummy), out["row_max"], out["log_sum"],
             out["lse"], out.get("mean_log_p", dummy), out.get("sum_pi_squared", dummy))
-    flags = dict(LOG_PROBS=labels is not None, ENTROPY=want_entropy, ZSUM=want_smoothing,
-                 SUMSQ=want_sum_sq)
-    part = (torch.empty((4 + want_sum_sq, num_splits, n), dtype=torch.float32, device=dev) if two_level
-            else dummy.expand(4 + want_sum_sq, 1, n))
-    part = tuple(part.unbind(0)) + (() if want_sum_sq else (dummy.expand(1, n),))
+    flags = dict(LOG_PROBS=labels is not None, ENTROPY=return_entropy, ZSUM=return_mean_log_p,
+                 SUMSQ=return_sum_pi_squared)
+    part = (torch.empty((4 + return_sum_pi_squared, num_splits, n), dtype=torch.float32, device=dev) if two_level
+            else dummy.expand(4 + return_sum_pi_squared, 1, n))
+    part = tuple(part.unbind(0)) + (() if return_sum_pi_squared else (dummy.expand(1, n),))
     args = (logits, logits.stride(0), logits.stride(1), lab, lab.stride(0), *part, *ptrs,
             n, v, num_splits, inv_temperature, ignore_index)
     _logits_fwd_kernel[(n * num_splits if two_level else n,)](

@@ -22,7 +22,7 @@ def _split_combine_kernel(
     labels_ptr, stride_lab,
     log_probs_ptr, entropy_ptr, lse_ptr,
     N, num_splits, ignore_index,
-    BLOCK: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr,
+    BLOCK: tl.constexpr, ENTROPY: tl.constexpr,
     part_q_ptr=None, sum_sq_ptr=None, SUMSQ: tl.constexpr = False,
 ):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -35,7 +35,7 @@ def _split_combine_kernel(
         off = sp * N + rows.to(tl.int64)
         pm = tl.load(part_m_ptr + off, mask=row_mask, other=float("-inf"))
         ps = tl.load(part_s_ptr + off, mask=row_mask, other=0.0)
-        if COMPUTE_ENTROPY:
+        if ENTROPY:
             pb = tl.load(part_b_ptr + off, mask=row_mask, other=0.0)
         else:
             pb = tl.zeros((BLOCK,), tl.float32)
@@ -56,7 +56,7 @@ def _split_combine_kernel(
     log_p = tl.minimum(zy - lse, 0.0, propagate_nan=tl.PropagateNan.ALL)  # NaN rows stay NaN
     tl.store(log_probs_ptr + rows, tl.where(valid, log_p, 0.0), mask=row_mask)
     tl.store(lse_ptr + rows, lse, mask=row_mask)
-    if COMPUTE_ENTROPY:
+    if ENTROPY:
         ent = tl.maximum(log_s - b / s, 0.0, propagate_nan=tl.PropagateNan.ALL)
         tl.store(entropy_ptr + rows, tl.where(valid, ent, 0.0), mask=row_mask)
     if SUMSQ:  # sum_j p_j^2 = q / s^2 (0 for ignored rows, as log p and entropy)
@@ -70,7 +70,7 @@ def split_combine(
     label_logits: torch.Tensor,
     labels: torch.Tensor,
     ignore_index: int,
-    compute_entropy: bool,
+    return_entropy: bool,
     block: int = 128,
     part_q: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
@@ -78,20 +78,20 @@ def split_combine(
     sum_sq), each (N,) float32.
 
     ``labels`` is (N,) int32/int64; positions equal to ``ignore_index`` get log-prob and entropy 0.
-    ``entropy`` is None when ``compute_entropy`` is False (``part_b`` is then not read);
+    ``entropy`` is None when ``return_entropy`` is False (``part_b`` is then not read);
     ``sum_sq`` (sum_j p_j^2) is None unless the (S, N) partials ``part_q`` are given.
     """
     num_splits, n = part_m.shape
     log_probs = torch.empty(n, dtype=torch.float32, device=part_m.device)
     lse = torch.empty_like(log_probs)
-    entropy = torch.empty_like(log_probs) if compute_entropy else None
+    entropy = torch.empty_like(log_probs) if return_entropy else None
     sum_sq = torch.empty_like(log_probs) if part_q is not None else None
     _split_combine_kernel[(triton.cdiv(n, block),)](
         part_m, part_s, part_b, label_logits,
         labels, labels.stride(0),
-        log_probs, entropy if compute_entropy else log_probs, lse,
+        log_probs, entropy if return_entropy else log_probs, lse,
         n, num_splits, ignore_index,
-        BLOCK=block, COMPUTE_ENTROPY=compute_entropy,
+        BLOCK=block, ENTROPY=return_entropy,
         part_q_ptr=part_q if part_q is not None else part_m, sum_sq_ptr=sum_sq if sum_sq is not None else lse,
         SUMSQ=part_q is not None,
     )
