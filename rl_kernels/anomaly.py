@@ -17,69 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
-import numbers
 import os
 import time
-from collections.abc import Mapping
 
 import torch
 
 from ._logging import log_once, logger
-
-
-def _got(value) -> str:
-    return f"{value!r} ({type(value).__name__})"
-
-
-def check_int_arg(name: str, value, minimum: int = 0) -> int:
-    """``value`` as an int >= ``minimum``; TypeError for a bool, float, str ..., ValueError below
-    the minimum, both naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name}: expected an int >= {minimum}, got {_got(value)}")
-    if value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
-    return int(value)
-
-
-def check_float_arg(name: str, value, minimum: float = 0.0, inclusive: bool = True) -> float:
-    """``value`` as a finite float >= ``minimum`` (> with ``inclusive=False``); TypeError for a
-    bool, str, tensor ..., ValueError for NaN, inf or out of range, both naming ``name``."""
-    want = f"a finite number {'>=' if inclusive else '>'} {minimum:g}"
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name}: expected {want}, got {_got(value)}")
-    f = float(value)
-    if not math.isfinite(f) or f < minimum or (not inclusive and f == minimum):
-        raise ValueError(f"{name}: expected {want}, got {value!r}")
-    return f
-
-
-def check_bool_arg(name: str, value) -> bool:
-    """``value`` when it is a real bool (not 'no', 0 or None); TypeError naming ``name``."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name}: expected a bool (True or False), got {_got(value)}")
-    return value
-
-
-def check_path_arg(name: str, value) -> str:
-    """A non-empty str / os.PathLike as a str; TypeError / ValueError naming ``name``."""
-    if not isinstance(value, (str, os.PathLike)):
-        raise TypeError(f"{name}: expected a path (str or os.PathLike), got {_got(value)}")
-    path = os.fspath(value)
-    if not isinstance(path, str):
-        raise TypeError(f"{name}: expected a str path, got {_got(path)}")
-    if not path:
-        raise ValueError(f"{name}: expected a non-empty path, got {value!r}")
-    return path
-
-
-def check_metadata_arg(name: str, value) -> dict:
-    """None or a mapping (its values are stored as strings) as a dict; TypeError naming ``name``."""
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise TypeError(f"{name}: expected a dict or None, got {_got(value)}")
-    return dict(value)
+from .validation import check_float_arg, check_int_arg, check_metadata_arg, check_path_arg
 
 
 @dataclasses.dataclass
@@ -142,7 +86,7 @@ class AnomalyCapture:
         return None
 
     def _recheck(self, hidden_states, weight, labels, temperature, ignore_index, lp, entropy):
-        from .torch_backend import torch_forward
+        from .torch_ops.linear import torch_forward
 
         h = hidden_states.detach().reshape(-1, hidden_states.shape[-1])
         y = labels.reshape(-1)

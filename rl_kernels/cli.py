@@ -16,6 +16,29 @@ import traceback
 
 import torch
 
+# argparse prints these as they are: plain text, no reStructuredText markup
+DESCRIPTION = """\
+rl-kernels: fused linear + log-prob / entropy kernels for RL training of LLMs.
+
+commands:
+  repro   replay the bundled bug-catalogue samples (or sample files) through every backend
+          available here and compare with float64; exit status 1 when one of ours fails
+  bench   time the kernels against cuBLAS and their peers (needs a CUDA GPU, and a source
+          checkout: it runs the clone's scripts/bench.py)
+
+Bad input never ends in a traceback: a bad option value is one line on stderr and exit status 2;
+a sample file that cannot be replayed is an ERROR row plus one line on stderr, the other files
+still run, and the exit status is 1. -v (before or after the command) logs at INFO level and
+prints the traceback of any error."""
+
+EPILOG = """\
+examples:
+  rl-kernels repro                          the bundled samples, every backend available here
+  rl-kernels repro bad_step.safetensors     a sample saved by rl_kernels.samples.save_sample
+  rl-kernels repro --save samples/          write the bundled samples as .safetensors files
+  rl-kernels bench --json out.json          GPU timings, saved as JSON
+  rl-kernels <command> --help               the options of one command"""
+
 # the bench's default shapes, here so that building the parser does not import the bench
 DEFAULT_SHAPES = ("16384,3584,152064", "32768,4096,128256", "512,3584,152064")
 DEFAULT_LOGITS_SHAPES = ("16384,152064", "512,152064")
@@ -37,9 +60,21 @@ class CommandError(Exception):
     """An error of the command that is not a usage error (exit status 1), already one line."""
 
 
-def _one_line(exc: BaseException, limit: int = 300) -> str:
+def _one_line(exc: BaseException, limit: int | None = 300) -> str:
+    """The message of ``exc`` on one line; cut to ``limit`` characters unless ``limit`` is None
+    (what goes into a table row is never cut)."""
     text = " ".join(str(exc).split()) or type(exc).__name__
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if limit is None or len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _megabytes(nbytes: int) -> str:
+    mb = nbytes / 1e6
+    return f"{mb:.1f} MB" if mb >= 0.1 else f"{mb:.3f} MB"
+
+
+def report_written(path: str) -> str:
+    """The line a command prints for a file it wrote: ``wrote PATH (SIZE MB)`` (MB = 10^6 bytes)."""
+    return f"wrote {path} ({_megabytes(os.path.getsize(path))})"
 
 
 def _verbose(args: argparse.Namespace) -> bool:
@@ -107,7 +142,7 @@ def _save_bundled(target: str) -> int:
             write_sample(path, s)
         except Exception as exc:  # noqa: BLE001 - OSError, SafetensorError: one line
             raise CommandError(f"--save: cannot write {path}: {_one_line(exc)}") from exc
-        print(f"wrote {path}")
+        print(report_written(path))
     return 0
 
 
@@ -117,7 +152,7 @@ _METADATA_FIRST = ("reason", "rank", "call", "verl_version", "model", "time", "s
 def _describe_metadata(meta: dict) -> str:
     keys = [k for k in _METADATA_FIRST if k in meta]
     keys += sorted(k for k in meta if k not in _METADATA_FIRST and k != "description")
-    return "; ".join(f"{k}={' '.join(str(meta[k]).split())[:120]}" for k in keys)
+    return "; ".join(f"{k}={' '.join(str(meta[k]).split())}" for k in keys)
 
 
 def _repro(args: argparse.Namespace) -> int:
@@ -153,7 +188,7 @@ def _repro(args: argparse.Namespace) -> int:
             rows.extend(check_sample(s, device, atol=args.atol,
                                      backends=logits_backends if isinstance(s, LogitsSample) else backends))
         except Exception as exc:  # noqa: BLE001 - reported as an error row; the others go on
-            error(s.name, f"{s.name}: check failed: {type(exc).__name__}: {_one_line(exc)}")
+            error(s.name, f"{s.name}: check failed: {type(exc).__name__}: {_one_line(exc, None)}")
 
     if not args.paths:
         for make in BUNDLED.values():
@@ -167,7 +202,7 @@ def _repro(args: argparse.Namespace) -> int:
             error(path, str(exc))
             continue
         except Exception as exc:  # noqa: BLE001 - an unforeseen way for a file to be bad
-            error(path, f"{path}: {type(exc).__name__}: {_one_line(exc)}")
+            error(path, f"{path}: {type(exc).__name__}: {_one_line(exc, None)}")
             continue
         if s.description:
             print(f"  {s.name}: {s.description}")
@@ -196,12 +231,37 @@ def _repro(args: argparse.Namespace) -> int:
 
 
 # ----------------------------------------------------------------------------- bench
+BENCH_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bench.py")
+
+
+def load_bench():
+    """The benchmark module, ``scripts/bench.py`` of the source checkout this package runs from,
+    imported on first use (``rl-kernels repro`` never imports it). CommandError when the package
+    was installed from a wheel, which does not ship the measuring scripts."""
+    import importlib.util
+
+    if "rl_kernels_bench" in sys.modules:
+        return sys.modules["rl_kernels_bench"]
+    if not os.path.isfile(BENCH_SCRIPT):
+        raise CommandError(f"rl-kernels bench runs the benchmark script of a source checkout "
+                           f"({BENCH_SCRIPT} is missing: this install has no scripts/); clone the "
+                           f"repository and run pip install -e . there")
+    spec = importlib.util.spec_from_file_location("rl_kernels_bench", BENCH_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["rl_kernels_bench"] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules["rl_kernels_bench"]
+        raise
+    return module
+
+
 def _bench(args: argparse.Namespace) -> int:
     for option, path in (("--json", args.json), ("--png", args.png)):
         if path:
             _writable_file(option, path)
-    from . import bench
-
+    bench = load_bench()
     if args.plot:
         results, text = bench.load_results(args.plot)
         png = args.png or os.path.splitext(args.plot)[0] + ".png"
@@ -209,13 +269,14 @@ def _bench(args: argparse.Namespace) -> int:
         try:
             bench.plot(results, png)
         except ImportError as exc:
-            raise CommandError(f"--plot: the chart needs matplotlib (pip install 'rl-kernels[bench]'): "
+            raise CommandError(f"--plot: the chart needs matplotlib (pip install matplotlib, or the "
+                               f"bench extra: pip install '/path/to/rl-kernels[bench]'): "
                                f"{_one_line(exc)}") from exc
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
             raise CommandError(f"{args.plot}: not a complete rl-kernels bench result "
                                f"({type(exc).__name__}: {_one_line(exc)})") from exc
         print(text)
-        print(f"wrote {png}")
+        print(report_written(png))
         return 0
     if args.shapes:
         bench.parse_shapes(args.shapes, logits=args.logits)  # a bad shape: exit 2 before timing
@@ -235,14 +296,37 @@ def _add_verbose(parser: argparse.ArgumentParser, default) -> None:
                         help="log at INFO level; print the traceback of an error")
 
 
+def version_text() -> str:
+    """``rl-kernels X.Y.Z (torch A, triton B)``: the package version (rl_kernels.__version__, the
+    installed distribution's when it is installed), and the torch and Triton it runs with."""
+    from importlib import metadata
+
+    from . import __version__
+
+    def installed(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    return f"rl-kernels {__version__} (torch {torch.__version__}, triton {installed('triton')})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .repro import DEFAULT_ATOL
 
-    parser = _Parser(prog="rl-kernels", description=__doc__,
+    parser = _Parser(prog="rl-kernels", description=DESCRIPTION, epilog=EPILOG,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=version_text(),
+                        help="print the version of rl-kernels (and of torch and Triton) and exit")
     _add_verbose(parser, False)
     sub = parser.add_subparsers(dest="command", required=True)
-    repro = sub.add_parser("repro", help="compare every backend against float64 on samples")
+    repro = sub.add_parser("repro", help="compare every backend against float64 on samples",
+                           description="Replay samples through every backend available here "
+                           "(ours Triton and torch, torch eager, verl's kernel when importable on "
+                           "CUDA) and print, per backend, the max |error| of log-probs and entropy "
+                           "against float64 and PASS / FAIL. Exit status 1 when one of ours fails "
+                           "or a file cannot be replayed, 2 for a bad option.")
     _add_verbose(repro, argparse.SUPPRESS)
     repro.add_argument("paths", nargs="*", help=".safetensors/.pt sample files, each holding "
                        "hidden_states/weight/labels or logits/labels "
@@ -251,11 +335,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="max |error| for PASS, a finite number >= 0 (default %(default)g)")
     repro.add_argument("--device", type=_device, help="cpu, cuda or cuda:N (default: cuda when available)")
     repro.add_argument("--save", metavar="DIR",
-                       help="write the bundled samples to DIR as .safetensors and exit")
+                       help="write the bundled samples to DIR as .safetensors files (about "
+                            "150 MB; one line per file: its path and size) and exit")
     repro.set_defaults(func=_repro)
 
     bench = sub.add_parser("bench", help="time the fused head vs cuBLAS matmul and its peers, or "
-                           "(--logits) the from-logits kernels vs bandwidth ceilings (GPU)")
+                           "(--logits) the from-logits kernels vs bandwidth ceilings (GPU)",
+                           description="Time the fused head against a cuBLAS matmul of the same "
+                           "shape and its peers (torch eager; verl, Liger, CCE when importable), or "
+                           "with --logits the from-logits kernels against the read / copy "
+                           "bandwidth measured in the same run. Needs a CUDA GPU; without one it "
+                           "says so and exits 0 (--plot works anywhere).")
     _add_verbose(bench, argparse.SUPPRESS)
     bench.add_argument("--logits", action="store_true",
                        help="benchmark the from-logits path (logits_stats) on bf16 N x V logits "

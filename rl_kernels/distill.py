@@ -22,56 +22,36 @@ when only top-K log-probs are available; with K = V and a renormalized teacher i
 """
 from __future__ import annotations
 
-import torch
-
-import dataclasses
 import numbers
 
-from .api import (_FLOAT_DTYPES, _LABEL_DTYPES, _describe, check_hidden_size, check_labels, check_temperature,
-                  check_tensor_arg, resolve_backend)
-from .autograd import (HeadParams, LinearLogProbsFunction, _chunked_backward, _full_precision_reduction,
-                       first_order_only, head_forward, hidden_for_weight_grad)
-from .torch_backend import torch_jsd_dlogits, torch_jsd_sums
+import torch
+
+from .autograd.jsd import JSDParams, LinearJSDFunction
+from .autograd.linear import HeadParams, LinearLogProbsFunction
+from .autograd.vocab_parallel import VocabParallelLseGatherFunction, parallel_params
+from .backends import resolve_backend
+from .validation import (FLOAT_DTYPES, LABEL_DTYPES, check_bool_arg, check_choice, check_hidden_weight,
+                         check_labels, check_mask, check_same_device, check_temperature, check_tensor_arg,
+                         describe)
 
 KINDS = ("forward", "reverse")
 REDUCTIONS = ("none", "sum", "mean", "batchmean")
 
 
-def _check_inputs(hidden_states, weight, ids, teacher_log_probs, mask, vocab_size=None):
-    for name, t in (("hidden_states", hidden_states), ("weight", weight),
-                    ("teacher_token_ids", ids), ("teacher_log_probs", teacher_log_probs)):
-        check_tensor_arg(name, t)
-    if hidden_states.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"hidden_states: expected bfloat16, float16 or float32, got {_describe(hidden_states)}")
-    if hidden_states.dim() < 2:
-        raise ValueError(f"hidden_states: expected shape (..., H) with at least one token dim (e.g. "
-                         f"(N, H)), got {_describe(hidden_states)}")
-    check_hidden_size(hidden_states, "hidden_states")
-    if weight.dim() != 2 or weight.dtype != hidden_states.dtype or weight.shape[1] != hidden_states.shape[-1] \
-            or weight.shape[0] == 0:
-        raise ValueError(f"weight: expected (vocab_size >= 1, {hidden_states.shape[-1]}) {hidden_states.dtype}, "
-                         f"got {_describe(weight)}")
+def _check_teacher(hidden_states, ids, teacher_log_probs) -> None:
+    """The top-K teacher: ids (..., K) int, log-probs of the same shape, float, on the student's
+    device (value checks follow once the vocabulary is known)."""
+    check_tensor_arg("teacher_token_ids", ids)
+    check_tensor_arg("teacher_log_probs", teacher_log_probs)
     lead = tuple(hidden_states.shape[:-1])
-    if ids.dtype not in _LABEL_DTYPES or ids.dim() != len(lead) + 1 or tuple(ids.shape[:-1]) != lead \
+    if ids.dtype not in LABEL_DTYPES or ids.dim() != len(lead) + 1 or tuple(ids.shape[:-1]) != lead \
             or ids.shape[-1] == 0:
-        raise ValueError(f"teacher_token_ids: expected {lead + ('K',)} int64/int32 with K >= 1, got {_describe(ids)}")
-    if teacher_log_probs.dtype not in _FLOAT_DTYPES or teacher_log_probs.shape != ids.shape:
+        raise ValueError(f"teacher_token_ids: expected {lead + ('K',)} int64/int32 with K >= 1, got {describe(ids)}")
+    if teacher_log_probs.dtype not in FLOAT_DTYPES or teacher_log_probs.shape != ids.shape:
         raise ValueError(f"teacher_log_probs: expected shape {tuple(ids.shape)} (as teacher_token_ids), "
-                         f"float, got {_describe(teacher_log_probs)}")
-    for name, t in (("weight", weight), ("teacher_token_ids", ids), ("teacher_log_probs", teacher_log_probs)):
-        if t.device != hidden_states.device:
-            raise ValueError(f"{name}: on {t.device}, but hidden_states is on {hidden_states.device}")
-    if mask is not None and (not isinstance(mask, torch.Tensor) or tuple(mask.shape) != lead
-                             or mask.device != hidden_states.device):
-        raise ValueError(f"mask: expected a bool/0-1 tensor of shape {lead} on {hidden_states.device}, got "
-                         + (_describe(mask) if isinstance(mask, torch.Tensor) else type(mask).__name__))
-    if mask is not None and mask.dtype != torch.bool and mask.numel() and bool(((mask != 0) & (mask != 1)).any()):
-        raise ValueError(f"mask: expected bool or 0/1 values, got other values ({_describe(mask)}; e.g. "
-                         f"{mask[(mask != 0) & (mask != 1)].reshape(-1)[0].item()!r})")
-    v = weight.shape[0] if vocab_size is None else vocab_size
-    if ids.numel() and bool(((ids < 0) | (ids >= v)).any()):
-        raise ValueError(f"teacher_token_ids: values must lie in [0, vocab_size={v}); got min "
-                         f"{int(ids.min())}, max {int(ids.max())}")
+                         f"float, got {describe(teacher_log_probs)}")
+    for name, t in (("teacher_token_ids", ids), ("teacher_log_probs", teacher_log_probs)):
+        check_same_device(name, t, hidden_states, "hidden_states")
     bad = torch.isnan(teacher_log_probs) | (teacher_log_probs == float("inf"))
     if teacher_log_probs.numel() and bool(bad.any()):
         first = bad.reshape(-1).nonzero()[0, 0].item()
@@ -80,21 +60,51 @@ def _check_inputs(hidden_states, weight, ids, teacher_log_probs, mask, vocab_siz
                          f"{first}: {teacher_log_probs.reshape(-1)[first].item()}")
 
 
+def _check_teacher_ids(ids, vocab_size: int) -> None:
+    if ids.numel() and bool(((ids < 0) | (ids >= vocab_size)).any()):
+        raise ValueError(f"teacher_token_ids: values must lie in [0, vocab_size={vocab_size}); got min "
+                         f"{int(ids.min())}, max {int(ids.max())}")
+
+
+def counted_positions(hidden_states, labels, ignore_index, mask, vocab_size, check_values: bool,
+                      hidden_name: str = "hidden_states"):
+    """The one rule of the losses for which positions count: a position counts unless its label
+    is ``ignore_index`` (when ``labels`` is given) or its ``mask`` entry is 0 (when ``mask`` is
+    given); both may be given. Validates both (label values against ``vocab_size`` unless
+    ``check_values`` is False) and returns ((N,) bool, whether any position is excluded, or None
+    when unknown without a host sync)."""
+    lead = tuple(hidden_states.shape[:-1])
+    n = hidden_states.reshape(-1, hidden_states.shape[-1]).shape[0]
+    valid = torch.ones(n, dtype=torch.bool, device=hidden_states.device)
+    any_excluded = False
+    if labels is not None:
+        any_excluded = check_labels(labels, hidden_states, hidden_name, vocab_size, ignore_index,
+                                    check_values=check_values, report_ignored=True)
+        valid = labels.reshape(-1) != ignore_index
+    check_mask(mask, lead, hidden_states, hidden_name)
+    if mask is not None:
+        valid = valid & (mask.reshape(-1) != 0)
+        any_excluded = None
+    return valid, any_excluded
+
+
 def linear_topk_kl(
     hidden_states: torch.Tensor,
     weight: torch.Tensor,
     teacher_token_ids: torch.Tensor,
     teacher_log_probs: torch.Tensor,
     *,
-    mask: torch.Tensor | None = None,
     temperature: float = 1.0,
+    labels: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    mask: torch.Tensor | None = None,
     kind: str = "forward",
     renormalize_teacher: bool = False,
-    reduction: str = "batchmean",
+    reduction: str = "mean",
+    backend: str = "auto",
     process_group=None,
     vocab_start_index: int | None = None,
     reduce_hidden_grad: bool = False,
-    backend: str = "auto",
 ) -> torch.Tensor:
     """KL divergence to a top-K teacher, student log-probs over the full vocabulary (fused).
 
@@ -110,23 +120,31 @@ def linear_topk_kl(
             0 log 0 = 0, the ``xlogy`` convention; reverse: the slot is left out, like an id
             outside the top K); ``renormalize_teacher`` renormalizes over the other slots. NaN
             or +inf entries raise ValueError.
-        mask: (...) bool or 0/1; tokens with mask 0 contribute 0 and get no gradient.
         temperature: positive Python number: the student logits are divided by it and the loss
             is multiplied by temperature^2 (Hinton et al. 2015).
+        labels: optional (...) int64/int32; positions whose label is ``ignore_index`` contribute
+            0 and get no gradient (other values must lie in [0, vocab_size) and are not used
+            otherwise). The package-wide rule for which positions count.
+        ignore_index: int, see ``labels``.
+        mask: optional (...) bool or 0/1, the same selection for callers that hold a response
+            mask (verl): positions with mask 0 contribute 0 and get no gradient. With both
+            ``labels`` and ``mask``, a position counts when both say so.
         kind: 'forward' = sum_k p_t (log p_t - log q) (mode covering), 'reverse' =
             sum_k q (log q - log p_t) over the K ids (mode seeking).
         renormalize_teacher: log-softmax the teacher log-probs over the K ids first (the K
             probabilities then sum to 1; with K = V and True, the loss is the full KL).
-        reduction: 'none' (shape ``...``), 'sum', 'mean' (over tokens with mask 1), 'batchmean'
-            (sum / size of the first dim, as ``torch.nn.functional.kl_div``).
+        reduction: 'mean' (default, as every loss of rl_kernels: sum over the positions that
+            count / their number, the per-token mean of RL and distillation recipes), 'sum',
+            'none' (shape ``...``), 'batchmean' (sum / size of the first dim, as
+            ``torch.nn.functional.kl_div``).
+        backend: 'auto' | 'triton' | 'torch', as for ``linear_log_probs``.
         process_group: vocab-parallel student head, as for ``linear_log_probs``: ``weight`` is
             this rank's contiguous vocab shard, ``teacher_token_ids`` are global ids; the
             student's lse and the K logits are merged after one all_gather of (N, 1 + 2K)
-            float32 (``rl_kernels.parallel``), so every rank returns the same loss. Backward:
-            this shard's dW and a partial dh (Megatron convention, see ``rl_kernels.parallel``).
+            float32 (``rl_kernels.autograd.vocab_parallel``), so every rank returns the same loss. Backward:
+            this shard's dW and a partial dh (Megatron convention, see ``rl_kernels.autograd.vocab_parallel``).
         vocab_start_index: global id of the shard's first row; None derives it from the group.
         reduce_hidden_grad: with ``process_group``, all-reduce dh over the group in backward.
-        backend: 'auto' | 'triton' | 'torch', as for ``linear_log_probs``.
 
     Returns:
         float32 loss (nats x T^2): shape ``hidden_states.shape[:-1]`` for 'none', a scalar
@@ -141,49 +159,36 @@ def linear_topk_kl(
 
     Memory: O(N K) besides the fused head's own (``linear_log_probs``' bounds).
     """
-    if kind not in KINDS:
-        raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
-    if not isinstance(renormalize_teacher, bool):
-        raise TypeError(f"renormalize_teacher: expected a bool, got {type(renormalize_teacher).__name__}")
+    check_choice("kind", kind, KINDS)
+    check_choice("reduction", reduction, REDUCTIONS)
+    check_bool_arg("renormalize_teacher", renormalize_teacher)
     t = check_temperature(temperature)
-    tp = None
-    if process_group is not None:
-        from .parallel import ParallelParams, shard_layout
-
-        if not isinstance(reduce_hidden_grad, bool):
-            raise TypeError(f"reduce_hidden_grad: expected a bool, got {type(reduce_hidden_grad).__name__}")
-        # global ids: only >= 0 here; the upper bound once the layout is known
-        _check_inputs(hidden_states, weight, teacher_token_ids, teacher_log_probs, mask,
-                      vocab_size=torch.iinfo(torch.int64).max)
-        start, total = shard_layout(process_group, weight.shape[0], vocab_start_index, weight.device, -100)
-        if total is not None and bool((teacher_token_ids >= total).any()):
-            raise ValueError(f"teacher_token_ids: values must lie in [0, vocab_size={total}) (the sharded "
-                             f"vocabulary); got max {int(teacher_token_ids.max())}")
-        tp = ParallelParams(process_group, start, total, reduce_hidden_grad)
-    elif vocab_start_index is not None or reduce_hidden_grad:
-        raise ValueError("vocab_start_index / reduce_hidden_grad: only meaningful with process_group")
-    else:
-        _check_inputs(hidden_states, weight, teacher_token_ids, teacher_log_probs, mask)
+    check_hidden_weight(hidden_states, weight, min_dim=2)
+    _check_teacher(hidden_states, teacher_token_ids, teacher_log_probs)
+    tp = parallel_params(process_group, vocab_start_index, reduce_hidden_grad, ignore_index, weight.shape[0],
+                         hidden_states.device)
+    # ids and labels are global with a group: checked against the whole vocabulary when known
+    vocab_size = weight.shape[0] if tp is None else tp.vocab_size
+    if vocab_size is not None:
+        _check_teacher_ids(teacher_token_ids, vocab_size)
+    elif teacher_token_ids.numel() and bool((teacher_token_ids < 0).any()):
+        _check_teacher_ids(teacher_token_ids, torch.iinfo(torch.int64).max)
+    valid, any_excluded = counted_positions(hidden_states, labels, ignore_index, mask, vocab_size,
+                                            check_values=vocab_size is not None)
     backend = resolve_backend(backend, hidden_states.device)
     lead = hidden_states.shape[:-1]
     h2 = hidden_states.reshape(-1, hidden_states.shape[-1])
     ids = teacher_token_ids.reshape(-1, teacher_token_ids.shape[-1])
-    valid = (mask.reshape(-1) != 0) if mask is not None else torch.ones(
-        h2.shape[0], dtype=torch.bool, device=h2.device)
 
-    # student lse over the full vocabulary (fused head; rows with mask 0 get no gradient)
-    labels = torch.where(valid, ids[:, 0], -100)
+    # student lse over the full vocabulary (fused head; positions that do not count get no gradient)
+    row_labels = torch.where(valid, ids[:, 0], -100)
     params = HeadParams(backend=backend, inv_temperature=1.0 / t, ignore_index=-100,
                         return_entropy=False, return_lse=tp is None, name="linear_topk_kl",
-                        may_have_ignored=mask is not None)
+                        may_have_ignored=any_excluded is not False)
     if tp is not None:
-        from .parallel import VocabParallelLseGatherFunction
-
         lse, z_ids = VocabParallelLseGatherFunction.apply(h2, weight, valid, ids, params, tp)
     else:
-        _, lse, z_ids = LinearLogProbsFunction.apply(h2, weight, labels, params, ids)
+        _, lse, z_ids = LinearLogProbsFunction.apply(h2, weight, row_labels, params, ids)
     log_q = z_ids - lse[:, None]
 
     log_pt = teacher_log_probs.reshape(ids.shape).detach().float()
@@ -213,115 +218,21 @@ def _reduce(per_token, valid, lead, reduction):
     return per_token.sum() / (lead[0] if len(lead) else 1)
 
 
-@dataclasses.dataclass(frozen=True)
-class JSDParams:
-    backend: str  # resolved: "triton" or "torch"
-    inv_temperature: float
-    beta: float
-    tp: object = None  # parallel.ParallelParams for vocab-sharded heads
-    may_have_ignored: bool = True  # False: no token is excluded (no ignored-row check in backward)
-
-
-class LinearJSDFunction(torch.autograd.Function):
-    """Inputs: student_hidden (N, Hs), student_weight (V, Hs), teacher_hidden (N, Ht),
-    teacher_weight (V, Ht), valid (N,) bool, JSDParams. Output: (N,) float32 per-token divergence
-    x T^2, 0 where not valid. Gradients to the student's two inputs only."""
-
-    @staticmethod
-    def forward(ctx, student_hidden, student_weight, teacher_hidden, teacher_weight, valid, params):
-        n = student_hidden.shape[0]
-        zeros = torch.zeros(n, dtype=torch.long, device=student_hidden.device)
-        head = HeadParams(backend=params.backend, inv_temperature=params.inv_temperature,
-                          ignore_index=-100, return_entropy=False)
-        lse_s = head_forward(student_hidden, student_weight, zeros, head)[2].contiguous()
-        lse_t = head_forward(teacher_hidden, teacher_weight, zeros, head)[2].contiguous()
-        tp = params.tp
-        if tp is not None:  # shard lse -> global lse of both heads (one all_gather)
-            from .parallel import _all_gather, _merge_lse
-
-            lse_w = _all_gather(tp.process_group, torch.stack([lse_s, lse_t]))
-            lse_s, lse_t = (_merge_lse(lse_w[:, i])[0].contiguous() for i in (0, 1))
-        args = (student_hidden, student_weight, teacher_hidden, teacher_weight, lse_s, lse_t,
-                params.inv_temperature, params.beta)
-        if params.backend == "triton" and n:
-            from .ops import default_config
-            from .ops.linear_jsd import jsd_split_sums
-
-            cfg = default_config(student_hidden.device, student_hidden.dtype)
-            loss, g_sum = jsd_split_sums(*args, cfg, cfg.jsd_fwd)
-        else:
-            loss, g_sum = torch_jsd_sums(*args)
-        if tp is not None:  # shard sums -> global sums, added in rank order (one all_gather)
-            from .parallel import _all_gather
-
-            sums = _all_gather(tp.process_group, torch.stack(
-                [loss.float(), g_sum.float() if g_sum is not None else torch.zeros_like(loss, dtype=torch.float32)]
-            )).sum(0)
-            loss = sums[0]
-            g_sum = sums[1] if 0.0 < params.beta < 1.0 else (loss if params.beta == 1.0 else None)
-        t2 = 1.0 / params.inv_temperature ** 2
-        ctx.save_for_backward(student_hidden, student_weight, teacher_hidden, teacher_weight,
-                              lse_s, lse_t, g_sum if g_sum is not None else lse_s, valid)
-        ctx.params, ctx.fn_name = params, "linear_jsd"
-        return torch.where(valid, loss.float() * t2, torch.zeros((), device=loss.device))
-
-    @staticmethod
-    @first_order_only
-    def backward(ctx, grad):
-        hs, ws, ht, wt, lse_s, lse_t, g_sum, valid = ctx.saved_tensors
-        params: JSDParams = ctx.params
-        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if grad is None or not (need_dh or need_dw):
-            return None, None, None, None, None, None
-        scale = torch.where(valid, grad.float() / params.inv_temperature ** 2,
-                            torch.zeros((), device=grad.device)).contiguous()
-        g_sum = None if params.beta == 0.0 else g_sum
-        if params.backend == "triton":
-            from .ops import default_config
-            from .ops.linear_jsd import jsd_dlogits
-
-            cfg = default_config(hs.device, hs.dtype)
-            dz_dtype = hs.dtype
-
-            def dlogits(rows, cols, out):
-                return jsd_dlogits(hs, ws, ht, wt, lse_s, lse_t, g_sum, scale, rows, cols,
-                                   params.inv_temperature, params.beta, out, cfg, cfg.jsd_bwd)
-        else:
-            dz_dtype = torch.float32
-
-            def dlogits(rows, cols, out):
-                return torch_jsd_dlogits(hs, ws, ht, wt, lse_s, lse_t, g_sum, scale, rows, cols,
-                                         params.inv_temperature, params.beta, out)
-        reduce_dh = params.tp is not None and params.tp.reduce_hidden_grad
-        h_dw = hidden_for_weight_grad(hs, ~valid, lse_s) if need_dw and params.may_have_ignored else hs
-        with _full_precision_reduction():
-            dh, dw = _chunked_backward(dlogits, hs, ws, dz_dtype, need_dh, need_dw, reduce_dh, h_dw)
-        if reduce_dh:
-            from .parallel import finish_hidden_grad
-
-            dh = finish_hidden_grad(dh, params.tp, hs.dtype)
-        return dh, dw, None, None, None, None
-
-
-def _check_head(hidden, weight, hname, wname, lead=None, dtype=None, device=None):
-    for name, t in ((hname, hidden), (wname, weight)):
-        check_tensor_arg(name, t)
-    if hidden.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"{hname}: expected bfloat16, float16 or float32, got {_describe(hidden)}")
-    if hidden.dim() < 2:
-        raise ValueError(f"{hname}: expected shape (..., H) with at least one token dim (e.g. (N, H)), "
-                         f"got {_describe(hidden)}")
-    check_hidden_size(hidden, hname)
-    if lead is not None and tuple(hidden.shape[:-1]) != lead:
-        raise ValueError(f"{hname}: expected leading shape {lead} (as student_hidden), got {_describe(hidden)}")
-    if dtype is not None and hidden.dtype != dtype:
-        raise TypeError(f"{hname}: dtype {hidden.dtype} differs from student_hidden's {dtype}; cast one of them")
-    if device is not None and hidden.device != device:
-        raise ValueError(f"{hname}: on {hidden.device}, but student_hidden is on {device}")
-    if weight.dim() != 2 or weight.dtype != hidden.dtype or weight.shape[1] != hidden.shape[-1] \
-            or weight.device != hidden.device or weight.shape[0] == 0:
-        raise ValueError(f"{wname}: expected (vocab_size >= 1, {hidden.shape[-1]}) {hidden.dtype} on "
-                         f"{hidden.device}, got {_describe(weight)}")
+def _check_teacher_head(student_hidden, student_weight, teacher_hidden, teacher_weight) -> None:
+    """The teacher head of ``linear_jsd``: a valid (hidden, weight) pair with the student's
+    leading shape, dtype, device and vocabulary (its hidden size may differ)."""
+    check_hidden_weight(teacher_hidden, teacher_weight, "teacher_hidden", "teacher_weight", min_dim=2)
+    lead = tuple(student_hidden.shape[:-1])
+    if tuple(teacher_hidden.shape[:-1]) != lead:
+        raise ValueError(f"teacher_hidden: expected leading shape {lead} (as student_hidden), got "
+                         f"{describe(teacher_hidden)}")
+    if teacher_hidden.dtype != student_hidden.dtype:
+        raise TypeError(f"teacher_hidden: dtype {teacher_hidden.dtype} differs from student_hidden's "
+                        f"{student_hidden.dtype}; cast one of them")
+    check_same_device("teacher_hidden", teacher_hidden, student_hidden, "student_hidden")
+    if teacher_weight.shape[0] != student_weight.shape[0]:
+        raise ValueError(f"teacher_weight: vocab_size {teacher_weight.shape[0]} differs from "
+                         f"student_weight's {student_weight.shape[0]}; the heads must share a vocabulary")
 
 
 def linear_jsd(
@@ -330,15 +241,16 @@ def linear_jsd(
     teacher_hidden: torch.Tensor,
     teacher_weight: torch.Tensor,
     *,
-    beta: float = 0.5,
     temperature: float = 1.0,
     labels: torch.Tensor | None = None,
     ignore_index: int = -100,
+    mask: torch.Tensor | None = None,
+    beta: float = 0.5,
     reduction: str = "mean",
+    backend: str = "auto",
     process_group=None,
     vocab_start_index: int | None = None,
     reduce_hidden_grad: bool = False,
-    backend: str = "auto",
 ) -> torch.Tensor:
     """Generalized Jensen-Shannon divergence between a student and a teacher linear head (fused).
 
@@ -360,20 +272,24 @@ def linear_jsd(
         teacher_hidden: (..., Ht) with the student's leading shape and dtype (Ht may differ).
             No gradient flows to it.
         teacher_weight: (vocab_size, Ht), the student's vocab_size. No gradient flows to it.
-        beta: Python number in [0, 1] (weight of the teacher in M).
         temperature: positive Python number dividing both heads' logits; the loss is x T^2.
         labels: optional int64/int32 of the leading shape; positions equal to ``ignore_index``
-            are excluded (0 loss, no gradient). Other values are not used.
+            are excluded (0 loss, no gradient). Other values must lie in [0, vocab_size) and are
+            not used otherwise. The package-wide rule for which positions count.
         ignore_index: int, see ``labels``.
-        reduction: 'mean' (default: sum / number of tokens not ignored), 'sum', 'none' (the
-            leading shape), 'batchmean' (sum / size of the first dim).
+        mask: optional bool or 0/1 of the leading shape, the same selection for callers that
+            hold a response mask: positions with mask 0 are excluded. With both ``labels`` and
+            ``mask``, a position counts when both say so.
+        beta: Python number in [0, 1] (weight of the teacher in M).
+        reduction: 'mean' (default, as every loss of rl_kernels: sum / number of positions that
+            count), 'sum', 'none' (the leading shape), 'batchmean' (sum / size of the first dim).
+        backend: 'auto' | 'triton' | 'torch', as for ``linear_log_probs``.
         process_group: vocab-parallel heads, as for ``linear_log_probs``: both weights are this
             rank's shard of the same vocab rows. Two all_gathers of (2, N) float32 (the heads'
             lse, then the shard sums) give every rank the same loss; backward gives the student
-            shard's dW and a partial dh (``rl_kernels.parallel``).
+            shard's dW and a partial dh (``rl_kernels.autograd.vocab_parallel``).
         vocab_start_index: global id of the shards' first row; None derives it from the group.
         reduce_hidden_grad: with ``process_group``, all-reduce dh over the group in backward.
-        backend: 'auto' | 'triton' | 'torch', as for ``linear_log_probs``.
 
     Returns:
         float32 loss in nats x T^2 (shape per ``reduction``), differentiable w.r.t.
@@ -393,38 +309,21 @@ def linear_jsd(
     """
     if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not 0.0 <= float(beta) <= 1.0:
         raise ValueError(f"beta: expected a Python number in [0, 1], got {beta!r}")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
+    check_choice("reduction", reduction, REDUCTIONS)
     t = check_temperature(temperature)
-    _check_head(student_hidden, student_weight, "student_hidden", "student_weight")
+    check_hidden_weight(student_hidden, student_weight, "student_hidden", "student_weight", min_dim=2)
+    _check_teacher_head(student_hidden, student_weight, teacher_hidden, teacher_weight)
     lead = tuple(student_hidden.shape[:-1])
-    _check_head(teacher_hidden, teacher_weight, "teacher_hidden", "teacher_weight", lead,
-                student_hidden.dtype, student_hidden.device)
-    if teacher_weight.shape[0] != student_weight.shape[0]:
-        raise ValueError(f"teacher_weight: vocab_size {teacher_weight.shape[0]} differs from "
-                         f"student_weight's {student_weight.shape[0]}; the heads must share a vocabulary")
-    has_ignored = False
-    if labels is not None:
-        # (only a mask: with process_group the ids are global, their values are not checked)
-        has_ignored = check_labels(labels, student_hidden, "student_hidden", student_weight.shape[0],
-                                   ignore_index, check_values=process_group is None, report_ignored=True)
-    tp = None
-    if process_group is not None:
-        from .parallel import ParallelParams, shard_layout
-
-        if not isinstance(reduce_hidden_grad, bool):
-            raise TypeError(f"reduce_hidden_grad: expected a bool, got {type(reduce_hidden_grad).__name__}")
-        start, total = shard_layout(process_group, student_weight.shape[0], vocab_start_index,
-                                    student_weight.device, ignore_index)
-        tp = ParallelParams(process_group, start, total, reduce_hidden_grad)
-    elif vocab_start_index is not None or reduce_hidden_grad:
-        raise ValueError("vocab_start_index / reduce_hidden_grad: only meaningful with process_group")
+    tp = parallel_params(process_group, vocab_start_index, reduce_hidden_grad, ignore_index,
+                         student_weight.shape[0], student_hidden.device)
+    vocab_size = student_weight.shape[0] if tp is None else tp.vocab_size
+    # (labels only select positions: with a group and vocab_start_index their values are not checked)
+    valid, any_excluded = counted_positions(student_hidden, labels, ignore_index, mask, vocab_size,
+                                            check_values=vocab_size is not None, hidden_name="student_hidden")
     backend = resolve_backend(backend, student_hidden.device)
     hs = student_hidden.reshape(-1, student_hidden.shape[-1])
     ht = teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1])
-    valid = (labels.reshape(-1) != ignore_index) if labels is not None else torch.ones(
-        hs.shape[0], dtype=torch.bool, device=hs.device)
     params = JSDParams(backend=backend, inv_temperature=1.0 / t, beta=float(beta), tp=tp,
-                       may_have_ignored=has_ignored is not False)
+                       may_have_ignored=any_excluded is not False)
     per_token = LinearJSDFunction.apply(hs, student_weight, ht, teacher_weight.detach(), valid, params)
     return _reduce(per_token, valid, lead, reduction)

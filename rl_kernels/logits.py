@@ -7,7 +7,7 @@ dtype (optionally into the logits' own storage):
 * ``triton`` (CUDA, or Triton's CPU interpreter): ``rl_kernels.ops.logits_stats``, a one-level
   online-softmax kernel for many rows and a two-level split (per-split partials, then a combine)
   for few rows, chosen automatically and bitwise identical to each other;
-* ``torch`` (any device): float32 row chunks of at most ``CHUNK_ELEMENTS`` elements.
+* ``torch`` (any device): ``rl_kernels.torch_ops.logits_stats``, float32 row chunks.
 
 Torch eager (verl's ``logprobs_from_logits`` + ``entropy_from_logits``) instead keeps several
 N x V copies (softmax, ``softmax * logits``, per-row log-softmax outputs) alive until backward.
@@ -28,13 +28,13 @@ from typing import NamedTuple
 
 import torch
 
-from .api import (_FLOAT_DTYPES, _describe, check_label_values, check_labels, check_temperature,
-                  check_tensor_arg, resolve_backend)
-from .autograd import first_order_only
+from .autograd.logits import LogitsStatsFunction
+from .autograd.vocab_parallel import VocabParallelLogitsFunction, parallel_params
+from .backends import resolve_backend
+from .torch_ops.logits_stats import torch_logits_backward, torch_logits_forward
+from .validation import (check_bool_arg, check_choice, check_label_values, check_labels, check_logits,
+                         check_temperature, describe)
 
-# logits elements per row chunk of the torch backend (x 4 bytes per float32 temporary: 256 MiB; a
-# few temporaries live at once). 2^24 measured 5% slower end to end on an H100.
-CHUNK_ELEMENTS = 1 << 26
 REDUCTIONS = ("none", "sum", "mean")
 
 
@@ -47,189 +47,32 @@ class LogitsStats(NamedTuple):
     sum_pi_squared: torch.Tensor | None = None
 
 
-def _check_logits(logits) -> None:
-    check_tensor_arg("logits", logits)
-    if logits.dim() < 1 or logits.shape[-1] == 0:
-        raise ValueError(f"logits: expected shape (..., vocab_size) with vocab_size >= 1, got {_describe(logits)}")
-    if logits.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"logits: expected bfloat16, float16 or float32, got {_describe(logits)}")
-
-
-# ----------------------------------------------------------------------------- torch backend
-
-def _torch_forward(logits, labels, inv_temperature, ignore_index, return_entropy, return_mean_log_p, return_sum_pi_squared=False):
-    """Same outputs as ``ops.logits_forward``, in float32 row chunks."""
-    n, v = logits.shape
-    f32 = dict(dtype=torch.float32, device=logits.device)
-    out = {k: torch.empty(n, **f32) for k in ("row_max", "log_sum")}
-    if labels is not None:
-        out["log_probs"] = torch.empty(n, **f32)
-        valid = labels != ignore_index
-        # out-of-range labels raise after the forward (the caller checks); never index out of bounds
-        safe = torch.where(valid & (labels >= 0) & (labels < v), labels, 0).long()
-    if return_entropy:
-        out["entropy"] = torch.empty(n, **f32)
-    if return_mean_log_p:
-        out["mean_log_p"] = torch.empty(n, **f32)
-    if return_sum_pi_squared:
-        out["sum_pi_squared"] = torch.empty(n, **f32)
-    step = max(1, CHUNK_ELEMENTS // v)
-    for r0 in range(0, n, step):
-        r1 = min(n, r0 + step)
-        z = logits[r0:r1].to(torch.float32, copy=True).mul_(inv_temperature)
-        m = z.amax(dim=-1, keepdim=True)
-        m = torch.where(torch.isfinite(m), m, torch.zeros((), device=m.device))
-        z.sub_(m)
-        ls = torch.logsumexp(z, dim=-1)
-        out["row_max"][r0:r1] = m[:, 0]
-        out["log_sum"][r0:r1] = ls
-        if return_mean_log_p:
-            out["mean_log_p"][r0:r1] = z.sum(dim=-1) / v - ls
-        log_p = z.sub_(ls[:, None])
-        if labels is not None:
-            out["log_probs"][r0:r1] = log_p.gather(1, safe[r0:r1, None]).squeeze(1)
-        if return_entropy or return_sum_pi_squared:
-            p = log_p.exp()
-        if return_entropy:
-            out["entropy"][r0:r1] = -(p * torch.where(p > 0, log_p, 0.0)).sum(dim=-1)
-        if return_sum_pi_squared:
-            out["sum_pi_squared"][r0:r1] = (p * p).sum(dim=-1)
-    out["lse"] = out["row_max"] + out["log_sum"]
-    if labels is not None:
-        zero = torch.zeros((), device=logits.device)
-        out["log_probs"] = torch.where(valid, out["log_probs"], zero)
-        if return_entropy:
-            out["entropy"] = torch.where(valid, out["entropy"], zero)
-        if return_sum_pi_squared:
-            out["sum_pi_squared"] = torch.where(valid, out["sum_pi_squared"], zero)
-    return out
-
-
-def _torch_backward(logits, grad, labels, stats, grads, inv_temperature, ignore_index):
-    """Same contract as ``ops.logits_backward``."""
-    n, v = logits.shape
-    dev = logits.device
-    zero = torch.zeros((), device=dev)
-    valid = (labels != ignore_index) if labels is not None else None
-    g_lp, g_ent, g_sq = grads.get("log_probs"), grads.get("entropy"), grads.get("sum_pi_squared")
-    if valid is not None:
-        g_lp = torch.where(valid, g_lp, zero) if g_lp is not None else None
-        g_ent = torch.where(valid, g_ent, zero) if g_ent is not None else None
-        g_sq = torch.where(valid, g_sq, zero) if g_sq is not None else None
-    coef = torch.zeros(n, dtype=torch.float32, device=dev)
-    # rows that get exactly 0 (selected, not multiplied by 0): ignored, and no lse / smoothing
-    # gradient reaches them
-    active = valid.clone() if valid is not None else None
-    for key, sign in (("lse", 1.0), ("smooth", -1.0)):
-        if key in grads:
-            coef = coef + sign * grads[key]
-            if active is not None:
-                active |= grads[key] != 0
-    if g_lp is not None:
-        coef = coef - g_lp
-        safe = torch.where(valid, labels, 0).long()
-    step = max(1, CHUNK_ELEMENTS // v)
-    for r0 in range(0, n, step):
-        r1 = min(n, r0 + step)
-        log_p = (logits[r0:r1].to(torch.float32, copy=True).mul_(inv_temperature)
-                 .sub_(stats["row_max"][r0:r1, None]).sub_(stats["log_sum"][r0:r1, None]))
-        p = log_p.exp()
-        dz = p * coef[r0:r1, None]
-        if g_ent is not None:
-            dz -= g_ent[r0:r1, None] * p * torch.where(p > 0, log_p + stats["entropy"][r0:r1, None], 0.0)
-        if g_sq is not None:
-            dz += (2.0 * g_sq[r0:r1, None]) * p * (p - stats["sum_pi_squared"][r0:r1, None])
-        if g_lp is not None:
-            dz.scatter_add_(1, safe[r0:r1, None], g_lp[r0:r1, None])
-        if "smooth" in grads:
-            dz += grads["smooth"][r0:r1, None] / v
-        dz.mul_(inv_temperature)
-        if active is not None:
-            dz = torch.where(active[r0:r1, None], dz, zero)
-        grad[r0:r1] = dz
-    return grad
-
-
-# ----------------------------------------------------------------------------- autograd
-
-_OUTPUTS = ("log_probs", "entropy", "lse", "mean_log_p", "sum_pi_squared")
-
-
-class _LogitsStatsFunction(torch.autograd.Function):
-    """2-D logits (N, V) -> (log_probs, entropy, lse, mean_log_p, sum_pi_squared), float32 (N,)
-    or None."""
-
-    @staticmethod
-    def forward(ctx, logits, labels, inv_temperature, ignore_index, return_entropy, return_mean_log_p,
-                inplace_backward, backend, fn_name, return_sum_pi_squared=False):
-        if backend == "triton":
-            from . import ops
-
-            stats = ops.logits_forward(logits, labels, inv_temperature, ignore_index, return_entropy,
-                                       return_mean_log_p, ops.logits_config(logits.device),
-                                       return_sum_pi_squared=return_sum_pi_squared)
-        else:
-            stats = _torch_forward(logits, labels, inv_temperature, ignore_index, return_entropy, return_mean_log_p,
-                                   return_sum_pi_squared)
-        ctx.save_for_backward(logits, labels, stats["row_max"], stats["log_sum"],
-                              stats.get("entropy"), stats.get("sum_pi_squared"))
-        ctx.inv_temperature, ctx.ignore_index = inv_temperature, ignore_index
-        ctx.inplace_backward, ctx.backend, ctx.fn_name = inplace_backward, backend, fn_name
-        ctx.set_materialize_grads(False)
-        return tuple(stats.get(k) for k in _OUTPUTS)
-
-    @staticmethod
-    @first_order_only
-    def backward(ctx, *out_grads):
-        logits, labels, row_max, log_sum, entropy, sum_sq = ctx.saved_tensors
-        grads = {("smooth" if k == "mean_log_p" else k): g.float().contiguous()
-                 for k, g in zip(_OUTPUTS, out_grads) if g is not None}
-        if not ctx.needs_input_grad[0] or not grads:
-            return (None,) * 10
-        stats = {"row_max": row_max, "log_sum": log_sum, "entropy": entropy, "sum_pi_squared": sum_sq}
-        # documented: with inplace_backward the logits' storage receives their gradient
-        grad = logits if ctx.inplace_backward else torch.empty_like(
-            logits, memory_format=torch.contiguous_format)
-        if ctx.backend == "triton":
-            from . import ops
-
-            ops.logits_backward(logits, grad, labels, stats, grads, ctx.inv_temperature, ctx.ignore_index,
-                                ops.logits_config(logits.device))
-        else:
-            _torch_backward(logits, grad, labels, stats, grads, ctx.inv_temperature, ctx.ignore_index)
-        if ctx.inplace_backward:
-            # the kernel wrote through a raw pointer: tell autograd the logits changed, so that any
-            # other saved use of them (a second consumer, retain_graph and a second backward)
-            # raises torch's "modified by an inplace operation" error instead of reading gradients
-            torch.autograd.graph.increment_version(logits)
-        return grad, None, None, None, None, None, None, None, None, None
-
-
 def _run(logits, labels, temperature, ignore_index, return_entropy, return_mean_log_p,
          inplace_backward, backend, process_group=None, vocab_start_index=None, *, fn_name,
          return_sum_pi_squared=False):
-    """Validate, flatten to 2-D, run; returns the five outputs (``_OUTPUTS``) shaped like
-    logits.shape[:-1]. ``fn_name``: the public function (error messages)."""
-    _check_logits(logits)
+    """Validate, flatten to 2-D, run; returns the five outputs (``autograd.logits.OUTPUTS``)
+    shaped like logits.shape[:-1]. ``fn_name``: the public function (error messages)."""
+    check_logits(logits)
     inv_temperature = 1.0 / check_temperature(temperature)
     if labels is not None:  # label values are checked after the launch (the kernels clamp reads)
         check_labels(labels, logits, "logits", logits.shape[-1], ignore_index, check_values=False)
-    if not isinstance(inplace_backward, bool):
-        raise TypeError(f"inplace_backward: expected a bool, got {type(inplace_backward).__name__}")
+    check_bool_arg("inplace_backward", inplace_backward)
+    if inplace_backward and process_group is not None:
+        raise ValueError("inplace_backward: not supported with process_group (the gradient of a "
+                         "shard is written to a new tensor); pass inplace_backward=False")
+    tp = parallel_params(process_group, vocab_start_index, False, ignore_index, logits.shape[-1], logits.device,
+                         allow_reduce_hidden_grad=False)
     backend = resolve_backend(backend, logits.device)
     shape = logits.shape[:-1]
     logits2d = logits.reshape(-1, logits.shape[-1])
-    if process_group is not None:
-        return _run_parallel(logits, logits2d, labels, inv_temperature, ignore_index, return_entropy,
-                             inplace_backward, backend, process_group, vocab_start_index, fn_name,
-                             return_sum_pi_squared)
-    if vocab_start_index is not None:
-        raise ValueError("vocab_start_index: only meaningful with process_group")
+    if tp is not None:
+        return _run_parallel(logits2d, shape, labels, inv_temperature, ignore_index, return_entropy, backend, tp,
+                             fn_name, return_sum_pi_squared)
     if inplace_backward:
         _check_inplace_target(logits, logits2d)
     labels1d = labels.reshape(-1) if labels is not None else None
-    outs = _LogitsStatsFunction.apply(logits2d, labels1d, inv_temperature, int(ignore_index), return_entropy,
-                                      return_mean_log_p, inplace_backward, backend, fn_name, return_sum_pi_squared)
+    outs = LogitsStatsFunction.apply(logits2d, labels1d, inv_temperature, int(ignore_index), return_entropy,
+                                     return_mean_log_p, inplace_backward, backend, fn_name, return_sum_pi_squared)
     if labels is not None:
         # after the launch, so that the host sync of this check overlaps the kernels' run
         check_label_values(labels, logits.shape[-1], ignore_index)
@@ -253,50 +96,42 @@ def _check_inplace_target(logits, logits2d) -> None:
     cannot receive their gradient element for element: a reshape that copies, or elements that
     share memory (expanded / zero-stride or otherwise overlapping logits)."""
     if logits2d.data_ptr() != logits.data_ptr():
-        raise ValueError(f"inplace_backward=True: logits ({_describe(logits)}, strides "
+        raise ValueError(f"inplace_backward=True: logits ({describe(logits)}, strides "
                          f"{logits.stride()}) cannot be viewed as (N, vocab_size) without a copy, so "
                          f"their storage cannot receive the gradient; pass inplace_backward=False")
     if _overlaps(logits2d):
-        raise ValueError(f"inplace_backward=True: logits ({_describe(logits)}, strides "
+        raise ValueError(f"inplace_backward=True: logits ({describe(logits)}, strides "
                          f"{logits.stride()}) have elements that share memory (expanded or "
                          f"overlapping), so their gradient cannot be written over them; pass "
                          f"inplace_backward=False")
 
 
-def _run_parallel(logits, logits2d, labels, inv_temperature, ignore_index, return_entropy, inplace_backward,
-                  backend, process_group, vocab_start_index, fn_name, return_sum_pi_squared=False):
-    """Vocab-sharded logits (``rl_kernels.parallel``): (log_probs, entropy, lse, None,
-    sum_pi_squared)."""
-    from .parallel import ParallelParams, VocabParallelLogitsFunction, shard_layout
-
-    if inplace_backward:
-        raise ValueError("inplace_backward: not supported with process_group (the gradient of a "
-                         "shard is written to a new tensor); pass inplace_backward=False")
-    start, total = shard_layout(process_group, logits.shape[-1], vocab_start_index, logits.device,
-                                ignore_index)
-    if labels is not None and total is not None:
-        check_label_values(labels, total, ignore_index)
+def _run_parallel(logits2d, shape, labels, inv_temperature, ignore_index, return_entropy, backend, tp, fn_name,
+                  return_sum_pi_squared=False):
+    """Vocab-sharded logits (``rl_kernels.autograd.vocab_parallel``): (log_probs, entropy, lse,
+    None, sum_pi_squared)."""
+    if labels is not None and tp.vocab_size is not None:
+        check_label_values(labels, tp.vocab_size, ignore_index)
     if backend == "triton":
         from . import ops
 
-        cfg = ops.logits_config(logits.device)
+        cfg = ops.logits_config(logits2d.device)
 
         def run_forward(x, ent, sq):
-            return ops.logits_forward(x, None, inv_temperature, ignore_index, ent, False, cfg, return_sum_pi_squared=sq)
+            return ops.logits_forward(x, None, inv_temperature, ignore_index, ent, False, cfg,
+                                      return_sum_pi_squared=sq)
 
         def run_backward(x, grad, stats, grads, row_labels):
             return ops.logits_backward(x, grad, row_labels, stats, grads, inv_temperature, ignore_index, cfg)
     else:
         def run_forward(x, ent, sq):
-            return _torch_forward(x, None, inv_temperature, ignore_index, ent, False, sq)
+            return torch_logits_forward(x, None, inv_temperature, ignore_index, ent, False, sq)
 
         def run_backward(x, grad, stats, grads, row_labels):
-            return _torch_backward(x, grad, row_labels, stats, grads, inv_temperature, ignore_index)
-    tp = ParallelParams(process_group, start, total, False)
+            return torch_logits_backward(x, grad, row_labels, stats, grads, inv_temperature, ignore_index)
     outs = VocabParallelLogitsFunction.apply(
         logits2d, labels.reshape(-1) if labels is not None else None, inv_temperature, int(ignore_index),
         return_entropy, tp, run_forward, run_backward, fn_name, return_sum_pi_squared)
-    shape = logits.shape[:-1]
     log_probs, entropy, lse, sum_sq = (o.view(shape) if o is not None else None for o in outs)
     return log_probs, entropy, lse, None, sum_sq
 
@@ -315,7 +150,7 @@ _TP_DOC = """
             ``logits`` is then this rank's contiguous vocab shard (shards may differ in size,
             ordered by group rank), labels are global ids and ``ignore_index`` must be negative;
             one all_gather of four (N,) float32 rows merges the shards and every rank returns the
-            same bits (``rl_kernels.parallel``). Backward gives the gradient of the local shard.
+            same bits (``rl_kernels.autograd.vocab_parallel``). Backward gives the gradient of the local shard.
         vocab_start_index: global id of the shard's first column; None derives it from the group
             (one small all_gather)."""
 _RAISES_DOC = """
@@ -324,7 +159,7 @@ _RAISES_DOC = """
 
     Raises:
         TypeError / ValueError naming the argument for a wrong type, dtype, shape, device,
-        temperature (outside ``rl_kernels.api.TEMPERATURE_RANGE`` included), a label outside
+        temperature (outside ``rl_kernels.validation.TEMPERATURE_RANGE`` included), a label outside
         [0, vocab_size) that is not ``ignore_index``, or an ``ignore_index`` that does not fit
         the labels' dtype; RuntimeError when the requested backend cannot run on the logits'
         device, and when a gradient is differentiated again (double backward is not
@@ -372,9 +207,8 @@ def logits_stats(
     Formula: log p_y = z_y - lse, H = -sum p log p, lse = log sum exp z with z = logits / T
     (module docstring).
     """
-    for name, flag in (("return_entropy", return_entropy), ("return_sum_pi_squared", return_sum_pi_squared)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
+    check_bool_arg("return_entropy", return_entropy)
+    check_bool_arg("return_sum_pi_squared", return_sum_pi_squared)
     log_probs, entropy, lse, _, sum_sq = _run(logits, labels, temperature, ignore_index, return_entropy,
                                               False, inplace_backward, backend, process_group,
                                               vocab_start_index, fn_name="logits_stats",
@@ -458,7 +292,7 @@ def sum_pi_squared_from_logits(logits: torch.Tensor, *, temperature: float = 1.0
     Formula: with m = max z, s = sum exp(z - m) and q = sum exp(2 (z - m)), sum_j p_j^2 = q / s^2
     (one read, same split tree as the lse); d/dz_j = 2 p_j (p_j - sum_k p_k^2) (from the softmax
     derivative d p_k / dz_j = p_k ([k == j] - p_j)). Vocab shards merge as sum_r w_r^2 S_r with
-    w_r the shard's probability mass (``rl_kernels.parallel``).
+    w_r the shard's probability mass (``rl_kernels.autograd.vocab_parallel``).
     """
     return _run(logits, None, temperature, -100, False, False, False, backend, process_group,
                 vocab_start_index, fn_name="sum_pi_squared_from_logits", return_sum_pi_squared=True)[4]
@@ -467,12 +301,11 @@ def sum_pi_squared_from_logits(logits: torch.Tensor, *, temperature: float = 1.0
 def cross_entropy(
     logits: torch.Tensor,
     labels: torch.Tensor,
-    weight: torch.Tensor | None = None,
     *,
     ignore_index: int = -100,
-    reduction: str = "mean",
     label_smoothing: float = 0.0,
     inplace_backward: bool = False,
+    reduction: str = "mean",
     backend: str = "auto",
 ) -> torch.Tensor:
     """Drop-in for ``torch.nn.functional.cross_entropy(logits, labels, ignore_index=...,
@@ -482,7 +315,6 @@ def cross_entropy(
     Args:
         logits: (N, vocab_size) bfloat16, float16 or float32, any strides.
         labels: (N,) int64 or int32 class indices in [0, vocab_size), or ``ignore_index``.
-        weight: class weights are not supported: anything but None raises NotImplementedError.
         ignore_index: rows with this label contribute 0 and are not counted by 'mean'.
         reduction: 'none' (per row), 'sum', or 'mean' (over non-ignored rows; NaN when all are
             ignored, as torch).
@@ -494,21 +326,18 @@ def cross_entropy(
         the loss in the logits dtype (as torch): shape (N,) for 'none', a scalar otherwise;
         computed in float32 before that final rounding.
 {raises}
-        NotImplementedError for ``weight``; ValueError for a bad ``reduction`` or
-        ``label_smoothing``, or logits that are not 2-D.
+        ValueError for a bad ``reduction`` or ``label_smoothing``, or logits that are not 2-D.
+        Class weights (torch's ``weight``) are not offered: every ``weight`` argument of
+        rl_kernels is an lm_head weight.
     """
     if labels is None:
         raise TypeError("labels: expected a torch.Tensor of class indices, got None")
-    if weight is not None:
-        raise NotImplementedError("weight: class weights are not supported by rl_kernels.cross_entropy; "
-                                  "use torch.nn.functional.cross_entropy")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
+    check_choice("reduction", reduction, REDUCTIONS)
     if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) \
             or not 0.0 <= float(label_smoothing) <= 1.0:
         raise ValueError(f"label_smoothing: expected a float in [0, 1], got {label_smoothing!r}")
     if isinstance(logits, torch.Tensor) and logits.dim() != 2:
-        raise ValueError(f"logits: expected 2-D (N, vocab_size), got {_describe(logits)}")
+        raise ValueError(f"logits: expected 2-D (N, vocab_size), got {describe(logits)}")
     eps = float(label_smoothing)
     log_probs, _, _, mean_log_p, _ = _run(logits, labels, 1.0, ignore_index, False, eps > 0,
                                           inplace_backward, backend, fn_name="cross_entropy")

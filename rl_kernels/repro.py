@@ -13,10 +13,11 @@ from collections.abc import Callable
 
 import torch
 
-from .api import check_labels, check_temperature, linear_log_probs
-from .logits import _check_logits, logits_stats
-from .ops_available import interpreting, triton_available
-from .reference import reference_linear_log_probs, reference_logits_stats
+from .linear import linear_log_probs
+from .validation import check_labels, check_logits, check_temperature
+from .logits import logits_stats
+from .backends import interpreting, triton_available
+from .reference import reference_linear_log_probs, reference_logits_stats, torch_eager, torch_eager_logits
 from .samples import LogitsSample, Sample
 
 # PASS needs max |error| <= atol (log-probs and entropy). Ours keep fp32 logits and land below
@@ -64,54 +65,19 @@ def _ours(backend: str) -> Backend:
     return run
 
 
-def torch_eager(hidden_states, weight, labels, temperature=1.0, ignore_index=-100):
-    """What an HF model + verl's default logits path computes: logits materialized in the input
-    dtype (lm_head output), divided by the temperature, then log_softmax / entropy in float32.
-    Differentiable; the comparison point of ``repro`` and the GPU benchmark."""
-    logits = (hidden_states @ weight.T) / temperature
-    log_p = torch.log_softmax(logits.float(), dim=-1)
-    valid = labels != ignore_index
-    lp = log_p.gather(-1, torch.where(valid, labels, 0).unsqueeze(-1)).squeeze(-1)
-    ent = -(log_p.exp() * log_p).sum(-1)
-    return torch.where(valid, lp, 0.0), torch.where(valid, ent, 0.0)
-
-
 def _torch_eager(s: Sample):
     return torch_eager(s.hidden_states, s.weight, s.labels, s.temperature, s.ignore_index)
 
 
 def _verl_backends() -> dict[str, Backend]:
-    """verl's fused kernels, when verl is importable (they need CUDA)."""
-    found: dict[str, Backend] = {}
+    """verl's fused Triton head, when verl is importable (it needs CUDA)."""
     try:
-        from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy
+        from .integrations.verl_kernels import verl_linear_kernels
+
+        head = verl_linear_kernels()["verl triton"]
     except Exception:  # noqa: BLE001 - any import failure means "not available here"
-        return found
-
-    def verl_triton(s: Sample):
-        lp, ent = linear_cross_entropy(s.hidden_states, s.weight, s.labels,
-                                       float(s.temperature), "none")
-        shape = s.labels.shape
-        return lp.float().view(shape), ent.float().view(shape)
-
-    found["verl linear_cross_entropy"] = verl_triton
-    return found
-
-
-def torch_eager_logits(logits, labels, temperature=1.0, ignore_index=-100):
-    """verl's default from-logits path (``use_fused_kernels=False``) in float32, as
-    :func:`torch_eager` is for the linear head: logits divided by the temperature in their own
-    dtype (verl's ``logits / temperature``; skipped at T = 1 as verl does), then
-    ``logprobs_from_logits`` as float32 log_softmax + gather and ``entropy_from_logits`` as
-    logsumexp(z) - sum(softmax(z) * z) on the float32 logits; ``ignore_index`` masked to 0.
-    (verl's own ``entropy_from_logits``, and its ``logprobs_from_logits`` without flash-attn, run
-    in the logits dtype, so verl's errors are at least these.) Differentiable; the comparison
-    point of ``repro`` for logits samples and of ``rl-kernels bench --logits``."""
-    z = (logits if temperature == 1.0 else logits / temperature).float()
-    valid = labels != ignore_index
-    lp = torch.log_softmax(z, dim=-1).gather(-1, torch.where(valid, labels, 0).unsqueeze(-1)).squeeze(-1)
-    ent = torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)
-    return torch.where(valid, lp, 0.0), torch.where(valid, ent, 0.0)
+        return {}
+    return {"verl linear_cross_entropy": lambda s: head(s.hidden_states, s.weight, s.labels, s.temperature)}
 
 
 def _torch_eager_logits(s: LogitsSample):
@@ -130,7 +96,7 @@ def _ours_logits_triton(two_level: bool) -> LogitsBackend:
     def run(s: LogitsSample):
         from . import ops
 
-        _check_logits(s.logits)
+        check_logits(s.logits)
         inv_temperature = 1.0 / check_temperature(s.temperature)
         check_labels(s.labels, s.logits, "logits", s.logits.shape[-1], s.ignore_index)
         x = s.logits.reshape(-1, s.logits.shape[-1])
@@ -240,7 +206,7 @@ def check_sample(sample: Sample | LogitsSample, device: torch.device, atol: floa
                 lp, ent = fn(s_dev)
         except Exception as exc:  # noqa: BLE001 - a peer failing is a result to report
             row = Row(sample.name, name, ours, math.nan, math.nan, -1, -1, False,
-                      f"{type(exc).__name__}: {' '.join(str(exc).split())[:80]}")
+                      f"{type(exc).__name__}: {' '.join(str(exc).split())}")
         else:
             lp, ent = lp.double().cpu(), ent.double().cpu()
             non_finite = int((~torch.isfinite(lp[valid])).sum() + (~torch.isfinite(ent[valid])).sum())
@@ -261,11 +227,10 @@ def check_sample(sample: Sample | LogitsSample, device: torch.device, atol: floa
     return rows
 
 
-def _cut(text: str, limit: int = 160) -> str:
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
 def format_table(rows: list[Row]) -> str:
+    """The GitHub-markdown table of ``rows``: one line per row (to paste into an issue, or grep),
+    every value in full: a long note (an error message, the NaN rows) widens the table rather
+    than being cut."""
     from tabulate import tabulate
 
     def err(x: float, r: Row) -> str | None:
@@ -275,7 +240,7 @@ def format_table(rows: list[Row]) -> str:
         return None if r.status in (ERROR, INPUT_NON_FINITE) else x
 
     table = [[r.sample, r.backend, err(r.err_log_probs, r), err(r.err_entropy, r),
-              count(r.non_finite, r), count(r.positive_log_probs, r), r.result, _cut(r.note)]
+              count(r.non_finite, r), count(r.positive_log_probs, r), r.result, r.note]
              for r in rows]
     headers = ["sample", "backend", "max|Δ log_probs|", "max|Δ entropy|", "non-finite",
                "log_probs>0", "result", "note"]

@@ -65,7 +65,7 @@ class SampleError(ValueError):
 
 
 def _fspath(path) -> str:
-    from .anomaly import check_path_arg
+    from .validation import check_path_arg
 
     return check_path_arg("path", path)
 
@@ -87,8 +87,29 @@ def _check_target(path: str) -> None:
         raise ValueError(f"path: cannot write {path!r}: directory {folder!r} does not exist")
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux says it (/proc/self/status)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)  # elsewhere: set and restore at once
+    os.umask(mask)
+    return mask
+
+
 def _write(path: str, tensors: dict, temperature: float, ignore_index: int, metadata: dict) -> None:
+    """Write the sample file. It ends with the mode of a file the user creates with ``open``
+    (0o666 & ~umask), or keeps the mode of the file it replaces: safetensors writes through a
+    private (0o600) temporary file renamed into place."""
     _check_target(path)
+    try:
+        mode = os.stat(path).st_mode & 0o7777
+    except OSError:
+        mode = 0o666 & ~_umask()
     tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
     tensors["temperature"] = torch.tensor(float(temperature), dtype=torch.float64)
     tensors["ignore_index"] = torch.tensor(int(ignore_index), dtype=torch.int64)
@@ -99,11 +120,13 @@ def _write(path: str, tensors: dict, temperature: float, ignore_index: int, meta
         save_file(tensors, path, metadata=meta)
     else:
         torch.save({**tensors, "metadata": meta}, path)
+    if os.stat(path).st_mode & 0o7777 != mode:
+        os.chmod(path, mode)
 
 
 def _check_options(temperature, ignore_index, metadata) -> tuple[float, dict]:
-    from .anomaly import check_metadata_arg
-    from .api import check_ignore_index, check_temperature
+    from .validation import check_metadata_arg
+    from .validation import check_ignore_index, check_temperature
 
     temperature = check_temperature(temperature)
     check_ignore_index(ignore_index)
@@ -121,7 +144,7 @@ def save_sample(path: str | os.PathLike, hidden_states: torch.Tensor, weight: to
     (tensors of matching shapes, dtypes and device, labels in [0, V) or ``ignore_index``, a
     positive finite temperature): TypeError / ValueError naming it; ValueError for another suffix.
     """
-    from .api import check_head_inputs
+    from .validation import check_head_inputs
 
     path = _sample_path(path)
     temperature, metadata = _check_options(temperature, ignore_index, metadata)
@@ -138,8 +161,8 @@ def save_logits_sample(path: str | os.PathLike, logits: torch.Tensor, labels: to
     they were before the division by the temperature (the replay divides by ``temperature``).
     Arguments are checked with the rules of :func:`rl_kernels.logits_stats`: TypeError /
     ValueError naming the argument (labels not shaped ``logits.shape[:-1]``, a bad suffix ...)."""
-    from .api import check_labels
-    from .logits import _check_logits
+    from .validation import check_labels
+    from .validation import check_logits as _check_logits
 
     path = _sample_path(path)
     temperature, metadata = _check_options(temperature, ignore_index, metadata)
@@ -165,14 +188,14 @@ def write_sample(path: str | os.PathLike, sample: Sample | LogitsSample) -> None
 _KINDS = "a sample file is .safetensors or a torch.save .pt"
 
 
-def _short(exc: BaseException, limit: int = 160) -> str:
-    """One line of an exception's message (torch.load's long weights_only text cut to its cause)."""
+def _short(exc: BaseException) -> str:
+    """One line of an exception's message, in full (torch.load's weights_only text reduced to
+    its cause, without the generic advice around it)."""
     text = str(exc)
     if "WeightsUnpickler error:" in text:
         text = text.split("WeightsUnpickler error:", 1)[1]
         text = text.split("Check the documentation of torch.load")[0]
-    text = " ".join(text.split()) or type(exc).__name__
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return " ".join(text.split()) or type(exc).__name__
 
 
 def _looks_like_safetensors(head: bytes) -> bool:
@@ -232,8 +255,8 @@ def _scalar(data: dict, key: str, default):
 
 
 def _validated(path: str, data: dict, meta: dict) -> Sample | LogitsSample:
-    from .api import check_head_inputs, check_labels, check_temperature
-    from .logits import _check_logits
+    from .validation import check_head_inputs, check_labels, check_temperature
+    from .validation import check_logits as _check_logits
 
     is_logits = "logits" in data and "hidden_states" not in data
     keys = LOGITS_SAMPLE_TENSORS if is_logits else SAMPLE_TENSORS

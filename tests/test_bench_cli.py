@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from rl_kernels.cli import main
+from rl_kernels.cli import load_bench, main
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the no-CUDA message")
@@ -28,12 +28,16 @@ def test_bench_plot_from_json(tmp_path, capsys):
     assert "16 x 8 x 33" in out and "6.00" in out and "out of memory" in out
     png = tmp_path / "r.png"
     assert png.exists() and os.path.getsize(png) > 1000
+    # the file written, with its size in MB
+    (size,) = [line.removeprefix(f"wrote {png} (") for line in out.splitlines()
+               if line.startswith(f"wrote {png} (") and line.endswith(" MB)")]
+    assert abs(float(size.removesuffix(" MB)")) - os.path.getsize(png) / 1e6) <= 0.05 + 1e-9
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_bench_rejects_bad_shape(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr("rl_kernels.bench.implementations", lambda stub_verl: ({"rl_kernels": None}, {}))
+    monkeypatch.setattr(load_bench(), "implementations", lambda stub_verl: ({"rl_kernels": None}, {}))
     with pytest.raises(SystemExit, match="--shapes: expected N,H,V"):
         main(["bench", "--shapes", "16,8"])
 
@@ -80,7 +84,7 @@ def test_bench_logits_plot_from_json(tmp_path, capsys):
 
 
 def test_bench_logits_shapes(monkeypatch):
-    from rl_kernels import bench
+    bench = load_bench()
 
     assert bench.parse_shapes(bench.DEFAULT_LOGITS_SHAPES, logits=True) == [(16384, 152064), (512, 152064)]
     calls = []
@@ -97,13 +101,13 @@ def test_bench_logits_shapes(monkeypatch):
 @pytest.mark.parametrize("shape", ["16,8,4", "16", "a,b", "0,100"])
 def test_bench_logits_rejects_bad_shape(monkeypatch, shape):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr("rl_kernels.bench.logits_implementations", lambda: ({"rl_kernels": None}, {}))
+    monkeypatch.setattr(load_bench(), "logits_implementations", lambda: ({"rl_kernels": None}, {}))
     with pytest.raises(SystemExit, match="--shapes: expected N,V"):
         main(["bench", "--logits", "--shapes", shape])
 
 
 def test_bench_logits_bandwidth_arithmetic():
-    from rl_kernels.bench import _bandwidths
+    _bandwidths = load_bench()._bandwidths
 
     ceilings = {"read_gbps": 2000.0, "copy_gbps": 2500.0}
     rec = {"fwd_ms": 1.0, "fwd_bwd_ms": 3.0}
@@ -119,7 +123,7 @@ def test_bench_logits_bandwidth_arithmetic():
 def test_bench_logits_implementations_on_cpu(monkeypatch):
     """Ours and torch eager as the bench calls them: log-probs and entropy match float64. The
     peers (CUDA only) are made unimportable, which the bench reports instead of failing."""
-    from rl_kernels.bench import logits_implementations
+    logits_implementations = load_bench().logits_implementations
     from rl_kernels.reference import reference_logits_stats
 
     for name in ("flash_attn", "liger_kernel"):

@@ -225,7 +225,7 @@ def test_bench_plot_bad_json(tmp_path, capsys):
 
 
 def test_repro_does_not_import_the_bench(tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "rl_kernels.bench", None)  # importing it now raises
+    monkeypatch.setitem(sys.modules, "rl_kernels_bench", None)  # loading the bench now raises
     build_parser()
     assert main(["repro", "--device", "cpu", str(_good(tmp_path))]) == 0
     monkeypatch.undo()

@@ -11,7 +11,7 @@ import torch
 from rl_kernels import linear_jsd, linear_log_probs
 from rl_kernels.ops import config as config_mod
 
-from helpers import jsd_reference, make_inputs, naive_reference, reference_grads
+from rl_kernels.reference import dense_linear_log_probs, make_inputs, reference_jsd, reference_linear_grads
 
 CLASS_NAMES = sorted(config_mod.CLASSES)
 
@@ -59,8 +59,8 @@ def test_every_class_computes_the_head_right_in_the_interpreter(monkeypatch, nam
     hx, wx = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     out = linear_log_probs(hx, wx, labels, temperature=0.9, backend="triton")
     torch.autograd.backward([out.log_probs, out.entropy], [g_lp, g_ent])
-    ref_lp, ref_ent = naive_reference(hidden, weight, labels, temperature=0.9)
-    ref_dh, ref_dw = reference_grads(hidden, weight, labels, g_lp, g_ent, temperature=0.9)
+    ref_lp, ref_ent = dense_linear_log_probs(hidden, weight, labels, temperature=0.9)
+    ref_dh, ref_dw = reference_linear_grads(hidden, weight, labels, g_lp, g_ent, temperature=0.9)
     tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-4, rtol=1e-3)
     torch.testing.assert_close(out.log_probs.double(), ref_lp, **tol)
     torch.testing.assert_close(out.entropy.double(), ref_ent, **tol)
@@ -75,5 +75,5 @@ def test_every_class_computes_the_head_right_in_the_interpreter(monkeypatch, nam
     if dtype == torch.float32:  # the JSD tiles of the class too
         th, tw, _ = make_inputs(n, 40, v, dtype, seed=32)
         loss = linear_jsd(hidden, weight, th, tw, beta=0.5, labels=labels, backend="triton")
-        ref = jsd_reference(hidden.double(), weight.double(), th.double(), tw.double(), labels, 0.5, 1.0, "mean")
+        ref = reference_jsd(hidden.double(), weight.double(), th.double(), tw.double(), labels, 0.5, 1.0, "mean")
         torch.testing.assert_close(loss.double(), ref, atol=1e-5, rtol=1e-4)

@@ -6,7 +6,7 @@ split. Teacher log-probs are random (not a softmax of anything) unless renormali
 import pytest
 import torch
 
-import rl_kernels.autograd as rl_autograd
+import rl_kernels.autograd.backward_schedule as rl_autograd
 from rl_kernels.distill import linear_topk_kl
 
 N, H, V = 13, 24, 203
@@ -98,3 +98,32 @@ def test_bad_inputs_name_the_argument():
         linear_topk_kl(h, w, ids, t_lp, vocab_start_index=3)
     with pytest.raises(ValueError, match="temperature"):
         linear_topk_kl(h, w, ids, t_lp, temperature=-1.0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_labels_and_mask_select_the_same_positions(backend):
+    """The package-wide rule: labels == ignore_index excludes a position exactly as mask 0 does,
+    and with both given a position counts when both say so (values and gradients vs float64)."""
+    h, w, ids, t_lp, mask = _inputs(3, seed=11)
+    g = torch.Generator().manual_seed(12)
+    labels = torch.randint(0, V, (N,), generator=g)
+    labels[~mask] = -7
+    other = torch.rand(N, generator=g) > 0.3
+    both = mask & other
+    h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
+    ref = _reference(h64, w64, ids, t_lp.double(), both, 0.8, "forward", False, "mean")
+    ref.backward()
+    hx, wx = h.clone().requires_grad_(), w.clone().requires_grad_()
+    got = linear_topk_kl(hx, wx, ids, t_lp, temperature=0.8, labels=labels, ignore_index=-7, mask=other,
+                         backend=backend)
+    got.backward()
+    torch.testing.assert_close(got.double(), ref.detach(), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(hx.grad.double(), h64.grad, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(wx.grad.double(), w64.grad, atol=2e-5, rtol=1e-4)
+    assert torch.all(hx.grad[~both] == 0)
+    by_labels = linear_topk_kl(h, w, ids, t_lp, temperature=0.8, labels=labels, ignore_index=-7,
+                               reduction="none", backend=backend)
+    by_mask = linear_topk_kl(h, w, ids, t_lp, temperature=0.8, mask=mask, reduction="none", backend=backend)
+    assert torch.equal(by_labels, by_mask) and torch.all(by_labels[~mask] == 0)
+    with pytest.raises(ValueError, match="labels: 1 entries lie outside"):
+        linear_topk_kl(h, w, ids, t_lp, labels=torch.where(torch.arange(N) == 2, V, labels), ignore_index=-7)

@@ -9,16 +9,15 @@ import pytest
 import torch
 
 from rl_kernels import linear_log_probs
-from rl_kernels.reference import reference_linear_log_probs
+from rl_kernels.reference import make_inputs, reference_jsd, reference_linear_grads, reference_linear_log_probs, rel_err
 
-from helpers import jsd_reference, make_inputs, reference_grads, rel_err
 
 pytestmark = pytest.mark.gpu
 
 SHAPES = [  # (N, H, V, temperature)
     (1024, 3584, 152064, 1.0),  # Qwen2.5-7B head, acceptance shape
     (1000, 1024, 50257, 0.7),   # GPT-2 vocab, acceptance shape
-    (2048, 3584, 151937, 1.0),  # the issue's odd V (151936 = 1187 x 128)
+    (2048, 3584, 151937, 1.0),  # an odd V (151937; Qwen2's 151936 = 1187 x 128 plus one)
     (2048, 3584, 151553, 0.9),  # 74 x 2048 + 1: one column past every CUDA tile and split
 ]
 
@@ -40,7 +39,7 @@ def test_bf16_values_and_gradients(n, h, v, temperature):
     ref = reference_linear_log_probs(hidden, weight, labels, temperature=temperature)
     err_lp = (out.log_probs.double() - ref.log_probs).abs().max().item()
     err_ent = (out.entropy.double() - ref.entropy).abs().max().item()
-    dh, dw = reference_grads(hidden, weight, labels, g_lp, g_ent, temperature)
+    dh, dw = reference_linear_grads(hidden, weight, labels, g_lp, g_ent, temperature)
     err_dh, err_dw = rel_err(hx.grad, dh), rel_err(wx.grad, dw)
     print(f"\nGPU {n}x{h}x{v} T={temperature}: max|Δlogp| {err_lp:.2e} max|Δent| {err_ent:.2e} "
           f"rel dh {err_dh:.2e} rel dW {err_dw:.2e}")
@@ -168,7 +167,7 @@ def test_topk_kl_bf16_against_float64():
     mask = torch.rand(n, device="cuda", generator=g) > 0.1
     for kind in ("forward", "reverse"):
         hx, wx = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        loss = linear_topk_kl(hx, wx, ids, t_lp, mask=mask, temperature=0.9, kind=kind)
+        loss = linear_topk_kl(hx, wx, ids, t_lp, mask=mask, temperature=0.9, kind=kind, reduction="batchmean")
         loss.backward()
         h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
         log_q = torch.log_softmax(h64 @ w64.T / 0.9, -1).gather(1, ids)
@@ -198,7 +197,7 @@ def test_jsd_bf16_against_float64():
         loss = linear_jsd(hx, wx, ht, wt, beta=beta, temperature=0.9, labels=labels)
         loss.backward()
         h64, w64 = hs.double().requires_grad_(), ws.double().requires_grad_()
-        ref = jsd_reference(h64, w64, ht.double(), wt.double(), labels, beta, 0.9, "mean")
+        ref = reference_jsd(h64, w64, ht.double(), wt.double(), labels, beta, 0.9, "mean")
         ref.backward()
         val_err = abs(loss.item() - ref.item()) / abs(ref.item())
         dh_err, dw_err = rel_err(hx.grad, h64.grad), rel_err(wx.grad, w64.grad)

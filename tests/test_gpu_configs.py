@@ -20,9 +20,8 @@ from rl_kernels.ops import config as config_mod
 import importlib
 
 kernels_mod = importlib.import_module("rl_kernels.ops.logits_stats")
-from rl_kernels.reference import reference_linear_log_probs
+from rl_kernels.reference import make_inputs, reference_linear_grads, reference_linear_log_probs, rel_err
 
-from helpers import make_inputs, reference_grads, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -132,7 +131,7 @@ def test_every_class_numerics_invariance_identity_on_this_gpu(monkeypatch, name,
     else:
         bound = 5e-5
     assert err_lp <= bound and err_ent <= max(bound, 5e-5), (err_lp, err_ent, bound)
-    ref_dh, ref_dw = reference_grads(hidden, weight, labels, g_lp, g_ent)
+    ref_dh, ref_dw = reference_linear_grads(hidden, weight, labels, g_lp, g_ent)
     gtol = 1e-4 if dtype == torch.float32 else 2.5e-3
     assert rel_err(hx.grad, ref_dh) < gtol and rel_err(wx.grad, ref_dw) < gtol
     # batch invariance (rows anywhere) and run-to-run identity
@@ -153,9 +152,9 @@ def test_every_class_numerics_invariance_identity_on_this_gpu(monkeypatch, name,
     assert (s.log_probs.double() - ref_lp).abs().max() < 5e-5
     th, tw, _ = make_inputs(256, 512, v, dtype, seed=5, device="cuda", w_scale=0.02)
     loss = linear_jsd(hidden[:256], weight, th, tw, beta=0.5, backend="triton")
-    from helpers import jsd_reference
+    from rl_kernels.reference import reference_jsd
 
-    ref_j = jsd_reference(hidden[:256].double(), weight.double(), th.double(), tw.double(),
+    ref_j = reference_jsd(hidden[:256].double(), weight.double(), th.double(), tw.double(),
                           labels[:256], 0.5, 1.0, "mean")
     assert abs(loss.item() - ref_j.item()) <= 1e-4 * max(1.0, abs(ref_j.item()))
 
@@ -219,10 +218,10 @@ def test_topk_kl_vocab_parallel_and_logits_backward_in_every_dtype(dtype):
     hj, wj = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     loss = linear_jsd(hj, wj, th, tw, beta=0.5, labels=labels, reduction="sum")
     loss.backward()
-    from helpers import jsd_reference
+    from rl_kernels.reference import reference_jsd
 
     h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
-    ref = jsd_reference(h64, w64, th.double(), tw.double(), labels, 0.5, 1.0, "sum")
+    ref = reference_jsd(h64, w64, th.double(), tw.double(), labels, 0.5, 1.0, "sum")
     ref.backward()
     assert abs(loss.item() - ref.item()) <= 1e-4 * abs(ref.item())
     jtol = 1e-4 if dtype == torch.float32 else 5e-3

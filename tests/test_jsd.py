@@ -7,10 +7,10 @@ V ends in a partial tile and several windows (and the recomputed tail) are exerc
 import pytest
 import torch
 
-import rl_kernels.autograd as rl_autograd
+import rl_kernels.autograd.backward_schedule as rl_autograd
 from rl_kernels import linear_jsd
 
-from helpers import jsd_reference
+from rl_kernels.reference import reference_jsd
 
 N, HS, HT, V = 13, 24, 40, 203
 
@@ -46,7 +46,7 @@ def test_jsd_values_and_student_gradients(poison, backend, beta, temperature, re
     got = linear_jsd(hsx, wsx, htx, wtx, beta=beta, temperature=temperature, labels=labels,
                      reduction=reduction, backend=backend)
     hs64, ws64 = hs.double().requires_grad_(), ws.double().requires_grad_()
-    ref = jsd_reference(hs64, ws64, ht.double(), wt.double(), labels, beta, temperature, reduction)
+    ref = reference_jsd(hs64, ws64, ht.double(), wt.double(), labels, beta, temperature, reduction)
     up = torch.randn(ref.shape, generator=torch.Generator().manual_seed(5)).double()
     (up * ref).sum().backward()
     (up.float() * got).sum().backward()
@@ -75,7 +75,7 @@ def test_jsd_of_identical_heads_is_zero(backend):
 def test_jsd_3d_leading_shape_and_bf16_triton():
     hs, ws, ht, wt, labels = _inputs(seed=7, dtype=torch.bfloat16, lead=(3, 5))
     got = linear_jsd(hs, ws, ht, wt, beta=0.5, labels=labels, reduction="none", backend="triton")
-    ref = jsd_reference(hs.double(), ws.double(), ht.double(), wt.double(), labels, 0.5, 1.0, "none")
+    ref = reference_jsd(hs.double(), ws.double(), ht.double(), wt.double(), labels, 0.5, 1.0, "none")
     assert got.shape == (3, 5)
     torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-4)
 
@@ -122,6 +122,31 @@ def test_jsd_fused_k_loop_is_bitwise_equal_to_two_loops(monkeypatch, beta):
         loss.sum().backward()
         results.append((loss, hsx.grad))
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
-    ref = jsd_reference(hs.double(), ws.double(), ht.double(), wt.double(), torch.zeros(N, dtype=torch.long),
+    ref = reference_jsd(hs.double(), ws.double(), ht.double(), wt.double(), torch.zeros(N, dtype=torch.long),
                      beta, 1.0, "none")
     torch.testing.assert_close(results[1][0].double(), ref, atol=2e-6, rtol=2e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_mask_selects_positions_like_labels(backend):
+    """linear_jsd's mask excludes exactly what ignore_index labels exclude; with both, a position
+    counts when both say so (values and student gradients vs float64)."""
+    hs, ws, ht, wt, labels = _inputs(seed=21)
+    g = torch.Generator().manual_seed(22)
+    mask = torch.rand(N, generator=g) > 0.3
+    both = (labels != -100) & mask
+    by_labels = linear_jsd(hs, ws, ht, wt, labels=labels, reduction="none", backend=backend)
+    by_mask = linear_jsd(hs, ws, ht, wt, mask=labels != -100, reduction="none", backend=backend)
+    assert torch.equal(by_labels, by_mask)
+    h64, w64 = hs.double().requires_grad_(), ws.double().requires_grad_()
+    ref = reference_jsd(h64, w64, ht.double(), wt.double(), torch.where(both, labels, -100), 0.5, 1.0, "mean")
+    ref.backward()
+    hx, wx = hs.clone().requires_grad_(), ws.clone().requires_grad_()
+    got = linear_jsd(hx, wx, ht, wt, labels=labels, mask=mask, backend=backend)
+    got.backward()
+    torch.testing.assert_close(got.double(), ref.detach(), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(hx.grad.double(), h64.grad, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(wx.grad.double(), w64.grad, atol=2e-5, rtol=1e-4)
+    assert torch.all(hx.grad[~both] == 0)
+    with pytest.raises(ValueError, match="mask: expected a bool/0-1 tensor of shape"):
+        linear_jsd(hs, ws, ht, wt, mask=mask[:3], backend=backend)

@@ -4,7 +4,7 @@ a float64 reference.
 Shapes: the interpreter costs ~0.3 s a launch, so shapes are small and odd. N=33 and V=257 are
 one more than a multiple of every tile the interpreter config uses (block_m 32, block_n 64,
 split_v 256, block_k 32), so each kernel sees a one-element tail in every dimension; (37, 72,
-1007) is the issue's odd shape (H not a multiple of block_k, 4 vocab splits, 3 row blocks).
+1007) is an odd shape (H not a multiple of block_k, 4 vocab splits, 3 row blocks).
 Tolerances: values are fp32-accumulated from the same (fp32/fp16) inputs as the reference, so
 max |error| <= 2e-5 nats; gradients are rounded once to the input dtype: relative Frobenius error
 <= 2e-5 (fp32) and 1e-3 (fp16, unit roundoff 4.9e-4).
@@ -14,11 +14,11 @@ import logging
 import pytest
 import torch
 
-import rl_kernels.autograd as rl_autograd
+import rl_kernels.autograd.backward_schedule as rl_autograd
 from rl_kernels import linear_log_probs
-from rl_kernels.ops_available import interpreting
+from rl_kernels.backends import interpreting
 
-from helpers import make_inputs, naive_reference, reference_grads, rel_err
+from rl_kernels.reference import dense_linear_log_probs, make_inputs, reference_linear_grads, rel_err
 
 BACKENDS = ["triton", "torch"]
 VALUE_ATOL = 2e-5
@@ -50,7 +50,7 @@ def test_values_and_gradients_match_float64(backend, dtype, n, h, v, temperature
     g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
 
     hr, wr = hidden.double().requires_grad_(), weight.double().requires_grad_()
-    lp_ref, ent_ref = naive_reference(hr, wr, labels, temperature)
+    lp_ref, ent_ref = dense_linear_log_probs(hr, wr, labels, temperature)
     (lp_ref * g_lp.double() + ent_ref * g_ent.double()).sum().backward()
 
     hx, wx = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
@@ -81,7 +81,7 @@ def test_backward_schedules(backend, n, v, schedule, poison, small_chunks, monke
     g = torch.Generator().manual_seed(2)
     g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
     hr, wr = hidden.double().requires_grad_(), weight.double().requires_grad_()
-    lp_ref, ent_ref = naive_reference(hr, wr, labels, 0.9)
+    lp_ref, ent_ref = dense_linear_log_probs(hr, wr, labels, 0.9)
     (lp_ref * g_lp.double() + ent_ref * g_ent.double()).sum().backward()
     hx, wx = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     out = linear_log_probs(hx, wx, labels, temperature=0.9, backend=backend)
@@ -101,7 +101,7 @@ def test_gradient_modes(backend, mode, poison):
     n, h, v, t = 33, 65, 257, 1.3
     hidden, weight, labels = make_inputs(n, h, v, torch.float32, seed=7)
     hr, wr = hidden.double().requires_grad_(), weight.double().requires_grad_()
-    lp_ref, ent_ref = naive_reference(hr, wr, labels, t)
+    lp_ref, ent_ref = dense_linear_log_probs(hr, wr, labels, t)
     hx, wx = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     out = linear_log_probs(hx, wx, labels, temperature=t, backend=backend,
                            return_entropy=mode != "no_entropy")
@@ -130,13 +130,13 @@ def test_strided_3d_hidden_and_frozen_weight(backend, poison):
     assert not hidden.is_contiguous()
     labels = torch.randint(0, v, (b, t), generator=torch.Generator().manual_seed(0))
     out = linear_log_probs(hidden, weight, labels, backend=backend)
-    lp_ref, ent_ref = naive_reference(hidden.detach(), weight, labels)
+    lp_ref, ent_ref = dense_linear_log_probs(hidden.detach(), weight, labels)
     assert out.log_probs.shape == (b, t)
     assert (out.log_probs.double() - lp_ref).abs().max() <= VALUE_ATOL
     assert (out.entropy.double() - ent_ref).abs().max() <= VALUE_ATOL
     out.log_probs.sum().backward()
     hr = hidden.detach().double().requires_grad_()
-    naive_reference(hr, weight, labels)[0].sum().backward()
+    dense_linear_log_probs(hr, weight, labels)[0].sum().backward()
     assert hidden.grad is not None and rel_err(hidden.grad, hr.grad) <= 2e-5
     assert weight.grad is None
 
@@ -255,7 +255,7 @@ def test_vocab_tail_columns_carry_no_mass(backend):
     labels = torch.randint(0, v, (n,), generator=g)
     labels[::2] = v - 1
     out = linear_log_probs(hidden, weight, labels, temperature=1.5, backend=backend)
-    lp_ref, ent_ref = naive_reference(hidden, weight, labels, 1.5)
+    lp_ref, ent_ref = dense_linear_log_probs(hidden, weight, labels, 1.5)
     assert (out.log_probs <= 0).all()
     assert (out.log_probs.double() - lp_ref).abs().max() <= VALUE_ATOL
     assert (out.entropy.double() - ent_ref).abs().max() <= VALUE_ATOL
@@ -272,7 +272,7 @@ def test_all_negative_logits(backend):
     out = linear_log_probs(hidden, weight, labels, backend=backend)
     z_max = (hidden.double() @ weight.double().T).max()
     assert z_max < -100
-    lp_ref, ent_ref = naive_reference(hidden, weight, labels)
+    lp_ref, ent_ref = dense_linear_log_probs(hidden, weight, labels)
     assert torch.isfinite(out.log_probs).all() and torch.isfinite(out.entropy).all()
     # |z| ~ 150 in fp32: one ulp is 1.5e-5
     assert (out.log_probs.double() - lp_ref).abs().max() <= 1e-4
@@ -284,9 +284,9 @@ def test_reference_grads_helper_matches_autograd():
     hidden, weight, labels = make_inputs(30, 24, 200, torch.float64, seed=2)
     g_lp, g_ent = torch.randn(30, dtype=torch.float64), torch.randn(30, dtype=torch.float64)
     hr, wr = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    lp, ent = naive_reference(hr, wr, labels, 0.8)
+    lp, ent = dense_linear_log_probs(hr, wr, labels, 0.8)
     (lp * g_lp + ent * g_ent).sum().backward()
-    dh, dw = reference_grads(hidden, weight, labels, g_lp, g_ent, 0.8, chunk=7)
+    dh, dw = reference_linear_grads(hidden, weight, labels, g_lp, g_ent, 0.8, chunk=7)
     assert rel_err(dh, hr.grad) <= 1e-12 and rel_err(dw, wr.grad) <= 1e-12
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import rl_kernels.logits as logits_mod
+import rl_kernels.torch_ops.logits_stats as logits_mod
 from rl_kernels import (cross_entropy, entropy_from_logits, log_probs_from_logits, logits_stats,
                         logsumexp)
 
@@ -189,8 +189,12 @@ def test_bad_inputs_name_the_argument():
         log_probs_from_logits(torch.randn(2, V, 4).transpose(1, 2),  # (2, 4, V): not viewable as 2-D
                               torch.zeros(2, 4, dtype=torch.long), inplace_backward=True)
     labels = torch.zeros(4, dtype=torch.long)
-    with pytest.raises(NotImplementedError, match="weight: class weights"):
+    # no class-weight argument (every `weight` of rl_kernels is an lm_head weight): torch's
+    # positional weight is refused, not ignored
+    with pytest.raises(TypeError, match="positional argument"):
         cross_entropy(x, labels, torch.ones(V))
+    with pytest.raises(TypeError, match="weight"):
+        cross_entropy(x, labels, weight=torch.ones(V))
     with pytest.raises(ValueError, match="reduction: expected one of"):
         cross_entropy(x, labels, reduction="batchmean")
     with pytest.raises(ValueError, match="label_smoothing: expected a float in"):

@@ -16,7 +16,7 @@ from rl_kernels import (cross_entropy, entropy_from_logits, linear_jsd, linear_l
                         log_probs_from_logits, logits_stats, logsumexp)
 from rl_kernels.ops import logits_stats as kernels
 
-from helpers import make_inputs, naive_reference
+from rl_kernels.reference import dense_linear_log_probs, make_inputs
 
 PATHS = [("torch", None), ("triton", False), ("triton", True)]  # (backend, two_level)
 PATH_IDS = ["torch", "triton-1level", "triton-2level"]
@@ -76,7 +76,7 @@ def test_non_finite_hidden_row_of_the_linear_head(backend):
     hidden, weight, labels = make_inputs(6, 24, 70, torch.float32, seed=1, ignore_frac=0.0)
     hidden[2, 5] = float("nan")
     out = linear_log_probs(hidden, weight, labels, temperature=0.9, backend=backend)
-    ref_lp, ref_ent = naive_reference(hidden, weight, labels, temperature=0.9)
+    ref_lp, ref_ent = dense_linear_log_probs(hidden, weight, labels, temperature=0.9)
     ok = torch.arange(6) != 2
     assert not torch.isfinite(out.log_probs[2]) and not torch.isfinite(out.entropy[2])
     torch.testing.assert_close(out.log_probs[ok].double(), ref_lp[ok], **TOL)
@@ -114,7 +114,7 @@ def test_ignored_non_finite_row_contributes_nothing(backend, bad):
     clean = hidden.clone()
     clean[3] = 0.0  # an ignored row's value is irrelevant to the exact result
     h64, w64 = clean.double().requires_grad_(), weight.double().requires_grad_()
-    lp, ent = naive_reference(h64, w64, labels)
+    lp, ent = dense_linear_log_probs(h64, w64, labels)
     (lp * g_lp.double() + ent * g_ent.double()).sum().backward()
     torch.testing.assert_close(wx.grad.double(), w64.grad, **TOL)
     torch.testing.assert_close(hx.grad.double(), h64.grad, **TOL)
@@ -304,12 +304,12 @@ def test_extreme_usable_temperatures_match_float64(backend):
     hidden, weight, labels = make_inputs(3, 8, 10, torch.float32, seed=18, ignore_frac=0.0)
     # tiny T (logits ~1e30, still inside float32): a one-hot softmax
     out = linear_log_probs(hidden, weight, labels, temperature=1e-30, backend=backend)
-    ref_lp, ref_ent = naive_reference(hidden, weight, labels, temperature=1e-30)
+    ref_lp, ref_ent = dense_linear_log_probs(hidden, weight, labels, temperature=1e-30)
     # (log p ~ -1e28 is a difference of two ~1e30 float32 numbers: a few ulps of 1e30)
     torch.testing.assert_close(out.log_probs.double(), ref_lp, atol=0, rtol=1e-4)
     torch.testing.assert_close(out.entropy.double(), ref_ent, atol=1e-6, rtol=0)
     # the largest usable T: 1 / T is the smallest normal float32, the softmax is uniform
-    out = linear_log_probs(hidden, weight, labels, temperature=rl_kernels.api.TEMPERATURE_RANGE[1],
+    out = linear_log_probs(hidden, weight, labels, temperature=rl_kernels.validation.TEMPERATURE_RANGE[1],
                            backend=backend)
     torch.testing.assert_close(out.entropy, torch.full((3,), math.log(10)), atol=1e-5, rtol=0)
     torch.testing.assert_close(out.log_probs, torch.full((3,), -math.log(10)), atol=1e-5, rtol=0)

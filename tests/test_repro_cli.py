@@ -1,5 +1,6 @@
 """The repro command and sample files."""
 import os
+import re
 import subprocess
 import sys
 
@@ -8,11 +9,10 @@ import torch
 
 import rl_kernels.repro as repro
 from rl_kernels.cli import main
-from rl_kernels.reference import reference_logits_stats
+from rl_kernels.reference import make_inputs, reference_logits_stats
 from rl_kernels.samples import (BUNDLED, LogitsSample, SampleError, load_sample, save_logits_sample,
                                 save_sample)
 
-from helpers import make_inputs
 
 
 def test_bundled_repro_main_job_passes():
@@ -61,9 +61,21 @@ def test_save_load_logits_round_trip(tmp_path, suffix):
 
 
 def test_saved_bundled_sample_replays_through_every_backend(tmp_path, capsys):
-    assert main(["repro", "--save", str(tmp_path)]) == 0
+    old_umask = os.umask(0o027)
+    try:
+        assert main(["repro", "--save", str(tmp_path)]) == 0
+    finally:
+        os.umask(old_umask)
     files = sorted(os.listdir(tmp_path))
     assert files == sorted(f"{name}.safetensors" for name in BUNDLED)
+    # one line per file written: its path and size; each file has the umask's mode (not 0600)
+    wrote = [line for line in capsys.readouterr().out.splitlines() if line.startswith("wrote ")]
+    assert len(wrote) == len(BUNDLED)
+    for line in wrote:
+        path, size = re.fullmatch(r"wrote (.+) \(([0-9.]+) MB\)", line).groups()
+        assert os.path.dirname(path) == str(tmp_path)
+        assert abs(float(size) - os.path.getsize(path) / 1e6) <= 0.05 + 1e-9, line
+        assert os.stat(path).st_mode & 0o777 == 0o640, (path, oct(os.stat(path).st_mode))
     saved = load_sample(tmp_path / "logits_bf16_temperature.safetensors")
     made = BUNDLED["logits_bf16_temperature"]()
     assert isinstance(saved, LogitsSample) and torch.equal(saved.logits, made.logits)

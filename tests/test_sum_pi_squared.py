@@ -7,7 +7,7 @@ import torch
 from rl_kernels import linear_log_probs, logits_stats, sum_pi_squared_from_logits
 from rl_kernels.ops import logits_stats as kernels
 
-from helpers import make_inputs
+from rl_kernels.reference import make_inputs
 
 PATHS = [("torch", None), ("triton", False), ("triton", True)]
 PATH_IDS = ["torch", "triton-1level", "triton-2level"]

@@ -1,5 +1,7 @@
-"""The Hydra group in conf/ composes with verl's own entry point (`--cfg job` prints the job
-config without training), and every option file sets the keys the integration reads."""
+"""The Hydra group (package data in rl_kernels/integrations/conf; conf/ in a clone links there)
+composes with verl's own entry point (`--cfg job` prints the job config without training), from
+the clone (--config-dir) and from the installed package (pkg://), and every option file sets the
+keys the integration reads."""
 import os
 import subprocess
 import sys
@@ -17,7 +19,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _compose_cli(*overrides):
-    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", "--config-dir", os.path.join(REPO, "conf"),
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", "--config-dir", os.path.join(REPO, "rl_kernels", "integrations", "conf"),
            *overrides, "--cfg", "job"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -43,6 +45,28 @@ def test_main_ppo_composes_option(option):
     # external_lib: its critic worker imports the module too, which changes nothing it computes)
     assert cfg["critic"]["model"]["external_lib"] in (
         None, "${oc.select:actor_rollout_ref.model.external_lib,null}")
+
+
+def test_main_ppo_composes_group_from_the_installed_package(tmp_path):
+    """An installed user's form: no clone, no --config-dir; the group is package data found on
+    Hydra's pkg:// search path, from any working directory."""
+    import rl_kernels
+
+    package_root = os.path.dirname(os.path.dirname(rl_kernels.__file__))  # this rl_kernels, not another
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo",
+           "hydra.searchpath=[pkg://rl_kernels.integrations.conf]", "+rl_kernels=fused_anomaly",
+           "--cfg", "job"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "is not available" not in proc.stderr  # Hydra's warning for a search path it cannot read
+    cfg = yaml.safe_load(proc.stdout)
+    model = cfg["actor_rollout_ref"]["model"]
+    assert model["external_lib"] == "rl_kernels.integrations.verl"
+    assert model["use_fused_kernels"] is True
+    assert model["fused_kernel_options"]["impl_backend"] == rkv.BACKEND_NAME
+    rkv.VerlOptions(**model["fused_kernel_options"]["rl_kernels"])
+    assert "rl_kernels" not in cfg  # no stray top-level `rl_kernels: fused_anomaly` (group not found)
 
 
 def test_override_lines_alone_compose():

@@ -11,7 +11,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from helpers import jsd_reference
+from rl_kernels.reference import reference_jsd
 
 N, H, V = 13, 24, 203
 BOUNDS = {2: [0, 120, 203], 3: [0, 50, 151, 203]}
@@ -132,7 +132,7 @@ def run(rank, world, init_file, backend):
                           backend=backend, process_group=group, reduce_hidden_grad=reduce_dh)
         loss.backward()
         h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
-        ref = jsd_reference(h64, w64, ht.double(), wt.double(), labels, beta, 1.2, "sum")
+        ref = reference_jsd(h64, w64, ht.double(), wt.double(), labels, beta, 1.2, "sum")
         ref.backward()
         torch.testing.assert_close(loss.double(), ref.detach(), **tol)
         assert _same_on_all_ranks(loss.detach().reshape(1))

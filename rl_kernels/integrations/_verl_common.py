@@ -31,7 +31,7 @@ def verl_version() -> str:
         return importlib.metadata.version("verl")
     except importlib.metadata.PackageNotFoundError as exc:
         raise VerlIntegrationError("rl_kernels.integrations.verl: verl is not installed "
-                                   "(pip install 'rl-kernels[verl]')") from exc
+                                   "(pip install '/path/to/rl-kernels[verl]')") from exc
 
 
 def signature(fn) -> list[str]:

@@ -1,6 +1,6 @@
 """verl integration: importing this module patches verl to compute log-probs and entropy with rl-kernels.
 
-Turn it on in a verl run with overrides only (see ``integrations/verl/README.md`` and ``conf/``)::
+Turn it on in a verl run with overrides only (see ``integrations/verl/README.md`` and the Hydra group in ``rl_kernels/integrations/conf/``)::
 
     actor_rollout_ref.model.external_lib=rl_kernels.integrations.verl
     actor_rollout_ref.model.use_fused_kernels=True
@@ -69,8 +69,10 @@ import torch
 import rl_kernels
 
 from .._logging import log_once, logger
-from ..anomaly import AnomalyCapture, check_bool_arg, check_float_arg, check_int_arg, check_path_arg
-from ..api import BACKENDS, linear_log_probs
+from ..anomaly import AnomalyCapture
+from ..validation import check_bool_arg, check_float_arg, check_int_arg, check_path_arg
+from ..backends import BACKENDS
+from ..linear import linear_log_probs
 from ..logits import entropy_from_logits as _rk_entropy_from_logits
 from ..logits import log_probs_from_logits as _rk_log_probs_from_logits
 from . import verl_megatron
@@ -119,6 +121,9 @@ def _expected_signatures() -> dict:
     return SIGNATURES[verl_minor()]
 
 
+_CAPTURE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(AnomalyCapture)}
+
+
 @dataclasses.dataclass
 class VerlOptions:
     """Options under ``fused_kernel_options.rl_kernels`` (all optional).
@@ -140,12 +145,13 @@ class VerlOptions:
     patch_logits_path: bool = True
     patch_megatron_fused: bool = True
     anomaly_dir: str | None = None
-    anomaly_max_count: int = 4
-    anomaly_max_bytes: int = 8 << 30
-    anomaly_max_log_prob: float = 1e-5
-    anomaly_recheck_every: int = 0
-    anomaly_recheck_rows: int = 4
-    anomaly_recheck_tolerance: float = 1e-3
+    # the capture settings' defaults are AnomalyCapture's own (one place)
+    anomaly_max_count: int = _CAPTURE_DEFAULTS["max_count"]
+    anomaly_max_bytes: int = _CAPTURE_DEFAULTS["max_bytes"]
+    anomaly_max_log_prob: float = _CAPTURE_DEFAULTS["max_log_prob"]
+    anomaly_recheck_every: int = _CAPTURE_DEFAULTS["recheck_every"]
+    anomaly_recheck_rows: int = _CAPTURE_DEFAULTS["recheck_rows"]
+    anomaly_recheck_tolerance: float = _CAPTURE_DEFAULTS["recheck_tolerance"]
 
     def __post_init__(self):
         """Validate every option (type, range, NaN): TypeError / ValueError naming it."""
@@ -234,14 +240,14 @@ def _model_config_in_import_stack():
     """The model config that is importing this module, if any: the ``HFModelConfig`` whose
     ``__post_init__`` imports ``external_lib`` (verl 0.8+ and 0.7's engine workers), or the model
     section (``self.config.model``) of the verl 0.7.x legacy worker (``fsdp_workers``'
-    ``ActorRolloutRefWorker`` / ``CriticWorker``) whose ``init_model`` imports it."""
+    ``ActorRolloutRefWorker`` / ``CriticWorker``, or a subclass of one) whose ``init_model`` imports it."""
     frame = sys._getframe(1)
     while frame is not None:
         obj = frame.f_locals.get("self")
         if type(obj).__name__ == "HFModelConfig" and hasattr(obj, "fused_kernel_options"):
             return obj
         model = getattr(getattr(obj, "config", None), "model", None) if obj is not None else None
-        if (model is not None and type(obj).__module__.startswith("verl.workers.")
+        if (model is not None and any(k.__module__.startswith("verl.workers.") for k in type(obj).__mro__)
                 and _get(model, "external_lib") is not None and _get(model, "fused_kernel_options") is not None):
             return model
         frame = frame.f_back

@@ -6,7 +6,7 @@ columns. The padded rows are real rows of the last shard and their logits are pa
 softmax, in verl's functions and here alike. Every replacement calls rl-kernels with
 ``process_group=<the TP group>`` and ``vocab_start_index = tp_rank * V_r`` (no collective for the
 layout; one all_gather of a few float32 rows per token merges the shards, identical bits on
-every rank; :mod:`rl_kernels.parallel`). With a TP group of one rank, no process group is passed.
+every rank; :mod:`rl_kernels.autograd.vocab_parallel`). With a TP group of one rank, no process group is passed.
 
 **Logits path** (``use_fused_kernels=False``; ``MegatronEngineWithLMHead._lm_head_logits_processor``
 imports these by name from ``verl.utils.megatron.tensor_parallel``; the logits are

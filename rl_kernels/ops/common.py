@@ -8,9 +8,17 @@
   ``s = sum exp(z - m)`` and ``b = sum exp(z - m) * (z - m)`` (b is kept relative to m so that the
   entropy ``log s - b / s`` never subtracts two large numbers). Identity: (-inf, 0, 0).
   ``merge_sum_sq`` merges ``q = sum exp(2 (z - m))`` alongside (sum_j p_j^2 = q / s^2).
+* ``log_sum_lse`` / ``stats_entropy``: log s and lse = m + log s, and the entropy log s - b / s,
+  of merged statistics, clamped as the finalizers of ``split_combine`` and ``logits_stats`` need.
+* ``window_tile`` / ``store_window``: the prologue and epilogue of the dlogits kernels
+  (``linear_backward``, ``linear_jsd``): this program's tile of a (rows x cols) window of the
+  logits, and the store of its gradient tile into the window-shaped output.
 
-Both are ``@triton.jit`` helpers inlined into the kernels of ``linear_forward``, ``split_combine``
-and ``linear_backward``.
+These are ``@triton.jit`` helpers, inlined into the kernels of ``linear_forward``,
+``split_combine``, ``linear_backward``, ``linear_jsd`` and ``logits_stats``. The host-side helpers
+``tma_ok`` / ``tma_operands`` (tensor descriptors or plain tensors for the GEMM operands),
+``gemm_meta`` (the GEMM kernels' launch meta-parameters) and ``window_grid`` (the grid of a
+dlogits window) serve their launchers.
 """
 import logging
 
@@ -19,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .._logging import log_once
-from ..ops_available import interpreting
+from ..backends import interpreting
 
 try:  # host-side tensor descriptors (Triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -46,6 +54,40 @@ def tma_ok(*tensors: torch.Tensor) -> bool:
                      f"is not TMA-aligned (unit last stride, 16-byte rows and base); pointer loads")
             return False
     return True
+
+
+def tma_operands(cfg, block_m: int, block_n: int, *pairs: tuple[torch.Tensor, torch.Tensor]):
+    """(use_tma, operands) for the GEMM operand ``pairs`` (hidden (N, H), weight (V, H)) of a
+    kernel with (block_m x block_n) tiles and ``cfg.block_k`` K steps (``cfg``: a
+    ``KernelConfig``): with ``cfg.tma`` and when ``tma_ok`` allows it for every operand, tensor
+    descriptors with blocks (block_m, block_k) / (block_n, block_k), else the tensors themselves
+    (pointer loads); flattened in pair order."""
+    tensors = [t for pair in pairs for t in pair]
+    if not (cfg.tma and tma_ok(*tensors)):
+        return False, tensors
+    operands = []
+    for h, w in pairs:
+        operands += [TensorDescriptor.from_tensor(h, [block_m, cfg.block_k]),
+                     TensorDescriptor.from_tensor(w, [block_n, cfg.block_k])]
+    return True, operands
+
+
+def gemm_meta(cfg, tile, dtype: torch.dtype, use_tma: bool) -> dict:
+    """Launch meta-parameters shared by the kernels built on ``logits_tile`` with a ``BwdTile``
+    ``tile`` (the dlogits and JSD kernels): tile shape, K step, ``dtype``'s upcast and dot
+    precision, group size, TMA, warps and stages."""
+    return dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=cfg.block_k,
+                UPCAST=cfg.upcast(dtype), DOT_PRECISION=cfg.dot_precision(dtype),
+                GROUP_M=cfg.group_m, USE_TMA=use_tma,
+                num_warps=tile.num_warps, num_stages=tile.num_stages)
+
+
+def window_grid(rows: slice, cols: slice, tile) -> tuple[int, int, tuple[int]]:
+    """(n_rows, n_cols, grid) of a dlogits launch over the window logits[rows, cols] with a
+    ``BwdTile`` ``tile``: one program per (block_m x block_n) tile (see ``window_tile``)."""
+    n_rows = rows.stop - rows.start
+    n_cols = cols.stop - cols.start
+    return n_rows, n_cols, (triton.cdiv(n_rows, tile.block_m) * triton.cdiv(n_cols, tile.block_n),)
 
 
 @triton.jit
@@ -132,3 +174,56 @@ def grouped_tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
     group_m = tl.minimum(num_m - first_m, GROUP_M)
     inner = pid % per_group
     return first_m + inner % group_m, inner // group_m
+
+
+@triton.jit
+def window_tile(row_start, n_rows, col_start, n_cols,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's (BLOCK_M x BLOCK_N) tile of the window logits[row_start:+n_rows,
+    col_start:+n_cols], in ``grouped_tile`` order. Returns (local_rows, local_cols, rows, cols,
+    row_mask, col_mask, row0, col0): the tile's rows and columns inside the window (they index the
+    window-shaped output) and in the full logits, the masks of the window's bounds, and the first
+    global row and column (the block origin of ``logits_tile``'s TMA loads)."""
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.cdiv(n_cols, BLOCK_N),
+                                GROUP_M)
+    local_rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    local_cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = local_rows < n_rows
+    col_mask = local_cols < n_cols
+    rows = row_start + local_rows
+    cols = col_start + local_cols
+    return (local_rows, local_cols, rows, cols, row_mask, col_mask,
+            row_start + pid_m * BLOCK_M, col_start + pid_n * BLOCK_N)
+
+
+@triton.jit
+def store_window(dz_ptr, dz, keep, local_rows, local_cols, row_mask, col_mask,
+                 stride_dzm, stride_dzn):
+    """Store the fp32 tile ``dz`` at (local_rows, local_cols) of the window-shaped output
+    ``dz_ptr`` in its dtype (int64 offsets, masked to the window). Rows where ``keep`` is False
+    get exactly 0: a where, not a product, so a non-finite value in a dropped row cannot leak
+    NaN into the matmuls that consume the window."""
+    dz = tl.where(keep[:, None], dz, 0.0)
+    dz_ptrs = (dz_ptr + local_rows.to(tl.int64)[:, None] * stride_dzm
+               + local_cols.to(tl.int64)[None, :] * stride_dzn)
+    tl.store(dz_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def log_sum_lse(m, s):
+    """(log_sum, lse) = (log s, m + log s) of merged statistics (scalars or row vectors).
+    s >= 1 exactly when m is finite (the row max contributes exp(0) = 1), but the GPU's fast
+    exp/log put log s a few 1e-7 below 0 on a row with p_y ~ 1 (H100), which made log p > 0 and
+    entropy < 0: clamp (finite rows only, so an all -inf row keeps lse = -inf). The clamp
+    propagates NaN: a NaN logit makes s NaN (the max ignores it), and max(NaN, 0) = 0 would turn
+    that row's lse and log-prob finite."""
+    log_sum = tl.log(s)
+    log_sum = tl.where(m > float("-inf"), tl.maximum(log_sum, 0.0, propagate_nan=tl.PropagateNan.ALL),
+                       log_sum)
+    return log_sum, m + log_sum
+
+
+@triton.jit
+def stats_entropy(log_sum, b, s):
+    """Entropy log s - b / s of merged statistics, clamped at 0 (NaN-propagating)."""
+    return tl.maximum(log_sum - b / s, 0.0, propagate_nan=tl.PropagateNan.ALL)

@@ -8,13 +8,15 @@ interpreter's bf16 dot is wrong.
 """
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import functools
 import os
 
 import torch
 
-from ..ops_available import interpreting
+from ..backends import interpreting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +170,18 @@ INTERPRETER_CONFIG = KernelConfig(split_v=256, block_m=32, block_n=64, block_k=3
 
 FORCED_CONFIG: KernelConfig | None = None
 """Internal switch for sweeps and tests: when set, every launch (the interpreter's too) uses it."""
+
+
+@contextlib.contextmanager
+def forced_config(cfg: KernelConfig):
+    """Within the block, every linear-head / JSD launch uses ``cfg`` (tile sweeps and A/B
+    measurements); the previous setting is restored on exit, also on error."""
+    global FORCED_CONFIG
+    saved, FORCED_CONFIG = FORCED_CONFIG, cfg
+    try:
+        yield cfg
+    finally:
+        FORCED_CONFIG = saved
 
 
 def default_config(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> KernelConfig:

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import TensorDescriptor, grouped_tile, logits_tile, tma_ok
+from .common import gemm_meta, logits_tile, store_window, tma_operands, window_grid, window_tile
 from .config import BwdTile, KernelConfig
 
 
@@ -32,19 +32,11 @@ def _linear_dlogits_kernel(
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUP_M: tl.constexpr,
     USE_TMA: tl.constexpr, sum_sq_ptr=None, g_sq_ptr=None, HAS_G_SQ: tl.constexpr = False,
 ):
-    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.cdiv(n_cols, BLOCK_N),
-                                GROUP_M)
-    local_rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    local_cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = local_rows < n_rows
-    col_mask = local_cols < n_cols
-    rows = row_start + local_rows
-    cols = col_start + local_cols
-
+    local_rows, local_cols, rows, cols, row_mask, col_mask, row0, col0 = window_tile(
+        row_start, n_rows, col_start, n_cols, BLOCK_M, BLOCK_N, GROUP_M)
     z = logits_tile(h_ptr, w_ptr, rows, cols, row_mask, col_mask, H,
                     stride_hn, stride_hk, stride_wv, stride_wk, inv_temperature,
-                    BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PRECISION, USE_TMA,
-                    row_start + pid_m * BLOCK_M, col_start + pid_n * BLOCK_N)
+                    BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PRECISION, USE_TMA, row0, col0)
     rows64 = rows.to(tl.int64)
     labels = tl.load(labels_ptr + rows64 * stride_lab, mask=row_mask, other=ignore_index)
     lse = tl.load(lse_ptr + rows64, mask=row_mask, other=0.0)
@@ -64,11 +56,8 @@ def _linear_dlogits_kernel(
     if HAS_G_SQ:  # d(sum p^2)/dz_j = 2 p_j (p_j - sum p^2) (contiguous (N,) float32 each)
         g_sq = 2.0 * tl.load(g_sq_ptr + rows64, mask=row_mask, other=0.0)
         dz += g_sq[:, None] * p * (p - tl.load(sum_sq_ptr + rows64, mask=row_mask, other=0.0)[:, None])
-    valid = labels != ignore_index
-    dz = tl.where(valid[:, None], dz * inv_temperature, 0.0)
-    dz_ptrs = (dz_ptr + local_rows.to(tl.int64)[:, None] * stride_dzm
-               + local_cols.to(tl.int64)[None, :] * stride_dzn)
-    tl.store(dz_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+    store_window(dz_ptr, dz * inv_temperature, labels != ignore_index, local_rows, local_cols,
+                 row_mask, col_mask, stride_dzm, stride_dzn)
 
 
 def linear_dlogits(
@@ -98,18 +87,12 @@ def linear_dlogits(
     upstream gradient of the row logsumexp, or None. ``grad_sum_sq`` with ``sum_sq``: (N,)
     contiguous float32 upstream gradient of sum_j p_j^2 and its forward value, or None.
     """
-    n_rows = rows.stop - rows.start
-    n_cols = cols.stop - cols.start
-    grid = (triton.cdiv(n_rows, tile.block_m) * triton.cdiv(n_cols, tile.block_n),)
+    n_rows, n_cols, grid = window_grid(rows, cols, tile)
     has_lp = grad_log_probs is not None
     has_ent = grad_entropy is not None
-    use_tma = cfg.tma and tma_ok(hidden_states, weight)
-    h_arg, w_arg = hidden_states, weight
-    if use_tma:
-        h_arg = TensorDescriptor.from_tensor(hidden_states, [tile.block_m, cfg.block_k])
-        w_arg = TensorDescriptor.from_tensor(weight, [tile.block_n, cfg.block_k])
+    use_tma, operands = tma_operands(cfg, tile.block_m, tile.block_n, (hidden_states, weight))
     _linear_dlogits_kernel[grid](
-        h_arg, w_arg, labels, lse,
+        *operands, labels, lse,
         entropy if has_ent else lse,
         grad_log_probs if has_lp else lse,
         grad_entropy if has_ent else lse,
@@ -121,12 +104,9 @@ def linear_dlogits(
         grad_log_probs.stride(0) if has_lp else 0, grad_entropy.stride(0) if has_ent else 0,
         out.stride(0), out.stride(1),
         inv_temperature, ignore_index,
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=cfg.block_k,
         HAS_G_LP=has_lp, HAS_G_ENT=has_ent, HAS_G_LSE=grad_lse is not None,
-        UPCAST=cfg.upcast(hidden_states.dtype),
-        DOT_PRECISION=cfg.dot_precision(hidden_states.dtype), GROUP_M=cfg.group_m,
-        USE_TMA=use_tma, sum_sq_ptr=sum_sq if grad_sum_sq is not None else lse,
+        sum_sq_ptr=sum_sq if grad_sum_sq is not None else lse,
         g_sq_ptr=grad_sum_sq if grad_sum_sq is not None else lse, HAS_G_SQ=grad_sum_sq is not None,
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        **gemm_meta(cfg, tile, hidden_states.dtype, use_tma),
     )
     return out

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import TensorDescriptor, grouped_tile, logits_tile, merge_stats, merge_sum_sq, tma_ok
+from .common import grouped_tile, logits_tile, merge_stats, merge_sum_sq, tma_operands
 from .config import KernelConfig, interpreting
 
 
@@ -156,13 +156,9 @@ def linear_split_stats(
     num_splits = triton.cdiv(v, cfg.split_v)
     parts = torch.empty((3 + return_sum_pi_squared, num_splits, n), dtype=torch.float32, device=hidden_states.device)
     grid = (triton.cdiv(n, cfg.block_m) * num_splits,)
-    use_tma = cfg.tma and tma_ok(hidden_states, weight)
-    h_arg, w_arg = hidden_states, weight
-    if use_tma:
-        h_arg = TensorDescriptor.from_tensor(hidden_states, [cfg.block_m, cfg.block_k])
-        w_arg = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k])
+    use_tma, operands = tma_operands(cfg, cfg.block_m, cfg.block_n, (hidden_states, weight))
     _linear_split_stats_kernel[grid](
-        h_arg, w_arg,
+        *operands,
         parts[0], parts[1], parts[2], parts[-1],
         n, v, h,
         hidden_states.stride(0), hidden_states.stride(1), weight.stride(0), weight.stride(1),

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import TensorDescriptor, grouped_tile, logits_tile, tma_ok
+from .common import gemm_meta, grouped_tile, logits_tile, store_window, tma_operands, window_grid, window_tile
 from .config import BwdTile, KernelConfig
 
 
@@ -146,19 +146,6 @@ def _sum_splits_kernel(part_ptr, out_ptr, N, S, BLOCK: tl.constexpr):
     tl.store(out_ptr + rows, acc, mask=mask)
 
 
-def _descriptors(cfg: KernelConfig, block_m: int, block_n: int, *pairs):
-    """TMA descriptors for (hidden, weight) pairs when all operands allow it, else the tensors."""
-    tensors = [t for pair in pairs for t in pair]
-    use_tma = cfg.tma and tma_ok(*tensors)
-    if not use_tma:
-        return False, tensors
-    args = []
-    for h, w in pairs:
-        args += [TensorDescriptor.from_tensor(h, [block_m, cfg.block_k]),
-                 TensorDescriptor.from_tensor(w, [block_n, cfg.block_k])]
-    return True, args
-
-
 def _strides(*tensors):
     return [s for t in tensors for s in (t.stride(0), t.stride(1))]
 
@@ -166,6 +153,11 @@ def _strides(*tensors):
 def _beta_args(beta: float):
     # log(0) would be -inf; MODE 0 / 1 never read these
     return (beta, math.log(beta) if beta > 0 else 0.0, math.log1p(-beta) if beta < 1 else 0.0)
+
+
+def _fused_k(cfg: KernelConfig, student_hidden, teacher_hidden) -> bool:
+    # one K loop for both heads (``_two_tiles``) needs equal hidden sizes
+    return cfg.jsd_fused_k and student_hidden.shape[1] == teacher_hidden.shape[1]
 
 
 def jsd_split_sums(student_hidden, student_weight, teacher_hidden, teacher_weight, lse_s, lse_t,
@@ -183,18 +175,15 @@ def jsd_split_sums(student_hidden, student_weight, teacher_hidden, teacher_weigh
     num_splits = triton.cdiv(v, cfg.split_v)
     parts = torch.empty((2 if mode == 2 else 1, num_splits, n), dtype=torch.float32,
                         device=student_hidden.device)
-    use_tma, ops = _descriptors(cfg, tile.block_m, tile.block_n, (student_hidden, student_weight),
-                                (teacher_hidden, teacher_weight))
+    use_tma, operands = tma_operands(cfg, tile.block_m, tile.block_n, (student_hidden, student_weight),
+                                     (teacher_hidden, teacher_weight))
     _jsd_split_sums_kernel[(triton.cdiv(n, tile.block_m) * num_splits,)](
-        *ops, lse_s, lse_t, parts[0], parts[-1],
+        *operands, lse_s, lse_t, parts[0], parts[-1],
         n, v, student_hidden.shape[1], teacher_hidden.shape[1],
         *_strides(student_hidden, student_weight, teacher_hidden, teacher_weight),
         inv_temperature, *_beta_args(beta),
-        SPLIT_V=cfg.split_v, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=cfg.block_k,
-        MODE=mode, UPCAST=cfg.upcast(student_hidden.dtype),
-        DOT_PRECISION=cfg.dot_precision(student_hidden.dtype), GROUP_M=cfg.group_m,
-        USE_TMA=use_tma, FUSED_K=cfg.jsd_fused_k and student_hidden.shape[1] == teacher_hidden.shape[1],
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        SPLIT_V=cfg.split_v, MODE=mode, FUSED_K=_fused_k(cfg, student_hidden, teacher_hidden),
+        **gemm_meta(cfg, tile, student_hidden.dtype, use_tma),
     )
     sums = torch.empty((parts.shape[0], n), dtype=torch.float32, device=student_hidden.device)
     block = 128
@@ -216,16 +205,8 @@ def _jsd_dlogits_kernel(
     MODE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     GROUP_M: tl.constexpr, USE_TMA: tl.constexpr, FUSED_K: tl.constexpr,
 ):
-    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.cdiv(n_cols, BLOCK_N),
-                                GROUP_M)
-    local_rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    local_cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = local_rows < n_rows
-    col_mask = local_cols < n_cols
-    rows = row_start + local_rows
-    cols = col_start + local_cols
-    row0 = row_start + pid_m * BLOCK_M
-    col0 = col_start + pid_n * BLOCK_N
+    local_rows, local_cols, rows, cols, row_mask, col_mask, row0, col0 = window_tile(
+        row_start, n_rows, col_start, n_cols, BLOCK_M, BLOCK_N, GROUP_M)
     zs, zt = _two_tiles(hs_ptr, ws_ptr, ht_ptr, wt_ptr, rows, cols, row_mask, col_mask, HS, HT,
                         stride_hsn, stride_hsk, stride_wsv, stride_wsk,
                         stride_htn, stride_htk, stride_wtv, stride_wtk, inv_temperature,
@@ -242,11 +223,9 @@ def _jsd_dlogits_kernel(
     else:
         d = g - q * tl.load(g_sum_ptr + rows64, mask=row_mask, other=0.0)[:, None]
     scale = tl.load(scale_ptr + rows64, mask=row_mask, other=0.0)
-    # a where, not a product: a row with scale 0 (masked token) gets exact zeros even if non-finite
-    dz = tl.where(scale[:, None] != 0, d * (scale * inv_temperature)[:, None], 0.0)
-    dz_ptrs = (dz_ptr + local_rows.to(tl.int64)[:, None] * stride_dzm
-               + local_cols.to(tl.int64)[None, :] * stride_dzn)
-    tl.store(dz_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+    # a row with scale 0 (masked token) gets exact zeros even if non-finite
+    store_window(dz_ptr, d * (scale * inv_temperature)[:, None], scale != 0, local_rows, local_cols,
+                 row_mask, col_mask, stride_dzm, stride_dzn)
 
 
 def jsd_dlogits(student_hidden, student_weight, teacher_hidden, teacher_weight, lse_s, lse_t,
@@ -257,20 +236,16 @@ def jsd_dlogits(student_hidden, student_weight, teacher_hidden, teacher_weight, 
     ``scale`` (N,) contiguous float32 (upstream gradient x T^2; 0 for masked rows), ``g_sum`` (N,)
     float32 from ``jsd_split_sums`` (ignored for beta = 0); the rest as there.
     """
-    n_rows = rows.stop - rows.start
-    n_cols = cols.stop - cols.start
-    use_tma, ops = _descriptors(cfg, tile.block_m, tile.block_n, (student_hidden, student_weight),
-                                (teacher_hidden, teacher_weight))
-    _jsd_dlogits_kernel[(triton.cdiv(n_rows, tile.block_m) * triton.cdiv(n_cols, tile.block_n),)](
-        *ops, lse_s, lse_t, g_sum if g_sum is not None else lse_s, scale, out,
+    n_rows, n_cols, grid = window_grid(rows, cols, tile)
+    use_tma, operands = tma_operands(cfg, tile.block_m, tile.block_n, (student_hidden, student_weight),
+                                     (teacher_hidden, teacher_weight))
+    _jsd_dlogits_kernel[grid](
+        *operands, lse_s, lse_t, g_sum if g_sum is not None else lse_s, scale, out,
         rows.start, n_rows, cols.start, n_cols, student_hidden.shape[1], teacher_hidden.shape[1],
         *_strides(student_hidden, student_weight, teacher_hidden, teacher_weight),
         out.stride(0), out.stride(1),
         inv_temperature, *_beta_args(beta),
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=cfg.block_k,
-        MODE=jsd_mode(beta), UPCAST=cfg.upcast(student_hidden.dtype),
-        DOT_PRECISION=cfg.dot_precision(student_hidden.dtype), GROUP_M=cfg.group_m,
-        USE_TMA=use_tma, FUSED_K=cfg.jsd_fused_k and student_hidden.shape[1] == teacher_hidden.shape[1],
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        MODE=jsd_mode(beta), FUSED_K=_fused_k(cfg, student_hidden, teacher_hidden),
+        **gemm_meta(cfg, tile, student_hidden.dtype, use_tma),
     )
     return out

@@ -11,10 +11,11 @@ q = sum exp(2 (z - m)) (for sum_j p_j^2 = q / s^2). Partials are merged left to 
 
 * one level (many rows): a program per row walks its splits and finalizes;
 * two levels (few rows, long rows): a program per (row, split) writes its partial, then a combine
-  program per row block merges the S partials in the same order and finalizes.
+  program per row merges the S partials in the same order and finalizes.
 
-Both call the same ``_split_stats`` and ``_finalize`` helpers in the same order, so the results are
-bitwise identical between the two paths and independent of N (batch invariant).
+Every split's partial comes from ``_split_stats``, and both paths merge and finalize through the
+one helper ``_merge_and_finalize`` (which calls ``_finalize``), so the results are bitwise identical
+between the two paths and independent of N (batch invariant).
 
 Finalize: log_sum = log s (>= 0 when s >= 1), lse = m + log_sum, log p_y = (z_y - m) - log_sum (no lse cancellation),
 entropy H = log_sum - b / s, mean log p = t / V - lse. Ignored rows (label == ignore_index) get
@@ -38,8 +39,15 @@ import triton
 import triton.language as tl
 
 from .._logging import log_once
-from .common import merge_stats, merge_sum_sq
+from .common import log_sum_lse, merge_stats, merge_sum_sq, stats_entropy
 from .config import LogitsConfig
+
+
+@triton.jit
+def _no_stats():
+    """The merge identity (m, s, b, t, q) = (-inf, 0, 0, 0, 0) (fp32 scalars)."""
+    zero = tl.zeros((), tl.float32)
+    return tl.full((), float("-inf"), tl.float32), zero, zero, zero, zero
 
 
 @triton.jit
@@ -47,11 +55,7 @@ def _split_stats(row_ptr, stride_v, v_begin, V, inv_temperature,
                  SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr,
                  ENTROPY: tl.constexpr, ZSUM: tl.constexpr, SUMSQ: tl.constexpr):
     """Partial (m, s, b, t, q) of columns [v_begin, min(v_begin + SPLIT_V, V)) of one row."""
-    m = tl.full((), float("-inf"), tl.float32)
-    s = tl.zeros((), tl.float32)
-    b = tl.zeros((), tl.float32)
-    t = tl.zeros((), tl.float32)
-    q = tl.zeros((), tl.float32)
+    m, s, b, t, q = _no_stats()
     v_end = tl.minimum(v_begin + SPLIT_V, V)
     for c0 in range(v_begin, v_end, BLOCK_V):
         cols = c0 + tl.arange(0, BLOCK_V)
@@ -80,15 +84,7 @@ def _finalize(row, m, s, b, t, q, x_ptr, stride_n, stride_v, labels_ptr, stride_
               log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_ptr, lse_ptr, mean_log_p_ptr, sum_sq_ptr,
               LOG_PROBS: tl.constexpr, ENTROPY: tl.constexpr, ZSUM: tl.constexpr, SUMSQ: tl.constexpr):
     """Write the per-row outputs from the merged statistics (scalars of one row)."""
-    # s >= 1 exactly when m is finite (the row max contributes exp(0) = 1), but the GPU's fast
-    # exp/log put log s a few 1e-7 below 0 on a row with p_y ~ 1 (H100), which made log p > 0 and
-    # entropy < 0: clamp (finite rows only, so an all -inf row keeps lse = -inf). The clamp must
-    # propagate NaN: a NaN logit makes s NaN (the max ignores it), and max(NaN, 0) = 0 would turn
-    # that row's lse and log-prob finite.
-    log_sum = tl.log(s)
-    log_sum = tl.where(m > float("-inf"), tl.maximum(log_sum, 0.0, propagate_nan=tl.PropagateNan.ALL),
-                       log_sum)
-    lse = m + log_sum
+    log_sum, lse = log_sum_lse(m, s)  # log s clamped at 0 for a finite m (see there)
     tl.store(row_max_ptr + row, m)
     tl.store(log_sum_ptr + row, log_sum)
     tl.store(lse_ptr + row, lse)
@@ -103,12 +99,60 @@ def _finalize(row, m, s, b, t, q, x_ptr, stride_n, stride_v, labels_ptr, stride_
         log_p = tl.minimum((zy - m) - log_sum, 0.0, propagate_nan=tl.PropagateNan.ALL)
         tl.store(log_probs_ptr + row, tl.where(valid, log_p, 0.0))
     if ENTROPY:
-        ent = tl.maximum(log_sum - b / s, 0.0, propagate_nan=tl.PropagateNan.ALL)
-        tl.store(entropy_ptr + row, tl.where(valid, ent, 0.0))
+        tl.store(entropy_ptr + row, tl.where(valid, stats_entropy(log_sum, b, s), 0.0))
     if ZSUM:
         tl.store(mean_log_p_ptr + row, t / V - lse)
     if SUMSQ:  # sum_j p_j^2 = q / s^2 (0 for ignored rows, as log p and entropy)
         tl.store(sum_sq_ptr + row, tl.where(valid, q / (s * s), 0.0))
+
+
+@triton.jit
+def _merge_and_finalize(
+    row, x_ptr, stride_n, stride_v, labels_ptr, stride_lab,
+    part_m_ptr, part_s_ptr, part_b_ptr, part_t_ptr, part_q_ptr,
+    log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_ptr, lse_ptr, mean_log_p_ptr, sum_sq_ptr,
+    N, V, num_splits, inv_temperature, ignore_index,
+    SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, FROM_PARTS: tl.constexpr,
+    LOG_PROBS: tl.constexpr, ENTROPY: tl.constexpr, ZSUM: tl.constexpr, SUMSQ: tl.constexpr,
+):
+    """Merge the S split partials of ``row`` left to right and finalize it: the one path of both
+    launch shapes. Each partial is computed here by ``_split_stats`` (one level) or, with
+    FROM_PARTS (the two-level combine), read from the (S, N) buffers that the first level wrote."""
+    m, s, b, t, q = _no_stats()
+    if FROM_PARTS:
+        part_m_ptr += row
+        part_s_ptr += row
+        part_b_ptr += row
+        part_t_ptr += row
+        part_q_ptr += row
+    else:
+        row_ptr = x_ptr + row.to(tl.int64) * stride_n
+    for split in range(0, num_splits):
+        if FROM_PARTS:
+            pm = tl.load(part_m_ptr)
+            ps = tl.load(part_s_ptr)
+            if SUMSQ:
+                pq = tl.load(part_q_ptr)
+            else:
+                pq = q  # not read
+            pb = tl.load(part_b_ptr)
+            pt = tl.load(part_t_ptr)
+            part_m_ptr += N
+            part_s_ptr += N
+            part_b_ptr += N
+            part_t_ptr += N
+            part_q_ptr += N
+        else:
+            pm, ps, pb, pt, pq = _split_stats(row_ptr, stride_v, split * SPLIT_V, V, inv_temperature,
+                                              SPLIT_V, BLOCK_V, ENTROPY, ZSUM, SUMSQ)
+        if SUMSQ:
+            q = merge_sum_sq(m, s, q, pm, ps, pq)
+        m, s, b = merge_stats(m, s, b, pm, ps, pb)
+        t += pt
+    _finalize(row, m, s, b, t, q, x_ptr, stride_n, stride_v, labels_ptr, stride_lab, V,
+              inv_temperature, ignore_index,
+              log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_ptr, lse_ptr, mean_log_p_ptr,
+              sum_sq_ptr, LOG_PROBS, ENTROPY, ZSUM, SUMSQ)
 
 
 @triton.jit
@@ -137,24 +181,11 @@ def _logits_fwd_kernel(
         if SUMSQ:
             tl.store(part_q_ptr + off, q)
     else:
-        row = pid
-        row_ptr = x_ptr + row.to(tl.int64) * stride_n
-        m = tl.full((), float("-inf"), tl.float32)
-        s = tl.zeros((), tl.float32)
-        b = tl.zeros((), tl.float32)
-        t = tl.zeros((), tl.float32)
-        q = tl.zeros((), tl.float32)
-        for split in range(0, num_splits):
-            pm, ps, pb, pt, pq = _split_stats(row_ptr, stride_v, split * SPLIT_V, V, inv_temperature,
-                                              SPLIT_V, BLOCK_V, ENTROPY, ZSUM, SUMSQ)
-            if SUMSQ:
-                q = merge_sum_sq(m, s, q, pm, ps, pq)
-            m, s, b = merge_stats(m, s, b, pm, ps, pb)
-            t += pt
-        _finalize(row, m, s, b, t, q, x_ptr, stride_n, stride_v, labels_ptr, stride_lab, V,
-                  inv_temperature, ignore_index,
-                  log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_ptr, lse_ptr, mean_log_p_ptr,
-                  sum_sq_ptr, LOG_PROBS, ENTROPY, ZSUM, SUMSQ)
+        _merge_and_finalize(pid, x_ptr, stride_n, stride_v, labels_ptr, stride_lab,
+                            part_m_ptr, part_s_ptr, part_b_ptr, part_t_ptr, part_q_ptr,
+                            log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_ptr, lse_ptr,
+                            mean_log_p_ptr, sum_sq_ptr, N, V, num_splits, inv_temperature,
+                            ignore_index, SPLIT_V, BLOCK_V, False, LOG_PROBS, ENTROPY, ZSUM, SUMSQ)
 
 
 @triton.jit
@@ -166,33 +197,11 @@ def _logits_combine_kernel(
     LOG_PROBS: tl.constexpr, ENTROPY: tl.constexpr, ZSUM: tl.constexpr, SUMSQ: tl.constexpr,
 ):
     """Second level: program = row; merges the row's S partials in split order and finalizes."""
-    row = tl.program_id(0)
-    m = tl.full((), float("-inf"), tl.float32)
-    s = tl.zeros((), tl.float32)
-    b = tl.zeros((), tl.float32)
-    t = tl.zeros((), tl.float32)
-    q = tl.zeros((), tl.float32)
-    part_m_ptr += row
-    part_s_ptr += row
-    part_b_ptr += row
-    part_t_ptr += row
-    part_q_ptr += row
-    for _ in range(0, num_splits):
-        pm = tl.load(part_m_ptr)
-        ps = tl.load(part_s_ptr)
-        if SUMSQ:
-            q = merge_sum_sq(m, s, q, pm, ps, tl.load(part_q_ptr))
-        m, s, b = merge_stats(m, s, b, pm, ps, tl.load(part_b_ptr))
-        t += tl.load(part_t_ptr)
-        part_m_ptr += N
-        part_s_ptr += N
-        part_b_ptr += N
-        part_t_ptr += N
-        part_q_ptr += N
-    _finalize(row, m, s, b, t, q, x_ptr, stride_n, stride_v, labels_ptr, stride_lab, V,
-              inv_temperature, ignore_index,
-              log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_ptr, lse_ptr, mean_log_p_ptr,
-              sum_sq_ptr, LOG_PROBS, ENTROPY, ZSUM, SUMSQ)
+    _merge_and_finalize(tl.program_id(0), x_ptr, stride_n, stride_v, labels_ptr, stride_lab,
+                        part_m_ptr, part_s_ptr, part_b_ptr, part_t_ptr, part_q_ptr,
+                        log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_ptr, lse_ptr,
+                        mean_log_p_ptr, sum_sq_ptr, N, V, num_splits, inv_temperature,
+                        ignore_index, 1, 1, True, LOG_PROBS, ENTROPY, ZSUM, SUMSQ)  # SPLIT_V, BLOCK_V unused
 
 
 @triton.jit

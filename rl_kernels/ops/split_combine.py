@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import merge_stats, merge_sum_sq
+from .common import log_sum_lse, merge_stats, merge_sum_sq, stats_entropy
 
 
 @triton.jit
@@ -44,11 +44,7 @@ def _split_combine_kernel(
         m, s, b = merge_stats(m, s, b, pm, ps, pb)
     zy = tl.load(zy_ptr + rows, mask=row_mask, other=0.0)
 
-    log_s = tl.log(s)
-    # s >= 1 exactly for a finite m; the GPU's fast exp/log may put log s just below 0
-    # (propagating NaN: max(NaN, 0) = 0 would give a NaN row a finite lse)
-    log_s = tl.where(m > float("-inf"), tl.maximum(log_s, 0.0, propagate_nan=tl.PropagateNan.ALL), log_s)
-    lse = m + log_s
+    log_s, lse = log_sum_lse(m, s)
     labels = tl.load(labels_ptr + rows.to(tl.int64) * stride_lab, mask=row_mask, other=ignore_index)
     valid = labels != ignore_index
     # z_y comes from its own dot product, so when p_y ~ 1 its rounding may put z_y - lse a few ulps
@@ -57,8 +53,7 @@ def _split_combine_kernel(
     tl.store(log_probs_ptr + rows, tl.where(valid, log_p, 0.0), mask=row_mask)
     tl.store(lse_ptr + rows, lse, mask=row_mask)
     if ENTROPY:
-        ent = tl.maximum(log_s - b / s, 0.0, propagate_nan=tl.PropagateNan.ALL)
-        tl.store(entropy_ptr + rows, tl.where(valid, ent, 0.0), mask=row_mask)
+        tl.store(entropy_ptr + rows, tl.where(valid, stats_entropy(log_s, b, s), 0.0), mask=row_mask)
     if SUMSQ:  # sum_j p_j^2 = q / s^2 (0 for ignored rows, as log p and entropy)
         tl.store(sum_sq_ptr + rows, tl.where(valid, q / (s * s), 0.0), mask=row_mask)
 

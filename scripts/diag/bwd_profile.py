@@ -9,16 +9,14 @@ Times, as multiples of one cuBLAS ``h @ W.T`` of the same shape in the same run:
     at a small N.
 """
 import dataclasses
-import sys
 import time
 
 import torch
 import triton
 
-sys.path.insert(0, "tests")
-from helpers import make_inputs, reference_grads, rel_err  # noqa: E402
+from rl_kernels.reference import make_inputs, reference_linear_grads, rel_err  # noqa: E402
 
-import rl_kernels.autograd as ag  # noqa: E402
+import rl_kernels.autograd.backward_schedule as ag  # noqa: E402
 from rl_kernels import linear_log_probs, ops  # noqa: E402
 
 
@@ -123,7 +121,7 @@ def main():
     n2 = 2048
     h2, w2, y2 = make_inputs(n2, h, 151937, torch.bfloat16, seed=1, device=dev, w_scale=0.02)
     gl, ge = g_lp[:n2].clone(), g_ent[:n2].clone()
-    dh_ref, dw_ref = reference_grads(h2, w2, y2, gl, ge, 1.0)
+    dh_ref, dw_ref = reference_linear_grads(h2, w2, y2, gl, ge, 1.0)
     p2 = ops.linear_split_stats(h2, w2, y2, 1.0, True, cfg)
     _, ent2, lse2 = ops.split_combine(*p2, y2, -100, True)
     dh, dw = single_recompute(h2, w2, y2, lse2, ent2, gl, ge, cfg, int(0.05 * (n2 + 151937) * h), addmm_ok)

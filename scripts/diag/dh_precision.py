@@ -1,12 +1,12 @@
-import sys, torch
-sys.path.insert(0, "tests")
-from helpers import make_inputs, reference_grads, rel_err
+"""dh precision of the fused backward vs float64 at one shape (H100 diagnosis of the split-K reduction setting)."""
+import torch
+from rl_kernels.reference import make_inputs, reference_linear_grads, rel_err
 from rl_kernels import ops
 n, h, v = 2048, 3584, 151937
 hidden, weight, labels = make_inputs(n, h, v, torch.bfloat16, seed=0, device="cuda", w_scale=0.02)
 g = torch.Generator(device="cuda").manual_seed(3)
 g_lp = torch.randn(n, device="cuda", generator=g); g_ent = torch.randn(n, device="cuda", generator=g)
-dh_ref, _ = reference_grads(hidden, weight, labels, g_lp, g_ent, 1.0)
+dh_ref, _ = reference_linear_grads(hidden, weight, labels, g_lp, g_ent, 1.0)
 cfg = ops.default_config(hidden.device)
 parts = ops.linear_split_stats(hidden, weight, labels, 1.0, True, cfg)
 lp, ent, lse = ops.split_combine(*parts, labels, -100, True)

@@ -1,6 +1,6 @@
 """Top-K KL forward+backward time vs our linear_log_probs forward+backward (same run), bf16.
 
-python scripts/diag/distill_bench.py [N,H,V,K]   (default 4096,3584,152064,64; the issue's shape)
+python scripts/diag/distill_bench.py [N,H,V,K]   (default 4096,3584,152064,64: a Qwen2.5-7B head, K = 64)
 """
 import sys
 

@@ -57,7 +57,6 @@ for shape in SHAPES:
         line = (f"  {name:42s} fwd {t:7.3f} ms = {t / t_mm:.3f}x mm, "
                 f"max|Δ| vs first {(lp - ref).abs().max().item():.1e}")
         if WITH_BWD:
-            ops_config.FORCED_CONFIG = cfg
             hg = hid.detach().requires_grad_()
             wg = w.detach().requires_grad_()
 
@@ -66,12 +65,12 @@ for shape in SHAPES:
                 out = rl_kernels.linear_log_probs(hg, wg, lab)
                 torch.autograd.backward([out.log_probs, out.entropy], [g_lp, g_ent])
             try:
-                step()
-                tb = bench(step)
+                with ops_config.forced_config(cfg):
+                    step()
+                    tb = bench(step)
                 line += f", fwd+bwd {tb:.2f} ms = {tb / t_mm:.3f}x mm"
             except Exception as e:  # noqa: BLE001
                 line += f", fwd+bwd {type(e).__name__} {str(e)[:200]}"
-            ops_config.FORCED_CONFIG = None
             del hg, wg
         print(line, flush=True)
     del hid, w, lab

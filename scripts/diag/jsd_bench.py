@@ -2,9 +2,10 @@
 fwd+bwd (same run), peak memory vs torch eager and Liger's fused linear JSD (when importable),
 and a sweep of the JSD kernels' tiles.
 
-python scripts/diag/jsd_bench.py [N,H,V] [--sweep] [--no-final]   (default 4096,3584,152064: the issue's shape)
+python scripts/diag/jsd_bench.py [N,H,V] [--sweep] [--no-final]   (default 4096,3584,152064: a Qwen2.5-7B head)
 """
 import dataclasses
+import os
 import sys
 
 import torch
@@ -13,8 +14,10 @@ import triton.testing
 import rl_kernels
 import rl_kernels.distill
 import rl_kernels.ops as ops
-from rl_kernels.bench import peak_extra_gib as peak_extra
-from rl_kernels.ops.config import BwdTile
+from rl_kernels.ops.config import BwdTile, forced_config
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # scripts/
+from bench import peak_extra_gib as peak_extra  # noqa: E402
 
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
 n, h, v = (int(x) for x in (args[0] if args else "4096,3584,152064").split(","))
@@ -115,10 +118,10 @@ if "--sweep" in sys.argv:
     base = ops.default_config(torch.device(dev))
 
     def run_with(cfg):
-        ops.default_config = lambda d, dtype=None: cfg  # noqa: E731
-        with torch.no_grad():
-            tf = bench(lambda: rl_kernels.linear_jsd(hs, ws, ht, wt, beta=0.5, temperature=T, labels=labels))
-        return tf, bench(ours(0.5))
+        with forced_config(cfg):
+            with torch.no_grad():
+                tf = bench(lambda: rl_kernels.linear_jsd(hs, ws, ht, wt, beta=0.5, temperature=T, labels=labels))
+            return tf, bench(ours(0.5))
 
     for fused in (False, True):  # forward kernel tiles (backward fixed at the default)
         for fwd in (BwdTile(128, 128, 8, 3), BwdTile(128, 256, 16, 2), BwdTile(256, 128, 16, 2),
@@ -135,7 +138,6 @@ if "--sweep" in sys.argv:
                       f"bwd {(t - tf) / t_mm:.2f}x mm")
             except Exception as e:  # noqa: BLE001
                 print(f"  sweep fused={fused} bwd {bwd}: failed {type(e).__name__}: {str(e)[:150]}")
-    ops.default_config = lambda d, dtype=None: base  # noqa: E731
 
 for beta in (() if "--no-final" in sys.argv else (0.0, 0.5, 1.0)):
     f = ours(beta)

@@ -5,7 +5,7 @@ import sys
 import torch
 import triton.testing
 
-import rl_kernels.autograd as ag
+import rl_kernels.autograd.backward_schedule as ag
 from rl_kernels import linear_log_probs
 
 FACTORS = [1, 2, 4, 0]  # 1: fixed buffer only; 0: as wide as fits

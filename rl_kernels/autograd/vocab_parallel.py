@@ -1,4 +1,5 @@
-"""Vocab tensor parallelism: log-probs / entropy of a vocabulary sharded over a process group.
+"""Vocab tensor parallelism: log-probs / entropy of a vocabulary sharded over a process group
+(the convention of every public function's ``process_group`` argument, and its autograd).
 
 Rank r of the group holds the contiguous vocab rows [start_r, start_r + V_r) of the head (or of
 the logits); shards may differ in size and are ordered by group rank. Every rank runs the
@@ -34,45 +35,53 @@ tests prove both cases against an unsharded float64 gradient.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 
 import torch
 
-from .autograd import HeadParams, first_order_only, gathered_logits, head_backward, head_forward
+from ..validation import check_vocab_parallel_args
+from .common import first_order_only
+from .linear import HeadParams, gathered_logits, head_backward, head_forward
 
 
 def _dist():
     import torch.distributed as dist
 
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("process_group: torch.distributed is not initialized "
-                           "(call torch.distributed.init_process_group first)")
     return dist
 
 
-def shard_layout(process_group, local_vocab: int, vocab_start_index, device, ignore_index):
-    """(vocab_start_index, vocab_size or None): this rank's first global id and the total
-    vocabulary. Without ``vocab_start_index`` one small all_gather of the shard sizes derives both
-    (shards in group-rank order). Raises ValueError / TypeError naming the argument."""
-    dist = _dist()
-    if not isinstance(process_group, dist.ProcessGroup):
-        raise TypeError(f"process_group: expected a torch.distributed.ProcessGroup (e.g. "
-                        f"torch.distributed.group.WORLD or a new_group()), got {type(process_group).__name__}")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral) or ignore_index >= 0:
-        raise ValueError(f"ignore_index: with process_group it must be a negative int (global ids "
-                         f"are shifted per shard), got {ignore_index!r}")
+@dataclasses.dataclass(frozen=True)
+class ParallelParams:
+    """A validated vocab-parallel layout: the group, this rank's first global id, the total
+    vocabulary (None when ``vocab_start_index`` was given: no collective for it) and whether the
+    backward all-reduces dh."""
+
+    process_group: object
+    start: int
+    vocab_size: int | None
+    reduce_hidden_grad: bool
+
+
+def parallel_params(process_group, vocab_start_index, reduce_hidden_grad, ignore_index, local_vocab: int,
+                    device, allow_reduce_hidden_grad: bool = True) -> ParallelParams | None:
+    """The one entry point of every public function's vocab-parallel arguments: validates the trio
+    (``validation.check_vocab_parallel_args``; raises TypeError / ValueError / RuntimeError naming
+    the argument) and returns None without a group, else the layout. Without
+    ``vocab_start_index`` one small all_gather of the shard sizes derives this rank's first id
+    and the total vocabulary (shards in group-rank order)."""
+    check_vocab_parallel_args(process_group, vocab_start_index, reduce_hidden_grad, ignore_index,
+                              allow_reduce_hidden_grad)
+    if process_group is None:
+        return None
     if vocab_start_index is not None:
-        if isinstance(vocab_start_index, bool) or not isinstance(vocab_start_index, numbers.Integral) \
-                or vocab_start_index < 0:
-            raise ValueError(f"vocab_start_index: expected a non-negative int, got {vocab_start_index!r}")
-        return int(vocab_start_index), None
+        return ParallelParams(process_group, int(vocab_start_index), None, reduce_hidden_grad)
+    dist = _dist()
     world = dist.get_world_size(process_group)
     mine = torch.tensor([local_vocab], dtype=torch.int64, device=device)
     sizes = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(sizes, mine, group=process_group)
     sizes = [int(s) for s in torch.cat(sizes).tolist()]
     rank = dist.get_rank(process_group)
-    return sum(sizes[:rank]), sum(sizes)
+    return ParallelParams(process_group, sum(sizes[:rank]), sum(sizes), reduce_hidden_grad)
 
 
 def local_labels(labels, start: int, local_vocab: int, ignore_index: int):
@@ -83,7 +92,7 @@ def local_labels(labels, start: int, local_vocab: int, ignore_index: int):
     return torch.where(labels == ignore_index, ignore_index, local), owned
 
 
-def _all_gather(process_group, part: torch.Tensor) -> torch.Tensor:
+def all_gather_rows(process_group, part: torch.Tensor) -> torch.Tensor:
     """(W, *part.shape): every rank's ``part`` in group-rank order (one all_gather)."""
     dist = _dist()
     gathered = [torch.empty_like(part) for _ in range(dist.get_world_size(process_group))]
@@ -100,7 +109,7 @@ def finish_hidden_grad(dh, tp, dtype):
     return dh.to(dtype)
 
 
-def _merge_lse(lse_w: torch.Tensor):
+def merge_lse(lse_w: torch.Tensor):
     """(lse, log w_r) from the (W, N) shard logsumexps, in rank order."""
     m = lse_w.amax(0)
     m = torch.where(torch.isfinite(m), m, torch.zeros((), device=m.device))
@@ -122,9 +131,9 @@ def merge_shards(process_group, lse_r, entropy_r, z_y_r, owned, labels, ignore_i
             torch.where(owned, z_y_r.float(), zero), owned.float()]
     if sum_sq_r is not None:
         rows.append(sum_sq_r.float())
-    gathered = _all_gather(process_group, torch.stack(rows)).unbind(1)  # (W, N) each
+    gathered = all_gather_rows(process_group, torch.stack(rows)).unbind(1)  # (W, N) each
     lse_w, ent_w, zy_w, own_w = gathered[:4]
-    lse, log_w = _merge_lse(lse_w)
+    lse, log_w = merge_lse(lse_w)
     w = log_w.exp()
     sum_sq = (w * w * gathered[4]).sum(0) if sum_sq_r is not None else None
     # a shard with w = 0 adds 0 (not 0 * inf); a NaN w (a non-finite row) must stay NaN
@@ -145,14 +154,6 @@ def merge_shards(process_group, lse_r, entropy_r, z_y_r, owned, labels, ignore_i
     if entropy is not None:
         entropy = torch.where(valid, entropy, zero)
     return log_probs, entropy, lse, sum_sq
-
-
-@dataclasses.dataclass(frozen=True)
-class ParallelParams:
-    process_group: object
-    start: int
-    vocab_size: int | None  # None when vocab_start_index was given (no collective for it)
-    reduce_hidden_grad: bool
 
 
 class VocabParallelLinearFunction(torch.autograd.Function):
@@ -266,7 +267,7 @@ class VocabParallelLseGatherFunction(torch.autograd.Function):
     HeadParams, ParallelParams -> (lse (N,), z (N, K)) float32, identical on every rank: the row
     logsumexp over the whole sharded vocabulary and the logits at ``ids`` (each from the rank that
     holds it), merged after one all_gather. Backward: d lse/dz = p on every shard, the gradients of
-    z as sparse entries on the owner's shard (``autograd._with_gathered``); rows with ``valid``
+    z as sparse entries on the owner's shard (``autograd.linear``); rows with ``valid``
     False get none. For the distillation losses (``rl_kernels.distill``)."""
 
     @staticmethod
@@ -280,8 +281,8 @@ class VocabParallelLseGatherFunction(torch.autograd.Function):
         zero = torch.zeros((), device=z_r.device)
         part = torch.cat([lse_r.float()[:, None], torch.where(owned, z_r, zero), owned.float()], 1)
         k = ids.shape[1]
-        gathered = _all_gather(tp.process_group, part)  # (W, N, 1 + 2K)
-        lse, _ = _merge_lse(gathered[:, :, 0])
+        gathered = all_gather_rows(tp.process_group, part)  # (W, N, 1 + 2K)
+        lse, _ = merge_lse(gathered[:, :, 0])
         count = gathered[:, :, 1 + k:].sum(0)
         if bool((count != 1).any()):
             bad = (count != 1).nonzero()[0]

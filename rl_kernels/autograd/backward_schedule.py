@@ -1,0 +1,209 @@
+"""The backward schedule shared by the fused linear head, its vocab-parallel form and the JSD
+loss: dh and dW from d loss / d logits windows that are recomputed and consumed at once.
+
+The backward needs dz = d(loss)/d(h.w) (N x V), which
+is never stored whole. It is recomputed window by window (Triton ``linear_dlogits`` or its torch
+twin) and consumed at once by cuBLAS matmuls. Two schedules:
+
+* one recompute (both gradients needed, the usual case): windows of all rows x a vocab chunk;
+  each gives ``dW[chunk] = dz^T h`` (full N reduction) and adds ``dz W[chunk]`` to a float32 dh
+  accumulator. The accumulator (N x H float32) lives in the not-yet-written tail of dW's own
+  storage, so it costs no memory: the vocab rows whose storage it occupies are recomputed a
+  second time, after dh is final, to write their dW (2N of V rows for 16-bit weights). While dW
+  rows are still unwritten, windows are placed in their bytes and made as wide as fits (fewer
+  passes over the accumulator); later ones use the fixed buffer. Falls back
+  to the two-pass schedule when the accumulator does not fit (N > V/2 for 16-bit weights) or
+  torch cannot add a 16-bit matmul into a float32 output (``addmm(out_dtype=float32)``), logged once.
+* two passes (otherwise): dW pass over vocab chunks, dh pass over token chunks (windows of a
+  token chunk x all vocab, ``dh[chunk] = dz W``).
+
+Every gradient element is rounded once to the output dtype (dh from its float32 sum), with no
+atomics: repeated runs give identical bits. The window buffer is bounded by
+``max(MIN_CHUNK_ELEMENTS, CHUNK_FRACTION * (N + V) * H)`` elements, i.e. 8% of the two
+gradients. Window row strides are multiples of ``ALIGN`` elements: cuBLAS runs a 16-bit matmul
+whose operand has a leading dimension that is not a multiple of 8 several times slower (H100, dW
+pass on 16384 x 1842 windows: 3.5x a full-size matmul instead of ~1x).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+
+from .._logging import log_once
+
+MIN_CHUNK_ELEMENTS = 1 << 22
+CHUNK_FRACTION = 0.08  # of (N + V) * H: the buffer stays under 10% of the two gradients
+ALIGN = 64
+WIDE_FACTOR = 0  # windows placed in dW's unwritten rows are at most this many times `cols` (0: no cap)
+
+
+
+@contextlib.contextmanager
+def full_precision_reduction():
+    """cuBLAS may reduce split-K partials of bf16/fp16 matmuls in 16 bits when torch allows it
+    (the default). Over the long V reduction of dh that tripled the error (H100, 2048 x 3584 x
+    151937: relative dh error 7.2e-3 with it, 2.3e-3 without), so our matmuls turn it off and
+    restore the user's setting afterwards."""
+    flags = torch.backends.cuda.matmul
+    saved = (flags.allow_bf16_reduced_precision_reduction,
+             flags.allow_fp16_reduced_precision_reduction)
+    flags.allow_bf16_reduced_precision_reduction = False
+    flags.allow_fp16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        (flags.allow_bf16_reduced_precision_reduction,
+         flags.allow_fp16_reduced_precision_reduction) = saved
+
+
+_ADDMM_OUT_DTYPE: dict = {}
+
+
+def _can_accumulate_fp32(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch adds a ``dtype`` matmul into a float32 output on ``device`` here."""
+    if dtype == torch.float32:
+        return True
+    key = (device.type, dtype)
+    if key not in _ADDMM_OUT_DTYPE:
+        try:
+            probe = torch.zeros(2, 2, device=device)
+            ones = torch.ones(2, 2, device=device, dtype=dtype)
+            torch.addmm(probe, ones, ones, out_dtype=torch.float32, out=probe)
+            _ADDMM_OUT_DTYPE[key] = bool(torch.all(probe == 2))
+        except (RuntimeError, TypeError, NotImplementedError):
+            _ADDMM_OUT_DTYPE[key] = False
+    return _ADDMM_OUT_DTYPE[key]
+
+
+def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc (float32) += a @ b, computed and summed in float32."""
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+    else:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+
+
+def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    if a.dtype == out.dtype and b.dtype == out.dtype:
+        torch.mm(a, b, out=out)
+    else:
+        out.copy_(torch.mm(a, b))
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def chunked_backward(dlogits, hidden_states, weight, dz_dtype, need_dh, need_dw, dh_float32=False,
+                      h_dw=None):
+    """dh, dW from dlogits windows (module docstring). ``h_dw``: the hidden states that multiply
+    into dW (``hidden_for_weight_grad``); default ``hidden_states``."""
+    h_dw = hidden_states if h_dw is None else h_dw
+    n, h = hidden_states.shape
+    v = weight.shape[0]
+    budget = max(MIN_CHUNK_ELEMENTS, int(CHUNK_FRACTION * (n + v) * h))
+    v_pad = _round_up(v, ALIGN)
+    # column windows: all rows x `cols` columns; row windows: `rows` rows x all columns; both
+    # with a row stride that is a multiple of ALIGN (cols itself, or v_pad)
+    cols = min(v_pad, max(ALIGN, budget // max(n, 1) // ALIGN * ALIGN))
+    rows = max(1, budget // v_pad)
+    if n == 0:
+        dw = torch.zeros_like(weight, memory_format=torch.contiguous_format) if need_dw else None
+        dh = torch.empty_like(hidden_states, memory_format=torch.contiguous_format) if need_dh else None
+        return dh, dw
+    if need_dh and need_dw:
+        result = _one_recompute(dlogits, hidden_states, weight, dz_dtype, cols, dh_float32, h_dw)
+        if result is not None:
+            return result
+    size = max(n * cols if need_dw else 0, min(rows, n) * v_pad if need_dh else 0)
+    buf = torch.empty(size, dtype=dz_dtype, device=hidden_states.device)
+    dw = None
+    if need_dw:
+        dw = torch.empty_like(weight, memory_format=torch.contiguous_format)
+        h_mm = h_dw.to(dz_dtype)
+        window = buf[: n * cols].view(n, cols)
+        for c0 in range(0, v, cols):
+            c1 = min(v, c0 + cols)
+            dz = dlogits(slice(0, n), slice(c0, c1), window[:, : c1 - c0])
+            _mm_into(dw[c0:c1], dz.T, h_mm)
+    dh = None
+    if need_dh:
+        dh = torch.empty_like(hidden_states, memory_format=torch.contiguous_format,
+                              dtype=torch.float32 if dh_float32 else None)
+        w_mm = weight.to(dz_dtype)
+        for r0 in range(0, n, rows):
+            r1 = min(n, r0 + rows)
+            dz = dlogits(slice(r0, r1), slice(0, v), buf[: (r1 - r0) * v_pad].view(r1 - r0, v_pad)[:, :v])
+            if dh_float32 and dz.dtype != torch.float32 and _can_accumulate_fp32(dz.device, dz.dtype):
+                _accumulate(dh[r0:r1].zero_(), dz, w_mm)
+            else:
+                _mm_into(dh[r0:r1], dz, w_mm)
+    return dh, dw
+
+
+def _one_recompute(dlogits, hidden_states, weight, dz_dtype, cols, dh_float32=False, h_dw=None):
+    """The one-recompute schedule (module docstring); None when it cannot run here."""
+    n, h = hidden_states.shape
+    v = weight.shape[0]
+    elem = weight.element_size()  # dW has the weight's dtype
+    acc_elems = n * h * 4 // elem  # dW elements whose bytes hold the accumulator
+    if acc_elems * elem != n * h * 4 or acc_elems > v * h - 2 * h:
+        log_once(logging.INFO, "rl_kernels backward: the float32 dh accumulator does not fit in dW's "
+                 "storage (N > V/2 for 16-bit weights); using two recompute passes")
+        return None
+    if not _can_accumulate_fp32(hidden_states.device, dz_dtype):
+        log_once(logging.INFO, f"rl_kernels backward: torch cannot add a {dz_dtype} matmul into a "
+                 f"float32 output on {hidden_states.device.type} (addmm out_dtype); using two "
+                 f"recompute passes")
+        return None
+    dw = torch.empty_like(weight, memory_format=torch.contiguous_format)
+    per_float = 4 // elem
+    start = (v * h - acc_elems) // per_float * per_float  # float32-aligned
+    acc = dw.view(-1)[start:start + acc_elems].view(torch.float32).view(n, h)
+    tail = start // h  # dW rows from here on share bytes with the accumulator
+    h_mm = (hidden_states if h_dw is None else h_dw).to(dz_dtype)
+    w_mm = weight.to(dz_dtype)
+    buffer = torch.empty(n * cols, dtype=dz_dtype, device=hidden_states.device).view(n, cols)
+    flat = dw.view(-1)
+
+    def window(c0: int, free_until: int):
+        """(width, n x width window) for the chunk starting at vocab row c0. While dW rows
+        [c0, free_until) are unwritten, the window is placed in their bytes after this chunk's own
+        output rows, as wide as fits (fewer, wider windows: fewer passes over the accumulator);
+        otherwise it is the fixed buffer."""
+        wide = 0
+        if dz_dtype == dw.dtype and free_until > c0:
+            wide = (free_until - c0) * h // (h + n) // ALIGN * ALIGN
+        if WIDE_FACTOR:
+            wide = min(wide, WIDE_FACTOR * cols)
+        if wide <= cols:
+            return min(cols, v - c0), buffer
+        width = min(wide, v - c0)
+        base = (c0 + width) * h  # ends by c0*h + wide*(h + n) <= free_until*h
+        return width, flat[base: base + n * wide].view(n, wide)
+
+    acc.zero_()
+    c0, unwritten = 0, None
+    while c0 < v:
+        width, win = window(c0, tail)
+        c1 = c0 + width
+        dz = dlogits(slice(0, n), slice(c0, c1), win[:, :width])
+        _accumulate(acc, dz, w_mm[c0:c1])
+        if c1 <= tail and unwritten is None:
+            _mm_into(dw[c0:c1], dz.T, h_mm)
+        elif unwritten is None:
+            unwritten = c0
+        c0 = c1
+    # (copy: the accumulator aliases dW's storage)
+    dh = acc.clone() if dh_float32 else acc.to(hidden_states.dtype, copy=True)
+    # the accumulator is free: recompute the vocab rows whose dW is not written yet
+    c0 = v if unwritten is None else unwritten
+    while c0 < v:
+        width, win = window(c0, v)
+        c1 = c0 + width
+        dz = dlogits(slice(0, n), slice(c0, c1), win[:, :width])
+        _mm_into(dw[c0:c1], dz.T, h_mm)
+        c0 = c1
+    return dh, dw

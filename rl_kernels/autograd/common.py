@@ -1,0 +1,53 @@
+"""What every autograd Function of rl_kernels shares: first-order-only backward (double backward
+raises) and the selection of ignored non-finite rows out of the weight gradient."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+def first_order_only(backward):
+    """Decorate an autograd Function's ``backward``: gradients are computed without a graph, and
+    under ``create_graph=True`` they are wired to a node that raises "double backward is not
+    supported by rl_kernels.<ctx.fn_name>" when differentiated again. The first derivatives stay
+    correct; a second derivative never comes out silently wrong (or silently zero)."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        with torch.no_grad():
+            outs = backward(ctx, *grads)
+        if not torch.is_grad_enabled():
+            return outs
+        msg = (f"double backward is not supported by rl_kernels.{ctx.fn_name}: its backward "
+               f"computes first derivatives only")
+        present = [i for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.is_floating_point()]
+        # the node's extra inputs: what the gradients depend on (the saved inputs and the
+        # incoming gradients), so that differentiating the gradients reaches the node
+        deps = [t for t in (*ctx.saved_tensors, *grads)
+                if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not present or not deps:
+            return outs
+        delayed = getattr(getattr(torch._C, "_functions", None), "DelayedError", None)
+        if delayed is None:  # pragma: no cover - torch without the C++ node: refuse up front
+            raise RuntimeError(msg + " (create_graph=True)")
+        guarded = delayed(msg.encode(), len(present) + len(deps))(*[outs[i] for i in present], *deps)
+        outs = list(outs)
+        for i, g in zip(present, guarded):
+            outs[i] = g
+        return tuple(outs)
+    return wrapper
+
+
+def hidden_for_weight_grad(hidden_states: torch.Tensor, ignored: torch.Tensor,
+                           lse: torch.Tensor) -> torch.Tensor:
+    """``hidden_states`` with the rows that must not reach dW zeroed: rows that are ``ignored``
+    (label == ignore_index, or masked) and non-finite. Their dlogits rows are exactly 0, but in
+    dW = dz^T h a NaN/inf hidden value times 0 is NaN, which would spread over all of dW. A row of
+    non-finite hidden states has a non-finite lse (every logit of the row is NaN or +-inf), so the
+    check reads O(N) values; it costs one host sync, and a copy of hidden_states only when such a
+    row exists."""
+    bad = ignored & ~torch.isfinite(lse)
+    if bool(bad.any()):
+        return hidden_states.masked_fill(bad[:, None], 0)
+    return hidden_states

@@ -1,0 +1,105 @@
+"""Autograd of ``linear_jsd``: the generalized Jensen-Shannon divergence of two linear heads.
+
+Forward: each head's lse (the fused head's forward), then one pass of both GEMMs for the per-row
+divergence sums (Triton ``ops.linear_jsd`` or the torch twin ``torch_ops.linear_jsd``); with a
+vocab-parallel group, the shard lse and the shard sums are merged over the group. Backward:
+dlogits windows of the student recomputed from both heads and consumed by the shared schedule
+(``autograd.backward_schedule``); gradients reach the student only.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..torch_ops.linear_jsd import torch_jsd_dlogits, torch_jsd_sums
+from .backward_schedule import chunked_backward, full_precision_reduction
+from .common import first_order_only, hidden_for_weight_grad
+from .linear import HeadParams, head_forward
+from .vocab_parallel import all_gather_rows, finish_hidden_grad, merge_lse
+
+
+@dataclasses.dataclass(frozen=True)
+class JSDParams:
+    backend: str  # resolved: "triton" or "torch"
+    inv_temperature: float
+    beta: float
+    tp: object = None  # parallel.ParallelParams for vocab-sharded heads
+    may_have_ignored: bool = True  # False: no token is excluded (no ignored-row check in backward)
+
+
+class LinearJSDFunction(torch.autograd.Function):
+    """Inputs: student_hidden (N, Hs), student_weight (V, Hs), teacher_hidden (N, Ht),
+    teacher_weight (V, Ht), valid (N,) bool, JSDParams. Output: (N,) float32 per-token divergence
+    x T^2, 0 where not valid. Gradients to the student's two inputs only."""
+
+    @staticmethod
+    def forward(ctx, student_hidden, student_weight, teacher_hidden, teacher_weight, valid, params):
+        n = student_hidden.shape[0]
+        zeros = torch.zeros(n, dtype=torch.long, device=student_hidden.device)
+        head = HeadParams(backend=params.backend, inv_temperature=params.inv_temperature,
+                          ignore_index=-100, return_entropy=False)
+        lse_s = head_forward(student_hidden, student_weight, zeros, head)[2].contiguous()
+        lse_t = head_forward(teacher_hidden, teacher_weight, zeros, head)[2].contiguous()
+        tp = params.tp
+        if tp is not None:  # shard lse -> global lse of both heads (one all_gather)
+
+            lse_w = all_gather_rows(tp.process_group, torch.stack([lse_s, lse_t]))
+            lse_s, lse_t = (merge_lse(lse_w[:, i])[0].contiguous() for i in (0, 1))
+        args = (student_hidden, student_weight, teacher_hidden, teacher_weight, lse_s, lse_t,
+                params.inv_temperature, params.beta)
+        if params.backend == "triton" and n:
+            from ..ops import default_config
+            from ..ops.linear_jsd import jsd_split_sums
+
+            cfg = default_config(student_hidden.device, student_hidden.dtype)
+            loss, g_sum = jsd_split_sums(*args, cfg, cfg.jsd_fwd)
+        else:
+            loss, g_sum = torch_jsd_sums(*args)
+        if tp is not None:  # shard sums -> global sums, added in rank order (one all_gather)
+
+            sums = all_gather_rows(tp.process_group, torch.stack(
+                [loss.float(), g_sum.float() if g_sum is not None else torch.zeros_like(loss, dtype=torch.float32)]
+            )).sum(0)
+            loss = sums[0]
+            g_sum = sums[1] if 0.0 < params.beta < 1.0 else (loss if params.beta == 1.0 else None)
+        t2 = 1.0 / params.inv_temperature ** 2
+        ctx.save_for_backward(student_hidden, student_weight, teacher_hidden, teacher_weight,
+                              lse_s, lse_t, g_sum if g_sum is not None else lse_s, valid)
+        ctx.params, ctx.fn_name = params, "linear_jsd"
+        return torch.where(valid, loss.float() * t2, torch.zeros((), device=loss.device))
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, grad):
+        hs, ws, ht, wt, lse_s, lse_t, g_sum, valid = ctx.saved_tensors
+        params: JSDParams = ctx.params
+        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if grad is None or not (need_dh or need_dw):
+            return None, None, None, None, None, None
+        scale = torch.where(valid, grad.float() / params.inv_temperature ** 2,
+                            torch.zeros((), device=grad.device)).contiguous()
+        g_sum = None if params.beta == 0.0 else g_sum
+        if params.backend == "triton":
+            from ..ops import default_config
+            from ..ops.linear_jsd import jsd_dlogits
+
+            cfg = default_config(hs.device, hs.dtype)
+            dz_dtype = hs.dtype
+
+            def dlogits(rows, cols, out):
+                return jsd_dlogits(hs, ws, ht, wt, lse_s, lse_t, g_sum, scale, rows, cols,
+                                   params.inv_temperature, params.beta, out, cfg, cfg.jsd_bwd)
+        else:
+            dz_dtype = torch.float32
+
+            def dlogits(rows, cols, out):
+                return torch_jsd_dlogits(hs, ws, ht, wt, lse_s, lse_t, g_sum, scale, rows, cols,
+                                         params.inv_temperature, params.beta, out)
+        reduce_dh = params.tp is not None and params.tp.reduce_hidden_grad
+        h_dw = hidden_for_weight_grad(hs, ~valid, lse_s) if need_dw and params.may_have_ignored else hs
+        with full_precision_reduction():
+            dh, dw = chunked_backward(dlogits, hs, ws, dz_dtype, need_dh, need_dw, reduce_dh, h_dw)
+        if reduce_dh:
+            dh = finish_hidden_grad(dh, params.tp, hs.dtype)
+        return dh, dw, None, None, None, None

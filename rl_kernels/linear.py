@@ -1,0 +1,128 @@
+"""Public API of the fused linear head: ``linear_log_probs`` (log-probs, entropy and sum of
+squared probabilities of softmax(hidden_states @ weight.T / temperature), logits never stored)."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .autograd.linear import HeadParams, LinearLogProbsFunction
+from .autograd.vocab_parallel import VocabParallelLinearFunction, parallel_params
+from .backends import resolve_backend
+from .validation import (check_bool_arg, check_head_inputs, check_label_values, check_temperature,
+                         warn_fp16_temperature)
+
+
+class LogProbsOutput(NamedTuple):
+    """log_probs, entropy and sum_pi_squared, float32, shaped like ``labels`` (entropy /
+    sum_pi_squared None when not asked)."""
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor | None
+    sum_pi_squared: torch.Tensor | None = None
+
+
+def linear_log_probs(
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    return_entropy: bool = True,
+    return_sum_pi_squared: bool = False,
+    backend: str = "auto",
+    process_group=None,
+    vocab_start_index: int | None = None,
+    reduce_hidden_grad: bool = False,
+) -> LogProbsOutput:
+    """Log-probability of ``labels`` and entropy of softmax(hidden_states @ weight.T / temperature),
+    without materializing the (tokens x vocab) logits.
+
+    With z_v = (h . w_v) / T:  log p(y) = z_y - logsumexp(z),  entropy = -sum_v p_v log p_v.
+
+    Args:
+        hidden_states: (..., H) bfloat16, float16 or float32, any strides (e.g. (B, T, H) or the
+            (total_nnz, H) of remove-padding). Differentiable.
+        weight: (V, H) like ``lm_head.weight``, same dtype and device. Differentiable.
+        labels: int64/int32 with shape ``hidden_states.shape[:-1]``; each in [0, V) or
+            ``ignore_index``.
+        temperature: positive finite Python number (int accepted); logits are divided by it.
+        ignore_index: label value whose position gets log-prob 0, entropy 0 and zero gradient.
+        return_entropy: when False, entropy is not computed and returned as None.
+        return_sum_pi_squared: also return sum_v p_v^2 (the collision probability used by verl's
+            optimal-token-baseline estimators): one more accumulator in the same GEMM tiles,
+            merged by the same split tree; differentiable (d/dz_v = 2 p_v (p_v - sum p^2)).
+        backend: "auto" (Triton on CUDA, torch elsewhere; the choice is logged once), "triton"
+            (CUDA, or the CPU interpreter when TRITON_INTERPRET=1 was set before import), "torch".
+        process_group: a ``torch.distributed`` group over which the vocabulary is sharded
+            (Megatron-style vocab-parallel ``lm_head``; ``rl_kernels.autograd.vocab_parallel``). ``weight`` is
+            then this rank's contiguous shard (V_r, H) (shards may differ in size, ordered by
+            group rank), ``labels`` are global ids and ``ignore_index`` must be negative. One
+            all_gather of four (N,) float32 rows merges the shards; every rank returns the same
+            bits. Backward gives this shard's dW and this rank's partial dh.
+        vocab_start_index: global id of ``weight``'s first row; None derives it (and the total
+            vocab_size, for the label check) from the group with one small all_gather.
+        reduce_hidden_grad: with ``process_group``, all-reduce (sum) dh over the group in the
+            backward. Leave False under Megatron's ``ColumnParallelLinear`` convention, where
+            the head's input region all-reduces it (``rl_kernels.autograd.vocab_parallel``).
+
+    Returns:
+        ``LogProbsOutput(log_probs, entropy, sum_pi_squared)``: float32 tensors shaped like
+        ``labels``, in nats (sum_pi_squared: a probability; None unless asked). Rows whose label
+        is ``ignore_index`` get 0 for all three.
+        Logits are accumulated and kept in float32 on every backend. A row whose hidden state
+        holds NaN/inf gets a non-finite log-prob and entropy; other rows are unaffected (in the
+        backward, such a row's gradient reaches every dW row, as in any matmul). A row whose
+        label is ``ignore_index`` contributes exactly nothing to dW and dh, even when its hidden
+        state is non-finite (it is selected out, not multiplied by 0).
+
+    Raises:
+        TypeError: a non-tensor input, unsupported dtype, ``weight``/``hidden_states`` dtype
+            mismatch, non-integer ``ignore_index``, non-number ``temperature``.
+        ValueError: shape mismatch, hidden size H = 0, labels outside [0, V) other than
+            ``ignore_index``, an ``ignore_index`` that does not fit the labels' dtype, a
+            temperature <= 0, non-finite or outside ``TEMPERATURE_RANGE`` (1/T must be a normal
+            float32: about [2.9e-39, 8.5e37]), inputs on different devices, unknown backend.
+        RuntimeError: backend "triton" on CPU without TRITON_INTERPRET=1, or without triton;
+            ``process_group`` without an initialized ``torch.distributed``; differentiating the
+            gradient again (``create_graph=True`` gives correct first derivatives, whose own
+            backward raises "double backward is not supported by rl_kernels.linear_log_probs").
+
+    Formula: with p = softmax(z), log p(y) = z_y - logsumexp(z) and H = log s - b / s where
+    s = sum exp(z - m), b = sum exp(z - m)(z - m), m = max z (no lse - E[z] cancellation);
+    gradients d log p/dz = onehot - p, dH/dz = -p (log p + H) (Shannon entropy; softmax
+    derivative), divided by T for the raw logits h.w.
+    Bug cases covered: verl #2656/#2899 (padded vocab columns), verl PR #7439 (all-negative
+    logits), verl #6913 (3-D hidden keeps its gradient).
+    """
+    temperature = check_temperature(temperature)
+    has_ignored = check_head_inputs(hidden_states, weight, labels, ignore_index,
+                                    check_values=process_group is None)
+    check_bool_arg("return_entropy", return_entropy)
+    check_bool_arg("return_sum_pi_squared", return_sum_pi_squared)
+    tp = parallel_params(process_group, vocab_start_index, reduce_hidden_grad, ignore_index, weight.shape[0],
+                         hidden_states.device)
+    resolved = resolve_backend(backend, hidden_states.device)
+    warn_fp16_temperature(hidden_states.dtype, temperature)
+    inv_temperature = 1.0 / temperature
+    lead_shape = labels.shape
+    h2, labels1 = hidden_states.reshape(-1, hidden_states.shape[-1]), labels.reshape(-1)
+
+    def params(has_ignored):
+        return HeadParams(backend=resolved, inv_temperature=inv_temperature,
+                          ignore_index=int(ignore_index), return_entropy=return_entropy,
+                          may_have_ignored=has_ignored is not False,
+                          return_sum_pi_squared=return_sum_pi_squared)
+
+    if tp is not None:
+        if tp.vocab_size is not None:
+            has_ignored = check_label_values(labels, tp.vocab_size, ignore_index, report_ignored=True)
+        out = VocabParallelLinearFunction.apply(h2, weight, labels1, params(has_ignored), tp)
+    else:
+        out = LinearLogProbsFunction.apply(h2, weight, labels1, params(has_ignored))
+    outs = list(out) if isinstance(out, tuple) else [out]
+    log_probs = outs.pop(0).view(lead_shape)
+    entropy = outs.pop(0).view(lead_shape) if return_entropy else None
+    sum_sq = outs.pop(0).view(lead_shape) if return_sum_pi_squared else None
+    return LogProbsOutput(log_probs, entropy, sum_sq)

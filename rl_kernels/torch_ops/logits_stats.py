@@ -1,0 +1,105 @@
+"""Torch twin of the from-logits kernels (``rl_kernels.ops.logits_stats``): the same per-row
+statistics (row max, log-sum, log-probs, entropy, mean log p, sum of squared probabilities) and
+the same backward, in float32 row chunks, on any device. Formulas: ``rl_kernels.logits``."""
+from __future__ import annotations
+
+import torch
+
+# logits elements per row chunk (x 4 bytes per float32 temporary: 256 MiB; a few temporaries
+# live at once). 2^24 measured 5% slower end to end on an H100.
+CHUNK_ELEMENTS = 1 << 26
+
+
+def torch_logits_forward(logits, labels, inv_temperature, ignore_index, return_entropy, return_mean_log_p, return_sum_pi_squared=False):
+    """Torch twin of ``ops.logits_forward`` (same outputs), in float32 row chunks of at most
+    ``CHUNK_ELEMENTS`` elements."""
+    n, v = logits.shape
+    f32 = dict(dtype=torch.float32, device=logits.device)
+    out = {k: torch.empty(n, **f32) for k in ("row_max", "log_sum")}
+    if labels is not None:
+        out["log_probs"] = torch.empty(n, **f32)
+        valid = labels != ignore_index
+        # out-of-range labels raise after the forward (the caller checks); never index out of bounds
+        safe = torch.where(valid & (labels >= 0) & (labels < v), labels, 0).long()
+    if return_entropy:
+        out["entropy"] = torch.empty(n, **f32)
+    if return_mean_log_p:
+        out["mean_log_p"] = torch.empty(n, **f32)
+    if return_sum_pi_squared:
+        out["sum_pi_squared"] = torch.empty(n, **f32)
+    step = max(1, CHUNK_ELEMENTS // v)
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        z = logits[r0:r1].to(torch.float32, copy=True).mul_(inv_temperature)
+        m = z.amax(dim=-1, keepdim=True)
+        m = torch.where(torch.isfinite(m), m, torch.zeros((), device=m.device))
+        z.sub_(m)
+        ls = torch.logsumexp(z, dim=-1)
+        out["row_max"][r0:r1] = m[:, 0]
+        out["log_sum"][r0:r1] = ls
+        if return_mean_log_p:
+            out["mean_log_p"][r0:r1] = z.sum(dim=-1) / v - ls
+        log_p = z.sub_(ls[:, None])
+        if labels is not None:
+            out["log_probs"][r0:r1] = log_p.gather(1, safe[r0:r1, None]).squeeze(1)
+        if return_entropy or return_sum_pi_squared:
+            p = log_p.exp()
+        if return_entropy:
+            out["entropy"][r0:r1] = -(p * torch.where(p > 0, log_p, 0.0)).sum(dim=-1)
+        if return_sum_pi_squared:
+            out["sum_pi_squared"][r0:r1] = (p * p).sum(dim=-1)
+    out["lse"] = out["row_max"] + out["log_sum"]
+    if labels is not None:
+        zero = torch.zeros((), device=logits.device)
+        out["log_probs"] = torch.where(valid, out["log_probs"], zero)
+        if return_entropy:
+            out["entropy"] = torch.where(valid, out["entropy"], zero)
+        if return_sum_pi_squared:
+            out["sum_pi_squared"] = torch.where(valid, out["sum_pi_squared"], zero)
+    return out
+
+
+def torch_logits_backward(logits, grad, labels, stats, grads, inv_temperature, ignore_index):
+    """Torch twin of ``ops.logits_backward`` (same contract): writes d loss / d logits into
+    ``grad`` (the logits' dtype) in float32 row chunks."""
+    n, v = logits.shape
+    dev = logits.device
+    zero = torch.zeros((), device=dev)
+    valid = (labels != ignore_index) if labels is not None else None
+    g_lp, g_ent, g_sq = grads.get("log_probs"), grads.get("entropy"), grads.get("sum_pi_squared")
+    if valid is not None:
+        g_lp = torch.where(valid, g_lp, zero) if g_lp is not None else None
+        g_ent = torch.where(valid, g_ent, zero) if g_ent is not None else None
+        g_sq = torch.where(valid, g_sq, zero) if g_sq is not None else None
+    coef = torch.zeros(n, dtype=torch.float32, device=dev)
+    # rows that get exactly 0 (selected, not multiplied by 0): ignored, and no lse / smoothing
+    # gradient reaches them
+    active = valid.clone() if valid is not None else None
+    for key, sign in (("lse", 1.0), ("smooth", -1.0)):
+        if key in grads:
+            coef = coef + sign * grads[key]
+            if active is not None:
+                active |= grads[key] != 0
+    if g_lp is not None:
+        coef = coef - g_lp
+        safe = torch.where(valid, labels, 0).long()
+    step = max(1, CHUNK_ELEMENTS // v)
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        log_p = (logits[r0:r1].to(torch.float32, copy=True).mul_(inv_temperature)
+                 .sub_(stats["row_max"][r0:r1, None]).sub_(stats["log_sum"][r0:r1, None]))
+        p = log_p.exp()
+        dz = p * coef[r0:r1, None]
+        if g_ent is not None:
+            dz -= g_ent[r0:r1, None] * p * torch.where(p > 0, log_p + stats["entropy"][r0:r1, None], 0.0)
+        if g_sq is not None:
+            dz += (2.0 * g_sq[r0:r1, None]) * p * (p - stats["sum_pi_squared"][r0:r1, None])
+        if g_lp is not None:
+            dz.scatter_add_(1, safe[r0:r1, None], g_lp[r0:r1, None])
+        if "smooth" in grads:
+            dz += grads["smooth"][r0:r1, None] / v
+        dz.mul_(inv_temperature)
+        if active is not None:
+            dz = torch.where(active[r0:r1, None], dz, zero)
+        grad[r0:r1] = dz
+    return grad

@@ -1,0 +1,296 @@
+"""Input validation for every public function: one place for the checks and their messages.
+
+Each check raises ``TypeError`` (wrong type or dtype) or ``ValueError`` (wrong shape, device or
+value) whose message starts with the argument's name and says what was expected and what was
+given (shape, dtype, device). Nothing here launches a kernel; the label-value checks read the
+labels once (one host sync).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+import os
+from collections.abc import Mapping
+
+import torch
+
+from ._logging import log_once
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+LABEL_DTYPES = (torch.int64, torch.int32)
+
+# the kernels scale logits by 1 / temperature in float32: both T and 1 / T must be normal float32
+# numbers, or the scale overflows to inf (T < 2.9e-39) or flushes to 0 (T > 8.5e37)
+TEMPERATURE_RANGE = (1.0 / torch.finfo(torch.float32).max, 1.0 / torch.finfo(torch.float32).tiny)
+
+# float16 backward windows hold dz / T: far from T = 1 they leave float16's range
+FP16_TEMPERATURE_RANGE = (1e-2, 1e2)
+
+
+def describe(t: torch.Tensor) -> str:
+    """``shape (..), dtype .., device ..`` of a tensor, for error messages."""
+    return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
+
+
+def _got(value) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+# ----------------------------------------------------------------------------- scalars
+def check_temperature(temperature) -> float:
+    """Return ``temperature`` as a float; raise TypeError / ValueError when it is not a positive
+    finite Python number (bool and tensors are rejected) inside ``TEMPERATURE_RANGE`` (where
+    1 / temperature is a normal float32 number)."""
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        raise TypeError(f"temperature: expected a positive finite Python number (float or int), "
+                        f"got {type(temperature).__name__}"
+                        + ("; pass float(temperature)" if isinstance(temperature, torch.Tensor) else ""))
+    try:
+        value = float(temperature)
+    except OverflowError:
+        value = math.inf
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"temperature: expected a positive finite number, got {temperature!r}")
+    lo, hi = TEMPERATURE_RANGE
+    if not lo <= value <= hi:
+        raise ValueError(f"temperature: {value!r} is outside the usable range [{lo:.3g}, {hi:.3g}] "
+                         f"(1 / temperature must be a normal float32 number: the logits are "
+                         f"scaled by it in float32)")
+    return value
+
+
+def warn_fp16_temperature(dtype: torch.dtype, temperature: float) -> None:
+    """Log a warning (once) for float16 inputs with a temperature outside
+    ``FP16_TEMPERATURE_RANGE``: the backward keeps dz / T in float16 for its matmuls."""
+    lo, hi = FP16_TEMPERATURE_RANGE
+    if dtype == torch.float16 and not lo <= temperature <= hi:
+        log_once(logging.WARNING, f"rl_kernels: float16 inputs with temperature {temperature:g}: the backward "
+                 f"keeps d loss / d logits / T in float16 for its matmuls, whose range loses gradient "
+                 f"precision when T is outside {FP16_TEMPERATURE_RANGE} (measured: 2% dh error at T = 1e5); "
+                 f"use bfloat16 or float32 inputs")
+
+
+def check_ignore_index(ignore_index, labels: torch.Tensor | None = None) -> int:
+    """Return ``ignore_index`` as an int; raise TypeError for a non-int (bool included) and
+    ValueError when it does not fit ``labels``' dtype (int64, or int32 for int32 labels): a value
+    that wraps around would silently ignore other rows."""
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+        raise TypeError(f"ignore_index: expected an int, got {type(ignore_index).__name__}")
+    dtype = labels.dtype if labels is not None and labels.dtype in LABEL_DTYPES else torch.int64
+    info = torch.iinfo(dtype)
+    if not info.min <= int(ignore_index) <= info.max:
+        raise ValueError(f"ignore_index: {int(ignore_index)} does not fit the labels' dtype {dtype} "
+                         f"(range [{info.min}, {info.max}])")
+    return int(ignore_index)
+
+
+def check_bool_arg(name: str, value) -> bool:
+    """``value`` when it is a real bool (not 'no', 0 or None); TypeError naming ``name``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool (True or False), got {_got(value)}")
+    return value
+
+
+def check_choice(name: str, value, choices: tuple) -> str:
+    """``value`` when it is one of ``choices``; ValueError naming ``name`` otherwise."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
+    return value
+
+
+def check_int_arg(name: str, value, minimum: int = 0) -> int:
+    """``value`` as an int >= ``minimum``; TypeError for a bool, float, str ..., ValueError below
+    the minimum, both naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected an int >= {minimum}, got {_got(value)}")
+    if value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def check_float_arg(name: str, value, minimum: float = 0.0, inclusive: bool = True) -> float:
+    """``value`` as a finite float >= ``minimum`` (> with ``inclusive=False``); TypeError for a
+    bool, str, tensor ..., ValueError for NaN, inf or out of range, both naming ``name``."""
+    want = f"a finite number {'>=' if inclusive else '>'} {minimum:g}"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected {want}, got {_got(value)}")
+    f = float(value)
+    if not math.isfinite(f) or f < minimum or (not inclusive and f == minimum):
+        raise ValueError(f"{name}: expected {want}, got {value!r}")
+    return f
+
+
+def check_path_arg(name: str, value) -> str:
+    """A non-empty str / os.PathLike as a str; TypeError / ValueError naming ``name``."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{name}: expected a path (str or os.PathLike), got {_got(value)}")
+    path = os.fspath(value)
+    if not isinstance(path, str):
+        raise TypeError(f"{name}: expected a str path, got {_got(path)}")
+    if not path:
+        raise ValueError(f"{name}: expected a non-empty path, got {value!r}")
+    return path
+
+
+def check_metadata_arg(name: str, value) -> dict:
+    """None or a mapping (its values are stored as strings) as a dict; TypeError naming ``name``."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{name}: expected a dict or None, got {_got(value)}")
+    return dict(value)
+
+
+# ----------------------------------------------------------------------------- tensors
+def check_tensor_arg(name: str, t) -> None:
+    """TypeError unless ``t`` is a torch.Tensor; ValueError for one without data (meta)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.device.type == "meta":
+        raise ValueError(f"{name}: a meta tensor holds no data ({describe(t)}); pass a real CPU or CUDA tensor")
+
+
+def check_same_device(name: str, t: torch.Tensor, like: torch.Tensor, like_name: str) -> None:
+    """ValueError naming ``name`` when ``t`` is on another device than ``like``."""
+    if t.device != like.device:
+        raise ValueError(f"{name}: on {t.device}, but {like_name} is on {like.device}; "
+                         f"all inputs must be on one device")
+
+
+def check_hidden_weight(hidden_states, weight, hidden_name: str = "hidden_states",
+                        weight_name: str = "weight", min_dim: int = 1) -> None:
+    """Validate a (hidden states, lm_head weight) pair: tensors with data, hidden (..., H) with
+    at least ``min_dim`` dims, bfloat16/float16/float32, H >= 1; weight (vocab_size >= 1, H) of
+    the same dtype and device. TypeError / ValueError naming the argument."""
+    check_tensor_arg(hidden_name, hidden_states)
+    check_tensor_arg(weight_name, weight)
+    if hidden_states.dim() < max(min_dim, 1):
+        raise ValueError(f"{hidden_name}: expected shape (..., H)"
+                         f"{' with at least one token dim (e.g. (N, H))' if min_dim > 1 else ''}, "
+                         f"got {describe(hidden_states)}")
+    if hidden_states.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{hidden_name}: expected bfloat16, float16 or float32, got {describe(hidden_states)}")
+    if hidden_states.shape[-1] == 0:
+        raise ValueError(f"{hidden_name}: expected shape (..., H) with hidden size H >= 1, got "
+                         f"{describe(hidden_states)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden_states.shape[-1]:
+        raise ValueError(f"{weight_name}: expected shape (vocab_size, H) with H = {hidden_name}.shape[-1] = "
+                         f"{hidden_states.shape[-1]}, got {describe(weight)}")
+    if weight.shape[0] == 0:
+        raise ValueError(f"{weight_name}: expected (vocab_size >= 1, H) rows: vocab_size must be >= 1, "
+                         f"got {describe(weight)}")
+    if weight.dtype != hidden_states.dtype:
+        raise TypeError(f"{weight_name}: dtype {weight.dtype} differs from {hidden_name} dtype "
+                        f"{hidden_states.dtype}; cast one of them")
+    check_same_device(weight_name, weight, hidden_states, hidden_name)
+
+
+def check_logits(logits) -> None:
+    """Validate materialized logits: a tensor with data, (..., vocab_size >= 1), bf16/fp16/fp32."""
+    check_tensor_arg("logits", logits)
+    if logits.dim() < 1 or logits.shape[-1] == 0:
+        raise ValueError(f"logits: expected shape (..., vocab_size) with vocab_size >= 1, got {describe(logits)}")
+    if logits.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"logits: expected bfloat16, float16 or float32, got {describe(logits)}")
+
+
+def check_labels(labels, like: torch.Tensor, like_name: str, vocab_size: int, ignore_index,
+                 check_values: bool = True, report_ignored: bool = False) -> bool | None:
+    """Validate ``labels`` against ``like`` (hidden_states or logits): a tensor, int64/int32,
+    shape ``like.shape[:-1]``, same device, and (unless ``check_values`` is False, for callers
+    that run :func:`check_label_values` themselves) values in [0, vocab_size) or
+    ``ignore_index``. Raises TypeError / ValueError naming the argument. Returns
+    :func:`check_label_values`' result, or None without ``check_values``."""
+    if labels is None:
+        raise TypeError("labels: expected a torch.Tensor of token ids, got None")
+    check_tensor_arg("labels", labels)
+    if labels.dtype not in LABEL_DTYPES:
+        raise TypeError(f"labels: expected int64 or int32, got {describe(labels)}")
+    if tuple(labels.shape) != tuple(like.shape[:-1]):
+        raise ValueError(f"labels: expected shape {tuple(like.shape[:-1])} "
+                         f"({like_name} without its last dim), got {describe(labels)}")
+    check_same_device("labels", labels, like, like_name)
+    check_ignore_index(ignore_index, labels)
+    return check_label_values(labels, vocab_size, ignore_index, report_ignored) if check_values else None
+
+
+def check_label_values(labels: torch.Tensor, vocab_size: int, ignore_index,
+                       report_ignored: bool = False) -> bool | None:
+    """Raise TypeError for a non-int ``ignore_index`` and ValueError for a label outside
+    [0, vocab_size) that is not ``ignore_index`` (naming the count and the first position).
+    With ``report_ignored``, returns whether any label equals ``ignore_index``, read in the same
+    host sync (two more small reductions); otherwise None."""
+    check_ignore_index(ignore_index, labels)
+    if not labels.numel():
+        return False if report_ignored else None
+    kept = labels != ignore_index
+    bad = kept & ((labels < 0) | (labels >= vocab_size))
+    if report_ignored:
+        any_bad, all_kept = torch.stack([bad.any(), kept.all()]).tolist()
+        any_ignored = not all_kept
+    else:
+        any_bad, any_ignored = bool(bad.any()), None
+    if any_bad:
+        flat = bad.reshape(-1).nonzero()[0, 0].item()
+        raise ValueError(f"labels: {int(bad.sum())} entries lie outside [0, vocab_size={vocab_size}) "
+                         f"and are not ignore_index={ignore_index}; first at flat position {flat}: "
+                         f"{labels.reshape(-1)[flat].item()}")
+    return None if any_ignored is None else bool(any_ignored)
+
+
+def check_mask(mask, lead: tuple, like: torch.Tensor, like_name: str) -> None:
+    """Validate a position mask: None, or a bool / 0-1 tensor of shape ``lead`` on ``like``'s
+    device. ValueError naming ``mask`` otherwise."""
+    if mask is None:
+        return
+    if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(lead) or mask.device != like.device:
+        raise ValueError(f"mask: expected a bool/0-1 tensor of shape {tuple(lead)} on {like.device} "
+                         f"({like_name} without its last dim), got "
+                         + (describe(mask) if isinstance(mask, torch.Tensor) else type(mask).__name__))
+    if mask.dtype != torch.bool and mask.numel() and bool(((mask != 0) & (mask != 1)).any()):
+        raise ValueError(f"mask: expected bool or 0/1 values, got other values ({describe(mask)}; e.g. "
+                         f"{mask[(mask != 0) & (mask != 1)].reshape(-1)[0].item()!r})")
+
+
+def check_head_inputs(hidden_states, weight, labels, ignore_index, check_values: bool = True) -> bool | None:
+    """Validate the inputs of ``linear_log_probs``: the (hidden_states, weight) pair and the
+    labels. Label values are checked against ``weight.shape[0]`` unless ``check_values`` is
+    False (a vocab shard: the caller checks global ids). Returns whether a label equals
+    ``ignore_index`` (None when the values were not checked)."""
+    check_hidden_weight(hidden_states, weight)
+    return check_labels(labels, hidden_states, "hidden_states", weight.shape[0], ignore_index, check_values,
+                        report_ignored=True)
+
+
+def check_vocab_parallel_args(process_group, vocab_start_index, reduce_hidden_grad, ignore_index,
+                              allow_reduce_hidden_grad: bool = True) -> None:
+    """Validate the vocab-parallel trio (``process_group``, ``vocab_start_index``,
+    ``reduce_hidden_grad``) of every function that takes it, without a collective: without a
+    group the other two must be left at their defaults; with one, it must be a ProcessGroup of an
+    initialized ``torch.distributed``, ``vocab_start_index`` None or an int >= 0,
+    ``reduce_hidden_grad`` a bool (``allow_reduce_hidden_grad`` False: functions of logits, whose
+    gradient is the shard's own), and ``ignore_index`` negative (global ids are shifted per
+    shard). TypeError / ValueError / RuntimeError naming the argument."""
+    check_bool_arg("reduce_hidden_grad", reduce_hidden_grad)
+    if process_group is None:
+        if vocab_start_index is not None or reduce_hidden_grad:
+            raise ValueError("vocab_start_index / reduce_hidden_grad: only meaningful with process_group")
+        return
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("process_group: torch.distributed is not initialized "
+                           "(call torch.distributed.init_process_group first)")
+    if not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(f"process_group: expected a torch.distributed.ProcessGroup (e.g. "
+                        f"torch.distributed.group.WORLD or a new_group()), got {type(process_group).__name__}")
+    if reduce_hidden_grad and not allow_reduce_hidden_grad:
+        raise ValueError("reduce_hidden_grad: only meaningful for the linear-head functions")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral) or ignore_index >= 0:
+        raise ValueError(f"ignore_index: with process_group it must be a negative int (global ids "
+                         f"are shifted per shard), got {ignore_index!r}")
+    if vocab_start_index is not None and (isinstance(vocab_start_index, bool)
+                                          or not isinstance(vocab_start_index, numbers.Integral)
+                                          or vocab_start_index < 0):
+        raise ValueError(f"vocab_start_index: expected a non-negative int, got {vocab_start_index!r}")

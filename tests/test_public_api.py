@@ -1,0 +1,68 @@
+"""The public API's shape: one convention per concept, as rl_kernels/__init__.py states it."""
+import inspect
+import pathlib
+import re
+
+import pytest
+
+import rl_kernels
+
+FUNCTIONS = ["linear_log_probs", "logits_stats", "log_probs_from_logits", "entropy_from_logits", "logsumexp",
+             "sum_pi_squared_from_logits", "cross_entropy", "linear_topk_kl", "linear_jsd"]
+# the keyword-only order every function follows (a function takes a subsequence of it)
+KEYWORD_ORDER = ["temperature", "labels", "ignore_index", "mask",
+                 "return_entropy", "return_sum_pi_squared", "kind", "renormalize_teacher", "beta",
+                 "label_smoothing", "inplace_backward",
+                 "reduction", "backend", "process_group", "vocab_start_index", "reduce_hidden_grad"]
+DEFAULTS = {"temperature": 1.0, "ignore_index": -100, "labels": None, "mask": None, "reduction": "mean",
+            "backend": "auto", "process_group": None, "vocab_start_index": None, "reduce_hidden_grad": False,
+            "return_entropy": True, "return_sum_pi_squared": False, "inplace_backward": False}
+
+
+def _formatted(fn) -> str:
+    parts, star = [], False
+    for p in inspect.signature(fn).parameters.values():
+        if p.kind == p.KEYWORD_ONLY and not star:
+            parts.append("*")
+            star = True
+        parts.append(p.name if p.default is p.empty else f"{p.name}={p.default!r}")
+    return f"{fn.__name__}({', '.join(parts)})"
+
+
+def test_every_public_function_is_exported_and_summarized_with_its_real_signature():
+    assert sorted(FUNCTIONS) == sorted(n for n in rl_kernels.__all__ if n[0].islower() and n != "__version__")
+    summary = " ".join(rl_kernels.__doc__.split())
+    for name in FUNCTIONS:
+        assert _formatted(getattr(rl_kernels, name)) in summary, name
+
+
+@pytest.mark.parametrize("name", FUNCTIONS)
+def test_one_argument_order_and_one_default_per_concept(name):
+    params = inspect.signature(getattr(rl_kernels, name)).parameters.values()
+    keyword = [p.name for p in params if p.kind == p.KEYWORD_ONLY]
+    assert [k for k in KEYWORD_ORDER if k in keyword] == keyword, f"{name}: {keyword}"
+    assert set(keyword) <= set(KEYWORD_ORDER), set(keyword) - set(KEYWORD_ORDER)
+    for p in params:
+        if p.name in DEFAULTS and p.default is not p.empty:
+            assert p.default == DEFAULTS[p.name], (name, p.name, p.default)
+    # every tensor argument is positional; nothing positional after the tensors
+    assert all(p.kind != p.VAR_POSITIONAL and p.kind != p.VAR_KEYWORD for p in params)
+
+
+@pytest.mark.parametrize("name", FUNCTIONS)
+def test_docstrings_give_args_returns_raises_and_no_outside_documents(name):
+    doc = getattr(rl_kernels, name).__doc__
+    for section in ("Args:", "Returns:", "Raises"):
+        assert section in doc, (name, section)
+    for p in inspect.signature(getattr(rl_kernels, name)).parameters:
+        assert re.search(rf"\b{p}\b", doc), (name, p)
+
+
+def test_one_internal_name_per_concept():
+    """The package source uses the public names for what it passes around (no want_entropy /
+    compute_entropy / inv_t / want_sum_sq twins of return_entropy / inv_temperature ...)."""
+    root = pathlib.Path(rl_kernels.__file__).parent
+    banned = re.compile(r"\b(want_entropy|compute_entropy|inv_t|want_sum_sq|compute_sum_sq|want_smoothing)\b")
+    hits = [f"{path.relative_to(root)}:{i}" for path in root.rglob("*.py")
+            for i, line in enumerate(path.read_text().splitlines(), 1) if banned.search(line)]
+    assert not hits, hits
