@@ -1,29 +1,52 @@
-"""End to end: verl's own Ray worker (ActorRolloutRefWorker, role 'ref', FSDP2 engine) reads
-``external_lib`` from a config composed with our Hydra group, and computes log-probs with rl-kernels.
+"""End to end, on every tested verl release (0.7.1, 0.8.0, 0.9.1): verl's own Ray worker,
+``ActorRolloutRefWorker``, built from a config composed with our Hydra group (``+rl_kernels=fused``
+/ ``logits``), imports ``external_lib`` and computes the reference's and the actor's log-probs and
+entropy and one actor update with rl-kernels; the values match verl's unpatched path.
 
-Proof that rl-kernels computed them *in the worker*: the worker process's own
-``rl_kernels.integrations.verl.call_counts()`` (read through Ray's ``__ray_call__``) counts the
-calls and tokens, and the values match verl's unpatched logits path computed here, in the driver.
+One Ray cluster and one saved model for the module, and three worker processes side by side:
+one per option of the group and one unpatched (no ``external_lib``). Each hosts an actor (role
+``actor``) and a reference policy (role ``ref``), colocated the way verl's trainer colocates them
+(``create_colocated_worker_cls``), and runs ``compute_ref_log_prob``, ``compute_log_prob`` and one
+``update_actor`` step (PPO loss with an entropy bonus; SGD with lr 1, so that the parameter update
+is the clipped gradient). The process's own ``rl_kernels.integrations.verl.call_counts()``, read
+through Ray's ``__ray_call__`` after each call, shows which rl-kernels path served that call.
+Checked, for each option:
 
-CPU scaffolding (none of it touches rl-kernels): verl 0.9.1 has no CPU platform, so the workers
-load ``tests/support/verl_cpu_platform.py`` through verl's ``VERL_USE_EXTERNAL_MODULES`` hook;
-the gloo process group is created before ``init_model`` (verl would ask for 'cpu:gloo,cpu:gloo');
-FSDP2 with fp32 parameters and forward_only=False (verl's ref offload policy pins memory, which
-needs an accelerator). The tiny model is saved with ``save_pretrained`` under the test's tmp path.
+* log-probs (and entropy where verl returns it) against verl's unpatched logits path computed
+  here, in the driver, to 1e-4; the unpatched worker's too;
+* the counts: the fused option's calls on the fused kernel (Triton, all 18 tokens), the logits
+  option's on the from-logits functions; the unpatched worker never imported rl-kernels;
+* the update against the unpatched worker's: identical parameters before, updates equal to 1e-4
+  relative.
+
+verl 0.7.x runs its legacy workers (``verl.workers.fsdp_workers``: ``DataProto`` batches; its
+reference returns no entropy), 0.8.0 and 0.9.1 the engine workers (``verl.workers.engine_workers``:
+``TensorDict`` batches). FSDP2 with fp32 parameters, padding removed (verl 0.8.0's engine slices
+fused-path outputs wrongly without it), ``forward_only=False`` for the reference (verl's
+reference offload policy pins memory, which needs an accelerator). The CPU scaffolding, none of
+which touches rl-kernels, is in ``tests/support/verl_cpu.py``.
 """
-import contextlib
+import concurrent.futures
 import os
 
 import pytest
 import torch
 
-from verl_helpers import rollout_tensors, tiny_qwen2
+from verl_helpers import VOCAB, rollout_tensors, tiny_qwen2
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+pytest.importorskip("verl", reason="verl is not installed (pip install -e '.[verl]')")
+pytest.importorskip("ray", reason="ray is not installed (pip install -e '.[verl]')")
+
+from verl_cpu import legacy_workers, use_torch_padding, verl_minor, worker_class, worker_env  # noqa: E402
+
+pytestmark = [pytest.mark.verl_matrix, pytest.mark.filterwarnings("ignore::UserWarning")]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 T = 0.7
+OPTIONS = ("fused", "logits")
+LEGACY = legacy_workers()
+FUSED_TOKENS = 18  # per forward through the fused head: 2 sequences of 9 real tokens (padding removed)
 
 
 @pytest.fixture(scope="module")
@@ -33,52 +56,232 @@ def ray_cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ray")
     pythonpath = os.pathsep.join([REPO, HERE, os.path.join(HERE, "support"),
                                   os.environ.get("PYTHONPATH", "")])
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(tmp), log_to_driver=False,
-             runtime_env={"env_vars": {
-                 "VERL_PLATFORM": "cpu", "VERL_USE_EXTERNAL_MODULES": "verl_cpu_platform",
-                 "VERL_ENGINE_DEVICE": "cuda", "VERL_ENGINE_VENDOR": "nvidia",
-                 "PYTHONPATH": pythonpath, "TRITON_INTERPRET": "1"}})
+    # 3 logical CPUs: the three worker processes (one CPU each) run side by side
+    ray.init(num_cpus=3, include_dashboard=False, _temp_dir=str(tmp), log_to_driver=False,
+             runtime_env={"env_vars": {**worker_env(), "PYTHONPATH": pythonpath, "TRITON_INTERPRET": "1"}})
     yield ray
     ray.shutdown()
 
 
-def _compose(model_dir, option, extra=()):
-    """option: a file of the conf/ group (``fused``, ``logits``), or None for verl unpatched."""
+def _save_tokenizer(path):
+    """A word-level tokenizer over the model's vocabulary (verl 0.7.x's legacy worker loads one)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t1", pad_token="t2").save_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """The tiny Qwen2 (in the driver) and its saved copy, with a tokenizer, for the workers."""
+    model = tiny_qwen2()
+    path = tmp_path_factory.mktemp("model")
+    model.save_pretrained(path)
+    _save_tokenizer(path)
+    return model, path
+
+
+def _compose(model_dir, option):
+    """verl's ppo_trainer config with ``+rl_kernels=<option>`` (the group's ``fused`` / ``logits``;
+    None: verl unpatched) and the test's overrides."""
     import verl
     from hydra import compose, initialize_config_dir
 
     config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    engine = []
+    for role in ("actor", "ref"):
+        engine += [f"actor_rollout_ref.{role}.fsdp_config.strategy=fsdp2",
+                   f"actor_rollout_ref.{role}.fsdp_config.model_dtype=fp32",
+                   f"actor_rollout_ref.{role}.fsdp_config.dtype=float32",  # verl 0.7.x's autocast
+                   f"+actor_rollout_ref.{role}.fsdp_config.mixed_precision="
+                   "{param_dtype: fp32, reduce_dtype: fp32, buffer_dtype: fp32}",
+                   f"actor_rollout_ref.{role}.fsdp_config.use_torch_compile=False",
+                   # verl 0.7.x indexes model._no_split_modules, a set in transformers 5
+                   f"+actor_rollout_ref.{role}.fsdp_config.wrap_policy.transformer_layer_cls_to_wrap=[Qwen2DecoderLayer]"]
     with initialize_config_dir(config_dir=config_dir, version_base=None):
         return compose("ppo_trainer", overrides=[
-            f"hydra.searchpath=[file://{REPO}/conf]",
+            "hydra.searchpath=[pkg://rl_kernels.integrations.conf]",  # the group as installed users find it
             *([f"+rl_kernels={option}"] if option else []),
+            # fused: the log-probs by the Triton kernel (its CPU interpreter here), not the torch fallback
+            *(["actor_rollout_ref.model.fused_kernel_options.rl_kernels.backend=triton"] if option == "fused" else []),
             f"actor_rollout_ref.model.path={model_dir}",
-            "+actor_rollout_ref.model.load_tokenizer=False",
+            "++actor_rollout_ref.model.load_tokenizer=False",
             "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
-            "actor_rollout_ref.model.use_remove_padding=False",
+            "actor_rollout_ref.model.use_remove_padding=True",
             "actor_rollout_ref.actor.strategy=fsdp2",
             "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
             "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
-            "actor_rollout_ref.ref.fsdp_config.strategy=fsdp2",
-            "actor_rollout_ref.ref.fsdp_config.model_dtype=fp32",
-            "+actor_rollout_ref.ref.fsdp_config.mixed_precision={param_dtype: fp32, reduce_dtype: fp32, buffer_dtype: fp32}",
+            "actor_rollout_ref.rollout.temperature=0.7",  # verl 0.7.x's legacy worker reads T here
+            "actor_rollout_ref.actor.entropy_coeff=0.01",
+            # verl's unpatched entropy is torch.compile'd by default (the reference follows the actor):
+            # inductor's CPU compile would take longer than the rest of a run
+            "actor_rollout_ref.actor.use_torch_compile=False",
+            *engine,
             "actor_rollout_ref.ref.fsdp_config.forward_only=False",
-            "actor_rollout_ref.ref.fsdp_config.use_torch_compile=False",
             "+actor_rollout_ref.ref.optim=${actor_rollout_ref.actor.optim}",
-            *extra])
+            # SGD: the parameter update is the (clipped) gradient; AdamW's first step, lr * g / (|g| + eps),
+            # would magnify float32 noise in near-zero gradient entries
+            "actor_rollout_ref.actor.optim.optimizer=SGD",
+            "actor_rollout_ref.actor.optim.weight_decay=0.0",
+            "actor_rollout_ref.actor.optim.lr=1.0",
+        ])
 
 
-def _batch():
-    """The two rollout sequences of ``verl_helpers.rollout_tensors`` as a TensorDict."""
+# ----------------------------------------------------------------------------- batches per API
+def _advantages(mask):
+    return torch.randn(mask.shape, generator=torch.Generator().manual_seed(3)) * mask
+
+
+def _engine_batches():
+    """verl 0.8+: TensorDicts without padding, for compute_(ref_)log_prob and update_actor."""
     from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
 
-    return TensorDict(rollout_tensors()[0], batch_size=[2])
+    batch = TensorDict(rollout_tensors()[0], batch_size=[2])
+    infer = left_right_2_no_padding(batch.clone())
+    tu.assign_non_tensor(infer, calculate_entropy=True, compute_loss=False, temperature=T)
+    mask = batch["response_mask"]
+    batch["advantages"] = _advantages(mask)
+    batch["old_log_probs"] = torch.zeros(mask.shape)  # on-policy: verl uses the detached log-probs
+    update = left_right_2_no_padding(batch)
+    tu.assign_non_tensor(update, calculate_entropy=True, distillation_use_topk=False, distillation_only=False,
+                         global_batch_size=2, mini_batch_size=2, epochs=1, seed=1,
+                         dataloader_kwargs={"shuffle": False}, compute_loss=True, temperature=T)
+    return infer, update
 
 
-def _driver_reference(model, batch):
-    """verl's unpatched logits path on each unpadded sequence: (B, 6) response log-probs, entropy."""
+def _legacy_batches():
+    """verl 0.7.x: padded DataProtos (the worker removes the padding, and sets the log-prob calls'
+    meta_info itself)."""
+    from verl import DataProto
+
+    tensors = rollout_tensors()[0]
+    keys = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+    infer = DataProto.from_dict(tensors={k: tensors[k] for k in keys})
+    mask = tensors["response_mask"]
+    update = DataProto.from_dict(
+        tensors={**{k: tensors[k] for k in keys}, "advantages": _advantages(mask),
+                 "old_log_probs": torch.zeros(mask.shape)},
+        meta_info={"temperature": T, "global_token_num": tensors["attention_mask"].sum(-1).tolist()})
+    return infer, update
+
+
+def _outputs(out, infer, key):
+    """(B, 6) response log-probs / entropy from a worker's output (None where verl returns none)."""
+    if LEGACY:
+        return out.batch[key] if key in out.batch.keys() else None
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    value = tu.get(out, key)
+    return None if value is None else no_padding_2_padding(value, infer)
+
+
+# ----------------------------------------------------------------------------- in the worker
+def _counts(self):
+    """The worker's rl-kernels counts and backend; None where verl never imported rl-kernels (the
+    unpatched worker: importing it here would patch verl)."""
+    import sys
+
+    rkv = sys.modules.get("rl_kernels.integrations.verl")
+    return (rkv.call_counts(), rkv.options().backend) if rkv is not None else (None, None)
+
+
+def _params(self):
+    from torch.distributed.tensor import DTensor
+
+    actor = self.worker_dict["actor"]
+    module = actor.actor_module_fsdp if hasattr(actor, "actor_module_fsdp") else actor.actor.engine.module
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for n, p in module.named_parameters()}
+
+
+def _run_worker(ray, config):
+    """One worker process (actor + reference, colocated) with ``config``: its outputs, parameters
+    before / after the update, and its counts after each call."""
+    from ray.util.placement_group import remove_placement_group
+    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from verl.single_controller.ray.base import create_colocated_worker_cls
+
+    cls = ray.remote(worker_class())
+    colocated = create_colocated_worker_cls({
+        role: RayClassWithInitArgs(cls=cls, config=config.actor_rollout_ref, role=role) for role in ("actor", "ref")})
+    pool = RayResourcePool(process_on_nodes=[1], use_gpu=False, max_colocate_count=1)
+    group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=colocated, device_name="cpu")
+    out = {}
+    try:
+        worker = group.workers[0]
+        groups = group.spawn(prefix_set={"actor", "ref"})
+        groups["ref"].init_model()  # the order of verl's trainer: the reference first
+        groups["actor"].init_model()
+        infer, update = _legacy_batches() if LEGACY else _engine_batches()
+        out["counts_init"], out["backend"] = ray.get(worker.__ray_call__.remote(_counts))
+        ref = groups["ref"].compute_ref_log_prob(infer)
+        out["counts_ref"], _ = ray.get(worker.__ray_call__.remote(_counts))
+        actor = groups["actor"].compute_log_prob(infer)
+        out["counts_actor"], _ = ray.get(worker.__ray_call__.remote(_counts))
+        ref_key, actor_key, entropy_key = (("ref_log_prob", "old_log_probs", "entropys") if LEGACY
+                                           else ("log_probs", "log_probs", "entropy"))
+        out["ref"] = (_outputs(ref, infer, ref_key), _outputs(ref, infer, entropy_key))
+        out["actor"] = (_outputs(actor, infer, actor_key), _outputs(actor, infer, entropy_key))
+        out["before"] = ray.get(worker.__ray_call__.remote(_params))
+        groups["actor"].update_actor(update)
+        out["after"] = ray.get(worker.__ray_call__.remote(_params))
+        out["counts_update"], _ = ray.get(worker.__ray_call__.remote(_counts))
+    finally:  # the cluster has 3 CPUs, each run reserves one
+        for w in group.workers:
+            ray.kill(w)
+        for pg in pool.pgs or []:
+            remove_placement_group(pg)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(ray_cluster, model):
+    """{None (unpatched), "fused", "logits"}: each worker process's results (or its exception),
+    the three run side by side."""
+    with pytest.MonkeyPatch.context() as monkeypatch:  # the driver pads / unpads verl 0.8's batches
+        use_torch_padding(monkeypatch)
+        return _runs(ray_cluster, model)
+
+
+def _runs(ray_cluster, model):
+    configs = {option: _compose(model[1], option) for option in (None, *OPTIONS)}  # Hydra: one thread
+    for option, config in configs.items():
+        assert config.actor_rollout_ref.model.get("external_lib") == (option and "rl_kernels.integrations.verl")
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        futures = {option: pool.submit(_run_worker, ray_cluster, config) for option, config in configs.items()}
+    results = {}
+    for option, future in futures.items():
+        exc = future.exception()
+        results[option] = exc if exc is not None else future.result()
+    return results
+
+
+def _result(runs, option):
+    result = runs[option]
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
+def _delta(after, before):
+    return {k: after[k] - before[k] for k in after}
+
+
+@pytest.fixture(scope="module")
+def driver_reference(model):
+    """verl's unpatched logits path on each unpadded sequence, here in the driver: (B, 6) response
+    log-probs and entropy."""
     from verl_helpers import verl_logits_path
 
+    model = model[0]
+    batch = rollout_tensors()[0]
     lps = torch.zeros(2, 6)
     ents = torch.zeros(2, 6)
     for b in range(2):
@@ -92,150 +295,63 @@ def _driver_reference(model, batch):
     return lps, ents
 
 
-def _counts(self):
-    import rl_kernels.integrations.verl as rkv
-    return rkv.call_counts(), rkv.options().backend
-
-
-def _init_gloo(self):
-    import torch.distributed as dist
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
-
-
-@contextlib.contextmanager
-def _worker_group(ray, config, role):
-    """One Ray ActorRolloutRefWorker of ``role`` on a 1-CPU pool, with its gloo group and
-    ``init_model`` done (HFModelConfig.__post_init__ imports external_lib in the worker there);
-    the worker is killed and the pool's placement group freed on exit (the cluster has 2 CPUs,
-    each run reserves one)."""
-    from ray.util.placement_group import remove_placement_group
-    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
-    from verl.workers.engine_workers import ActorRolloutRefWorker
-
-    pool = RayResourcePool(process_on_nodes=[1], use_gpu=False, max_colocate_count=1)
-    worker = RayClassWithInitArgs(cls=ray.remote(ActorRolloutRefWorker), config=config.actor_rollout_ref,
-                                  role=role)
-    group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=worker, device_name="cpu")
-    try:
-        ray.get([w.__ray_call__.remote(_init_gloo) for w in group.workers])
-        group.init_model()
-        yield group
-    finally:
-        for w in group.workers:
-            ray.kill(w)
-        for pg in pool.pgs or []:
-            remove_placement_group(pg)
-
-
-@pytest.mark.parametrize("option", ["fused", "logits"])
-def test_verl_ref_worker_on_ray_uses_rl_kernels(ray_cluster, tmp_path, option):
-    ray = ray_cluster
-    from verl.utils import tensordict_utils as tu
-    from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
-
-    model = tiny_qwen2()
-    model.save_pretrained(tmp_path / "model")
-    config = _compose(tmp_path / "model", option,
-                      ["actor_rollout_ref.model.fused_kernel_options.rl_kernels.backend=triton"]
-                      if option == "fused" else [])
-    assert config.actor_rollout_ref.model.external_lib == "rl_kernels.integrations.verl"
-
-    with _worker_group(ray, config, "ref") as group:
-        batch = _batch()
-        data = left_right_2_no_padding(batch.clone())
-        tu.assign_non_tensor(data, calculate_entropy=True, compute_loss=False, temperature=T)
-        out = group.compute_ref_log_prob(data)
-        counts, backend = ray.get(group.workers[0].__ray_call__.remote(_counts))
-
-    log_probs = no_padding_2_padding(tu.get(out, "log_probs"), data)
-    entropy = no_padding_2_padding(tu.get(out, "entropy"), data)
-    ref_lp, ref_ent = _driver_reference(model, batch)
-    mask = batch["response_mask"].bool()
+# ----------------------------------------------------------------------------- tests
+@pytest.mark.parametrize("role", ["ref", "actor"])
+@pytest.mark.parametrize("option", ["fused", "logits", None], ids=["fused", "logits", "unpatched"])
+def test_verl_worker_log_probs_on_ray(runs, driver_reference, option, role):
+    """The reference's and the actor's log-probs (and entropy) from verl's Ray worker match verl's
+    unpatched logits path; the worker's counts show which rl-kernels path served them (none for
+    the unpatched worker)."""
+    out = _result(runs, option)
+    if option:
+        assert out["counts_init"] is not None, "verl did not import external_lib in the worker"
+    stage_before, stage_after = ("counts_init", "counts_ref") if role == "ref" else ("counts_ref", "counts_actor")
+    counts = _delta(out[stage_after], out[stage_before]) if option else None
+    log_probs, entropy = out[role]
+    ref_lp, ref_ent = driver_reference
+    mask = rollout_tensors()[0]["response_mask"].bool()
     assert int(mask.sum()) == 10
     torch.testing.assert_close(log_probs[mask], ref_lp[mask], atol=1e-4, rtol=0)
-    torch.testing.assert_close(entropy[mask], ref_ent[mask], atol=1e-4, rtol=0)
-    if option == "fused":  # all 18 tokens of the two sequences, by the kernel the config asked for
-        assert backend == "triton"
-        assert counts["fused_calls"] >= 1 and counts["fused_tokens"] == 18, counts
-        assert counts["logits_log_probs_calls"] == 0
+    if LEGACY and role == "ref":
+        assert entropy is None  # verl 0.7.x's compute_ref_log_prob asks for no entropy
     else:
-        assert counts["fused_calls"] == 0
-        assert counts["logits_log_probs_calls"] >= 1 and counts["logits_entropy_calls"] >= 1, counts
+        torch.testing.assert_close(entropy[mask], ref_ent[mask], atol=1e-4, rtol=0)
+    if option is None:  # unpatched: verl never imported rl-kernels, so it served nothing
+        assert out[stage_after] is None, out[stage_after]
+    elif option == "fused":  # all tokens of the two sequences, by the kernel the config asked for
+        assert out["backend"] == "triton"
+        assert counts["fused_fsdp_calls"] == 1 and counts["fused_tokens"] == FUSED_TOKENS, counts
+        assert counts["logits_log_probs_calls"] == 0 and counts["logits_entropy_calls"] == 0, counts
+    else:
+        assert counts["fused_calls"] == 0, counts
+        assert counts["logits_log_probs_calls"] >= 1, counts
+        assert (counts["logits_entropy_calls"] >= 1) == (entropy is not None), counts
 
 
-# ----------------------------------------------------------------------------- actor update
-ACTOR_OVERRIDES = [
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
-    "actor_rollout_ref.actor.entropy_coeff=0.01",
-    "actor_rollout_ref.actor.fsdp_config.model_dtype=fp32",
-    "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype: fp32, reduce_dtype: fp32, buffer_dtype: fp32}",
-    "actor_rollout_ref.actor.fsdp_config.use_torch_compile=False",
-    # SGD: the parameter update is the (clipped) gradient; AdamW's first step, lr * g / (|g| + eps),
-    # would magnify float32 noise in near-zero gradient entries
-    "actor_rollout_ref.actor.optim.optimizer=SGD",
-    "actor_rollout_ref.actor.optim.weight_decay=0.0",
-    "actor_rollout_ref.actor.optim.lr=1.0",
-]
-
-
-def _params(self):
-    from torch.distributed.tensor import DTensor
-
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-            for n, p in self.actor.engine.module.named_parameters()}
-
-
-def _update_actor(ray, tmp_path, model, option):
-    """One verl update_actor step through a Ray actor worker (role 'actor'); returns the
-    parameters before and after, and the worker's rl-kernels counts."""
-    from verl.utils import tensordict_utils as tu
-    from verl.workers.utils.padding import left_right_2_no_padding
-
-    model_dir = tmp_path / "model"
-    if not model_dir.exists():
-        model.save_pretrained(model_dir)
-    extra = ["actor_rollout_ref.model.fused_kernel_options.rl_kernels.backend=torch"] if option == "fused" else []
-    config = _compose(model_dir, option, ACTOR_OVERRIDES + extra)
-    with _worker_group(ray, config, "actor") as group:
-        before = ray.get(group.workers[0].__ray_call__.remote(_params))
-        batch = _batch()
-        g = torch.Generator().manual_seed(3)
-        mask = batch["response_mask"]
-        batch["advantages"] = torch.randn(mask.shape, generator=g) * mask
-        batch["old_log_probs"] = torch.zeros(mask.shape)  # on-policy: verl uses the detached log-probs
-        data = left_right_2_no_padding(batch)
-        tu.assign_non_tensor(data, calculate_entropy=True, distillation_use_topk=False, distillation_only=False,
-                             global_batch_size=2, mini_batch_size=2, epochs=1, seed=1,
-                             dataloader_kwargs={"shuffle": False}, compute_loss=True, temperature=T)
-        group.update_actor(data)
-        after = ray.get(group.workers[0].__ray_call__.remote(_params))
-        counts, _ = ray.get(group.workers[0].__ray_call__.remote(_counts))
-    return before, after, counts
-
-
-@pytest.mark.parametrize("option", ["fused", "logits"])
-def test_verl_update_actor_on_ray_matches_unpatched(ray_cluster, tmp_path, option):
-    """verl's actor worker runs one update_actor step (PPO loss with entropy bonus, SGD) with
-    rl-kernels and without (no external_lib): the parameter updates match to 1e-4 relative."""
-    model = tiny_qwen2()
-    ref_before, ref_after, ref_counts = _update_actor(ray_cluster, tmp_path, model, None)
-    before, after, counts = _update_actor(ray_cluster, tmp_path, model, option)
-    assert ref_counts is not None and sum(ref_counts.values()) == 0  # unpatched worker: nothing served
+@pytest.mark.parametrize("option", OPTIONS)
+def test_verl_update_actor_on_ray_matches_unpatched(runs, option):
+    """verl's actor runs one update_actor step (PPO loss with entropy bonus, SGD) with rl-kernels
+    and without (no external_lib): the parameter updates match to 1e-4 relative."""
+    ref = _result(runs, None)
+    out = _result(runs, option)
+    assert out["counts_init"] is not None, "verl did not import external_lib in the worker"
+    assert ref["counts_update"] is None, ref["counts_update"]  # unpatched worker: rl-kernels never imported
+    counts = _delta(out["counts_update"], out["counts_actor"])
     if option == "fused":
         assert counts["fused_fsdp_calls"] >= 1 and counts["logits_log_probs_calls"] == 0, counts
     else:
         assert counts["fused_calls"] == 0 and counts["logits_log_probs_calls"] >= 1, counts
+        assert counts["logits_entropy_calls"] >= 1, counts  # the entropy bonus
     moved = 0
-    for name in ref_before:
-        torch.testing.assert_close(before[name], ref_before[name], atol=0, rtol=0)
-        ref = ref_after[name] - ref_before[name]
-        update = after[name] - before[name]
-        if ref.norm() == 0:
+    assert ref["before"].keys() == out["before"].keys()
+    for name in ref["before"]:
+        torch.testing.assert_close(out["before"][name], ref["before"][name], atol=0, rtol=0)
+        want = ref["after"][name] - ref["before"][name]
+        update = out["after"][name] - out["before"][name]
+        if want.norm() == 0:
             assert update.norm() == 0, name
             continue
         moved += 1
-        err = (update - ref).norm() / ref.norm()
-        assert err < 1e-4, f"{name}: relative parameter-update error {err:.2e} ({option})"
+        err = (update - want).norm() / want.norm()
+        assert err < 1e-4, f"{name}: relative parameter-update error {err:.2e} ({option}, verl {verl_minor()})"
     assert moved >= 10
