@@ -1,4 +1,6 @@
-"""Host overhead of the public forward at small N: the API call vs its kernels alone.
+"""Host overhead of the public calls at small N: each API call against its kernels alone and
+against the label check it contains (the check's host sync), for the fused head and the
+from-logits path. Times are do_bench medians (us) and x one cuBLAS ``hidden @ W.T``.
 
 python scripts/diag/overhead.py [N,H,V]   (default 512,3584,152064)
 """
@@ -8,28 +10,44 @@ import torch
 import triton.testing
 
 import rl_kernels
-from rl_kernels import api, ops
+from rl_kernels import ops
+from rl_kernels.validation import check_label_values
 
 n, h, v = (int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "512,3584,152064").split(","))
 g = torch.Generator(device="cuda").manual_seed(0)
 hid = torch.randn(n, h, device="cuda", generator=g).bfloat16()
 w = (0.02 * torch.randn(v, h, device="cuda", generator=g)).bfloat16()
 lab = torch.randint(0, v, (n,), device="cuda", generator=g)
+logits = (3 * torch.randn(n, v, device="cuda", generator=g)).bfloat16()
 cfg = ops.default_config(hid.device)
+lcfg = ops.logits_config(hid.device)
 bench = lambda f: triton.testing.do_bench(f, warmup=25, rep=1000, return_mode="median")  # noqa: E731
 t_mm = bench(lambda: hid @ w.T)
+xg = logits.detach().requires_grad_()
+g_lp, g_ent = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
+
+
+def logits_fwd_bwd():
+    xg.grad = None
+    out = rl_kernels.logits_stats(xg, lab)
+    torch.autograd.backward([out.log_probs, out.entropy], [g_lp, g_ent])
+
+
+stats = ops.logits_forward(logits, lab, 1.0, -100, True, False, lcfg)
+grad = torch.empty_like(logits)
 rows = {
-    "API linear_log_probs, no grad": lambda: rl_kernels.linear_log_probs(hid, w, lab),
-    "kernels only (stats + combine)": lambda: ops.split_combine(
-        *ops.linear_split_stats(hid, w, lab, 1.0, True, cfg), lab, -100, True),
-    "label check only": lambda: api.check_label_values(lab, v, -100),
+    "head API linear_log_probs (no grad)": lambda: rl_kernels.linear_log_probs(hid, w, lab),
+    "head kernels only (stats + combine)": lambda: ops.split_combine(
+        *ops.linear_split_stats(hid, w, lab, 1.0, True, cfg)[:4], lab, -100, True),
+    "label check only (host sync)": lambda: check_label_values(lab, v, -100),
+    "logits API logits_stats (no grad)": lambda: rl_kernels.logits_stats(logits, lab),
+    "logits forward kernel only": lambda: ops.logits_forward(logits, lab, 1.0, -100, True, False, lcfg),
+    "logits API fwd+bwd": logits_fwd_bwd,
+    "logits backward kernel only": lambda: ops.logits_backward(
+        logits, grad, lab, stats, {"log_probs": g_lp, "entropy": g_ent}, 1.0, -100, lcfg),
 }
-with torch.no_grad():
-    for name, f in rows.items():
+print(f"{torch.cuda.get_device_name()} {n}x{h}x{v} bf16: cuBLAS mm {t_mm * 1e3:.1f} us")
+for name, f in rows.items():
+    with torch.no_grad() if "fwd+bwd" not in name else torch.enable_grad():
         t = bench(f)
-        print(f"{name:34s} {t * 1e3:8.1f} us = {t / t_mm:.3f}x mm")
-    real = api.check_label_values
-    api.check_label_values = lambda *a: None
-    t = bench(rows["API linear_log_probs, no grad"])
-    api.check_label_values = real
-    print(f"{'API without the label check':34s} {t * 1e3:8.1f} us = {t / t_mm:.3f}x mm")
+    print(f"{name:38s} {t * 1e3:8.1f} us = {t / t_mm:.3f}x mm")
