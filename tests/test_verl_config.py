@@ -1,7 +1,11 @@
-"""The Hydra group (package data in rl_kernels/integrations/conf; conf/ in a clone links there)
-composes with verl's own entry point (`--cfg job` prints the job config without training), from
-the clone (--config-dir) and from the installed package (pkg://), and every option file sets the
-keys the integration reads."""
+"""The Hydra group (package data in rl_kernels/integrations/conf) composes with verl's own entry
+point (`--cfg job` prints the job config without training), from the clone (--config-dir) and from
+the installed package (pkg://), and every option file sets the keys the integration reads.
+
+verl's entry point costs a ~12 s process start (verl, Ray, torch imports) on CI's CPUs, so three
+tests run it as users do (--config-dir, pkg://, the recipe) and the others compose verl's
+``ppo_trainer`` in-process with Hydra's compose API: the same primary config, search path and
+overrides that ``main_ppo`` hands to Hydra."""
 import os
 import subprocess
 import sys
@@ -26,9 +30,23 @@ def _compose_cli(*overrides):
     return yaml.safe_load(proc.stdout)
 
 
-@pytest.mark.parametrize("option", ["fused", "logits", "fused_anomaly"])
-def test_main_ppo_composes_option(option):
-    cfg = _compose_cli(f"+rl_kernels={option}", "actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct")
+def _compose_in_process(*overrides):
+    """verl's ppo_trainer composed as main_ppo does, with the group's folder on the search path."""
+    import verl
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    conf = os.path.join(REPO, "rl_kernels", "integrations", "conf")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        cfg = compose("ppo_trainer", overrides=[f"hydra.searchpath=[file://{conf}]", *overrides])
+    return OmegaConf.to_container(cfg)
+
+
+@pytest.mark.parametrize("option,how", [("fused", "main_ppo"), ("logits", "compose"), ("fused_anomaly", "compose")])
+def test_main_ppo_composes_option(option, how):
+    compose_fn = _compose_cli if how == "main_ppo" else _compose_in_process
+    cfg = compose_fn(f"+rl_kernels={option}", "actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct")
     model = cfg["actor_rollout_ref"]["model"]
     assert model["external_lib"] == "rl_kernels.integrations.verl"
     assert model["path"] == "Qwen/Qwen2.5-0.5B-Instruct"  # user overrides still apply
@@ -71,7 +89,7 @@ def test_main_ppo_composes_group_from_the_installed_package(tmp_path):
 
 def test_override_lines_alone_compose():
     """The recipe's form: plain overrides, no config group."""
-    cfg = _compose_cli("actor_rollout_ref.model.external_lib=rl_kernels.integrations.verl",
+    cfg = _compose_in_process("actor_rollout_ref.model.external_lib=rl_kernels.integrations.verl",
                        "actor_rollout_ref.model.use_fused_kernels=True",
                        "actor_rollout_ref.model.fused_kernel_options.impl_backend=rl_kernels",
                        "+actor_rollout_ref.model.fused_kernel_options.rl_kernels.backend=triton")
