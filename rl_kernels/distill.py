@@ -169,10 +169,8 @@ def linear_topk_kl(
                          hidden_states.device)
     # ids and labels are global with a group: checked against the whole vocabulary when known
     vocab_size = weight.shape[0] if tp is None else tp.vocab_size
-    if vocab_size is not None:
-        _check_teacher_ids(teacher_token_ids, vocab_size)
-    elif teacher_token_ids.numel() and bool((teacher_token_ids < 0).any()):
-        _check_teacher_ids(teacher_token_ids, torch.iinfo(torch.int64).max)
+    # (vocabulary unknown: vocab_start_index given without a collective; only >= 0 is checked)
+    _check_teacher_ids(teacher_token_ids, vocab_size if vocab_size is not None else torch.iinfo(torch.int64).max)
     valid, any_excluded = counted_positions(hidden_states, labels, ignore_index, mask, vocab_size,
                                             check_values=vocab_size is not None)
     backend = resolve_backend(backend, hidden_states.device)

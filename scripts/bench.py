@@ -63,23 +63,28 @@ def implementations(stub_verl: bool = False) -> tuple[dict[str, Impl], dict[str,
         for name, fn in verl_linear_kernels(stub_verl).items():
             impls[name] = lambda h, w, y, fn=fn: fn(h, w, y, 1.0)
     except Exception as exc:  # noqa: BLE001
-        absent["verl"] = f"{type(exc).__name__}: {str(exc)[:80]}"
+        absent["verl"] = _why(exc)
     try:
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
         impls["liger (CE only)"] = lambda h, w, y: (-liger_fused_linear_cross_entropy(h, w, y, reduction="none"),
                                                     None)
     except Exception as exc:  # noqa: BLE001
-        absent["liger"] = f"{type(exc).__name__}: {str(exc)[:80]}"
+        absent["liger"] = _why(exc)
     try:
         from cut_cross_entropy import linear_cross_entropy as cce
 
         impls["cce (CE only)"] = lambda h, w, y: (-cce(h, w, y, reduction="none"), None)
     except Exception as exc:  # noqa: BLE001
-        absent["cce"] = f"{type(exc).__name__}: {str(exc)[:80]}"
+        absent["cce"] = _why(exc)
     for name, why in absent.items():
         log_once(logging.INFO, f"rl-kernels bench: {name} not benchmarked ({why})")
     return impls, absent
+
+
+def _why(exc: BaseException) -> str:
+    """Why a peer is absent, for the table's "not importable here" line."""
+    return f"{type(exc).__name__}: {str(exc)[:80]}"
 
 
 def peak_extra_gib(fn) -> float:
@@ -94,15 +99,9 @@ def peak_extra_gib(fn) -> float:
 
 def bench_shape(n: int, h: int, v: int, impls: dict[str, Impl], progress=None) -> dict:
     """Time every implementation on one shape; returns a JSON-ready dict."""
-    import triton.testing
-
     from rl_kernels.reference import reference_linear_log_probs
 
-    def bench(fn):
-        # rep is a time budget (ms): 1 s gives ~6 samples even of a 150 ms step (200 ms gave 1-2,
-        # and a 10% spread between runs of the same code)
-        return triton.testing.do_bench(fn, warmup=25, rep=1000, return_mode="median")
-
+    bench = _do_bench
     g = torch.Generator(device="cuda").manual_seed(0)
     hidden = torch.randn(n, h, device="cuda", generator=g).bfloat16()
     weight = (0.02 * torch.randn(v, h, device="cuda", generator=g)).bfloat16()
@@ -322,22 +321,23 @@ def logits_implementations() -> tuple[dict[str, LogitsImpl], dict[str, str]]:
         impls["flash-attn (CE only)"] = lambda x, y: (-cross_entropy_loss(x, y, inplace_backward=False)[0],
                                                       None)
     except Exception as exc:  # noqa: BLE001
-        absent["flash-attn"] = f"{type(exc).__name__}: {str(exc)[:80]}"
+        absent["flash-attn"] = _why(exc)
     try:
         from liger_kernel.transformers.functional import liger_cross_entropy
 
         impls["liger (CE only)"] = lambda x, y: (-liger_cross_entropy(x, y, reduction="none"), None)
     except Exception as exc:  # noqa: BLE001
-        absent["liger"] = f"{type(exc).__name__}: {str(exc)[:80]}"
+        absent["liger"] = _why(exc)
     for name, why in absent.items():
         log_once(logging.INFO, f"rl-kernels bench --logits: {name} not benchmarked ({why})")
     return impls, absent
 
 
 def _do_bench(fn) -> float:
+    """Median ms of ``fn``. rep is a time budget (ms): 1 s gives ~6 samples even of a 150 ms step
+    (200 ms gave 1-2, and a 10% spread between runs of the same code)."""
     import triton.testing
 
-    # same budget as bench_shape: medians over ~1 s
     return triton.testing.do_bench(fn, warmup=25, rep=1000, return_mode="median")
 
 

@@ -70,7 +70,7 @@ import rl_kernels
 
 from .._logging import log_once, logger
 from ..anomaly import AnomalyCapture
-from ..validation import check_bool_arg, check_float_arg, check_int_arg, check_path_arg
+from ..validation import check_bool_arg, check_choice, check_float_arg, check_int_arg, check_path_arg
 from ..backends import BACKENDS
 from ..linear import linear_log_probs
 from ..logits import entropy_from_logits as _rk_entropy_from_logits
@@ -158,8 +158,7 @@ class VerlOptions:
         def name(field: str) -> str:
             return f"fused_kernel_options.rl_kernels.{field}"
 
-        if not isinstance(self.backend, str) or self.backend not in BACKENDS:
-            raise ValueError(f"{name('backend')}: expected one of {BACKENDS}, got {self.backend!r}")
+        check_choice(name("backend"), self.backend, BACKENDS)
         check_bool_arg(name("patch_logits_path"), self.patch_logits_path)
         check_bool_arg(name("patch_megatron_fused"), self.patch_megatron_fused)
         if self.anomaly_dir is not None:  # None: no capture
