@@ -10,7 +10,7 @@ from .autograd.linear import HeadParams, LinearLogProbsFunction
 from .autograd.vocab_parallel import VocabParallelLinearFunction, parallel_params
 from .backends import resolve_backend
 from .validation import (check_bool_arg, check_head_inputs, check_label_values, check_temperature,
-                         warn_fp16_temperature)
+                         deferred_label_check, raise_label_errors, sync_label_check, warn_fp16_temperature)
 
 
 class LogProbsOutput(NamedTuple):
@@ -96,14 +96,23 @@ def linear_log_probs(
     Bug cases covered: verl #2656/#2899 (padded vocab columns), verl PR #7439 (all-negative
     logits), verl #6913 (3-D hidden keeps its gradient).
     """
+    raise_label_errors()  # a bad label that an earlier call's kernel reported
     temperature = check_temperature(temperature)
-    has_ignored = check_head_inputs(hidden_states, weight, labels, ignore_index,
-                                    check_values=process_group is None)
+    check_head_inputs(hidden_states, weight, labels, ignore_index, check_values=False)
     check_bool_arg("return_entropy", return_entropy)
     check_bool_arg("return_sum_pi_squared", return_sum_pi_squared)
     tp = parallel_params(process_group, vocab_start_index, reduce_hidden_grad, ignore_index, weight.shape[0],
                          hidden_states.device)
     resolved = resolve_backend(backend, hidden_states.device)
+    # label values: in the Triton kernels (no host sync), else on the host here (the host check
+    # also tells whether any label is ignore_index, which spares the backward a sync)
+    has_ignored, label_check = None, None
+    if tp is None:
+        if resolved == "triton" and not sync_label_check():
+            label_check = deferred_label_check(labels, weight.shape[0], ignore_index, "linear_log_probs",
+                                               in_kernel=True)
+        else:
+            has_ignored = check_label_values(labels, weight.shape[0], ignore_index, report_ignored=True)
     warn_fp16_temperature(hidden_states.dtype, temperature)
     inv_temperature = 1.0 / temperature
     lead_shape = labels.shape
@@ -120,7 +129,9 @@ def linear_log_probs(
             has_ignored = check_label_values(labels, tp.vocab_size, ignore_index, report_ignored=True)
         out = VocabParallelLinearFunction.apply(h2, weight, labels1, params(has_ignored), tp)
     else:
-        out = LinearLogProbsFunction.apply(h2, weight, labels1, params(has_ignored))
+        out = LinearLogProbsFunction.apply(h2, weight, labels1, params(has_ignored), None, label_check)
+        if label_check is not None and hidden_states.device.type == "cpu":
+            raise_label_errors()  # the interpreter has run the kernels already: raise in this call
     outs = list(out) if isinstance(out, tuple) else [out]
     log_probs = outs.pop(0).view(lead_shape)
     entropy = outs.pop(0).view(lead_shape) if return_entropy else None

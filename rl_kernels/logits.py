@@ -28,12 +28,12 @@ from typing import NamedTuple
 
 import torch
 
-from .autograd.logits import LogitsStatsFunction
+from .autograd.logits import OUTPUTS, LogitsStatsFunction, logits_stats_forward
 from .autograd.vocab_parallel import VocabParallelLogitsFunction, parallel_params
 from .backends import resolve_backend
 from .torch_ops.logits_stats import torch_logits_backward, torch_logits_forward
 from .validation import (check_bool_arg, check_choice, check_label_values, check_labels, check_logits,
-                         check_temperature, describe)
+                         check_temperature, deferred_label_check, describe, raise_label_errors)
 
 REDUCTIONS = ("none", "sum", "mean")
 
@@ -52,9 +52,10 @@ def _run(logits, labels, temperature, ignore_index, return_entropy, return_mean_
          return_sum_pi_squared=False):
     """Validate, flatten to 2-D, run; returns the five outputs (``autograd.logits.OUTPUTS``)
     shaped like logits.shape[:-1]. ``fn_name``: the public function (error messages)."""
+    raise_label_errors()  # a bad label that an earlier call's kernel reported
     check_logits(logits)
     inv_temperature = 1.0 / check_temperature(temperature)
-    if labels is not None:  # label values are checked after the launch (the kernels clamp reads)
+    if labels is not None:  # label values: in the kernel, or on the host below
         check_labels(labels, logits, "logits", logits.shape[-1], ignore_index, check_values=False)
     check_bool_arg("inplace_backward", inplace_backward)
     if inplace_backward and process_group is not None:
@@ -71,12 +72,21 @@ def _run(logits, labels, temperature, ignore_index, return_entropy, return_mean_
     if inplace_backward:
         _check_inplace_target(logits, logits2d)
     labels1d = labels.reshape(-1) if labels is not None else None
-    outs = LogitsStatsFunction.apply(logits2d, labels1d, inv_temperature, int(ignore_index), return_entropy,
-                                     return_mean_log_p, inplace_backward, backend, fn_name, return_sum_pi_squared)
+    label_check = None
     if labels is not None:
-        # after the launch, so that the host sync of this check overlaps the kernels' run
-        check_label_values(labels, logits.shape[-1], ignore_index)
-    return tuple(o.view(shape) if o is not None else None for o in outs)
+        label_check = deferred_label_check(labels, logits.shape[-1], ignore_index, fn_name,
+                                           in_kernel=backend == "triton")
+    if torch.is_grad_enabled() and logits.requires_grad:
+        outs = LogitsStatsFunction.apply(logits2d, labels1d, inv_temperature, int(ignore_index), return_entropy,
+                                         return_mean_log_p, inplace_backward, backend, fn_name,
+                                         return_sum_pi_squared, label_check)
+    else:  # no gradient wanted: the same forward without an autograd node (host cost at small N)
+        stats = logits_stats_forward(logits2d, labels1d, inv_temperature, int(ignore_index), return_entropy,
+                                     return_mean_log_p, backend, return_sum_pi_squared, label_check)
+        outs = tuple(stats.get(k) for k in OUTPUTS)
+    if label_check is not None and logits.device.type == "cpu":
+        raise_label_errors()  # the interpreter has run the kernel already: raise in this call
+    return tuple(o if o is None or o.shape == shape else o.view(shape) for o in outs)
 
 
 def _overlaps(x: torch.Tensor) -> bool:

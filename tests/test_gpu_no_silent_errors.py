@@ -80,3 +80,59 @@ def test_inplace_backward_on_the_gpu():
     log_probs_from_logits(a * 1.0, labels, inplace_backward=True).sum().backward()
     log_probs_from_logits(b * 1.0, labels).sum().backward()
     assert torch.equal(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("fn", ["logits_stats", "log_probs_from_logits", "linear_log_probs"])
+@pytest.mark.parametrize("n,v", [(4096, 32000), (64, 152064)])  # from-logits: one level; two levels
+def test_bad_label_is_reported_without_a_host_sync(fn, n, v):
+    """On CUDA the label range is checked inside the kernels: the call returns without a host sync,
+    the bad row's log-prob and gradient are NaN (never finite and wrong), the other rows are right,
+    and the ValueError naming ``labels`` and the call comes from the next rl_kernels call (here the
+    backward). With RL_KERNELS_SYNC_LABEL_CHECK=1 the call itself raises."""
+    import os
+
+    from rl_kernels.validation import SYNC_LABEL_CHECK_ENV
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    labels = torch.randint(0, v, (n,), device="cuda", generator=g)
+    labels[9] = v + 5
+    labels[10] = -100
+    if fn == "linear_log_probs":
+        hidden, weight, _ = make_inputs(n, 256, v, torch.bfloat16, seed=4, device="cuda", w_scale=0.05)
+        inputs = (hidden.requires_grad_(), weight.requires_grad_())
+        call = lambda lab: linear_log_probs(*inputs, lab, backend="triton").log_probs  # noqa: E731
+        good = lambda: reference_linear_log_probs(hidden.detach(), weight.detach(), ok_labels).log_probs  # noqa: E731
+    else:
+        x = (3 * torch.randn(n, v, device="cuda", generator=g)).bfloat16()
+        inputs = (x.clone().requires_grad_(),)
+        fun = logits_stats if fn == "logits_stats" else log_probs_from_logits
+        call = lambda lab: (lambda o: o.log_probs if fn == "logits_stats" else o)(fun(*inputs, lab, backend="triton"))  # noqa: E731
+        good = lambda: torch.log_softmax(x.double(), -1).gather(1, ok_labels.clamp_min(0)[:, None])[:, 0]  # noqa: E731
+    ok_labels = labels.clone()
+    ok_labels[9] = 0
+    log_probs = call(labels)
+    torch.cuda.synchronize()
+    assert torch.isnan(log_probs[9]) and log_probs[10] == 0
+    rows = (torch.arange(n, device="cuda") != 9) & (torch.arange(n, device="cuda") != 10)
+    assert (log_probs[rows].double() - good()[rows]).abs().max() < 5e-5
+    with pytest.raises(ValueError, match=rf"labels: .*vocab_size={v}.*rl_kernels\.{fn}"):
+        log_probs.sum().backward()
+    # reported once; the gradient of that row, computed anyway, is NaN
+    for t in inputs:
+        t.grad = None
+    log_probs = call(labels)
+    torch.cuda.synchronize()
+    from rl_kernels.validation import raise_label_errors
+    with pytest.raises(ValueError, match="labels"):
+        raise_label_errors()
+    log_probs.sum().backward()
+    grad = inputs[0].grad
+    assert torch.isnan(grad[9].float()).all()
+    assert torch.isfinite(grad[rows].float()).all()
+    raise_label_errors()  # nothing pending any more
+    os.environ[SYNC_LABEL_CHECK_ENV] = "1"
+    try:
+        with pytest.raises(ValueError, match="labels"):
+            call(labels)
+    finally:
+        del os.environ[SYNC_LABEL_CHECK_ENV]

@@ -116,6 +116,46 @@ def test_fused_path_matches_verl_logits_path(qwen2_forward, rmpad, kernel_backen
             assert err < GRAD_RTOL, f"{name}: relative gradient error {err:.2e} (backend {kernel_backend})"
 
 
+def test_entropy_only_when_verl_asks(qwen2_forward):
+    """verl #2608: verl's fused forwards always ask for entropy. Inside the method where verl reads
+    ``calculate_entropy`` (the FSDP engine's forward_step on verl 0.8+, the legacy actor's
+    _forward_micro_batch on 0.7.x), a micro-batch with calculate_entropy=False runs the fused head
+    without entropy: same log-probs, a NaN placeholder for the entropy verl drops."""
+    what = rkv.report()["FSDP fused path"][1]
+    hook = "DataParallelPPOActor._forward_micro_batch" if VERL == "0.7" else "FSDPEngineWithLMHead.forward_step"
+    assert f"calculate_entropy asks ({hook}" in what, what
+    inputs = _inputs(rmpad=True)
+    model = tiny_qwen2()
+    apply_monkey_patch(model, use_remove_padding=True, use_fused_kernels=True,
+                       fused_kernels_backend=rkv.BACKEND_NAME)
+    labels = torch.roll(inputs["input_ids"], shifts=-1, dims=-1)
+    ref_lp, _ = verl_logits_path(tiny_qwen2(), qwen2_forward, T, labels, **inputs)
+
+    def micro_batch_forward(micro_batch, calculate_entropy=False):  # stands for verl's method
+        with torch.no_grad():
+            return model(**inputs, temperature=T, return_dict=True)
+
+    wrapped = rkv._entropy_on_request(micro_batch_forward, lambda a: a.get("calculate_entropy", False))
+    counts = rkv.call_counts()
+    out = wrapped({}, calculate_entropy=False)
+    after = rkv.call_counts()
+    assert after["fused_fsdp_calls"] == counts["fused_fsdp_calls"] + 1
+    assert after["entropy_skipped_calls"] == counts["entropy_skipped_calls"] + 1
+    torch.testing.assert_close(out.log_probs, ref_lp.float(), atol=VALUE_ATOL, rtol=0)
+    assert out.entropy.shape == out.log_probs.shape and bool(out.entropy.isnan().all())
+    out = wrapped({}, calculate_entropy=True)
+    assert rkv.call_counts()["entropy_skipped_calls"] == after["entropy_skipped_calls"]
+    assert bool(torch.isfinite(out.entropy).all()) and float(out.entropy.min()) > 0
+    if VERL != "0.7":  # the engine reads the flag from the micro-batch's non-tensor data
+        from tensordict import TensorDict
+        from verl.utils import tensordict_utils as tu
+
+        for flag in (False, True):
+            micro_batch = TensorDict({"x": torch.zeros(2)}, batch_size=[2])
+            tu.assign_non_tensor(micro_batch, calculate_entropy=flag)
+            assert rkv._micro_batch_flag({"micro_batch": micro_batch}) is flag
+
+
 @pytest.mark.skipif(VERL == "0.7", reason="verl 0.7.x's fused forward has no shift_labels")
 def test_shift_labels_take_precedence(qwen2_forward, backend):
     """verl #6068: the engine passes globally rolled labels as shift_labels under Ulysses SP; the

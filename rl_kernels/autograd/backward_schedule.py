@@ -7,13 +7,15 @@ twin) and consumed at once by cuBLAS matmuls. Two schedules:
 
 * one recompute (both gradients needed, the usual case): windows of all rows x a vocab chunk;
   each gives ``dW[chunk] = dz^T h`` (full N reduction) and adds ``dz W[chunk]`` to a float32 dh
-  accumulator. The accumulator (N x H float32) lives in the not-yet-written tail of dW's own
-  storage, so it costs no memory: the vocab rows whose storage it occupies are recomputed a
-  second time, after dh is final, to write their dW (2N of V rows for 16-bit weights). While dW
-  rows are still unwritten, windows are placed in their bytes and made as wide as fits (fewer
-  passes over the accumulator); later ones use the fixed buffer. Falls back
-  to the two-pass schedule when the accumulator does not fit (N > V/2 for 16-bit weights) or
-  torch cannot add a 16-bit matmul into a float32 output (``addmm(out_dtype=float32)``), logged once.
+  accumulator. The accumulator (N x H float32) costs no memory: half of its columns live in dh's
+  own storage (all of them for a float32 dh), the rest in the not-yet-written tail of dW's
+  storage; the vocab rows whose storage that part occupies are recomputed a second time, after
+  dh is final, to write their dW (N of V rows for 16-bit weights; 2N before the accumulator used
+  dh's storage). While dW rows are still unwritten, windows are placed in their bytes and made
+  as wide as fits (fewer passes over the accumulator); later ones use the fixed buffer. Falls
+  back to the two-pass schedule when the accumulator does not fit (N > V - 2 for 16-bit weights)
+  or torch cannot add a 16-bit matmul into a float32 output (``addmm(out_dtype=float32)``),
+  logged once.
 * two passes (otherwise): dW pass over vocab chunks, dh pass over token chunks (windows of a
   token chunk x all vocab, ``dh[chunk] = dz W``).
 
@@ -144,29 +146,43 @@ def chunked_backward(dlogits, hidden_states, weight, dz_dtype, need_dh, need_dw,
 
 
 def _one_recompute(dlogits, hidden_states, weight, dz_dtype, cols, dh_float32=False, h_dw=None):
-    """The one-recompute schedule (module docstring); None when it cannot run here."""
+    """The one-recompute schedule (module docstring); None when it cannot run here.
+
+    The N x H float32 dh accumulator is split by columns: the first ``lo`` columns live in dh's
+    own storage (row i of an (N, lo) float32 matrix occupies exactly the bytes of dh's row i:
+    lo = H/2 for a 16-bit dh, lo = H for a float32 dh), the other H - lo columns in the tail of
+    dW's storage, whose vocab rows (N of V for 16-bit weights) are recomputed once more after dh
+    is final. dh is finished row block by row block through the window buffer (each block is
+    read whole before its bytes are written), rounding each element once."""
     n, h = hidden_states.shape
     v = weight.shape[0]
-    elem = weight.element_size()  # dW has the weight's dtype
-    acc_elems = n * h * 4 // elem  # dW elements whose bytes hold the accumulator
-    if acc_elems * elem != n * h * 4 or acc_elems > v * h - 2 * h:
-        log_once(logging.INFO, "rl_kernels backward: the float32 dh accumulator does not fit in dW's "
-                 "storage (N > V/2 for 16-bit weights); using two recompute passes")
-        return None
     if not _can_accumulate_fp32(hidden_states.device, dz_dtype):
         log_once(logging.INFO, f"rl_kernels backward: torch cannot add a {dz_dtype} matmul into a "
                  f"float32 output on {hidden_states.device.type} (addmm out_dtype); using two "
                  f"recompute passes")
         return None
+    dh = torch.empty((n, h), dtype=torch.float32 if dh_float32 else hidden_states.dtype,
+                     device=hidden_states.device)
+    lo = h * dh.element_size() // 4 if (h * dh.element_size()) % 4 == 0 else 0
+    hi = h - lo
+    elem = weight.element_size()  # dW has the weight's dtype
+    acc_elems = n * hi * 4 // elem  # dW elements whose bytes hold the accumulator's other columns
+    if acc_elems * elem != n * hi * 4 or acc_elems > v * h - 2 * h:
+        log_once(logging.INFO, "rl_kernels backward: the float32 dh accumulator does not fit in dh's and "
+                 "dW's storage (N > V - 2 for 16-bit weights); using two recompute passes")
+        return None
     dw = torch.empty_like(weight, memory_format=torch.contiguous_format)
-    per_float = 4 // elem
-    start = (v * h - acc_elems) // per_float * per_float  # float32-aligned
-    acc = dw.view(-1)[start:start + acc_elems].view(torch.float32).view(n, h)
-    tail = start // h  # dW rows from here on share bytes with the accumulator
+    flat = dw.view(-1)
+    acc_lo = dh.view(-1).view(torch.float32).view(n, lo) if lo else None
+    acc_hi, tail = None, v  # dW rows from `tail` on share bytes with the accumulator
+    if hi:
+        per_float = 4 // elem
+        start = (v * h - acc_elems) // per_float * per_float  # float32-aligned
+        acc_hi = flat[start:start + acc_elems].view(torch.float32).view(n, hi)
+        tail = start // h
     h_mm = (hidden_states if h_dw is None else h_dw).to(dz_dtype)
     w_mm = weight.to(dz_dtype)
     buffer = torch.empty(n * cols, dtype=dz_dtype, device=hidden_states.device).view(n, cols)
-    flat = dw.view(-1)
 
     def window(c0: int, free_until: int):
         """(width, n x width window) for the chunk starting at vocab row c0. While dW rows
@@ -184,20 +200,35 @@ def _one_recompute(dlogits, hidden_states, weight, dz_dtype, cols, dh_float32=Fa
         base = (c0 + width) * h  # ends by c0*h + wide*(h + n) <= free_until*h
         return width, flat[base: base + n * wide].view(n, wide)
 
-    acc.zero_()
+    if acc_lo is not None:
+        acc_lo.zero_()
+    if acc_hi is not None:
+        acc_hi.zero_()
     c0, unwritten = 0, None
     while c0 < v:
         width, win = window(c0, tail)
         c1 = c0 + width
         dz = dlogits(slice(0, n), slice(c0, c1), win[:, :width])
-        _accumulate(acc, dz, w_mm[c0:c1])
+        if lo:
+            _accumulate(acc_lo, dz, w_mm[c0:c1, :lo])
+        if acc_hi is not None:
+            _accumulate(acc_hi, dz, w_mm[c0:c1, lo:])
         if c1 <= tail and unwritten is None:
             _mm_into(dw[c0:c1], dz.T, h_mm)
         elif unwritten is None:
             unwritten = c0
         c0 = c1
-    # (copy: the accumulator aliases dW's storage)
-    dh = acc.clone() if dh_float32 else acc.to(hidden_states.dtype, copy=True)
+    if acc_hi is not None:  # dh row blocks from both parts, through the window buffer
+        block = max(1, buffer.numel() // h)  # (dh is 16-bit here: a float32 dh holds it all)
+        scratch = buffer.view(-1) if buffer.numel() >= h else torch.empty(h, dtype=dz_dtype, device=dh.device)
+        for r0 in range(0, n, block):
+            r1 = min(n, r0 + block)
+            rows = scratch[: (r1 - r0) * h].view(r1 - r0, h)
+            if lo:
+                rows[:, :lo].copy_(acc_lo[r0:r1])
+            rows[:, lo:].copy_(acc_hi[r0:r1])
+            dh[r0:r1].copy_(rows)
+    # (with hi == 0, dh is float32 and holds the accumulator itself)
     # the accumulator is free: recompute the vocab rows whose dW is not written yet
     c0 = v if unwritten is None else unwritten
     while c0 < v:

@@ -13,6 +13,7 @@ import dataclasses
 import torch
 
 from ..torch_ops.linear import torch_dlogits, torch_forward, torch_gathered_logits
+from ..validation import raise_label_errors
 from .backward_schedule import chunked_backward, full_precision_reduction
 from .common import first_order_only, hidden_for_weight_grad
 
@@ -31,8 +32,10 @@ class HeadParams:
     return_sum_pi_squared: bool = False  # sum_j p_j^2 as a differentiable output
 
 
-def head_forward(hidden_states, weight, labels, params: HeadParams):
-    """(log_probs, entropy or None, lse, sum_sq or None), (N,) float32 each, no autograd."""
+def head_forward(hidden_states, weight, labels, params: HeadParams, label_check=None):
+    """(log_probs, entropy or None, lse, sum_sq or None), (N,) float32 each, no autograd.
+    ``label_check``: (flag, check_id) of ``validation.deferred_label_check`` for the Triton
+    kernels, which then make a bad label's row NaN and report it; None when checked already."""
     sq = params.return_sum_pi_squared
     if params.backend == "triton":
         from .. import ops
@@ -43,10 +46,12 @@ def head_forward(hidden_states, weight, labels, params: HeadParams):
             return (empty, (empty.clone() if params.return_entropy else None), empty.clone(),
                     empty.clone() if sq else None)
         cfg = ops.default_config(hidden_states.device, hidden_states.dtype)
+        check = None if label_check is None else (*label_check, params.ignore_index)
         m, s, b, z_y, q = ops.linear_split_stats(hidden_states, weight, labels, params.inv_temperature,
-                                                 params.return_entropy, cfg, return_sum_pi_squared=sq)
+                                                 params.return_entropy, cfg, return_sum_pi_squared=sq,
+                                                 label_check=check)
         return ops.split_combine(m, s, b, z_y, labels, params.ignore_index, params.return_entropy,
-                                 part_q=q)
+                                 part_q=q, mark_bad=check is not None)
     return torch_forward(hidden_states, weight, labels, params.inv_temperature,
                          params.ignore_index, params.return_entropy, return_sum_pi_squared=sq)
 
@@ -111,8 +116,8 @@ class LinearLogProbsFunction(torch.autograd.Function):
     logits at ``gather_ids`` when given."""
 
     @staticmethod
-    def forward(ctx, hidden_states, weight, labels, params: HeadParams, gather_ids=None):
-        log_probs, entropy, lse, sum_sq = head_forward(hidden_states, weight, labels, params)
+    def forward(ctx, hidden_states, weight, labels, params: HeadParams, gather_ids=None, label_check=None):
+        log_probs, entropy, lse, sum_sq = head_forward(hidden_states, weight, labels, params, label_check)
         ctx.save_for_backward(hidden_states, weight, labels, lse, entropy, sum_sq, gather_ids)
         ctx.params, ctx.fn_name = params, params.name
         ctx.set_materialize_grads(False)
@@ -126,6 +131,7 @@ class LinearLogProbsFunction(torch.autograd.Function):
     @staticmethod
     @first_order_only
     def backward(ctx, grad_log_probs, *more):
+        raise_label_errors()  # a bad label reported by this call's (or an earlier) forward kernel
         hidden_states, weight, labels, lse, entropy, sum_sq, gather_ids = ctx.saved_tensors
         params: HeadParams = ctx.params
         more = list(more)
@@ -136,7 +142,7 @@ class LinearLogProbsFunction(torch.autograd.Function):
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if all(g is None for g in (grad_log_probs, grad_entropy, grad_lse, grad_sum_sq, grad_gathered)) \
                 or not (need_dh or need_dw):
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         if grad_lse is not None:
             grad_lse = grad_lse.float().contiguous()
         if grad_sum_sq is not None:
@@ -145,7 +151,7 @@ class LinearLogProbsFunction(torch.autograd.Function):
                                grad_log_probs, grad_entropy, params, need_dh, need_dw, grad_lse,
                                None if grad_gathered is None else (gather_ids, grad_gathered),
                                sum_sq=sum_sq, grad_sum_sq=grad_sum_sq)
-        return dh, dw, None, None, None
+        return dh, dw, None, None, None, None
 
 
 def gathered_logits(hidden_states, weight, ids, params: HeadParams) -> torch.Tensor:

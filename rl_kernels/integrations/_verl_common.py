@@ -128,6 +128,7 @@ def restore() -> None:
 # ----------------------------------------------------------------------------- counters
 COUNT_KEYS = (
     "fused_fsdp_calls", "fused_fsdp_tokens", "fused_megatron_calls", "fused_megatron_tokens",
+    "entropy_skipped_calls",
     "logits_log_probs_calls", "logits_entropy_calls",
     "megatron_logits_log_probs_calls", "megatron_logits_entropy_calls", "sum_pi_squared_calls",
 )
@@ -153,6 +154,12 @@ def record(key: str, path: str, tokens: int) -> None:
         tokens_all = sum(t for _, t in _served.values())
         logger.info("rl_kernels: served %d calls / %d tokens in this process: %s", calls, tokens_all,
                     ", ".join(f"{p} {c} calls / {t} tokens" for p, (c, t) in _served.items()))
+
+
+def count(key: str) -> None:
+    """Count an event that is not a served call (``entropy_skipped_calls``: fused calls whose
+    entropy verl did not ask for)."""
+    _counts[key] += 1
 
 
 def call_counts() -> dict:

@@ -19,8 +19,11 @@ either way inside every Ray worker, before it builds the model. The import calls
   ``CausalLMOutputForPPO`` output stay verl's. The model is marked (``_rl_kernels_fused``) and
   its class forward wrapped: inside a marked model's forward, the ``FusedLinearForPPO`` that
   verl's forward builds (bare on verl 0.7.x / 0.8.0, with ``impl_backend=<the model's backend>``
-  on 0.9.x) goes to :func:`rl_kernels.linear_log_probs` (entropy is always returned: verl's fused
-  forwards always ask for it). A forward without ``shift_labels`` (verl 0.7.x) under Ulysses
+  on 0.9.x) goes to :func:`rl_kernels.linear_log_probs`. verl's fused forwards always ask for
+  entropy (verl #2608); rl-kernels computes it only when the micro-batch's ``calculate_entropy``
+  asks (read in the FSDP engine's ``forward_step``, or verl 0.7.x's
+  ``DataParallelPPOActor._forward_micro_batch``), and otherwise hands verl a NaN placeholder, which
+  verl drops. A forward without ``shift_labels`` (verl 0.7.x) under Ulysses
   sequence parallelism is refused with :class:`VerlIntegrationError` (labels rolled per shard,
   verl #3512, #3723), at ``DataParallelPPOActor`` construction and at the forward. verl's ``triton``, ``torch`` and ``liger`` backends
   are left untouched, so they stay available for comparison. verl prints "Using Torch backend"
@@ -77,7 +80,7 @@ from ..logits import entropy_from_logits as _rk_entropy_from_logits
 from ..logits import log_probs_from_logits as _rk_log_probs_from_logits
 from . import verl_megatron
 from ._verl_common import (SUMMARY_AFTER_CALLS, SUPPORTED_VERL, VerlIntegrationError, call_counts,  # noqa: F401
-                           check_signature, record, replace_by_name, restore, set_attr, verl_version)
+                           check_signature, count, record, replace_by_name, restore, set_attr, verl_version)
 from ._verl_common import signature as _signature
 
 BACKEND_NAME = "rl_kernels"
@@ -294,18 +297,80 @@ def _full_weight(weight, dtype):
     return weight
 
 
+_entropy_wanted = contextvars.ContextVar("rl_kernels_entropy_wanted", default=True)
+"""False while verl runs a micro-batch with ``calculate_entropy=False`` (set by
+:func:`_entropy_on_request`): the fused head then skips the entropy (verl's fused forwards always
+ask for it, verl #2608)."""
+
+
 def _fused_log_probs_entropy(hidden_states, vocab_weights, input_ids, temperature):
     if isinstance(temperature, torch.Tensor) and temperature.numel() == 1:
         temperature = temperature.item()
     vocab_weights = _full_weight(vocab_weights, hidden_states.dtype)
+    return_entropy = _entropy_wanted.get()
     out = linear_log_probs(hidden_states, vocab_weights, input_ids, temperature=temperature,
-                           return_entropy=True, backend=_options.backend)
+                           return_entropy=return_entropy, backend=_options.backend)
     record("fused_fsdp_calls", "fused fsdp", input_ids.numel())
+    entropy = out.entropy
+    if not return_entropy:
+        count("entropy_skipped_calls")
+        # verl drops the entropy of such a micro-batch; NaN, should anything read it anyway
+        entropy = torch.full_like(out.log_probs, float("nan"))
     if _capture is not None:
         _capture.check(hidden_states, vocab_weights, input_ids, temperature=float(temperature),
                        ignore_index=-100, log_probs=out.log_probs, entropy=out.entropy,
                        metadata={"model": _model_names[-1] if _model_names else "unknown"})
-    return out.log_probs, out.entropy
+    return out.log_probs, entropy
+
+
+def _entropy_on_request(method, read_flag):
+    """Wrap a verl method that runs one micro-batch forward (the FSDP engine's ``forward_step``,
+    verl 0.7.x's ``DataParallelPPOActor._forward_micro_batch``): while it runs, the fused head
+    computes entropy only when ``read_flag(bound_arguments)`` (verl's ``calculate_entropy``) is true."""
+    sig = inspect.signature(method)
+
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        token = _entropy_wanted.set(bool(read_flag(sig.bind(*args, **kwargs).arguments)))
+        try:
+            return method(*args, **kwargs)
+        finally:
+            _entropy_wanted.reset(token)
+
+    wrapper._rl_kernels_original = method
+    return wrapper
+
+
+def _micro_batch_flag(arguments) -> bool:
+    from verl.utils import tensordict_utils as tu
+
+    return tu.get_non_tensor_data(data=arguments["micro_batch"], key="calculate_entropy", default=False)
+
+
+def _wrap_entropy_requests(dp_actor) -> str:
+    """Install :func:`_entropy_on_request` where this verl decides ``calculate_entropy``; returns
+    what was wrapped (for the report) or why nothing was."""
+    wrapped = []
+    try:
+        import verl.workers.engine.fsdp.transformer_impl as fsdp_impl
+    except ImportError as exc:
+        fsdp_impl = None
+        log_once(logging.INFO, f"rl_kernels: verl's FSDP engine not importable ({exc})")
+    engine = getattr(fsdp_impl, "FSDPEngineWithLMHead", None)
+    method = vars(engine).get("forward_step") if engine is not None else None
+    if method is not None and "micro_batch" in inspect.signature(method).parameters:
+        _set(engine, "forward_step", _entropy_on_request(method, _micro_batch_flag))
+        wrapped.append("FSDPEngineWithLMHead.forward_step")
+    if dp_actor is not None:
+        method = vars(dp_actor.DataParallelPPOActor).get("_forward_micro_batch")
+        if method is not None and "calculate_entropy" in inspect.signature(method).parameters:
+            default = inspect.signature(method).parameters["calculate_entropy"].default
+            _set(dp_actor.DataParallelPPOActor, "_forward_micro_batch", _entropy_on_request(
+                method, lambda arguments: arguments.get("calculate_entropy", default)))
+            wrapped.append("DataParallelPPOActor._forward_micro_batch")
+    if not wrapped:
+        return "entropy always computed (no calculate_entropy hook found in this verl)"
+    return "entropy only when verl's calculate_entropy asks (" + ", ".join(wrapped) + ")"
 
 
 _serving = contextvars.ContextVar("rl_kernels_serving", default=False)
@@ -633,7 +698,8 @@ def _patch_all(monkey_patch, experimental_tf, torch_functional) -> dict:
     _set(experimental_tf, "FusedLinearForPPO", _make_fused_linear_class(experimental_tf.FusedLinearForPPO))
     report["FSDP fused path"] = (True, f"impl_backend='{BACKEND_NAME}' (verl.models.transformers.monkey_patch."
                                  f"patch_forward_with_backends, verl.utils.experimental.torch_functional."
-                                 f"FusedLinearForPPO; verl's triton/torch/liger backends unchanged)")
+                                 f"FusedLinearForPPO; verl's triton/torch/liger backends unchanged; "
+                                 f"{_wrap_entropy_requests(dp_actor)})")
     logits_path = _options.patch_logits_path
     if logits_path:
         places = _patch_logits_path(torch_functional)

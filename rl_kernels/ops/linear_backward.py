@@ -26,11 +26,11 @@ def _linear_dlogits_kernel(
     row_start, n_rows, col_start, n_cols, H,
     stride_hn, stride_hk, stride_wv, stride_wk, stride_lab,
     stride_glp, stride_gent, stride_dzm, stride_dzn,
-    inv_temperature, ignore_index,
+    inv_temperature, ignore_index, sum_sq_ptr, g_sq_ptr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_G_LP: tl.constexpr, HAS_G_ENT: tl.constexpr, HAS_G_LSE: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUP_M: tl.constexpr,
-    USE_TMA: tl.constexpr, sum_sq_ptr=None, g_sq_ptr=None, HAS_G_SQ: tl.constexpr = False,
+    USE_TMA: tl.constexpr, HAS_G_SQ: tl.constexpr,
 ):
     local_rows, local_cols, rows, cols, row_mask, col_mask, row0, col0 = window_tile(
         row_start, n_rows, col_start, n_cols, BLOCK_M, BLOCK_N, GROUP_M)
@@ -104,9 +104,8 @@ def linear_dlogits(
         grad_log_probs.stride(0) if has_lp else 0, grad_entropy.stride(0) if has_ent else 0,
         out.stride(0), out.stride(1),
         inv_temperature, ignore_index,
-        HAS_G_LP=has_lp, HAS_G_ENT=has_ent, HAS_G_LSE=grad_lse is not None,
-        sum_sq_ptr=sum_sq if grad_sum_sq is not None else lse,
-        g_sq_ptr=grad_sum_sq if grad_sum_sq is not None else lse, HAS_G_SQ=grad_sum_sq is not None,
+        sum_sq if grad_sum_sq is not None else lse, grad_sum_sq if grad_sum_sq is not None else lse,
+        HAS_G_LP=has_lp, HAS_G_ENT=has_ent, HAS_G_LSE=grad_lse is not None, HAS_G_SQ=grad_sum_sq is not None,
         **gemm_meta(cfg, tile, hidden_states.dtype, use_tma),
     )
     return out

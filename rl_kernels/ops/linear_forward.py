@@ -82,13 +82,13 @@ def _linear_split_stats_kernel(
         tl.store(part_q_ptr + out, q, mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["check_id"])
 def _label_logits_kernel(
     h_ptr, w_ptr, labels_ptr, out_ptr,
     N, V, H, K,
     stride_hn, stride_hk, stride_wv, stride_wk, stride_lab, stride_labk,
-    inv_temperature,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    inv_temperature, ignore_index, label_flag_ptr, check_id,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, MARK_BAD: tl.constexpr,
 ):
     # rows index the N * K (hidden row, id) pairs: hidden row = rows // K, id column = rows % K
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -107,7 +107,13 @@ def _label_logits_kernel(
         a = tl.load(h_base + ks.to(tl.int64)[None, :] * stride_hk, mask=mask, other=0.0)
         b = tl.load(w_base + ks.to(tl.int64)[None, :] * stride_wk, mask=mask, other=0.0)
         acc += tl.sum(a.to(tl.float32) * b.to(tl.float32), axis=1)
-    tl.store(out_ptr + rows, acc * inv_temperature, mask=row_mask)
+    out = acc * inv_temperature
+    if MARK_BAD:  # a label outside [0, V) that is not ignore_index: NaN, and the call id to the flag
+        bad = row_mask & (labels != ignore_index) & ((labels < 0) | (labels >= V))
+        ids = tl.full((BLOCK_R,), check_id, tl.int32)
+        tl.store(label_flag_ptr + tl.zeros((BLOCK_R,), tl.int32), ids, mask=bad & (ids != 0))
+        out = tl.where(bad, float("nan"), out)
+    tl.store(out_ptr + rows, out, mask=row_mask)
 
 
 def label_logits(
@@ -115,21 +121,25 @@ def label_logits(
     weight: torch.Tensor,
     labels: torch.Tensor,
     inv_temperature: float,
+    label_check: tuple[torch.Tensor, int, int] | None = None,
 ) -> torch.Tensor:
     """z_y = (h_i . w_{y_i}) * inv_temperature, float32 (products and sum in float32), shaped like
     ``labels``: (N,) or (N, K) ids per row (K ids of row i all dot with h_i); ids outside [0, V)
-    (``ignore_index``) get 0. Reads one row of W per id."""
+    (``ignore_index``) get 0. Reads one row of W per id. ``label_check``: (flag, check_id,
+    ignore_index): an id outside [0, V) other than ignore_index gets NaN instead, and check_id is
+    written to flag (``validation.deferred_label_check``; nothing written when check_id is 0)."""
     n, h = hidden_states.shape
     k = labels.shape[1] if labels.dim() == 2 else 1
     out = torch.empty(labels.shape, dtype=torch.float32, device=hidden_states.device)
     block_r = 16 if interpreting() else 32
+    flag, check_id, ignore_index = label_check if label_check is not None else (out, 0, -1)
     _label_logits_kernel[(triton.cdiv(n * k, block_r),)](
         hidden_states, weight, labels, out,
         n, weight.shape[0], h, k,
         hidden_states.stride(0), hidden_states.stride(1), weight.stride(0), weight.stride(1),
         labels.stride(0), labels.stride(1) if labels.dim() == 2 else 0,
-        inv_temperature,
-        BLOCK_R=block_r, BLOCK_K=128,
+        inv_temperature, ignore_index, flag, check_id,
+        BLOCK_R=block_r, BLOCK_K=128, MARK_BAD=label_check is not None,
     )
     return out
 
@@ -142,6 +152,7 @@ def linear_split_stats(
     return_entropy: bool,
     cfg: KernelConfig,
     return_sum_pi_squared: bool = False,
+    label_check: tuple[torch.Tensor, int, int] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Per-split partials of the linear head.
 
@@ -149,7 +160,8 @@ def linear_split_stats(
     labels: (N,) int32/int64 (any value; only equality with column ids is used).
     Returns (m, s, b, z_y, q): m, s, b (S, N) float32 with S = ceil(V / cfg.split_v) (b is left
     uninitialised when ``return_entropy`` is False), the label logits z_y (N,) float32, and
-    q = sum exp(2 (z - m)) (S, N) when ``return_sum_pi_squared`` (else None).
+    q = sum exp(2 (z - m)) (S, N) when ``return_sum_pi_squared`` (else None). ``label_check``:
+    see :func:`label_logits`.
     """
     n, h = hidden_states.shape
     v = weight.shape[0]
@@ -170,5 +182,5 @@ def linear_split_stats(
         FLATTEN=cfg.flatten, WARP_SPEC=cfg.warp_specialize, SUMSQ=return_sum_pi_squared,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return (parts[0], parts[1], parts[2], label_logits(hidden_states, weight, labels, inv_temperature),
+    return (parts[0], parts[1], parts[2], label_logits(hidden_states, weight, labels, inv_temperature, label_check),
             parts[3] if return_sum_pi_squared else None)

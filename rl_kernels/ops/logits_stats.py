@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from .._logging import log_once
+from ..validation import label_flag as host_flag
 from .common import log_sum_lse, merge_stats, merge_sum_sq, stats_entropy
 from .config import LogitsConfig
 
@@ -80,24 +81,31 @@ def _split_stats(row_ptr, stride_v, v_begin, V, inv_temperature,
 
 @triton.jit
 def _finalize(row, m, s, b, t, q, x_ptr, stride_n, stride_v, labels_ptr, stride_lab, V,
-              inv_temperature, ignore_index,
+              inv_temperature, ignore_index, label_flag_ptr, check_id,
               log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_ptr, lse_ptr, mean_log_p_ptr, sum_sq_ptr,
               LOG_PROBS: tl.constexpr, ENTROPY: tl.constexpr, ZSUM: tl.constexpr, SUMSQ: tl.constexpr):
     """Write the per-row outputs from the merged statistics (scalars of one row)."""
     log_sum, lse = log_sum_lse(m, s)  # log s clamped at 0 for a finite m (see there)
     tl.store(row_max_ptr + row, m)
-    tl.store(log_sum_ptr + row, log_sum)
     tl.store(lse_ptr + row, lse)
     valid = True
     if LOG_PROBS:
         label = tl.load(labels_ptr + row.to(tl.int64) * stride_lab)
         valid = label != ignore_index
-        # out-of-range labels are reported by the caller after launch; never read out of bounds
-        safe = tl.where(valid & (label >= 0) & (label < V), label, 0).to(tl.int64)
+        in_range = (label >= 0) & (label < V)
+        # a label outside [0, V) that is not ignore_index: never read out of bounds; the row's
+        # log-prob and (through the saved log_sum) its gradient become NaN, and the call id goes
+        # to the host-visible flag word (validation.deferred_label_check; 0 = checked on the host)
+        bad = valid & (in_range == 0)
+        tl.store(label_flag_ptr, check_id, mask=bad & (check_id != 0))
+        safe = tl.where(valid & in_range, label, 0).to(tl.int64)
         zy = tl.load(x_ptr + row.to(tl.int64) * stride_n + safe * stride_v).to(tl.float32)
         zy = zy * inv_temperature
         log_p = tl.minimum((zy - m) - log_sum, 0.0, propagate_nan=tl.PropagateNan.ALL)
-        tl.store(log_probs_ptr + row, tl.where(valid, log_p, 0.0))
+        tl.store(log_probs_ptr + row, tl.where(bad, float("nan"), tl.where(valid, log_p, 0.0)))
+        tl.store(log_sum_ptr + row, tl.where(bad, float("nan"), log_sum))
+    else:
+        tl.store(log_sum_ptr + row, log_sum)
     if ENTROPY:
         tl.store(entropy_ptr + row, tl.where(valid, stats_entropy(log_sum, b, s), 0.0))
     if ZSUM:
@@ -111,7 +119,7 @@ def _merge_and_finalize(
     row, x_ptr, stride_n, stride_v, labels_ptr, stride_lab,
     part_m_ptr, part_s_ptr, part_b_ptr, part_t_ptr, part_q_ptr,
     log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_ptr, lse_ptr, mean_log_p_ptr, sum_sq_ptr,
-    N, V, num_splits, inv_temperature, ignore_index,
+    N, V, num_splits, inv_temperature, ignore_index, label_flag_ptr, check_id,
     SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, FROM_PARTS: tl.constexpr,
     LOG_PROBS: tl.constexpr, ENTROPY: tl.constexpr, ZSUM: tl.constexpr, SUMSQ: tl.constexpr,
 ):
@@ -150,17 +158,17 @@ def _merge_and_finalize(
         m, s, b = merge_stats(m, s, b, pm, ps, pb)
         t += pt
     _finalize(row, m, s, b, t, q, x_ptr, stride_n, stride_v, labels_ptr, stride_lab, V,
-              inv_temperature, ignore_index,
+              inv_temperature, ignore_index, label_flag_ptr, check_id,
               log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_ptr, lse_ptr, mean_log_p_ptr,
               sum_sq_ptr, LOG_PROBS, ENTROPY, ZSUM, SUMSQ)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["check_id"])
 def _logits_fwd_kernel(
     x_ptr, stride_n, stride_v, labels_ptr, stride_lab,
     part_m_ptr, part_s_ptr, part_b_ptr, part_t_ptr, part_q_ptr,
     log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_ptr, lse_ptr, mean_log_p_ptr, sum_sq_ptr,
-    N, V, num_splits, inv_temperature, ignore_index,
+    N, V, num_splits, inv_temperature, ignore_index, label_flag_ptr, check_id,
     SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, TWO_LEVEL: tl.constexpr,
     LOG_PROBS: tl.constexpr, ENTROPY: tl.constexpr, ZSUM: tl.constexpr, SUMSQ: tl.constexpr,
 ):
@@ -185,15 +193,15 @@ def _logits_fwd_kernel(
                             part_m_ptr, part_s_ptr, part_b_ptr, part_t_ptr, part_q_ptr,
                             log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_ptr, lse_ptr,
                             mean_log_p_ptr, sum_sq_ptr, N, V, num_splits, inv_temperature,
-                            ignore_index, SPLIT_V, BLOCK_V, False, LOG_PROBS, ENTROPY, ZSUM, SUMSQ)
+                            ignore_index, label_flag_ptr, check_id, SPLIT_V, BLOCK_V, False, LOG_PROBS, ENTROPY, ZSUM, SUMSQ)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["check_id"])
 def _logits_combine_kernel(
     x_ptr, stride_n, stride_v, labels_ptr, stride_lab,
     part_m_ptr, part_s_ptr, part_b_ptr, part_t_ptr, part_q_ptr,
     log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_ptr, lse_ptr, mean_log_p_ptr, sum_sq_ptr,
-    N, V, num_splits, inv_temperature, ignore_index,
+    N, V, num_splits, inv_temperature, ignore_index, label_flag_ptr, check_id,
     LOG_PROBS: tl.constexpr, ENTROPY: tl.constexpr, ZSUM: tl.constexpr, SUMSQ: tl.constexpr,
 ):
     """Second level: program = row; merges the row's S partials in split order and finalizes."""
@@ -201,7 +209,7 @@ def _logits_combine_kernel(
                         part_m_ptr, part_s_ptr, part_b_ptr, part_t_ptr, part_q_ptr,
                         log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_ptr, lse_ptr,
                         mean_log_p_ptr, sum_sq_ptr, N, V, num_splits, inv_temperature,
-                        ignore_index, 1, 1, True, LOG_PROBS, ENTROPY, ZSUM, SUMSQ)  # SPLIT_V, BLOCK_V unused
+                        ignore_index, label_flag_ptr, check_id, 1, 1, True, LOG_PROBS, ENTROPY, ZSUM, SUMSQ)  # SPLIT_V, BLOCK_V unused
 
 
 @triton.jit
@@ -274,7 +282,7 @@ def _multiprocessors(device: torch.device) -> int:
 def logits_forward(
     logits: torch.Tensor, labels: torch.Tensor | None, inv_temperature: float, ignore_index: int,
     return_entropy: bool, return_mean_log_p: bool, cfg: LogitsConfig, two_level: bool | None = None,
-    return_sum_pi_squared: bool = False,
+    return_sum_pi_squared: bool = False, label_flag: torch.Tensor | None = None, check_id: int = 0,
 ) -> dict[str, torch.Tensor]:
     """Softmax statistics of 2-D ``logits`` (N, V) (any strides; bf16/fp16/fp32).
 
@@ -283,7 +291,9 @@ def logits_forward(
     ``return_entropy``; ``mean_log_p`` (mean over the vocabulary of log p) when ``return_mean_log_p``;
     ``sum_pi_squared`` (sum_j p_j^2) when ``return_sum_pi_squared``.
     ``two_level=None`` picks the launch shape with :func:`use_two_level` (logged at debug level);
-    both shapes give bitwise identical results.
+    both shapes give bitwise identical results. ``label_flag`` / ``check_id``: where a label
+    outside [0, V) that is not ``ignore_index`` is reported (``validation.deferred_label_check``);
+    such a row's log-prob and saved ``log_sum`` are NaN either way.
     """
     n, v = logits.shape
     dev = logits.device
@@ -304,7 +314,8 @@ def logits_forward(
         log_once(logging.DEBUG, f"rl_kernels: from-logits forward, {n} x {v}: "
                  f"{'two-level split' if two_level else 'one level'} ({num_splits} splits per row)")
     dummy = out["lse"]
-    lab = labels if labels is not None else torch.zeros(1, dtype=torch.int32, device=dev)
+    flag = label_flag if label_flag is not None else host_flag(dev)
+    lab = labels if labels is not None else flag  # (a placeholder: not read without labels)
     ptrs = (out.get("log_probs", dummy), out.get("entropy", dummy), out["row_max"], out["log_sum"],
             out["lse"], out.get("mean_log_p", dummy), out.get("sum_pi_squared", dummy))
     flags = dict(LOG_PROBS=labels is not None, ENTROPY=return_entropy, ZSUM=return_mean_log_p,
@@ -313,7 +324,8 @@ def logits_forward(
             else dummy.expand(4 + return_sum_pi_squared, 1, n))
     part = tuple(part.unbind(0)) + (() if return_sum_pi_squared else (dummy.expand(1, n),))
     args = (logits, logits.stride(0), logits.stride(1), lab, lab.stride(0), *part, *ptrs,
-            n, v, num_splits, inv_temperature, ignore_index)
+            n, v, num_splits, inv_temperature, ignore_index,
+            flag, check_id if label_flag is not None else 0)
     _logits_fwd_kernel[(n * num_splits if two_level else n,)](
         *args, SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, TWO_LEVEL=two_level, **flags,
         num_warps=cfg.num_warps)
@@ -335,7 +347,7 @@ def logits_backward(
     if n == 0 or v == 0:
         return grad
     dummy = stats["row_max"]
-    lab = labels if labels is not None else torch.zeros(1, dtype=torch.int32, device=logits.device)
+    lab = labels if labels is not None else host_flag(logits.device)  # (a placeholder: not read)
     _logits_bwd_kernel[(n, triton.cdiv(v, cfg.bwd_block_v))](
         logits, logits.stride(0), logits.stride(1), grad, grad.stride(0), grad.stride(1),
         lab, lab.stride(0), stats["row_max"], stats["log_sum"], stats.get("entropy", dummy),

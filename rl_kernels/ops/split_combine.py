@@ -21,9 +21,8 @@ def _split_combine_kernel(
     part_m_ptr, part_s_ptr, part_b_ptr, zy_ptr,
     labels_ptr, stride_lab,
     log_probs_ptr, entropy_ptr, lse_ptr,
-    N, num_splits, ignore_index,
-    BLOCK: tl.constexpr, ENTROPY: tl.constexpr,
-    part_q_ptr=None, sum_sq_ptr=None, SUMSQ: tl.constexpr = False,
+    N, num_splits, ignore_index, part_q_ptr, sum_sq_ptr,
+    BLOCK: tl.constexpr, ENTROPY: tl.constexpr, SUMSQ: tl.constexpr, MARK_BAD: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     row_mask = rows < N
@@ -51,6 +50,8 @@ def _split_combine_kernel(
     # above 0; log p <= 0 exactly, so clamp (the clamp only ever reduces the error).
     log_p = tl.minimum(zy - lse, 0.0, propagate_nan=tl.PropagateNan.ALL)  # NaN rows stay NaN
     tl.store(log_probs_ptr + rows, tl.where(valid, log_p, 0.0), mask=row_mask)
+    if MARK_BAD:  # label_logits made z_y NaN for a bad label: the saved lse too (a NaN gradient row)
+        lse = tl.where(valid & (zy != zy), zy, lse)
     tl.store(lse_ptr + rows, lse, mask=row_mask)
     if ENTROPY:
         tl.store(entropy_ptr + rows, tl.where(valid, stats_entropy(log_s, b, s), 0.0), mask=row_mask)
@@ -68,6 +69,7 @@ def split_combine(
     return_entropy: bool,
     block: int = 128,
     part_q: torch.Tensor | None = None,
+    mark_bad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """Merge (S, N) float32 partials and the (N,) label logits into (log_probs, entropy, lse,
     sum_sq), each (N,) float32.
@@ -75,6 +77,8 @@ def split_combine(
     ``labels`` is (N,) int32/int64; positions equal to ``ignore_index`` get log-prob and entropy 0.
     ``entropy`` is None when ``return_entropy`` is False (``part_b`` is then not read);
     ``sum_sq`` (sum_j p_j^2) is None unless the (S, N) partials ``part_q`` are given.
+    ``mark_bad``: the label logits carry NaN for bad labels (``label_logits``' label check); such
+    a row's lse becomes NaN too, so that its gradient is NaN, never a finite wrong value.
     """
     num_splits, n = part_m.shape
     log_probs = torch.empty(n, dtype=torch.float32, device=part_m.device)
@@ -86,8 +90,7 @@ def split_combine(
         labels, labels.stride(0),
         log_probs, entropy if return_entropy else log_probs, lse,
         n, num_splits, ignore_index,
-        BLOCK=block, ENTROPY=return_entropy,
-        part_q_ptr=part_q if part_q is not None else part_m, sum_sq_ptr=sum_sq if sum_sq is not None else lse,
-        SUMSQ=part_q is not None,
+        part_q if part_q is not None else part_m, sum_sq if sum_sq is not None else lse,
+        BLOCK=block, ENTROPY=return_entropy, SUMSQ=part_q is not None, MARK_BAD=mark_bad,
     )
     return log_probs, entropy, lse, sum_sq

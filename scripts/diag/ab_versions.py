@@ -6,8 +6,8 @@ cuBLAS ``hidden @ W.T`` of the same shape as the unit.
     mkdir -p .ab && git archive <rev> rl_kernels | tar -x -C .ab && mv .ab/rl_kernels .ab/rl_kernels_old
     python scripts/diag/ab_versions.py --old .ab/rl_kernels_old [--rounds 5]
 
-Cases: linear head forward (no grad) and forward+backward at 16384 x 3584 x 152064, 4096 x 3584 x
-152064 and 512 x 3584 x 152064; logits_stats forward and forward+backward at 16384 x 152064 and
+Cases: linear head forward (no grad) and forward+backward at 16384 x 3584 x 152064, 32768 x 4096 x
+128256, 4096 x 3584 x 152064 and 512 x 3584 x 152064; logits_stats forward and forward+backward at 16384 x 152064 and
 512 x 152064 (bf16). Prints a table: ms of A and B, B / A, and x matmul.
 """
 import argparse
@@ -86,7 +86,7 @@ def main():
     args = ap.parse_args()
     old = load_old(args.old)
     cases = []
-    for shape in ((16384, 3584, 152064), (4096, 3584, 152064), (512, 3584, 152064)):
+    for shape in ((16384, 3584, 152064), (32768, 4096, 128256), (4096, 3584, 152064), (512, 3584, 152064)):
         cases += head_cases(*shape)
     for shape in ((16384, 152064), (512, 152064)):
         cases += logits_cases(*shape)
