@@ -81,7 +81,9 @@ def linear_log_probs(
         TypeError: a non-tensor input, unsupported dtype, ``weight``/``hidden_states`` dtype
             mismatch, non-integer ``ignore_index``, non-number ``temperature``.
         ValueError: shape mismatch, hidden size H = 0, labels outside [0, V) other than
-            ``ignore_index``, an ``ignore_index`` that does not fit the labels' dtype, a
+            ``ignore_index`` (on CUDA with the Triton backend found by the kernel without a host
+            sync: that row's log-prob and gradients are NaN, and the error is raised by the next
+            rl_kernels call or backward; ``RL_KERNELS_SYNC_LABEL_CHECK=1`` raises in the call), an ``ignore_index`` that does not fit the labels' dtype, a
             temperature <= 0, non-finite or outside ``TEMPERATURE_RANGE`` (1/T must be a normal
             float32: about [2.9e-39, 8.5e37]), inputs on different devices, unknown backend.
         RuntimeError: backend "triton" on CPU without TRITON_INTERPRET=1, or without triton;

@@ -170,8 +170,10 @@ _RAISES_DOC = """
     Raises:
         TypeError / ValueError naming the argument for a wrong type, dtype, shape, device,
         temperature (outside ``rl_kernels.validation.TEMPERATURE_RANGE`` included), a label outside
-        [0, vocab_size) that is not ``ignore_index``, or an ``ignore_index`` that does not fit
-        the labels' dtype; RuntimeError when the requested backend cannot run on the logits'
+        [0, vocab_size) that is not ``ignore_index`` (on CUDA with the Triton backend the kernel
+        finds it without a host sync: that row's log-prob and gradient are NaN and the ValueError
+        comes from the next rl_kernels call or backward; ``RL_KERNELS_SYNC_LABEL_CHECK=1`` raises
+        in the call itself), or an ``ignore_index`` that does not fit the labels' dtype; RuntimeError when the requested backend cannot run on the logits'
         device, and when a gradient is differentiated again (double backward is not
         supported: ``create_graph=True`` gives correct first derivatives only)."""
 
