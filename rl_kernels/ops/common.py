@@ -20,6 +20,7 @@ These are ``@triton.jit`` helpers, inlined into the kernels of ``linear_forward`
 ``gemm_meta`` (the GEMM kernels' launch meta-parameters) and ``window_grid`` (the grid of a
 dlogits window) serve their launchers.
 """
+import functools
 import logging
 
 import torch
@@ -88,6 +89,22 @@ def window_grid(rows: slice, cols: slice, tile) -> tuple[int, int, tuple[int]]:
     n_rows = rows.stop - rows.start
     n_cols = cols.stop - cols.start
     return n_rows, n_cols, (triton.cdiv(n_rows, tile.block_m) * triton.cdiv(n_cols, tile.block_n),)
+
+
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA ``device``; 1 for the CPU interpreter."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def persistent_programs(num_tiles: int, programs_per_sm: int, device: torch.device) -> int:
+    """Programs of a tile-loop launch (``window_tile``'s ``tile_id`` loop): one per tile when
+    ``programs_per_sm`` is 0, else at most ``programs_per_sm`` per multiprocessor, each walking
+    the tiles with a stride of the program count. Only which program runs a tile changes, never
+    what a tile computes."""
+    if programs_per_sm <= 0:
+        return num_tiles
+    return max(1, min(num_tiles, programs_per_sm * multiprocessors(device)))
 
 
 @triton.jit
@@ -178,14 +195,15 @@ def grouped_tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def window_tile(row_start, n_rows, col_start, n_cols,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """This program's (BLOCK_M x BLOCK_N) tile of the window logits[row_start:+n_rows,
-    col_start:+n_cols], in ``grouped_tile`` order. Returns (local_rows, local_cols, rows, cols,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, tile_id=None):
+    """Tile ``tile_id`` (default: this program's id) of the (BLOCK_M x BLOCK_N) tiles of the
+    window logits[row_start:+n_rows, col_start:+n_cols], in ``grouped_tile`` order. Returns (local_rows, local_cols, rows, cols,
     row_mask, col_mask, row0, col0): the tile's rows and columns inside the window (they index the
     window-shaped output) and in the full logits, the masks of the window's bounds, and the first
     global row and column (the block origin of ``logits_tile``'s TMA loads)."""
-    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.cdiv(n_cols, BLOCK_N),
-                                GROUP_M)
+    if tile_id is None:
+        tile_id = tl.program_id(0)
+    pid_m, pid_n = grouped_tile(tile_id, tl.cdiv(n_rows, BLOCK_M), tl.cdiv(n_cols, BLOCK_N), GROUP_M)
     local_rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     local_cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = local_rows < n_rows

@@ -47,6 +47,10 @@ class KernelConfig:
     jsd_bwd: BwdTile = BwdTile(128, 128, 8, 3)
     jsd_fused_k: bool = True  # one K loop for both heads' tiles (TMA, equal hidden sizes)
     group_m: int = 8  # row blocks per group of the grouped tile order (L2 reuse)
+    # dlogits launch: 0 = one program per tile; k > 0 = persistent, k programs per multiprocessor
+    # walking the tiles (with ``flatten``: one pipeline across a program's tiles)
+    bwd_programs_per_sm: int = 0
+    bwd_tma_store: bool = False  # dlogits tiles stored through a tensor descriptor (with tma)
     # forward mainloop variants (tl.constexpr flags; none changes any element's arithmetic)
     tma: bool = False  # tensor-descriptor (TMA) loads where the operands allow them (fwd and bwd)
     flatten: bool = False  # one software pipeline across the split's tiles (tl.range flatten)
@@ -73,6 +77,11 @@ class KernelConfig:
 # With the label logit in its own kernel (same day): TMA + flatten 1.03x at both large shapes;
 # warp specialization +/-3% (not adopted); split 1024 vs 2048: N=512 1.35x -> 1.22x at an equal
 # time for the large shapes (1.03-1.04x), so one split of 1024 columns serves every N.
+# dlogits launch, H100, 2026-11-24 (scripts/diag/dlogits_sweep.py, one 4096-column window of all rows,
+# as multiples of its cuBLAS matmul; fwd+bwd of the three benchmark shapes): one tile per program
+# 1.23 / 1.22 / 1.21x; persistent (1 program per SM, flattened tile loop) 1.19 / 1.15 / 1.15x;
+# persistent + TMA store 1.16 / 1.15 / 1.11x, fwd+bwd -1.0 to -1.6%; 4 stages instead of 3: mixed
+# (+-1.5%), not adopted. Every variant bitwise equal.
 # JSD kernels, H100, 4096 x 3584 x 152064 bf16, 2026-11-23 (scripts/diag/jsd_bench.py --sweep), as
 # multiples of one cuBLAS matmul: forward 128x128 / 8 warps / 3 stages 5.17x with two K loops, 4.65x
 # with one (jsd_fused_k); 2 stages 6.9x; 4 warps 10x; 128x256 and 256x128 / 16 warps 12-17x. Backward
@@ -80,7 +89,8 @@ class KernelConfig:
 CUDA_CONFIG = KernelConfig(split_v=1024, block_m=128, block_n=256, block_k=64,
                            num_warps=8, num_stages=3, bwd_cols=BwdTile(128, 256, 8, 3),
                            bwd_rows=BwdTile(128, 256, 8, 3), group_m=8,
-                           tma=True, flatten=True, warp_specialize=False)
+                           tma=True, flatten=True, warp_specialize=False, bwd_programs_per_sm=1,
+                           bwd_tma_store=True)
 
 
 # ----------------------------------------------------------------------------- configuration classes
@@ -165,7 +175,8 @@ INTERPRETER_CONFIG = KernelConfig(split_v=256, block_m=32, block_n=64, block_k=3
                                   num_warps=4, num_stages=1, bwd_cols=BwdTile(32, 64, 4, 1),
                                   bwd_rows=BwdTile(32, 64, 4, 1), group_m=2,
                                   jsd_fwd=BwdTile(32, 64, 4, 1), jsd_bwd=BwdTile(32, 64, 4, 1),
-                                  tma=True, flatten=True, warp_specialize=False)
+                                  tma=True, flatten=True, warp_specialize=False,
+                                  bwd_programs_per_sm=2, bwd_tma_store=True)
 
 
 FORCED_CONFIG: KernelConfig | None = None

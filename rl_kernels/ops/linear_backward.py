@@ -6,6 +6,11 @@ same K-loop GEMM as the forward, then from the saved per-row lse and entropy H:
     dz    = g_lp * (onehot(y) - p) - g_H * p * (log p + H) + g_lse * p   (z - E_p[z] = log p + H)
             + 2 g_S * p * (p - S)                                         (S = sum_j p_j^2)
 and stores dz / temperature (the gradient w.r.t. the raw logits h.w) in the output dtype.
+With ``KernelConfig.bwd_programs_per_sm`` > 0 the launch is persistent: a few programs per
+multiprocessor each walk the window's tiles (same grouped order, same per-tile arithmetic, so the
+same bits), in one flattened software pipeline that overlaps a tile's epilogue (exp, store) with
+the next tile's operand loads. With ``KernelConfig.bwd_tma_store`` (and TMA operands) the tile
+is stored through a tensor descriptor of the window.
 Rows whose label is ``ignore_index`` get exactly 0 (a where, not a product, so a non-finite
 ignored row cannot leak NaN into dW). The caller turns these chunks into dh = dz W and
 dW = dz^T h with one matmul each (see ``rl_kernels.autograd``), so no N x V buffer exists.
@@ -16,7 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import gemm_meta, logits_tile, store_window, tma_operands, window_grid, window_tile
+from .common import (TensorDescriptor, gemm_meta, logits_tile, persistent_programs, store_window, tma_ok,
+                     tma_operands, window_grid, window_tile)
+
+TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 from .config import BwdTile, KernelConfig
 
 
@@ -30,34 +38,43 @@ def _linear_dlogits_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_G_LP: tl.constexpr, HAS_G_ENT: tl.constexpr, HAS_G_LSE: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUP_M: tl.constexpr,
-    USE_TMA: tl.constexpr, HAS_G_SQ: tl.constexpr,
+    USE_TMA: tl.constexpr, HAS_G_SQ: tl.constexpr, num_programs, FLATTEN: tl.constexpr,
+    STORE_TMA: tl.constexpr = False, OUT_DTYPE: tl.constexpr = None,
 ):
-    local_rows, local_cols, rows, cols, row_mask, col_mask, row0, col0 = window_tile(
-        row_start, n_rows, col_start, n_cols, BLOCK_M, BLOCK_N, GROUP_M)
-    z = logits_tile(h_ptr, w_ptr, rows, cols, row_mask, col_mask, H,
-                    stride_hn, stride_hk, stride_wv, stride_wk, inv_temperature,
-                    BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PRECISION, USE_TMA, row0, col0)
-    rows64 = rows.to(tl.int64)
-    labels = tl.load(labels_ptr + rows64 * stride_lab, mask=row_mask, other=ignore_index)
-    lse = tl.load(lse_ptr + rows64, mask=row_mask, other=0.0)
-    log_p = z - lse[:, None]
-    p = tl.exp(log_p)
-    dz = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    if HAS_G_LP:
-        g_lp = tl.load(g_lp_ptr + rows64 * stride_glp, mask=row_mask, other=0.0).to(tl.float32)
-        onehot = tl.where(cols[None, :] == labels[:, None], 1.0, 0.0)
-        dz += g_lp[:, None] * (onehot - p)
-    if HAS_G_ENT:
-        g_ent = tl.load(g_ent_ptr + rows64 * stride_gent, mask=row_mask, other=0.0).to(tl.float32)
-        ent = tl.load(entropy_ptr + rows64, mask=row_mask, other=0.0)
-        dz -= g_ent[:, None] * p * (log_p + ent[:, None])
-    if HAS_G_LSE:  # d lse / dz = p (contiguous (N,) float32)
-        dz += tl.load(g_lse_ptr + rows64, mask=row_mask, other=0.0)[:, None] * p
-    if HAS_G_SQ:  # d(sum p^2)/dz_j = 2 p_j (p_j - sum p^2) (contiguous (N,) float32 each)
-        g_sq = 2.0 * tl.load(g_sq_ptr + rows64, mask=row_mask, other=0.0)
-        dz += g_sq[:, None] * p * (p - tl.load(sum_sq_ptr + rows64, mask=row_mask, other=0.0)[:, None])
-    store_window(dz_ptr, dz * inv_temperature, labels != ignore_index, local_rows, local_cols,
-                 row_mask, col_mask, stride_dzm, stride_dzn)
+    num_tiles = tl.cdiv(n_rows, BLOCK_M) * tl.cdiv(n_cols, BLOCK_N)
+    # one tile per program (num_programs = num_tiles), or a persistent loop over tiles whose
+    # flattened pipeline loads the next tile's operands during this tile's epilogue
+    for tile_id in tl.range(tl.program_id(0), num_tiles, num_programs, flatten=FLATTEN):
+        local_rows, local_cols, rows, cols, row_mask, col_mask, row0, col0 = window_tile(
+            row_start, n_rows, col_start, n_cols, BLOCK_M, BLOCK_N, GROUP_M, tile_id)
+        z = logits_tile(h_ptr, w_ptr, rows, cols, row_mask, col_mask, H,
+                        stride_hn, stride_hk, stride_wv, stride_wk, inv_temperature,
+                        BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PRECISION, USE_TMA, row0, col0)
+        rows64 = rows.to(tl.int64)
+        labels = tl.load(labels_ptr + rows64 * stride_lab, mask=row_mask, other=ignore_index)
+        lse = tl.load(lse_ptr + rows64, mask=row_mask, other=0.0)
+        log_p = z - lse[:, None]
+        p = tl.exp(log_p)
+        dz = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        if HAS_G_LP:
+            g_lp = tl.load(g_lp_ptr + rows64 * stride_glp, mask=row_mask, other=0.0).to(tl.float32)
+            onehot = tl.where(cols[None, :] == labels[:, None], 1.0, 0.0)
+            dz += g_lp[:, None] * (onehot - p)
+        if HAS_G_ENT:
+            g_ent = tl.load(g_ent_ptr + rows64 * stride_gent, mask=row_mask, other=0.0).to(tl.float32)
+            ent = tl.load(entropy_ptr + rows64, mask=row_mask, other=0.0)
+            dz -= g_ent[:, None] * p * (log_p + ent[:, None])
+        if HAS_G_LSE:  # d lse / dz = p (contiguous (N,) float32)
+            dz += tl.load(g_lse_ptr + rows64, mask=row_mask, other=0.0)[:, None] * p
+        if HAS_G_SQ:  # d(sum p^2)/dz_j = 2 p_j (p_j - sum p^2) (contiguous (N,) float32 each)
+            g_sq = 2.0 * tl.load(g_sq_ptr + rows64, mask=row_mask, other=0.0)
+            dz += g_sq[:, None] * p * (p - tl.load(sum_sq_ptr + rows64, mask=row_mask, other=0.0)[:, None])
+        if STORE_TMA:  # dz_ptr: a descriptor of the window; the copy engine clips its bounds
+            dz = tl.where((labels != ignore_index)[:, None], dz * inv_temperature, 0.0)
+            dz_ptr.store([row0 - row_start, col0 - col_start], dz.to(OUT_DTYPE))
+        else:
+            store_window(dz_ptr, dz * inv_temperature, labels != ignore_index, local_rows, local_cols,
+                         row_mask, col_mask, stride_dzm, stride_dzn)
 
 
 def linear_dlogits(
@@ -88,16 +105,19 @@ def linear_dlogits(
     contiguous float32 upstream gradient of sum_j p_j^2 and its forward value, or None.
     """
     n_rows, n_cols, grid = window_grid(rows, cols, tile)
+    programs = persistent_programs(grid[0], cfg.bwd_programs_per_sm, out.device)
     has_lp = grad_log_probs is not None
     has_ent = grad_entropy is not None
     use_tma, operands = tma_operands(cfg, tile.block_m, tile.block_n, (hidden_states, weight))
-    _linear_dlogits_kernel[grid](
+    store_tma = use_tma and cfg.bwd_tma_store and tma_ok(out)
+    dz_out = TensorDescriptor.from_tensor(out, [tile.block_m, tile.block_n]) if store_tma else out
+    _linear_dlogits_kernel[(programs,)](
         *operands, labels, lse,
         entropy if has_ent else lse,
         grad_log_probs if has_lp else lse,
         grad_entropy if has_ent else lse,
         grad_lse if grad_lse is not None else lse,
-        out,
+        dz_out,
         rows.start, n_rows, cols.start, n_cols, hidden_states.shape[1],
         hidden_states.stride(0), hidden_states.stride(1), weight.stride(0), weight.stride(1),
         labels.stride(0),
@@ -106,6 +126,8 @@ def linear_dlogits(
         inv_temperature, ignore_index,
         sum_sq if grad_sum_sq is not None else lse, grad_sum_sq if grad_sum_sq is not None else lse,
         HAS_G_LP=has_lp, HAS_G_ENT=has_ent, HAS_G_LSE=grad_lse is not None, HAS_G_SQ=grad_sum_sq is not None,
+        num_programs=programs, FLATTEN=cfg.flatten and programs < grid[0],
+        STORE_TMA=store_tma, OUT_DTYPE=TL_DTYPES[out.dtype] if store_tma else None,
         **gemm_meta(cfg, tile, hidden_states.dtype, use_tma),
     )
     return out

@@ -31,7 +31,6 @@ d lse / dz = p and dS/dz_j = sum_k 2 p_k p_k ([k == j] - p_j) = 2 p_j (p_j - S).
 """
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
@@ -40,7 +39,7 @@ import triton.language as tl
 
 from .._logging import log_once
 from ..validation import label_flag as host_flag
-from .common import log_sum_lse, merge_stats, merge_sum_sq, stats_entropy
+from .common import log_sum_lse, merge_stats, merge_sum_sq, multiprocessors, stats_entropy
 from .config import LogitsConfig
 
 
@@ -271,12 +270,7 @@ def use_two_level(n: int, v: int, cfg: LogitsConfig, device: torch.device) -> bo
     ``cfg.rows_per_sm`` per multiprocessor, and more than one split per row."""
     if v <= cfg.split_v:
         return False
-    return n < cfg.rows_per_sm * _multiprocessors(device)
-
-
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    return n < cfg.rows_per_sm * multiprocessors(device)
 
 
 def logits_forward(

@@ -1,0 +1,115 @@
+"""dlogits launch variants (persistent tile loop, stages): the recompute kernel alone and the whole
+forward+backward of ``linear_log_probs``, as multiples of cuBLAS ``hidden @ W.T`` of the same
+shape in the same run, and whether dh / dW are bitwise equal to the first variant's.
+
+python scripts/diag/dlogits_sweep.py [--rounds R] [N,H,V ...]   (default: the three benchmark shapes)
+
+Each variant replaces ``KernelConfig`` fields of the shipped CUDA config. The kernel alone is one
+column window (all N rows x ``WINDOW`` vocab columns, the one-recompute schedule's fixed window)
+against a cuBLAS matmul of that window's shape. Forward+backward rounds alternate the variants
+(median of the rounds' do_bench medians), upstream gradients random on both outputs.
+"""
+import argparse
+import dataclasses
+import statistics
+import time
+
+import torch
+import triton
+import triton.testing
+
+import rl_kernels
+from rl_kernels import ops
+from rl_kernels.ops import config as ops_config
+
+WINDOW = 4096
+VARIANTS = [
+    ("one tile per program", dict(bwd_programs_per_sm=0)),
+    ("persistent 1/SM, flatten", dict(bwd_programs_per_sm=1)),
+    ("persistent 1/SM, flatten, 4 stages", dict(bwd_programs_per_sm=1, bwd_tile_stages=4)),
+    ("persistent 1/SM, flatten, TMA store", dict(bwd_programs_per_sm=1, bwd_tma_store=True)),
+    ("one tile per program, TMA store", dict(bwd_programs_per_sm=0, bwd_tma_store=True)),
+]
+
+
+def bench(fn, rep=500):
+    return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
+
+
+def variant_config(fields):
+    fields = dict(fields)
+    stages = fields.pop("bwd_tile_stages", None)
+    cfg = dataclasses.replace(ops_config.CUDA_CONFIG, **fields)
+    if stages:
+        cfg = dataclasses.replace(cfg, bwd_cols=dataclasses.replace(cfg.bwd_cols, num_stages=stages),
+                                  bwd_rows=dataclasses.replace(cfg.bwd_rows, num_stages=stages))
+    return cfg
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("shapes", nargs="*", default=["4096,3584,152064", "16384,3584,152064",
+                                                      "32768,4096,128256"])
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, time.strftime("%Y-%m-%d"))
+    for shape in args.shapes:
+        n, h, v = (int(x) for x in shape.split(","))
+        g = torch.Generator(device="cuda").manual_seed(0)
+        hid = torch.randn(n, h, device="cuda", generator=g).bfloat16()
+        w = (0.02 * torch.randn(v, h, device="cuda", generator=g)).bfloat16()
+        lab = torch.randint(0, v, (n,), device="cuda", generator=g)
+        g_lp = torch.randn(n, device="cuda", generator=g)
+        g_ent = torch.randn(n, device="cuda", generator=g)
+        t_mm = bench(lambda: hid @ w.T)
+        t_win_mm = bench(lambda: hid @ w[:WINDOW].T)
+        base = ops_config.CUDA_CONFIG
+        m, s, b, z_y, _ = ops.linear_split_stats(hid, w, lab, 1.0, True, base)
+        _, ent, lse, _ = ops.split_combine(m, s, b, z_y, lab, -100, True)
+        win = torch.empty(n, WINDOW, dtype=hid.dtype, device="cuda")
+        hg = hid.detach().requires_grad_()
+        wg = w.detach().requires_grad_()
+
+        def step():
+            hg.grad = wg.grad = None
+            out = rl_kernels.linear_log_probs(hg, wg, lab)
+            torch.autograd.backward([out.log_probs, out.entropy], [g_lp, g_ent])
+
+        print(f"\n{n}x{h}x{v}: cuBLAS {t_mm:.2f} ms ({2 * n * h * v / t_mm / 1e9:.0f} TFLOP/s); "
+              f"window {n}x{WINDOW} cuBLAS {t_win_mm:.3f} ms", flush=True)
+        rows, ref, times = {}, None, {name: [] for name, _ in VARIANTS}
+        for name, fields in VARIANTS:
+            cfg = variant_config(fields)
+            try:
+                def kernel():
+                    ops.linear_dlogits(hid, w, lab, lse, ent, g_lp, g_ent, slice(0, n), slice(0, WINDOW),
+                                       1.0, -100, win, cfg, cfg.bwd_cols)
+                win.fill_(float("nan"))
+                kernel()
+                dz = win.clone()
+                t_k = bench(kernel)
+                with ops_config.forced_config(cfg):
+                    step()
+                grads = (hg.grad.clone(), wg.grad.clone())
+            except Exception as e:  # noqa: BLE001
+                print(f"  {name}: {type(e).__name__} {str(e)[:200]}", flush=True)
+                continue
+            if ref is None:
+                ref = (dz, *grads)
+            same = all(torch.equal(a, b) for a, b in zip(ref, (dz, *grads)))
+            rows[name] = (cfg, t_k, same)
+        for _ in range(args.rounds):
+            for name, (cfg, _, _) in rows.items():
+                with ops_config.forced_config(cfg):
+                    times[name].append(bench(step, rep=1000))
+        print(f"  {'variant':38s} {'window ×mm':>10s} {'fwd+bwd ms':>11s} {'×mm':>6s}  bitwise = first")
+        for name, (cfg, t_k, same) in rows.items():
+            t = statistics.median(times[name])
+            print(f"  {name:38s} {t_k / t_win_mm:10.3f} {t:11.2f} {t / t_mm:6.3f}  {same}", flush=True)
+        del hid, w, hg, wg, win
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
