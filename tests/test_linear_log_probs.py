@@ -69,19 +69,28 @@ def test_values_and_gradients_match_float64(backend, dtype, n, h, v, temperature
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("n,v,dtype,schedule", [
-    (37, 1007, torch.float32, "one recompute"),    # float32: the accumulator is dh itself
-    (40, 60, torch.float16, "one recompute"),      # half in dh, half in dW's last N rows (N > V/2)
-    (40, 41, torch.float16, "two passes")], ids=["fp32", "fp16", "fp16-fallback"])
-def test_backward_schedules(backend, n, v, dtype, schedule, poison, small_chunks, monkeypatch):
+@pytest.mark.parametrize("n,h,v,dtype,schedule", [
+    (37, 16, 1007, torch.float32, "one recompute"),    # float32: the accumulator is dh itself
+    (40, 16, 60, torch.float16, "one recompute"),      # half in dh, half in dW's last N rows (N > V/2)
+    (40, 64, 2000, torch.float16, "one recompute"),    # windows placed in dW's unwritten rows
+    (40, 16, 41, torch.float16, "two passes")], ids=["fp32", "fp16", "fp16-wide", "fp16-fallback"])
+def test_backward_schedules(backend, n, h, v, dtype, schedule, poison, small_chunks, monkeypatch):
     """Both gradients: one recompute with the float32 dh accumulator in dh's own storage and (for
     16-bit dh) dW's tail storage (those vocab rows recomputed afterwards), or two passes when it
     does not fit (N > V - 2 for 16-bit weights). Both against float64; poison makes an unwritten
-    dW row show as NaN."""
-    calls = []
+    dW row show as NaN. In "fp16-wide" the Triton backend's 16-bit windows go into the bytes of dW
+    rows not written yet (wider than the fixed buffer): a window that overlapped a written dW row
+    or the accumulator would corrupt it."""
+    calls, placed = [], []
     one = rl_autograd._one_recompute
     monkeypatch.setattr(rl_autograd, "_one_recompute", lambda *a: calls.append(one(*a)) or calls[-1])
-    hidden, weight, labels = make_inputs(n, 16, v, dtype, seed=n + v)
+    mm_into = rl_autograd._mm_into
+
+    def spy(out, a, b):  # dW chunks written from a window that lies inside dW's own storage
+        placed.append(a.untyped_storage().data_ptr() == out.untyped_storage().data_ptr())
+        mm_into(out, a, b)
+    monkeypatch.setattr(rl_autograd, "_mm_into", spy)
+    hidden, weight, labels = make_inputs(n, h, v, dtype, seed=n + v)
     g = torch.Generator().manual_seed(2)
     g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
     hr, wr = hidden.double().requires_grad_(), weight.double().requires_grad_()
@@ -90,10 +99,10 @@ def test_backward_schedules(backend, n, v, dtype, schedule, poison, small_chunks
     hx, wx = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     out = linear_log_probs(hx, wx, labels, temperature=0.9, backend=backend)
     (out.log_probs * g_lp + out.entropy * g_ent).sum().backward()
-    # (the triton backend's 16-bit windows need torch's addmm into float32, absent on some CPUs)
-    from rl_kernels.autograd.backward_schedule import _can_accumulate_fp32
-    runs = schedule == "one recompute" and (backend == "torch" or _can_accumulate_fp32(hidden.device, dtype))
+    runs = schedule == "one recompute"
     assert len(calls) == 1 and (calls[0] is not None) == runs
+    if h == 64:  # the triton backend's windows are 16-bit like dW (the torch backend's are float32)
+        assert any(placed) == (backend == "triton"), placed
     if schedule == "two passes":  # the fallback is logged (once per process)
         from rl_kernels import _logging
         assert any("does not fit" in m or "cannot add" in m for m in _logging._seen)

@@ -11,8 +11,10 @@ twin) and consumed at once by cuBLAS matmuls. Two schedules:
   own storage (all of them for a float32 dh), the rest in the not-yet-written tail of dW's
   storage; the vocab rows whose storage that part occupies are recomputed a second time, after
   dh is final, to write their dW (N of V rows for 16-bit weights; 2N before the accumulator used
-  dh's storage). While dW rows are still unwritten, windows are placed in their bytes and made
-  as wide as fits (fewer passes over the accumulator); later ones use the fixed buffer. Falls
+  dh's storage). Those vocab rows come first: their windows go into the bytes of the other dW
+  rows, none written yet. Then, while dW rows are still unwritten, windows are placed in their
+  bytes and made as wide as fits (fewer passes over the accumulator); later ones use the fixed
+  buffer. Windows are a multiple of the dlogits kernel's tile width where they can be. Falls
   back to the two-pass schedule when the accumulator does not fit (N > V - 2 for 16-bit weights)
   or torch cannot add a 16-bit matmul into a float32 output (``addmm(out_dtype=float32)``),
   logged once.
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 
 import torch
 
@@ -64,8 +67,9 @@ _ADDMM_OUT_DTYPE: dict = {}
 
 
 def _can_accumulate_fp32(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether torch adds a ``dtype`` matmul into a float32 output on ``device`` here."""
-    if dtype == torch.float32:
+    """Whether a ``dtype`` matmul can be added into a float32 output on ``device`` here (CUDA:
+    torch's ``addmm(out_dtype=float32)``; the CPU always, see ``_accumulate``)."""
+    if dtype == torch.float32 or device.type == "cpu":
         return True
     key = (device.type, dtype)
     if key not in _ADDMM_OUT_DTYPE:
@@ -80,9 +84,13 @@ def _can_accumulate_fp32(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc (float32) += a @ b, computed and summed in float32."""
+    """acc (float32) += a @ b, computed and summed in float32. On the CPU (tests, the torch
+    backend) 16-bit operands are upcast first: their products are exact in float32, so this is
+    the same arithmetic as cuBLAS's float32-output matmul, at the cost of float32 copies."""
     if a.dtype == torch.float32:
         acc.addmm_(a, b)
+    elif acc.device.type == "cpu":
+        acc.addmm_(a.float(), b.float())
     else:
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
 
@@ -99,24 +107,34 @@ def _round_up(x: int, m: int) -> int:
 
 
 def chunked_backward(dlogits, hidden_states, weight, dz_dtype, need_dh, need_dw, dh_float32=False,
-                      h_dw=None):
+                      h_dw=None, width_multiple=ALIGN):
     """dh, dW from dlogits windows (module docstring). ``h_dw``: the hidden states that multiply
-    into dW (``hidden_for_weight_grad``); default ``hidden_states``."""
-    h_dw = hidden_states if h_dw is None else h_dw
+    into dW, or a zero-argument function giving them, called at the first dW matmul
+    (``hidden_for_weight_grad``); default ``hidden_states``. Column windows are a multiple of
+    ``width_multiple`` columns wide where they can be (the dlogits kernel's tile width: a
+    partial last tile costs a whole one)."""
+    get_h = h_dw if callable(h_dw) else (lambda: hidden_states if h_dw is None else h_dw)
+    memo = []
+
+    def h_mm() -> torch.Tensor:
+        if not memo:
+            memo.append(get_h().to(dz_dtype))
+        return memo[0]
     n, h = hidden_states.shape
     v = weight.shape[0]
     budget = max(MIN_CHUNK_ELEMENTS, int(CHUNK_FRACTION * (n + v) * h))
     v_pad = _round_up(v, ALIGN)
+    step = ALIGN * width_multiple // math.gcd(ALIGN, width_multiple)
     # column windows: all rows x `cols` columns; row windows: `rows` rows x all columns; both
     # with a row stride that is a multiple of ALIGN (cols itself, or v_pad)
-    cols = min(v_pad, max(ALIGN, budget // max(n, 1) // ALIGN * ALIGN))
+    cols = min(v_pad, max(step, budget // max(n, 1) // step * step))
     rows = max(1, budget // v_pad)
     if n == 0:
         dw = torch.zeros_like(weight, memory_format=torch.contiguous_format) if need_dw else None
         dh = torch.empty_like(hidden_states, memory_format=torch.contiguous_format) if need_dh else None
         return dh, dw
     if need_dh and need_dw:
-        result = _one_recompute(dlogits, hidden_states, weight, dz_dtype, cols, dh_float32, h_dw)
+        result = _one_recompute(dlogits, hidden_states, weight, dz_dtype, cols, dh_float32, h_mm, step)
         if result is not None:
             return result
     size = max(n * cols if need_dw else 0, min(rows, n) * v_pad if need_dh else 0)
@@ -124,12 +142,11 @@ def chunked_backward(dlogits, hidden_states, weight, dz_dtype, need_dh, need_dw,
     dw = None
     if need_dw:
         dw = torch.empty_like(weight, memory_format=torch.contiguous_format)
-        h_mm = h_dw.to(dz_dtype)
         window = buf[: n * cols].view(n, cols)
         for c0 in range(0, v, cols):
             c1 = min(v, c0 + cols)
             dz = dlogits(slice(0, n), slice(c0, c1), window[:, : c1 - c0])
-            _mm_into(dw[c0:c1], dz.T, h_mm)
+            _mm_into(dw[c0:c1], dz.T, h_mm())
     dh = None
     if need_dh:
         dh = torch.empty_like(hidden_states, memory_format=torch.contiguous_format,
@@ -145,8 +162,10 @@ def chunked_backward(dlogits, hidden_states, weight, dz_dtype, need_dh, need_dw,
     return dh, dw
 
 
-def _one_recompute(dlogits, hidden_states, weight, dz_dtype, cols, dh_float32=False, h_dw=None):
-    """The one-recompute schedule (module docstring); None when it cannot run here.
+def _one_recompute(dlogits, hidden_states, weight, dz_dtype, cols, dh_float32, h_mm, step):
+    """The one-recompute schedule (module docstring); None when it cannot run here. ``h_mm``:
+    zero-argument function giving the hidden states for dW in ``dz_dtype``; ``step``: column
+    multiple of the wide windows.
 
     The N x H float32 dh accumulator is split by columns: the first ``lo`` columns live in dh's
     own storage (row i of an (N, lo) float32 matrix occupies exactly the bytes of dh's row i:
@@ -180,7 +199,6 @@ def _one_recompute(dlogits, hidden_states, weight, dz_dtype, cols, dh_float32=Fa
         start = (v * h - acc_elems) // per_float * per_float  # float32-aligned
         acc_hi = flat[start:start + acc_elems].view(torch.float32).view(n, hi)
         tail = start // h
-    h_mm = (hidden_states if h_dw is None else h_dw).to(dz_dtype)
     w_mm = weight.to(dz_dtype)
     buffer = torch.empty(n * cols, dtype=dz_dtype, device=hidden_states.device).view(n, cols)
 
@@ -191,7 +209,7 @@ def _one_recompute(dlogits, hidden_states, weight, dz_dtype, cols, dh_float32=Fa
         otherwise it is the fixed buffer."""
         wide = 0
         if dz_dtype == dw.dtype and free_until > c0:
-            wide = (free_until - c0) * h // (h + n) // ALIGN * ALIGN
+            wide = (free_until - c0) * h // (h + n) // step * step
         if WIDE_FACTOR:
             wide = min(wide, WIDE_FACTOR * cols)
         if wide <= cols:
@@ -200,23 +218,36 @@ def _one_recompute(dlogits, hidden_states, weight, dz_dtype, cols, dh_float32=Fa
         base = (c0 + width) * h  # ends by c0*h + wide*(h + n) <= free_until*h
         return width, flat[base: base + n * wide].view(n, wide)
 
-    if acc_lo is not None:
-        acc_lo.zero_()
-    if acc_hi is not None:
-        acc_hi.zero_()
-    c0, unwritten = 0, None
-    while c0 < v:
-        width, win = window(c0, tail)
-        c1 = c0 + width
-        dz = dlogits(slice(0, n), slice(c0, c1), win[:, :width])
+    def accumulate(c0: int, c1: int, dz: torch.Tensor) -> None:
         if lo:
             _accumulate(acc_lo, dz, w_mm[c0:c1, :lo])
         if acc_hi is not None:
             _accumulate(acc_hi, dz, w_mm[c0:c1, lo:])
-        if c1 <= tail and unwritten is None:
-            _mm_into(dw[c0:c1], dz.T, h_mm)
-        elif unwritten is None:
-            unwritten = c0
+
+    if acc_lo is not None:
+        acc_lo.zero_()
+    if acc_hi is not None:
+        acc_hi.zero_()
+    # first the vocab rows [tail, v) whose dW bytes hold the accumulator: their dz feeds only dh
+    # now (their dW is written after dh is final), so their windows can use the bytes of dW rows
+    # [0, tail), all unwritten yet: a few wide windows instead of many narrow ones at the end
+    front = tail * h // n // step * step if dz_dtype == dw.dtype else 0
+    c0 = tail
+    while c0 < v:
+        if front > cols:
+            width, win = min(front, v - c0), flat[: n * front].view(n, front)
+        else:
+            width, win = min(cols, v - c0), buffer
+        accumulate(c0, c0 + width, dlogits(slice(0, n), slice(c0, c0 + width), win[:, :width]))
+        c0 += width
+    # then rows [0, tail): dz feeds dh and writes dW
+    c0 = 0
+    while c0 < tail:
+        width, win = window(c0, tail)
+        c1 = min(c0 + width, tail)
+        dz = dlogits(slice(0, n), slice(c0, c1), win[:, : c1 - c0])
+        accumulate(c0, c1, dz)
+        _mm_into(dw[c0:c1], dz.T, h_mm())
         c0 = c1
     if acc_hi is not None:  # dh row blocks from both parts, through the window buffer
         block = max(1, buffer.numel() // h)  # (dh is 16-bit here: a float32 dh holds it all)
@@ -230,11 +261,11 @@ def _one_recompute(dlogits, hidden_states, weight, dz_dtype, cols, dh_float32=Fa
             dh[r0:r1].copy_(rows)
     # (with hi == 0, dh is float32 and holds the accumulator itself)
     # the accumulator is free: recompute the vocab rows whose dW is not written yet
-    c0 = v if unwritten is None else unwritten
+    c0 = tail
     while c0 < v:
         width, win = window(c0, v)
         c1 = c0 + width
         dz = dlogits(slice(0, n), slice(c0, c1), win[:, :width])
-        _mm_into(dw[c0:c1], dz.T, h_mm)
+        _mm_into(dw[c0:c1], dz.T, h_mm())
         c0 = c1
     return dh, dw

@@ -40,14 +40,32 @@ def first_order_only(backward):
 
 
 def hidden_for_weight_grad(hidden_states: torch.Tensor, ignored: torch.Tensor,
-                           lse: torch.Tensor) -> torch.Tensor:
-    """``hidden_states`` with the rows that must not reach dW zeroed: rows that are ``ignored``
-    (label == ignore_index, or masked) and non-finite. Their dlogits rows are exactly 0, but in
-    dW = dz^T h a NaN/inf hidden value times 0 is NaN, which would spread over all of dW. A row of
-    non-finite hidden states has a non-finite lse (every logit of the row is NaN or +-inf), so the
-    check reads O(N) values; it costs one host sync, and a copy of hidden_states only when such a
-    row exists."""
+                           lse: torch.Tensor):
+    """A zero-argument function giving ``hidden_states`` with the rows that must not reach dW
+    zeroed: rows that are ``ignored`` (label == ignore_index, or masked) and non-finite. Their
+    dlogits rows are exactly 0, but in dW = dz^T h a NaN/inf hidden value times 0 is NaN, which
+    would spread over all of dW. A row of non-finite hidden states has a non-finite lse (every
+    logit of the row is NaN or +-inf), so the check reads O(N) values; a copy of hidden_states is
+    made only when such a row exists.
+
+    The check needs the host to see one value. On CUDA it is copied into pinned host memory
+    without blocking, and the host waits for it only when the function is first called: the
+    backward schedule calls it at its first dW matmul, after it has queued the first window's
+    kernels, so the GPU is never left idle while the host waits (a sync at the start of the
+    backward cost 3-5% of a 4096-row step on the H100, 2026-11-24)."""
     bad = ignored & ~torch.isfinite(lse)
-    if bool(bad.any()):
-        return hidden_states.masked_fill(bad[:, None], 0)
-    return hidden_states
+    if hidden_states.device.type != "cuda":
+        any_bad = bool(bad.any())
+        return lambda: hidden_states.masked_fill(bad[:, None], 0) if any_bad else hidden_states
+    flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+    flag.copy_(bad.any(), non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    resolved = []
+
+    def resolve() -> torch.Tensor:
+        if not resolved:
+            ready.synchronize()
+            resolved.append(hidden_states.masked_fill(bad[:, None], 0) if bool(flag) else hidden_states)
+        return resolved[0]
+    return resolve

@@ -85,13 +85,13 @@ class LinearJSDFunction(torch.autograd.Function):
             from ..ops.linear_jsd import jsd_dlogits
 
             cfg = default_config(hs.device, hs.dtype)
-            dz_dtype = hs.dtype
+            dz_dtype, width = hs.dtype, cfg.jsd_bwd.block_n
 
             def dlogits(rows, cols, out):
                 return jsd_dlogits(hs, ws, ht, wt, lse_s, lse_t, g_sum, scale, rows, cols,
                                    params.inv_temperature, params.beta, out, cfg, cfg.jsd_bwd)
         else:
-            dz_dtype = torch.float32
+            dz_dtype, width = torch.float32, 1
 
             def dlogits(rows, cols, out):
                 return torch_jsd_dlogits(hs, ws, ht, wt, lse_s, lse_t, g_sum, scale, rows, cols,
@@ -99,7 +99,8 @@ class LinearJSDFunction(torch.autograd.Function):
         reduce_dh = params.tp is not None and params.tp.reduce_hidden_grad
         h_dw = hidden_for_weight_grad(hs, ~valid, lse_s) if need_dw and params.may_have_ignored else hs
         with full_precision_reduction():
-            dh, dw = chunked_backward(dlogits, hs, ws, dz_dtype, need_dh, need_dw, reduce_dh, h_dw)
+            dh, dw = chunked_backward(dlogits, hs, ws, dz_dtype, need_dh, need_dw, reduce_dh, h_dw,
+                                      width_multiple=width)
         if reduce_dh:
             dh = finish_hidden_grad(dh, params.tp, hs.dtype)
         return dh, dw, None, None, None, None

@@ -69,7 +69,7 @@ def head_backward(hidden_states, weight, labels, lse, entropy, grad_log_probs, g
         from .. import ops
 
         cfg = ops.default_config(hidden_states.device, hidden_states.dtype)
-        dz_dtype = hidden_states.dtype
+        dz_dtype, width = hidden_states.dtype, cfg.bwd_cols.block_n
 
         def dlogits(rows, cols, out):
             tile = cfg.bwd_rows if cols.stop - cols.start == weight.shape[0] else cfg.bwd_cols
@@ -77,7 +77,7 @@ def head_backward(hidden_states, weight, labels, lse, entropy, grad_log_probs, g
                                       grad_entropy, rows, cols, params.inv_temperature,
                                       params.ignore_index, out, cfg, tile, grad_lse, sum_sq, grad_sum_sq)
     else:
-        dz_dtype = torch.float32
+        dz_dtype, width = torch.float32, 1
 
         def dlogits(rows, cols, out):
             return torch_dlogits(hidden_states, weight, labels, lse, entropy, grad_log_probs,
@@ -92,7 +92,7 @@ def head_backward(hidden_states, weight, labels, lse, entropy, grad_log_probs, g
         h_dw = hidden_for_weight_grad(hidden_states, labels == params.ignore_index, lse)
     with full_precision_reduction():
         return chunked_backward(dlogits, hidden_states, weight, dz_dtype, need_dh, need_dw, dh_float32,
-                                h_dw)
+                                h_dw, width_multiple=width)
 
 
 def _with_gathered(dlogits, ids, grad, valid, inv_temperature):

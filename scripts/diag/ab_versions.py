@@ -83,6 +83,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--old", type=Path, required=True, help="directory of the older rl_kernels package")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--cases", default="", help="run only the cases whose name contains this text")
     args = ap.parse_args()
     old = load_old(args.old)
     cases = []
@@ -93,6 +94,8 @@ def main():
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; A = {args.old}, B = working tree")
     print(f"{'case':36s} {'A ms':>9s} {'B ms':>9s} {'B/A':>7s} {'per-round B/A':>15s} {'A xmm':>7s} {'B xmm':>7s}")
     for name, make, mm in cases:
+        if args.cases not in name:
+            continue
         a_fn, b_fn = make(old), make(new)
         a_fn(), b_fn()  # compile both
         ta, tb = [], []
