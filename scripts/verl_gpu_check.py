@@ -136,9 +136,9 @@ def main(argv=None):
                 base = torch.cuda.memory_allocated()
                 t0 = time.perf_counter()
                 if no_entropy:
-                    token = rkv._entropy_wanted.set(False)
+                    token = rkv.entropy_wanted.set(False)
                     lp, ent = step(model)
-                    rkv._entropy_wanted.reset(token)
+                    rkv.entropy_wanted.reset(token)
                     ppo_loss(lp.float(), torch.zeros_like(lp.float()), adv, old).backward()
                 else:  # (entropy unused: computed, as verl's fused forward asks, but out of the loss)
                     lp, ent = step(model)

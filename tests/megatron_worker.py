@@ -86,6 +86,7 @@ def run(rank, world, init_file):
     # stand-in (same semantics) where verl looks it up BEFORE rl-kernels' patch wraps it
     import megatron.core.tensor_parallel as mcore_tp
     import megatron.core.tensor_parallel.mappings as mappings
+    import verl.models.mcore as mcore
     import verl.models.mcore.model_forward_1f1b_overlap as overlap
     import verl.models.mcore.model_forward_fused as fused
     import verl.utils.megatron.tensor_parallel as vtp
@@ -102,7 +103,8 @@ def run(rank, world, init_file):
     originals.update({(fused, "linear_cross_entropy"): verl_lce, (overlap, "linear_cross_entropy"): verl_lce,
                       (fused, "gather_from_sequence_parallel_region"): gather_from_sequence_parallel_region,
                       (mcore_tp, "gather_from_sequence_parallel_region"): gather_from_sequence_parallel_region,
-                      (verl_F, "calculate_sum_pi_squared_from_logits"): verl_F.calculate_sum_pi_squared_from_logits})
+                      (verl_F, "calculate_sum_pi_squared_from_logits"): verl_F.calculate_sum_pi_squared_from_logits,
+                      (mcore, "get_mcore_forward_fused_model_engine_fn"): mcore.get_mcore_forward_fused_model_engine_fn})
 
     records = _Records()
     logging.getLogger("rl_kernels").addHandler(records)
@@ -128,6 +130,7 @@ def run(rank, world, init_file):
         assert after["fused_calls"] == after["fused_fsdp_calls"] + after["fused_megatron_calls"]
         summary = [m for m in records.messages() if m.startswith("rl_kernels: served 8 calls")]
         assert len(summary) == 1 and "megatron" in summary[0], records.messages()
+        _check_engine_entropy_on_request(rkv, rkm, mcore, rank, world)
 
         _check_unpatch_restores(rkv, rkm, originals)
         if rank == 0:
@@ -164,6 +167,7 @@ def _check_patched(rkv, rkm, vtp, mti, fused, overlap, verl_F, mcore_tp):
                  "FSDP fused path", "FSDP logits path", "sum_pi_squared (FSDP)"):
         assert report[part][0], (part, report[part])
     assert "verl.workers.engine.megatron.transformer_impl.vocab_parallel_entropy" in report["Megatron logits path"][1]
+    assert "entropy only when verl's calculate_entropy asks" in report["Megatron fused path"][1], report
 
 
 # ----------------------------------------------------------------------------- logits path
@@ -303,6 +307,38 @@ def _check_fused_arguments(rkm, rank, world):
             assert match in str(e), e
         else:
             raise AssertionError(f"{bad} did not raise")
+
+
+def _check_engine_entropy_on_request(rkv, rkm, mcore, rank, world):
+    """verl's Megatron engine gets its fused forward from verl.models.mcore's factory and calls it
+    with calculate_entropy: with False, the fused head inside computes no entropy (NaN placeholder,
+    counted), log-probs unchanged (verl #2608). The engine forward is a stand-in that calls the
+    fused head as verl's does (a real one needs a Megatron model)."""
+    import verl.models.mcore.registry as registry
+    from megatron.core import parallel_state
+
+    hidden, weight, labels, _, _ = _fused_inputs(world)
+    group = parallel_state.get_tensor_model_parallel_group()
+    w_shard = weight[rank * V_R:(rank + 1) * V_R]
+
+    def engine_forward(model, input_ids, labels, multi_modal_inputs, temperature, calculate_entropy,
+                       pad_token_id, **kwargs):
+        return rkm.linear_cross_entropy(hidden, w_shard, labels, temperature, "none", group)
+
+    original = registry.fused_forward_model_engine
+    registry.fused_forward_model_engine = lambda vision_model: engine_forward
+    try:
+        forward = mcore.get_mcore_forward_fused_model_engine_fn(types.SimpleNamespace(architectures=["Qwen2ForCausalLM"]))
+        skipped = rkv.call_counts()["entropy_skipped_calls"]
+        lp_on, ent_on = forward(None, None, labels, {}, TEMPERATURE, True, 0)
+        lp_off, ent_off = forward(None, None, labels, {}, TEMPERATURE, calculate_entropy=False, pad_token_id=0)
+    finally:
+        registry.fused_forward_model_engine = original
+    assert torch.equal(lp_on, lp_off) and torch.isfinite(ent_on).all() and ent_on.abs().sum() > 0
+    assert torch.isnan(ent_off).all() and ent_off.shape == ent_on.shape
+    assert rkv.call_counts()["entropy_skipped_calls"] == skipped + 1
+    # outside the engine's forward, the fused head computes entropy as before
+    assert torch.equal(rkm.linear_cross_entropy(hidden, w_shard, labels, TEMPERATURE, "none", group)[1], ent_on)
 
 
 # ----------------------------------------------------------------------------- patch mechanics

@@ -135,7 +135,7 @@ def test_entropy_only_when_verl_asks(qwen2_forward):
         with torch.no_grad():
             return model(**inputs, temperature=T, return_dict=True)
 
-    wrapped = rkv._entropy_on_request(micro_batch_forward, lambda a: a.get("calculate_entropy", False))
+    wrapped = rkv.entropy_on_request(micro_batch_forward, lambda a: a.get("calculate_entropy", False))
     counts = rkv.call_counts()
     out = wrapped({}, calculate_entropy=False)
     after = rkv.call_counts()

@@ -8,6 +8,8 @@
 """
 from __future__ import annotations
 
+import contextvars
+import functools
 import importlib.metadata
 import inspect
 import sys
@@ -169,3 +171,29 @@ def call_counts() -> dict:
     out["fused_calls"] = out["fused_fsdp_calls"] + out["fused_megatron_calls"]
     out["fused_tokens"] = out["fused_fsdp_tokens"] + out["fused_megatron_tokens"]
     return out
+
+
+# ----------------------------------------------------------------------------- entropy on request
+entropy_wanted = contextvars.ContextVar("rl_kernels_entropy_wanted", default=True)
+"""False while verl runs a forward with ``calculate_entropy=False`` (set by
+:func:`entropy_on_request`): the fused heads (FSDP and Megatron) then skip the entropy, which
+verl's fused forwards always ask for (verl #2608)."""
+
+
+def entropy_on_request(method, read_flag):
+    """Wrap a verl function that runs one forward and knows ``calculate_entropy`` (the FSDP
+    engine's ``forward_step``, verl 0.7.x's ``DataParallelPPOActor._forward_micro_batch``, the
+    Megatron engine's fused forward): while it runs, the fused head computes entropy only when
+    ``read_flag(bound_arguments)`` is true."""
+    sig = inspect.signature(method)
+
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        token = entropy_wanted.set(bool(read_flag(sig.bind(*args, **kwargs).arguments)))
+        try:
+            return method(*args, **kwargs)
+        finally:
+            entropy_wanted.reset(token)
+
+    wrapper._rl_kernels_original = method
+    return wrapper

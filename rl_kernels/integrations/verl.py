@@ -80,7 +80,8 @@ from ..logits import entropy_from_logits as _rk_entropy_from_logits
 from ..logits import log_probs_from_logits as _rk_log_probs_from_logits
 from . import verl_megatron
 from ._verl_common import (SUMMARY_AFTER_CALLS, SUPPORTED_VERL, VerlIntegrationError, call_counts,  # noqa: F401
-                           check_signature, count, record, replace_by_name, restore, set_attr, verl_version)
+                           check_signature, count, entropy_on_request, entropy_wanted, record, replace_by_name,
+                           restore, set_attr, verl_version)
 from ._verl_common import signature as _signature
 
 BACKEND_NAME = "rl_kernels"
@@ -297,17 +298,11 @@ def _full_weight(weight, dtype):
     return weight
 
 
-_entropy_wanted = contextvars.ContextVar("rl_kernels_entropy_wanted", default=True)
-"""False while verl runs a micro-batch with ``calculate_entropy=False`` (set by
-:func:`_entropy_on_request`): the fused head then skips the entropy (verl's fused forwards always
-ask for it, verl #2608)."""
-
-
 def _fused_log_probs_entropy(hidden_states, vocab_weights, input_ids, temperature):
     if isinstance(temperature, torch.Tensor) and temperature.numel() == 1:
         temperature = temperature.item()
     vocab_weights = _full_weight(vocab_weights, hidden_states.dtype)
-    return_entropy = _entropy_wanted.get()
+    return_entropy = entropy_wanted.get()
     out = linear_log_probs(hidden_states, vocab_weights, input_ids, temperature=temperature,
                            return_entropy=return_entropy, backend=_options.backend)
     record("fused_fsdp_calls", "fused fsdp", input_ids.numel())
@@ -323,24 +318,6 @@ def _fused_log_probs_entropy(hidden_states, vocab_weights, input_ids, temperatur
     return out.log_probs, entropy
 
 
-def _entropy_on_request(method, read_flag):
-    """Wrap a verl method that runs one micro-batch forward (the FSDP engine's ``forward_step``,
-    verl 0.7.x's ``DataParallelPPOActor._forward_micro_batch``): while it runs, the fused head
-    computes entropy only when ``read_flag(bound_arguments)`` (verl's ``calculate_entropy``) is true."""
-    sig = inspect.signature(method)
-
-    @functools.wraps(method)
-    def wrapper(*args, **kwargs):
-        token = _entropy_wanted.set(bool(read_flag(sig.bind(*args, **kwargs).arguments)))
-        try:
-            return method(*args, **kwargs)
-        finally:
-            _entropy_wanted.reset(token)
-
-    wrapper._rl_kernels_original = method
-    return wrapper
-
-
 def _micro_batch_flag(arguments) -> bool:
     from verl.utils import tensordict_utils as tu
 
@@ -348,7 +325,7 @@ def _micro_batch_flag(arguments) -> bool:
 
 
 def _wrap_entropy_requests(dp_actor) -> str:
-    """Install :func:`_entropy_on_request` where this verl decides ``calculate_entropy``; returns
+    """Install :func:`entropy_on_request` where this verl decides ``calculate_entropy``; returns
     what was wrapped (for the report) or why nothing was."""
     wrapped = []
     try:
@@ -359,13 +336,13 @@ def _wrap_entropy_requests(dp_actor) -> str:
     engine = getattr(fsdp_impl, "FSDPEngineWithLMHead", None)
     method = vars(engine).get("forward_step") if engine is not None else None
     if method is not None and "micro_batch" in inspect.signature(method).parameters:
-        _set(engine, "forward_step", _entropy_on_request(method, _micro_batch_flag))
+        _set(engine, "forward_step", entropy_on_request(method, _micro_batch_flag))
         wrapped.append("FSDPEngineWithLMHead.forward_step")
     if dp_actor is not None:
         method = vars(dp_actor.DataParallelPPOActor).get("_forward_micro_batch")
         if method is not None and "calculate_entropy" in inspect.signature(method).parameters:
             default = inspect.signature(method).parameters["calculate_entropy"].default
-            _set(dp_actor.DataParallelPPOActor, "_forward_micro_batch", _entropy_on_request(
+            _set(dp_actor.DataParallelPPOActor, "_forward_micro_batch", entropy_on_request(
                 method, lambda arguments: arguments.get("calculate_entropy", default)))
             wrapped.append("DataParallelPPOActor._forward_micro_batch")
     if not wrapped:

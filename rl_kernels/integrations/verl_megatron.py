@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import logging
 import numbers
 
@@ -71,7 +72,8 @@ import torch
 import rl_kernels
 
 from .._logging import log_once, logger
-from ._verl_common import VerlIntegrationError, check_signature, record, replace_by_name, set_attr, verl_version
+from ._verl_common import (VerlIntegrationError, check_signature, count, entropy_on_request, entropy_wanted, record,
+                           replace_by_name, set_attr, verl_version)
 
 LOGITS_FUNCTIONS = ("vocab_parallel_log_probs_from_logits", "vocab_parallel_entropy",
                     "vocab_parallel_entropy_with_chunking")
@@ -180,7 +182,9 @@ def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="non
     labels: global ids, ``labels.numel()`` rows paired with ``hidden.reshape(-1, H)`` as verl's
     kernel pairs them. Returns float32 ``(log_probs, entropy)`` shaped like ``labels``. dh over
     the TP group: see the module docstring (``reduce_hidden_grad`` unless ``hidden`` is the output
-    of ``gather_from_sequence_parallel_region``).
+    of ``gather_from_sequence_parallel_region``). Inside a fused engine forward that verl runs with
+    ``calculate_entropy=False`` (:func:`_wrap_engine_entropy_requests`) no entropy is computed and
+    the entropy returned is NaN (verl drops it).
     """
     if reduction != "none":
         raise ValueError(f"reduction: rl-kernels' linear_cross_entropy returns per-token log-probs and "
@@ -204,10 +208,49 @@ def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="non
                   "vocab_start_index": torch.distributed.get_rank(dist_process_group) * weight.shape[0],
                   "reduce_hidden_grad": not summed}
     backend = _options_getter().backend if _options_getter is not None else "auto"
+    return_entropy = entropy_wanted.get()
     out = rl_kernels.linear_log_probs(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
-                                      temperature=temperature, return_entropy=True, backend=backend, **kwargs)
+                                      temperature=temperature, return_entropy=return_entropy, backend=backend,
+                                      **kwargs)
     record("fused_megatron_calls", "fused megatron", labels.numel())
+    if not return_entropy:
+        count("entropy_skipped_calls")
+        return out.log_probs.view(labels.shape), torch.full_like(out.log_probs, float("nan")).view(labels.shape)
     return out.log_probs.view(labels.shape), out.entropy.view(labels.shape)
+
+
+ENGINE_FORWARD_FACTORIES = ("get_mcore_forward_fused_model_engine_fn", "get_mcore_forward_fused_no_padding_fn")
+"""verl's factories (in ``verl.models.mcore``) of the Megatron engine's fused forward, which takes
+``calculate_entropy``: 0.8 / 0.9 import the first at call time, 0.7.x binds the second by name."""
+
+
+def _wrap_engine_entropy_requests() -> str:
+    """Wrap verl's Megatron engine fused-forward factories (and their by-name imports) so that
+    each forward they return runs under :func:`entropy_on_request` with its ``calculate_entropy``
+    argument. Returns the report's wording."""
+    try:
+        mcore = importlib.import_module("verl.models.mcore")
+    except ImportError as exc:
+        return f"entropy always computed (verl.models.mcore not importable: {exc})"
+    wrapped = []
+    for name in ENGINE_FORWARD_FACTORIES:
+        factory = getattr(mcore, name, None)
+        if factory is None:
+            continue
+
+        def fused_forward_factory(*args, _factory=factory, **kwargs):
+            forward = _factory(*args, **kwargs)
+            if not callable(forward) or "calculate_entropy" not in inspect.signature(forward).parameters:
+                return forward
+            return entropy_on_request(forward, lambda arguments: arguments["calculate_entropy"])
+
+        functools.update_wrapper(fused_forward_factory, factory)
+        fused_forward_factory._rl_kernels_original = factory
+        replace_by_name(mcore, {name: fused_forward_factory})
+        wrapped.append(f"verl.models.mcore.{name}")
+    if not wrapped:
+        return "entropy always computed (this verl has no Megatron engine fused forward factory)"
+    return f"entropy only when verl's calculate_entropy asks ({', '.join(wrapped)})"
 
 
 def _make_gather(original):
@@ -307,7 +350,7 @@ def _patch_fused(mcore_tp) -> tuple:
     # the 1F1B-overlap postprocess imports it from megatron.core.tensor_parallel at call time
     set_attr(mcore_tp, GATHER, gather, restore_imports=True)
     line = (f"{', '.join(places)} (dh over the TP group summed by gather_from_sequence_parallel_region under "
-            f"sequence parallelism, else all-reduced by rl-kernels)")
+            f"sequence parallelism, else all-reduced by rl-kernels); {_wrap_engine_entropy_requests()}")
     if skipped:
         line += f"; not importable, not patched: {'; '.join(skipped)}"
     return True, line

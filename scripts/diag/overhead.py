@@ -2,9 +2,15 @@
 against the label check it contains (the check's host sync), for the fused head and the
 from-logits path. Times are do_bench medians (us) and x one cuBLAS ``hidden @ W.T``.
 
-python scripts/diag/overhead.py [N,H,V]   (default 512,3584,152064)
+python scripts/diag/overhead.py [N,H,V] [--cprofile]   (default 512,3584,152064)
+
+With --cprofile: the from-logits forward+backward run 300 times under cProfile (host functions by
+own time, per call), after the table.
 """
+import cProfile
+import pstats
 import sys
+import time
 
 import torch
 import triton.testing
@@ -13,7 +19,8 @@ import rl_kernels
 from rl_kernels import ops
 from rl_kernels.validation import check_label_values
 
-n, h, v = (int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "512,3584,152064").split(","))
+shape_args = [a for a in sys.argv[1:] if not a.startswith("--")]
+n, h, v = (int(x) for x in (shape_args[0] if shape_args else "512,3584,152064").split(","))
 g = torch.Generator(device="cuda").manual_seed(0)
 hid = torch.randn(n, h, device="cuda", generator=g).bfloat16()
 w = (0.02 * torch.randn(v, h, device="cuda", generator=g)).bfloat16()
@@ -51,3 +58,25 @@ for name, f in rows.items():
     with torch.no_grad() if "fwd+bwd" not in name else torch.enable_grad():
         t = bench(f)
     print(f"{name:38s} {t * 1e3:8.1f} us = {t / t_mm:.3f}x mm")
+
+if "--cprofile" in sys.argv:
+    reps = 300
+    for _ in range(20):
+        logits_fwd_bwd()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        logits_fwd_bwd()
+    torch.cuda.synchronize()
+    print(f"\nlogits API fwd+bwd, {reps} back-to-back calls: {(time.perf_counter() - start) / reps * 1e6:.1f} us per call")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(reps):
+        logits_fwd_bwd()
+    torch.cuda.synchronize()
+    prof.disable()
+    stats = pstats.Stats(prof)
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:25]
+    print(f"{'own us/call':>11s} {'cum us/call':>11s} {'calls/step':>10s}  function")
+    for (file, line, fn), (cc, nc, tt, ct, _) in rows:
+        print(f"{tt / reps * 1e6:11.1f} {ct / reps * 1e6:11.1f} {nc / reps:10.1f}  {file.split('/')[-1]}:{line} {fn}")
