@@ -61,11 +61,8 @@ def hidden_for_weight_grad(hidden_states: torch.Tensor, ignored: torch.Tensor,
     flag.copy_(bad.any(), non_blocking=True)
     ready = torch.cuda.Event()
     ready.record()
-    resolved = []
 
-    def resolve() -> torch.Tensor:
-        if not resolved:
-            ready.synchronize()
-            resolved.append(hidden_states.masked_fill(bad[:, None], 0) if bool(flag) else hidden_states)
-        return resolved[0]
+    def resolve() -> torch.Tensor:  # called once, by chunked_backward (which keeps the result)
+        ready.synchronize()
+        return hidden_states.masked_fill(bad[:, None], 0) if bool(flag) else hidden_states
     return resolve

@@ -14,6 +14,8 @@ import importlib.metadata
 import inspect
 import sys
 
+import torch
+
 from .._logging import logger
 
 SUPPORTED_VERL = ("0.7.", "0.8.", "0.9.")
@@ -197,3 +199,11 @@ def entropy_on_request(method, read_flag):
 
     wrapper._rl_kernels_original = method
     return wrapper
+
+
+def entropy_placeholder(log_probs: torch.Tensor) -> torch.Tensor:
+    """The entropy handed back to verl for a forward whose entropy it did not ask for (verl drops
+    it): NaN like ``log_probs``, should anything read it anyway. Counted as
+    ``entropy_skipped_calls``."""
+    count("entropy_skipped_calls")
+    return torch.full_like(log_probs, float("nan"))

@@ -80,8 +80,8 @@ from ..logits import entropy_from_logits as _rk_entropy_from_logits
 from ..logits import log_probs_from_logits as _rk_log_probs_from_logits
 from . import verl_megatron
 from ._verl_common import (SUMMARY_AFTER_CALLS, SUPPORTED_VERL, VerlIntegrationError, call_counts,  # noqa: F401
-                           check_signature, count, entropy_on_request, entropy_wanted, record, replace_by_name,
-                           restore, set_attr, verl_version)
+                           check_signature, entropy_on_request, entropy_placeholder, entropy_wanted, record,
+                           replace_by_name, restore, set_attr, verl_version)
 from ._verl_common import signature as _signature
 
 BACKEND_NAME = "rl_kernels"
@@ -306,11 +306,7 @@ def _fused_log_probs_entropy(hidden_states, vocab_weights, input_ids, temperatur
     out = linear_log_probs(hidden_states, vocab_weights, input_ids, temperature=temperature,
                            return_entropy=return_entropy, backend=_options.backend)
     record("fused_fsdp_calls", "fused fsdp", input_ids.numel())
-    entropy = out.entropy
-    if not return_entropy:
-        count("entropy_skipped_calls")
-        # verl drops the entropy of such a micro-batch; NaN, should anything read it anyway
-        entropy = torch.full_like(out.log_probs, float("nan"))
+    entropy = out.entropy if return_entropy else entropy_placeholder(out.log_probs)
     if _capture is not None:
         _capture.check(hidden_states, vocab_weights, input_ids, temperature=float(temperature),
                        ignore_index=-100, log_probs=out.log_probs, entropy=out.entropy,

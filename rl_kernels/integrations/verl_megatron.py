@@ -72,8 +72,8 @@ import torch
 import rl_kernels
 
 from .._logging import log_once, logger
-from ._verl_common import (VerlIntegrationError, check_signature, count, entropy_on_request, entropy_wanted, record,
-                           replace_by_name, set_attr, verl_version)
+from ._verl_common import (VerlIntegrationError, check_signature, entropy_on_request, entropy_placeholder,
+                           entropy_wanted, record, replace_by_name, set_attr, verl_version)
 
 LOGITS_FUNCTIONS = ("vocab_parallel_log_probs_from_logits", "vocab_parallel_entropy",
                     "vocab_parallel_entropy_with_chunking")
@@ -213,10 +213,8 @@ def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="non
                                       temperature=temperature, return_entropy=return_entropy, backend=backend,
                                       **kwargs)
     record("fused_megatron_calls", "fused megatron", labels.numel())
-    if not return_entropy:
-        count("entropy_skipped_calls")
-        return out.log_probs.view(labels.shape), torch.full_like(out.log_probs, float("nan")).view(labels.shape)
-    return out.log_probs.view(labels.shape), out.entropy.view(labels.shape)
+    entropy = out.entropy if return_entropy else entropy_placeholder(out.log_probs)
+    return out.log_probs.view(labels.shape), entropy.view(labels.shape)
 
 
 ENGINE_FORWARD_FACTORIES = ("get_mcore_forward_fused_model_engine_fn", "get_mcore_forward_fused_no_padding_fn")

@@ -197,8 +197,8 @@ def grouped_tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
 def window_tile(row_start, n_rows, col_start, n_cols,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, tile_id=None):
     """Tile ``tile_id`` (default: this program's id) of the (BLOCK_M x BLOCK_N) tiles of the
-    window logits[row_start:+n_rows, col_start:+n_cols], in ``grouped_tile`` order. Returns (local_rows, local_cols, rows, cols,
-    row_mask, col_mask, row0, col0): the tile's rows and columns inside the window (they index the
+    window logits[row_start:+n_rows, col_start:+n_cols], in ``grouped_tile`` order. Returns
+    (local_rows, local_cols, rows, cols, row_mask, col_mask, row0, col0): the tile's rows and columns inside the window (they index the
     window-shaped output) and in the full logits, the masks of the window's bounds, and the first
     global row and column (the block origin of ``logits_tile``'s TMA loads)."""
     if tile_id is None:

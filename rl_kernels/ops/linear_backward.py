@@ -23,9 +23,9 @@ import triton.language as tl
 
 from .common import (TensorDescriptor, gemm_meta, logits_tile, persistent_programs, store_window, tma_ok,
                      tma_operands, window_grid, window_tile)
+from .config import BwdTile, KernelConfig
 
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-from .config import BwdTile, KernelConfig
 
 
 @triton.jit
