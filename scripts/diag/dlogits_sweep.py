@@ -22,11 +22,13 @@ import rl_kernels
 from rl_kernels import ops
 from rl_kernels.ops import config as ops_config
 
+from diag_common import head_inputs
+
 WINDOW = 4096
-VARIANTS = [
-    ("one tile per program", dict(bwd_programs_per_sm=0)),
-    ("persistent 1/SM, flatten", dict(bwd_programs_per_sm=1)),
-    ("persistent 1/SM, flatten, 4 stages", dict(bwd_programs_per_sm=1, bwd_tile_stages=4)),
+VARIANTS = [  # every field set explicitly: the shipped config may have either
+    ("one tile per program", dict(bwd_programs_per_sm=0, bwd_tma_store=False)),
+    ("persistent 1/SM, flatten", dict(bwd_programs_per_sm=1, bwd_tma_store=False)),
+    ("persistent 1/SM, flatten, 4 stages", dict(bwd_programs_per_sm=1, bwd_tma_store=False, bwd_tile_stages=4)),
     ("persistent 1/SM, flatten, TMA store", dict(bwd_programs_per_sm=1, bwd_tma_store=True)),
     ("one tile per program, TMA store", dict(bwd_programs_per_sm=0, bwd_tma_store=True)),
 ]
@@ -56,12 +58,7 @@ def main():
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, time.strftime("%Y-%m-%d"))
     for shape in args.shapes:
         n, h, v = (int(x) for x in shape.split(","))
-        g = torch.Generator(device="cuda").manual_seed(0)
-        hid = torch.randn(n, h, device="cuda", generator=g).bfloat16()
-        w = (0.02 * torch.randn(v, h, device="cuda", generator=g)).bfloat16()
-        lab = torch.randint(0, v, (n,), device="cuda", generator=g)
-        g_lp = torch.randn(n, device="cuda", generator=g)
-        g_ent = torch.randn(n, device="cuda", generator=g)
+        hid, w, lab, g_lp, g_ent = head_inputs(n, h, v)
         t_mm = bench(lambda: hid @ w.T)
         t_win_mm = bench(lambda: hid @ w[:WINDOW].T)
         base = ops_config.CUDA_CONFIG

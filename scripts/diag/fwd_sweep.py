@@ -16,6 +16,8 @@ import rl_kernels
 from rl_kernels import ops
 from rl_kernels.ops import config as ops_config
 
+from diag_common import head_inputs
+
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
 WITH_BWD = "--bwd" in sys.argv
 SHAPES = args or ["512,3584,152064", "16384,3584,152064", "32768,4096,128256"]
@@ -34,12 +36,7 @@ bench = lambda f: triton.testing.do_bench(f, warmup=25, rep=500, return_mode="me
 shipped = ops_config.CUDA_CONFIG
 for shape in SHAPES:
     n, h, v = (int(x) for x in shape.split(","))
-    g = torch.Generator(device="cuda").manual_seed(0)
-    hid = torch.randn(n, h, device="cuda", generator=g).bfloat16()
-    w = (0.02 * torch.randn(v, h, device="cuda", generator=g)).bfloat16()
-    lab = torch.randint(0, v, (n,), device="cuda", generator=g)
-    g_lp = torch.randn(n, device="cuda", generator=g)
-    g_ent = torch.randn(n, device="cuda", generator=g)
+    hid, w, lab, g_lp, g_ent = head_inputs(n, h, v)
     t_mm = bench(lambda: hid @ w.T)
     ref = None
     print(f"{n}x{h}x{v}: cuBLAS {t_mm:.2f} ms ({2 * n * h * v / t_mm / 1e9:.0f} TFLOP/s)", flush=True)

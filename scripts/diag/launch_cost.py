@@ -7,7 +7,6 @@ python scripts/diag/launch_cost.py [--profile]
 import cProfile
 import pstats
 import sys
-import time
 
 import torch
 
@@ -16,16 +15,7 @@ from rl_kernels import ops
 from rl_kernels.autograd.logits import LogitsStatsFunction
 from rl_kernels.validation import check_label_values
 
-
-def per_call_us(f, reps=400):
-    for _ in range(20):
-        f()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        f()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / reps * 1e6
+from diag_common import per_call_us
 
 
 n, v, h = 8, 4096, 256

@@ -6,11 +6,12 @@ slower than Triton's own path on the H100 host, 2026-11-24, and was not kept: BE
 
 python scripts/diag/launch_floor.py
 """
-import time
 
 import torch
 import triton
 import triton.language as tl
+
+import diag_common
 
 
 @triton.jit
@@ -28,15 +29,8 @@ def _many_ints(p0, n, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, B:
     tl.store(p0 + tl.arange(0, B), tl.zeros((B,), tl.float32), mask=tl.arange(0, B) < n)
 
 
-def per_call_us(f, reps=2000):
-    for _ in range(50):
-        f()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        f()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / reps * 1e6
+def per_call_us(f):
+    return diag_common.per_call_us(f, reps=2000, warmup=50)
 
 
 x = [torch.empty(64, device="cuda") for _ in range(14)]

@@ -10,7 +10,6 @@ own time, per call), after the table.
 import cProfile
 import pstats
 import sys
-import time
 
 import torch
 import triton.testing
@@ -18,6 +17,8 @@ import triton.testing
 import rl_kernels
 from rl_kernels import ops
 from rl_kernels.validation import check_label_values
+
+from diag_common import per_call_us
 
 shape_args = [a for a in sys.argv[1:] if not a.startswith("--")]
 n, h, v = (int(x) for x in (shape_args[0] if shape_args else "512,3584,152064").split(","))
@@ -61,14 +62,7 @@ for name, f in rows.items():
 
 if "--cprofile" in sys.argv:
     reps = 300
-    for _ in range(20):
-        logits_fwd_bwd()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(reps):
-        logits_fwd_bwd()
-    torch.cuda.synchronize()
-    print(f"\nlogits API fwd+bwd, {reps} back-to-back calls: {(time.perf_counter() - start) / reps * 1e6:.1f} us per call")
+    print(f"\nlogits API fwd+bwd, {reps} back-to-back calls: {per_call_us(logits_fwd_bwd, reps):.1f} us per call")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(reps):

@@ -19,6 +19,8 @@ from torch.profiler import ProfilerActivity, profile
 import rl_kernels
 from rl_kernels.ops import config as ops_config
 
+from diag_common import head_inputs
+
 STEPS = 3
 
 
@@ -34,12 +36,8 @@ def main():
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, time.strftime("%Y-%m-%d"))
     for shape in args.shapes:
         n, h, v = (int(x) for x in shape.split(","))
-        g = torch.Generator(device="cuda").manual_seed(0)
-        hid = torch.randn(n, h, device="cuda", generator=g).bfloat16().requires_grad_()
-        w = (0.02 * torch.randn(v, h, device="cuda", generator=g)).bfloat16().requires_grad_()
-        lab = torch.randint(0, v, (n,), device="cuda", generator=g)
-        g_lp = torch.randn(n, device="cuda", generator=g)
-        g_ent = torch.randn(n, device="cuda", generator=g)
+        hid, w, lab, g_lp, g_ent = head_inputs(n, h, v)
+        hid, w = hid.requires_grad_(), w.requires_grad_()
         t_mm = triton.testing.do_bench(lambda: hid.detach() @ w.detach().T, rep=300, return_mode="median")
 
         def step():
