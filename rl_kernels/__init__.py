@@ -2,9 +2,10 @@
 
 Public API (every function; signatures exactly as defined, checked by tests/test_public_api.py):
 
-    linear_log_probs(hidden_states, weight, labels, *, temperature=1.0, ignore_index=-100,
-                     return_entropy=True, return_sum_pi_squared=False, backend='auto',
-                     process_group=None, vocab_start_index=None, reduce_hidden_grad=False)
+    linear_log_probs(hidden_states, weight, labels, *, temperature=1.0, softcap=None,
+                     ignore_index=-100, return_entropy=True, return_sum_pi_squared=False,
+                     backend='auto', process_group=None, vocab_start_index=None,
+                     reduce_hidden_grad=False)
         -> LogProbsOutput(log_probs, entropy, sum_pi_squared)
     logits_stats(logits, labels=None, *, temperature=1.0, ignore_index=-100, return_entropy=True,
                  return_sum_pi_squared=False, inplace_backward=False, backend='auto',
@@ -31,7 +32,8 @@ Public API (every function; signatures exactly as defined, checked by tests/test
                reduce_hidden_grad=False) -> loss
 
 Conventions, the same in every function:
-  * tensors are positional; every other argument is keyword-only, in this order: temperature;
+  * tensors are positional; every other argument is keyword-only, in this order: temperature
+    (and softcap, the rest of the logits' definition, where a function has it);
     which positions count (labels, ignore_index, mask); the function's own options; reduction;
     backend; the vocab-parallel trio (process_group, vocab_start_index, reduce_hidden_grad);
   * a position counts unless its label equals ``ignore_index`` (-100); the two distillation

@@ -9,7 +9,7 @@ import torch
 from .autograd.linear import HeadParams, LinearLogProbsFunction
 from .autograd.vocab_parallel import VocabParallelLinearFunction, parallel_params
 from .backends import resolve_backend
-from .validation import (check_bool_arg, check_head_inputs, check_label_values, check_temperature,
+from .validation import (check_bool_arg, check_head_inputs, check_label_values, check_softcap, check_temperature,
                          deferred_label_check, raise_label_errors, sync_label_check, warn_fp16_temperature)
 
 
@@ -28,6 +28,7 @@ def linear_log_probs(
     labels: torch.Tensor,
     *,
     temperature: float = 1.0,
+    softcap: float | None = None,
     ignore_index: int = -100,
     return_entropy: bool = True,
     return_sum_pi_squared: bool = False,
@@ -40,6 +41,9 @@ def linear_log_probs(
     without materializing the (tokens x vocab) logits.
 
     With z_v = (h . w_v) / T:  log p(y) = z_y - logsumexp(z),  entropy = -sum_v p_v log p_v.
+    With ``softcap`` c:  z_v = c tanh((h . w_v) / c) / T  (the final-logit soft-capping of
+    Gemma 2, "Gemma 2: Improving Open Language Models at a Practical Size", 2024, section 2:
+    the cap is applied to the model's logits, then the temperature).
 
     Args:
         hidden_states: (..., H) bfloat16, float16 or float32, any strides (e.g. (B, T, H) or the
@@ -48,6 +52,14 @@ def linear_log_probs(
         labels: int64/int32 with shape ``hidden_states.shape[:-1]``; each in [0, V) or
             ``ignore_index``.
         temperature: positive finite Python number (int accepted); logits are divided by it.
+            A constant multiplier s of the logits (Cohere's ``logit_scale``, Granite's
+            ``1 / logits_scaling``) is the same as ``temperature=T / s``; one of the hidden
+            state inside the cap is the same as ``softcap=c / s, temperature=T / s``.
+        softcap: None (default: no cap) or a positive finite Python number c: each logit h . w
+            becomes c tanh(h . w / c) before the division by the temperature, forward and
+            backward (the backward multiplies by 1 - tanh^2). 1 / c and c / T must be normal
+            float32 numbers. A logit that is +-inf before the cap gives NaN (not +-c), so a
+            non-finite hidden row stays non-finite.
         ignore_index: label value whose position gets log-prob 0, entropy 0 and zero gradient.
         return_entropy: when False, entropy is not computed and returned as None.
         return_sum_pi_squared: also return sum_v p_v^2 (the collision probability used by verl's
@@ -79,13 +91,15 @@ def linear_log_probs(
 
     Raises:
         TypeError: a non-tensor input, unsupported dtype, ``weight``/``hidden_states`` dtype
-            mismatch, non-integer ``ignore_index``, non-number ``temperature``.
+            mismatch, non-integer ``ignore_index``, non-number ``temperature`` or ``softcap``.
         ValueError: shape mismatch, hidden size H = 0, labels outside [0, V) other than
             ``ignore_index`` (on CUDA with the Triton backend found by the kernel without a host
             sync: that row's log-prob and gradients are NaN, and the error is raised by the next
             rl_kernels call or backward; ``RL_KERNELS_SYNC_LABEL_CHECK=1`` raises in the call), an ``ignore_index`` that does not fit the labels' dtype, a
             temperature <= 0, non-finite or outside ``TEMPERATURE_RANGE`` (1/T must be a normal
-            float32: about [2.9e-39, 8.5e37]), inputs on different devices, unknown backend.
+            float32: about [2.9e-39, 8.5e37]), a ``softcap`` <= 0, non-finite, or whose inverse or
+            ratio to the temperature is not a normal float32, inputs on different devices,
+            unknown backend.
         RuntimeError: backend "triton" on CPU without TRITON_INTERPRET=1, or without triton;
             ``process_group`` without an initialized ``torch.distributed``; differentiating the
             gradient again (``create_graph=True`` gives correct first derivatives, whose own
@@ -94,12 +108,13 @@ def linear_log_probs(
     Formula: with p = softmax(z), log p(y) = z_y - logsumexp(z) and H = log s - b / s where
     s = sum exp(z - m), b = sum exp(z - m)(z - m), m = max z (no lse - E[z] cancellation);
     gradients d log p/dz = onehot - p, dH/dz = -p (log p + H) (Shannon entropy; softmax
-    derivative), divided by T for the raw logits h.w.
+    derivative), divided by T for the raw logits h.w (times 1 - tanh^2(h.w / c) under a cap).
     Bug cases covered: verl #2656/#2899 (padded vocab columns), verl PR #7439 (all-negative
     logits), verl #6913 (3-D hidden keeps its gradient).
     """
     raise_label_errors()  # a bad label that an earlier call's kernel reported
     temperature = check_temperature(temperature)
+    softcap = check_softcap(softcap, temperature)
     check_head_inputs(hidden_states, weight, labels, ignore_index, check_values=False)
     check_bool_arg("return_entropy", return_entropy)
     check_bool_arg("return_sum_pi_squared", return_sum_pi_squared)
@@ -124,7 +139,7 @@ def linear_log_probs(
         return HeadParams(backend=resolved, inv_temperature=inv_temperature,
                           ignore_index=int(ignore_index), return_entropy=return_entropy,
                           may_have_ignored=has_ignored is not False,
-                          return_sum_pi_squared=return_sum_pi_squared)
+                          return_sum_pi_squared=return_sum_pi_squared, softcap=softcap)
 
     if tp is not None:
         if tp.vocab_size is not None:

@@ -19,7 +19,7 @@ import torch
 
 from .linear import LogProbsOutput
 from .torch_ops.linear import torch_dlogits, torch_forward
-from .validation import check_label_values, check_temperature
+from .validation import check_label_values, check_softcap, check_temperature
 
 
 def reference_linear_log_probs(
@@ -28,17 +28,20 @@ def reference_linear_log_probs(
     labels: torch.Tensor,
     *,
     temperature: float = 1.0,
+    softcap: float | None = None,
     ignore_index: int = -100,
     chunk_elements: int = 1 << 24,
 ) -> LogProbsOutput:
     """``linear_log_probs`` computed in float64 from the given (possibly bf16) inputs, chunked
     over tokens (at most ``chunk_elements`` float64 logits at a time). Returns float64 tensors
-    shaped like ``labels``. Raises as ``linear_log_probs`` for a bad temperature."""
-    inv_temperature = 1.0 / check_temperature(temperature)
+    shaped like ``labels``. Raises as ``linear_log_probs`` for a bad temperature or softcap."""
+    temperature = check_temperature(temperature)
+    softcap = check_softcap(softcap, temperature)
     h = hidden_states.reshape(-1, hidden_states.shape[-1])
     with torch.no_grad():
-        lp, ent, _, _ = torch_forward(h, weight, labels.reshape(-1), inv_temperature, ignore_index, True,
-                                   compute_dtype=torch.float64, chunk_elements=chunk_elements)
+        lp, ent, _, _ = torch_forward(h, weight, labels.reshape(-1), 1.0 / temperature, ignore_index, True,
+                                      compute_dtype=torch.float64, chunk_elements=chunk_elements,
+                                      softcap=softcap)
     return LogProbsOutput(lp.view(labels.shape), ent.view(labels.shape))
 
 
@@ -84,14 +87,15 @@ def reference_logits_stats(
 
 
 def reference_linear_grads(hidden_states, weight, labels, grad_log_probs, grad_entropy, temperature=1.0,
-                           ignore_index=-100, chunk=256):
+                           ignore_index=-100, chunk=256, softcap=None):
     """Float64 (dh, dW) of sum(grad_log_probs * log_probs + grad_entropy * entropy) for the linear
     head, chunked over tokens (no N x V float64 buffer beyond ``chunk`` rows). hidden_states
     (N, H), weight (V, H), labels (N,); either upstream gradient may be None. Same formulas as
     ``linear_log_probs``' backward: d log p_y / dz = onehot(y) - p, dH/dz = -p (log p + H)."""
     h64, w64 = hidden_states.double(), weight.double()
     inv_temperature = 1.0 / temperature
-    _, ent, lse, _ = torch_forward(h64, w64, labels, inv_temperature, ignore_index, True, torch.float64)
+    _, ent, lse, _ = torch_forward(h64, w64, labels, inv_temperature, ignore_index, True, torch.float64,
+                                   softcap=softcap)
     n, v = hidden_states.shape[0], weight.shape[0]
     dh = torch.empty_like(h64)
     dw = torch.zeros_like(w64)
@@ -101,17 +105,19 @@ def reference_linear_grads(hidden_states, weight, labels, grad_log_probs, grad_e
         torch_dlogits(h64, w64, labels, lse, ent,
                       None if grad_log_probs is None else grad_log_probs.double(),
                       None if grad_entropy is None else grad_entropy.double(),
-                      rows, slice(0, v), inv_temperature, ignore_index, dz)
+                      rows, slice(0, v), inv_temperature, ignore_index, dz, softcap=softcap)
         dh[rows] = dz @ w64
         dw += dz.T @ h64[rows]
     return dh, dw
 
 
-def dense_linear_log_probs(hidden_states, weight, labels, temperature=1.0, ignore_index=-100):
+def dense_linear_log_probs(hidden_states, weight, labels, temperature=1.0, ignore_index=-100, softcap=None):
     """(log_probs, entropy), float64, from the materialized float64 log_softmax(hidden_states @
-    weight.T / T); differentiable (an autograd oracle for dh and dW, which come back in the
+    weight.T / T) (with ``softcap`` c, of c tanh(hidden_states @ weight.T / c) / T, written here
+    from the formula); differentiable (an autograd oracle for dh and dW, which come back in the
     inputs' dtype). Positions whose label is ``ignore_index`` get 0."""
-    z = (hidden_states.double() @ weight.double().T) / temperature
+    raw = hidden_states.double() @ weight.double().T
+    z = (raw if softcap is None else softcap * torch.tanh(raw / softcap)) / temperature
     log_p = torch.log_softmax(z, dim=-1)
     valid = labels != ignore_index
     lp = log_p.gather(-1, torch.where(valid, labels, 0).unsqueeze(-1)).squeeze(-1)
@@ -141,11 +147,15 @@ def reference_jsd(student_hidden, student_weight, teacher_hidden, teacher_weight
             "batchmean": per.sum() / per.shape[0]}[reduction]
 
 
-def torch_eager(hidden_states, weight, labels, temperature=1.0, ignore_index=-100):
+def torch_eager(hidden_states, weight, labels, temperature=1.0, ignore_index=-100, softcap=None):
     """What an HF model + verl's default logits path computes: logits materialized in the input
-    dtype (lm_head output), divided by the temperature, then log_softmax / entropy in float32.
-    Differentiable; the comparison point of ``repro`` and the GPU benchmark."""
-    logits = (hidden_states @ weight.T) / temperature
+    dtype (lm_head output; soft-capped in that dtype with ``softcap``, as Gemma 2's forward does),
+    divided by the temperature, then log_softmax / entropy in float32. Differentiable; the
+    comparison point of ``repro`` and the GPU benchmark."""
+    logits = hidden_states @ weight.T
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    logits = logits / temperature
     log_p = torch.log_softmax(logits.float(), dim=-1)
     valid = labels != ignore_index
     lp = log_p.gather(-1, torch.where(valid, labels, 0).unsqueeze(-1)).squeeze(-1)

@@ -60,13 +60,13 @@ def error_row(sample: str, message: str) -> Row:
 def _ours(backend: str) -> Backend:
     def run(s: Sample):
         out = linear_log_probs(s.hidden_states, s.weight, s.labels, temperature=s.temperature,
-                               ignore_index=s.ignore_index, backend=backend)
+                               softcap=s.softcap, ignore_index=s.ignore_index, backend=backend)
         return out.log_probs, out.entropy
     return run
 
 
 def _torch_eager(s: Sample):
-    return torch_eager(s.hidden_states, s.weight, s.labels, s.temperature, s.ignore_index)
+    return torch_eager(s.hidden_states, s.weight, s.labels, s.temperature, s.ignore_index, softcap=s.softcap)
 
 
 def _verl_backends() -> dict[str, Backend]:
@@ -77,6 +77,8 @@ def _verl_backends() -> dict[str, Backend]:
         head = verl_linear_kernels()["verl triton"]
     except Exception:  # noqa: BLE001 - any import failure means "not available here"
         return {}
+    # verl's head has no soft-capping: on a capped sample it computes the uncapped logits, as
+    # verl's fused forwards do for such models (the sample's baseline_bugs says so)
     return {"verl linear_cross_entropy": lambda s: head(s.hidden_states, s.weight, s.labels, s.temperature)}
 
 
@@ -193,7 +195,7 @@ def check_sample(sample: Sample | LogitsSample, device: torch.device, atol: floa
     else:
         backends = backends if backends is not None else available_backends(device)
         ref = reference_linear_log_probs(sample.hidden_states, sample.weight, sample.labels,
-                                         temperature=sample.temperature,
+                                         temperature=sample.temperature, softcap=sample.softcap,
                                          ignore_index=sample.ignore_index)
     bad_input, input_note = non_finite_inputs(sample)
     valid = (sample.labels != sample.ignore_index).cpu() & ~bad_input

@@ -7,7 +7,9 @@ A sample file is ``.safetensors`` or ``.pt`` holding either
 * ``logits`` (..., V), ``labels`` (...): a from-logits sample (:class:`LogitsSample`, replayed
   through ``logits_stats``),
 
-and optionally ``temperature`` (0-d tensor or number) and ``ignore_index``. ``save_sample`` /
+and optionally ``temperature`` (0-d tensor or number) and ``ignore_index``; a linear-head sample
+also ``softcap`` (the cap c of logits c tanh(h . w / c), e.g. Gemma 2's
+``final_logit_softcapping``; absent or NaN: none). ``save_sample`` /
 ``save_logits_sample`` write one from tensors captured in training; ``load_sample`` reads either
 kind back. Both check the tensors with the public API's rules (TypeError / ValueError naming the
 argument; :class:`SampleError`, a ValueError naming the file, from ``load_sample``).
@@ -38,6 +40,7 @@ class Sample:
     description: str = ""
     metadata: dict = dataclasses.field(default_factory=dict)
     baseline_bugs: dict = dataclasses.field(default_factory=dict)
+    softcap: float | None = None  # logits c tanh(h . w / c) before the temperature
 
 
 @dataclasses.dataclass
@@ -101,7 +104,8 @@ def _umask() -> int:
     return mask
 
 
-def _write(path: str, tensors: dict, temperature: float, ignore_index: int, metadata: dict) -> None:
+def _write(path: str, tensors: dict, temperature: float, ignore_index: int, metadata: dict,
+           softcap: float | None = None) -> None:
     """Write the sample file. It ends with the mode of a file the user creates with ``open``
     (0o666 & ~umask), or keeps the mode of the file it replaces: safetensors writes through a
     private (0o600) temporary file renamed into place."""
@@ -113,6 +117,8 @@ def _write(path: str, tensors: dict, temperature: float, ignore_index: int, meta
     tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
     tensors["temperature"] = torch.tensor(float(temperature), dtype=torch.float64)
     tensors["ignore_index"] = torch.tensor(int(ignore_index), dtype=torch.int64)
+    if softcap is not None:
+        tensors["softcap"] = torch.tensor(float(softcap), dtype=torch.float64)
     meta = {str(k): str(v) for k, v in metadata.items()}
     if path.endswith(".safetensors"):
         from safetensors.torch import save_file
@@ -134,23 +140,25 @@ def _check_options(temperature, ignore_index, metadata) -> tuple[float, dict]:
 
 
 def save_sample(path: str | os.PathLike, hidden_states: torch.Tensor, weight: torch.Tensor,
-                labels: torch.Tensor, *, temperature: float = 1.0, ignore_index: int = -100,
-                metadata: dict | None = None) -> None:
+                labels: torch.Tensor, *, temperature: float = 1.0, softcap: float | None = None,
+                ignore_index: int = -100, metadata: dict | None = None) -> None:
     """Write a sample file that ``rl-kernels repro PATH`` loads.
 
     ``.safetensors`` (recommended) or ``.pt`` by the path's suffix; tensors are detached, moved to
     CPU and stored in their own dtypes; ``metadata`` values are stored as strings.
     Every argument is checked first, with the rules of :func:`rl_kernels.linear_log_probs`
     (tensors of matching shapes, dtypes and device, labels in [0, V) or ``ignore_index``, a
-    positive finite temperature): TypeError / ValueError naming it; ValueError for another suffix.
+    positive finite temperature, a positive finite ``softcap`` or None): TypeError / ValueError
+    naming it; ValueError for another suffix.
     """
-    from .validation import check_head_inputs
+    from .validation import check_head_inputs, check_softcap
 
     path = _sample_path(path)
     temperature, metadata = _check_options(temperature, ignore_index, metadata)
+    softcap = check_softcap(softcap, temperature)
     check_head_inputs(hidden_states, weight, labels, ignore_index)
     _write(path, {"hidden_states": hidden_states, "weight": weight, "labels": labels},
-           temperature, ignore_index, metadata)
+           temperature, ignore_index, metadata, softcap)
 
 
 def save_logits_sample(path: str | os.PathLike, logits: torch.Tensor, labels: torch.Tensor, *,
@@ -182,7 +190,8 @@ def write_sample(path: str | os.PathLike, sample: Sample | LogitsSample) -> None
                            ignore_index=sample.ignore_index, metadata=meta)
     else:
         save_sample(path, sample.hidden_states, sample.weight, sample.labels,
-                    temperature=sample.temperature, ignore_index=sample.ignore_index, metadata=meta)
+                    temperature=sample.temperature, softcap=sample.softcap,
+                    ignore_index=sample.ignore_index, metadata=meta)
 
 
 _KINDS = "a sample file is .safetensors or a torch.save .pt"
@@ -255,7 +264,7 @@ def _scalar(data: dict, key: str, default):
 
 
 def _validated(path: str, data: dict, meta: dict) -> Sample | LogitsSample:
-    from .validation import check_head_inputs, check_labels, check_temperature
+    from .validation import check_head_inputs, check_labels, check_softcap, check_temperature
     from .validation import check_logits as _check_logits
 
     is_logits = "logits" in data and "hidden_states" not in data
@@ -271,6 +280,11 @@ def _validated(path: str, data: dict, meta: dict) -> Sample | LogitsSample:
                                 f"optionally 'temperature', 'ignore_index'")
     try:
         temperature = check_temperature(_scalar(data, "temperature", 1.0))
+        softcap = _scalar(data, "softcap", None)
+        if is_logits and softcap is not None:
+            raise ValueError("softcap: a from-logits sample holds the model's logits, already capped; "
+                             "store softcap with hidden_states / weight samples only")
+        softcap = check_softcap(None if softcap is None or softcap != softcap else softcap, temperature)
         ignore_index = _scalar(data, "ignore_index", -100)
         if is_logits:
             logits, labels = data["logits"], data["labels"]
@@ -288,7 +302,7 @@ def _validated(path: str, data: dict, meta: dict) -> Sample | LogitsSample:
                   metadata=meta)
     if is_logits:
         return LogitsSample(logits=data["logits"], **common)
-    return Sample(hidden_states=data["hidden_states"], weight=data["weight"], **common)
+    return Sample(hidden_states=data["hidden_states"], weight=data["weight"], softcap=softcap, **common)
 
 
 def load_sample(path: str | os.PathLike) -> Sample | LogitsSample:
@@ -380,6 +394,22 @@ def _hidden_not_multiple_of_128() -> Sample:
                   baseline_bugs=_bugs("verl triton asserts H % 128 == 0"))
 
 
+def _softcap_past_cap() -> Sample:
+    g = _gen(7)
+    n, h, v = 48, 256, 2051
+    hidden = torch.randn(n, h, generator=g)
+    weight = 1.5 * torch.randn(v, h, generator=g)  # raw logits h . w ~ N(0, 24^2): a fifth past +-30
+    weight[7] = 0.5 * hidden[0]  # row 0: one raw logit of ~130, far past the cap
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[0], labels[5] = 7, -100
+    return Sample("softcap_past_cap", hidden.bfloat16(), weight.bfloat16(), labels, temperature=0.9,
+                  softcap=30.0,
+                  description="Gemma 2 final-logit soft-capping (c = 30, then T = 0.9): raw logits of std "
+                              "24 (a fifth past the cap, the largest ~110); a head that skips the "
+                              "cap (verl's fused forwards) is off by up to ~100 nats",
+                  baseline_bugs={"torch eager": _EAGER_BF16, "verl": "verl's fused head applies no soft-capping"})
+
+
 def _logits_bf16_temperature() -> LogitsSample:
     g = _gen(6)
     b, t, v = 2, 4, 1000
@@ -407,6 +437,7 @@ BUNDLED: dict[str, Callable[[], Sample | LogitsSample]] = {
     "all_negative_logits": _all_negative,
     "ignore_index_3d": _ignore_index_3d,
     "hidden_904": _hidden_not_multiple_of_128,
+    "softcap_past_cap": _softcap_past_cap,
     "logits_bf16_temperature": _logits_bf16_temperature,
 }
 

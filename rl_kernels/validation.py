@@ -60,6 +60,31 @@ def check_temperature(temperature) -> float:
     return value
 
 
+def check_softcap(softcap, temperature: float) -> float | None:
+    """Return ``softcap`` as a float (None stays None: no cap); raise TypeError / ValueError when it
+    is not a positive finite Python number whose inverse, and whose ratio to the (checked)
+    ``temperature``, are normal float32 numbers (the kernels scale the GEMM tile by 1 / softcap and
+    the tanh by softcap / temperature, in float32)."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap: expected None or a positive finite Python number (float or int), "
+                        f"got {type(softcap).__name__}"
+                        + ("; pass float(softcap)" if isinstance(softcap, torch.Tensor) else ""))
+    try:
+        value = float(softcap)
+    except OverflowError:
+        value = math.inf
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"softcap: expected None or a positive finite number, got {softcap!r}")
+    lo, hi = TEMPERATURE_RANGE
+    if not lo <= value <= hi or not lo <= value / temperature <= hi:
+        raise ValueError(f"softcap: {value!r} with temperature {temperature!r} is outside the usable range: "
+                         f"1 / softcap and softcap / temperature must be normal float32 numbers "
+                         f"(within [{lo:.3g}, {hi:.3g}])")
+    return value
+
+
 def warn_fp16_temperature(dtype: torch.dtype, temperature: float) -> None:
     """Log a warning (once) for float16 inputs with a temperature outside
     ``FP16_TEMPERATURE_RANGE``: the backward keeps dz / T in float16 for its matmuls."""

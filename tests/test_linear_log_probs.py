@@ -10,6 +10,7 @@ max |error| <= 2e-5 nats; gradients are rounded once to the input dtype: relativ
 <= 2e-5 (fp32) and 1e-3 (fp16, unit roundoff 4.9e-4).
 """
 import logging
+import re
 
 import pytest
 import torch
@@ -370,3 +371,84 @@ def test_auto_backend_logs_choice_once(caplog):
         linear_log_probs(*_args())
     msgs = [r.getMessage() for r in caplog.records if "backend='auto'" in r.getMessage()]
     assert msgs == ["rl_kernels: backend='auto' runs 'torch' for cpu tensors"]
+
+
+# ----------------------------------------------------------------------------- soft-capping
+# Gemma 2's final-logit soft-capping, z = c tanh(h.w / c) / T. The weights are scaled so that the
+# raw logits h.w have a std of ~3 c: most of them are past the cap, where an uncapped head is off
+# by many nats and the backward's 1 - tanh^2 factor is far from 1.
+
+def _capped_inputs(n, h, v, dtype, cap, seed):
+    hidden, weight, labels = make_inputs(n, h, v, dtype, seed=seed, w_scale=3.0 * cap / h ** 0.5)
+    return hidden, weight, labels
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype,n,h,v,cap,temperature", [
+    (torch.float32, 33, 65, 257, 5.0, 0.7),
+    (torch.float16, 37, 72, 1007, 30.0, 1.0)])
+def test_softcap_values_and_gradients_match_float64(backend, dtype, n, h, v, cap, temperature, poison,
+                                                    small_chunks):
+    hidden, weight, labels = _capped_inputs(n, h, v, dtype, cap, seed=n + v)
+    g = torch.Generator().manual_seed(2)
+    g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    hr, wr = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    assert ((hr @ wr.T).abs() > cap).double().mean() > 0.3  # the cap is active
+    lp_ref, ent_ref = dense_linear_log_probs(hr, wr, labels, temperature, softcap=cap)
+    (lp_ref * g_lp.double() + ent_ref * g_ent.double()).sum().backward()
+    lp_plain, _ = dense_linear_log_probs(hidden.double(), weight.double(), labels, temperature)
+    assert (lp_plain - lp_ref).abs().max() > 1.0  # skipping the cap would fail this test
+
+    hx, wx = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = linear_log_probs(hx, wx, labels, temperature=temperature, softcap=cap, backend=backend)
+    assert (out.log_probs.double() - lp_ref).abs().max().item() <= VALUE_ATOL
+    assert (out.entropy.double() - ent_ref).abs().max().item() <= VALUE_ATOL
+    (out.log_probs * g_lp + out.entropy * g_ent).sum().backward()
+    assert rel_err(hx.grad, hr.grad) <= GRAD_RTOL[dtype]
+    assert rel_err(wx.grad, wr.grad) <= GRAD_RTOL[dtype]
+    ignored = labels == -100
+    assert ignored.any() and (out.log_probs[ignored] == 0).all() and (hx.grad[ignored] == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_softcap_sum_pi_squared_and_non_finite_rows(backend, poison):
+    """Under the cap: sum p^2 and its gradient against float64; a row whose hidden state holds
+    +inf gets NaN, not the finite cap (the promise: non-finite input, non-finite output), and the
+    other rows keep their values."""
+    n, h, v, cap = 9, 24, 70, 2.0
+    hidden, weight, labels = _capped_inputs(n, h, v, torch.float32, cap, seed=5)
+    labels[:] = labels.clamp_min(0)
+    g_sq = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    hr, wr = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    p = torch.softmax(cap * torch.tanh(hr @ wr.T / cap) / 0.9, -1)
+    ref = (p * p).sum(-1)
+    (ref * g_sq.double()).sum().backward()
+    hx, wx = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = linear_log_probs(hx, wx, labels, temperature=0.9, softcap=cap, return_entropy=False,
+                           return_sum_pi_squared=True, backend=backend)
+    assert (out.sum_pi_squared.double() - ref).abs().max() <= VALUE_ATOL
+    (out.sum_pi_squared * g_sq).sum().backward()
+    assert rel_err(hx.grad, hr.grad) <= 2e-5 and rel_err(wx.grad, wr.grad) <= 2e-5
+
+    bad = hidden.clone()
+    bad[3] = float("inf")
+    out = linear_log_probs(bad, weight, labels, softcap=cap, backend=backend)
+    ref_lp, _ = dense_linear_log_probs(hidden.double(), weight.double(), labels, softcap=cap)
+    assert not torch.isfinite(out.log_probs[3]) and not torch.isfinite(out.entropy[3])
+    ok = torch.arange(n) != 3
+    assert (out.log_probs[ok].double() - ref_lp[ok]).abs().max() <= VALUE_ATOL
+
+
+@pytest.mark.parametrize("softcap,exc,words", [
+    (0.0, ValueError, "softcap: expected None or a positive finite number"),
+    (-30.0, ValueError, "softcap: expected None or a positive finite number"),
+    (float("nan"), ValueError, "softcap: expected None or a positive finite number"),
+    (float("inf"), ValueError, "softcap: expected None or a positive finite number"),
+    (1e-45, ValueError, "softcap: 1e-45 with temperature 1.0 is outside the usable range"),
+    (True, TypeError, "softcap: expected None or a positive finite Python number"),
+    ("30", TypeError, "softcap: expected None or a positive finite Python number (float or int), got str"),
+    (torch.tensor(30.0), TypeError, "pass float(softcap)")])
+def test_bad_softcap(softcap, exc, words):
+    hidden, weight, labels = make_inputs(3, 8, 11, torch.float32)
+    with pytest.raises(exc, match=re.escape(words)):
+        linear_log_probs(hidden, weight, labels, softcap=softcap, backend="torch")

@@ -10,11 +10,11 @@ import rl_kernels
 FUNCTIONS = ["linear_log_probs", "logits_stats", "log_probs_from_logits", "entropy_from_logits", "logsumexp",
              "sum_pi_squared_from_logits", "cross_entropy", "linear_topk_kl", "linear_jsd"]
 # the keyword-only order every function follows (a function takes a subsequence of it)
-KEYWORD_ORDER = ["temperature", "labels", "ignore_index", "mask",
+KEYWORD_ORDER = ["temperature", "softcap", "labels", "ignore_index", "mask",
                  "return_entropy", "return_sum_pi_squared", "kind", "renormalize_teacher", "beta",
                  "label_smoothing", "inplace_backward",
                  "reduction", "backend", "process_group", "vocab_start_index", "reduce_hidden_grad"]
-DEFAULTS = {"temperature": 1.0, "ignore_index": -100, "labels": None, "mask": None, "reduction": "mean",
+DEFAULTS = {"temperature": 1.0, "softcap": None, "ignore_index": -100, "labels": None, "mask": None, "reduction": "mean",
             "backend": "auto", "process_group": None, "vocab_start_index": None, "reduce_hidden_grad": False,
             "return_entropy": True, "return_sum_pi_squared": False, "inplace_backward": False}
 

@@ -164,6 +164,25 @@ def run(rank, world, init_file, backend):
     torch.testing.assert_close(sq.double(), (p * p).sum(-1).detach(), **tol)
     torch.testing.assert_close(shard.grad.double(), z.grad[:, lo:hi], **tol)
 
+    # soft-capped logits (Gemma 2: z = c tanh(h.w / c) / T) over the sharded vocabulary; raw logits
+    # have a std of ~2, so c = 1.5 caps most of them
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    raw = h64 @ w64.T
+    log_p = torch.log_softmax(1.5 * torch.tanh(raw / 1.5) / 0.8, -1)
+    valid = labels != -100
+    ref_lp = torch.where(valid, log_p.gather(1, labels.clamp_min(0)[:, None])[:, 0], 0.0)
+    ref_ent = torch.where(valid, -(log_p.exp() * log_p).sum(-1), 0.0)
+    (ref_lp * g_lp.double() + ref_ent * g_ent.double()).sum().backward()
+    hx, wx = hidden.clone().requires_grad_(), weight[lo:hi].clone().requires_grad_()
+    out = linear_log_probs(hx, wx, labels, temperature=0.8, softcap=1.5, backend=backend, process_group=group,
+                           reduce_hidden_grad=True)
+    (out.log_probs * g_lp + out.entropy * g_ent).sum().backward()
+    torch.testing.assert_close(out.log_probs.double(), ref_lp.detach(), **tol)
+    torch.testing.assert_close(out.entropy.double(), ref_ent.detach(), **tol)
+    assert _same_on_all_ranks(out.log_probs) and _same_on_all_ranks(out.entropy)
+    torch.testing.assert_close(wx.grad.double(), w64.grad[lo:hi], **tol)
+    torch.testing.assert_close(hx.grad.double(), h64.grad, **tol)
+
     # non-finite rows: a NaN row with a label gives non-finite outputs for that row only; a NaN
     # row whose label is ignored contributes nothing to dW or dh (NaN * 0 must not reach dW)
     bad_h, bad_labels = hidden.clone(), labels.clone()

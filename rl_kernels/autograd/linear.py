@@ -30,6 +30,9 @@ class HeadParams:
     # sync): the backward then skips the non-finite ignored-row check and its host sync
     may_have_ignored: bool = True
     return_sum_pi_squared: bool = False  # sum_j p_j^2 as a differentiable output
+    # logits soft-capped at this value before the temperature, z = c tanh(h.w / c) / T (Gemma-2);
+    # None: plain z = h.w / T
+    softcap: float | None = None
 
 
 def head_forward(hidden_states, weight, labels, params: HeadParams, label_check=None):
@@ -49,11 +52,12 @@ def head_forward(hidden_states, weight, labels, params: HeadParams, label_check=
         check = None if label_check is None else (*label_check, params.ignore_index)
         m, s, b, z_y, q = ops.linear_split_stats(hidden_states, weight, labels, params.inv_temperature,
                                                  params.return_entropy, cfg, return_sum_pi_squared=sq,
-                                                 label_check=check)
+                                                 label_check=check, softcap=params.softcap)
         return ops.split_combine(m, s, b, z_y, labels, params.ignore_index, params.return_entropy,
                                  part_q=q, mark_bad=check is not None)
     return torch_forward(hidden_states, weight, labels, params.inv_temperature,
-                         params.ignore_index, params.return_entropy, return_sum_pi_squared=sq)
+                         params.ignore_index, params.return_entropy, return_sum_pi_squared=sq,
+                         softcap=params.softcap)
 
 
 def head_backward(hidden_states, weight, labels, lse, entropy, grad_log_probs, grad_entropy,
@@ -75,16 +79,19 @@ def head_backward(hidden_states, weight, labels, lse, entropy, grad_log_probs, g
             tile = cfg.bwd_rows if cols.stop - cols.start == weight.shape[0] else cfg.bwd_cols
             return ops.linear_dlogits(hidden_states, weight, labels, lse, entropy, grad_log_probs,
                                       grad_entropy, rows, cols, params.inv_temperature,
-                                      params.ignore_index, out, cfg, tile, grad_lse, sum_sq, grad_sum_sq)
+                                      params.ignore_index, out, cfg, tile, grad_lse, sum_sq, grad_sum_sq,
+                                      params.softcap)
     else:
         dz_dtype, width = torch.float32, 1
 
         def dlogits(rows, cols, out):
             return torch_dlogits(hidden_states, weight, labels, lse, entropy, grad_log_probs,
                                  grad_entropy, rows, cols, params.inv_temperature,
-                                 params.ignore_index, out, grad_lse, sum_sq, grad_sum_sq)
+                                 params.ignore_index, out, grad_lse, sum_sq, grad_sum_sq, params.softcap)
 
     if gathered is not None:
+        if params.softcap is not None:  # the sparse entries below carry no 1 - tanh^2 factor
+            raise NotImplementedError("gathered-logit gradients with a softcap")
         dlogits = _with_gathered(dlogits, *gathered, labels != params.ignore_index,
                                  params.inv_temperature)
     h_dw = hidden_states
@@ -155,9 +162,10 @@ class LinearLogProbsFunction(torch.autograd.Function):
 
 
 def gathered_logits(hidden_states, weight, ids, params: HeadParams) -> torch.Tensor:
-    """(N, K) float32 z[i, k] = hidden_states[i] . weight[ids[i, k]] * inv_temperature."""
+    """(N, K) float32 z[i, k] = hidden_states[i] . weight[ids[i, k]] * inv_temperature (soft-capped
+    first with ``params.softcap``)."""
     if params.backend == "triton":
         from ..ops.linear_forward import label_logits
 
-        return label_logits(hidden_states, weight, ids, params.inv_temperature)
-    return torch_gathered_logits(hidden_states, weight, ids, params.inv_temperature)
+        return label_logits(hidden_states, weight, ids, params.inv_temperature, softcap=params.softcap)
+    return torch_gathered_logits(hidden_states, weight, ids, params.inv_temperature, softcap=params.softcap)

@@ -8,6 +8,8 @@
   ``s = sum exp(z - m)`` and ``b = sum exp(z - m) * (z - m)`` (b is kept relative to m so that the
   entropy ``log s - b / s`` never subtracts two large numbers). Identity: (-inf, 0, 0).
   ``merge_sum_sq`` merges ``q = sum exp(2 (z - m))`` alongside (sum_j p_j^2 = q / s^2).
+* ``soft_cap``: the logit soft-capping of Gemma-2-style heads, z = (c / T) * tanh(x) for
+  x = (h . w) / c, with an infinite x made NaN (a non-finite hidden row stays non-finite).
 * ``log_sum_lse`` / ``stats_entropy``: log s and lse = m + log s, and the entropy log s - b / s,
   of merged statistics, clamped as the finalizers of ``split_combine`` and ``logits_stats`` need.
 * ``window_tile`` / ``store_window``: the prologue and epilogue of the dlogits kernels
@@ -29,6 +31,11 @@ import triton.language as tl
 
 from .._logging import log_once
 from ..backends import interpreting
+
+try:  # CUDA's libdevice (tanh); the CPU interpreter has none
+    from triton.language.extra.cuda import libdevice
+except ImportError:  # pragma: no cover - a Triton without the CUDA extras
+    libdevice = None
 
 try:  # host-side tensor descriptors (Triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -149,6 +156,39 @@ def logits_tile(
                 b = b.to(tl.float32)
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
     return acc * inv_temperature
+
+
+def softcap_args(softcap: float | None, inv_temperature: float) -> dict:
+    """Launch arguments of the soft-capping variant (``soft_cap``) for a head whose raw logits
+    h . w are capped at ``softcap`` (None: no cap) before the temperature: the kernels' GEMM tile
+    is scaled by ``logit_scale`` (1 / softcap, or inv_temperature without a cap), and with
+    SOFTCAP the capped tile is ``softcap_scale * tanh(tile)`` (softcap_scale = softcap /
+    temperature). LIBDEVICE picks CUDA's tanh (the interpreter has no libdevice)."""
+    if softcap is None:
+        return dict(logit_scale=inv_temperature, softcap_scale=1.0, SOFTCAP=False, LIBDEVICE=False)
+    return dict(logit_scale=1.0 / softcap, softcap_scale=softcap * inv_temperature, SOFTCAP=True,
+                LIBDEVICE=libdevice is not None and not interpreting())
+
+
+@triton.jit
+def tanh(x, LIBDEVICE: tl.constexpr):
+    """tanh in float32: CUDA's libdevice tanhf (within 2 ulp) on the GPU; in the interpreter
+    sign(x) (1 - e) / (1 + e) with e = exp(-2|x|) (no overflow, absolute error a few 1e-7)."""
+    if LIBDEVICE:
+        return libdevice.tanh(x)
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def soft_cap(x, softcap_scale, LIBDEVICE: tl.constexpr):
+    """(softcap_scale * tanh(x), tanh(x)) for the scaled tile x = (h . w) / softcap; an infinite
+    x gives NaN, not the finite cap: a non-finite hidden row stays non-finite (the model's own
+    tanh would return +-softcap there). The backward's chain factor is 1 - tanh(x)^2."""
+    t = tanh(x, LIBDEVICE)
+    t = tl.where(tl.abs(x) == float("inf"), float("nan"), t)
+    return softcap_scale * t, t
 
 
 @triton.jit

@@ -6,6 +6,8 @@ same K-loop GEMM as the forward, then from the saved per-row lse and entropy H:
     dz    = g_lp * (onehot(y) - p) - g_H * p * (log p + H) + g_lse * p   (z - E_p[z] = log p + H)
             + 2 g_S * p * (p - S)                                         (S = sum_j p_j^2)
 and stores dz / temperature (the gradient w.r.t. the raw logits h.w) in the output dtype.
+With SOFTCAP (z = (c / T) tanh(h.w / c), ``common.soft_cap``) the stored gradient is
+dz (1 - tanh^2) / T, the chain rule through the cap.
 With ``KernelConfig.bwd_programs_per_sm`` > 0 the launch is persistent: a few programs per
 multiprocessor each walk the window's tiles (same grouped order, same per-tile arithmetic, so the
 same bits), in one flattened software pipeline that overlaps a tile's epilogue (exp, store) with
@@ -21,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (TensorDescriptor, gemm_meta, logits_tile, persistent_programs, store_window, tma_ok,
-                     tma_operands, window_grid, window_tile)
+from .common import (TensorDescriptor, gemm_meta, logits_tile, persistent_programs, soft_cap, softcap_args,
+                     store_window, tma_ok, tma_operands, window_grid, window_tile)
 from .config import BwdTile, KernelConfig
 
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -34,13 +36,15 @@ def _linear_dlogits_kernel(
     row_start, n_rows, col_start, n_cols, H,
     stride_hn, stride_hk, stride_wv, stride_wk, stride_lab,
     stride_glp, stride_gent, stride_dzm, stride_dzn,
-    inv_temperature, ignore_index, sum_sq_ptr, g_sq_ptr,
+    inv_temperature, ignore_index, sum_sq_ptr, g_sq_ptr, logit_scale, softcap_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_G_LP: tl.constexpr, HAS_G_ENT: tl.constexpr, HAS_G_LSE: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUP_M: tl.constexpr,
     USE_TMA: tl.constexpr, HAS_G_SQ: tl.constexpr, num_programs, FLATTEN: tl.constexpr,
     STORE_TMA: tl.constexpr = False, OUT_DTYPE: tl.constexpr = None,
+    SOFTCAP: tl.constexpr = False, LIBDEVICE: tl.constexpr = False,
 ):
+    # logit_scale: inv_temperature, or 1 / softcap with SOFTCAP (then z = softcap_scale * tanh(tile))
     num_tiles = tl.cdiv(n_rows, BLOCK_M) * tl.cdiv(n_cols, BLOCK_N)
     # one tile per program (num_programs = num_tiles), or a persistent loop over tiles whose
     # flattened pipeline loads the next tile's operands during this tile's epilogue
@@ -48,8 +52,10 @@ def _linear_dlogits_kernel(
         local_rows, local_cols, rows, cols, row_mask, col_mask, row0, col0 = window_tile(
             row_start, n_rows, col_start, n_cols, BLOCK_M, BLOCK_N, GROUP_M, tile_id)
         z = logits_tile(h_ptr, w_ptr, rows, cols, row_mask, col_mask, H,
-                        stride_hn, stride_hk, stride_wv, stride_wk, inv_temperature,
+                        stride_hn, stride_hk, stride_wv, stride_wk, logit_scale,
                         BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PRECISION, USE_TMA, row0, col0)
+        if SOFTCAP:
+            z, t = soft_cap(z, softcap_scale, LIBDEVICE)
         rows64 = rows.to(tl.int64)
         labels = tl.load(labels_ptr + rows64 * stride_lab, mask=row_mask, other=ignore_index)
         lse = tl.load(lse_ptr + rows64, mask=row_mask, other=0.0)
@@ -69,6 +75,8 @@ def _linear_dlogits_kernel(
         if HAS_G_SQ:  # d(sum p^2)/dz_j = 2 p_j (p_j - sum p^2) (contiguous (N,) float32 each)
             g_sq = 2.0 * tl.load(g_sq_ptr + rows64, mask=row_mask, other=0.0)
             dz += g_sq[:, None] * p * (p - tl.load(sum_sq_ptr + rows64, mask=row_mask, other=0.0)[:, None])
+        if SOFTCAP:  # d z / d(h.w / T) = 1 - tanh^2
+            dz = dz * ((1.0 - t) * (1.0 + t))
         if STORE_TMA:  # dz_ptr: a descriptor of the window; the copy engine clips its bounds
             dz = tl.where((labels != ignore_index)[:, None], dz * inv_temperature, 0.0)
             dz_ptr.store([row0 - row_start, col0 - col_start], dz.to(OUT_DTYPE))
@@ -95,8 +103,10 @@ def linear_dlogits(
     grad_lse: torch.Tensor | None = None,
     sum_sq: torch.Tensor | None = None,
     grad_sum_sq: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Write d(loss)/d(h.w) for logits[rows, cols] into ``out`` ((rows, cols), input dtype).
+    """Write d(loss)/d(h.w) for logits[rows, cols] into ``out`` ((rows, cols), input dtype);
+    the logits are soft-capped at ``softcap`` before the temperature when it is not None.
 
     hidden_states (N, H) and weight (V, H) share a dtype; labels (N,) int; lse, entropy (N,)
     float32 from the forward; grad_log_probs / grad_entropy (N,) or None (any stride, 0 allowed).
@@ -125,6 +135,7 @@ def linear_dlogits(
         out.stride(0), out.stride(1),
         inv_temperature, ignore_index,
         sum_sq if grad_sum_sq is not None else lse, grad_sum_sq if grad_sum_sq is not None else lse,
+        **softcap_args(softcap, inv_temperature),
         HAS_G_LP=has_lp, HAS_G_ENT=has_ent, HAS_G_LSE=grad_lse is not None, HAS_G_SQ=grad_sum_sq is not None,
         num_programs=programs, FLATTEN=cfg.flatten and programs < grid[0],
         STORE_TMA=store_tma, OUT_DTYPE=TL_DTYPES[out.dtype] if store_tma else None,

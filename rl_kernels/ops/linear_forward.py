@@ -14,7 +14,9 @@ any batch (batch invariance) and there are no atomics (run-to-run identical bits
 Mainloop variants are ``tl.constexpr`` flags that change scheduling, never arithmetic:
 USE_TMA (tensor-descriptor loads), FLATTEN (one software pipeline across the split's tiles, so the
 next tile's loads overlap this tile's softmax epilogue), WARP_SPEC (producer/consumer warps),
-EVEN_V (V is a multiple of BLOCK_N: no column masks in the epilogue).
+EVEN_V (V is a multiple of BLOCK_N: no column masks in the epilogue). One flag changes the
+arithmetic: SOFTCAP, the logit soft-capping of Gemma-2-style heads (z = (c / T) tanh(h . w / c),
+``common.soft_cap``); without it the kernels are the uncapped ones, bit for bit.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import grouped_tile, logits_tile, merge_stats, merge_sum_sq, tma_operands
+from .common import grouped_tile, logits_tile, merge_stats, merge_sum_sq, soft_cap, softcap_args, tma_operands
 from .config import KernelConfig, interpreting
 
 
@@ -32,12 +34,14 @@ def _linear_split_stats_kernel(
     part_m_ptr, part_s_ptr, part_b_ptr, part_q_ptr,
     N, V, H,
     stride_hn, stride_hk, stride_wv, stride_wk,
-    inv_temperature,
+    logit_scale, softcap_scale,
     SPLIT_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ENTROPY: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     GROUP_M: tl.constexpr, USE_TMA: tl.constexpr, EVEN_V: tl.constexpr,
     FLATTEN: tl.constexpr, WARP_SPEC: tl.constexpr, SUMSQ: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = False, LIBDEVICE: tl.constexpr = False,
 ):
+    # logit_scale: 1 / T, or 1 / softcap with SOFTCAP (then z = softcap_scale * tanh(tile))
     pid_m, pid_s = grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_M), tl.cdiv(V, SPLIT_V), GROUP_M)
     row0 = pid_m * BLOCK_M
     rows = row0 + tl.arange(0, BLOCK_M)
@@ -54,8 +58,10 @@ def _linear_split_stats_kernel(
         cols = v0 + tl.arange(0, BLOCK_N)
         col_mask = cols < v_end
         z = logits_tile(h_ptr, w_ptr, rows, cols, row_mask, col_mask, H,
-                        stride_hn, stride_hk, stride_wv, stride_wk, inv_temperature,
+                        stride_hn, stride_hk, stride_wv, stride_wk, logit_scale,
                         BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PRECISION, USE_TMA, row0, v0)
+        if SOFTCAP:
+            z, _ = soft_cap(z, softcap_scale, LIBDEVICE)
         if not EVEN_V:  # V % BLOCK_N != 0: the last tile's padded columns carry no mass
             z = tl.where(col_mask[None, :], z, float("-inf"))
         tile_m = tl.max(z, axis=1)
@@ -87,8 +93,9 @@ def _label_logits_kernel(
     h_ptr, w_ptr, labels_ptr, out_ptr,
     N, V, H, K,
     stride_hn, stride_hk, stride_wv, stride_wk, stride_lab, stride_labk,
-    inv_temperature, ignore_index, label_flag_ptr, check_id,
+    logit_scale, softcap_scale, ignore_index, label_flag_ptr, check_id,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, MARK_BAD: tl.constexpr,
+    SOFTCAP: tl.constexpr = False, LIBDEVICE: tl.constexpr = False,
 ):
     # rows index the N * K (hidden row, id) pairs: hidden row = rows // K, id column = rows % K
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -107,7 +114,9 @@ def _label_logits_kernel(
         a = tl.load(h_base + ks.to(tl.int64)[None, :] * stride_hk, mask=mask, other=0.0)
         b = tl.load(w_base + ks.to(tl.int64)[None, :] * stride_wk, mask=mask, other=0.0)
         acc += tl.sum(a.to(tl.float32) * b.to(tl.float32), axis=1)
-    out = acc * inv_temperature
+    out = acc * logit_scale
+    if SOFTCAP:
+        out, _ = soft_cap(out, softcap_scale, LIBDEVICE)
     if MARK_BAD:  # a label outside [0, V) that is not ignore_index: NaN, and the call id to the flag
         bad = row_mask & (labels != ignore_index) & ((labels < 0) | (labels >= V))
         ids = tl.full((BLOCK_R,), check_id, tl.int32)
@@ -122,8 +131,10 @@ def label_logits(
     labels: torch.Tensor,
     inv_temperature: float,
     label_check: tuple[torch.Tensor, int, int] | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """z_y = (h_i . w_{y_i}) * inv_temperature, float32 (products and sum in float32), shaped like
+    """z_y = (h_i . w_{y_i}) * inv_temperature (with ``softcap``: softcap * tanh(h_i . w_{y_i} /
+    softcap) * inv_temperature), float32 (products and sum in float32), shaped like
     ``labels``: (N,) or (N, K) ids per row (K ids of row i all dot with h_i); ids outside [0, V)
     (``ignore_index``) get 0. Reads one row of W per id. ``label_check``: (flag, check_id,
     ignore_index): an id outside [0, V) other than ignore_index gets NaN instead, and check_id is
@@ -138,8 +149,8 @@ def label_logits(
         n, weight.shape[0], h, k,
         hidden_states.stride(0), hidden_states.stride(1), weight.stride(0), weight.stride(1),
         labels.stride(0), labels.stride(1) if labels.dim() == 2 else 0,
-        inv_temperature, ignore_index, flag, check_id,
-        BLOCK_R=block_r, BLOCK_K=128, MARK_BAD=label_check is not None,
+        **softcap_args(softcap, inv_temperature), ignore_index=ignore_index, label_flag_ptr=flag,
+        check_id=check_id, BLOCK_R=block_r, BLOCK_K=128, MARK_BAD=label_check is not None,
     )
     return out
 
@@ -153,8 +164,10 @@ def linear_split_stats(
     cfg: KernelConfig,
     return_sum_pi_squared: bool = False,
     label_check: tuple[torch.Tensor, int, int] | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """Per-split partials of the linear head.
+    """Per-split partials of the linear head (logits soft-capped at ``softcap`` before the
+    temperature when it is not None).
 
     hidden_states: (N, H), weight: (V, H), both bf16/fp16/fp32 of one dtype, any strides.
     labels: (N,) int32/int64 (any value; only equality with column ids is used).
@@ -174,7 +187,7 @@ def linear_split_stats(
         parts[0], parts[1], parts[2], parts[-1],
         n, v, h,
         hidden_states.stride(0), hidden_states.stride(1), weight.stride(0), weight.stride(1),
-        inv_temperature,
+        **softcap_args(softcap, inv_temperature),
         SPLIT_V=cfg.split_v, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         ENTROPY=return_entropy, UPCAST=cfg.upcast(hidden_states.dtype),
         DOT_PRECISION=cfg.dot_precision(hidden_states.dtype), GROUP_M=cfg.group_m,
@@ -182,5 +195,6 @@ def linear_split_stats(
         FLATTEN=cfg.flatten, WARP_SPEC=cfg.warp_specialize, SUMSQ=return_sum_pi_squared,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return (parts[0], parts[1], parts[2], label_logits(hidden_states, weight, labels, inv_temperature, label_check),
+    return (parts[0], parts[1], parts[2],
+            label_logits(hidden_states, weight, labels, inv_temperature, label_check, softcap),
             parts[3] if return_sum_pi_squared else None)

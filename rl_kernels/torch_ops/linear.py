@@ -14,6 +14,18 @@ import torch
 DEFAULT_CHUNK_ELEMENTS = 1 << 26
 
 
+def capped_logits(raw: torch.Tensor, inv_temperature: float, softcap: float | None):
+    """(z, tanh) of the raw logits h . w: z = raw * inv_temperature, or with ``softcap`` c
+    z = c tanh(raw / c) * inv_temperature (tanh returned for the backward's 1 - tanh^2; None
+    without a cap). An infinite raw logit gives NaN under the cap (as ``ops.common.soft_cap``):
+    a non-finite hidden row stays non-finite."""
+    if softcap is None:
+        return raw * inv_temperature, None
+    t = torch.tanh(raw / softcap)
+    t = torch.where(raw.isinf(), torch.full((), float("nan"), dtype=t.dtype, device=t.device), t)
+    return t * (softcap * inv_temperature), t
+
+
 def torch_forward(
     hidden_states: torch.Tensor,
     weight: torch.Tensor,
@@ -24,12 +36,14 @@ def torch_forward(
     compute_dtype: torch.dtype = torch.float32,
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
     return_sum_pi_squared: bool = False,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """(log_probs, entropy, lse, sum_sq), each (N,) in ``compute_dtype``; entropy / sum_sq
     (sum_j p_j^2) None if not asked.
 
     hidden_states (N, H), weight (V, H), labels (N,) int. Positions equal to ``ignore_index`` get
-    log-prob 0 and entropy 0. Entropy is -sum p log p (no lse - E[z] cancellation).
+    log-prob 0 and entropy 0. Entropy is -sum p log p (no lse - E[z] cancellation). With
+    ``softcap`` the logits are c tanh(h . w / c) / T (``capped_logits``).
     """
     n = hidden_states.shape[0]
     v = weight.shape[0]
@@ -44,7 +58,7 @@ def torch_forward(
     rows = max(1, chunk_elements // max(v, 1))
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
-        z = (hidden_states[r0:r1].to(compute_dtype) @ w.T) * inv_temperature
+        z, _ = capped_logits(hidden_states[r0:r1].to(compute_dtype) @ w.T, inv_temperature, softcap)
         lse_c = torch.logsumexp(z, dim=-1)
         lse[r0:r1] = lse_c
         log_probs[r0:r1] = z.gather(1, safe_labels[r0:r1, None]).squeeze(1) - lse_c
@@ -80,12 +94,14 @@ def torch_dlogits(
     grad_lse: torch.Tensor | None = None,
     sum_sq: torch.Tensor | None = None,
     grad_sum_sq: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Torch twin of ``rl_kernels.ops.linear_dlogits``: d(loss)/d(h.w) for logits[rows, cols]
-    computed in ``out.dtype`` and written into ``out``."""
+    computed in ``out.dtype`` and written into ``out`` (with ``softcap``, through the cap:
+    times 1 - tanh^2)."""
     dt = out.dtype
     lab = labels[rows]
-    z = (hidden_states[rows].to(dt) @ weight[cols].to(dt).T) * inv_temperature
+    z, t = capped_logits(hidden_states[rows].to(dt) @ weight[cols].to(dt).T, inv_temperature, softcap)
     log_p = z - lse[rows].to(dt)[:, None]
     p = log_p.exp()
     dz = torch.zeros_like(z)
@@ -98,14 +114,17 @@ def torch_dlogits(
         dz += grad_lse[rows].to(dt)[:, None] * p
     if grad_sum_sq is not None:
         dz += (2 * grad_sum_sq[rows].to(dt))[:, None] * p * (p - sum_sq[rows].to(dt)[:, None])
+    if t is not None:
+        dz *= (1 - t) * (1 + t)
     valid = (lab != ignore_index)[:, None]
     out.copy_(torch.where(valid, dz * inv_temperature, torch.zeros((), dtype=dt, device=z.device)))
     return out
 
 
-def torch_gathered_logits(hidden_states, weight, ids, inv_temperature, chunk_elements=1 << 25):
-    """(N, K) float32 z[i, k] = h_i . w_{ids[i, k]} * inv_temperature, in row chunks of at most
-    ``chunk_elements`` float32 elements of the gathered (rows, K, H) weight rows."""
+def torch_gathered_logits(hidden_states, weight, ids, inv_temperature, chunk_elements=1 << 25, softcap=None):
+    """(N, K) float32 z[i, k] = h_i . w_{ids[i, k]} * inv_temperature (``capped_logits`` with
+    ``softcap``), in row chunks of at most ``chunk_elements`` float32 elements of the gathered
+    (rows, K, H) weight rows."""
     n, k = ids.shape
     h = hidden_states.shape[1]
     out = torch.empty(n, k, dtype=torch.float32, device=hidden_states.device)
@@ -113,5 +132,6 @@ def torch_gathered_logits(hidden_states, weight, ids, inv_temperature, chunk_ele
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
         w = weight[ids[r0:r1]].float()
-        out[r0:r1] = torch.einsum("nh,nkh->nk", hidden_states[r0:r1].float(), w) * inv_temperature
+        out[r0:r1] = capped_logits(torch.einsum("nh,nkh->nk", hidden_states[r0:r1].float(), w), inv_temperature,
+                                   softcap)[0]
     return out
