@@ -53,21 +53,21 @@ class AnomalyCapture:
         check_float_arg("recheck_tolerance", self.recheck_tolerance, inclusive=False)
         self.metadata = check_metadata_arg("metadata", self.metadata)
 
-    def check(self, hidden_states, weight, labels, *, temperature, ignore_index, log_probs, entropy,
+    def check(self, hidden_states, weight, labels, *, temperature, ignore_index, log_probs, entropy, softcap=None,
               metadata=None) -> str | None:
         """Check one call's outputs; save a sample when anomalous. Returns the reason or None."""
         self.calls += 1
         try:
-            reason = self._reason(hidden_states, weight, labels, temperature, ignore_index,
+            reason = self._reason(hidden_states, weight, labels, temperature, softcap, ignore_index,
                                   log_probs, entropy)
             if reason is not None:
-                self._save(reason, hidden_states, weight, labels, temperature, ignore_index, metadata)
+                self._save(reason, hidden_states, weight, labels, temperature, softcap, ignore_index, metadata)
             return reason
         except Exception as exc:  # capture must never stop training
             log_once(logging.WARNING, f"rl_kernels anomaly capture failed and is skipped: {exc!r}")
             return None
 
-    def _reason(self, hidden_states, weight, labels, temperature, ignore_index, log_probs, entropy):
+    def _reason(self, hidden_states, weight, labels, temperature, softcap, ignore_index, log_probs, entropy):
         with torch.no_grad():
             valid = labels != ignore_index
             lp = log_probs.detach().float()
@@ -82,10 +82,10 @@ class AnomalyCapture:
             if flags[1]:
                 return f"log-prob above {self.max_log_prob:g} (max {lp[valid].max().item():.3g})"
             if self.recheck_every and self.calls % self.recheck_every == 0:
-                return self._recheck(hidden_states, weight, labels, temperature, ignore_index, lp, entropy)
+                return self._recheck(hidden_states, weight, labels, temperature, softcap, ignore_index, lp, entropy)
         return None
 
-    def _recheck(self, hidden_states, weight, labels, temperature, ignore_index, lp, entropy):
+    def _recheck(self, hidden_states, weight, labels, temperature, softcap, ignore_index, lp, entropy):
         from .torch_ops.linear import torch_forward
 
         h = hidden_states.detach().reshape(-1, hidden_states.shape[-1])
@@ -95,7 +95,7 @@ class AnomalyCapture:
             return None
         rows = torch.linspace(0, n - 1, min(self.recheck_rows, n), device=h.device).round().long()
         ref_lp, ref_ent, _, _ = torch_forward(h[rows], weight.detach(), y[rows], 1.0 / temperature,
-                                           ignore_index, entropy is not None)
+                                              ignore_index, entropy is not None, softcap=softcap)
         diff = (ref_lp - lp.reshape(-1)[rows]).abs().max()
         if entropy is not None:
             diff = torch.maximum(diff, (ref_ent - entropy.detach().float().reshape(-1)[rows]).abs().max())
@@ -104,7 +104,7 @@ class AnomalyCapture:
             return f"float32 re-check differs by {diff:.3g} > {self.recheck_tolerance:g}"
         return None
 
-    def _save(self, reason, hidden_states, weight, labels, temperature, ignore_index, metadata):
+    def _save(self, reason, hidden_states, weight, labels, temperature, softcap, ignore_index, metadata):
         from .samples import save_sample
 
         size = sum(t.numel() * t.element_size() for t in (hidden_states, weight, labels))
@@ -120,7 +120,7 @@ class AnomalyCapture:
         path = os.path.join(self.directory, f"anomaly-{stamp}-rank{rank}-call{self.calls}.safetensors")
         meta = {**self.metadata, **(metadata or {}), "reason": reason, "rank": rank,
                 "call": self.calls, "time": stamp}
-        save_sample(path, hidden_states, weight, labels, temperature=temperature,
+        save_sample(path, hidden_states, weight, labels, temperature=temperature, softcap=softcap,
                     ignore_index=ignore_index, metadata=meta)
         self.saved += 1
         self.saved_bytes += size

@@ -241,3 +241,32 @@ def test_sum_pi_squared_bf16_against_float64():
     assert torch.equal(results[0], results[1])
     p = torch.softmax(x.double(), -1)
     assert (results[0].double() - (p * p).sum(-1)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("n,h,v,cap,temperature", [
+    (1024, 2304, 256000, 30.0, 1.0),   # Gemma-2-2B head: H 2304, V 256000, final_logit_softcapping 30
+    (2048, 3584, 151553, 5.0, 0.9),    # an odd V; a cap of 5 bends most logits of this scale
+])
+def test_bf16_softcap_values_and_gradients(n, h, v, cap, temperature):
+    """Soft-capped head (z = c tanh(h.w / c) / T) in bf16 against float64, with weights scaled so
+    the raw logits (std ~2.5 c) are mostly past the cap; tolerances as the uncapped head's."""
+    hidden, weight, labels = make_inputs(n, h, v, torch.bfloat16, seed=7, device="cuda",
+                                         w_scale=2.5 * cap / h ** 0.5)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    g_lp = torch.randn(n, device="cuda", generator=g)
+    g_ent = torch.randn(n, device="cuda", generator=g)
+    hx, wx = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = linear_log_probs(hx, wx, labels, temperature=temperature, softcap=cap, backend="triton")
+    (out.log_probs * g_lp + out.entropy * g_ent).sum().backward()
+
+    ref = reference_linear_log_probs(hidden, weight, labels, temperature=temperature, softcap=cap)
+    plain = reference_linear_log_probs(hidden, weight, labels, temperature=temperature)
+    assert (plain.log_probs - ref.log_probs).abs().max() > 1.0  # the cap matters on these inputs
+    err_lp = (out.log_probs.double() - ref.log_probs).abs().max().item()
+    err_ent = (out.entropy.double() - ref.entropy).abs().max().item()
+    dh, dw = reference_linear_grads(hidden, weight, labels, g_lp, g_ent, temperature, softcap=cap)
+    err_dh, err_dw = rel_err(hx.grad, dh), rel_err(wx.grad, dw)
+    print(f"\nGPU softcap {cap} {n}x{h}x{v} T={temperature}: max|Δlogp| {err_lp:.2e} max|Δent| {err_ent:.2e} "
+          f"rel dh {err_dh:.2e} rel dW {err_dw:.2e}")
+    assert err_lp <= 5e-5 and err_ent <= 5e-5
+    assert err_dh <= 2.5e-3 and err_dw <= 2.5e-3

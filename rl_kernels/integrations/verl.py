@@ -73,12 +73,13 @@ import rl_kernels
 
 from .._logging import log_once, logger
 from ..anomaly import AnomalyCapture
-from ..validation import check_bool_arg, check_choice, check_float_arg, check_int_arg, check_path_arg
+from ..validation import check_bool_arg, check_choice, check_float_arg, check_int_arg, check_path_arg, check_temperature
 from ..backends import BACKENDS
 from ..linear import linear_log_probs
 from ..logits import entropy_from_logits as _rk_entropy_from_logits
 from ..logits import log_probs_from_logits as _rk_log_probs_from_logits
 from . import verl_megatron
+from .lm_heads import HeadTransform, head_transform
 from ._verl_common import (SUMMARY_AFTER_CALLS, SUPPORTED_VERL, VerlIntegrationError, call_counts,  # noqa: F401
                            check_signature, entropy_on_request, entropy_placeholder, entropy_wanted, record,
                            replace_by_name, restore, set_attr, verl_version)
@@ -298,18 +299,34 @@ def _full_weight(weight, dtype):
     return weight
 
 
+def _head_temperature(temperature, head: HeadTransform) -> float:
+    """verl's temperature with the model's logit multiplier folded in (``HeadTransform``): verl's
+    value is checked with the usual rules first, then the effective one, whose error names both."""
+    temperature = check_temperature(temperature)
+    if head.multiplier == 1.0:
+        return temperature
+    effective = head.temperature(temperature)
+    try:
+        return check_temperature(effective)
+    except ValueError as exc:
+        raise VerlIntegrationError(f"rl_kernels.integrations.verl: temperature {temperature!r} with the model's "
+                                   f"{head.description}: effective temperature {effective!r} is unusable ({exc})") from exc
+
+
 def _fused_log_probs_entropy(hidden_states, vocab_weights, input_ids, temperature):
     if isinstance(temperature, torch.Tensor) and temperature.numel() == 1:
         temperature = temperature.item()
+    head = _head.get() or HeadTransform()
+    temperature = _head_temperature(temperature, head)
     vocab_weights = _full_weight(vocab_weights, hidden_states.dtype)
     return_entropy = entropy_wanted.get()
     out = linear_log_probs(hidden_states, vocab_weights, input_ids, temperature=temperature,
-                           return_entropy=return_entropy, backend=_options.backend)
+                           softcap=head.softcap, return_entropy=return_entropy, backend=_options.backend)
     record("fused_fsdp_calls", "fused fsdp", input_ids.numel())
     entropy = out.entropy if return_entropy else entropy_placeholder(out.log_probs)
     if _capture is not None:
         _capture.check(hidden_states, vocab_weights, input_ids, temperature=float(temperature),
-                       ignore_index=-100, log_probs=out.log_probs, entropy=out.entropy,
+                       softcap=head.softcap, ignore_index=-100, log_probs=out.log_probs, entropy=out.entropy,
                        metadata={"model": _model_names[-1] if _model_names else "unknown"})
     return out.log_probs, entropy
 
@@ -348,6 +365,8 @@ def _wrap_entropy_requests(dp_actor) -> str:
 
 _serving = contextvars.ContextVar("rl_kernels_serving", default=False)
 """True while the forward of a model that rl-kernels serves runs (set by :func:`_serving_forward`)."""
+_head = contextvars.ContextVar("rl_kernels_head", default=None)
+"""The :class:`~rl_kernels.integrations.lm_heads.HeadTransform` of the model whose forward runs."""
 _UNSET = object()
 
 
@@ -415,15 +434,36 @@ def _serving_forward(forward):
         if not getattr(self, "_rl_kernels_fused", False):
             return forward(self, *args, **kwargs)
         _refuse_ulysses(has_shift_labels)
-        token = _serving.set(True)
+        head = getattr(self, "_rl_kernels_head", None)
+        if head is None:  # marked by other means than patch_forward_with_backends: audit now
+            head = self._rl_kernels_head = head_transform(self)
+        token, head_token = _serving.set(True), _head.set(head)
         try:
             return forward(self, *args, **kwargs)
         finally:
+            _head.reset(head_token)
             _serving.reset(token)
 
     serving_forward._rl_kernels_serving = True
     serving_forward._rl_kernels_verl_forward = forward
     return serving_forward
+
+
+def _warn_unserved_head(model, backend) -> None:
+    """Warn when verl's own fused backend (``triton`` / ``torch`` / ``liger``) is about to serve a
+    model whose forward changes the logits after lm_head: verl's fused forward skips that."""
+    try:
+        head = head_transform(model)
+    except VerlIntegrationError as exc:
+        why = str(exc).split(": ", 1)[-1]
+    else:
+        if head.softcap is None and head.multiplier == 1.0:
+            return
+        why = f"its forward applies {head.description}"
+    logger.warning("rl_kernels: verl's fused forward with impl_backend=%r computes hidden @ lm_head.weight.T / T "
+                   "for %s and skips what the model's forward does after lm_head: %s. Its log-probs differ from "
+                   "the model's own; impl_backend='rl_kernels' applies the transform (or refuses), and "
+                   "use_fused_kernels=False uses the model's logits.", backend, type(model).__name__, why)
 
 
 def _make_patch_forward_with_backends(original):
@@ -432,6 +472,7 @@ def _make_patch_forward_with_backends(original):
         if fused_kernels_backend != BACKEND_NAME:
             if use_fused_kernels:
                 model._rl_kernels_fused = False
+                _warn_unserved_head(model, fused_kernels_backend)
             return original(model, use_fused_kernels=use_fused_kernels,
                             fused_kernels_backend=fused_kernels_backend)
         cls = model.__class__.__name__
@@ -440,6 +481,9 @@ def _make_patch_forward_with_backends(original):
                      f"{cls} keeps its logits forward; log-probs/entropy come from rl-kernels' from-logits "
                      f"functions" + ("" if _options.patch_logits_path else " (disabled by patch_logits_path)"))
             return original(model, use_fused_kernels=False, fused_kernels_backend=None)
+        # what the model's own forward does between its last hidden state and its logits (soft-cap,
+        # scale), or VerlIntegrationError for a model type that the audit refuses or does not list
+        head = head_transform(model)
         # verl's torch-backend forward for this model class (label rolling, shift_labels,
         # temperature, rmpad shapes, CausalLMOutputForPPO stay verl's), wrapped so that the
         # FusedLinearForPPO it builds runs rl-kernels for this model: the model is marked, the
@@ -447,11 +491,13 @@ def _make_patch_forward_with_backends(original):
         original(model, use_fused_kernels=True, fused_kernels_backend="torch")
         model.__class__.forward = _serving_forward(model.__class__.forward)
         model._rl_kernels_fused = True
+        model._rl_kernels_head = head
         model._verl_fused_kernels_backend = BACKEND_NAME
         name = getattr(getattr(model, "config", None), "name_or_path", "") or cls
         _model_names.append(str(name))
         logger.info("rl_kernels: %s.forward computes log_probs and entropy with rl_kernels.linear_log_probs "
-                    "(backend=%s) through verl's fused forward (model %s)", cls, _options.backend, name)
+                    "(backend=%s) through verl's fused forward (model %s, model type %s: %s)", cls,
+                    _options.backend, name, getattr(model.config, "model_type", None), head.description)
 
     patch_forward_with_backends._rl_kernels_original = original
     return patch_forward_with_backends

@@ -217,6 +217,64 @@ def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="non
     return out.log_probs.view(labels.shape), entropy.view(labels.shape)
 
 
+LOGIT_TRANSFORM_ATTRIBUTES = ("final_logit_softcapping", "logit_softcapping", "output_logit_softcapping",
+                              "logits_soft_cap", "logit_scale", "logits_scaling", "lm_head_multiplier",
+                              "output_multiplier", "mup_output_multiplier")
+"""Config attributes that, on a model, change the logits after the output layer (Gemma 2, Cohere,
+Granite, Falcon-H1, muP conventions). Megatron-Core's ``GPTModel`` (0.16) reads none of them: a config
+or a ``GPTModel`` subclass that sets or applies one is refused on the fused path."""
+
+
+def check_output_layer(model) -> None:
+    """Refuse (:class:`VerlIntegrationError`) a Megatron model whose logits are not
+    ``output_layer(hidden)``: its config sets a logit transform (:data:`LOGIT_TRANSFORM_ATTRIBUTES`, a
+    value other than None / 1), its output layer has a bias, or it is a ``GPTModel`` subclass that
+    overrides ``forward`` / ``_postprocess`` (whose logits verl's fused forward would skip). Wraps what
+    verl's ``patch_fused_forward`` (engine setup) and the 1F1B-overlap forward receive."""
+    from megatron.core.models.gpt import GPTModel
+
+    from verl.utils.megatron_utils import unwrap_model
+
+    gpt = unwrap_model(model)
+    if not isinstance(gpt, GPTModel):
+        gpt = getattr(gpt, "language_model", gpt)
+    if not isinstance(gpt, GPTModel):
+        return  # verl itself refuses it ("not supported for fused forward")
+    name = type(gpt).__name__
+    config = getattr(gpt, "config", None)
+    transforms = {a: getattr(config, a) for a in LOGIT_TRANSFORM_ATTRIBUTES
+                  if getattr(config, a, None) not in (None, 1, 1.0)}
+    if transforms:
+        raise VerlIntegrationError(f"rl_kernels.integrations.verl: Megatron model {name}: its config sets "
+                                   f"{transforms}, which changes the logits after the output layer; the fused path "
+                                   f"(output_layer.weight only) is refused. Use use_fused_kernels=False.")
+    if getattr(getattr(gpt, "output_layer", None), "bias", None) is not None:
+        raise VerlIntegrationError(f"rl_kernels.integrations.verl: Megatron model {name}: its output layer has a "
+                                   f"bias, which the fused head leaves out; refused. Use use_fused_kernels=False.")
+    for klass in type(gpt).__mro__:
+        if klass is GPTModel:
+            break
+        overridden = sorted({"forward", "_postprocess"} & set(vars(klass)))
+        if overridden:
+            raise VerlIntegrationError(f"rl_kernels.integrations.verl: Megatron model {name} overrides GPTModel."
+                                       f"{'/'.join(overridden)} ({klass.__module__}.{klass.__qualname__}); rl-kernels "
+                                       f"cannot tell whether its logits are output_layer(hidden); the fused path is "
+                                       f"refused. Use use_fused_kernels=False.")
+
+
+def _checking(fn, model_arg: str):
+    """``fn`` with :func:`check_output_layer` run on its ``model_arg`` argument first."""
+    position = list(inspect.signature(fn).parameters).index(model_arg)
+
+    @functools.wraps(fn)
+    def checked(*args, **kwargs):
+        check_output_layer(kwargs[model_arg] if model_arg in kwargs else args[position])
+        return fn(*args, **kwargs)
+
+    checked._rl_kernels_original = fn
+    return checked
+
+
 ENGINE_FORWARD_FACTORIES = ("get_mcore_forward_fused_model_engine_fn", "get_mcore_forward_fused_no_padding_fn")
 """verl's factories (in ``verl.models.mcore``) of the Megatron engine's fused forward, which takes
 ``calculate_entropy``: 0.8 / 0.9 import the first at call time, 0.7.x binds the second by name."""
@@ -340,6 +398,13 @@ def _patch_fused(mcore_tp) -> tuple:
         return False, f"not patched ({'; '.join(skipped)})"
     gather = _make_gather(original_gather)
     places = []
+    # models whose logits are not output_layer(hidden) are refused where verl sets up / runs the fused path
+    for mod in modules:
+        for fn_name in ("patch_fused_forward", "gptmodel_forward_1f1b_overlap"):
+            fn = vars(mod).get(fn_name)
+            if fn is not None and "model" in inspect.signature(fn).parameters:
+                replace_by_name(mod, {fn_name: _checking(fn, "model")})
+                places.append(f"{mod.__name__}.{fn_name} (output layer checked)")
     for mod in modules:
         set_attr(mod, "linear_cross_entropy", linear_cross_entropy)
         places.append(f"{mod.__name__}.linear_cross_entropy")
