@@ -251,3 +251,21 @@ def test_megatron_fused_path_refuses_models_whose_logits_are_not_the_output_laye
     assert patched._rl_kernels_original is not None  # the engine's setup goes through the check
     with pytest.raises(VerlIntegrationError, match="logits_scaling"):
         patched(stub(logits_scaling=8.0))
+
+
+def test_the_docs_table_lists_every_audited_type_under_its_kind():
+    """integrations/verl/README.md's table is the code's table: every model type once, in the row
+    or list of its kind."""
+    import pathlib
+
+    from rl_kernels.integrations.lm_heads import kinds
+
+    text = (pathlib.Path(__file__).parents[1] / "integrations" / "verl" / "README.md").read_text()
+    section = text.split("## Which models the fused path serves", 1)[1].split("\n## ", 1)[0]
+    for kind, model_types in kinds().items():
+        for model_type in model_types:
+            if kind in (SOFTCAPPED, SCALED):
+                assert f"| `{model_type}` | {kind} |" in section, (kind, model_type)
+            else:
+                listing = section.split("Plain (" if kind == PLAIN else "Refused (", 1)[1].split("\n\n", 1)[0]
+                assert f"`{model_type}`" in listing, (kind, model_type)

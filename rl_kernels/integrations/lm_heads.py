@@ -32,6 +32,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
+
+import torch
 
 from ._verl_common import VerlIntegrationError
 
@@ -132,10 +135,6 @@ def _read(model, path: str):
 
 
 def _constant(model_type: str, path: str, value, what: str) -> float:
-    import numbers
-
-    import torch
-
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
@@ -184,7 +183,7 @@ def head_transform(model) -> HeadTransform:
 
 
 def kinds() -> dict[str, list[str]]:
-    """kind -> sorted model types (for the docs' table)."""
+    """kind -> sorted model types (the docs' table, integrations/verl/README.md, lists them so)."""
     out: dict[str, list[str]] = {}
     for model_type, entry in sorted(LM_HEADS.items()):
         out.setdefault(entry.kind, []).append(model_type)
