@@ -1,0 +1,338 @@
+"""Model-level benchmark: a verl actor step (forward, PPO loss, backward) of a real architecture with
+random weights, per log-prob path, on one GPU: step time and tokens/s at common micro-batch sizes,
+peak memory, the largest micro-batch that fits, and the head's share of the step.
+
+    python scripts/model_bench.py --models qwen2.5-0.5b qwen2.5-7b llama3.1-8b gemma2-2b \
+        --tokens 8192 16384 --search --json docs/model_bench.json
+    python scripts/model_bench.py --smoke      # CPU: a tiny model, two steps per variant (a test runs it)
+
+What the step is: bf16 parameters, gradient checkpointing on (``gradient_checkpointing_enable``),
+SDPA attention **per sequence** (the body runs on a (B, S) batch of S-token sequences; its hidden
+states are then packed into one (1, B S) row, as verl's remove-padding layout packs them, so the head
+and the label roll are verl's), the head, verl's clipped PPO loss with an entropy bonus, and the
+backward into every parameter. Not in the step: the optimizer (no optimizer state, no update),
+FSDP / data parallelism, the rollout. Peak memory is ``torch.cuda.max_memory_allocated`` during the
+step (the model's parameters and gradients included).
+
+Variants (the same weights and batch):
+
+* ``verl logits``: the model's own forward materializes the logits, verl's ``logprobs_from_logits`` /
+  ``entropy_from_logits`` (verl's default, ``use_fused_kernels=False``; with flash-attn's Triton
+  cross-entropy when ``flash_attn`` is importable, as verl users have it: the table says which ran);
+* ``logits + rl_kernels``: the same, with rl-kernels' verl patch (its from-logits functions);
+* ``verl fused torch`` / ``verl fused triton``: verl's fused forward, ``impl_backend`` torch / triton;
+* ``fused rl_kernels``: verl's fused forward with ``impl_backend=rl_kernels``.
+
+The largest micro-batch: sequences of ``--seq`` tokens, doubling the count until a step runs out of
+memory, then bisecting (OOM caught and freed). The head's share: the head alone (last hidden state
+and lm_head weight in, loss and their gradients out) timed at the same tokens, over the step time.
+verl is imported as on the GPU machine without a package index
+(``rl_kernels.integrations.verl_kernels.import_verl_modules(stub=True)``).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+
+import torch
+
+MODELS = {  # transformers config class, sizes of the released models (random weights)
+    "qwen2.5-0.5b": ("Qwen2", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                   num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                                   tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6)),
+    "qwen2.5-7b": ("Qwen2", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                                 num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                                 tie_word_embeddings=False, rope_theta=1e6, rms_norm_eps=1e-6)),
+    "llama3.1-8b": ("Llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                  num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                  tie_word_embeddings=False, rope_theta=5e5, rms_norm_eps=1e-5)),
+    "gemma2-2b": ("Gemma2", dict(hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                                 num_attention_heads=8, num_key_value_heads=4, head_dim=256, vocab_size=256000,
+                                 final_logit_softcapping=30.0, attn_logit_softcapping=50.0,
+                                 tie_word_embeddings=True)),
+    "tiny": ("Qwen2", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=1037, tie_word_embeddings=False)),
+}
+VARIANTS = ("verl logits", "logits + rl_kernels", "verl fused torch", "verl fused triton", "fused rl_kernels")
+T = 0.7
+
+
+def build(name: str, device):
+    import transformers
+
+    family, sizes = MODELS[name]
+    config = getattr(transformers, f"{family}Config")(**sizes, attn_implementation="sdpa", use_cache=False)
+    with torch.device("meta"):
+        model = getattr(transformers, f"{family}ForCausalLM")(config)
+    model = model.to_empty(device=device).to(torch.bfloat16 if device.type == "cuda" else torch.float32)
+    g = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02, generator=g) if p.dim() > 1 else p.fill_(1.0)
+    model.gradient_checkpointing_enable()
+    model.train()
+    return model
+
+
+@contextlib.contextmanager
+def per_sequence_body(model, seqs: int):
+    """The base model runs on (seqs, S) sequences and returns its hidden states packed into one
+    (1, seqs S) row: attention per sequence, the head sees verl's remove-padding layout."""
+    body = model.model
+    forward = body.forward
+
+    def packed_forward(input_ids=None, position_ids=None, **kwargs):
+        ids = input_ids.view(seqs, -1)
+        out = forward(input_ids=ids, position_ids=torch.arange(ids.shape[1], device=ids.device).expand_as(ids),
+                      **{k: v for k, v in kwargs.items() if k in ("output_hidden_states", "return_dict")})
+        out.last_hidden_state = out.last_hidden_state.reshape(1, -1, out.last_hidden_state.shape[-1])
+        return out
+
+    body.forward = packed_forward
+    try:
+        yield
+    finally:
+        body.forward = forward
+
+
+def ppo_loss(log_probs, entropy, adv, old):
+    """verl's vanilla clipped PPO policy loss (clip 0.2, token-mean) minus 0.01 x entropy."""
+    ratio = torch.exp(log_probs.float() - old)
+    loss = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv).mean()
+    return loss - 0.01 * entropy.float().mean() if entropy is not None else loss
+
+
+class Bench:
+    def __init__(self, model, verl, device):
+        self.model, self.verl, self.device = model, verl, device
+        self.cls = type(model)
+        self.hf_forward = self.cls.forward
+
+    def set_variant(self, variant: str):
+        rkv, monkey_patch = self.verl["rkv"], self.verl["monkey_patch"]
+        (rkv.unpatch if variant == "verl logits" else rkv.patch)()
+        self.cls.forward = self.hf_forward
+        if "fused" in variant:
+            backend = {"verl fused torch": "torch", "verl fused triton": "triton"}.get(variant, rkv.BACKEND_NAME)
+            monkey_patch.apply_monkey_patch(self.model, use_remove_padding=True, use_fused_kernels=True,
+                                            fused_kernels_backend=backend)
+        self.fused, self.variant = "fused" in variant, variant
+
+    def inputs(self, tokens: int, seq: int):
+        g = torch.Generator(device=self.device).manual_seed(tokens)
+        ids = torch.randint(0, self.model.config.vocab_size, (1, tokens), device=self.device, generator=g)
+        adv = torch.randn(ids.shape, device=self.device, generator=g)
+        return ids, adv, tokens // seq
+
+    def step(self, ids, adv, seqs):
+        verl_F = self.verl["verl_F"]
+        self.model.zero_grad(set_to_none=True)
+        labels = torch.roll(ids, -1, -1)
+        with per_sequence_body(self.model, seqs):
+            if self.fused:
+                out = self.model(input_ids=ids, temperature=T, return_dict=True)
+                lp, ent = out.log_probs, out.entropy
+            else:
+                logits = self.hf_forward(self.model, input_ids=ids, return_dict=True).logits
+                logits = logits / T
+                lp = verl_F.logprobs_from_logits(logits, labels, inplace_backward=False)
+                ent = verl_F.entropy_from_logits(logits)
+                del logits
+        ppo_loss(lp, ent, adv, lp.detach().float() + 0.01).backward()
+
+    def timed(self, tokens, seq, steps):
+        ids, adv, seqs = self.inputs(tokens, seq)
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        times, peak = [], 0.0
+        for i in range(steps + 1):
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            sync()
+            t0 = time.perf_counter()
+            self.step(ids, adv, seqs)
+            sync()
+            if i:
+                times.append(time.perf_counter() - t0)
+            if self.device.type == "cuda":
+                peak = max(peak, torch.cuda.max_memory_allocated() / 2**30)
+        ms = sorted(times)[len(times) // 2] * 1e3
+        return {"step_ms": ms, "tokens_per_s": tokens / ms * 1e3, "peak_gb": peak}
+
+    def fits(self, tokens, seq) -> bool:
+        try:
+            self.step(*self.inputs(tokens, seq))
+            return True
+        except torch.OutOfMemoryError:
+            return False
+        finally:
+            self.model.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+
+    def largest(self, seq, start, limit):
+        n, fit = max(1, start // seq), 0
+        while n * seq <= limit and self.fits(n * seq, seq):  # doubling
+            fit, n = n, n * 2
+        if fit == 0:
+            return 0
+        lo, hi = fit, min(n, limit // seq + 1)  # lo fits, hi does not (or is past the limit)
+        while hi - lo > max(1, lo // 16):  # bisection to ~6% of the answer
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.fits(mid * seq, seq) else (lo, mid)
+        return lo * seq
+
+    def head_ms(self, tokens, steps):
+        """The head alone, as the variant computes it: hidden states and lm_head weight in, the PPO
+        loss, their gradients out (fused: the kernel verl's fused forward calls; logits: lm_head,
+        then verl's from-logits functions)."""
+        h = torch.randn(1, tokens, self.model.config.hidden_size, device=self.device,
+                        dtype=self.model.lm_head.weight.dtype, requires_grad=True)
+        ids, adv, _ = self.inputs(tokens, tokens)
+        labels = torch.roll(ids, -1, -1)
+        verl_F, w = self.verl["verl_F"], self.model.lm_head.weight
+        head = self.variant
+
+        def run():
+            h.grad = w.grad = None
+            if head == "verl fused torch":
+                from verl.utils.experimental.torch_functional import FusedLinearForPPO
+
+                lp, ent = FusedLinearForPPO(impl_backend="torch")(h, w, labels, T)
+            elif head == "verl fused triton":
+                from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy
+
+                lp, ent = linear_cross_entropy(h, w, labels, T, "none")
+            elif head == "fused rl_kernels":
+                import rl_kernels
+
+                lp, ent = rl_kernels.linear_log_probs(h, w, labels, temperature=T)[:2]
+            else:
+                logits = self.model.lm_head(h) / T
+                lp = verl_F.logprobs_from_logits(logits, labels, inplace_backward=False)
+                ent = verl_F.entropy_from_logits(logits)
+            ppo_loss(lp, ent, adv, lp.detach().float() + 0.01).backward()
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        times = []
+        for i in range(steps + 1):
+            sync()
+            t0 = time.perf_counter()
+            run()
+            sync()
+            if i:
+                times.append(time.perf_counter() - t0)
+        self.model.zero_grad(set_to_none=True)
+        return sorted(times)[len(times) // 2] * 1e3
+
+
+def import_verl():
+    from rl_kernels.integrations.verl_kernels import import_verl_modules
+
+    how = import_verl_modules(stub=True)
+    import rl_kernels.integrations.verl as rkv
+    import verl.models.transformers.monkey_patch as monkey_patch
+    import verl.utils.torch_functional as verl_F
+
+    flash = bool(getattr(verl_F, "FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE", False))
+    return {"rkv": rkv, "monkey_patch": monkey_patch, "verl_F": verl_F, "how": how,
+            "verl_logits_path": ("flash-attn Triton cross-entropy (float32 log-probs)" if flash else
+                                 "verl's row-by-row fallback (no flash_attn: log-probs in the logits dtype)")}
+
+
+def run_model(name, args, device, verl):
+    model = build(name, device)
+    bench = Bench(model, verl, device)
+    params_b = sum(p.numel() for p in model.parameters()) / 1e9
+    rows = []
+    for variant in args.variants:
+        rec = {"model": name, "params_b": params_b, "variant": variant}
+        try:
+            bench.set_variant(variant)
+            for tokens in args.tokens:
+                try:
+                    rec[f"at_{tokens}"] = bench.timed(tokens, args.seq, args.steps)
+                except torch.OutOfMemoryError:
+                    rec[f"at_{tokens}"] = {"error": "out of memory"}
+                    model.zero_grad(set_to_none=True)
+                    torch.cuda.empty_cache()
+            rec["head_ms"] = bench.head_ms(args.tokens[0], args.steps)
+            if "step_ms" in rec.get(f"at_{args.tokens[0]}", {}):
+                rec["head_share"] = rec["head_ms"] / rec[f"at_{args.tokens[0]}"]["step_ms"]
+            if args.search:
+                rec["largest_tokens"] = bench.largest(args.seq, args.tokens[0], args.limit)
+                if rec["largest_tokens"]:
+                    rec["at_largest"] = bench.timed(rec["largest_tokens"], args.seq, max(1, args.steps // 2))
+        except Exception as exc:  # noqa: BLE001 - a variant's failure is a result
+            rec["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+            model.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        print(json.dumps(rec), flush=True)
+        rows.append(rec)
+    verl["rkv"].patch()
+    type(model).forward = bench.hf_forward
+    del model, bench
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def table(rows, tokens) -> str:
+    from tabulate import tabulate
+
+    out = []
+    for r in rows:
+        cells = [r["model"], r["variant"]]
+        for t in tokens:
+            at = r.get(f"at_{t}", {})
+            cells += [f"{at['step_ms']:.0f}" if "step_ms" in at else at.get("error", "-"),
+                      f"{at['tokens_per_s']:.0f}" if "tokens_per_s" in at else "-",
+                      f"{at['peak_gb']:.1f}" if "peak_gb" in at else "-"]
+        largest = r.get("at_largest", {})
+        cells += [r.get("largest_tokens", "-"), f"{largest['tokens_per_s']:.0f}" if largest else "-",
+                  f"{r['head_share']:.0%}" if "head_share" in r else "-", r.get("error", "")]
+        out.append(cells)
+    headers = ["model", "variant"]
+    for t in tokens:
+        headers += [f"ms @{t}", f"tok/s @{t}", f"peak GB @{t}"]
+    return tabulate(out, headers=headers + ["largest micro-batch", "tok/s there", "head share", "error"])
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=["qwen2.5-0.5b"], choices=sorted(MODELS))
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    ap.add_argument("--tokens", nargs="+", type=int, default=[8192, 16384], help="micro-batch sizes timed")
+    ap.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per point (median)")
+    ap.add_argument("--search", action="store_true", help="find the largest micro-batch that fits")
+    ap.add_argument("--limit", type=int, default=1 << 20, help="stop the search at this many tokens")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--smoke", action="store_true", help="CPU: the tiny model, two steps per variant, no search")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.models, args.tokens, args.seq, args.steps, args.search = ["tiny"], [64], 16, 1, False
+        args.variants = [v for v in args.variants if v != "verl fused triton"]  # verl's kernel needs CUDA
+        device = torch.device("cpu")
+    elif not torch.cuda.is_available():
+        print("model_bench: no CUDA device (use --smoke for the CPU check); nothing to measure")
+        return 0
+    else:
+        device = torch.device("cuda")
+    verl = import_verl()
+    rows = []
+    for name in args.models:
+        rows += run_model(name, args, device, verl)
+    header = (f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'} | torch {torch.__version__} | "
+              f"{time.strftime('%Y-%m-%d')} | verl logits path: {verl['verl_logits_path']} | {verl['how']}")
+    print(header)
+    print(table(rows, args.tokens))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"header": header, "tokens": args.tokens, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
