@@ -58,6 +58,7 @@ MODELS = {  # transformers config class, sizes of the released models (random we
 }
 VARIANTS = ("verl logits", "logits + rl_kernels", "verl fused torch", "verl fused triton", "fused rl_kernels")
 T = 0.7
+WARMUP = 2  # untimed steps before each timed point
 
 
 def build(name: str, device):
@@ -147,14 +148,14 @@ class Bench:
         ids, adv, seqs = self.inputs(tokens, seq)
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         times, peak = [], 0.0
-        for i in range(steps + 1):
+        for i in range(steps + WARMUP):
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             sync()
             t0 = time.perf_counter()
             self.step(ids, adv, seqs)
             sync()
-            if i:
+            if i >= WARMUP:  # Triton compiles the backward's window shapes over the first steps
                 times.append(time.perf_counter() - t0)
             if self.device.type == "cuda":
                 peak = max(peak, torch.cuda.max_memory_allocated() / 2**30)
@@ -299,6 +300,46 @@ def table(rows, tokens) -> str:
     return tabulate(out, headers=headers + ["largest micro-batch", "tok/s there", "head share", "error"])
 
 
+def plot(paths, png) -> None:
+    """tokens/s and peak memory against micro-batch tokens, one line per variant, one column of
+    panels per model, from saved ``--json`` files."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, header = [], ""
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        rows += data["rows"]
+        header = header or data["header"].split(" | verl logits")[0]
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(2, len(models), figsize=(4.2 * len(models), 7), squeeze=False)
+    for col, name in enumerate(models):
+        for r in (r for r in rows if r["model"] == name and "error" not in r):
+            points = sorted((int(k[3:]), v) for k, v in r.items() if k.startswith("at_") and k != "at_largest"
+                            and "step_ms" in v)
+            if "at_largest" in r:
+                points.append((r["largest_tokens"], r["at_largest"]))
+            xs = [t / 1024 for t, _ in points]
+            style = dict(marker="o", label=r["variant"], lw=2.2 if "rl_kernels" in r["variant"] else 1.2)
+            axes[0][col].plot(xs, [v["tokens_per_s"] / 1e3 for _, v in points], **style)
+            axes[1][col].plot(xs, [v["peak_gb"] for _, v in points], **style)
+        axes[0][col].set_title(f"{name} ({rows[[r['model'] for r in rows].index(name)]['params_b']:.1f}B params)")
+        axes[1][col].set_xlabel("micro-batch (k tokens); last point: the largest that fits")
+        for ax in (axes[0][col], axes[1][col]):
+            ax.set_xscale("log", base=2)
+            ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("actor step, k tokens/s")
+    axes[1][0].set_ylabel("peak GPU memory, GB")
+    axes[0][-1].legend(fontsize=8)
+    fig.suptitle(f"verl actor step (fwd + PPO loss + bwd, gradient checkpointing, no optimizer): {header}",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["qwen2.5-0.5b"], choices=sorted(MODELS))
@@ -310,7 +351,13 @@ def main(argv=None):
     ap.add_argument("--limit", type=int, default=1 << 20, help="stop the search at this many tokens")
     ap.add_argument("--json", default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU: the tiny model, two steps per variant, no search")
+    ap.add_argument("--plot", nargs="+", default=None, metavar="JSON", help="no timing: chart saved --json files")
+    ap.add_argument("--png", default="model_bench.png", help="where --plot writes the chart")
     args = ap.parse_args(argv)
+    if args.plot:
+        plot(args.plot, args.png)
+        print(f"wrote {args.png}")
+        return 0
     if args.smoke:
         args.models, args.tokens, args.seq, args.steps, args.search = ["tiny"], [64], 16, 1, False
         args.variants = [v for v in args.variants if v != "verl fused triton"]  # verl's kernel needs CUDA
