@@ -66,9 +66,9 @@ def build(name: str, device):
 
     family, sizes = MODELS[name]
     config = getattr(transformers, f"{family}Config")(**sizes, attn_implementation="sdpa", use_cache=False)
-    with torch.device("meta"):
+    with torch.device(device):  # on the device itself: buffers (rotary inv_freq) are initialized too
         model = getattr(transformers, f"{family}ForCausalLM")(config)
-    model = model.to_empty(device=device).to(torch.bfloat16 if device.type == "cuda" else torch.float32)
+    model = model.to(torch.bfloat16 if device.type == "cuda" else torch.float32)
     g = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
