@@ -38,20 +38,26 @@ def _got(value) -> str:
 
 
 # ----------------------------------------------------------------------------- scalars
+def _positive_number(name: str, value, what: str = "a positive finite") -> float:
+    """``value`` as a float; TypeError naming ``name`` unless it is a Python number (bool and
+    tensors rejected), ValueError unless it is positive and finite."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected {what} Python number (float or int), got {type(value).__name__}"
+                        + (f"; pass float({name})" if isinstance(value, torch.Tensor) else ""))
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number) or number <= 0:
+        raise ValueError(f"{name}: expected {what} number, got {value!r}")
+    return number
+
+
 def check_temperature(temperature) -> float:
     """Return ``temperature`` as a float; raise TypeError / ValueError when it is not a positive
     finite Python number (bool and tensors are rejected) inside ``TEMPERATURE_RANGE`` (where
     1 / temperature is a normal float32 number)."""
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
-        raise TypeError(f"temperature: expected a positive finite Python number (float or int), "
-                        f"got {type(temperature).__name__}"
-                        + ("; pass float(temperature)" if isinstance(temperature, torch.Tensor) else ""))
-    try:
-        value = float(temperature)
-    except OverflowError:
-        value = math.inf
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"temperature: expected a positive finite number, got {temperature!r}")
+    value = _positive_number("temperature", temperature)
     lo, hi = TEMPERATURE_RANGE
     if not lo <= value <= hi:
         raise ValueError(f"temperature: {value!r} is outside the usable range [{lo:.3g}, {hi:.3g}] "
@@ -67,16 +73,7 @@ def check_softcap(softcap, temperature: float) -> float | None:
     the tanh by softcap / temperature, in float32)."""
     if softcap is None:
         return None
-    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
-        raise TypeError(f"softcap: expected None or a positive finite Python number (float or int), "
-                        f"got {type(softcap).__name__}"
-                        + ("; pass float(softcap)" if isinstance(softcap, torch.Tensor) else ""))
-    try:
-        value = float(softcap)
-    except OverflowError:
-        value = math.inf
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"softcap: expected None or a positive finite number, got {softcap!r}")
+    value = _positive_number("softcap", softcap, "None or a positive finite")
     lo, hi = TEMPERATURE_RANGE
     if not lo <= value <= hi or not lo <= value / temperature <= hi:
         raise ValueError(f"softcap: {value!r} with temperature {temperature!r} is outside the usable range: "
