@@ -24,7 +24,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from model_bench import MODELS, T, build, import_verl, per_sequence_body, ppo_loss  # noqa: E402
+from model_bench import MODELS, T, Bench, build, import_verl, per_sequence_body, ppo_loss  # noqa: E402
 
 VARIANTS = ("float32 head", "verl logits", "logits + rl_kernels", "verl fused triton", "fused rl_kernels")
 
@@ -32,20 +32,11 @@ VARIANTS = ("float32 head", "verl logits", "logits + rl_kernels", "verl fused tr
 def run(variant, args, verl, device):
     """Train ``args.steps`` updates with ``variant``'s head; returns the final parameters (flat, bf16)
     and the per-step losses."""
-    import transformers
-
     torch.manual_seed(0)
     model = build(args.model, device)
     model.config._attn_implementation = "eager"
-    cls = type(model)
-    hf_forward = cls.forward
-    rkv, verl_F = verl["rkv"], verl["verl_F"]
-    (rkv.unpatch if variant in ("verl logits", "float32 head") else rkv.patch)()
-    cls.forward = hf_forward
-    if "fused" in variant:
-        backend = "triton" if variant == "verl fused triton" else rkv.BACKEND_NAME
-        verl["monkey_patch"].apply_monkey_patch(model, use_remove_padding=True, use_fused_kernels=True,
-                                                fused_kernels_backend=backend)
+    bench = Bench(model, verl, device)
+    bench.set_variant("verl logits" if variant == "float32 head" else variant)  # float32 head: no verl code
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     seqs = args.tokens // args.seq
     losses = []
@@ -55,22 +46,17 @@ def run(variant, args, verl, device):
         adv = torch.randn(ids.shape, device=device, generator=g)
         labels = torch.roll(ids, -1, -1)
         old = None
-        for mini in range(2):  # two mini-batches of the same rollout: the second is off-policy
+        for _ in range(2):  # two mini-batches of the same rollout: the second is off-policy
             opt.zero_grad(set_to_none=True)
-            with per_sequence_body(model, seqs):
-                if "fused" in variant:
-                    out = model(input_ids=ids, temperature=T, return_dict=True)
-                    lp, ent = out.log_probs, out.entropy
-                elif variant == "float32 head":
+            if variant == "float32 head":
+                with per_sequence_body(model, seqs):
                     h = model.model(input_ids=ids).last_hidden_state
-                    logits = (h.float() @ model.lm_head.weight.float().T) / T
-                    log_p = logits.log_softmax(-1)
-                    lp = log_p.gather(-1, labels[..., None])[..., 0]
-                    ent = -(log_p.exp() * log_p).sum(-1)
-                else:
-                    logits = hf_forward(model, input_ids=ids, return_dict=True).logits / T
-                    lp = verl_F.logprobs_from_logits(logits, labels, inplace_backward=False)
-                    ent = verl_F.entropy_from_logits(logits)
+                logits = (h.float() @ model.lm_head.weight.float().T) / T
+                log_p = logits.log_softmax(-1)
+                lp = log_p.gather(-1, labels[..., None])[..., 0]
+                ent = -(log_p.exp() * log_p).sum(-1)
+            else:
+                lp, ent = bench.log_probs(ids, seqs)
             if old is None:
                 old = lp.detach().float()
             loss = ppo_loss(lp, ent, adv, old)
@@ -79,9 +65,8 @@ def run(variant, args, verl, device):
             opt.step()
             losses.append(loss.item())
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
-    cls.forward = hf_forward
-    rkv.patch()
-    del model, opt
+    bench.restore()
+    del model, opt, bench
     torch.cuda.empty_cache()
     return flat, losses
 

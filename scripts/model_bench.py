@@ -128,38 +128,49 @@ class Bench:
         adv = torch.randn(ids.shape, device=self.device, generator=g)
         return ids, adv, tokens // seq
 
-    def step(self, ids, adv, seqs):
-        verl_F = self.verl["verl_F"]
-        self.model.zero_grad(set_to_none=True)
-        labels = torch.roll(ids, -1, -1)
+    def restore(self):
+        """rl-kernels' patch on and the model class's own forward back (after the variants)."""
+        self.verl["rkv"].patch()
+        self.cls.forward = self.hf_forward
+
+    def log_probs(self, ids, seqs):
+        """(log_probs, entropy) of the (1, tokens) packed ``ids`` as the variant computes them: the
+        body per sequence, then verl's fused forward or the logits and verl's from-logits functions."""
         with per_sequence_body(self.model, seqs):
             if self.fused:
                 out = self.model(input_ids=ids, temperature=T, return_dict=True)
-                lp, ent = out.log_probs, out.entropy
-            else:
-                logits = self.hf_forward(self.model, input_ids=ids, return_dict=True).logits
-                logits = logits / T
-                lp = verl_F.logprobs_from_logits(logits, labels, inplace_backward=False)
-                ent = verl_F.entropy_from_logits(logits)
-                del logits
+                return out.log_probs, out.entropy
+            verl_F = self.verl["verl_F"]
+            logits = self.hf_forward(self.model, input_ids=ids, return_dict=True).logits / T
+            labels = torch.roll(ids, -1, -1)
+            return (verl_F.logprobs_from_logits(logits, labels, inplace_backward=False),
+                    verl_F.entropy_from_logits(logits))
+
+    def step(self, ids, adv, seqs):
+        self.model.zero_grad(set_to_none=True)
+        lp, ent = self.log_probs(ids, seqs)
         ppo_loss(lp, ent, adv, lp.detach().float() + 0.01).backward()
+
+    def median_ms(self, fn, steps, warmup):
+        """Median wall time of ``fn()`` over ``steps`` calls after ``warmup`` untimed ones (device synced)."""
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        times = []
+        for i in range(steps + warmup):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2] * 1e3
 
     def timed(self, tokens, seq, steps):
         ids, adv, seqs = self.inputs(tokens, seq)
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
-        times, peak = [], 0.0
-        for i in range(steps + WARMUP):
-            if self.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            sync()
-            t0 = time.perf_counter()
-            self.step(ids, adv, seqs)
-            sync()
-            if i >= WARMUP:  # Triton compiles the backward's window shapes over the first steps
-                times.append(time.perf_counter() - t0)
-            if self.device.type == "cuda":
-                peak = max(peak, torch.cuda.max_memory_allocated() / 2**30)
-        ms = sorted(times)[len(times) // 2] * 1e3
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        # WARMUP: Triton compiles the backward's window shapes over the first steps
+        ms = self.median_ms(lambda: self.step(ids, adv, seqs), steps, WARMUP)
+        peak = torch.cuda.max_memory_allocated() / 2**30 if self.device.type == "cuda" else 0.0
         return {"step_ms": ms, "tokens_per_s": tokens / ms * 1e3, "peak_gb": peak}
 
     def fits(self, tokens, seq) -> bool:
@@ -214,17 +225,9 @@ class Bench:
                 lp = verl_F.logprobs_from_logits(logits, labels, inplace_backward=False)
                 ent = verl_F.entropy_from_logits(logits)
             ppo_loss(lp, ent, adv, lp.detach().float() + 0.01).backward()
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
-        times = []
-        for i in range(steps + 1):
-            sync()
-            t0 = time.perf_counter()
-            run()
-            sync()
-            if i:
-                times.append(time.perf_counter() - t0)
+        ms = self.median_ms(run, steps, 1)
         self.model.zero_grad(set_to_none=True)
-        return sorted(times)[len(times) // 2] * 1e3
+        return ms
 
 
 def import_verl():
@@ -271,8 +274,7 @@ def run_model(name, args, device, verl):
                 torch.cuda.empty_cache()
         print(json.dumps(rec), flush=True)
         rows.append(rec)
-    verl["rkv"].patch()
-    type(model).forward = bench.hf_forward
+    bench.restore()
     del model, bench
     if device.type == "cuda":
         torch.cuda.empty_cache()
