@@ -5,6 +5,17 @@ peak memory, the largest micro-batch that fits, and the head's share of the step
     python scripts/model_bench.py --models qwen2.5-0.5b qwen2.5-7b llama3.1-8b gemma2-2b \
         --tokens 8192 16384 --search --json docs/model_bench.json
     python scripts/model_bench.py --smoke      # CPU: a tiny model, two steps per variant (a test runs it)
+    torchrun --nproc_per_node 2 scripts/model_bench.py --fsdp --models qwen2.5-7b --tokens 8192 16384
+    torchrun --nproc_per_node 2 scripts/model_bench.py --fsdp --smoke   # CPU (gloo): the same code path
+
+``--fsdp`` (under ``torchrun``, one process a GPU): the step of verl's FSDP2 actor instead: float32
+master parameters sharded over the ranks with ``fully_shard`` per decoder layer, the untied input
+embedding and the root (bf16 compute, float32 gradient reduction), and the **optimizer in the step**:
+gradient-norm clipping at 1.0 and an AdamW update. Every rank runs the same micro-batch size (tokens
+per rank); all timing loops run a fixed, rank-agreed number of steps (never ``do_bench``: ranks would
+pick different repeat counts and call different numbers of collectives); a point's time is the
+slowest rank's median, its memory the largest rank's peak; the largest micro-batch search agrees on
+"fits" over the ranks after each try.
 
 What the step is: bf16 parameters, gradient checkpointing on (``gradient_checkpointing_enable``),
 SDPA attention **per sequence** (the body runs on a (B, S) batch of S-token sequences; its hidden
@@ -23,8 +34,8 @@ Variants (the same weights and batch):
 * ``verl fused torch`` / ``verl fused triton``: verl's fused forward, ``impl_backend`` torch / triton;
 * ``fused rl_kernels``: verl's fused forward with ``impl_backend=rl_kernels``.
 
-The largest micro-batch: sequences of ``--seq`` tokens, doubling the count until a step runs out of
-memory, then bisecting (OOM caught and freed). The head's share: the head alone (last hidden state
+The largest micro-batch: sequences of ``--seq`` tokens, doubling the count until two steps in a row
+no longer run without running out of memory, then bisecting (OOM caught and freed). The head's share: the head alone (last hidden state
 and lm_head weight in, loss and their gradients out) timed at the same tokens, over the step time.
 verl is imported as on the GPU machine without a package index
 (``rl_kernels.integrations.verl_kernels.import_verl_modules(stub=True)``).
@@ -61,14 +72,14 @@ T = 0.7
 WARMUP = 2  # untimed steps before each timed point
 
 
-def build(name: str, device):
+def build(name: str, device, dtype=None):
     import transformers
 
     family, sizes = MODELS[name]
     config = getattr(transformers, f"{family}Config")(**sizes, attn_implementation="sdpa", use_cache=False)
     with torch.device(device):  # on the device itself: buffers (rotary inv_freq) are initialized too
         model = getattr(transformers, f"{family}ForCausalLM")(config)
-    model = model.to(torch.bfloat16 if device.type == "cuda" else torch.float32)
+    model = model.to(dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32))
     g = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
@@ -106,9 +117,37 @@ def ppo_loss(log_probs, entropy, adv, old):
     return loss - 0.01 * entropy.float().mean() if entropy is not None else loss
 
 
+def shard(model, device):
+    """verl's FSDP2 layout: ``fully_shard`` each decoder layer, the input embedding when it is not
+    tied to the lm_head, then the root (which holds the lm_head); bf16 compute on CUDA, float32
+    gradient reduction; an AdamW optimizer over the float32 master parameters."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+                                  reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    if not model.config.tie_word_embeddings:
+        fully_shard(model.model.embed_tokens, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01)
+
+
+def all_ranks(value: float, op: str) -> float:
+    """``value`` reduced over the ranks (``max`` / ``min``); the value itself without a process group."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return value
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.MIN)
+    return float(t.item())
+
+
 class Bench:
-    def __init__(self, model, verl, device):
-        self.model, self.verl, self.device = model, verl, device
+    def __init__(self, model, verl, device, optimizer=None):
+        self.model, self.verl, self.device, self.optimizer = model, verl, device, optimizer
         self.cls = type(model)
         self.hf_forward = self.cls.forward
 
@@ -141,7 +180,7 @@ class Bench:
                 out = self.model(input_ids=ids, temperature=T, return_dict=True)
                 return out.log_probs, out.entropy
             verl_F = self.verl["verl_F"]
-            logits = self.hf_forward(self.model, input_ids=ids, return_dict=True).logits / T
+            logits = self.model(input_ids=ids, return_dict=True).logits / T  # the class's own forward
             labels = torch.roll(ids, -1, -1)
             return (verl_F.logprobs_from_logits(logits, labels, inplace_backward=False),
                     verl_F.entropy_from_logits(logits))
@@ -150,38 +189,67 @@ class Bench:
         self.model.zero_grad(set_to_none=True)
         lp, ent = self.log_probs(ids, seqs)
         ppo_loss(lp, ent, adv, lp.detach().float() + 0.01).backward()
+        if self.optimizer is not None:  # verl's actor: clip the gradient norm, then the update
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            self.optimizer.step()
 
-    def median_ms(self, fn, steps, warmup):
-        """Median wall time of ``fn()`` over ``steps`` calls after ``warmup`` untimed ones (device synced)."""
+    def median_ms(self, fn, steps, warmup, host=False):
+        """Median wall time of ``fn()`` over ``steps`` calls after ``warmup`` untimed ones (device
+        synced around each call); with ``host``, also the median time until ``fn`` returned, before
+        the closing sync (the host's share: equal to the wall time when the step is launch-bound)."""
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
-        times = []
+        times, host_times = [], []
         for i in range(steps + warmup):
             sync()
             t0 = time.perf_counter()
             fn()
+            t1 = time.perf_counter()
             sync()
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
-        return sorted(times)[len(times) // 2] * 1e3
+                host_times.append(t1 - t0)
+        median = sorted(times)[len(times) // 2] * 1e3
+        return (median, sorted(host_times)[len(host_times) // 2] * 1e3) if host else median
 
-    def timed(self, tokens, seq, steps):
+    def timed(self, tokens, seq, steps, warmup=WARMUP):
         ids, adv, seqs = self.inputs(tokens, seq)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        # WARMUP: Triton compiles the backward's window shapes over the first steps
-        ms = self.median_ms(lambda: self.step(ids, adv, seqs), steps, WARMUP)
+        # warmup: Triton compiles the backward's window shapes over the first steps
+        ms, host_ms = self.median_ms(lambda: self.step(ids, adv, seqs), steps, warmup, host=True)
         peak = torch.cuda.max_memory_allocated() / 2**30 if self.device.type == "cuda" else 0.0
-        return {"step_ms": ms, "tokens_per_s": tokens / ms * 1e3, "peak_gb": peak}
+        ms, host_ms, peak = all_ranks(ms, "max"), all_ranks(host_ms, "max"), all_ranks(peak, "max")
+        return {"step_ms": ms, "tokens_per_s": tokens / ms * 1e3, "peak_gb": peak, "host_ms": host_ms}
 
     def fits(self, tokens, seq) -> bool:
+        """Two steps at ``tokens`` run without running out of memory (one step can fit where the
+        steady state, with the allocator's cache and the optimizer's state, does not)."""
+        ok = True
         try:
-            self.step(*self.inputs(tokens, seq))
-            return True
+            for _ in range(2):
+                self.step(*self.inputs(tokens, seq))
         except torch.OutOfMemoryError:
-            return False
+            ok = False
+            self.reshard()
         finally:
             self.model.zero_grad(set_to_none=True)
-            torch.cuda.empty_cache()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        return all_ranks(float(ok), "min") > 0  # every rank agrees
+
+    def reshard(self):
+        """After an OOM inside an FSDP2 step some modules still hold their gathered (plain tensor)
+        parameters: put every module back to its sharded parameters before the next step."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if not isinstance(self.model, FSDPModule):
+            return
+        # the end-of-backward callback that the OOM skipped: it finishes every parameter group's
+        # backward state (otherwise the next backward leaves plain-tensor gradients)
+        self.model._get_fsdp_state()._root_post_backward_final_callback()
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
     def largest(self, seq, start, limit):
         n, fit = max(1, start // seq), 0
@@ -199,11 +267,16 @@ class Bench:
         """The head alone, as the variant computes it: hidden states and lm_head weight in, the PPO
         loss, their gradients out (fused: the kernel verl's fused forward calls; logits: lm_head,
         then verl's from-logits functions)."""
-        h = torch.randn(1, tokens, self.model.config.hidden_size, device=self.device,
-                        dtype=self.model.lm_head.weight.dtype, requires_grad=True)
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        h = torch.randn(1, tokens, self.model.config.hidden_size, device=self.device, dtype=dtype,
+                        requires_grad=True)
         ids, adv, _ = self.inputs(tokens, tokens)
         labels = torch.roll(ids, -1, -1)
-        verl_F, w = self.verl["verl_F"], self.model.lm_head.weight
+        w = self.model.lm_head.weight
+        if hasattr(w, "full_tensor"):  # FSDP2 shard: the whole weight, as the root's forward gathers it
+            w = w.full_tensor()
+        w = w.detach().to(dtype).requires_grad_(True)
+        verl_F = self.verl["verl_F"]
         head = self.variant
 
         def run():
@@ -221,12 +294,13 @@ class Bench:
 
                 lp, ent = rl_kernels.linear_log_probs(h, w, labels, temperature=T)[:2]
             else:
-                logits = self.model.lm_head(h) / T
+                logits = torch.nn.functional.linear(h, w) / T
                 lp = verl_F.logprobs_from_logits(logits, labels, inplace_backward=False)
                 ent = verl_F.entropy_from_logits(logits)
             ppo_loss(lp, ent, adv, lp.detach().float() + 0.01).backward()
         ms = self.median_ms(run, steps, 1)
         self.model.zero_grad(set_to_none=True)
+        del h, w
         return ms
 
 
@@ -245,35 +319,53 @@ def import_verl():
 
 
 def run_model(name, args, device, verl):
-    model = build(name, device)
-    bench = Bench(model, verl, device)
-    params_b = sum(p.numel() for p in model.parameters()) / 1e9
+    import torch.distributed as dist
+
+    fsdp = dist.is_initialized()
+    model = build(name, device, dtype=torch.float32 if fsdp else None)
+    bench = Bench(model, verl, device, optimizer=shard(model, device) if fsdp else None)
+    params_b = sum(p.numel() for p in model.parameters()) / 1e9 * (dist.get_world_size() if fsdp else 1)
     rows = []
-    for variant in args.variants:
+
+    def failed(rec, exc):
+        rec["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+        model.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    for variant in args.variants:  # pass 1: the timed points of every variant
         rec = {"model": name, "params_b": params_b, "variant": variant}
+        if fsdp:
+            rec["ranks"] = dist.get_world_size()
         try:
             bench.set_variant(variant)
             for tokens in args.tokens:
                 try:
-                    rec[f"at_{tokens}"] = bench.timed(tokens, args.seq, args.steps)
+                    rec[f"at_{tokens}"] = bench.timed(tokens, args.seq, args.steps, args.warmup)
                 except torch.OutOfMemoryError:
                     rec[f"at_{tokens}"] = {"error": "out of memory"}
                     model.zero_grad(set_to_none=True)
                     torch.cuda.empty_cache()
-            rec["head_ms"] = bench.head_ms(args.tokens[0], args.steps)
+            rec["head_ms"] = all_ranks(bench.head_ms(args.tokens[0], args.steps), "max")
             if "step_ms" in rec.get(f"at_{args.tokens[0]}", {}):
                 rec["head_share"] = rec["head_ms"] / rec[f"at_{args.tokens[0]}"]["step_ms"]
-            if args.search:
-                rec["largest_tokens"] = bench.largest(args.seq, args.tokens[0], args.limit)
-                if rec["largest_tokens"]:
-                    rec["at_largest"] = bench.timed(rec["largest_tokens"], args.seq, max(1, args.steps // 2))
         except Exception as exc:  # noqa: BLE001 - a variant's failure is a result
-            rec["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
-            model.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-        print(json.dumps(rec), flush=True)
+            failed(rec, exc)
+        if not fsdp or dist.get_rank() == 0:
+            print(json.dumps(rec), flush=True)
         rows.append(rec)
+    for rec in rows if args.search else ():  # pass 2: the largest micro-batch (timed points kept if it hangs)
+        if "error" in rec or (args.search_variants and rec["variant"] not in args.search_variants):
+            continue
+        try:
+            bench.set_variant(rec["variant"])
+            rec["largest_tokens"] = bench.largest(args.seq, args.search_start or args.tokens[0], args.limit)
+            if rec["largest_tokens"]:
+                rec["at_largest"] = bench.timed(rec["largest_tokens"], args.seq, max(1, args.steps // 2), 1)
+        except Exception as exc:  # noqa: BLE001
+            failed(rec, exc)
+        if not fsdp or dist.get_rank() == 0:
+            print(json.dumps(rec), flush=True)
     bench.restore()
     del model, bench
     if device.type == "cuda":
@@ -289,7 +381,7 @@ def table(rows, tokens) -> str:
         cells = [r["model"], r["variant"]]
         for t in tokens:
             at = r.get(f"at_{t}", {})
-            cells += [f"{at['step_ms']:.0f}" if "step_ms" in at else at.get("error", "-"),
+            cells += [f"{at['step_ms']:.0f} ({at['host_ms']:.0f})" if "step_ms" in at else at.get("error", "-"),
                       f"{at['tokens_per_s']:.0f}" if "tokens_per_s" in at else "-",
                       f"{at['peak_gb']:.1f}" if "peak_gb" in at else "-"]
         largest = r.get("at_largest", {})
@@ -298,7 +390,7 @@ def table(rows, tokens) -> str:
         out.append(cells)
     headers = ["model", "variant"]
     for t in tokens:
-        headers += [f"ms @{t}", f"tok/s @{t}", f"peak GB @{t}"]
+        headers += [f"ms (host ms) @{t}", f"tok/s @{t}", f"peak GB @{t}"]
     return tabulate(out, headers=headers + ["largest micro-batch", "tok/s there", "head share", "error"])
 
 
@@ -349,7 +441,14 @@ def main(argv=None):
     ap.add_argument("--tokens", nargs="+", type=int, default=[8192, 16384], help="micro-batch sizes timed")
     ap.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per point (median)")
+    ap.add_argument("--warmup", type=int, default=WARMUP, help="untimed steps before each timed point")
+    ap.add_argument("--fsdp", action="store_true",
+                    help="under torchrun: verl's FSDP2 actor step over the ranks, optimizer included")
     ap.add_argument("--search", action="store_true", help="find the largest micro-batch that fits")
+    ap.add_argument("--search-variants", nargs="+", default=None, choices=VARIANTS,
+                    help="search only these variants (default: every variant timed)")
+    ap.add_argument("--search-start", type=int, default=None, help="tokens the search doubles from "
+                    "(default: the first --tokens)")
     ap.add_argument("--limit", type=int, default=1 << 20, help="stop the search at this many tokens")
     ap.add_argument("--json", default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU: the tiny model, two steps per variant, no search")
@@ -369,12 +468,35 @@ def main(argv=None):
         return 0
     else:
         device = torch.device("cuda")
+    rank, ranks = 0, 1
+    if args.fsdp:
+        import datetime
+        import os
+
+        import torch.distributed as dist
+
+        if "RANK" not in os.environ:
+            ap.error("--fsdp runs under torchrun (torchrun --nproc_per_node N scripts/model_bench.py --fsdp ...)")
+        # a rank that dies or diverges makes the other time out instead of hanging the machine
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(seconds=300))
+        rank, ranks = dist.get_rank(), dist.get_world_size()
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+            torch.cuda.set_device(device)
     verl = import_verl()
     rows = []
     for name in args.models:
         rows += run_model(name, args, device, verl)
-    header = (f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'} | torch {torch.__version__} | "
+    header = (f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}"
+              f"{f' x {ranks}, FSDP2 with the optimizer step' if args.fsdp else ''} | torch {torch.__version__} | "
               f"{time.strftime('%Y-%m-%d')} | verl logits path: {verl['verl_logits_path']} | {verl['how']}")
+    if args.fsdp:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    if rank:
+        return 0
     print(header)
     print(table(rows, args.tokens))
     if args.json:
