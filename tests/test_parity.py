@@ -1,6 +1,7 @@
 """Training parity through verl's own actor update (issue 27): 20 PPO updates of a tiny Qwen2 on CPU
 with verl unpatched, with rl-kernels' fused path and with its logits path, in verl's Ray worker
-(``ActorRolloutRefWorker``, role ``actor``: ``compute_log_prob`` then ``update_actor`` each step, so
+(``ActorRolloutRefWorker``, role ``actor``: the engine worker on verl 0.8+, the legacy FSDP worker
+with DataProto batches on 0.7.x; ``compute_log_prob`` then ``update_actor`` each step, so
 the whole of verl's update runs: its PPO loss with clipping and an entropy bonus, two mini-batches per
 step (the second one off-policy, so the clip acts: in every step here), two micro-batches per
 mini-batch (gradient accumulation), gradient clipping and AdamW).
@@ -16,9 +17,11 @@ run and not in the other changes the next update discretely). So
 * over all 20 steps, each metric and the parameter drift ||theta - theta_verl|| / ||theta_verl -
   theta_0|| must stay within 2x of how far **verl's own padded path** (``use_remove_padding=False``:
   the same math with other float32 roundings) ends from verl's remove-padding path. Measured on
-  2026-11-24 (this CPU): both rl-kernels paths 5x to 50x closer to verl than verl's padded path
-  (parameter drift 1.4e-2 vs 6.9e-2 of the update), so they are training-equivalent to verl, and
-  the floor is float32 itself.
+  2026-11-24 (this CPU), verl 0.9.1: both rl-kernels paths 5x to 50x closer to verl than verl's
+  padded path (parameter drift 1.4e-2 vs 6.9e-2 of the update); verl 0.7.1 (legacy worker, whose
+  metrics have no total loss): parameter drift 6.2e-2 (fused) and 2.2e-2 (logits) vs 6.3e-2 for the
+  padded path, every metric within 1x (fused) and 2x (logits: pg_clipfrac 0.22 vs 0.11) of the
+  padded path's deviation. So they are training-equivalent to verl, and the floor is float32 itself.
 
 Also: two patched runs with the same seed give bitwise identical metrics and parameters.
 Run with ``pytest -k parity``.
@@ -35,14 +38,15 @@ from test_verl_e2e import _compose, model, ray_cluster  # noqa: E402,F401 - shar
 from verl_cpu import legacy_workers, use_torch_padding, worker_class  # noqa: E402
 from verl_helpers import VOCAB  # noqa: E402
 
-pytestmark = [pytest.mark.verl_matrix, pytest.mark.filterwarnings("ignore::UserWarning"),
-              pytest.mark.skipif(legacy_workers(), reason="verl 0.7.x's legacy workers take DataProto batches; "
-                                                          "the parity suite drives the engine workers (0.8+)")]
+pytestmark = [pytest.mark.verl_matrix, pytest.mark.filterwarnings("ignore::UserWarning")]
 
 STEPS = 20
 BATCH, PROMPT, RESPONSE = 8, 5, 6
 T = 0.7
-METRICS = ("loss", "actor/pg_loss", "actor/pg_clipfrac", "actor/entropy_loss", "grad_norm", "actor/ppo_kl")
+LEGACY = legacy_workers()
+# verl's own metric names: the engine workers (0.8+) and the legacy workers (0.7.x, no total loss)
+METRICS = (("actor/pg_loss", "actor/pg_clipfrac", "actor/entropy", "actor/grad_norm", "actor/ppo_kl") if LEGACY else
+           ("loss", "actor/pg_loss", "actor/pg_clipfrac", "actor/entropy_loss", "grad_norm", "actor/ppo_kl"))
 EARLY_STEPS, EARLY_RTOL = 3, 1e-4
 FLOOR_FACTOR = 2.0
 RUNS = {"verl": None, "verl padded": None, "fused": "fused", "logits": "logits", "fused again": "fused",
@@ -87,10 +91,12 @@ def _train(ray, config):
     """One worker process: STEPS of compute_log_prob + update_actor; returns the per-step metrics
     and the parameters before and after."""
     from ray.util.placement_group import remove_placement_group
-    from tensordict import TensorDict
     from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
-    from verl.utils import tensordict_utils as tu
-    from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
+
+    if not LEGACY:
+        from tensordict import TensorDict
+        from verl.utils import tensordict_utils as tu
+        from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
 
     cls = ray.remote(worker_class())
     pool = RayResourcePool(process_on_nodes=[1], use_gpu=False, max_colocate_count=1)
@@ -104,6 +110,9 @@ def _train(ray, config):
         out["before"] = ray.get(worker.__ray_call__.remote(_actor_params))
         for step in range(STEPS):
             tensors, advantages = _batch(step)
+            if LEGACY:
+                out["metrics"].append(_legacy_step(group, tensors, advantages))
+                continue
             batch = TensorDict(tensors, batch_size=[BATCH])
             infer = left_right_2_no_padding(batch.clone())
             tu.assign_non_tensor(infer, calculate_entropy=False, compute_loss=False, temperature=T)
@@ -126,12 +135,31 @@ def _train(ray, config):
     return out
 
 
+def _legacy_step(group, tensors, advantages):
+    """verl 0.7.x's legacy worker: padded DataProtos (it removes the padding itself and reads the
+    log-prob temperature from ``rollout.temperature``, the update's from the batch's meta_info)."""
+    from verl import DataProto
+
+    keys = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+    old = group.compute_log_prob(DataProto.from_dict(tensors={k: tensors[k] for k in keys})).batch["old_log_probs"]
+    update = DataProto.from_dict(
+        tensors={**{k: tensors[k] for k in keys}, "advantages": advantages, "old_log_probs": old.float()},
+        meta_info={"temperature": T, "global_token_num": tensors["attention_mask"].sum(-1).tolist()})
+    metrics = group.update_actor(update).meta_info["metrics"]
+
+    def flat(value):  # a value per mini-batch (or micro-batch), nested in lists by the worker group
+        return [y for x in value for y in flat(x)] if isinstance(value, (list, tuple)) else [float(value)]
+
+    return {k: flat(metrics[k]) for k in METRICS}
+
+
 def _actor_params(self):
     """In the worker: the actor's full parameters (FSDP2 DTensors gathered)."""
     from torch.distributed.tensor import DTensor
 
+    module = self.actor_module_fsdp if hasattr(self, "actor_module_fsdp") else self.actor.engine.module
     return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-            for n, p in self.actor.engine.module.named_parameters()}
+            for n, p in module.named_parameters()}
 
 
 @pytest.fixture(scope="module")
