@@ -1,4 +1,11 @@
-"""Which backend runs a call: ``"triton"`` (CUDA, or Triton's CPU interpreter) or ``"torch"``.
+"""Which backend runs a call: ``"triton"`` (CUDA, or Triton's CPU interpreter) or ``"torch"``,
+as one :class:`Backend` object per backend.
+
+A public function resolves its ``backend`` argument once (:func:`get_backend`) and hands the
+object down in its head's parameter record; the autograd Functions reach the head family's
+implementation on that backend through :meth:`Backend.family`. Each head family registers its two
+implementations (:func:`implements`) in its own ``rl_kernels/autograd/<family>.py``. This module
+is the only one that tests a backend's name.
 
 Triton is never imported here (``importlib.util.find_spec`` only), so the torch backend works on
 a machine without Triton.
@@ -48,3 +55,47 @@ def resolve_backend(backend: str, device: torch.device) -> str:
                                f"TRITON_INTERPRET=1 before importing rl_kernels to use Triton's CPU "
                                f"interpreter, or use backend='torch'")
     return backend
+
+
+class Backend:
+    """One backend, resolved for a call: ``name`` ("triton" or "torch"),
+    ``checks_labels_in_kernel`` (the kernels find a label outside [0, V) without a host sync), and
+    per head family the implementation registered for it (:meth:`family`)."""
+
+    def __init__(self, name: str, checks_labels_in_kernel: bool):
+        self.name = name
+        self.checks_labels_in_kernel = checks_labels_in_kernel
+
+    def family(self, family: str):
+        """The implementation of head family ``family`` ("linear", "logits", "jsd", ...) on this
+        backend: an object with that family's methods (see the family's autograd module)."""
+        try:
+            return _FAMILIES[family][self.name]
+        except KeyError:
+            raise NotImplementedError(f"rl_kernels: head family {family!r} has no {self.name!r} backend") from None
+
+    def __repr__(self) -> str:
+        return f"Backend({self.name!r})"
+
+
+_FAMILIES: dict[str, dict[str, object]] = {}
+_BACKENDS = {"triton": Backend("triton", checks_labels_in_kernel=True),
+             "torch": Backend("torch", checks_labels_in_kernel=False)}
+
+
+def implements(family: str, backend: str):
+    """Class decorator: register an instance of the class as head family ``family``'s
+    implementation on ``backend`` ("triton" or "torch")."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend: expected one of {sorted(_BACKENDS)}, got {backend!r}")
+
+    def register(cls):
+        _FAMILIES.setdefault(family, {})[backend] = cls()
+        return cls
+    return register
+
+
+def get_backend(backend: str, device: torch.device) -> Backend:
+    """The :class:`Backend` that runs on ``device`` for the public ``backend`` argument ('auto' |
+    'triton' | 'torch'); raises as :func:`resolve_backend`."""
+    return _BACKENDS[resolve_backend(backend, device)]

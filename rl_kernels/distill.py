@@ -27,9 +27,9 @@ import numbers
 import torch
 
 from .autograd.jsd import JSDParams, LinearJSDFunction
-from .autograd.linear import HeadParams, LinearLogProbsFunction
+from .autograd.linear import HeadOutputs, HeadParams, LinearLogProbsFunction
 from .autograd.vocab_parallel import VocabParallelLseGatherFunction, parallel_params
-from .backends import resolve_backend
+from .backends import get_backend
 from .validation import (FLOAT_DTYPES, LABEL_DTYPES, check_bool_arg, check_choice, check_hidden_weight,
                          check_labels, check_mask, check_same_device, check_temperature, check_tensor_arg,
                          describe)
@@ -173,7 +173,7 @@ def linear_topk_kl(
     _check_teacher_ids(teacher_token_ids, vocab_size if vocab_size is not None else torch.iinfo(torch.int64).max)
     valid, any_excluded = counted_positions(hidden_states, labels, ignore_index, mask, vocab_size,
                                             check_values=vocab_size is not None)
-    backend = resolve_backend(backend, hidden_states.device)
+    backend = get_backend(backend, hidden_states.device)
     lead = hidden_states.shape[:-1]
     h2 = hidden_states.reshape(-1, hidden_states.shape[-1])
     ids = teacher_token_ids.reshape(-1, teacher_token_ids.shape[-1])
@@ -181,12 +181,12 @@ def linear_topk_kl(
     # student lse over the full vocabulary (fused head; positions that do not count get no gradient)
     row_labels = torch.where(valid, ids[:, 0], -100)
     params = HeadParams(backend=backend, inv_temperature=1.0 / t, ignore_index=-100,
-                        return_entropy=False, return_lse=tp is None, name="linear_topk_kl",
-                        may_have_ignored=any_excluded is not False)
+                        return_entropy=False, name="linear_topk_kl", may_have_ignored=any_excluded is not False)
     if tp is not None:
         lse, z_ids = VocabParallelLseGatherFunction.apply(h2, weight, valid, ids, params, tp)
     else:
-        _, lse, z_ids = LinearLogProbsFunction.apply(h2, weight, row_labels, params, ids)
+        head = HeadOutputs(*LinearLogProbsFunction.apply(h2, weight, row_labels, params, ids))
+        lse, z_ids = head.lse, head.gathered_logits
     log_q = z_ids - lse[:, None]
 
     log_pt = teacher_log_probs.reshape(ids.shape).detach().float()
@@ -318,7 +318,7 @@ def linear_jsd(
     # (labels only select positions: with a group and vocab_start_index their values are not checked)
     valid, any_excluded = counted_positions(student_hidden, labels, ignore_index, mask, vocab_size,
                                             check_values=vocab_size is not None, hidden_name="student_hidden")
-    backend = resolve_backend(backend, student_hidden.device)
+    backend = get_backend(backend, student_hidden.device)
     hs = student_hidden.reshape(-1, student_hidden.shape[-1])
     ht = teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1])
     params = JSDParams(backend=backend, inv_temperature=1.0 / t, beta=float(beta), tp=tp,

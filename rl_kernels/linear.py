@@ -6,9 +6,9 @@ from typing import NamedTuple
 
 import torch
 
-from .autograd.linear import HeadParams, LinearLogProbsFunction
+from .autograd.linear import HeadOutputs, HeadParams, LinearLogProbsFunction
 from .autograd.vocab_parallel import VocabParallelLinearFunction, parallel_params
-from .backends import resolve_backend
+from .backends import get_backend
 from .validation import (check_bool_arg, check_head_inputs, check_label_values, check_softcap, check_temperature,
                          deferred_label_check, raise_label_errors, sync_label_check, warn_fp16_temperature)
 
@@ -120,12 +120,12 @@ def linear_log_probs(
     check_bool_arg("return_sum_pi_squared", return_sum_pi_squared)
     tp = parallel_params(process_group, vocab_start_index, reduce_hidden_grad, ignore_index, weight.shape[0],
                          hidden_states.device)
-    resolved = resolve_backend(backend, hidden_states.device)
+    resolved = get_backend(backend, hidden_states.device)
     # label values: in the Triton kernels (no host sync), else on the host here (the host check
     # also tells whether any label is ignore_index, which spares the backward a sync)
     has_ignored, label_check = None, None
     if tp is None:
-        if resolved == "triton" and not sync_label_check():
+        if resolved.checks_labels_in_kernel and not sync_label_check():
             label_check = deferred_label_check(labels, weight.shape[0], ignore_index, "linear_log_probs",
                                                in_kernel=True)
         else:
@@ -144,13 +144,10 @@ def linear_log_probs(
     if tp is not None:
         if tp.vocab_size is not None:
             has_ignored = check_label_values(labels, tp.vocab_size, ignore_index, report_ignored=True)
-        out = VocabParallelLinearFunction.apply(h2, weight, labels1, params(has_ignored), tp)
+        out = HeadOutputs(*VocabParallelLinearFunction.apply(h2, weight, labels1, params(has_ignored), tp))
     else:
-        out = LinearLogProbsFunction.apply(h2, weight, labels1, params(has_ignored), None, label_check)
+        out = HeadOutputs(*LinearLogProbsFunction.apply(h2, weight, labels1, params(has_ignored), None, label_check))
         if label_check is not None and hidden_states.device.type == "cpu":
             raise_label_errors()  # the interpreter has run the kernels already: raise in this call
-    outs = list(out) if isinstance(out, tuple) else [out]
-    log_probs = outs.pop(0).view(lead_shape)
-    entropy = outs.pop(0).view(lead_shape) if return_entropy else None
-    sum_sq = outs.pop(0).view(lead_shape) if return_sum_pi_squared else None
-    return LogProbsOutput(log_probs, entropy, sum_sq)
+    return LogProbsOutput(*(o if o is None else o.view(lead_shape)
+                            for o in (out.log_probs, out.entropy, out.sum_pi_squared)))

@@ -28,10 +28,9 @@ from typing import NamedTuple
 
 import torch
 
-from .autograd.logits import OUTPUTS, LogitsStatsFunction, logits_stats_forward
+from .autograd.logits import LogitsOutputs, LogitsParams, LogitsStatsFunction, logits_stats_forward
 from .autograd.vocab_parallel import VocabParallelLogitsFunction, parallel_params
-from .backends import resolve_backend
-from .torch_ops.logits_stats import torch_logits_backward, torch_logits_forward
+from .backends import get_backend
 from .validation import (check_bool_arg, check_choice, check_label_values, check_labels, check_logits,
                          check_temperature, deferred_label_check, describe, raise_label_errors)
 
@@ -49,9 +48,9 @@ class LogitsStats(NamedTuple):
 
 def _run(logits, labels, temperature, ignore_index, return_entropy, return_mean_log_p,
          inplace_backward, backend, process_group=None, vocab_start_index=None, *, fn_name,
-         return_sum_pi_squared=False):
-    """Validate, flatten to 2-D, run; returns the five outputs (``autograd.logits.OUTPUTS``)
-    shaped like logits.shape[:-1]. ``fn_name``: the public function (error messages)."""
+         return_sum_pi_squared=False) -> LogitsOutputs:
+    """Validate, flatten to 2-D, run; returns ``LogitsOutputs`` shaped like logits.shape[:-1].
+    ``fn_name``: the public function (error messages)."""
     raise_label_errors()  # a bad label that an earlier call's kernel reported
     check_logits(logits)
     inv_temperature = 1.0 / check_temperature(temperature)
@@ -63,30 +62,32 @@ def _run(logits, labels, temperature, ignore_index, return_entropy, return_mean_
                          "shard is written to a new tensor); pass inplace_backward=False")
     tp = parallel_params(process_group, vocab_start_index, False, ignore_index, logits.shape[-1], logits.device,
                          allow_reduce_hidden_grad=False)
-    backend = resolve_backend(backend, logits.device)
+    params = LogitsParams(backend=get_backend(backend, logits.device), inv_temperature=inv_temperature,
+                          ignore_index=int(ignore_index), return_entropy=return_entropy, name=fn_name,
+                          return_mean_log_p=return_mean_log_p, return_sum_pi_squared=return_sum_pi_squared,
+                          inplace_backward=inplace_backward)
     shape = logits.shape[:-1]
     logits2d = logits.reshape(-1, logits.shape[-1])
-    if tp is not None:
-        return _run_parallel(logits2d, shape, labels, inv_temperature, ignore_index, return_entropy, backend, tp,
-                             fn_name, return_sum_pi_squared)
+    labels1d = labels.reshape(-1) if labels is not None else None
+    if tp is not None:  # vocab-sharded logits (``rl_kernels.autograd.vocab_parallel``)
+        if labels is not None and tp.vocab_size is not None:
+            check_label_values(labels, tp.vocab_size, ignore_index)
+        outs = VocabParallelLogitsFunction.apply(logits2d, labels1d, params, tp)
+        return LogitsOutputs(*(o if o is None else o.view(shape) for o in outs))
     if inplace_backward:
         _check_inplace_target(logits, logits2d)
-    labels1d = labels.reshape(-1) if labels is not None else None
     label_check = None
     if labels is not None:
         label_check = deferred_label_check(labels, logits.shape[-1], ignore_index, fn_name,
-                                           in_kernel=backend == "triton")
+                                           in_kernel=params.backend.checks_labels_in_kernel)
     if torch.is_grad_enabled() and logits.requires_grad:
-        outs = LogitsStatsFunction.apply(logits2d, labels1d, inv_temperature, int(ignore_index), return_entropy,
-                                         return_mean_log_p, inplace_backward, backend, fn_name,
-                                         return_sum_pi_squared, label_check)
+        outs = LogitsStatsFunction.apply(logits2d, labels1d, params, label_check)
     else:  # no gradient wanted: the same forward without an autograd node (host cost at small N)
-        stats = logits_stats_forward(logits2d, labels1d, inv_temperature, int(ignore_index), return_entropy,
-                                     return_mean_log_p, backend, return_sum_pi_squared, label_check)
-        outs = tuple(stats.get(k) for k in OUTPUTS)
+        stats = logits_stats_forward(logits2d, labels1d, params, label_check)
+        outs = tuple(stats.get(k) for k in LogitsOutputs._fields)
     if label_check is not None and logits.device.type == "cpu":
         raise_label_errors()  # the interpreter has run the kernel already: raise in this call
-    return tuple(o if o is None or o.shape == shape else o.view(shape) for o in outs)
+    return LogitsOutputs(*(o if o is None or o.shape == shape else o.view(shape) for o in outs))
 
 
 def _overlaps(x: torch.Tensor) -> bool:
@@ -114,36 +115,6 @@ def _check_inplace_target(logits, logits2d) -> None:
                          f"{logits.stride()}) have elements that share memory (expanded or "
                          f"overlapping), so their gradient cannot be written over them; pass "
                          f"inplace_backward=False")
-
-
-def _run_parallel(logits2d, shape, labels, inv_temperature, ignore_index, return_entropy, backend, tp, fn_name,
-                  return_sum_pi_squared=False):
-    """Vocab-sharded logits (``rl_kernels.autograd.vocab_parallel``): (log_probs, entropy, lse,
-    None, sum_pi_squared)."""
-    if labels is not None and tp.vocab_size is not None:
-        check_label_values(labels, tp.vocab_size, ignore_index)
-    if backend == "triton":
-        from . import ops
-
-        cfg = ops.logits_config(logits2d.device)
-
-        def run_forward(x, ent, sq):
-            return ops.logits_forward(x, None, inv_temperature, ignore_index, ent, False, cfg,
-                                      return_sum_pi_squared=sq)
-
-        def run_backward(x, grad, stats, grads, row_labels):
-            return ops.logits_backward(x, grad, row_labels, stats, grads, inv_temperature, ignore_index, cfg)
-    else:
-        def run_forward(x, ent, sq):
-            return torch_logits_forward(x, None, inv_temperature, ignore_index, ent, False, sq)
-
-        def run_backward(x, grad, stats, grads, row_labels):
-            return torch_logits_backward(x, grad, row_labels, stats, grads, inv_temperature, ignore_index)
-    outs = VocabParallelLogitsFunction.apply(
-        logits2d, labels.reshape(-1) if labels is not None else None, inv_temperature, int(ignore_index),
-        return_entropy, tp, run_forward, run_backward, fn_name, return_sum_pi_squared)
-    log_probs, entropy, lse, sum_sq = (o.view(shape) if o is not None else None for o in outs)
-    return log_probs, entropy, lse, None, sum_sq
 
 
 # ----------------------------------------------------------------------------- public functions
@@ -221,11 +192,9 @@ def logits_stats(
     """
     check_bool_arg("return_entropy", return_entropy)
     check_bool_arg("return_sum_pi_squared", return_sum_pi_squared)
-    log_probs, entropy, lse, _, sum_sq = _run(logits, labels, temperature, ignore_index, return_entropy,
-                                              False, inplace_backward, backend, process_group,
-                                              vocab_start_index, fn_name="logits_stats",
-                                              return_sum_pi_squared=return_sum_pi_squared)
-    return LogitsStats(log_probs, entropy, lse, sum_sq)
+    out = _run(logits, labels, temperature, ignore_index, return_entropy, False, inplace_backward, backend,
+               process_group, vocab_start_index, fn_name="logits_stats", return_sum_pi_squared=return_sum_pi_squared)
+    return LogitsStats(out.log_probs, out.entropy, out.lse, out.sum_pi_squared)
 
 
 def log_probs_from_logits(
@@ -257,7 +226,7 @@ def log_probs_from_logits(
     if labels is None:
         raise TypeError("labels: expected a torch.Tensor of token ids, got None")
     return _run(logits, labels, temperature, ignore_index, False, False, inplace_backward, backend,
-                process_group, vocab_start_index, fn_name="log_probs_from_logits")[0]
+                process_group, vocab_start_index, fn_name="log_probs_from_logits").log_probs
 
 
 def entropy_from_logits(logits: torch.Tensor, *, temperature: float = 1.0, backend: str = "auto",
@@ -272,7 +241,7 @@ def entropy_from_logits(logits: torch.Tensor, *, temperature: float = 1.0, backe
     Formula: H = -sum_j p_j log p_j, dH/dz_j = -p_j (log p_j + H) (module docstring).
     """
     return _run(logits, None, temperature, -100, True, False, False, backend, process_group,
-                vocab_start_index, fn_name="entropy_from_logits")[1]
+                vocab_start_index, fn_name="entropy_from_logits").entropy
 
 
 def logsumexp(logits: torch.Tensor, *, temperature: float = 1.0, backend: str = "auto",
@@ -288,7 +257,7 @@ def logsumexp(logits: torch.Tensor, *, temperature: float = 1.0, backend: str = 
 {raises}
     """
     return _run(logits, None, temperature, -100, False, False, False, backend, process_group,
-                vocab_start_index, fn_name="logsumexp")[2]
+                vocab_start_index, fn_name="logsumexp").lse
 
 
 def sum_pi_squared_from_logits(logits: torch.Tensor, *, temperature: float = 1.0, backend: str = "auto",
@@ -307,7 +276,7 @@ def sum_pi_squared_from_logits(logits: torch.Tensor, *, temperature: float = 1.0
     w_r the shard's probability mass (``rl_kernels.autograd.vocab_parallel``).
     """
     return _run(logits, None, temperature, -100, False, False, False, backend, process_group,
-                vocab_start_index, fn_name="sum_pi_squared_from_logits", return_sum_pi_squared=True)[4]
+                vocab_start_index, fn_name="sum_pi_squared_from_logits", return_sum_pi_squared=True).sum_pi_squared
 
 
 def cross_entropy(
@@ -351,8 +320,8 @@ def cross_entropy(
     if isinstance(logits, torch.Tensor) and logits.dim() != 2:
         raise ValueError(f"logits: expected 2-D (N, vocab_size), got {describe(logits)}")
     eps = float(label_smoothing)
-    log_probs, _, _, mean_log_p, _ = _run(logits, labels, 1.0, ignore_index, False, eps > 0,
-                                          inplace_backward, backend, fn_name="cross_entropy")
+    out = _run(logits, labels, 1.0, ignore_index, False, eps > 0, inplace_backward, backend, fn_name="cross_entropy")
+    log_probs, mean_log_p = out.log_probs, out.mean_log_p
     valid = labels != ignore_index
     loss = -(1.0 - eps) * log_probs
     if eps > 0:

@@ -39,6 +39,23 @@ def test_every_class_fits_its_budget_and_keeps_the_invariance_rules(name):
             assert not cfg.tma
 
 
+def test_one_record_per_class_and_the_device_order():
+    """Every class holds all its settings (tiles per dtype, from-logits tiles, budget, targets);
+    the device lookup walks CLASSES in order, largest budget first."""
+    budgets = [c.smem_limit for c in config_mod.CLASSES.values()]
+    assert budgets == sorted(budgets, reverse=True)
+    for cls in config_mod.CLASSES.values():
+        assert cls.targets and all(isinstance(t, int) for t in cls.targets)
+        assert isinstance(cls.logits, config_mod.LogitsConfig) and cls.logits.split_v % cls.logits.block_v == 0
+    cpu = torch.device("cpu")
+    assert config_mod.device_class(cpu) is config_mod.INTERPRETER
+    assert config_mod.logits_config(cpu) is config_mod.INTERPRETER.logits
+    forced = dataclasses.replace(config_mod.INTERPRETER_CONFIG, block_k=16)
+    with config_mod.forced_config(forced):
+        assert config_mod.default_config(cpu) is forced
+    assert config_mod.default_config(cpu) is config_mod.INTERPRETER_CONFIG
+
+
 def test_class_override_by_environment(monkeypatch):
     monkeypatch.setenv(config_mod.CONFIG_CLASS_ENV, "ampere")
     assert config_mod.config_class(torch.device("cuda", 0)) is config_mod.AMPERE
@@ -49,9 +66,13 @@ def test_class_override_by_environment(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("name", CLASS_NAMES)
-def test_every_class_computes_the_head_right_in_the_interpreter(monkeypatch, name, dtype):
+def test_every_class_computes_the_head_right_in_the_interpreter(name, dtype):
     cfg = config_mod.CLASSES[name].for_dtype(dtype)
-    monkeypatch.setattr(config_mod, "FORCED_CONFIG", dataclasses.replace(cfg, tma=False))
+    with config_mod.forced_config(dataclasses.replace(cfg, tma=False)):
+        _computes_the_head_right(dtype)
+
+
+def _computes_the_head_right(dtype):
     n, h, v = 37, 72, 1100  # several splits, a partial last tile, K not a multiple of BK
     hidden, weight, labels = make_inputs(n, h, v, dtype, seed=30)
     g = torch.Generator().manual_seed(31)

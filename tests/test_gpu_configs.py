@@ -1,7 +1,7 @@
 """Every configuration class on the GPU we have (``pytest -m gpu``).
 
 * Shared memory: every kernel of every class is compiled, for each dtype, for that class's GPU
-  target (sm90 hopper, sm80 ampere, sm86 / sm89 / sm120 ada, sm80 small) without launching it (the
+  target (the class's ``targets``: sm90 hopper, sm80 ampere, sm86 / sm89 / sm120 ada, sm80 small) without launching it (the
   driver's target is overridden during a compile-only ``warmup`` run), and the compiled kernel's
   ``shared`` bytes must fit the class's limit: a configuration that would crash on an A100 or an
   L40S fails here without owning one.
@@ -25,7 +25,6 @@ from rl_kernels.reference import make_inputs, reference_linear_grads, reference_
 
 pytestmark = pytest.mark.gpu
 
-TARGETS = {"hopper": [90], "ampere": [80], "ada": [86, 89, 120], "small": [80]}
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
@@ -76,7 +75,7 @@ def test_every_kernel_fits_the_class_shared_memory_on_its_target(monkeypatch, na
     cls = config_mod.CLASSES[name]
     monkeypatch.setenv(config_mod.CONFIG_CLASS_ENV, name)
     report = []
-    for arch in TARGETS[name]:
+    for arch in cls.targets:
         for dtype in DTYPES:
             if arch < 80 and dtype == torch.bfloat16:
                 continue

@@ -1,6 +1,7 @@
 """What a user gets from `pip install .`: the metadata (SPDX license, LICENSE file, Triton's
-platform marker, numpy), the Hydra group shipped inside the package (pkg:// search path), the
-repository's `conf` path kept for clones, and the torch backend where Triton is missing."""
+platform marker, numpy), every package listed, the Hydra group: the repository's top-level `conf/`
+(`--config-dir conf` in a clone) shipped from those same files as the package
+`rl_kernels.integrations.conf` (pkg:// search path), and the torch backend where Triton is missing."""
 import os
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import pytest
 import rl_kernels
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGE_CONF = os.path.join(os.path.dirname(rl_kernels.__file__), "integrations", "conf")
+PACKAGE_CONF = os.path.join(REPO, "conf")  # the package rl_kernels.integrations.conf (pyproject's package-dir)
 GROUP = ("fused", "logits", "fused_anomaly")
 
 
@@ -53,6 +54,21 @@ def test_triton_only_where_it_has_wheels(platform, machine, wanted):
     assert marker.evaluate({"sys_platform": platform, "platform_machine": machine}) is wanted
     # numpy (Triton's CPU interpreter needs it) comes with the package, on every platform
     assert "numpy" in deps and deps["numpy"].marker is None
+
+
+def test_every_package_is_listed_and_conf_is_shipped_from_the_top_level_folder():
+    """pyproject lists its packages (a mapped folder rules out automatic discovery): the list must
+    hold every folder of rl_kernels/ with Python files, and map rl_kernels.integrations.conf to
+    the top-level conf/ (the files users pass to --config-dir are the files in the wheel)."""
+    setuptools_cfg = _pyproject()["tool"]["setuptools"]
+    assert setuptools_cfg["package-dir"] == {"rl_kernels.integrations.conf": "conf"}
+    tree = sorted(os.path.relpath(root, REPO).replace(os.sep, ".")
+                  for root, dirs, files in os.walk(os.path.join(REPO, "rl_kernels"))
+                  if "__pycache__" not in root and any(f.endswith(".py") for f in files))
+    assert sorted(setuptools_cfg["packages"]) == sorted(tree + ["rl_kernels.integrations.conf"])
+    import rl_kernels.integrations.conf as conf
+
+    assert os.path.realpath(os.path.dirname(conf.__file__)) == os.path.realpath(PACKAGE_CONF)
 
 
 def test_package_data_holds_the_hydra_group():

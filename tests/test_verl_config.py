@@ -1,4 +1,4 @@
-"""The Hydra group (package data in rl_kernels/integrations/conf) composes with verl's own entry
+"""The Hydra group (the repository's conf/, package data of rl_kernels.integrations.conf) composes with verl's own entry
 point (`--cfg job` prints the job config without training), from the clone (--config-dir) and from
 the installed package (pkg://), and every option file sets the keys the integration reads.
 
@@ -23,8 +23,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _compose_cli(*overrides):
-    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", "--config-dir", os.path.join(REPO, "rl_kernels", "integrations", "conf"),
-           *overrides, "--cfg", "job"]
+    # as a user types it in a clone: from the repository's root, the top-level conf/
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", "--config-dir", "conf", *overrides, "--cfg", "job"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return yaml.safe_load(proc.stdout)

@@ -1,6 +1,7 @@
 """Autograd of ``linear_jsd``: the generalized Jensen-Shannon divergence of two linear heads.
 
-Forward: each head's lse (the fused head's forward), then one pass of both GEMMs for the per-row
+The head family "jsd": its parameter record (``JSDParams``), two backend implementations
+(``TritonJSD``, ``TorchJSD``) and Function. Forward: each head's lse (the fused head's forward), then one pass of both GEMMs for the per-row
 divergence sums (Triton ``ops.linear_jsd`` or the torch twin ``torch_ops.linear_jsd``); with a
 vocab-parallel group, the shard lse and the shard sums are merged over the group. Backward:
 dlogits windows of the student recomputed from both heads and consumed by the shared schedule
@@ -12,6 +13,7 @@ import dataclasses
 
 import torch
 
+from ..backends import Backend, implements
 from ..torch_ops.linear_jsd import torch_jsd_dlogits, torch_jsd_sums
 from .backward_schedule import chunked_backward, full_precision_reduction
 from .common import first_order_only, hidden_for_weight_grad
@@ -21,11 +23,61 @@ from .vocab_parallel import all_gather_rows, finish_hidden_grad, merge_lse
 
 @dataclasses.dataclass(frozen=True)
 class JSDParams:
-    backend: str  # resolved: "triton" or "torch"
+    """``linear_jsd``'s parameters, one frozen record from the public function to the launcher."""
+
+    backend: Backend  # resolved (backends.get_backend)
     inv_temperature: float
     beta: float
-    tp: object = None  # parallel.ParallelParams for vocab-sharded heads
+    tp: object = None  # vocab_parallel.ParallelParams for vocab-sharded heads
     may_have_ignored: bool = True  # False: no token is excluded (no ignored-row check in backward)
+
+
+@implements("jsd", "triton")
+class TritonJSD:
+    """The two-head divergence on the Triton kernels (``ops.linear_jsd``)."""
+
+    @staticmethod
+    def sums(student_hidden, student_weight, teacher_hidden, teacher_weight, lse_s, lse_t, params: JSDParams):
+        """Per-row (loss sum, g sum or None), float32 (N,): see ``ops.linear_jsd.jsd_split_sums``."""
+        args = (student_hidden, student_weight, teacher_hidden, teacher_weight, lse_s, lse_t,
+                params.inv_temperature, params.beta)
+        if not student_hidden.shape[0]:
+            return torch_jsd_sums(*args)
+        from ..ops import default_config
+        from ..ops.linear_jsd import jsd_split_sums
+
+        cfg = default_config(student_hidden.device, student_hidden.dtype)
+        return jsd_split_sums(*args, cfg, cfg.jsd_fwd)
+
+    @staticmethod
+    def dlogits(hs, ws, ht, wt, lse_s, lse_t, g_sum, scale, params: JSDParams):
+        """(window function, dlogits dtype, column-width multiple) for ``chunked_backward``."""
+        from ..ops import default_config
+        from ..ops.linear_jsd import jsd_dlogits
+
+        cfg = default_config(hs.device, hs.dtype)
+
+        def window(rows, cols, out):
+            return jsd_dlogits(hs, ws, ht, wt, lse_s, lse_t, g_sum, scale, rows, cols,
+                               params.inv_temperature, params.beta, out, cfg, cfg.jsd_bwd)
+        return window, hs.dtype, cfg.jsd_bwd.block_n
+
+
+@implements("jsd", "torch")
+class TorchJSD:
+    """The two-head divergence's torch twin (``torch_ops.linear_jsd``)."""
+
+    @staticmethod
+    def sums(student_hidden, student_weight, teacher_hidden, teacher_weight, lse_s, lse_t, params: JSDParams):
+        return torch_jsd_sums(student_hidden, student_weight, teacher_hidden, teacher_weight, lse_s, lse_t,
+                              params.inv_temperature, params.beta)
+
+    @staticmethod
+    def dlogits(hs, ws, ht, wt, lse_s, lse_t, g_sum, scale, params: JSDParams):
+        def window(rows, cols, out):
+            return torch_jsd_dlogits(hs, ws, ht, wt, lse_s, lse_t, g_sum, scale, rows, cols,
+                                     params.inv_temperature, params.beta, out)
+        return window, torch.float32, 1
 
 
 class LinearJSDFunction(torch.autograd.Function):
@@ -39,23 +91,15 @@ class LinearJSDFunction(torch.autograd.Function):
         zeros = torch.zeros(n, dtype=torch.long, device=student_hidden.device)
         head = HeadParams(backend=params.backend, inv_temperature=params.inv_temperature,
                           ignore_index=-100, return_entropy=False)
-        lse_s = head_forward(student_hidden, student_weight, zeros, head)[2].contiguous()
-        lse_t = head_forward(teacher_hidden, teacher_weight, zeros, head)[2].contiguous()
+        lse_s = head_forward(student_hidden, student_weight, zeros, head).lse.contiguous()
+        lse_t = head_forward(teacher_hidden, teacher_weight, zeros, head).lse.contiguous()
         tp = params.tp
         if tp is not None:  # shard lse -> global lse of both heads (one all_gather)
 
             lse_w = all_gather_rows(tp.process_group, torch.stack([lse_s, lse_t]))
             lse_s, lse_t = (merge_lse(lse_w[:, i])[0].contiguous() for i in (0, 1))
-        args = (student_hidden, student_weight, teacher_hidden, teacher_weight, lse_s, lse_t,
-                params.inv_temperature, params.beta)
-        if params.backend == "triton" and n:
-            from ..ops import default_config
-            from ..ops.linear_jsd import jsd_split_sums
-
-            cfg = default_config(student_hidden.device, student_hidden.dtype)
-            loss, g_sum = jsd_split_sums(*args, cfg, cfg.jsd_fwd)
-        else:
-            loss, g_sum = torch_jsd_sums(*args)
+        loss, g_sum = params.backend.family("jsd").sums(student_hidden, student_weight, teacher_hidden,
+                                                         teacher_weight, lse_s, lse_t, params)
         if tp is not None:  # shard sums -> global sums, added in rank order (one all_gather)
 
             sums = all_gather_rows(tp.process_group, torch.stack(
@@ -80,22 +124,8 @@ class LinearJSDFunction(torch.autograd.Function):
         scale = torch.where(valid, grad.float() / params.inv_temperature ** 2,
                             torch.zeros((), device=grad.device)).contiguous()
         g_sum = None if params.beta == 0.0 else g_sum
-        if params.backend == "triton":
-            from ..ops import default_config
-            from ..ops.linear_jsd import jsd_dlogits
-
-            cfg = default_config(hs.device, hs.dtype)
-            dz_dtype, width = hs.dtype, cfg.jsd_bwd.block_n
-
-            def dlogits(rows, cols, out):
-                return jsd_dlogits(hs, ws, ht, wt, lse_s, lse_t, g_sum, scale, rows, cols,
-                                   params.inv_temperature, params.beta, out, cfg, cfg.jsd_bwd)
-        else:
-            dz_dtype, width = torch.float32, 1
-
-            def dlogits(rows, cols, out):
-                return torch_jsd_dlogits(hs, ws, ht, wt, lse_s, lse_t, g_sum, scale, rows, cols,
-                                         params.inv_temperature, params.beta, out)
+        dlogits, dz_dtype, width = params.backend.family("jsd").dlogits(hs, ws, ht, wt, lse_s, lse_t, g_sum, scale,
+                                                                         params)
         reduce_dh = params.tp is not None and params.tp.reduce_hidden_grad
         h_dw = hidden_for_weight_grad(hs, ~valid, lse_s) if need_dw and params.may_have_ignored else hs
         with full_precision_reduction():

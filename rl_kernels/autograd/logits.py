@@ -1,76 +1,124 @@
 """Autograd of the from-logits statistics: one Function for every public from-logits function.
 
+The head family "logits": its parameter record (``LogitsParams``), output record
+(``LogitsOutputs``), two backend implementations (``TritonLogits``, ``TorchLogits``) and Function.
 Forward: one read of the logits (Triton ``ops.logits_forward`` or its torch twin
 ``torch_ops.logits_stats``) gives per-row float32 statistics; only O(N) of them are saved.
 Backward: one more read of the logits writes d loss / d logits once, in the logits' dtype (into
 the logits' own storage with ``inplace_backward``, reported to autograd by a version bump)."""
 from __future__ import annotations
 
+import dataclasses
+from typing import NamedTuple
+
 import torch
 
+from ..backends import Backend, implements
 from ..torch_ops.logits_stats import torch_logits_backward, torch_logits_forward
 from ..validation import raise_label_errors
 from .common import first_order_only
 
-OUTPUTS = ("log_probs", "entropy", "lse", "mean_log_p", "sum_pi_squared")
+
+@dataclasses.dataclass(frozen=True)
+class LogitsParams:
+    """The from-logits functions' parameters, one frozen record from the public function to the
+    launcher."""
+
+    backend: Backend  # resolved (backends.get_backend)
+    inv_temperature: float
+    ignore_index: int
+    return_entropy: bool
+    name: str  # the public function, for error messages
+    return_mean_log_p: bool = False  # the row's mean log p over the vocabulary (label smoothing)
+    return_sum_pi_squared: bool = False
+    inplace_backward: bool = False  # the gradient is written into the logits' own storage
 
 
-def logits_stats_forward(logits, labels, inv_temperature, ignore_index, return_entropy, return_mean_log_p,
-                         backend, return_sum_pi_squared=False, label_check=None) -> dict:
-    """The forward's per-row statistics (a dict of (N,) float32 tensors, as ``ops.logits_forward``),
-    without autograd: ``LogitsStatsFunction`` runs it, and so do calls that need no gradient
-    (sparing the autograd node's host cost)."""
-    if backend == "triton":
+class LogitsOutputs(NamedTuple):
+    """Per-row float32 (N,) outputs of the from-logits Function, the same fields for its
+    gradients; None where not asked (lse always)."""
+
+    log_probs: torch.Tensor | None
+    entropy: torch.Tensor | None
+    lse: torch.Tensor | None
+    mean_log_p: torch.Tensor | None = None
+    sum_pi_squared: torch.Tensor | None = None
+
+
+@implements("logits", "triton")
+class TritonLogits:
+    """The from-logits statistics on the Triton kernels (``ops.logits_stats``)."""
+
+    @staticmethod
+    def forward(logits, labels, params: LogitsParams, label_check=None) -> dict:
         from .. import ops
 
         flag, check_id = label_check if label_check is not None else (None, 0)
-        return ops.logits_forward(logits, labels, inv_temperature, ignore_index, return_entropy,
-                                  return_mean_log_p, ops.logits_config(logits.device),
-                                  return_sum_pi_squared=return_sum_pi_squared, label_flag=flag,
+        return ops.logits_forward(logits, labels, params.inv_temperature, params.ignore_index, params.return_entropy,
+                                  params.return_mean_log_p, ops.logits_config(logits.device),
+                                  return_sum_pi_squared=params.return_sum_pi_squared, label_flag=flag,
                                   check_id=check_id)
-    return torch_logits_forward(logits, labels, inv_temperature, ignore_index, return_entropy, return_mean_log_p,
-                                return_sum_pi_squared)
+
+    @staticmethod
+    def backward(logits, grad, labels, stats: dict, grads: dict, params: LogitsParams) -> None:
+        from .. import ops
+
+        ops.logits_backward(logits, grad, labels, stats, grads, params.inv_temperature, params.ignore_index,
+                            ops.logits_config(logits.device))
+
+
+@implements("logits", "torch")
+class TorchLogits:
+    """The from-logits statistics' torch twin (``torch_ops.logits_stats``): float32 row chunks."""
+
+    @staticmethod
+    def forward(logits, labels, params: LogitsParams, label_check=None) -> dict:
+        return torch_logits_forward(logits, labels, params.inv_temperature, params.ignore_index, params.return_entropy,
+                                    params.return_mean_log_p, params.return_sum_pi_squared)
+
+    @staticmethod
+    def backward(logits, grad, labels, stats: dict, grads: dict, params: LogitsParams) -> None:
+        torch_logits_backward(logits, grad, labels, stats, grads, params.inv_temperature, params.ignore_index)
+
+
+def logits_stats_forward(logits, labels, params: LogitsParams, label_check=None) -> dict:
+    """The forward's per-row statistics (a dict of (N,) float32 tensors, as ``ops.logits_forward``:
+    ``row_max``, ``log_sum``, ``lse`` and the outputs asked), without autograd:
+    ``LogitsStatsFunction`` runs it, and so do calls that need no gradient (sparing the autograd
+    node's host cost)."""
+    return params.backend.family("logits").forward(logits, labels, params, label_check)
 
 
 class LogitsStatsFunction(torch.autograd.Function):
-    """2-D logits (N, V) -> (log_probs, entropy, lse, mean_log_p, sum_pi_squared), float32 (N,)
-    or None."""
+    """2-D logits (N, V), labels (N,) or None, LogitsParams, optional label check -> the five
+    fields of ``LogitsOutputs``, float32 (N,) or None."""
 
     @staticmethod
-    def forward(ctx, logits, labels, inv_temperature, ignore_index, return_entropy, return_mean_log_p,
-                inplace_backward, backend, fn_name, return_sum_pi_squared=False, label_check=None):
-        stats = logits_stats_forward(logits, labels, inv_temperature, ignore_index, return_entropy,
-                                     return_mean_log_p, backend, return_sum_pi_squared, label_check)
+    def forward(ctx, logits, labels, params: LogitsParams, label_check=None):
+        stats = logits_stats_forward(logits, labels, params, label_check)
         ctx.save_for_backward(logits, labels, stats["row_max"], stats["log_sum"],
                               stats.get("entropy"), stats.get("sum_pi_squared"))
-        ctx.inv_temperature, ctx.ignore_index = inv_temperature, ignore_index
-        ctx.inplace_backward, ctx.backend, ctx.fn_name = inplace_backward, backend, fn_name
+        ctx.params, ctx.fn_name = params, params.name
         ctx.set_materialize_grads(False)
-        return tuple(stats.get(k) for k in OUTPUTS)
+        return tuple(stats.get(k) for k in LogitsOutputs._fields)
 
     @staticmethod
     @first_order_only
-    def backward(ctx, *out_grads):
+    def backward(ctx, *output_grads):
         raise_label_errors()  # a bad label reported by this call's (or an earlier) forward kernel
-        logits, labels, row_max, log_sum, entropy, sum_sq = ctx.saved_tensors
-        grads = {("smooth" if k == "mean_log_p" else k): g.float().contiguous()
-                 for k, g in zip(OUTPUTS, out_grads) if g is not None}
+        logits, labels, row_max, log_sum, entropy, sum_pi_squared = ctx.saved_tensors
+        params: LogitsParams = ctx.params
+        grads = {k: g.float().contiguous() for k, g in zip(LogitsOutputs._fields, output_grads) if g is not None}
         if not ctx.needs_input_grad[0] or not grads:
-            return (None,) * 11
-        stats = {"row_max": row_max, "log_sum": log_sum, "entropy": entropy, "sum_pi_squared": sum_sq}
+            return None, None, None, None
+        stats = {"row_max": row_max, "log_sum": log_sum, "entropy": entropy, "sum_pi_squared": sum_pi_squared}
         # documented: with inplace_backward the logits' storage receives their gradient
-        grad = logits if ctx.inplace_backward else torch.empty_like(
+        grad = logits if params.inplace_backward else torch.empty_like(
             logits, memory_format=torch.contiguous_format)
-        if ctx.backend == "triton":
-            from .. import ops
-
-            ops.logits_backward(logits, grad, labels, stats, grads, ctx.inv_temperature, ctx.ignore_index,
-                                ops.logits_config(logits.device))
-        else:
-            torch_logits_backward(logits, grad, labels, stats, grads, ctx.inv_temperature, ctx.ignore_index)
-        if ctx.inplace_backward:
+        params.backend.family("logits").backward(logits, grad, labels, stats, grads, params)
+        if params.inplace_backward:
             # the kernel wrote through a raw pointer: tell autograd the logits changed, so that any
             # other saved use of them (a second consumer, retain_graph and a second backward)
             # raises torch's "modified by an inplace operation" error instead of reading gradients
             torch.autograd.graph.increment_version(logits)
-        return grad, None, None, None, None, None, None, None, None, None, None
+        return grad, None, None, None

@@ -40,7 +40,8 @@ import torch
 
 from ..validation import check_vocab_parallel_args
 from .common import first_order_only
-from .linear import HeadParams, gathered_logits, head_backward, head_forward
+from .linear import HeadOutputs, HeadParams, gathered_logits, head_backward, head_forward
+from .logits import LogitsOutputs, LogitsParams
 
 
 def _dist():
@@ -118,29 +119,29 @@ def merge_lse(lse_w: torch.Tensor):
 
 
 def merge_shards(process_group, lse_r, entropy_r, z_y_r, owned, labels, ignore_index, vocab_size,
-                 sum_sq_r=None):
-    """all_gather the four (N,) float32 shard statistics (five with ``sum_sq_r``, the shard's own
+                 sum_pi_squared_r=None):
+    """all_gather the four (N,) float32 shard statistics (five with ``sum_pi_squared_r``, the shard's own
     sum of squared probabilities) over the group and merge them in rank order (module docstring).
-    Returns (log_probs, entropy, lse, sum_sq), (N,) float32, identical bits on every rank; entropy
-    and log_probs are 0 where ``labels`` (if given) is ``ignore_index``; entropy / sum_sq are None
-    when ``entropy_r`` / ``sum_sq_r`` are. sum_j p_j^2 = sum_r w_r^2 S_r (p_j = w_r p_j,r on shard
+    Returns (log_probs, entropy, lse, sum_pi_squared), (N,) float32, identical bits on every rank; entropy
+    and log_probs are 0 where ``labels`` (if given) is ``ignore_index``; entropy / sum_pi_squared are None
+    when ``entropy_r`` / ``sum_pi_squared_r`` are. sum_j p_j^2 = sum_r w_r^2 S_r (p_j = w_r p_j,r on shard
     r). Raises ValueError for a label owned by no rank or by several."""
     n = lse_r.shape[0]
     zero = torch.zeros((), device=lse_r.device)
     rows = [lse_r.float(), entropy_r.float() if entropy_r is not None else zero.expand(n),
             torch.where(owned, z_y_r.float(), zero), owned.float()]
-    if sum_sq_r is not None:
-        rows.append(sum_sq_r.float())
+    if sum_pi_squared_r is not None:
+        rows.append(sum_pi_squared_r.float())
     gathered = all_gather_rows(process_group, torch.stack(rows)).unbind(1)  # (W, N) each
     lse_w, ent_w, zy_w, own_w = gathered[:4]
     lse, log_w = merge_lse(lse_w)
     w = log_w.exp()
-    sum_sq = (w * w * gathered[4]).sum(0) if sum_sq_r is not None else None
+    sum_pi_squared = (w * w * gathered[4]).sum(0) if sum_pi_squared_r is not None else None
     # a shard with w = 0 adds 0 (not 0 * inf); a NaN w (a non-finite row) must stay NaN
     entropy = torch.where(w == 0, zero, w * (ent_w - log_w)).sum(0).clamp_min(0.0) \
         if entropy_r is not None else None
     if labels is None:
-        return None, entropy, lse, sum_sq
+        return None, entropy, lse, sum_pi_squared
     valid = labels != ignore_index
     count = own_w.sum(0)
     bad = valid & (count != 1)
@@ -153,112 +154,111 @@ def merge_shards(process_group, lse_r, entropy_r, z_y_r, owned, labels, ignore_i
     log_probs = torch.where(valid, (zy_w.sum(0) - lse).clamp_max(0.0), zero)
     if entropy is not None:
         entropy = torch.where(valid, entropy, zero)
-    return log_probs, entropy, lse, sum_sq
+    return log_probs, entropy, lse, sum_pi_squared
 
 
 class VocabParallelLinearFunction(torch.autograd.Function):
     """hidden_states (N, H), weight shard (V_r, H), global labels (N,), HeadParams, ParallelParams
-    -> log_probs (N,) [, entropy (N,)], float32, identical on every rank."""
+    -> the five fields of ``HeadOutputs`` (log_probs, entropy or None, lse, sum_pi_squared or
+    None, None), float32, identical on every rank."""
 
     @staticmethod
     def forward(ctx, hidden_states, weight, labels, params: HeadParams, tp: ParallelParams):
         v_r = weight.shape[0]
         local, owned = local_labels(labels, tp.start, v_r, params.ignore_index)
-        local_params = dataclasses.replace(params, return_entropy=True) if params.return_entropy else params
-        _, ent_r, lse_r, sq_r = head_forward(hidden_states, weight, local, local_params)
+        shard = head_forward(hidden_states, weight, local, params)
         z_y = gathered_logits(hidden_states, weight, torch.where(owned, local, 0)[:, None], params)[:, 0]
-        log_probs, entropy, lse, sum_sq = merge_shards(tp.process_group, lse_r, ent_r, z_y, owned, labels,
-                                                       params.ignore_index, tp.vocab_size, sq_r)
+        log_probs, entropy, lse, sum_pi_squared = merge_shards(
+            tp.process_group, shard.lse, shard.entropy, z_y, owned, labels, params.ignore_index, tp.vocab_size,
+            shard.sum_pi_squared)
         # the merged entropy of ignored rows is 0 here; the backward masks those rows anyway
-        ctx.save_for_backward(hidden_states, weight, local, lse, entropy, sum_sq)
+        ctx.save_for_backward(hidden_states, weight, local, lse, entropy, sum_pi_squared)
         ctx.params, ctx.tp, ctx.fn_name = params, tp, params.name
         ctx.set_materialize_grads(False)
-        outs = (log_probs,) + ((entropy,) if params.return_entropy else ()) + \
-            ((sum_sq,) if params.return_sum_pi_squared else ())
-        return outs if len(outs) > 1 else log_probs
+        return tuple(HeadOutputs(log_probs, entropy, lse, sum_pi_squared))
 
     @staticmethod
     @first_order_only
-    def backward(ctx, grad_log_probs, *more):
-        hidden_states, weight, local, lse, entropy, sum_sq = ctx.saved_tensors
+    def backward(ctx, *output_grads):
+        hidden_states, weight, local, lse, entropy, sum_pi_squared = ctx.saved_tensors
         params, tp = ctx.params, ctx.tp
-        more = list(more)
-        grad_entropy = more.pop(0) if params.return_entropy else None
-        grad_sum_sq = more.pop(0) if params.return_sum_pi_squared else None
+        grads = HeadOutputs(*output_grads)
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if all(g is None for g in (grad_log_probs, grad_entropy, grad_sum_sq)) or not (need_dh or need_dw):
+        if all(g is None for g in grads) or not (need_dh or need_dw):
             return None, None, None, None, None
-        dh, dw = head_backward(hidden_states, weight, local, lse, entropy, grad_log_probs,
-                               grad_entropy, params, need_dh, need_dw,
-                               dh_float32=tp.reduce_hidden_grad, sum_sq=sum_sq,
-                               grad_sum_sq=None if grad_sum_sq is None else grad_sum_sq.float().contiguous())
+        grads = grads._replace(**{k: getattr(grads, k).float().contiguous()
+                                  for k in ("lse", "sum_pi_squared") if getattr(grads, k) is not None})
+        dh, dw = head_backward(hidden_states, weight, local, HeadOutputs(None, entropy, lse, sum_pi_squared), grads,
+                               params, need_dh, need_dw, dh_float32=tp.reduce_hidden_grad)
         # summed in float32, rounded once: as accurate as the unsharded head
         return finish_hidden_grad(dh, tp, hidden_states.dtype), dw, None, None, None
 
 
 class VocabParallelLogitsFunction(torch.autograd.Function):
-    """Logits shard (N, V_r), global labels (N,) or None -> (log_probs or None, entropy or None,
-    lse, sum_pi_squared or None), float32 (N,), identical on every rank.
-    ``run_forward(logits, return_entropy, return_sum_pi_squared)`` and ``run_backward(logits, grad, stats,
-    grads)`` are the single-device launchers (labels None)."""
+    """Logits shard (N, V_r), global labels (N,) or None, LogitsParams, ParallelParams -> the
+    fields of ``LogitsOutputs`` (log_probs or None, entropy or None, lse, None, sum_pi_squared or
+    None), float32 (N,), identical on every rank. The shard's statistics come from the params'
+    backend (labels None: the label logit is gathered here)."""
 
     @staticmethod
-    def forward(ctx, logits, labels, inv_temperature, ignore_index, return_entropy, tp: ParallelParams,
-                run_forward, run_backward, fn_name, return_sum_pi_squared=False):
+    def forward(ctx, logits, labels, params: LogitsParams, tp: ParallelParams):
         v_r = logits.shape[1]
-        stats = run_forward(logits, return_entropy, return_sum_pi_squared)
+        shard_params = dataclasses.replace(params, return_mean_log_p=False)
+        stats = params.backend.family("logits").forward(logits, None, shard_params)
         owned = None
         z_y = None
         if labels is not None:
-            local, owned = local_labels(labels, tp.start, v_r, ignore_index)
-            z_y = logits.gather(1, torch.where(owned, local, 0).long()[:, None])[:, 0].float() * inv_temperature
+            local, owned = local_labels(labels, tp.start, v_r, params.ignore_index)
+            z_y = logits.gather(1, torch.where(owned, local, 0).long()[:, None])[:, 0].float() * params.inv_temperature
         else:
             owned = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
             z_y = torch.zeros(logits.shape[0], device=logits.device)
-        log_probs, entropy, lse, sum_sq = merge_shards(
-            tp.process_group, stats["lse"], stats.get("entropy"), z_y, owned, labels, ignore_index,
+        log_probs, entropy, lse, sum_pi_squared = merge_shards(
+            tp.process_group, stats["lse"], stats.get("entropy"), z_y, owned, labels, params.ignore_index,
             tp.vocab_size, stats.get("sum_pi_squared"))
-        ctx.save_for_backward(logits, labels, owned, lse, entropy, sum_sq)
-        ctx.inv_temperature, ctx.ignore_index, ctx.tp, ctx.run_backward = inv_temperature, ignore_index, tp, run_backward
-        ctx.fn_name = fn_name
+        ctx.save_for_backward(logits, labels, owned, lse, entropy, sum_pi_squared)
+        ctx.params, ctx.tp, ctx.fn_name = shard_params, tp, params.name
         ctx.set_materialize_grads(False)
-        return log_probs, entropy, lse, sum_sq
+        return tuple(LogitsOutputs(log_probs, entropy, lse, None, sum_pi_squared))
 
     @staticmethod
     @first_order_only
-    def backward(ctx, g_lp, g_ent, g_lse, g_sq):
-        logits, labels, owned, lse, entropy, sum_sq = ctx.saved_tensors
-        none = (None,) * 10
-        if not ctx.needs_input_grad[0] or all(g is None for g in (g_lp, g_ent, g_lse, g_sq)):
+    def backward(ctx, *output_grads):
+        logits, labels, owned, lse, entropy, sum_pi_squared = ctx.saved_tensors
+        params: LogitsParams = ctx.params
+        g = LogitsOutputs(*output_grads)
+        none = (None,) * 4
+        if not ctx.needs_input_grad[0] or all(x is None for x in g):
             return none
         zero = torch.zeros((), device=logits.device)
-        valid = (labels != ctx.ignore_index) if labels is not None else None
+        valid = (labels != params.ignore_index) if labels is not None else None
         # onehot(y) - p on the shard: the -p part folds into the lse coefficient on every rank, the
         # onehot part is added below on the owner's column only
-        coef = g_lse.float() if g_lse is not None else torch.zeros(lse.shape, device=lse.device)
-        if g_lp is not None:
-            g_lp = torch.where(valid, g_lp.float(), zero)
-            coef = coef - g_lp
+        coef = g.lse.float() if g.lse is not None else torch.zeros(lse.shape, device=lse.device)
+        grad_log_probs = None
+        if g.log_probs is not None:
+            grad_log_probs = torch.where(valid, g.log_probs.float(), zero)
+            coef = coef - grad_log_probs
         grads = {"lse": coef.contiguous()}
-        if g_ent is not None:
-            grads["entropy"] = (torch.where(valid, g_ent.float(), zero) if valid is not None
-                                else g_ent.float()).contiguous()
+        if g.entropy is not None:
+            grads["entropy"] = (torch.where(valid, g.entropy.float(), zero) if valid is not None
+                                else g.entropy.float()).contiguous()
         stats = {"row_max": lse, "log_sum": torch.zeros_like(lse)}
         if entropy is not None:
             stats["entropy"] = entropy
-        if g_sq is not None:  # global p = exp(z - lse) and global S on every shard
-            stats["sum_pi_squared"] = sum_sq
-            grads["sum_pi_squared"] = g_sq.float().contiguous()
+        if g.sum_pi_squared is not None:  # global p = exp(z - lse) and global S on every shard
+            stats["sum_pi_squared"] = sum_pi_squared
+            grads["sum_pi_squared"] = g.sum_pi_squared.float().contiguous()
         grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
         # labels for the shard kernel: only the ignored / kept mask (id -1 ... matches no column,
         # and no log-prob gradient is passed: the onehot part is added below)
-        row_labels = None if labels is None else torch.where(valid, -1 if ctx.ignore_index != -1 else -2,
-                                                             ctx.ignore_index)
-        ctx.run_backward(logits, grad, stats, grads, row_labels)
-        if g_lp is not None:
+        row_labels = None if labels is None else torch.where(valid, -1 if params.ignore_index != -1 else -2,
+                                                             params.ignore_index)
+        params.backend.family("logits").backward(logits, grad, row_labels, stats, grads, params)
+        if grad_log_probs is not None:
             rows = owned.nonzero()[:, 0]
             cols = (labels[rows] - ctx.tp.start).long()
-            grad[rows, cols] += (g_lp[rows] * ctx.inv_temperature).to(grad.dtype)
+            grad[rows, cols] += (grad_log_probs[rows] * params.inv_temperature).to(grad.dtype)
         return (grad,) + none[1:]
 
 
@@ -274,7 +274,7 @@ class VocabParallelLseGatherFunction(torch.autograd.Function):
     def forward(ctx, hidden_states, weight, valid, ids, params: HeadParams, tp: ParallelParams):
         v_r = weight.shape[0]
         labels = torch.where(valid, v_r, params.ignore_index)  # no label column on any shard
-        _, _, lse_r, _ = head_forward(hidden_states, weight, labels, params)
+        lse_r = head_forward(hidden_states, weight, labels, params).lse
         owned = (ids >= tp.start) & (ids < tp.start + v_r)
         local_ids = torch.where(owned, ids - tp.start, -1)
         z_r = gathered_logits(hidden_states, weight, local_ids.clamp_min(0), params)
@@ -303,8 +303,8 @@ class VocabParallelLseGatherFunction(torch.autograd.Function):
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if (grad_lse is None and grad_z is None) or not (need_dh or need_dw):
             return (None,) * 6
-        dh, dw = head_backward(hidden_states, weight, labels, lse, None, None, None, params, need_dh,
-                               need_dw, grad_lse.float().contiguous() if grad_lse is not None else None,
-                               (local_ids, grad_z) if grad_z is not None else None,
-                               dh_float32=tp.reduce_hidden_grad)
+        grads = HeadOutputs(None, lse=grad_lse.float().contiguous() if grad_lse is not None else None,
+                            gathered_logits=grad_z)
+        dh, dw = head_backward(hidden_states, weight, labels, HeadOutputs(None, lse=lse), grads, params, need_dh,
+                               need_dw, local_ids, dh_float32=tp.reduce_hidden_grad)
         return finish_hidden_grad(dh, tp, hidden_states.dtype), dw, None, None, None, None

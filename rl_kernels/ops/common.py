@@ -7,7 +7,7 @@
 * ``merge_stats``: the associative merge of two softmax partials (m, s, b), where
   ``s = sum exp(z - m)`` and ``b = sum exp(z - m) * (z - m)`` (b is kept relative to m so that the
   entropy ``log s - b / s`` never subtracts two large numbers). Identity: (-inf, 0, 0).
-  ``merge_sum_sq`` merges ``q = sum exp(2 (z - m))`` alongside (sum_j p_j^2 = q / s^2).
+  ``merge_q`` merges ``q = sum exp(2 (z - m))`` alongside (sum_j p_j^2 = q / s^2).
 * ``soft_cap``: the logit soft-capping of Gemma-2-style heads, z = (c / T) * tanh(x) for
   x = (h . w) / c, with an infinite x made NaN (a non-finite hidden row stays non-finite).
 * ``log_sum_lse`` / ``stats_entropy``: log s and lse = m + log s, and the entropy log s - b / s,
@@ -213,7 +213,7 @@ def merge_stats(m1, s1, b1, m2, s2, b2):
 
 
 @triton.jit
-def merge_sum_sq(m1, s1, q1, m2, s2, q2):
+def merge_q(m1, s1, q1, m2, s2, q2):
     """Merged q = sum exp(2 (z - m)) of two partials (relative to their maxima m1, m2): each
     scales by exp(2 d) = a^2. With s: sum_j p_j^2 = q / s^2."""
     _, _, _, a1, a2 = merge_scales(m1, s1, m2, s2)

@@ -9,7 +9,7 @@ interpreter's bf16 dot is wrong.
 from __future__ import annotations
 
 import contextlib
-
+import contextvars
 import dataclasses
 import functools
 import os
@@ -93,6 +93,29 @@ CUDA_CONFIG = KernelConfig(split_v=1024, block_m=128, block_n=256, block_k=64,
                            bwd_tma_store=True)
 
 
+@dataclasses.dataclass(frozen=True)
+class LogitsConfig:
+    """Launch shape of the from-logits kernels (``logits_stats``). ``split_v`` (a multiple of
+    ``block_v``) fixes each row's reduction tree whatever N or the launch shape, so results are
+    batch invariant; ``rows_per_sm`` sets where the two-level split takes over (few rows)."""
+
+    split_v: int  # columns per split (first aggregation level)
+    block_v: int  # columns per load inside a split
+    num_warps: int
+    bwd_block_v: int  # columns per backward program
+    bwd_num_warps: int
+    rows_per_sm: int  # one level when N >= rows_per_sm * multiprocessors
+
+
+# H100, bf16 16384 x 152064, 2026-11-23 (scripts/diag/logits_sweep.py; read ceiling 3057 GB/s, copy
+# 3025 GB/s): forward 4096 / 4 warps 94% of read (8 warps 81%, 2048 / 4 87%, 8192 / 8 88%, 16 warps
+# 58-76%); splits of 8192 / 32768 columns 79% / 82% (with 8 warps); backward 4096 / 4 warps 92% of copy
+# (8192 / 8 93%, 4096 / 8 87%, 16384 / 16 73%). At 512 rows the two-level split wins (68% vs 59%).
+LOGITS_CUDA_CONFIG = LogitsConfig(split_v=16384, block_v=4096, num_warps=4, bwd_block_v=4096,
+                                  bwd_num_warps=4, rows_per_sm=4)
+
+
+
 # ----------------------------------------------------------------------------- configuration classes
 # A class is a shared-memory budget per block (bytes, the device's opt-in limit) and, per input
 # dtype, the tiles that fit it. A K-loop stage holds one (BLOCK_M x BLOCK_K) and one
@@ -104,11 +127,16 @@ CUDA_CONFIG = KernelConfig(split_v=1024, block_m=128, block_n=256, block_k=64,
 # classes and dtypes only. float16 uses the bfloat16 tiles; float32 gets a smaller K step.
 @dataclasses.dataclass(frozen=True)
 class ConfigClass:
+    """Everything a GPU class sets, in one record: its shared-memory budget and target
+    architectures, the linear-head / JSD tiles per dtype and the from-logits tiles."""
+
     name: str
     smem_limit: int  # bytes of shared memory per block the tiles are built for
     tma: bool  # tensor-descriptor loads (sm90+ only; tma_ok() checks the device too)
+    targets: tuple  # compute capabilities (e.g. 90 = sm_90) the class is built for and checked on
     bf16: KernelConfig  # bfloat16 and float16
     fp32: KernelConfig
+    logits: LogitsConfig  # the from-logits kernels (any dtype)
 
     def for_dtype(self, dtype: torch.dtype) -> KernelConfig:
         return self.fp32 if dtype == torch.float32 else self.bf16
@@ -125,22 +153,24 @@ def _cfg(bm, bn, bk, warps, stages, jsd, **kw) -> KernelConfig:
 
 # A100 (sm80, 163 KB, no TMA): 128 x 128 tiles, 98 KB (JSD 131 KB bf16, 98 KB fp32).
 _AMPERE_FP32 = _cfg(128, 128, 32, 8, 3, (64, 128, 4, 2))
-AMPERE = ConfigClass("ampere", 166912, False, _cfg(128, 128, 64, 8, 3, (128, 128, 8, 2)), _AMPERE_FP32)
+AMPERE = ConfigClass("ampere", 166912, False, (80,), _cfg(128, 128, 64, 8, 3, (128, 128, 8, 2)), _AMPERE_FP32,
+                     LOGITS_CUDA_CONFIG)
 # H100 / H200 / B200 (sm90+, 227 KB): bf16 is the tuned CUDA_CONFIG (147 KB of operand stages).
 # fp32 (full-precision products run on the FMA units, not the tensor cores) takes the ampere fp32
 # tiles on the pointer path: on the H100 (2026-11-23, 4096 x 3584 x 152064, scripts/diag/
 # config_bench.py) 128 x 256 / BK 32 with TMA ran 23.6x cuBLAS forward and 148x forward+backward
 # (the 128 x 256 fp32 accumulator spills), 128 x 128 / BK 32 2.36x and 6.6x.
-HOPPER = ConfigClass("hopper", 232448, True, CUDA_CONFIG, _AMPERE_FP32)
+HOPPER = ConfigClass("hopper", 232448, True, (90,), CUDA_CONFIG, _AMPERE_FP32, LOGITS_CUDA_CONFIG)
 # A10 / L40S / RTX 3090-5090 (sm86 / sm89 / sm120, 99 KB): K step 32 (bf16 49 KB, fp32 49 KB).
-ADA = ConfigClass("ada", 101376, False,
+ADA = ConfigClass("ada", 101376, False, (86, 89, 120),
                   _cfg(128, 128, 32, 8, 3, (64, 128, 4, 2)),
-                  _cfg(64, 128, 32, 4, 2, (64, 64, 4, 2)))
+                  _cfg(64, 128, 32, 4, 2, (64, 64, 4, 2)), LOGITS_CUDA_CONFIG)
 # anything with less (e.g. 64 KB): small tiles (bf16 25 KB, fp32 32 KB, JSD fp32 49 KB).
-SMALL = ConfigClass("small", 65536, False,
+SMALL = ConfigClass("small", 65536, False, (80,),
                     _cfg(64, 128, 32, 4, 2, (64, 64, 4, 2)),
-                    _cfg(64, 64, 32, 4, 2, (32, 64, 4, 2)))
+                    _cfg(64, 64, 32, 4, 2, (32, 64, 4, 2)), LOGITS_CUDA_CONFIG)
 CLASSES = {c.name: c for c in (HOPPER, AMPERE, ADA, SMALL)}
+"""The GPU classes, largest first: a device gets the first whose budget its opt-in limit covers."""
 CONFIG_CLASS_ENV = "RL_KERNELS_CONFIG_CLASS"
 """Environment variable that forces a configuration class by name (tests, or a user who hits a
 problem): one of ``CLASSES``. Forcing a class with more shared memory than the device has fails
@@ -152,7 +182,7 @@ def _device_class(index: int) -> ConfigClass:
     props = torch.cuda.get_device_properties(index)
     smem = getattr(props, "shared_memory_per_block_optin", 0) or 0
     major = props.major
-    for cls in (HOPPER, AMPERE, ADA, SMALL):
+    for cls in CLASSES.values():
         if smem >= cls.smem_limit and (not cls.tma or major >= 9):
             return cls
     return SMALL
@@ -179,57 +209,43 @@ INTERPRETER_CONFIG = KernelConfig(split_v=256, block_m=32, block_n=64, block_k=3
                                   bwd_programs_per_sm=2, bwd_tma_store=True)
 
 
-FORCED_CONFIG: KernelConfig | None = None
-"""Internal switch for sweeps and tests: when set, every launch (the interpreter's too) uses it."""
+# Interpreter: small blocks so that odd vocabularies cover several splits and partial chunks.
+LOGITS_INTERPRETER_CONFIG = LogitsConfig(split_v=64, block_v=32, num_warps=4, bwd_block_v=64,
+                                         bwd_num_warps=4, rows_per_sm=4)
+INTERPRETER = ConfigClass("interpreter", 0, True, (), INTERPRETER_CONFIG, INTERPRETER_CONFIG,
+                          LOGITS_INTERPRETER_CONFIG)
+"""Triton's CPU interpreter (not a GPU class: never chosen for a CUDA device)."""
+
+_forced: contextvars.ContextVar[KernelConfig | None] = contextvars.ContextVar("rl_kernels_forced_config",
+                                                                                default=None)
 
 
 @contextlib.contextmanager
 def forced_config(cfg: KernelConfig):
-    """Within the block, every linear-head / JSD launch uses ``cfg`` (tile sweeps and A/B
-    measurements); the previous setting is restored on exit, also on error."""
-    global FORCED_CONFIG
-    saved, FORCED_CONFIG = FORCED_CONFIG, cfg
+    """Within the block, every linear-head / JSD launch uses ``cfg`` (tile sweeps, A/B
+    measurements and tests); the previous setting is restored on exit, also on error."""
+    token = _forced.set(cfg)
     try:
         yield cfg
     finally:
-        FORCED_CONFIG = saved
+        _forced.reset(token)
+
+
+def device_class(device: torch.device) -> ConfigClass:
+    """The configuration record that runs on ``device``: the interpreter's on CPU (or under
+    TRITON_INTERPRET=1), else :func:`config_class`."""
+    if device.type != "cuda" or interpreting():
+        return INTERPRETER
+    return config_class(device)
 
 
 def default_config(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> KernelConfig:
     """The linear-head / JSD tiles for ``device`` and the inputs' ``dtype`` (never a function of
-    the number of tokens). The interpreter has its own small tiles."""
-    if FORCED_CONFIG is not None:
-        return FORCED_CONFIG
-    if device.type != "cuda" or interpreting():
-        return INTERPRETER_CONFIG
-    return config_class(device).for_dtype(dtype)
-
-
-@dataclasses.dataclass(frozen=True)
-class LogitsConfig:
-    """Launch shape of the from-logits kernels (``logits_stats``). ``split_v`` (a multiple of
-    ``block_v``) fixes each row's reduction tree whatever N or the launch shape, so results are
-    batch invariant; ``rows_per_sm`` sets where the two-level split takes over (few rows)."""
-
-    split_v: int  # columns per split (first aggregation level)
-    block_v: int  # columns per load inside a split
-    num_warps: int
-    bwd_block_v: int  # columns per backward program
-    bwd_num_warps: int
-    rows_per_sm: int  # one level when N >= rows_per_sm * multiprocessors
-
-
-# H100, bf16 16384 x 152064, 2026-11-23 (scripts/diag/logits_sweep.py; read ceiling 3057 GB/s, copy
-# 3025 GB/s): forward 4096 / 4 warps 94% of read (8 warps 81%, 2048 / 4 87%, 8192 / 8 88%, 16 warps
-# 58-76%); splits of 8192 / 32768 columns 79% / 82% (with 8 warps); backward 4096 / 4 warps 92% of copy
-# (8192 / 8 93%, 4096 / 8 87%, 16384 / 16 73%). At 512 rows the two-level split wins (68% vs 59%).
-LOGITS_CUDA_CONFIG = LogitsConfig(split_v=16384, block_v=4096, num_warps=4, bwd_block_v=4096,
-                                  bwd_num_warps=4, rows_per_sm=4)
-# Interpreter: small blocks so that odd vocabularies cover several splits and partial chunks.
-LOGITS_INTERPRETER_CONFIG = LogitsConfig(split_v=64, block_v=32, num_warps=4, bwd_block_v=64,
-                                         bwd_num_warps=4, rows_per_sm=4)
+    the number of tokens); inside :func:`forced_config`, the forced tiles."""
+    forced = _forced.get()
+    return forced if forced is not None else device_class(device).for_dtype(dtype)
 
 
 def logits_config(device: torch.device) -> LogitsConfig:
-    return (LOGITS_CUDA_CONFIG if device.type == "cuda" and not interpreting()
-            else LOGITS_INTERPRETER_CONFIG)
+    """The from-logits tiles of ``device``'s class."""
+    return device_class(device).logits

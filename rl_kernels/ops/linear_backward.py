@@ -36,11 +36,11 @@ def _linear_dlogits_kernel(
     row_start, n_rows, col_start, n_cols, H,
     stride_hn, stride_hk, stride_wv, stride_wk, stride_lab,
     stride_glp, stride_gent, stride_dzm, stride_dzn,
-    inv_temperature, ignore_index, sum_sq_ptr, g_sq_ptr, logit_scale, softcap_scale,
+    inv_temperature, ignore_index, sum_pi_squared_ptr, grad_sum_pi_squared_ptr, logit_scale, softcap_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_G_LP: tl.constexpr, HAS_G_ENT: tl.constexpr, HAS_G_LSE: tl.constexpr,
+    HAS_GRAD_LOG_PROBS: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr, HAS_GRAD_LSE: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUP_M: tl.constexpr,
-    USE_TMA: tl.constexpr, HAS_G_SQ: tl.constexpr, num_programs, FLATTEN: tl.constexpr,
+    USE_TMA: tl.constexpr, HAS_GRAD_SUM_PI_SQUARED: tl.constexpr, num_programs, FLATTEN: tl.constexpr,
     STORE_TMA: tl.constexpr = False, OUT_DTYPE: tl.constexpr = None,
     SOFTCAP: tl.constexpr = False, LIBDEVICE: tl.constexpr = False,
 ):
@@ -62,19 +62,19 @@ def _linear_dlogits_kernel(
         log_p = z - lse[:, None]
         p = tl.exp(log_p)
         dz = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        if HAS_G_LP:
+        if HAS_GRAD_LOG_PROBS:
             g_lp = tl.load(g_lp_ptr + rows64 * stride_glp, mask=row_mask, other=0.0).to(tl.float32)
             onehot = tl.where(cols[None, :] == labels[:, None], 1.0, 0.0)
             dz += g_lp[:, None] * (onehot - p)
-        if HAS_G_ENT:
+        if HAS_GRAD_ENTROPY:
             g_ent = tl.load(g_ent_ptr + rows64 * stride_gent, mask=row_mask, other=0.0).to(tl.float32)
             ent = tl.load(entropy_ptr + rows64, mask=row_mask, other=0.0)
             dz -= g_ent[:, None] * p * (log_p + ent[:, None])
-        if HAS_G_LSE:  # d lse / dz = p (contiguous (N,) float32)
+        if HAS_GRAD_LSE:  # d lse / dz = p (contiguous (N,) float32)
             dz += tl.load(g_lse_ptr + rows64, mask=row_mask, other=0.0)[:, None] * p
-        if HAS_G_SQ:  # d(sum p^2)/dz_j = 2 p_j (p_j - sum p^2) (contiguous (N,) float32 each)
-            g_sq = 2.0 * tl.load(g_sq_ptr + rows64, mask=row_mask, other=0.0)
-            dz += g_sq[:, None] * p * (p - tl.load(sum_sq_ptr + rows64, mask=row_mask, other=0.0)[:, None])
+        if HAS_GRAD_SUM_PI_SQUARED:  # d(sum p^2)/dz_j = 2 p_j (p_j - sum p^2) (contiguous (N,) float32 each)
+            grad_sum_pi_squared = 2.0 * tl.load(grad_sum_pi_squared_ptr + rows64, mask=row_mask, other=0.0)
+            dz += grad_sum_pi_squared[:, None] * p * (p - tl.load(sum_pi_squared_ptr + rows64, mask=row_mask, other=0.0)[:, None])
         if SOFTCAP:  # d z / d(h.w / T) = 1 - tanh^2
             dz = dz * ((1.0 - t) * (1.0 + t))
         if STORE_TMA:  # dz_ptr: a descriptor of the window; the copy engine clips its bounds
@@ -101,8 +101,8 @@ def linear_dlogits(
     cfg: KernelConfig,
     tile: BwdTile,
     grad_lse: torch.Tensor | None = None,
-    sum_sq: torch.Tensor | None = None,
-    grad_sum_sq: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
+    grad_sum_pi_squared: torch.Tensor | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
     """Write d(loss)/d(h.w) for logits[rows, cols] into ``out`` ((rows, cols), input dtype);
@@ -111,7 +111,7 @@ def linear_dlogits(
     hidden_states (N, H) and weight (V, H) share a dtype; labels (N,) int; lse, entropy (N,)
     float32 from the forward; grad_log_probs / grad_entropy (N,) or None (any stride, 0 allowed).
     ``entropy`` is required when ``grad_entropy`` is given. ``grad_lse``: (N,) contiguous float32
-    upstream gradient of the row logsumexp, or None. ``grad_sum_sq`` with ``sum_sq``: (N,)
+    upstream gradient of the row logsumexp, or None. ``grad_sum_pi_squared`` with ``sum_pi_squared``: (N,)
     contiguous float32 upstream gradient of sum_j p_j^2 and its forward value, or None.
     """
     n_rows, n_cols, grid = window_grid(rows, cols, tile)
@@ -134,9 +134,9 @@ def linear_dlogits(
         grad_log_probs.stride(0) if has_lp else 0, grad_entropy.stride(0) if has_ent else 0,
         out.stride(0), out.stride(1),
         inv_temperature, ignore_index,
-        sum_sq if grad_sum_sq is not None else lse, grad_sum_sq if grad_sum_sq is not None else lse,
+        sum_pi_squared if grad_sum_pi_squared is not None else lse, grad_sum_pi_squared if grad_sum_pi_squared is not None else lse,
         **softcap_args(softcap, inv_temperature),
-        HAS_G_LP=has_lp, HAS_G_ENT=has_ent, HAS_G_LSE=grad_lse is not None, HAS_G_SQ=grad_sum_sq is not None,
+        HAS_GRAD_LOG_PROBS=has_lp, HAS_GRAD_ENTROPY=has_ent, HAS_GRAD_LSE=grad_lse is not None, HAS_GRAD_SUM_PI_SQUARED=grad_sum_pi_squared is not None,
         num_programs=programs, FLATTEN=cfg.flatten and programs < grid[0],
         STORE_TMA=store_tma, OUT_DTYPE=TL_DTYPES[out.dtype] if store_tma else None,
         **gemm_meta(cfg, tile, hidden_states.dtype, use_tma),

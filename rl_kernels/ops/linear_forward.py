@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import grouped_tile, logits_tile, merge_stats, merge_sum_sq, soft_cap, softcap_args, tma_operands
+from .common import grouped_tile, logits_tile, merge_stats, merge_q, soft_cap, softcap_args, tma_operands
 from .config import KernelConfig, interpreting
 
 
@@ -38,7 +38,7 @@ def _linear_split_stats_kernel(
     SPLIT_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ENTROPY: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     GROUP_M: tl.constexpr, USE_TMA: tl.constexpr, EVEN_V: tl.constexpr,
-    FLATTEN: tl.constexpr, WARP_SPEC: tl.constexpr, SUMSQ: tl.constexpr = False,
+    FLATTEN: tl.constexpr, WARP_SPEC: tl.constexpr, SUM_PI_SQUARED: tl.constexpr = False,
     SOFTCAP: tl.constexpr = False, LIBDEVICE: tl.constexpr = False,
 ):
     # logit_scale: 1 / T, or 1 / softcap with SOFTCAP (then z = softcap_scale * tanh(tile))
@@ -75,8 +75,8 @@ def _linear_split_stats_kernel(
                 tile_b = tl.sum(tl.where(col_mask[None, :], e * shifted, 0.0), axis=1)
         else:
             tile_b = tl.zeros((BLOCK_M,), tl.float32)
-        if SUMSQ:  # sum exp(2 (z - m)), merged before m and s move on
-            q = merge_sum_sq(m, s, q, tile_m, tile_s, tl.sum(e * e, axis=1))
+        if SUM_PI_SQUARED:  # sum exp(2 (z - m)), merged before m and s move on
+            q = merge_q(m, s, q, tile_m, tile_s, tl.sum(e * e, axis=1))
         m, s, b = merge_stats(m, s, b, tile_m, tile_s, tile_b)
 
     out = pid_s.to(tl.int64) * N + rows
@@ -84,7 +84,7 @@ def _linear_split_stats_kernel(
     tl.store(part_s_ptr + out, s, mask=row_mask)
     if ENTROPY:
         tl.store(part_b_ptr + out, b, mask=row_mask)
-    if SUMSQ:
+    if SUM_PI_SQUARED:
         tl.store(part_q_ptr + out, q, mask=row_mask)
 
 
@@ -192,7 +192,7 @@ def linear_split_stats(
         ENTROPY=return_entropy, UPCAST=cfg.upcast(hidden_states.dtype),
         DOT_PRECISION=cfg.dot_precision(hidden_states.dtype), GROUP_M=cfg.group_m,
         USE_TMA=use_tma, EVEN_V=v % cfg.block_n == 0,
-        FLATTEN=cfg.flatten, WARP_SPEC=cfg.warp_specialize, SUMSQ=return_sum_pi_squared,
+        FLATTEN=cfg.flatten, WARP_SPEC=cfg.warp_specialize, SUM_PI_SQUARED=return_sum_pi_squared,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return (parts[0], parts[1], parts[2],

@@ -7,7 +7,7 @@ Forward, per row (z = logits * inv_temperature in float32): the vocabulary is cu
 SPLIT_V columns, each read in BLOCK_V chunks; a split's partial is (m, s, b, t, q) with m its max,
 s = sum exp(z - m), b = sum exp(z - m)(z - m), t = sum z (for label smoothing) and, on request,
 q = sum exp(2 (z - m)) (for sum_j p_j^2 = q / s^2). Partials are merged left to right with
-``merge_stats`` / ``merge_sum_sq``. Two launch shapes compute exactly the same arithmetic:
+``merge_stats`` / ``merge_q``. Two launch shapes compute exactly the same arithmetic:
 
 * one level (many rows): a program per row walks its splits and finalizes;
 * two levels (few rows, long rows): a program per (row, split) writes its partial, then a combine
@@ -22,9 +22,9 @@ entropy H = log_sum - b / s, mean log p = t / V - lse. Ignored rows (label == ig
 log p 0 and entropy 0.
 
 Backward (per element, with p = exp((z - m) - log_sum), S = sum_k p_k^2):
-    d/dz_j = p_j (g_lse - g_lp - g_smooth - g_ent (log p_j + H) + 2 g_sq (p_j - S))
-             + g_lp [j == y] + g_smooth / V
-and d/dlogits = d/dz * inv_temperature, where g_lp, g_ent, g_lse, g_smooth and g_sq are per-row
+    d/dz_j = p_j (g_lse - g_lp - grad_mean_log_p - g_ent (log p_j + H) + 2 grad_sum_pi_squared (p_j - S))
+             + g_lp [j == y] + grad_mean_log_p / V
+and d/dlogits = d/dz * inv_temperature, where g_lp, g_ent, g_lse, grad_mean_log_p and grad_sum_pi_squared are per-row
 upstream gradients of log p_y, H, lse, mean_j log p_j and S. Source: the softmax derivative
 d p_k / dz_j = p_k ([k == j] - p_j), which gives d log p_y / dz = onehot - p, dH/dz = -p (log p + H),
 d lse / dz = p and dS/dz_j = sum_k 2 p_k p_k ([k == j] - p_j) = 2 p_j (p_j - S).
@@ -39,7 +39,7 @@ import triton.language as tl
 
 from .._logging import log_once
 from ..validation import label_flag as host_flag
-from .common import log_sum_lse, merge_stats, merge_sum_sq, multiprocessors, stats_entropy
+from .common import log_sum_lse, merge_stats, merge_q, multiprocessors, stats_entropy
 from .config import LogitsConfig
 
 
@@ -53,7 +53,7 @@ def _no_stats():
 @triton.jit
 def _split_stats(row_ptr, stride_v, v_begin, V, inv_temperature,
                  SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr,
-                 ENTROPY: tl.constexpr, ZSUM: tl.constexpr, SUMSQ: tl.constexpr):
+                 ENTROPY: tl.constexpr, MEAN_LOG_P: tl.constexpr, SUM_PI_SQUARED: tl.constexpr):
     """Partial (m, s, b, t, q) of columns [v_begin, min(v_begin + SPLIT_V, V)) of one row."""
     m, s, b, t, q = _no_stats()
     v_end = tl.minimum(v_begin + SPLIT_V, V)
@@ -70,10 +70,10 @@ def _split_stats(row_ptr, stride_v, v_begin, V, inv_temperature,
             cb = tl.sum(e * tl.where(e > 0, z - cm_safe, 0.0), 0)
         else:
             cb = tl.zeros((), tl.float32)
-        if SUMSQ:  # (before m, s move on: the merge needs both sides' maxima)
-            q = merge_sum_sq(m, s, q, cm, cs, tl.sum(e * e, 0))
+        if SUM_PI_SQUARED:  # (before m, s move on: the merge needs both sides' maxima)
+            q = merge_q(m, s, q, cm, cs, tl.sum(e * e, 0))
         m, s, b = merge_stats(m, s, b, cm, cs, cb)
-        if ZSUM:
+        if MEAN_LOG_P:
             t += tl.sum(tl.where(mask, z, 0.0), 0)
     return m, s, b, t, q
 
@@ -81,8 +81,8 @@ def _split_stats(row_ptr, stride_v, v_begin, V, inv_temperature,
 @triton.jit
 def _finalize(row, m, s, b, t, q, x_ptr, stride_n, stride_v, labels_ptr, stride_lab, V,
               inv_temperature, ignore_index, label_flag_ptr, check_id,
-              log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_ptr, lse_ptr, mean_log_p_ptr, sum_sq_ptr,
-              LOG_PROBS: tl.constexpr, ENTROPY: tl.constexpr, ZSUM: tl.constexpr, SUMSQ: tl.constexpr):
+              log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_ptr, lse_ptr, mean_log_p_ptr, sum_pi_squared_ptr,
+              LOG_PROBS: tl.constexpr, ENTROPY: tl.constexpr, MEAN_LOG_P: tl.constexpr, SUM_PI_SQUARED: tl.constexpr):
     """Write the per-row outputs from the merged statistics (scalars of one row)."""
     log_sum, lse = log_sum_lse(m, s)  # log s clamped at 0 for a finite m (see there)
     tl.store(row_max_ptr + row, m)
@@ -107,20 +107,20 @@ def _finalize(row, m, s, b, t, q, x_ptr, stride_n, stride_v, labels_ptr, stride_
         tl.store(log_sum_ptr + row, log_sum)
     if ENTROPY:
         tl.store(entropy_ptr + row, tl.where(valid, stats_entropy(log_sum, b, s), 0.0))
-    if ZSUM:
+    if MEAN_LOG_P:
         tl.store(mean_log_p_ptr + row, t / V - lse)
-    if SUMSQ:  # sum_j p_j^2 = q / s^2 (0 for ignored rows, as log p and entropy)
-        tl.store(sum_sq_ptr + row, tl.where(valid, q / (s * s), 0.0))
+    if SUM_PI_SQUARED:  # sum_j p_j^2 = q / s^2 (0 for ignored rows, as log p and entropy)
+        tl.store(sum_pi_squared_ptr + row, tl.where(valid, q / (s * s), 0.0))
 
 
 @triton.jit
 def _merge_and_finalize(
     row, x_ptr, stride_n, stride_v, labels_ptr, stride_lab,
     part_m_ptr, part_s_ptr, part_b_ptr, part_t_ptr, part_q_ptr,
-    log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_ptr, lse_ptr, mean_log_p_ptr, sum_sq_ptr,
+    log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_ptr, lse_ptr, mean_log_p_ptr, sum_pi_squared_ptr,
     N, V, num_splits, inv_temperature, ignore_index, label_flag_ptr, check_id,
     SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, FROM_PARTS: tl.constexpr,
-    LOG_PROBS: tl.constexpr, ENTROPY: tl.constexpr, ZSUM: tl.constexpr, SUMSQ: tl.constexpr,
+    LOG_PROBS: tl.constexpr, ENTROPY: tl.constexpr, MEAN_LOG_P: tl.constexpr, SUM_PI_SQUARED: tl.constexpr,
 ):
     """Merge the S split partials of ``row`` left to right and finalize it: the one path of both
     launch shapes. Each partial is computed here by ``_split_stats`` (one level) or, with
@@ -138,7 +138,7 @@ def _merge_and_finalize(
         if FROM_PARTS:
             pm = tl.load(part_m_ptr)
             ps = tl.load(part_s_ptr)
-            if SUMSQ:
+            if SUM_PI_SQUARED:
                 pq = tl.load(part_q_ptr)
             else:
                 pq = q  # not read
@@ -151,25 +151,25 @@ def _merge_and_finalize(
             part_q_ptr += N
         else:
             pm, ps, pb, pt, pq = _split_stats(row_ptr, stride_v, split * SPLIT_V, V, inv_temperature,
-                                              SPLIT_V, BLOCK_V, ENTROPY, ZSUM, SUMSQ)
-        if SUMSQ:
-            q = merge_sum_sq(m, s, q, pm, ps, pq)
+                                              SPLIT_V, BLOCK_V, ENTROPY, MEAN_LOG_P, SUM_PI_SQUARED)
+        if SUM_PI_SQUARED:
+            q = merge_q(m, s, q, pm, ps, pq)
         m, s, b = merge_stats(m, s, b, pm, ps, pb)
         t += pt
     _finalize(row, m, s, b, t, q, x_ptr, stride_n, stride_v, labels_ptr, stride_lab, V,
               inv_temperature, ignore_index, label_flag_ptr, check_id,
               log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_ptr, lse_ptr, mean_log_p_ptr,
-              sum_sq_ptr, LOG_PROBS, ENTROPY, ZSUM, SUMSQ)
+              sum_pi_squared_ptr, LOG_PROBS, ENTROPY, MEAN_LOG_P, SUM_PI_SQUARED)
 
 
 @triton.jit(do_not_specialize=["check_id"])
 def _logits_fwd_kernel(
     x_ptr, stride_n, stride_v, labels_ptr, stride_lab,
     part_m_ptr, part_s_ptr, part_b_ptr, part_t_ptr, part_q_ptr,
-    log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_ptr, lse_ptr, mean_log_p_ptr, sum_sq_ptr,
+    log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_ptr, lse_ptr, mean_log_p_ptr, sum_pi_squared_ptr,
     N, V, num_splits, inv_temperature, ignore_index, label_flag_ptr, check_id,
     SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, TWO_LEVEL: tl.constexpr,
-    LOG_PROBS: tl.constexpr, ENTROPY: tl.constexpr, ZSUM: tl.constexpr, SUMSQ: tl.constexpr,
+    LOG_PROBS: tl.constexpr, ENTROPY: tl.constexpr, MEAN_LOG_P: tl.constexpr, SUM_PI_SQUARED: tl.constexpr,
 ):
     """One level: program = row, merges all splits and finalizes. Two levels: program =
     (row, split), writes the split's partial (m, s, b, t, q), each (S, N) float32."""
@@ -179,46 +179,46 @@ def _logits_fwd_kernel(
         split = pid % num_splits
         row_ptr = x_ptr + row.to(tl.int64) * stride_n
         m, s, b, t, q = _split_stats(row_ptr, stride_v, split * SPLIT_V, V, inv_temperature,
-                                     SPLIT_V, BLOCK_V, ENTROPY, ZSUM, SUMSQ)
+                                     SPLIT_V, BLOCK_V, ENTROPY, MEAN_LOG_P, SUM_PI_SQUARED)
         off = split.to(tl.int64) * N + row
         tl.store(part_m_ptr + off, m)
         tl.store(part_s_ptr + off, s)
         tl.store(part_b_ptr + off, b)
         tl.store(part_t_ptr + off, t)
-        if SUMSQ:
+        if SUM_PI_SQUARED:
             tl.store(part_q_ptr + off, q)
     else:
         _merge_and_finalize(pid, x_ptr, stride_n, stride_v, labels_ptr, stride_lab,
                             part_m_ptr, part_s_ptr, part_b_ptr, part_t_ptr, part_q_ptr,
                             log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_ptr, lse_ptr,
-                            mean_log_p_ptr, sum_sq_ptr, N, V, num_splits, inv_temperature,
-                            ignore_index, label_flag_ptr, check_id, SPLIT_V, BLOCK_V, False, LOG_PROBS, ENTROPY, ZSUM, SUMSQ)
+                            mean_log_p_ptr, sum_pi_squared_ptr, N, V, num_splits, inv_temperature,
+                            ignore_index, label_flag_ptr, check_id, SPLIT_V, BLOCK_V, False, LOG_PROBS, ENTROPY, MEAN_LOG_P, SUM_PI_SQUARED)
 
 
 @triton.jit(do_not_specialize=["check_id"])
 def _logits_combine_kernel(
     x_ptr, stride_n, stride_v, labels_ptr, stride_lab,
     part_m_ptr, part_s_ptr, part_b_ptr, part_t_ptr, part_q_ptr,
-    log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_ptr, lse_ptr, mean_log_p_ptr, sum_sq_ptr,
+    log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_ptr, lse_ptr, mean_log_p_ptr, sum_pi_squared_ptr,
     N, V, num_splits, inv_temperature, ignore_index, label_flag_ptr, check_id,
-    LOG_PROBS: tl.constexpr, ENTROPY: tl.constexpr, ZSUM: tl.constexpr, SUMSQ: tl.constexpr,
+    LOG_PROBS: tl.constexpr, ENTROPY: tl.constexpr, MEAN_LOG_P: tl.constexpr, SUM_PI_SQUARED: tl.constexpr,
 ):
     """Second level: program = row; merges the row's S partials in split order and finalizes."""
     _merge_and_finalize(tl.program_id(0), x_ptr, stride_n, stride_v, labels_ptr, stride_lab,
                         part_m_ptr, part_s_ptr, part_b_ptr, part_t_ptr, part_q_ptr,
                         log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_ptr, lse_ptr,
-                        mean_log_p_ptr, sum_sq_ptr, N, V, num_splits, inv_temperature,
-                        ignore_index, label_flag_ptr, check_id, 1, 1, True, LOG_PROBS, ENTROPY, ZSUM, SUMSQ)  # SPLIT_V, BLOCK_V unused
+                        mean_log_p_ptr, sum_pi_squared_ptr, N, V, num_splits, inv_temperature,
+                        ignore_index, label_flag_ptr, check_id, 1, 1, True, LOG_PROBS, ENTROPY, MEAN_LOG_P, SUM_PI_SQUARED)  # SPLIT_V, BLOCK_V unused
 
 
 @triton.jit
 def _logits_bwd_kernel(
     x_ptr, stride_n, stride_v, grad_ptr, stride_gn, stride_gv, labels_ptr, stride_lab,
-    row_max_ptr, log_sum_ptr, entropy_ptr, sum_sq_ptr,
-    g_lp_ptr, g_ent_ptr, g_lse_ptr, g_smooth_ptr, g_sq_ptr,
+    row_max_ptr, log_sum_ptr, entropy_ptr, sum_pi_squared_ptr,
+    g_lp_ptr, g_ent_ptr, g_lse_ptr, grad_mean_log_p_ptr, grad_sum_pi_squared_ptr,
     V, inv_temperature, ignore_index,
-    BLOCK_V: tl.constexpr, HAS_LABELS: tl.constexpr, HAS_LP: tl.constexpr, HAS_ENT: tl.constexpr,
-    HAS_LSE: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_SQ: tl.constexpr,
+    BLOCK_V: tl.constexpr, HAS_LABELS: tl.constexpr, HAS_GRAD_LOG_PROBS: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr,
+    HAS_GRAD_LSE: tl.constexpr, HAS_GRAD_MEAN_LOG_P: tl.constexpr, HAS_GRAD_SUM_PI_SQUARED: tl.constexpr,
 ):
     """Program = (row, column block): grad[row, cols] = d loss / d logits in grad's dtype."""
     row = tl.program_id(0).to(tl.int64)
@@ -238,29 +238,29 @@ def _logits_bwd_kernel(
         label = tl.load(labels_ptr + row * stride_lab)
         valid = label != ignore_index
         active = valid
-    if HAS_LP:
+    if HAS_GRAD_LOG_PROBS:
         g_lp = tl.where(valid, tl.load(g_lp_ptr + row), 0.0)
         coef -= g_lp
-    if HAS_LSE:
+    if HAS_GRAD_LSE:
         g_lse = tl.load(g_lse_ptr + row)
         coef += g_lse
         active = active | (g_lse != 0)
-    if HAS_SMOOTH:
-        g_smooth = tl.load(g_smooth_ptr + row)
-        coef -= g_smooth
-        active = active | (g_smooth != 0)
+    if HAS_GRAD_MEAN_LOG_P:
+        grad_mean_log_p = tl.load(grad_mean_log_p_ptr + row)
+        coef -= grad_mean_log_p
+        active = active | (grad_mean_log_p != 0)
     dz = p * coef
-    if HAS_ENT:
+    if HAS_GRAD_ENTROPY:
         g_ent = tl.where(valid, tl.load(g_ent_ptr + row), 0.0)
         h = tl.load(entropy_ptr + row)
         dz -= g_ent * p * tl.where(p > 0, log_p + h, 0.0)
-    if HAS_SQ:  # d(sum p^2)/dz_j = 2 p_j (p_j - sum p^2)
-        g_sq = tl.where(valid, tl.load(g_sq_ptr + row), 0.0)
-        dz += (2.0 * g_sq) * p * (p - tl.load(sum_sq_ptr + row))
-    if HAS_LP:
+    if HAS_GRAD_SUM_PI_SQUARED:  # d(sum p^2)/dz_j = 2 p_j (p_j - sum p^2)
+        grad_sum_pi_squared = tl.where(valid, tl.load(grad_sum_pi_squared_ptr + row), 0.0)
+        dz += (2.0 * grad_sum_pi_squared) * p * (p - tl.load(sum_pi_squared_ptr + row))
+    if HAS_GRAD_LOG_PROBS:
         dz += tl.where(cols == label, g_lp, 0.0)
-    if HAS_SMOOTH:
-        dz += g_smooth / V
+    if HAS_GRAD_MEAN_LOG_P:
+        dz += grad_mean_log_p / V
     dz = tl.where(active, dz * inv_temperature, 0.0)
     tl.store(grad_ptr + row * stride_gn + cols64 * stride_gv, dz.to(grad_ptr.dtype.element_ty), mask=mask)
 
@@ -312,8 +312,8 @@ def logits_forward(
     lab = labels if labels is not None else flag  # (a placeholder: not read without labels)
     ptrs = (out.get("log_probs", dummy), out.get("entropy", dummy), out["row_max"], out["log_sum"],
             out["lse"], out.get("mean_log_p", dummy), out.get("sum_pi_squared", dummy))
-    flags = dict(LOG_PROBS=labels is not None, ENTROPY=return_entropy, ZSUM=return_mean_log_p,
-                 SUMSQ=return_sum_pi_squared)
+    flags = dict(LOG_PROBS=labels is not None, ENTROPY=return_entropy, MEAN_LOG_P=return_mean_log_p,
+                 SUM_PI_SQUARED=return_sum_pi_squared)
     part = (torch.empty((4 + return_sum_pi_squared, num_splits, n), dtype=torch.float32, device=dev) if two_level
             else dummy.expand(4 + return_sum_pi_squared, 1, n))
     part = tuple(part.unbind(0)) + (() if return_sum_pi_squared else (dummy.expand(1, n),))
@@ -335,7 +335,7 @@ def logits_backward(
     """Write d loss / d logits into ``grad`` (same shape as ``logits``, any strides; may be the
     logits tensor itself). ``stats``: the forward's ``row_max``, ``log_sum`` and (with an entropy
     gradient) ``entropy``. ``grads``: optional (N,) float32 per-row upstream gradients under keys
-    ``log_probs``, ``entropy``, ``lse``, ``smooth`` (the last: of the row's mean log p) and
+    ``log_probs``, ``entropy``, ``lse``, ``mean_log_p`` (the last: of the row's mean log p) and
     ``sum_pi_squared`` (then ``stats`` holds the forward's ``sum_pi_squared`` too)."""
     n, v = logits.shape
     if n == 0 or v == 0:
@@ -347,8 +347,8 @@ def logits_backward(
         lab, lab.stride(0), stats["row_max"], stats["log_sum"], stats.get("entropy", dummy),
         stats.get("sum_pi_squared", dummy),
         grads.get("log_probs", dummy), grads.get("entropy", dummy), grads.get("lse", dummy),
-        grads.get("smooth", dummy), grads.get("sum_pi_squared", dummy), v, inv_temperature, ignore_index,
-        BLOCK_V=cfg.bwd_block_v, HAS_LABELS=labels is not None, HAS_LP="log_probs" in grads, HAS_ENT="entropy" in grads,
-        HAS_LSE="lse" in grads, HAS_SMOOTH="smooth" in grads, HAS_SQ="sum_pi_squared" in grads,
+        grads.get("mean_log_p", dummy), grads.get("sum_pi_squared", dummy), v, inv_temperature, ignore_index,
+        BLOCK_V=cfg.bwd_block_v, HAS_LABELS=labels is not None, HAS_GRAD_LOG_PROBS="log_probs" in grads, HAS_GRAD_ENTROPY="entropy" in grads,
+        HAS_GRAD_LSE="lse" in grads, HAS_GRAD_MEAN_LOG_P="mean_log_p" in grads, HAS_GRAD_SUM_PI_SQUARED="sum_pi_squared" in grads,
         num_warps=cfg.bwd_num_warps)
     return grad

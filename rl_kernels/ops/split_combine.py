@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import log_sum_lse, merge_stats, merge_sum_sq, stats_entropy
+from .common import log_sum_lse, merge_stats, merge_q, stats_entropy
 
 
 @triton.jit
@@ -21,8 +21,8 @@ def _split_combine_kernel(
     part_m_ptr, part_s_ptr, part_b_ptr, zy_ptr,
     labels_ptr, stride_lab,
     log_probs_ptr, entropy_ptr, lse_ptr,
-    N, num_splits, ignore_index, part_q_ptr, sum_sq_ptr,
-    BLOCK: tl.constexpr, ENTROPY: tl.constexpr, SUMSQ: tl.constexpr, MARK_BAD: tl.constexpr,
+    N, num_splits, ignore_index, part_q_ptr, sum_pi_squared_ptr,
+    BLOCK: tl.constexpr, ENTROPY: tl.constexpr, SUM_PI_SQUARED: tl.constexpr, MARK_BAD: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     row_mask = rows < N
@@ -38,8 +38,8 @@ def _split_combine_kernel(
             pb = tl.load(part_b_ptr + off, mask=row_mask, other=0.0)
         else:
             pb = tl.zeros((BLOCK,), tl.float32)
-        if SUMSQ:
-            q = merge_sum_sq(m, s, q, pm, ps, tl.load(part_q_ptr + off, mask=row_mask, other=0.0))
+        if SUM_PI_SQUARED:
+            q = merge_q(m, s, q, pm, ps, tl.load(part_q_ptr + off, mask=row_mask, other=0.0))
         m, s, b = merge_stats(m, s, b, pm, ps, pb)
     zy = tl.load(zy_ptr + rows, mask=row_mask, other=0.0)
 
@@ -55,8 +55,8 @@ def _split_combine_kernel(
     tl.store(lse_ptr + rows, lse, mask=row_mask)
     if ENTROPY:
         tl.store(entropy_ptr + rows, tl.where(valid, stats_entropy(log_s, b, s), 0.0), mask=row_mask)
-    if SUMSQ:  # sum_j p_j^2 = q / s^2 (0 for ignored rows, as log p and entropy)
-        tl.store(sum_sq_ptr + rows, tl.where(valid, q / (s * s), 0.0), mask=row_mask)
+    if SUM_PI_SQUARED:  # sum_j p_j^2 = q / s^2 (0 for ignored rows, as log p and entropy)
+        tl.store(sum_pi_squared_ptr + rows, tl.where(valid, q / (s * s), 0.0), mask=row_mask)
 
 
 def split_combine(
@@ -72,11 +72,11 @@ def split_combine(
     mark_bad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """Merge (S, N) float32 partials and the (N,) label logits into (log_probs, entropy, lse,
-    sum_sq), each (N,) float32.
+    sum_pi_squared), each (N,) float32.
 
     ``labels`` is (N,) int32/int64; positions equal to ``ignore_index`` get log-prob and entropy 0.
     ``entropy`` is None when ``return_entropy`` is False (``part_b`` is then not read);
-    ``sum_sq`` (sum_j p_j^2) is None unless the (S, N) partials ``part_q`` are given.
+    ``sum_pi_squared`` (sum_j p_j^2) is None unless the (S, N) partials ``part_q`` are given.
     ``mark_bad``: the label logits carry NaN for bad labels (``label_logits``' label check); such
     a row's lse becomes NaN too, so that its gradient is NaN, never a finite wrong value.
     """
@@ -84,13 +84,13 @@ def split_combine(
     log_probs = torch.empty(n, dtype=torch.float32, device=part_m.device)
     lse = torch.empty_like(log_probs)
     entropy = torch.empty_like(log_probs) if return_entropy else None
-    sum_sq = torch.empty_like(log_probs) if part_q is not None else None
+    sum_pi_squared = torch.empty_like(log_probs) if part_q is not None else None
     _split_combine_kernel[(triton.cdiv(n, block),)](
         part_m, part_s, part_b, label_logits,
         labels, labels.stride(0),
         log_probs, entropy if return_entropy else log_probs, lse,
         n, num_splits, ignore_index,
-        part_q if part_q is not None else part_m, sum_sq if sum_sq is not None else lse,
-        BLOCK=block, ENTROPY=return_entropy, SUMSQ=part_q is not None, MARK_BAD=mark_bad,
+        part_q if part_q is not None else part_m, sum_pi_squared if sum_pi_squared is not None else lse,
+        BLOCK=block, ENTROPY=return_entropy, SUM_PI_SQUARED=part_q is not None, MARK_BAD=mark_bad,
     )
-    return log_probs, entropy, lse, sum_sq
+    return log_probs, entropy, lse, sum_pi_squared

@@ -38,7 +38,7 @@ def torch_forward(
     return_sum_pi_squared: bool = False,
     softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-    """(log_probs, entropy, lse, sum_sq), each (N,) in ``compute_dtype``; entropy / sum_sq
+    """(log_probs, entropy, lse, sum_pi_squared), each (N,) in ``compute_dtype``; entropy / sum_pi_squared
     (sum_j p_j^2) None if not asked.
 
     hidden_states (N, H), weight (V, H), labels (N,) int. Positions equal to ``ignore_index`` get
@@ -54,7 +54,7 @@ def torch_forward(
     log_probs = torch.empty(n, dtype=compute_dtype, device=hidden_states.device)
     lse = torch.empty_like(log_probs)
     entropy = torch.empty_like(log_probs) if return_entropy else None
-    sum_sq = torch.empty_like(log_probs) if return_sum_pi_squared else None
+    sum_pi_squared = torch.empty_like(log_probs) if return_sum_pi_squared else None
     rows = max(1, chunk_elements // max(v, 1))
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
@@ -68,14 +68,14 @@ def torch_forward(
         if return_entropy:
             entropy[r0:r1] = -(p * log_p).sum(dim=-1)
         if return_sum_pi_squared:
-            sum_sq[r0:r1] = (p * p).sum(dim=-1)
+            sum_pi_squared[r0:r1] = (p * p).sum(dim=-1)
     zero = torch.zeros((), dtype=compute_dtype, device=log_probs.device)
     log_probs = torch.where(valid, log_probs, zero)
     if return_entropy:
         entropy = torch.where(valid, entropy, zero)
     if return_sum_pi_squared:
-        sum_sq = torch.where(valid, sum_sq, zero)
-    return log_probs, entropy, lse, sum_sq
+        sum_pi_squared = torch.where(valid, sum_pi_squared, zero)
+    return log_probs, entropy, lse, sum_pi_squared
 
 
 def torch_dlogits(
@@ -92,8 +92,8 @@ def torch_dlogits(
     ignore_index: int,
     out: torch.Tensor,
     grad_lse: torch.Tensor | None = None,
-    sum_sq: torch.Tensor | None = None,
-    grad_sum_sq: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
+    grad_sum_pi_squared: torch.Tensor | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
     """Torch twin of ``rl_kernels.ops.linear_dlogits``: d(loss)/d(h.w) for logits[rows, cols]
@@ -112,8 +112,8 @@ def torch_dlogits(
         dz -= grad_entropy[rows].to(dt)[:, None] * p * (log_p + entropy[rows].to(dt)[:, None])
     if grad_lse is not None:
         dz += grad_lse[rows].to(dt)[:, None] * p
-    if grad_sum_sq is not None:
-        dz += (2 * grad_sum_sq[rows].to(dt))[:, None] * p * (p - sum_sq[rows].to(dt)[:, None])
+    if grad_sum_pi_squared is not None:
+        dz += (2 * grad_sum_pi_squared[rows].to(dt))[:, None] * p * (p - sum_pi_squared[rows].to(dt)[:, None])
     if t is not None:
         dz *= (1 - t) * (1 + t)
     valid = (lab != ignore_index)[:, None]

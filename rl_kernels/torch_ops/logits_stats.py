@@ -66,16 +66,16 @@ def torch_logits_backward(logits, grad, labels, stats, grads, inv_temperature, i
     dev = logits.device
     zero = torch.zeros((), device=dev)
     valid = (labels != ignore_index) if labels is not None else None
-    g_lp, g_ent, g_sq = grads.get("log_probs"), grads.get("entropy"), grads.get("sum_pi_squared")
+    g_lp, g_ent, grad_sum_pi_squared = grads.get("log_probs"), grads.get("entropy"), grads.get("sum_pi_squared")
     if valid is not None:
         g_lp = torch.where(valid, g_lp, zero) if g_lp is not None else None
         g_ent = torch.where(valid, g_ent, zero) if g_ent is not None else None
-        g_sq = torch.where(valid, g_sq, zero) if g_sq is not None else None
+        grad_sum_pi_squared = torch.where(valid, grad_sum_pi_squared, zero) if grad_sum_pi_squared is not None else None
     coef = torch.zeros(n, dtype=torch.float32, device=dev)
     # rows that get exactly 0 (selected, not multiplied by 0): ignored, and no lse / smoothing
     # gradient reaches them
     active = valid.clone() if valid is not None else None
-    for key, sign in (("lse", 1.0), ("smooth", -1.0)):
+    for key, sign in (("lse", 1.0), ("mean_log_p", -1.0)):
         if key in grads:
             coef = coef + sign * grads[key]
             if active is not None:
@@ -92,12 +92,12 @@ def torch_logits_backward(logits, grad, labels, stats, grads, inv_temperature, i
         dz = p * coef[r0:r1, None]
         if g_ent is not None:
             dz -= g_ent[r0:r1, None] * p * torch.where(p > 0, log_p + stats["entropy"][r0:r1, None], 0.0)
-        if g_sq is not None:
-            dz += (2.0 * g_sq[r0:r1, None]) * p * (p - stats["sum_pi_squared"][r0:r1, None])
+        if grad_sum_pi_squared is not None:
+            dz += (2.0 * grad_sum_pi_squared[r0:r1, None]) * p * (p - stats["sum_pi_squared"][r0:r1, None])
         if g_lp is not None:
             dz.scatter_add_(1, safe[r0:r1, None], g_lp[r0:r1, None])
-        if "smooth" in grads:
-            dz += grads["smooth"][r0:r1, None] / v
+        if "mean_log_p" in grads:
+            dz += grads["mean_log_p"][r0:r1, None] / v
         dz.mul_(inv_temperature)
         if active is not None:
             dz = torch.where(active[r0:r1, None], dz, zero)
