@@ -1,35 +1,8 @@
 """rl-kernels: fused linear + log-prob / entropy for RL training of LLMs.
 
-Public API (every function; signatures exactly as defined, checked by tests/test_public_api.py):
-
-    linear_log_probs(hidden_states, weight, labels, *, temperature=1.0, softcap=None,
-                     ignore_index=-100, return_entropy=True, return_sum_pi_squared=False,
-                     backend='auto', process_group=None, vocab_start_index=None,
-                     reduce_hidden_grad=False)
-        -> LogProbsOutput(log_probs, entropy, sum_pi_squared)
-    logits_stats(logits, labels=None, *, temperature=1.0, ignore_index=-100, return_entropy=True,
-                 return_sum_pi_squared=False, inplace_backward=False, backend='auto',
-                 process_group=None, vocab_start_index=None)
-        -> LogitsStats(log_probs, entropy, lse, sum_pi_squared)
-    log_probs_from_logits(logits, labels, *, temperature=1.0, ignore_index=-100,
-                          inplace_backward=False, backend='auto', process_group=None,
-                          vocab_start_index=None) -> log_probs
-    entropy_from_logits(logits, *, temperature=1.0, backend='auto', process_group=None,
-                        vocab_start_index=None) -> entropy
-    logsumexp(logits, *, temperature=1.0, backend='auto', process_group=None,
-              vocab_start_index=None) -> lse
-    sum_pi_squared_from_logits(logits, *, temperature=1.0, backend='auto', process_group=None,
-                               vocab_start_index=None) -> sum_j p_j^2
-    cross_entropy(logits, labels, *, ignore_index=-100, label_smoothing=0.0,
-                  inplace_backward=False, reduction='mean', backend='auto') -> loss
-    linear_topk_kl(hidden_states, weight, teacher_token_ids, teacher_log_probs, *,
-                   temperature=1.0, labels=None, ignore_index=-100, mask=None, kind='forward',
-                   renormalize_teacher=False, reduction='mean', backend='auto',
-                   process_group=None, vocab_start_index=None, reduce_hidden_grad=False) -> loss
-    linear_jsd(student_hidden, student_weight, teacher_hidden, teacher_weight, *,
-               temperature=1.0, labels=None, ignore_index=-100, mask=None, beta=0.5,
-               reduction='mean', backend='auto', process_group=None, vocab_start_index=None,
-               reduce_hidden_grad=False) -> loss
+Public API: every name in the ``__all__`` of the public modules ``linear``, ``logits`` and
+``distill``; each function's signature is listed at the end of this docstring (generated at import
+from the functions themselves, checked by tests/test_public_api.py).
 
 Conventions, the same in every function:
   * tensors are positional; every other argument is keyword-only, in this order: temperature
@@ -42,12 +15,29 @@ Conventions, the same in every function:
   * losses default to ``reduction='mean'`` over the positions that count;
   * ``weight`` is always an lm_head weight (V, H); outputs are float32 in nats.
 """
-from .distill import linear_jsd, linear_topk_kl
-from .linear import LogProbsOutput, linear_log_probs
-from .logits import (LogitsStats, cross_entropy, entropy_from_logits, log_probs_from_logits, logits_stats, logsumexp,
-                     sum_pi_squared_from_logits)
+import inspect as _inspect
+
+from . import distill as _distill, linear as _linear, logits as _logits
+from .distill import *  # noqa: F401,F403 - each public module's __all__
+from .linear import *  # noqa: F401,F403
+from .logits import *  # noqa: F401,F403
 
 __version__ = "0.1.0"
-__all__ = ["LogProbsOutput", "LogitsStats", "linear_log_probs", "log_probs_from_logits", "entropy_from_logits",
-           "logsumexp", "logits_stats", "sum_pi_squared_from_logits", "cross_entropy", "linear_topk_kl", "linear_jsd",
-           "__version__"]
+__all__ = [*_linear.__all__, *_logits.__all__, *_distill.__all__, "__version__"]
+
+
+def _signature(fn) -> str:
+    """``name(positional, *, keyword=default, ...)``: the form the summary below lists."""
+    parts, star = [], False
+    for p in _inspect.signature(fn).parameters.values():
+        if p.kind == p.KEYWORD_ONLY and not star:
+            parts.append("*")
+            star = True
+        parts.append(p.name if p.default is p.empty else f"{p.name}={p.default!r}")
+    return f"{fn.__name__}({', '.join(parts)})"
+
+
+if __doc__ is not None:  # (python -OO strips docstrings)
+    __doc__ += "\nSignatures:\n\n" + "\n".join(
+        f"    {_signature(globals()[name])}" for name in __all__ if callable(globals()[name])
+        and not isinstance(globals()[name], type))

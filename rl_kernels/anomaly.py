@@ -86,6 +86,8 @@ class AnomalyCapture:
         return None
 
     def _recheck(self, hidden_states, weight, labels, temperature, softcap, ignore_index, lp, entropy):
+        from .autograd.linear import HeadParams
+        from .backends import get_backend
         from .torch_ops.linear import torch_forward
 
         h = hidden_states.detach().reshape(-1, hidden_states.shape[-1])
@@ -94,8 +96,9 @@ class AnomalyCapture:
         if n == 0 or self.recheck_rows == 0:
             return None
         rows = torch.linspace(0, n - 1, min(self.recheck_rows, n), device=h.device).round().long()
-        ref_lp, ref_ent, _, _ = torch_forward(h[rows], weight.detach(), y[rows], 1.0 / temperature,
-                                              ignore_index, entropy is not None, softcap=softcap)
+        params = HeadParams(backend=get_backend("torch", h.device), inv_temperature=1.0 / temperature,
+                            ignore_index=ignore_index, return_entropy=entropy is not None, softcap=softcap)
+        ref_lp, ref_ent, _, _ = torch_forward(h[rows], weight.detach(), y[rows], params)
         diff = (ref_lp - lp.reshape(-1)[rows]).abs().max()
         if entropy is not None:
             diff = torch.maximum(diff, (ref_ent - entropy.detach().float().reshape(-1)[rows]).abs().max())

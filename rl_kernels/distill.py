@@ -34,6 +34,8 @@ from .validation import (FLOAT_DTYPES, LABEL_DTYPES, check_bool_arg, check_choic
                          check_labels, check_mask, check_same_device, check_temperature, check_tensor_arg,
                          describe)
 
+__all__ = ["linear_topk_kl", "linear_jsd"]  # the public names (rl_kernels/__init__.py exports them)
+
 KINDS = ("forward", "reverse")
 REDUCTIONS = ("none", "sum", "mean", "batchmean")
 

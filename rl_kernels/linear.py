@@ -12,6 +12,8 @@ from .backends import get_backend
 from .validation import (check_bool_arg, check_head_inputs, check_label_values, check_softcap, check_temperature,
                          deferred_label_check, raise_label_errors, sync_label_check, warn_fp16_temperature)
 
+__all__ = ["LogProbsOutput", "linear_log_probs"]  # the public names (rl_kernels/__init__.py exports them)
+
 
 class LogProbsOutput(NamedTuple):
     """log_probs, entropy and sum_pi_squared, float32, shaped like ``labels`` (entropy /

@@ -34,6 +34,9 @@ from .backends import get_backend
 from .validation import (check_bool_arg, check_choice, check_label_values, check_labels, check_logits,
                          check_temperature, deferred_label_check, describe, raise_label_errors)
 
+__all__ = ["LogitsStats", "logits_stats", "log_probs_from_logits", "entropy_from_logits", "logsumexp",
+           "sum_pi_squared_from_logits", "cross_entropy"]  # the public names (rl_kernels/__init__.py exports them)
+
 REDUCTIONS = ("none", "sum", "mean")
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from .autograd.linear import HeadOutputs
 from .linear import LogProbsOutput
 from .torch_ops.linear import torch_dlogits, torch_forward
 from .validation import check_label_values, check_softcap, check_temperature
@@ -39,9 +40,8 @@ def reference_linear_log_probs(
     softcap = check_softcap(softcap, temperature)
     h = hidden_states.reshape(-1, hidden_states.shape[-1])
     with torch.no_grad():
-        lp, ent, _, _ = torch_forward(h, weight, labels.reshape(-1), 1.0 / temperature, ignore_index, True,
-                                      compute_dtype=torch.float64, chunk_elements=chunk_elements,
-                                      softcap=softcap)
+        lp, ent, _, _ = torch_forward(h, weight, labels.reshape(-1), _head(temperature, ignore_index, softcap, h),
+                                      compute_dtype=torch.float64, chunk_elements=chunk_elements)
     return LogProbsOutput(lp.view(labels.shape), ent.view(labels.shape))
 
 
@@ -86,6 +86,14 @@ def reference_logits_stats(
     return LogitsStats(lp.view(shape) if y is not None else None, ent.view(shape), lse.view(shape))
 
 
+def _head(temperature, ignore_index, softcap, like):
+    from .autograd.linear import HeadParams
+    from .backends import get_backend
+
+    return HeadParams(backend=get_backend("torch", like.device), inv_temperature=1.0 / temperature,
+                      ignore_index=ignore_index, return_entropy=True, softcap=softcap)
+
+
 def reference_linear_grads(hidden_states, weight, labels, grad_log_probs, grad_entropy, temperature=1.0,
                            ignore_index=-100, chunk=256, softcap=None):
     """Float64 (dh, dW) of sum(grad_log_probs * log_probs + grad_entropy * entropy) for the linear
@@ -93,19 +101,17 @@ def reference_linear_grads(hidden_states, weight, labels, grad_log_probs, grad_e
     (N, H), weight (V, H), labels (N,); either upstream gradient may be None. Same formulas as
     ``linear_log_probs``' backward: d log p_y / dz = onehot(y) - p, dH/dz = -p (log p + H)."""
     h64, w64 = hidden_states.double(), weight.double()
-    inv_temperature = 1.0 / temperature
-    _, ent, lse, _ = torch_forward(h64, w64, labels, inv_temperature, ignore_index, True, torch.float64,
-                                   softcap=softcap)
+    params = _head(temperature, ignore_index, softcap, h64)
+    _, ent, lse, _ = torch_forward(h64, w64, labels, params, torch.float64)
     n, v = hidden_states.shape[0], weight.shape[0]
     dh = torch.empty_like(h64)
     dw = torch.zeros_like(w64)
     for r0 in range(0, n, chunk):
         rows = slice(r0, min(n, r0 + chunk))
         dz = torch.empty(rows.stop - r0, v, dtype=torch.float64, device=hidden_states.device)
-        torch_dlogits(h64, w64, labels, lse, ent,
-                      None if grad_log_probs is None else grad_log_probs.double(),
-                      None if grad_entropy is None else grad_entropy.double(),
-                      rows, slice(0, v), inv_temperature, ignore_index, dz, softcap=softcap)
+        grads = HeadOutputs(None if grad_log_probs is None else grad_log_probs.double(),
+                            None if grad_entropy is None else grad_entropy.double())
+        torch_dlogits(h64, w64, labels, HeadOutputs(None, ent, lse), grads, rows, slice(0, v), dz, params)
         dh[rows] = dz @ w64
         dw += dz.T @ h64[rows]
     return dh, dw

@@ -97,13 +97,16 @@ def _ours_logits_triton(two_level: bool) -> LogitsBackend:
     the public API's checks (a label out of range must not reach the kernel)."""
     def run(s: LogitsSample):
         from . import ops
+        from .autograd.logits import LogitsParams
+        from .backends import get_backend
 
         check_logits(s.logits)
         inv_temperature = 1.0 / check_temperature(s.temperature)
         check_labels(s.labels, s.logits, "logits", s.logits.shape[-1], s.ignore_index)
         x = s.logits.reshape(-1, s.logits.shape[-1])
-        out = ops.logits_forward(x, s.labels.reshape(-1), inv_temperature, int(s.ignore_index),
-                                 True, False, ops.logits_config(x.device), two_level=two_level)
+        params = LogitsParams(backend=get_backend("triton", x.device), inv_temperature=inv_temperature,
+                              ignore_index=int(s.ignore_index), return_entropy=True, name="repro")
+        out = ops.logits_forward(x, s.labels.reshape(-1), params, ops.logits_config(x.device), two_level=two_level)
         return out["log_probs"].view(s.labels.shape), out["entropy"].view(s.labels.shape)
     return run
 

@@ -104,6 +104,8 @@ def test_logits_bf16_against_float64_and_torch_eager(n, v):
     """From-logits kernels in bf16: log-probs, entropy and lse no worse than torch eager in float32
     (verl's two functions), both launch shapes bitwise equal, gradient vs float64, O(N) memory."""
     from rl_kernels import logits_stats
+    from rl_kernels.autograd.logits import LogitsParams
+    from rl_kernels.backends import get_backend
     from rl_kernels.ops import logits_config, logits_forward, use_two_level
 
     g = torch.Generator(device="cuda").manual_seed(5)
@@ -112,7 +114,9 @@ def test_logits_bf16_against_float64_and_torch_eager(n, v):
     labels[::17] = -100
     cfg = logits_config(x.device)
     print(f"\nlogits {n}x{v}: automatic two-level = {use_two_level(n, v, cfg, x.device)}")
-    paths = [logits_forward(x, labels, 1 / 0.8, -100, True, False, cfg, two_level=t) for t in (False, True)]
+    params = LogitsParams(backend=get_backend("triton", x.device), inv_temperature=1 / 0.8, ignore_index=-100,
+                          return_entropy=True, name="test")
+    paths = [logits_forward(x, labels, params, cfg, two_level=t) for t in (False, True)]
     for key in ("log_probs", "entropy", "lse"):
         assert torch.equal(paths[0][key], paths[1][key]), key
 

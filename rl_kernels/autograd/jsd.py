@@ -39,8 +39,7 @@ class TritonJSD:
     @staticmethod
     def sums(student_hidden, student_weight, teacher_hidden, teacher_weight, lse_s, lse_t, params: JSDParams):
         """Per-row (loss sum, g sum or None), float32 (N,): see ``ops.linear_jsd.jsd_split_sums``."""
-        args = (student_hidden, student_weight, teacher_hidden, teacher_weight, lse_s, lse_t,
-                params.inv_temperature, params.beta)
+        args = (student_hidden, student_weight, teacher_hidden, teacher_weight, lse_s, lse_t, params)
         if not student_hidden.shape[0]:
             return torch_jsd_sums(*args)
         from ..ops import default_config
@@ -58,8 +57,7 @@ class TritonJSD:
         cfg = default_config(hs.device, hs.dtype)
 
         def window(rows, cols, out):
-            return jsd_dlogits(hs, ws, ht, wt, lse_s, lse_t, g_sum, scale, rows, cols,
-                               params.inv_temperature, params.beta, out, cfg, cfg.jsd_bwd)
+            return jsd_dlogits(hs, ws, ht, wt, lse_s, lse_t, g_sum, scale, rows, cols, out, params, cfg, cfg.jsd_bwd)
         return window, hs.dtype, cfg.jsd_bwd.block_n
 
 
@@ -69,14 +67,12 @@ class TorchJSD:
 
     @staticmethod
     def sums(student_hidden, student_weight, teacher_hidden, teacher_weight, lse_s, lse_t, params: JSDParams):
-        return torch_jsd_sums(student_hidden, student_weight, teacher_hidden, teacher_weight, lse_s, lse_t,
-                              params.inv_temperature, params.beta)
+        return torch_jsd_sums(student_hidden, student_weight, teacher_hidden, teacher_weight, lse_s, lse_t, params)
 
     @staticmethod
     def dlogits(hs, ws, ht, wt, lse_s, lse_t, g_sum, scale, params: JSDParams):
         def window(rows, cols, out):
-            return torch_jsd_dlogits(hs, ws, ht, wt, lse_s, lse_t, g_sum, scale, rows, cols,
-                                     params.inv_temperature, params.beta, out)
+            return torch_jsd_dlogits(hs, ws, ht, wt, lse_s, lse_t, g_sum, scale, rows, cols, out, params)
         return window, torch.float32, 1
 
 

@@ -67,13 +67,8 @@ class TritonHead:
             return HeadOutputs(empty, empty.clone() if params.return_entropy else None, empty.clone(),
                                empty.clone() if params.return_sum_pi_squared else None)
         cfg = ops.default_config(hidden_states.device, hidden_states.dtype)
-        check = None if label_check is None else (*label_check, params.ignore_index)
-        m, s, b, z_y, q = ops.linear_split_stats(hidden_states, weight, labels, params.inv_temperature,
-                                                 params.return_entropy, cfg,
-                                                 return_sum_pi_squared=params.return_sum_pi_squared,
-                                                 label_check=check, softcap=params.softcap)
-        return HeadOutputs(*ops.split_combine(m, s, b, z_y, labels, params.ignore_index, params.return_entropy,
-                                              part_q=q, mark_bad=check is not None))
+        partials = ops.linear_split_stats(hidden_states, weight, labels, params, cfg, label_check)
+        return HeadOutputs(*ops.split_combine(partials, labels, params, mark_bad=label_check is not None))
 
     @staticmethod
     def dlogits(hidden_states, weight, labels, saved: HeadOutputs, grads: HeadOutputs, params: HeadParams):
@@ -84,17 +79,14 @@ class TritonHead:
 
         def window(rows, cols, out):
             tile = cfg.bwd_rows if cols.stop - cols.start == weight.shape[0] else cfg.bwd_cols
-            return ops.linear_dlogits(hidden_states, weight, labels, saved.lse, saved.entropy, grads.log_probs,
-                                      grads.entropy, rows, cols, params.inv_temperature,
-                                      params.ignore_index, out, cfg, tile, grads.lse, saved.sum_pi_squared,
-                                      grads.sum_pi_squared, params.softcap)
+            return ops.linear_dlogits(hidden_states, weight, labels, saved, grads, rows, cols, out, params, cfg, tile)
         return window, hidden_states.dtype, cfg.bwd_cols.block_n
 
     @staticmethod
     def gathered_logits(hidden_states, weight, ids, params: HeadParams) -> torch.Tensor:
         from ..ops.linear_forward import label_logits
 
-        return label_logits(hidden_states, weight, ids, params.inv_temperature, softcap=params.softcap)
+        return label_logits(hidden_states, weight, ids, params)
 
 
 @implements("linear", "torch")
@@ -103,23 +95,17 @@ class TorchHead:
 
     @staticmethod
     def forward(hidden_states, weight, labels, params: HeadParams, label_check) -> HeadOutputs:
-        return HeadOutputs(*torch_forward(hidden_states, weight, labels, params.inv_temperature,
-                                          params.ignore_index, params.return_entropy,
-                                          return_sum_pi_squared=params.return_sum_pi_squared,
-                                          softcap=params.softcap))
+        return HeadOutputs(*torch_forward(hidden_states, weight, labels, params))
 
     @staticmethod
     def dlogits(hidden_states, weight, labels, saved: HeadOutputs, grads: HeadOutputs, params: HeadParams):
         def window(rows, cols, out):
-            return torch_dlogits(hidden_states, weight, labels, saved.lse, saved.entropy, grads.log_probs,
-                                 grads.entropy, rows, cols, params.inv_temperature,
-                                 params.ignore_index, out, grads.lse, saved.sum_pi_squared, grads.sum_pi_squared,
-                                 params.softcap)
+            return torch_dlogits(hidden_states, weight, labels, saved, grads, rows, cols, out, params)
         return window, torch.float32, 1
 
     @staticmethod
     def gathered_logits(hidden_states, weight, ids, params: HeadParams) -> torch.Tensor:
-        return torch_gathered_logits(hidden_states, weight, ids, params.inv_temperature, softcap=params.softcap)
+        return torch_gathered_logits(hidden_states, weight, ids, params)
 
 
 def head_forward(hidden_states, weight, labels, params: HeadParams, label_check=None) -> HeadOutputs:

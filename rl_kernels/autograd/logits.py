@@ -53,18 +53,13 @@ class TritonLogits:
     def forward(logits, labels, params: LogitsParams, label_check=None) -> dict:
         from .. import ops
 
-        flag, check_id = label_check if label_check is not None else (None, 0)
-        return ops.logits_forward(logits, labels, params.inv_temperature, params.ignore_index, params.return_entropy,
-                                  params.return_mean_log_p, ops.logits_config(logits.device),
-                                  return_sum_pi_squared=params.return_sum_pi_squared, label_flag=flag,
-                                  check_id=check_id)
+        return ops.logits_forward(logits, labels, params, ops.logits_config(logits.device), label_check=label_check)
 
     @staticmethod
     def backward(logits, grad, labels, stats: dict, grads: dict, params: LogitsParams) -> None:
         from .. import ops
 
-        ops.logits_backward(logits, grad, labels, stats, grads, params.inv_temperature, params.ignore_index,
-                            ops.logits_config(logits.device))
+        ops.logits_backward(logits, grad, labels, stats, grads, params, ops.logits_config(logits.device))
 
 
 @implements("logits", "torch")
@@ -73,12 +68,11 @@ class TorchLogits:
 
     @staticmethod
     def forward(logits, labels, params: LogitsParams, label_check=None) -> dict:
-        return torch_logits_forward(logits, labels, params.inv_temperature, params.ignore_index, params.return_entropy,
-                                    params.return_mean_log_p, params.return_sum_pi_squared)
+        return torch_logits_forward(logits, labels, params)
 
     @staticmethod
     def backward(logits, grad, labels, stats: dict, grads: dict, params: LogitsParams) -> None:
-        torch_logits_backward(logits, grad, labels, stats, grads, params.inv_temperature, params.ignore_index)
+        torch_logits_backward(logits, grad, labels, stats, grads, params)
 
 
 def logits_stats_forward(logits, labels, params: LogitsParams, label_check=None) -> dict:

@@ -89,31 +89,29 @@ def linear_dlogits(
     hidden_states: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
-    lse: torch.Tensor,
-    entropy: torch.Tensor | None,
-    grad_log_probs: torch.Tensor | None,
-    grad_entropy: torch.Tensor | None,
+    saved,
+    grads,
     rows: slice,
     cols: slice,
-    inv_temperature: float,
-    ignore_index: int,
     out: torch.Tensor,
+    params,
     cfg: KernelConfig,
     tile: BwdTile,
-    grad_lse: torch.Tensor | None = None,
-    sum_pi_squared: torch.Tensor | None = None,
-    grad_sum_pi_squared: torch.Tensor | None = None,
-    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Write d(loss)/d(h.w) for logits[rows, cols] into ``out`` ((rows, cols), input dtype);
-    the logits are soft-capped at ``softcap`` before the temperature when it is not None.
+    """Write d(loss)/d(h.w) for logits[rows, cols] into ``out`` ((rows, cols), input dtype).
 
-    hidden_states (N, H) and weight (V, H) share a dtype; labels (N,) int; lse, entropy (N,)
-    float32 from the forward; grad_log_probs / grad_entropy (N,) or None (any stride, 0 allowed).
-    ``entropy`` is required when ``grad_entropy`` is given. ``grad_lse``: (N,) contiguous float32
-    upstream gradient of the row logsumexp, or None. ``grad_sum_pi_squared`` with ``sum_pi_squared``: (N,)
-    contiguous float32 upstream gradient of sum_j p_j^2 and its forward value, or None.
+    hidden_states (N, H) and weight (V, H) share a dtype; labels (N,) int. ``saved``: the
+    forward's (N,) float32 ``lse``, ``entropy`` (required with an entropy gradient) and
+    ``sum_pi_squared`` (required with its gradient); ``grads``: upstream (N,) gradients
+    ``log_probs`` / ``entropy`` (any stride, 0 allowed), ``lse`` / ``sum_pi_squared`` (contiguous
+    float32), each None when absent (``autograd.linear.HeadOutputs`` records). ``params``: the
+    head's parameter record (``inv_temperature``, ``ignore_index``, ``softcap``: the logits are
+    soft-capped before the temperature when it is not None).
     """
+    lse, entropy, sum_pi_squared = saved.lse, saved.entropy, saved.sum_pi_squared
+    grad_log_probs, grad_entropy, grad_lse, grad_sum_pi_squared = grads.log_probs, grads.entropy, grads.lse, \
+        grads.sum_pi_squared
+    inv_temperature, ignore_index, softcap = params.inv_temperature, params.ignore_index, params.softcap
     n_rows, n_cols, grid = window_grid(rows, cols, tile)
     programs = persistent_programs(grid[0], cfg.bwd_programs_per_sm, out.device)
     has_lp = grad_log_probs is not None

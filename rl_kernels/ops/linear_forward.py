@@ -129,21 +129,21 @@ def label_logits(
     hidden_states: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
-    inv_temperature: float,
-    label_check: tuple[torch.Tensor, int, int] | None = None,
-    softcap: float | None = None,
+    params,
+    label_check: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
-    """z_y = (h_i . w_{y_i}) * inv_temperature (with ``softcap``: softcap * tanh(h_i . w_{y_i} /
-    softcap) * inv_temperature), float32 (products and sum in float32), shaped like
-    ``labels``: (N,) or (N, K) ids per row (K ids of row i all dot with h_i); ids outside [0, V)
-    (``ignore_index``) get 0. Reads one row of W per id. ``label_check``: (flag, check_id,
-    ignore_index): an id outside [0, V) other than ignore_index gets NaN instead, and check_id is
-    written to flag (``validation.deferred_label_check``; nothing written when check_id is 0)."""
+    """z_y = (h_i . w_{y_i}) * inv_temperature (with ``params.softcap`` c: c * tanh(h_i . w_{y_i} /
+    c) * inv_temperature), float32 (products and sum in float32), shaped like ``labels``: (N,) or
+    (N, K) ids per row (K ids of row i all dot with h_i); ids outside [0, V) (``ignore_index``)
+    get 0. Reads one row of W per id. ``label_check``: (flag, check_id): an id outside [0, V)
+    other than ``params.ignore_index`` gets NaN instead, and check_id is written to flag
+    (``validation.deferred_label_check``; nothing written when check_id is 0)."""
+    inv_temperature, softcap = params.inv_temperature, params.softcap
     n, h = hidden_states.shape
     k = labels.shape[1] if labels.dim() == 2 else 1
     out = torch.empty(labels.shape, dtype=torch.float32, device=hidden_states.device)
     block_r = 16 if interpreting() else 32
-    flag, check_id, ignore_index = label_check if label_check is not None else (out, 0, -1)
+    flag, check_id, ignore_index = (*label_check, params.ignore_index) if label_check is not None else (out, 0, -1)
     _label_logits_kernel[(triton.cdiv(n * k, block_r),)](
         hidden_states, weight, labels, out,
         n, weight.shape[0], h, k,
@@ -159,23 +159,23 @@ def linear_split_stats(
     hidden_states: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
-    inv_temperature: float,
-    return_entropy: bool,
+    params,
     cfg: KernelConfig,
-    return_sum_pi_squared: bool = False,
-    label_check: tuple[torch.Tensor, int, int] | None = None,
-    softcap: float | None = None,
+    label_check: tuple[torch.Tensor, int] | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """Per-split partials of the linear head (logits soft-capped at ``softcap`` before the
-    temperature when it is not None).
+    """Per-split partials of the linear head.
 
     hidden_states: (N, H), weight: (V, H), both bf16/fp16/fp32 of one dtype, any strides.
-    labels: (N,) int32/int64 (any value; only equality with column ids is used).
+    labels: (N,) int32/int64 (any value; only equality with column ids is used). ``params``: the
+    head's parameter record (``inv_temperature``, ``softcap``: logits soft-capped before the
+    temperature when not None, ``return_entropy``, ``return_sum_pi_squared``, ``ignore_index``).
     Returns (m, s, b, z_y, q): m, s, b (S, N) float32 with S = ceil(V / cfg.split_v) (b is left
-    uninitialised when ``return_entropy`` is False), the label logits z_y (N,) float32, and
-    q = sum exp(2 (z - m)) (S, N) when ``return_sum_pi_squared`` (else None). ``label_check``:
-    see :func:`label_logits`.
+    uninitialised without ``return_entropy``), the label logits z_y (N,) float32, and q = sum
+    exp(2 (z - m)) (S, N) with ``return_sum_pi_squared`` (else None): the input of
+    ``split_combine``. ``label_check``: see :func:`label_logits`.
     """
+    inv_temperature, softcap = params.inv_temperature, params.softcap
+    return_entropy, return_sum_pi_squared = params.return_entropy, params.return_sum_pi_squared
     n, h = hidden_states.shape
     v = weight.shape[0]
     num_splits = triton.cdiv(v, cfg.split_v)
@@ -196,5 +196,5 @@ def linear_split_stats(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return (parts[0], parts[1], parts[2],
-            label_logits(hidden_states, weight, labels, inv_temperature, label_check, softcap),
+            label_logits(hidden_states, weight, labels, params, label_check),
             parts[3] if return_sum_pi_squared else None)

@@ -161,14 +161,16 @@ def _fused_k(cfg: KernelConfig, student_hidden, teacher_hidden) -> bool:
 
 
 def jsd_split_sums(student_hidden, student_weight, teacher_hidden, teacher_weight, lse_s, lse_t,
-                   inv_temperature: float, beta: float, cfg: KernelConfig, tile: BwdTile):
+                   params, cfg: KernelConfig, tile: BwdTile):
     """(L, G): (N,) float32 per-row divergence (module docstring, before any T^2 or reduction) and
     the backward's row sum G (MODE 2; L itself for MODE 1; None for MODE 0).
 
     student_hidden (N, Hs), student_weight (V, Hs), teacher_hidden (N, Ht), teacher_weight (V, Ht),
-    all one float dtype; lse_s, lse_t (N,) contiguous float32 of the two heads at 1/T. ``tile``:
-    rows x columns per program (two fp32 accumulators are live: half the forward's tile).
+    all one float dtype; lse_s, lse_t (N,) contiguous float32 of the two heads at 1/T. ``params``:
+    the JSD parameter record (``inv_temperature``, ``beta``). ``tile``: rows x columns per program
+    (two fp32 accumulators are live: half the forward's tile).
     """
+    inv_temperature, beta = params.inv_temperature, params.beta
     n = student_hidden.shape[0]
     v = student_weight.shape[0]
     mode = jsd_mode(beta)
@@ -229,13 +231,14 @@ def _jsd_dlogits_kernel(
 
 
 def jsd_dlogits(student_hidden, student_weight, teacher_hidden, teacher_weight, lse_s, lse_t,
-                g_sum, scale, rows: slice, cols: slice, inv_temperature: float, beta: float,
-                out: torch.Tensor, cfg: KernelConfig, tile: BwdTile) -> torch.Tensor:
+                g_sum, scale, rows: slice, cols: slice, out: torch.Tensor, params, cfg: KernelConfig,
+                tile: BwdTile) -> torch.Tensor:
     """Write d(scale * L)/d(h_s . w_s) for student logits[rows, cols] into ``out`` ((rows, cols)).
 
     ``scale`` (N,) contiguous float32 (upstream gradient x T^2; 0 for masked rows), ``g_sum`` (N,)
     float32 from ``jsd_split_sums`` (ignored for beta = 0); the rest as there.
     """
+    inv_temperature, beta = params.inv_temperature, params.beta
     n_rows, n_cols, grid = window_grid(rows, cols, tile)
     use_tma, operands = tma_operands(cfg, tile.block_m, tile.block_n, (student_hidden, student_weight),
                                      (teacher_hidden, teacher_weight))

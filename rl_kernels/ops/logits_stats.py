@@ -274,21 +274,25 @@ def use_two_level(n: int, v: int, cfg: LogitsConfig, device: torch.device) -> bo
 
 
 def logits_forward(
-    logits: torch.Tensor, labels: torch.Tensor | None, inv_temperature: float, ignore_index: int,
-    return_entropy: bool, return_mean_log_p: bool, cfg: LogitsConfig, two_level: bool | None = None,
-    return_sum_pi_squared: bool = False, label_flag: torch.Tensor | None = None, check_id: int = 0,
+    logits: torch.Tensor, labels: torch.Tensor | None, params, cfg: LogitsConfig, two_level: bool | None = None,
+    label_check: tuple[torch.Tensor, int] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Softmax statistics of 2-D ``logits`` (N, V) (any strides; bf16/fp16/fp32).
 
-    ``labels``: (N,) int32/int64 or None (no log-probs). Returns a dict of (N,) float32 tensors:
-    ``row_max``, ``log_sum``, ``lse`` always; ``log_probs`` with labels; ``entropy`` when
-    ``return_entropy``; ``mean_log_p`` (mean over the vocabulary of log p) when ``return_mean_log_p``;
-    ``sum_pi_squared`` (sum_j p_j^2) when ``return_sum_pi_squared``.
-    ``two_level=None`` picks the launch shape with :func:`use_two_level` (logged at debug level);
-    both shapes give bitwise identical results. ``label_flag`` / ``check_id``: where a label
-    outside [0, V) that is not ``ignore_index`` is reported (``validation.deferred_label_check``);
-    such a row's log-prob and saved ``log_sum`` are NaN either way.
+    ``labels``: (N,) int32/int64 or None (no log-probs). ``params``: the from-logits parameter
+    record (``inv_temperature``, ``ignore_index``, ``return_entropy``, ``return_mean_log_p``,
+    ``return_sum_pi_squared``). Returns a dict of (N,) float32 tensors: ``row_max``, ``log_sum``,
+    ``lse`` always; ``log_probs`` with labels; ``entropy``, ``mean_log_p`` (mean over the vocabulary
+    of log p) and ``sum_pi_squared`` (sum_j p_j^2) when asked. ``two_level=None`` picks the
+    launch shape with :func:`use_two_level` (logged at debug level); both shapes give bitwise
+    identical results. ``label_check``: (flag, check_id): where a label outside [0, V) that is
+    not ``ignore_index`` is reported (``validation.deferred_label_check``); such a row's log-prob
+    and saved ``log_sum`` are NaN either way.
     """
+    inv_temperature, ignore_index = params.inv_temperature, params.ignore_index
+    return_entropy, return_mean_log_p = params.return_entropy, params.return_mean_log_p
+    return_sum_pi_squared = params.return_sum_pi_squared
+    label_flag, check_id = label_check if label_check is not None else (None, 0)
     n, v = logits.shape
     dev = logits.device
     out = {k: torch.empty(n, dtype=torch.float32, device=dev) for k in ("row_max", "log_sum", "lse")}
@@ -330,13 +334,15 @@ def logits_forward(
 
 def logits_backward(
     logits: torch.Tensor, grad: torch.Tensor, labels: torch.Tensor | None, stats: dict,
-    grads: dict, inv_temperature: float, ignore_index: int, cfg: LogitsConfig,
+    grads: dict, params, cfg: LogitsConfig,
 ) -> torch.Tensor:
     """Write d loss / d logits into ``grad`` (same shape as ``logits``, any strides; may be the
     logits tensor itself). ``stats``: the forward's ``row_max``, ``log_sum`` and (with an entropy
     gradient) ``entropy``. ``grads``: optional (N,) float32 per-row upstream gradients under keys
     ``log_probs``, ``entropy``, ``lse``, ``mean_log_p`` (the last: of the row's mean log p) and
-    ``sum_pi_squared`` (then ``stats`` holds the forward's ``sum_pi_squared`` too)."""
+    ``sum_pi_squared`` (then ``stats`` holds the forward's ``sum_pi_squared`` too). ``params``:
+    the from-logits parameter record (``inv_temperature``, ``ignore_index``)."""
+    inv_temperature, ignore_index = params.inv_temperature, params.ignore_index
     n, v = logits.shape
     if n == 0 or v == 0:
         return grad

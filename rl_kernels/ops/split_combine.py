@@ -60,26 +60,23 @@ def _split_combine_kernel(
 
 
 def split_combine(
-    part_m: torch.Tensor,
-    part_s: torch.Tensor,
-    part_b: torch.Tensor,
-    label_logits: torch.Tensor,
+    partials: tuple,
     labels: torch.Tensor,
-    ignore_index: int,
-    return_entropy: bool,
-    block: int = 128,
-    part_q: torch.Tensor | None = None,
+    params,
     mark_bad: bool = False,
+    block: int = 128,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-    """Merge (S, N) float32 partials and the (N,) label logits into (log_probs, entropy, lse,
-    sum_pi_squared), each (N,) float32.
+    """Merge the partials of ``linear_split_stats`` ((S, N) float32 m, s, b, the (N,) label
+    logits, and q (S, N) or None) into (log_probs, entropy, lse, sum_pi_squared), each (N,) float32.
 
-    ``labels`` is (N,) int32/int64; positions equal to ``ignore_index`` get log-prob and entropy 0.
-    ``entropy`` is None when ``return_entropy`` is False (``part_b`` is then not read);
-    ``sum_pi_squared`` (sum_j p_j^2) is None unless the (S, N) partials ``part_q`` are given.
-    ``mark_bad``: the label logits carry NaN for bad labels (``label_logits``' label check); such
-    a row's lse becomes NaN too, so that its gradient is NaN, never a finite wrong value.
+    ``labels`` is (N,) int32/int64; positions equal to ``params.ignore_index`` get log-prob and
+    entropy 0. ``entropy`` is None unless ``params.return_entropy`` (``b`` is then not read);
+    ``sum_pi_squared`` (sum_j p_j^2) is None unless q is given. ``mark_bad``: the label logits
+    carry NaN for bad labels (``label_logits``' label check); such a row's lse becomes NaN too, so
+    that its gradient is NaN, never a finite wrong value.
     """
+    part_m, part_s, part_b, label_logits, part_q = partials
+    ignore_index, return_entropy = params.ignore_index, params.return_entropy
     num_splits, n = part_m.shape
     log_probs = torch.empty(n, dtype=torch.float32, device=part_m.device)
     lse = torch.empty_like(log_probs)

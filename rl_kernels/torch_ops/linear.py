@@ -30,21 +30,20 @@ def torch_forward(
     hidden_states: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
-    inv_temperature: float,
-    ignore_index: int,
-    return_entropy: bool,
+    params,
     compute_dtype: torch.dtype = torch.float32,
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
-    return_sum_pi_squared: bool = False,
-    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-    """(log_probs, entropy, lse, sum_pi_squared), each (N,) in ``compute_dtype``; entropy / sum_pi_squared
-    (sum_j p_j^2) None if not asked.
+    """(log_probs, entropy, lse, sum_pi_squared), each (N,) in ``compute_dtype``; entropy /
+    sum_pi_squared (sum_j p_j^2) None unless ``params.return_entropy`` /
+    ``params.return_sum_pi_squared``.
 
-    hidden_states (N, H), weight (V, H), labels (N,) int. Positions equal to ``ignore_index`` get
-    log-prob 0 and entropy 0. Entropy is -sum p log p (no lse - E[z] cancellation). With
-    ``softcap`` the logits are c tanh(h . w / c) / T (``capped_logits``).
+    hidden_states (N, H), weight (V, H), labels (N,) int. Positions equal to
+    ``params.ignore_index`` get log-prob 0 and entropy 0. Entropy is -sum p log p (no lse - E[z]
+    cancellation). With ``params.softcap`` the logits are c tanh(h . w / c) / T (``capped_logits``).
     """
+    inv_temperature, ignore_index, softcap = params.inv_temperature, params.ignore_index, params.softcap
+    return_entropy, return_sum_pi_squared = params.return_entropy, params.return_sum_pi_squared
     n = hidden_states.shape[0]
     v = weight.shape[0]
     w = weight.to(compute_dtype)
@@ -82,23 +81,20 @@ def torch_dlogits(
     hidden_states: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
-    lse: torch.Tensor,
-    entropy: torch.Tensor | None,
-    grad_log_probs: torch.Tensor | None,
-    grad_entropy: torch.Tensor | None,
+    saved,
+    grads,
     rows: slice,
     cols: slice,
-    inv_temperature: float,
-    ignore_index: int,
     out: torch.Tensor,
-    grad_lse: torch.Tensor | None = None,
-    sum_pi_squared: torch.Tensor | None = None,
-    grad_sum_pi_squared: torch.Tensor | None = None,
-    softcap: float | None = None,
+    params,
 ) -> torch.Tensor:
-    """Torch twin of ``rl_kernels.ops.linear_dlogits``: d(loss)/d(h.w) for logits[rows, cols]
-    computed in ``out.dtype`` and written into ``out`` (with ``softcap``, through the cap:
-    times 1 - tanh^2)."""
+    """Torch twin of ``rl_kernels.ops.linear_dlogits`` (the same arguments but the tiles):
+    d(loss)/d(h.w) for logits[rows, cols] computed in ``out.dtype`` and written into ``out``
+    (with ``params.softcap``, through the cap: times 1 - tanh^2)."""
+    lse, entropy, sum_pi_squared = saved.lse, saved.entropy, saved.sum_pi_squared
+    grad_log_probs, grad_entropy, grad_lse, grad_sum_pi_squared = grads.log_probs, grads.entropy, grads.lse, \
+        grads.sum_pi_squared
+    inv_temperature, ignore_index, softcap = params.inv_temperature, params.ignore_index, params.softcap
     dt = out.dtype
     lab = labels[rows]
     z, t = capped_logits(hidden_states[rows].to(dt) @ weight[cols].to(dt).T, inv_temperature, softcap)
@@ -121,9 +117,9 @@ def torch_dlogits(
     return out
 
 
-def torch_gathered_logits(hidden_states, weight, ids, inv_temperature, chunk_elements=1 << 25, softcap=None):
-    """(N, K) float32 z[i, k] = h_i . w_{ids[i, k]} * inv_temperature (``capped_logits`` with
-    ``softcap``), in row chunks of at most ``chunk_elements`` float32 elements of the gathered
+def torch_gathered_logits(hidden_states, weight, ids, params, chunk_elements=1 << 25):
+    """(N, K) float32 z[i, k] = h_i . w_{ids[i, k]} * params.inv_temperature (``capped_logits``
+    with ``params.softcap``), in row chunks of at most ``chunk_elements`` float32 elements of the gathered
     (rows, K, H) weight rows."""
     n, k = ids.shape
     h = hidden_states.shape[1]
@@ -132,6 +128,6 @@ def torch_gathered_logits(hidden_states, weight, ids, inv_temperature, chunk_ele
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
         w = weight[ids[r0:r1]].float()
-        out[r0:r1] = capped_logits(torch.einsum("nh,nkh->nk", hidden_states[r0:r1].float(), w), inv_temperature,
-                                   softcap)[0]
+        out[r0:r1] = capped_logits(torch.einsum("nh,nkh->nk", hidden_states[r0:r1].float(), w),
+                                   params.inv_temperature, params.softcap)[0]
     return out

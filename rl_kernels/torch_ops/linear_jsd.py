@@ -30,10 +30,10 @@ def two_heads(student_hidden, student_weight, teacher_hidden, teacher_weight, ls
 
 
 def torch_jsd_sums(student_hidden, student_weight, teacher_hidden, teacher_weight, lse_s, lse_t,
-                   inv_temperature, beta, compute_dtype=torch.float32,
-                   chunk_elements=DEFAULT_CHUNK_ELEMENTS):
+                   params, compute_dtype=torch.float32, chunk_elements=DEFAULT_CHUNK_ELEMENTS):
     """Torch twin of ``ops.linear_jsd.jsd_split_sums``: (L, G) per row in ``compute_dtype``, over
     row chunks of at most ``chunk_elements`` logits per head."""
+    inv_temperature, beta = params.inv_temperature, params.beta
     n, v = student_hidden.shape[0], student_weight.shape[0]
     loss = torch.empty(n, dtype=compute_dtype, device=student_hidden.device)
     g_sum = torch.empty_like(loss) if 0.0 < beta < 1.0 else None
@@ -50,8 +50,9 @@ def torch_jsd_sums(student_hidden, student_weight, teacher_hidden, teacher_weigh
 
 
 def torch_jsd_dlogits(student_hidden, student_weight, teacher_hidden, teacher_weight, lse_s, lse_t,
-                      g_sum, scale, rows, cols, inv_temperature, beta, out):
+                      g_sum, scale, rows, cols, out, params):
     """Torch twin of ``ops.linear_jsd.jsd_dlogits`` (computed in ``out.dtype``)."""
+    inv_temperature, beta = params.inv_temperature, params.beta
     dt = out.dtype
     log_q, log_p = two_heads(student_hidden, student_weight, teacher_hidden, teacher_weight,
                               lse_s, lse_t, rows, cols, inv_temperature, dt)

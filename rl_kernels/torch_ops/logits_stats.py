@@ -10,9 +10,12 @@ import torch
 CHUNK_ELEMENTS = 1 << 26
 
 
-def torch_logits_forward(logits, labels, inv_temperature, ignore_index, return_entropy, return_mean_log_p, return_sum_pi_squared=False):
-    """Torch twin of ``ops.logits_forward`` (same outputs), in float32 row chunks of at most
-    ``CHUNK_ELEMENTS`` elements."""
+def torch_logits_forward(logits, labels, params):
+    """Torch twin of ``ops.logits_forward`` (same arguments but the tiles, same outputs), in
+    float32 row chunks of at most ``CHUNK_ELEMENTS`` elements."""
+    inv_temperature, ignore_index = params.inv_temperature, params.ignore_index
+    return_entropy, return_mean_log_p = params.return_entropy, params.return_mean_log_p
+    return_sum_pi_squared = params.return_sum_pi_squared
     n, v = logits.shape
     f32 = dict(dtype=torch.float32, device=logits.device)
     out = {k: torch.empty(n, **f32) for k in ("row_max", "log_sum")}
@@ -59,9 +62,10 @@ def torch_logits_forward(logits, labels, inv_temperature, ignore_index, return_e
     return out
 
 
-def torch_logits_backward(logits, grad, labels, stats, grads, inv_temperature, ignore_index):
+def torch_logits_backward(logits, grad, labels, stats, grads, params):
     """Torch twin of ``ops.logits_backward`` (same contract): writes d loss / d logits into
     ``grad`` (the logits' dtype) in float32 row chunks."""
+    inv_temperature, ignore_index = params.inv_temperature, params.ignore_index
     n, v = logits.shape
     dev = logits.device
     zero = torch.zeros((), device=dev)
