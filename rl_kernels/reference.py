@@ -1,15 +1,34 @@
 """The yardsticks: float64 oracles and the eager baselines, in one place for the tests,
 ``rl-kernels repro`` and the benchmark.
 
+The oracles are independent of the backends: each computes its quantity from the mathematical
+definition with torch primitives only (matmul, tanh, logsumexp, exp, log, gather, where,
+autograd), in float64, and calls nothing of ``rl_kernels.torch_ops``, ``rl_kernels.ops`` (Triton)
+or any helper those use (soft-capping, temperature scaling, logsumexp / split merging). A mistake
+shared by the torch twin and the kernels therefore cannot pass both the backend and its oracle
+(``tests/test_reference.py`` checks the imports and hand-computed values). From ``validation``
+they take only the argument checks, so that they raise as the public functions do; the checked
+values themselves are not used.
+
+Definitions (z: logits of one row, over the full vocabulary; p = softmax(z)):
+    z_v = (h . w_v) / T,  or with a soft cap c:  z_v = c tanh((h . w_v) / c) / T
+          (a raw logit h . w_v of +-inf gives NaN under the cap, as ``linear_log_probs`` documents)
+    lse = log sum_v exp(z_v),   log p_v = z_v - lse
+    log-prob = log p_y,   entropy = -sum_v p_v log p_v (0 log 0 = 0),   sum_pi_squared = sum_v p_v^2
+and 0 for all of them where the label is ``ignore_index``. A row with NaN/inf inputs gives
+non-finite values in that row only. Vocab-parallel and split variants of the backends compute the
+same quantities on the full vocabulary, which is what these oracles take.
+
 Oracles (float64, from the given, possibly 16-bit, inputs):
   * ``reference_linear_log_probs`` / ``reference_logits_stats``: chunked, no autograd;
-  * ``reference_linear_grads``: dh, dW of sum(g_lp log p + g_H H), chunked;
-  * ``dense_linear_log_probs``: materialized float64 log_softmax, differentiable (an autograd
+  * ``reference_linear_grads``: dh, dW of sum(g_lp log p + g_H H), chunked, by autograd through
+    the definition above (not the backends' hand-derived dlogits formulas);
+  * ``dense_linear_log_probs``: materialized float64 log-softmax, differentiable (an autograd
     oracle);
   * ``reference_jsd``: the generalized JSD from dense logits, differentiable.
 Inputs and error measure of the tests and measuring scripts: ``make_inputs`` (random, never
 zeros), ``rel_err``.
-Eager baselines (what a user's framework computes without rl-kernels):
+Eager baselines (what a user's framework computes without rl-kernels; not oracles):
   * ``torch_eager``: HF lm_head + verl's default logits path;
   * ``torch_eager_logits``: verl's default from-logits path.
 """
@@ -17,10 +36,35 @@ from __future__ import annotations
 
 import torch
 
-from .autograd.linear import HeadOutputs
 from .linear import LogProbsOutput
-from .torch_ops.linear import torch_dlogits, torch_forward
 from .validation import check_label_values, check_softcap, check_temperature
+
+
+def _definition_logits(hidden_states, weight, temperature, softcap):
+    """z = (h W^T) / T, or c tanh(h W^T / c) / T with a cap c (NaN where h W^T is +-inf), in the
+    inputs' dtype (the callers pass float64). Written from the definition for the oracles."""
+    raw = hidden_states @ weight.T
+    if softcap is not None:
+        capped = softcap * torch.tanh(raw / softcap)
+        raw = torch.where(torch.isinf(raw), torch.full_like(capped, float("nan")), capped)
+    return raw / temperature
+
+
+def _definition_stats(z, labels, ignore_index):
+    """Per row of z (..., V): (log p_label or None, entropy, lse, sum p^2), from
+    lse = logsumexp(z), log p = z - lse, H = -sum p log p (p = 0 terms are 0, a NaN p stays NaN),
+    sum p^2; log-prob, entropy and sum p^2 are 0 where ``labels == ignore_index``."""
+    lse = torch.logsumexp(z, dim=-1)
+    log_p = z - lse.unsqueeze(-1)
+    p = torch.exp(log_p)
+    ent = -(p * torch.where(p > 0, log_p, torch.zeros((), dtype=z.dtype, device=z.device))).sum(-1)
+    sq = (p * p).sum(-1)
+    if labels is None:
+        return None, ent, lse, sq
+    valid = labels != ignore_index
+    lp = log_p.gather(-1, torch.where(valid, labels, 0).long().unsqueeze(-1)).squeeze(-1)
+    zero = torch.zeros((), dtype=z.dtype, device=z.device)
+    return (torch.where(valid, lp, zero), torch.where(valid, ent, zero), lse, torch.where(valid, sq, zero))
 
 
 def reference_linear_log_probs(
@@ -33,16 +77,30 @@ def reference_linear_log_probs(
     ignore_index: int = -100,
     chunk_elements: int = 1 << 24,
 ) -> LogProbsOutput:
-    """``linear_log_probs`` computed in float64 from the given (possibly bf16) inputs, chunked
-    over tokens (at most ``chunk_elements`` float64 logits at a time). Returns float64 tensors
-    shaped like ``labels``. Raises as ``linear_log_probs`` for a bad temperature or softcap."""
-    temperature = check_temperature(temperature)
-    softcap = check_softcap(softcap, temperature)
+    """``linear_log_probs`` computed in float64 from the given (possibly bf16) inputs, from the
+    definition (module docstring), chunked over tokens (at most ``chunk_elements`` float64 logits
+    at a time). Returns ``LogProbsOutput(log_probs, entropy, sum_pi_squared)`` of float64 tensors
+    shaped like ``labels`` (0 where the label is ``ignore_index``). Raises as
+    ``linear_log_probs`` for a bad temperature, softcap or label value."""
+    check_temperature(temperature)
+    check_softcap(softcap, temperature)
+    t = float(temperature)
+    c = None if softcap is None else float(softcap)
+    v = weight.shape[0]
+    check_label_values(labels, v, ignore_index)
     h = hidden_states.reshape(-1, hidden_states.shape[-1])
+    y = labels.reshape(-1)
+    n = h.shape[0]
+    w64 = weight.double()
+    lp = torch.empty(n, dtype=torch.float64, device=h.device)
+    ent, sq = torch.empty_like(lp), torch.empty_like(lp)
+    step = max(1, chunk_elements // max(v, 1))
     with torch.no_grad():
-        lp, ent, _, _ = torch_forward(h, weight, labels.reshape(-1), _head(temperature, ignore_index, softcap, h),
-                                      compute_dtype=torch.float64, chunk_elements=chunk_elements)
-    return LogProbsOutput(lp.view(labels.shape), ent.view(labels.shape))
+        for r0 in range(0, n, step):
+            rows = slice(r0, min(n, r0 + step))
+            z = _definition_logits(h[rows].double(), w64, t, c)
+            lp[rows], ent[rows], _, sq[rows] = _definition_stats(z, y[rows], ignore_index)
+    return LogProbsOutput(lp.view(labels.shape), ent.view(labels.shape), sq.view(labels.shape))
 
 
 def reference_logits_stats(
@@ -54,103 +112,121 @@ def reference_logits_stats(
     chunk_elements: int = 1 << 24,
 ):
     """``logits_stats`` computed in float64 from the given (possibly bf16) logits: z = logits / T,
-    log p = log_softmax(z), H = -sum p log p, lse = logsumexp(z); rows at most
+    lse = logsumexp(z), log p = z - lse, H = -sum p log p, sum p^2; rows at most
     ``chunk_elements`` float64 values at a time. Returns ``LogitsStats`` of float64 tensors shaped
-    ``logits.shape[:-1]`` (log-probs None without labels; log-prob and entropy 0 where the label
-    is ``ignore_index``). Raises as ``logits_stats`` for a bad temperature or label value."""
+    ``logits.shape[:-1]`` (log-probs None without labels; log-prob, entropy and sum_pi_squared 0
+    where the label is ``ignore_index``; lse never masked). Raises as ``logits_stats`` for a bad
+    temperature or label value."""
     from .logits import LogitsStats
 
     check_temperature(temperature)
+    t = float(temperature)
     shape, v = logits.shape[:-1], logits.shape[-1]
     if labels is not None:
         check_label_values(labels, v, ignore_index)
     x = logits.reshape(-1, v)
     n = x.shape[0]
-    lp = torch.zeros(n, dtype=torch.float64, device=logits.device)
-    ent, lse = torch.empty_like(lp), torch.empty_like(lp)
     y = labels.reshape(-1) if labels is not None else None
+    lp = torch.empty(n, dtype=torch.float64, device=logits.device) if y is not None else None
+    ent = torch.empty(n, dtype=torch.float64, device=logits.device)
+    lse, sq = torch.empty_like(ent), torch.empty_like(ent)
     step = max(1, chunk_elements // max(v, 1))
     with torch.no_grad():
         for r0 in range(0, n, step):
-            z = x[r0:r0 + step].double() / temperature
-            log_p = torch.log_softmax(z, dim=-1)
-            p = log_p.exp()
-            ent[r0:r0 + step] = -(p * torch.where(p > 0, log_p, 0.0)).sum(-1)
-            lse[r0:r0 + step] = torch.logsumexp(z, dim=-1)
+            rows = slice(r0, min(n, r0 + step))
+            lp_c, ent[rows], lse[rows], sq[rows] = _definition_stats(
+                x[rows].double() / t, None if y is None else y[rows], ignore_index)
             if y is not None:
-                yc = y[r0:r0 + step]
-                got = log_p.gather(-1, torch.where(yc != ignore_index, yc, 0).long()[:, None])[:, 0]
-                lp[r0:r0 + step] = torch.where(yc != ignore_index, got, 0.0)
-    if y is not None:
-        ent = torch.where(y != ignore_index, ent, 0.0)
-    return LogitsStats(lp.view(shape) if y is not None else None, ent.view(shape), lse.view(shape))
-
-
-def _head(temperature, ignore_index, softcap, like):
-    from .autograd.linear import HeadParams
-    from .backends import get_backend
-
-    return HeadParams(backend=get_backend("torch", like.device), inv_temperature=1.0 / temperature,
-                      ignore_index=ignore_index, return_entropy=True, softcap=softcap)
+                lp[rows] = lp_c
+    return LogitsStats(lp.view(shape) if y is not None else None, ent.view(shape), lse.view(shape),
+                       sq.view(shape))
 
 
 def reference_linear_grads(hidden_states, weight, labels, grad_log_probs, grad_entropy, temperature=1.0,
                            ignore_index=-100, chunk=256, softcap=None):
     """Float64 (dh, dW) of sum(grad_log_probs * log_probs + grad_entropy * entropy) for the linear
-    head, chunked over tokens (no N x V float64 buffer beyond ``chunk`` rows). hidden_states
-    (N, H), weight (V, H), labels (N,); either upstream gradient may be None. Same formulas as
-    ``linear_log_probs``' backward: d log p_y / dz = onehot(y) - p, dH/dz = -p (log p + H)."""
-    h64, w64 = hidden_states.double(), weight.double()
-    params = _head(temperature, ignore_index, softcap, h64)
-    _, ent, lse, _ = torch_forward(h64, w64, labels, params, torch.float64)
-    n, v = hidden_states.shape[0], weight.shape[0]
-    dh = torch.empty_like(h64)
-    dw = torch.zeros_like(w64)
-    for r0 in range(0, n, chunk):
-        rows = slice(r0, min(n, r0 + chunk))
-        dz = torch.empty(rows.stop - r0, v, dtype=torch.float64, device=hidden_states.device)
-        grads = HeadOutputs(None if grad_log_probs is None else grad_log_probs.double(),
-                            None if grad_entropy is None else grad_entropy.double())
-        torch_dlogits(h64, w64, labels, HeadOutputs(None, ent, lse), grads, rows, slice(0, v), dz, params)
-        dh[rows] = dz @ w64
-        dw += dz.T @ h64[rows]
+    head: torch autograd through the definition (module docstring) in float64, ``chunk`` token
+    rows at a time (no N x V float64 buffer beyond a chunk's). hidden_states (N, H), weight (V, H),
+    labels (N,); either upstream gradient may be None. Rows whose label is ``ignore_index`` are
+    left out (dh 0 there, nothing added to dW, even for a non-finite row)."""
+    h64 = hidden_states.detach().double()
+    w64 = weight.detach().double().requires_grad_()
+    t = float(temperature)
+    c = None if softcap is None else float(softcap)
+    n = h64.shape[0]
+    dh = torch.zeros_like(h64)
+    dw = torch.zeros_like(w64, requires_grad=False)
+    if grad_log_probs is None and grad_entropy is None:
+        return dh, dw
+    g_lp = None if grad_log_probs is None else grad_log_probs.detach().double()
+    g_ent = None if grad_entropy is None else grad_entropy.detach().double()
+    keep = (labels != ignore_index).nonzero().squeeze(-1)
+    for k0 in range(0, keep.numel(), chunk):
+        idx = keep[k0:k0 + chunk]
+        h_c = h64[idx].requires_grad_()
+        with torch.enable_grad():
+            lp, ent, _, _ = _definition_stats(_definition_logits(h_c, w64, t, c), labels[idx], ignore_index)
+            loss = torch.zeros((), dtype=torch.float64, device=h64.device)
+            if g_lp is not None:
+                loss = loss + (g_lp[idx] * lp).sum()
+            if g_ent is not None:
+                loss = loss + (g_ent[idx] * ent).sum()
+            gh, gw = torch.autograd.grad(loss, (h_c, w64))
+        dh[idx] = gh
+        dw += gw
     return dh, dw
 
 
 def dense_linear_log_probs(hidden_states, weight, labels, temperature=1.0, ignore_index=-100, softcap=None):
-    """(log_probs, entropy), float64, from the materialized float64 log_softmax(hidden_states @
-    weight.T / T) (with ``softcap`` c, of c tanh(hidden_states @ weight.T / c) / T, written here
-    from the formula); differentiable (an autograd oracle for dh and dW, which come back in the
-    inputs' dtype). Positions whose label is ``ignore_index`` get 0."""
-    raw = hidden_states.double() @ weight.double().T
-    z = (raw if softcap is None else softcap * torch.tanh(raw / softcap)) / temperature
-    log_p = torch.log_softmax(z, dim=-1)
-    valid = labels != ignore_index
-    lp = log_p.gather(-1, torch.where(valid, labels, 0).unsqueeze(-1)).squeeze(-1)
-    ent = -(log_p.exp() * log_p).sum(-1)
-    return torch.where(valid, lp, 0.0), torch.where(valid, ent, 0.0)
+    """(log_probs, entropy), float64, from the materialized float64 logits z = hidden_states @
+    weight.T / T (with ``softcap`` c, c tanh(hidden_states @ weight.T / c) / T), log p = z -
+    logsumexp(z), H = -sum p log p, written from the definition (module docstring);
+    differentiable (an autograd oracle for dh and dW, which come back in the inputs' dtype).
+    Positions whose label is ``ignore_index`` get 0."""
+    z = _definition_logits(hidden_states.double(), weight.double(), float(temperature),
+                           None if softcap is None else float(softcap))
+    lp, ent, _, _ = _definition_stats(z, labels, ignore_index)
+    return lp, ent
+
+
+def _kl_rows(a, log_a, log_b):
+    """sum_v a_v (log a_v - log b_v) per row, with 0 log 0 = 0 (a NaN a stays NaN)."""
+    diff = torch.where(a > 0, log_a - log_b, torch.zeros((), dtype=a.dtype, device=a.device))
+    return (a * diff).sum(-1)
 
 
 def reference_jsd(student_hidden, student_weight, teacher_hidden, teacher_weight, labels, beta, temperature,
                   reduction, ignore_index=-100):
     """Generalized JSD (beta 0 / 1: the two KLs) x T^2 from dense logits of both heads, in the
     inputs' dtype (float64 for an oracle), differentiable; 0 where ``labels == ignore_index``.
-    Same definition as ``linear_jsd``: M = beta p + (1 - beta) q, JSD = beta KL(p||M) +
-    (1 - beta) KL(q||M); 'mean' divides by the positions that count."""
-    log_q = torch.log_softmax(student_hidden @ student_weight.T / temperature, -1)
-    log_p = torch.log_softmax(teacher_hidden @ teacher_weight.T / temperature, -1)
+    Same definition as ``linear_jsd``: q = softmax(student z), p = softmax(teacher z),
+    M = beta p + (1 - beta) q, JSD = beta KL(p||M) + (1 - beta) KL(q||M); beta = 0: KL(p||q),
+    beta = 1: KL(q||p); 'mean' divides by the positions that count, 'batchmean' by the first dim,
+    'sum' sums, 'none' per position. Written from the definition (module docstring)."""
+    t = float(temperature)
+    zs = _definition_logits(student_hidden, student_weight, t, None)
+    zt = _definition_logits(teacher_hidden, teacher_weight, t, None)
+    log_q = zs - torch.logsumexp(zs, dim=-1, keepdim=True)
+    log_p = zt - torch.logsumexp(zt, dim=-1, keepdim=True)
+    q, p = log_q.exp(), log_p.exp()
     if beta == 0:
-        per = torch.nn.functional.kl_div(log_q, log_p, reduction="none", log_target=True).sum(-1)
+        per = _kl_rows(p, log_p, log_q)
     elif beta == 1:
-        per = torch.nn.functional.kl_div(log_p, log_q, reduction="none", log_target=True).sum(-1)
+        per = _kl_rows(q, log_q, log_p)
     else:
-        m = beta * log_p.exp() + (1 - beta) * log_q.exp()
-        per = (beta * (log_p.exp() * (log_p - m.log())).sum(-1)
-               + (1 - beta) * (log_q.exp() * (log_q - m.log())).sum(-1))
+        log_m = torch.log(beta * p + (1 - beta) * q)
+        per = beta * _kl_rows(p, log_p, log_m) + (1 - beta) * _kl_rows(q, log_q, log_m)
     valid = labels != ignore_index
-    per = torch.where(valid, per * temperature**2, 0.0)
-    return {"none": per, "sum": per.sum(), "mean": per.sum() / valid.sum(),
-            "batchmean": per.sum() / per.shape[0]}[reduction]
+    per = torch.where(valid, per * (t * t), torch.zeros((), dtype=per.dtype, device=per.device))
+    if reduction == "none":
+        return per
+    if reduction == "sum":
+        return per.sum()
+    if reduction == "mean":
+        return per.sum() / valid.sum()
+    if reduction == "batchmean":
+        return per.sum() / per.shape[0]
+    raise KeyError(reduction)
 
 
 def torch_eager(hidden_states, weight, labels, temperature=1.0, ignore_index=-100, softcap=None):
