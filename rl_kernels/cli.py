@@ -16,6 +16,8 @@ import traceback
 
 import torch
 
+from ._cli_common import DEFAULT_LOGITS_SHAPES, DEFAULT_SHAPES, UsageError, report_written  # noqa: F401
+
 # argparse prints these as they are: plain text, no reStructuredText markup
 DESCRIPTION = """\
 rl-kernels: fused linear + log-prob / entropy kernels for RL training of LLMs.
@@ -23,8 +25,8 @@ rl-kernels: fused linear + log-prob / entropy kernels for RL training of LLMs.
 commands:
   repro   replay the bundled bug-catalogue samples (or sample files) through every backend
           available here and compare with float64; exit status 1 when one of ours fails
-  bench   time the kernels against cuBLAS and their peers (needs a CUDA GPU, and a source
-          checkout: it runs the clone's scripts/bench.py)
+  bench   time the kernels against cuBLAS and their peers (needs a CUDA GPU; without one it
+          says so and exits 0)
 
 Bad input never ends in a traceback: a bad option value is one line on stderr and exit status 2;
 a sample file that cannot be replayed is an ERROR row plus one line on stderr, the other files
@@ -39,23 +41,6 @@ examples:
   rl-kernels bench --json out.json          GPU timings, saved as JSON
   rl-kernels <command> --help               the options of one command"""
 
-# the bench's default shapes, here so that building the parser does not import the bench
-DEFAULT_SHAPES = ("16384,3584,152064", "32768,4096,128256", "512,3584,152064")
-DEFAULT_LOGITS_SHAPES = ("16384,152064", "512,152064")
-
-
-class UsageError(SystemExit):
-    """A bad command-line argument found after parsing: exit status 2, ``str()`` the message.
-    ``main`` prints it as one line; raised outside ``main`` it still exits with status 2."""
-
-    def __init__(self, message: str):
-        super().__init__(2)
-        self.message = message
-
-    def __str__(self) -> str:
-        return self.message
-
-
 class CommandError(Exception):
     """An error of the command that is not a usage error (exit status 1), already one line."""
 
@@ -65,16 +50,6 @@ def _one_line(exc: BaseException, limit: int | None = 300) -> str:
     (what goes into a table row is never cut)."""
     text = " ".join(str(exc).split()) or type(exc).__name__
     return text if limit is None or len(text) <= limit else text[:limit - 3] + "..."
-
-
-def _megabytes(nbytes: int) -> str:
-    mb = nbytes / 1e6
-    return f"{mb:.1f} MB" if mb >= 0.1 else f"{mb:.3f} MB"
-
-
-def report_written(path: str) -> str:
-    """The line a command prints for a file it wrote: ``wrote PATH (SIZE MB)`` (MB = 10^6 bytes)."""
-    return f"wrote {path} ({_megabytes(os.path.getsize(path))})"
 
 
 def _verbose(args: argparse.Namespace) -> bool:
@@ -231,30 +206,12 @@ def _repro(args: argparse.Namespace) -> int:
 
 
 # ----------------------------------------------------------------------------- bench
-BENCH_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bench.py")
-
-
 def load_bench():
-    """The benchmark module, ``scripts/bench.py`` of the source checkout this package runs from,
-    imported on first use (``rl-kernels repro`` never imports it). CommandError when the package
-    was installed from a wheel, which does not ship the measuring scripts."""
-    import importlib.util
+    """The benchmark module, ``rl_kernels.bench``, imported on first use (``rl-kernels repro`` and
+    building the parser never import it)."""
+    from . import bench
 
-    if "rl_kernels_bench" in sys.modules:
-        return sys.modules["rl_kernels_bench"]
-    if not os.path.isfile(BENCH_SCRIPT):
-        raise CommandError(f"rl-kernels bench runs the benchmark script of a source checkout "
-                           f"({BENCH_SCRIPT} is missing: this install has no scripts/); clone the "
-                           f"repository and run pip install -e . there")
-    spec = importlib.util.spec_from_file_location("rl_kernels_bench", BENCH_SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["rl_kernels_bench"] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules["rl_kernels_bench"]
-        raise
-    return module
+    return bench
 
 
 def _bench(args: argparse.Namespace) -> int:

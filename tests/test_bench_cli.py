@@ -1,6 +1,10 @@
-"""`rl-kernels bench` off the GPU: it says so and exits 0; `--plot` re-charts a saved result."""
+"""`rl-kernels bench` off the GPU: it says so and exits 0; `--plot` re-charts a saved result. The
+bench is a module of the package (`rl_kernels.bench`): it runs without the clone's scripts/ and
+does not import the command line."""
+import ast
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -13,6 +17,50 @@ from rl_kernels.cli import load_bench, main
 def test_bench_without_cuda_exits_cleanly(capsys):
     assert main(["bench"]) == 0
     assert "no CUDA device" in capsys.readouterr().out
+
+
+def _isolated(code: str, cwd) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter, from ``cwd``, with this package importable but not the
+    clone's scripts/ (only the package's parent directory on the path)."""
+    import rl_kernels
+
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(rl_kernels.__file__)),
+           "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_bench_is_a_package_module_without_the_cli():
+    """The bench's source imports nothing of the CLI, and importing it loads no CLI module."""
+    import rl_kernels.bench as bench
+
+    tree = ast.parse(open(bench.__file__, encoding="utf-8").read())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    assert not any(name and name.split(".")[-1] == "cli" for name in imported), imported
+    assert load_bench() is bench
+    assert os.path.dirname(bench.__file__) == os.path.dirname(sys.modules["rl_kernels"].__file__)
+
+
+def test_bench_module_imports_alone(tmp_path):
+    """From outside the clone (no scripts/ on the path): ``rl_kernels.bench`` imports, pulls in no
+    CLI module, and its run() says there is no GPU (one line) and returns 0."""
+    proc = _isolated("import sys, rl_kernels.bench as b; assert 'rl_kernels.cli' not in sys.modules, "
+                     "sorted(sys.modules); print(b.__file__); sys.exit(b.run())", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    file, line = proc.stdout.splitlines()
+    assert file.endswith(os.path.join("rl_kernels", "bench.py"))
+    assert line == "rl-kernels bench: no CUDA device here; nothing to benchmark (the timings need a GPU)"
+
+
+def test_bench_command_without_gpu_outside_the_clone(tmp_path):
+    """`python -m rl_kernels bench` (what the `rl-kernels` entry point runs) from another directory,
+    with no GPU visible: one line saying so, exit status 0."""
+    proc = _isolated("import runpy, sys; sys.argv = ['rl-kernels', 'bench']; "
+                     "runpy.run_module('rl_kernels', run_name='__main__')", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        "rl-kernels bench: no CUDA device here; nothing to benchmark (the timings need a GPU)"]
 
 
 def test_bench_plot_from_json(tmp_path, capsys):

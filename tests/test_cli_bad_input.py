@@ -225,7 +225,10 @@ def test_bench_plot_bad_json(tmp_path, capsys):
 
 
 def test_repro_does_not_import_the_bench(tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "rl_kernels_bench", None)  # loading the bench now raises
+    import rl_kernels
+
+    monkeypatch.delattr(rl_kernels, "bench", raising=False)  # an earlier test may have imported it
+    monkeypatch.setitem(sys.modules, "rl_kernels.bench", None)  # importing the bench now raises
     build_parser()
     assert main(["repro", "--device", "cpu", str(_good(tmp_path))]) == 0
     monkeypatch.undo()

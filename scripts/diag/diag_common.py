@@ -1,12 +1,16 @@
 """Pieces the diagnostic scripts in this folder share (they run as ``python scripts/diag/X.py``,
 so this folder is on ``sys.path``)."""
+from __future__ import annotations
+
+import math
+import statistics
 import time
 
 import torch
 
 
 def head_inputs(n: int, h: int, v: int, seed: int = 0):
-    """Benchmark inputs of the fused head on CUDA, generated there (as ``scripts/bench.py``): bf16
+    """Benchmark inputs of the fused head on CUDA, generated there (as ``rl_kernels.bench``): bf16
     hidden ~ N(0, 1) (N, H) and weight ~ N(0, 0.02^2) (V, H), labels uniform in [0, V), and float32
     upstream gradients ~ N(0, 1) for log-probs and entropy; returns (hidden, weight, labels,
     g_lp, g_ent)."""
@@ -30,3 +34,87 @@ def per_call_us(f, reps: int = 400, warmup: int = 20) -> float:
         f()
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) / reps * 1e6
+
+
+# ----------------------------------------------------------------------------- timing over ranks
+# Never time collectives with triton.testing.do_bench: it picks its repeat count from each rank's
+# own timing, so ranks can call different numbers of collectives and hang (tp_bench.py did, on two
+# GPUs with a cold Triton cache). These helpers call the function the same number of times on every
+# rank: a fixed warm-up, a barrier, then a count every rank agrees on.
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def iters_for(estimate_ms: float, rep_ms: float, lo: int = 5, hi: int = 1000) -> int:
+    """How many timed calls fill ``rep_ms`` (do_bench's ``rep``) at ``estimate_ms`` per call, within
+    [lo, hi]."""
+    return int(min(hi, max(lo, math.ceil(rep_ms / max(estimate_ms, 1e-3)))))
+
+
+def median_ms(fn, device: torch.device, iters: int) -> float:
+    """Median ms of ``iters`` calls of ``fn`` (CUDA events around each call on CUDA, the host clock
+    with a sync on CPU); no warm-up, no collectives of its own."""
+    times = []
+    if device.type == "cuda":
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(iters)]
+        for start, end in events:
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize(device)
+        times = [start.elapsed_time(end) for start, end in events]
+    else:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _estimate_ms(fn, device: torch.device) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def local_ms(fn, device: torch.device, warmup: int = 5, iters: int | None = None,
+             rep_ms: float = 500.0) -> float:
+    """One process, no collectives in ``fn``: ``warmup`` calls, then the median of ``iters`` calls
+    (default: as many as fill ``rep_ms``, from one more call's time). The same method as
+    :func:`slowest_rank_ms`, for a one-GPU baseline to compare with."""
+    for _ in range(warmup):
+        fn()
+    if iters is None:
+        iters = iters_for(_estimate_ms(fn, device), rep_ms)
+    _sync(device)
+    return median_ms(fn, device, iters)
+
+
+def slowest_rank_ms(fn, device: torch.device, warmup: int = 5, iters: int | None = None,
+                    rep_ms: float = 500.0, group=None) -> float:
+    """``fn`` holds collectives over ``group``: every rank calls it ``warmup`` times (Triton compiles
+    here, on every rank), meets the others at a barrier, and then calls it the same number of
+    times: ``iters``, or (None) the count that fills ``rep_ms`` at the slowest rank's time of one
+    more call (all-reduced MAX, so every rank computes the same count). Returns the slowest rank's
+    median ms (all-reduced MAX), the same on every rank."""
+    import torch.distributed as dist
+
+    on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else \
+        torch.device("cpu")
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    dist.barrier(group=group)
+    if iters is None:
+        estimate = torch.tensor([_estimate_ms(fn, device)], dtype=torch.float64, device=on)
+        dist.all_reduce(estimate, op=dist.ReduceOp.MAX, group=group)
+        iters = iters_for(estimate.item(), rep_ms)
+        dist.barrier(group=group)
+    ms = torch.tensor([median_ms(fn, device, iters)], dtype=torch.float64, device=on)
+    dist.all_reduce(ms, op=dist.ReduceOp.MAX, group=group)
+    return ms.item()

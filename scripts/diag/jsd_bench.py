@@ -5,7 +5,6 @@ and a sweep of the JSD kernels' tiles.
 python scripts/diag/jsd_bench.py [N,H,V] [--sweep] [--no-final]   (default 4096,3584,152064: a Qwen2.5-7B head)
 """
 import dataclasses
-import os
 import sys
 
 import torch
@@ -14,10 +13,8 @@ import triton.testing
 import rl_kernels
 import rl_kernels.distill
 import rl_kernels.ops as ops
+from rl_kernels.bench import peak_extra_gib as peak_extra
 from rl_kernels.ops.config import BwdTile, forced_config
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # scripts/
-from bench import peak_extra_gib as peak_extra  # noqa: E402
 
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
 n, h, v = (int(x) for x in (args[0] if args else "4096,3584,152064").split(","))

@@ -26,8 +26,7 @@ import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import rl_kernels  # noqa: E402
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # scripts/
-from bench import peak_extra_gib as peak_extra  # noqa: E402
+from rl_kernels.bench import peak_extra_gib as peak_extra  # noqa: E402
 from rl_kernels.reference import reference_linear_log_probs  # noqa: E402
 
 

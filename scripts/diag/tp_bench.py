@@ -1,31 +1,52 @@
 """Vocab-parallel linear_log_probs over NCCL: correctness and time vs the unsharded kernel.
 
-torchrun --nproc_per_node=2 scripts/diag/tp_bench.py [N,H,V]   (default 16384,3584,152064)
+torchrun --nproc_per_node=2 scripts/diag/tp_bench.py [N,H,V] [--iters K]   (default 16384,3584,152064)
 TP_BACKEND=gloo torchrun --nproc_per_node=2 ... on a one-GPU machine: both ranks share the GPU
 (gloo moves the gathered rows through the host): the correctness checks only, no timing.
+torchrun --nproc_per_node=2 scripts/diag/tp_bench.py 64,32,101 --cpu --iters 3: the same code on
+the CPU (gloo, the torch backend), timing included; tests/test_diag_timing.py runs it.
 
 Each rank holds half of the vocabulary (uneven when V is odd); hidden states are replicated.
 Checks: log-probs / entropy identical bits on every rank and equal (to float32 rounding) to the
 unsharded kernel on one GPU; dW shard and the all-reduced dh vs the unsharded gradients (relative
 Frobenius) and vs float64 on the first 1024 tokens. Times forward and forward+backward
 (reduce_hidden_grad=True, so the dh all-reduce is included) against the unsharded run on one GPU.
+
+Timing (``diag_common.slowest_rank_ms``, not ``triton.testing.do_bench``, whose repeat count each
+rank picks from its own timing: with a cold Triton cache the two ranks called different numbers of
+collectives and hung): 5 warm-up calls on every rank (they compile), a barrier, then the same
+number of calls on every rank (``--iters``, or the count that fills 500 ms at the slowest rank's
+time of one call, all-reduced), CUDA events around each; the time is the slowest rank's median.
+The unsharded baseline on rank 0 is timed the same way (``diag_common.local_ms``).
 """
+import argparse
 import os
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import triton.testing
 
 import rl_kernels
 
-dist.init_process_group(os.environ.get("TP_BACKEND", "nccl"))
+from diag_common import local_ms, slowest_rank_ms
+
+ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+ap.add_argument("shape", nargs="?", default="16384,3584,152064", help="N,H,V")
+ap.add_argument("--iters", type=int, default=None,
+                help="timed calls per case, the same on every rank (default: as many as fill 500 ms)")
+ap.add_argument("--cpu", action="store_true", help="run on the CPU (gloo, torch backend): a check of the code")
+args = ap.parse_args()
+dist.init_process_group(os.environ.get("TP_BACKEND", "gloo" if args.cpu else "nccl"))
 rank, world = dist.get_rank(), dist.get_world_size()
-torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
-shared_gpu = torch.cuda.device_count() < world
-dev = torch.device("cuda")
-n, h, v = (int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "16384,3584,152064").split(","))
+if args.cpu:
+    dev, shared_gpu, device_name = torch.device("cpu"), False, "CPU"
+else:
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+    shared_gpu = torch.cuda.device_count() < world
+    dev = torch.device("cuda")
+    device_name = f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()}"
+n, h, v = (int(x) for x in args.shape.split(","))
 g = torch.Generator(device=dev).manual_seed(0)
 hidden = torch.randn(n, h, device=dev, generator=g).bfloat16()
 weight = (0.02 * torch.randn(v, h, device=dev, generator=g)).bfloat16()
@@ -61,13 +82,13 @@ for t in (out.log_probs, out.entropy, hx.grad):
     same.append(all(torch.equal(x, all_t[0]) for x in all_t))
 hu, wu = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
 ref = step(hu, wu)
-say(f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()}, {world} ranks, {dist.get_backend()}, {n}x{h}x{v} bf16, shards {bounds}, {time.strftime('%Y-%m-%d')}")
+say(f"{device_name}, {world} ranks, {dist.get_backend()}, {n}x{h}x{v} bf16, shards {bounds}, {time.strftime('%Y-%m-%d')}")
 say(f"  identical bits on all ranks: log_probs {same[0]}, entropy {same[1]}, dh {same[2]}")
 say(f"  vs unsharded kernel: max|dlogp| {(out.log_probs - ref.log_probs).abs().max().item():.2e}, "
     f"max|dent| {(out.entropy - ref.entropy).abs().max().item():.2e}, "
     f"dh rel {rel(hx.grad, hu.grad):.2e}, dW shard rel {rel(wx.grad, wu.grad[lo:hi]):.2e}")
 # float64 on the first 1024 tokens (dh rows of those tokens; dW needs all tokens, so it is skipped)
-m = 1024
+m = min(1024, n)
 h64, w64 = hidden[:m].double().requires_grad_(), weight.double()
 lp64 = torch.log_softmax(h64 @ w64.T / 0.9, -1)
 valid = labels[:m] != -100
@@ -89,12 +110,18 @@ say(f"  logits_stats on a logits shard: identical on all ranks {all(torch.equal(
     f"vs unsharded max|dlogp| {(st.log_probs - full.log_probs).abs().max().item():.2e}, "
     f"max|dent| {(st.entropy - full.entropy).abs().max().item():.2e}, max|dlse| {(st.lse - full.lse).abs().max().item():.2e}")
 del st, full
-torch.cuda.empty_cache()
+if dev.type == "cuda":
+    torch.cuda.empty_cache()
 
 
 def bench(f):
-    dist.barrier()
-    return triton.testing.do_bench(f, warmup=5, rep=500, return_mode="median")
+    """Collectives inside: every rank calls ``f`` the same number of times; the slowest rank's median."""
+    return slowest_rank_ms(f, dev, warmup=5, iters=args.iters, rep_ms=500)
+
+
+def bench_local(f):
+    """No collectives (rank 0 alone): the same method."""
+    return local_ms(f, dev, warmup=5, iters=args.iters, rep_ms=500)
 
 
 def tp_fwd():
@@ -112,6 +139,8 @@ if shared_gpu:
     say("  timing skipped: the ranks share one GPU")
     dist.destroy_process_group()
     sys.exit(0)
+
+
 def tp_fb_partial():  # Megatron convention: partial dh, no all-reduce inside
     hx.grad = wx.grad = None
     step(hx, wx, process_group=dist.group.WORLD, vocab_start_index=lo)
@@ -126,12 +155,14 @@ if rank == 0:
     def one_fb():
         hu.grad = wu.grad = None
         step(hu, wu)
-    t_mm = triton.testing.do_bench(lambda: hidden @ weight.T, warmup=5, rep=500, return_mode="median")
-    t_f = triton.testing.do_bench(one_fwd, warmup=5, rep=500, return_mode="median")
-    t_fb = triton.testing.do_bench(one_fb, warmup=5, rep=500, return_mode="median")
-    print(f"  one GPU unsharded: cuBLAS mm {t_mm:.2f} ms, fwd {t_f:.2f} ms ({t_f / t_mm:.2f}x mm), "
+    t_mm = bench_local(lambda: hidden @ weight.T)
+    t_f = bench_local(one_fwd)
+    t_fb = bench_local(one_fb)
+    print(f"  one {'GPU' if dev.type == 'cuda' else 'process'} unsharded: cuBLAS mm {t_mm:.2f} ms, "
+          f"fwd {t_f:.2f} ms ({t_f / t_mm:.2f}x mm), "
           f"fwd+bwd {t_fb:.2f} ms ({t_fb / t_mm:.2f}x mm)")
-    print(f"  {world} GPUs vocab-parallel: fwd {t_tp_f:.2f} ms ({t_f / t_tp_f:.2f}x speed-up), "
+    print(f"  {world} {'GPUs' if dev.type == 'cuda' else 'CPU ranks'} vocab-parallel: "
+          f"fwd {t_tp_f:.2f} ms ({t_f / t_tp_f:.2f}x speed-up), "
           f"fwd+bwd {t_tp_fb:.2f} ms ({t_fb / t_tp_fb:.2f}x speed-up, ideal {world}x; "
           f"{t_tp_fb_partial:.2f} ms with the partial dh, no all-reduce inside)")
 dist.barrier()
