@@ -68,7 +68,7 @@ class KernelConfig:
 # H100, 16384 x 3584 x 152064 bf16, 2026-11-22 (scripts/diag/fwd_sweep.py): forward 1.19x cuBLAS
 # with BN=256 and grouped order (G8); 1.49x with BN=128; 2.20x with BN=128 ungrouped.
 # dlogits tiles measured on an H100 at 16384 x 3584 x 152064 with aligned windows
-# (scripts/diag/bwd_profile.py, 2026-11-22), as multiples of one full-size cuBLAS matmul:
+# (scripts/diag/bwd_profile.py, retired in issue 28; 2026-11-22), as multiples of one full-size cuBLAS matmul:
 # 128x256 / 8 warps / 3 stages 1.29x (column windows) and 1.58x (row windows); 128x128/s3
 # 1.65x / 2.03x; 128x256/s4 1.35x / 1.76x; 256x128/s3 1.54x / 2.28x; 64x256/4 warps 1.96x / 1.97x
 # Mainloop flags, H100, 2026-11-23 (scripts/diag/fwd_sweep.py --bwd, 16384 x 3584 x 152064, label

@@ -118,3 +118,30 @@ def slowest_rank_ms(fn, device: torch.device, warmup: int = 5, iters: int | None
     ms = torch.tensor([median_ms(fn, device, iters)], dtype=torch.float64, device=on)
     dist.all_reduce(ms, op=dist.ReduceOp.MAX, group=group)
     return ms.item()
+
+
+def head_params(device, return_entropy: bool = True):
+    """The fused head's parameter record for a direct launcher call: T = 1, ignore_index -100,
+    the Triton backend (the launchers read the record's values, not its backend)."""
+    from rl_kernels.autograd.linear import HeadParams
+    from rl_kernels.backends import get_backend
+
+    return HeadParams(backend=get_backend("triton", device), inv_temperature=1.0, ignore_index=-100,
+                      return_entropy=return_entropy)
+
+
+def logits_params(device, return_entropy: bool = True, name: str = "diag"):
+    """The from-logits parameter record for a direct launcher call (T = 1, ignore_index -100)."""
+    from rl_kernels.autograd.logits import LogitsParams
+    from rl_kernels.backends import get_backend
+
+    return LogitsParams(backend=get_backend("triton", device), inv_temperature=1.0, ignore_index=-100,
+                        return_entropy=return_entropy, name=name)
+
+
+def saved_and_grads(lse, entropy, grad_log_probs, grad_entropy):
+    """(saved, grads) records of ``ops.linear_dlogits`` from the forward's lse / entropy and the
+    upstream gradients of log_probs / entropy."""
+    from rl_kernels.autograd.linear import HeadOutputs
+
+    return HeadOutputs(None, entropy, lse), HeadOutputs(grad_log_probs, grad_entropy)

@@ -22,7 +22,7 @@ import rl_kernels
 from rl_kernels import ops
 from rl_kernels.ops import config as ops_config
 
-from diag_common import head_inputs
+from diag_common import head_inputs, head_params, saved_and_grads
 
 WINDOW = 4096
 VARIANTS = [  # every field set explicitly: the shipped config may have either
@@ -62,8 +62,9 @@ def main():
         t_mm = bench(lambda: hid @ w.T)
         t_win_mm = bench(lambda: hid @ w[:WINDOW].T)
         base = ops_config.CUDA_CONFIG
-        m, s, b, z_y, _ = ops.linear_split_stats(hid, w, lab, 1.0, True, base)
-        _, ent, lse, _ = ops.split_combine(m, s, b, z_y, lab, -100, True)
+        hp = head_params(hid.device)
+        _, ent, lse, _ = ops.split_combine(ops.linear_split_stats(hid, w, lab, hp, base), lab, hp)
+        saved, grads = saved_and_grads(lse, ent, g_lp, g_ent)
         win = torch.empty(n, WINDOW, dtype=hid.dtype, device="cuda")
         hg = hid.detach().requires_grad_()
         wg = w.detach().requires_grad_()
@@ -80,8 +81,8 @@ def main():
             cfg = variant_config(fields)
             try:
                 def kernel():
-                    ops.linear_dlogits(hid, w, lab, lse, ent, g_lp, g_ent, slice(0, n), slice(0, WINDOW),
-                                       1.0, -100, win, cfg, cfg.bwd_cols)
+                    ops.linear_dlogits(hid, w, lab, saved, grads, slice(0, n), slice(0, WINDOW), win, hp, cfg,
+                                       cfg.bwd_cols)
                 win.fill_(float("nan"))
                 kernel()
                 dz = win.clone()

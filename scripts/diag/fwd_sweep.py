@@ -16,7 +16,7 @@ import rl_kernels
 from rl_kernels import ops
 from rl_kernels.ops import config as ops_config
 
-from diag_common import head_inputs
+from diag_common import head_inputs, head_params
 
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
 WITH_BWD = "--bwd" in sys.argv
@@ -37,14 +37,14 @@ shipped = ops_config.CUDA_CONFIG
 for shape in SHAPES:
     n, h, v = (int(x) for x in shape.split(","))
     hid, w, lab, g_lp, g_ent = head_inputs(n, h, v)
+    hp = head_params(hid.device)
     t_mm = bench(lambda: hid @ w.T)
     ref = None
     print(f"{n}x{h}x{v}: cuBLAS {t_mm:.2f} ms ({2 * n * h * v / t_mm / 1e9:.0f} TFLOP/s)", flush=True)
     for name, fields in VARIANTS:
         cfg = dataclasses.replace(shipped, **fields)
         try:
-            f = lambda: ops.split_combine(*ops.linear_split_stats(hid, w, lab, 1.0, True, cfg)[:4],  # noqa: E731
-                                          lab, -100, True)
+            f = lambda: ops.split_combine(ops.linear_split_stats(hid, w, lab, hp, cfg), lab, hp)  # noqa: E731
             lp = f()[0]
             t = bench(f)
         except Exception as e:  # noqa: BLE001

@@ -27,7 +27,7 @@ from rl_kernels import ops
 from rl_kernels.autograd.logits import LogitsStatsFunction
 from rl_kernels.validation import check_label_values
 
-from diag_common import per_call_us
+from diag_common import head_params, logits_params, per_call_us
 
 
 def small_n():
@@ -50,18 +50,19 @@ def small_n():
         out = rl_kernels.logits_stats(xg, lab)
         torch.autograd.backward([out.log_probs, out.entropy], [g_lp, g_ent])
 
-    stats = ops.logits_forward(logits, lab, 1.0, -100, True, False, lcfg)
+    hp, lp = head_params(logits.device), logits_params(logits.device)
+    stats = ops.logits_forward(logits, lab, lp, lcfg)
     grad = torch.empty_like(logits)
     rows = {
         "head API linear_log_probs (no grad)": lambda: rl_kernels.linear_log_probs(hid, w, lab),
         "head kernels only (stats + combine)": lambda: ops.split_combine(
-            *ops.linear_split_stats(hid, w, lab, 1.0, True, cfg)[:4], lab, -100, True),
+            ops.linear_split_stats(hid, w, lab, hp, cfg), lab, hp),
         "label check only (host sync)": lambda: check_label_values(lab, v, -100),
         "logits API logits_stats (no grad)": lambda: rl_kernels.logits_stats(logits, lab),
-        "logits forward kernel only": lambda: ops.logits_forward(logits, lab, 1.0, -100, True, False, lcfg),
+        "logits forward kernel only": lambda: ops.logits_forward(logits, lab, lp, lcfg),
         "logits API fwd+bwd": logits_fwd_bwd,
         "logits backward kernel only": lambda: ops.logits_backward(
-            logits, grad, lab, stats, {"log_probs": g_lp, "entropy": g_ent}, 1.0, -100, lcfg),
+            logits, grad, lab, stats, {"log_probs": g_lp, "entropy": g_ent}, lp, lcfg),
     }
     print(f"{torch.cuda.get_device_name()} {n}x{h}x{v} bf16: cuBLAS mm {t_mm * 1e3:.1f} us")
     for name, f in rows.items():
@@ -106,7 +107,8 @@ def tiny():
     lcfg = ops.logits_config(dev)
     cfg = ops.default_config(dev)
     g_lp, g_ent = torch.randn(n, device=dev), torch.randn(n, device=dev)
-    stats = ops.logits_forward(logits, lab, 1.0, -100, True, False, lcfg)
+    hp, lp = head_params(dev), logits_params(dev, name="logits_stats")
+    stats = ops.logits_forward(logits, lab, lp, lcfg)
     grad = torch.empty_like(logits)
     xg = logits.clone().requires_grad_()
     hg = hid.clone().requires_grad_()
@@ -132,18 +134,15 @@ def tiny():
         "torch.empty(8)": lambda: torch.empty(n, device=dev),
         "torch add (one tiny kernel)": lambda: g_lp.add(g_ent),
         "label check (any + item)": lambda: check_label_values(lab, v, -100),
-        "ops.logits_forward (1 level)": lambda: ops.logits_forward(logits, lab, 1.0, -100, True, False, lcfg,
-                                                                   two_level=False),
-        "ops.logits_forward (2 levels)": lambda: ops.logits_forward(logits, lab, 1.0, -100, True, False, lcfg,
-                                                                    two_level=True),
+        "ops.logits_forward (1 level)": lambda: ops.logits_forward(logits, lab, lp, lcfg, two_level=False),
+        "ops.logits_forward (2 levels)": lambda: ops.logits_forward(logits, lab, lp, lcfg, two_level=True),
         "ops.logits_backward": lambda: ops.logits_backward(logits, grad, lab, stats,
-                                                           {"log_probs": g_lp, "entropy": g_ent}, 1.0, -100, lcfg),
-        "LogitsStatsFunction.apply no grad": nograd(lambda: LogitsStatsFunction.apply(
-            logits, lab, 1.0, -100, True, False, False, "triton", "logits_stats")),
+                                                           {"log_probs": g_lp, "entropy": g_ent}, lp, lcfg),
+        "LogitsStatsFunction.apply no grad": nograd(lambda: LogitsStatsFunction.apply(logits, lab, lp)),
         "logits_stats no grad, labels": nograd(lambda: rl_kernels.logits_stats(logits, lab)),
         "logits_stats no grad, no labels": nograd(lambda: rl_kernels.logits_stats(logits)),
         "logits_stats fwd+bwd": logits_step,
-        "ops.linear_split_stats": lambda: ops.linear_split_stats(hid, w, lab, 1.0, True, cfg),
+        "ops.linear_split_stats": lambda: ops.linear_split_stats(hid, w, lab, hp, cfg),
         "linear_log_probs no grad": nograd(lambda: rl_kernels.linear_log_probs(hid, w, lab)),
         "linear_log_probs fwd+bwd": head_step,
     }

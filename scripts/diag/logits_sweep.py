@@ -17,6 +17,8 @@ from rl_kernels import ops
 from rl_kernels.ops import config as ops_config
 from rl_kernels.ops import logits_stats as kernels
 
+from diag_common import logits_params  # noqa: E402 - this script's folder is on sys.path
+
 bench = lambda f: triton.testing.do_bench(f, warmup=25, rep=300, return_mode="median")  # noqa: E731
 shapes = [a for a in sys.argv[1:] if not a.startswith("--")] or ["16384,152064", "512,152064"]
 
@@ -41,6 +43,7 @@ for shape in shapes:
     n, v = (int(x) for x in shape.split(","))
     g = torch.Generator(device="cuda").manual_seed(0)
     x = (3 * torch.randn(n, v, device="cuda", generator=g)).bfloat16()
+    lp = logits_params(x.device)
     lab = torch.randint(0, v, (n,), device="cuda", generator=g)
     rows = slice(0, min(n, 256))
     z64 = x[rows].double()
@@ -53,7 +56,7 @@ for shape in shapes:
     for name, fields in VARIANTS:
         cfg = dataclasses.replace(base, **fields)
         for two in (False, True):
-            f = lambda: ops.logits_forward(x, lab, 1.0, -100, True, False, cfg, two_level=two)  # noqa: E731
+            f = lambda: ops.logits_forward(x, lab, lp, cfg, two_level=two)  # noqa: E731
             try:
                 o = f()
                 t = bench(f)
@@ -67,12 +70,12 @@ for shape in shapes:
             print(f"  fwd {name:22s} {'2-level' if two else '1-level'}: {t:7.3f} ms "
                   f"{n * v * 2 / t / 1e6:6.0f} GB/s = {n * v * 2 / t / 1e6 / read_bw:.0%} of read; "
                   f"max err {err:.1e}; bitwise = first: {same}", flush=True)
-    stats = ops.logits_forward(x, lab, 1.0, -100, True, False, base)
+    stats = ops.logits_forward(x, lab, lp, base)
     grads = {"log_probs": torch.randn(n, device="cuda"), "entropy": torch.randn(n, device="cuda")}
     grad = torch.empty_like(x)
     for b, w in BWD:
         cfg = dataclasses.replace(base, bwd_block_v=b, bwd_num_warps=w)
-        t = bench(lambda: ops.logits_backward(x, grad, lab, stats, grads, 1.0, -100, cfg))
+        t = bench(lambda: ops.logits_backward(x, grad, lab, stats, grads, lp, cfg))
         print(f"  bwd block {b}, {w} warps: {t:7.3f} ms {2 * n * v * 2 / t / 1e6:6.0f} GB/s = "
               f"{2 * n * v * 2 / t / 1e6 / copy_bw:.0%} of copy", flush=True)
     # whole public call, fwd and fwd+bwd, vs torch eager (verl's two functions)
