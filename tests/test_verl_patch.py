@@ -605,3 +605,13 @@ def test_options_from_the_engine_model_config(monkeypatch):
     finally:
         _restore_options(previous)
 
+
+def test_logprobs_from_logits_rejects_a_list():
+    """A Python list for labels or logits is a TypeError naming the argument, its type and what is
+    expected (not an AttributeError from inside the patch)."""
+    logits = torch.randn(2, 5)
+    with pytest.raises(TypeError, match=r"labels: expected a torch\.Tensor, got list"):
+        verl_F.logprobs_from_logits(logits, [1, 2])
+    for inplace_backward in (True, False):
+        with pytest.raises(TypeError, match=r"logits: expected a torch\.Tensor, got list"):
+            verl_F.logprobs_from_logits(logits.tolist(), torch.tensor([1, 2]), inplace_backward=inplace_backward)

@@ -33,6 +33,11 @@ def _viewable_2d(logits: torch.Tensor) -> bool:
     return True
 
 
+def _check_tensor(name: str, value) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"logprobs_from_logits: {name}: expected a torch.Tensor, got {type(value).__name__}")
+
+
 @torch.compiler.disable
 def logprobs_from_logits(logits, labels, inplace_backward=True):
     """rl-kernels replacement for ``verl.utils.torch_functional.logprobs_from_logits``.
@@ -40,8 +45,12 @@ def logprobs_from_logits(logits, labels, inplace_backward=True):
     Same arguments: ``logits`` ``(..., vocab_size)`` (float32 / bfloat16 / float16), ``labels`` int
     ``(...)``; float32 output of shape ``labels.shape``; ``inplace_backward=True`` writes the
     gradient into the logits' storage as verl's flash-attn path does (verl passes False when it
-    also needs the logits for entropy). Errors as :func:`rl_kernels.log_probs_from_logits`.
+    also needs the logits for entropy). Raises TypeError naming the argument when ``logits`` or
+    ``labels`` is not a torch.Tensor (a Python list, ...), and the errors of
+    :func:`rl_kernels.log_probs_from_logits` otherwise.
     """
+    _check_tensor("logits", logits)
+    _check_tensor("labels", labels)
     if inplace_backward and not _viewable_2d(logits):
         # verl's flash-attn path reshapes such logits (a copy, e.g. verl 0.7.x dp_actor's
         # logits[:, -response_length - 1:-1] slice) and writes the gradient into that copy:
