@@ -136,7 +136,7 @@ def _patch_all(monkey_patch, experimental_tf, torch_functional) -> dict:
             report["FSDP logits path"] = (True, report["FSDP logits path"][1] + "; " + what)
     if verl_minor() == "0.9":
         megatron = verl_megatron.patch(logits_path=logits_path, fused_path=current.patch_megatron_fused,
-                                       sum_pi_squared=sum_pi_squared, options=options)
+                                       sum_pi_squared=sum_pi_squared)
     else:
         why = f"not patched (verl {verl_version()}: rl-kernels serves verl's Megatron engine on verl 0.9.x only)"
         megatron = dict.fromkeys(("Megatron logits path", "Megatron fused path", "sum_pi_squared (Megatron)"),
