@@ -56,7 +56,7 @@ def _worker(rank, init_file):
         hidden, labels, g_lp, g_ent = _data(rank)
         hidden.requires_grad_()
         rkv.configure(backend="torch")
-        lp, ent = rkv._fused_log_probs_entropy(hidden, weight, labels, 0.7)
+        lp, ent = rkv.fused_log_probs_entropy(hidden, weight, labels, 0.7)
         (g_lp * lp + g_ent * ent).sum().backward()
         ref_dh, ref_dw = _reference_grads(rank)
         torch.testing.assert_close(hidden.grad.double(), ref_dh, atol=1e-5, rtol=1e-5)

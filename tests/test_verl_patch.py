@@ -153,7 +153,7 @@ def test_entropy_only_when_verl_asks(qwen2_forward):
         for flag in (False, True):
             micro_batch = TensorDict({"x": torch.zeros(2)}, batch_size=[2])
             tu.assign_non_tensor(micro_batch, calculate_entropy=flag)
-            assert rkv._micro_batch_flag({"micro_batch": micro_batch}) is flag
+            assert rkv.micro_batch_flag({"micro_batch": micro_batch}) is flag
 
 
 @pytest.mark.skipif(VERL == "0.7", reason="verl 0.7.x's fused forward has no shift_labels")
@@ -411,6 +411,7 @@ def test_signature_table_matches_installed_verl():
                "FusedLinearForPPO.__init__": xtf.FusedLinearForPPO.__init__,
                "FusedLinearForPPO.forward": xtf.FusedLinearForPPO.forward,
                "EngineRegistry.get_engine_cls": vars(EngineRegistry)["get_engine_cls"].__func__,
+               "EngineRegistry.new": vars(EngineRegistry)["new"].__func__,
                **{n: getattr(verl_F, n) for n in rkv.LOGITS_FUNCTIONS + (rkv.SUM_PI_SQUARED_FUNCTION,)}}
         if VERL == "0.7":
             from verl.workers.actor.dp_actor import DataParallelPPOActor
@@ -511,10 +512,16 @@ def test_fused_with_ulysses_is_refused_on_verl_0_7(qwen2_forward, backend, monke
         model(**_inputs(rmpad=True), temperature=T, return_dict=True)
 
 
-def test_options_from_the_worker_config_in_scope():
-    """verl 0.7.x's legacy workers import external_lib in init_model with no HFModelConfig on the
-    stack: the options come from the worker's own ``self.config.model``."""
+def _restore_options(previous):
+    rkv.configure(**{f: getattr(previous, f) for f in previous.__dataclass_fields__})
+
+
+def test_options_from_the_legacy_worker_config():
+    """verl 0.7.x's legacy workers import external_lib in init_model, with no HFModelConfig: the
+    method init_model calls next (``_build_model_optimizer``) hands ``self.config.model`` over."""
     from omegaconf import OmegaConf
+
+    from rl_kernels.integrations import verl_hooks
 
     class ActorRolloutRefWorker:  # stands for verl.workers.fsdp_workers.ActorRolloutRefWorker
         def __init__(self):
@@ -522,15 +529,89 @@ def test_options_from_the_worker_config_in_scope():
                 "external_lib": "rl_kernels.integrations.verl", "use_fused_kernels": True,
                 "fused_kernel_options": {"impl_backend": "rl_kernels", "rl_kernels": {"backend": "triton"}}}})
 
-        def init_model(self):
-            return rkv._model_config_in_import_stack()
+        def _build_model_optimizer(self, path):
+            return path, rkv.options().backend
 
-    ActorRolloutRefWorker.__module__ = "verl.workers.fsdp_workers"
+    module = type(inspect)("verl.workers.fsdp_workers")  # a loaded legacy worker module
+    module.ActorRolloutRefWorker = ActorRolloutRefWorker
+    previous = rkv.options()
+    sys_modules = importlib.sys.modules
+    saved = sys_modules.get(module.__name__)
+    sys_modules[module.__name__] = module
+    try:
+        rkv.configure(backend="torch")
+        rkv.unpatch()
+        rkv.patch()  # wraps the legacy workers that are loaded
+        assert ActorRolloutRefWorker()._build_model_optimizer("p") == ("p", "triton")
+        assert rkv.options().backend == "triton"
+        assert verl_hooks.LEGACY_WORKERS[module.__name__]["ActorRolloutRefWorker"] == "_build_model_optimizer"
+    finally:
+        rkv.unpatch()
+        if saved is None:
+            sys_modules.pop(module.__name__)
+        else:
+            sys_modules[module.__name__] = saved
+        rkv.patch()
+        _restore_options(previous)
+
+
+def test_options_of_the_importing_config_repatch_before_use():
+    """The first model config verl hands over after the import is the one that imported the
+    module; options in it that change what patch() replaces re-apply the patch (no warning), a
+    later config's only warn (they take effect at the next patch())."""
+    from rl_kernels.integrations import verl_patch
+
+    class HFModelConfig:
+        fused_kernel_options = {"impl_backend": "rl_kernels", "rl_kernels": {"patch_logits_path": False}}
+
     previous = rkv.options()
     try:
-        found = ActorRolloutRefWorker().init_model()
-        assert found is not None and found.external_lib == "rl_kernels.integrations.verl"
-        rkv.configure_from_model_config(found)
-        assert rkv.options().backend == "triton"
+        assert verl_F.logprobs_from_logits is rkv.logprobs_from_logits
+        verl_patch.expect_import_config()
+        rkv.apply_model_config(HFModelConfig())
+        assert rkv.is_patched() and not rkv.options().patch_logits_path
+        assert verl_F.logprobs_from_logits is not rkv.logprobs_from_logits  # verl's own again
+        assert rkv.report()["FSDP logits path"] == (False, "not replaced (patch_logits_path=False)")
+        HFModelConfig.fused_kernel_options = {"rl_kernels": {"patch_logits_path": True}}
+        rkv.apply_model_config(HFModelConfig())  # not the importing config: options only
+        assert rkv.options().patch_logits_path and verl_F.logprobs_from_logits is not rkv.logprobs_from_logits
     finally:
-        rkv.configure(**{f: getattr(previous, f) for f in previous.__dataclass_fields__})
+        _restore_options(previous)
+        rkv.unpatch()
+        rkv.patch()
+    assert verl_F.logprobs_from_logits is rkv.logprobs_from_logits
+
+
+def test_options_from_the_engine_model_config(monkeypatch):
+    """``EngineRegistry.new(..., model_config=...)`` applies the model config's options before the
+    engine is built (verl 0.8+ engine workers; the config that imported the module reaches it)."""
+    from verl.workers.engine.base import EngineRegistry
+
+    class HFModelConfig:
+        fused_kernel_options = {"rl_kernels": {"backend": "triton"}}
+
+    seen = {}
+
+    class Engine:
+        def __init__(self, model_config):
+            seen["backend"] = rkv.options().backend
+
+    monkeypatch.setattr(EngineRegistry, "get_engine_cls", classmethod(lambda cls, model_type, backend: Engine))
+    previous = rkv.options()
+    try:
+        rkv.configure(backend="torch")
+        EngineRegistry.new("language_model", "fsdp", model_config=HFModelConfig())
+        assert seen["backend"] == "triton"
+    finally:
+        _restore_options(previous)
+
+
+def test_logprobs_from_logits_rejects_a_list():
+    """A Python list for labels or logits is a TypeError naming the argument, its type and what is
+    expected (not an AttributeError from inside the patch)."""
+    logits = torch.randn(2, 5)
+    with pytest.raises(TypeError, match=r"labels: expected a torch\.Tensor, got list"):
+        verl_F.logprobs_from_logits(logits, [1, 2])
+    for inplace_backward in (True, False):
+        with pytest.raises(TypeError, match=r"logits: expected a torch\.Tensor, got list"):
+            verl_F.logprobs_from_logits(logits.tolist(), torch.tensor([1, 2]), inplace_backward=inplace_backward)

@@ -74,6 +74,7 @@ import rl_kernels
 from .._logging import log_once, logger
 from ._verl_common import (VerlIntegrationError, check_signature, entropy_on_request, entropy_placeholder,
                            entropy_wanted, record, replace_by_name, set_attr, verl_version)
+from .verl_options import options
 
 LOGITS_FUNCTIONS = ("vocab_parallel_log_probs_from_logits", "vocab_parallel_entropy",
                     "vocab_parallel_entropy_with_chunking")
@@ -93,9 +94,6 @@ EXPECTED_SIGNATURES = {
     GATHER: ["input_", "tensor_parallel_output_grad=True", "group=None", "output_split_sizes=None",
              "use_global_buffer=False"],
 }
-
-_options_getter = None       # verl.py's options(): the fused backend is read per call
-
 
 def _tensor_parallel():
     """(group, rank): Megatron's TP group (None when it has one rank) and this rank in it."""
@@ -207,7 +205,7 @@ def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="non
         kwargs = {"process_group": dist_process_group,
                   "vocab_start_index": torch.distributed.get_rank(dist_process_group) * weight.shape[0],
                   "reduce_hidden_grad": not summed}
-    backend = _options_getter().backend if _options_getter is not None else "auto"
+    backend = options().backend  # read per call
     return_entropy = entropy_wanted.get()
     out = rl_kernels.linear_log_probs(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
                                       temperature=temperature, return_entropy=return_entropy, backend=backend,
@@ -329,13 +327,12 @@ def _make_gather(original):
 
 
 # ----------------------------------------------------------------------------- patch
-def patch(*, logits_path: bool, fused_path: bool, sum_pi_squared: bool, options) -> dict:
+def patch(*, logits_path: bool, fused_path: bool, sum_pi_squared: bool) -> dict:
     """Patch verl's Megatron paths. Returns ``{part: (replaced?, what)}`` for the parts
     "Megatron logits path", "Megatron fused path" and "sum_pi_squared (Megatron)" of the report
     (False where the caller's switch is off: the caller words those). Raises VerlIntegrationError
     when a signature differs (the caller rolls back). Nothing is patched when ``megatron.core``
     is not importable."""
-    global _options_getter
     parts = ("Megatron logits path", "Megatron fused path", "sum_pi_squared (Megatron)")
     try:
         import megatron.core.parallel_state  # noqa: F401
@@ -344,7 +341,6 @@ def patch(*, logits_path: bool, fused_path: bool, sum_pi_squared: bool, options)
         logger.info("rl_kernels: megatron.core is not importable (%s): verl's Megatron engine is not "
                     "patched", exc)
         return dict.fromkeys(parts, (False, f"not patched (megatron.core not importable: {exc})"))
-    _options_getter = options
     report = dict.fromkeys(parts, (False, "off"))
     if logits_path or sum_pi_squared:
         try:

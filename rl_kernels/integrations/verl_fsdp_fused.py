@@ -1,0 +1,273 @@
+"""The FSDP fused path (``use_fused_kernels=True``, ``impl_backend=rl_kernels``) of the verl patch.
+
+``verl.models.transformers.monkey_patch.patch_forward_with_backends`` is wrapped to accept the
+backend name :data:`~.verl_options.BACKEND_NAME`: it installs verl's own torch-backend fused
+forward for the model class (label rolling, ``shift_labels``, ``temperature``, rmpad shapes and
+``CausalLMOutputForPPO`` stay verl's), marks the model (``_rl_kernels_fused``, with its
+:class:`~.lm_heads.HeadTransform`) and wraps the class forward (:func:`serving_forward`). Inside a
+marked model's forward, the ``FusedLinearForPPO`` that verl's forward builds (bare on verl 0.7.x /
+0.8.0, with ``impl_backend`` on 0.9.x) is this module's subclass, which computes the log-probs
+and entropy with :func:`rl_kernels.linear_log_probs` (:func:`fused_log_probs_entropy`). The
+entropy is computed only when verl's ``calculate_entropy`` asks (:func:`wrap_entropy_requests`).
+"""
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+import logging
+
+import torch
+
+from .._logging import log_once, logger
+from ..linear import linear_log_probs
+from ..validation import check_temperature
+from . import verl_options
+from ._verl_common import (VerlIntegrationError, entropy_on_request, entropy_placeholder, entropy_wanted, record,
+                           set_attr)
+from .lm_heads import HeadTransform, head_transform
+from .verl_label_check import refuse_rolled_shard_labels
+from .verl_options import BACKEND_NAME
+
+_model_names: list[str] = []  # the models patched for rl-kernels in this process (anomaly samples name the last)
+
+_serving = contextvars.ContextVar("rl_kernels_serving", default=False)
+"""True while the forward of a model that rl-kernels serves runs (set by :func:`serving_forward`)."""
+_head = contextvars.ContextVar("rl_kernels_head", default=None)
+"""The :class:`~rl_kernels.integrations.lm_heads.HeadTransform` of the model whose forward runs."""
+_UNSET = object()
+
+
+def full_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The full lm_head weight in the compute dtype ``dtype``.
+
+    Under FSDP2 verl shards an untied ``lm_head`` as its own unit, and the fused forward reads
+    ``self.lm_head.weight`` outside that unit's forward: a sharded DTensor (verl's text-model
+    fused forward is reported failing there with "mixed torch.Tensor and DTensor", verl #5633).
+    It is gathered with ``full_tensor``; its gradient goes back as a partial sum averaged over the mesh (a
+    reduce-scatter), as FSDP2 averages gradients. Under mixed precision the gathered weight is in
+    the parameter dtype (float32) while ``hidden_states`` are in the compute dtype: it is cast.
+    """
+    try:
+        from torch.distributed.tensor import DTensor, Partial
+    except ImportError:  # torch without DTensor
+        DTensor = None
+    if DTensor is not None and isinstance(weight, DTensor):
+        log_once(logging.INFO, "rl_kernels: lm_head.weight is a sharded DTensor (FSDP2); it is gathered "
+                 "with full_tensor() per call and its gradient reduce-scattered (average)")
+        weight = weight.full_tensor(grad_placements=[Partial("avg")] * weight.device_mesh.ndim)
+    if weight.dtype != dtype:
+        log_once(logging.INFO, f"rl_kernels: lm_head.weight {weight.dtype} is cast to the hidden_states "
+                 f"dtype {dtype} (mixed precision) for the fused head")
+        weight = weight.to(dtype)
+    return weight
+
+
+def _head_temperature(temperature, head: HeadTransform) -> float:
+    """verl's temperature with the model's logit multiplier folded in (``HeadTransform``): verl's
+    value is checked with the usual rules first, then the effective one, whose error names both."""
+    temperature = check_temperature(temperature)
+    if head.multiplier == 1.0:
+        return temperature
+    effective = head.temperature(temperature)
+    try:
+        return check_temperature(effective)
+    except ValueError as exc:
+        raise VerlIntegrationError(f"rl_kernels.integrations.verl: temperature {temperature!r} with the model's "
+                                   f"{head.description}: effective temperature {effective!r} is unusable ({exc})") from exc
+
+
+def fused_log_probs_entropy(hidden_states: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                            temperature) -> tuple[torch.Tensor, torch.Tensor]:
+    """What verl's ``FusedLinearForPPO.forward`` returns, computed by :func:`rl_kernels.linear_log_probs`:
+    ``(log_probs, entropy)``, float32, shaped like ``labels``.
+
+    hidden_states: ``(..., H)``; weight: the lm_head weight ``(vocab_size, H)`` (a sharded FSDP2
+    DTensor is gathered, a float32 one under mixed precision cast to ``hidden_states.dtype``, see
+    :func:`full_weight`); labels: int64 ``(...)`` (verl's ``input_ids`` rolled, or its ``shift_labels``);
+    temperature: a float or a one-element tensor, with the model's own logit transform (soft-cap,
+    multiplier) applied from the :class:`~.lm_heads.HeadTransform` of the model whose forward runs.
+    The entropy is a NaN placeholder when verl's ``calculate_entropy`` did not ask for it.
+    Raises ValueError / TypeError as :func:`rl_kernels.linear_log_probs`, and VerlIntegrationError when
+    the effective temperature is unusable.
+    """
+    if isinstance(temperature, torch.Tensor) and temperature.numel() == 1:
+        temperature = temperature.item()
+    head = _head.get() or HeadTransform()
+    temperature = _head_temperature(temperature, head)
+    weight = full_weight(weight, hidden_states.dtype)
+    return_entropy = entropy_wanted.get()
+    options = verl_options.options()
+    out = linear_log_probs(hidden_states, weight, labels, temperature=temperature,
+                           softcap=head.softcap, return_entropy=return_entropy, backend=options.backend)
+    record("fused_fsdp_calls", "fused fsdp", labels.numel())
+    entropy = out.entropy if return_entropy else entropy_placeholder(out.log_probs)
+    capture = verl_options.capture()
+    if capture is not None:
+        capture.check(hidden_states, weight, labels, temperature=float(temperature),
+                      softcap=head.softcap, ignore_index=-100, log_probs=out.log_probs, entropy=out.entropy,
+                      metadata={"model": _model_names[-1] if _model_names else "unknown"})
+    return out.log_probs, entropy
+
+
+def micro_batch_flag(arguments) -> bool:
+    """``calculate_entropy`` of the FSDP engine's ``forward_step`` micro-batch (its non-tensor data)."""
+    from verl.utils import tensordict_utils as tu
+
+    return tu.get_non_tensor_data(data=arguments["micro_batch"], key="calculate_entropy", default=False)
+
+
+def wrap_entropy_requests(dp_actor) -> str:
+    """Install :func:`~._verl_common.entropy_on_request` where this verl decides
+    ``calculate_entropy`` (the FSDP engine's ``forward_step``; ``dp_actor``, verl 0.7.x's
+    ``verl.workers.actor.dp_actor`` module or None, its ``_forward_micro_batch``); returns what
+    was wrapped (for the report) or why nothing was."""
+    wrapped = []
+    try:
+        import verl.workers.engine.fsdp.transformer_impl as fsdp_impl
+    except ImportError as exc:
+        fsdp_impl = None
+        log_once(logging.INFO, f"rl_kernels: verl's FSDP engine not importable ({exc})")
+    engine = getattr(fsdp_impl, "FSDPEngineWithLMHead", None)
+    method = vars(engine).get("forward_step") if engine is not None else None
+    if method is not None and "micro_batch" in inspect.signature(method).parameters:
+        set_attr(engine, "forward_step", entropy_on_request(method, micro_batch_flag))
+        wrapped.append("FSDPEngineWithLMHead.forward_step")
+    if dp_actor is not None:
+        method = vars(dp_actor.DataParallelPPOActor).get("_forward_micro_batch")
+        if method is not None and "calculate_entropy" in inspect.signature(method).parameters:
+            default = inspect.signature(method).parameters["calculate_entropy"].default
+            set_attr(dp_actor.DataParallelPPOActor, "_forward_micro_batch", entropy_on_request(
+                method, lambda arguments: arguments.get("calculate_entropy", default)))
+            wrapped.append("DataParallelPPOActor._forward_micro_batch")
+    if not wrapped:
+        return "entropy always computed (no calculate_entropy hook found in this verl)"
+    return "entropy only when verl's calculate_entropy asks (" + ", ".join(wrapped) + ")"
+
+
+def make_fused_linear_class(base: type) -> type:
+    """A subclass of verl's ``FusedLinearForPPO`` (``base``) that routes to
+    :func:`fused_log_probs_entropy` inside a served model's forward or when built with
+    ``impl_backend='rl_kernels'``."""
+    takes_backend = "impl_backend" in inspect.signature(base.__init__).parameters
+
+    class FusedLinearForPPO(base):
+        """verl's ``FusedLinearForPPO``, routed to :func:`rl_kernels.linear_log_probs` when it runs
+        inside the forward of a model rl-kernels serves (any verl; 0.7.x and 0.8.0 build it bare,
+        with no ``impl_backend``) or when built with ``impl_backend='rl_kernels'`` (verl 0.9.x)."""
+
+        def __init__(self, chunk_size: int = 512, impl_backend=_UNSET):
+            ours = impl_backend == BACKEND_NAME
+            if impl_backend is _UNSET or (ours and not takes_backend):
+                super().__init__(chunk_size=chunk_size)
+            else:  # verl's own backends (0.9.x) are its business
+                super().__init__(chunk_size=chunk_size, impl_backend="torch" if ours else impl_backend)
+            if ours:
+                self.impl_backend = BACKEND_NAME
+            self._rl_kernels = ours
+
+        # verl's parameter names (verl may pass them by keyword): vocab_weights is the lm_head
+        # weight, input_ids the labels
+        def forward(self, hidden_states, vocab_weights, input_ids, temperature: float = 1.0):
+            if not (self._rl_kernels or _serving.get()):
+                return super().forward(hidden_states, vocab_weights, input_ids, temperature)
+            return fused_log_probs_entropy(hidden_states, vocab_weights, input_ids, temperature)
+
+    FusedLinearForPPO.__qualname__ = f"rl_kernels[{base.__qualname__}]"
+    FusedLinearForPPO._rl_kernels_base = base
+    return FusedLinearForPPO
+
+
+def serving_forward(forward):
+    """verl's fused forward for a model class, which routes the ``FusedLinearForPPO`` it builds to
+    rl-kernels for the models marked ``_rl_kernels_fused`` (others run verl's forward unchanged)."""
+    if getattr(forward, "_rl_kernels_serving", False):
+        return forward
+    has_shift_labels = "shift_labels" in inspect.signature(forward).parameters
+
+    @functools.wraps(forward)
+    def wrapper(self, *args, **kwargs):
+        if not getattr(self, "_rl_kernels_fused", False):
+            return forward(self, *args, **kwargs)
+        refuse_rolled_shard_labels(has_shift_labels)
+        head = getattr(self, "_rl_kernels_head", None)
+        if head is None:  # marked by other means than patch_forward_with_backends: audit now
+            head = self._rl_kernels_head = head_transform(self)
+        token, head_token = _serving.set(True), _head.set(head)
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            _head.reset(head_token)
+            _serving.reset(token)
+
+    wrapper._rl_kernels_serving = True
+    wrapper._rl_kernels_verl_forward = forward
+    return wrapper
+
+
+def _warn_unserved_head(model, backend) -> None:
+    """Warn when verl's own fused backend (``triton`` / ``torch`` / ``liger``) is about to serve a
+    model whose forward changes the logits after lm_head: verl's fused forward skips that."""
+    try:
+        head = head_transform(model)
+    except VerlIntegrationError as exc:
+        why = str(exc).split(": ", 1)[-1]
+    else:
+        if head.softcap is None and head.multiplier == 1.0:
+            return
+        why = f"its forward applies {head.description}"
+    logger.warning("rl_kernels: verl's fused forward with impl_backend=%r computes hidden @ lm_head.weight.T / T "
+                   "for %s and skips what the model's forward does after lm_head: %s. Its log-probs differ from "
+                   "the model's own; impl_backend='rl_kernels' applies the transform (or refuses), and "
+                   "use_fused_kernels=False uses the model's logits.", backend, type(model).__name__, why)
+
+
+def make_patch_forward_with_backends(original):
+    """verl's ``patch_forward_with_backends`` (``original``), accepting ``fused_kernels_backend='rl_kernels'``."""
+    @functools.wraps(original)
+    def patch_forward_with_backends(model, use_fused_kernels=False, fused_kernels_backend=None):
+        if fused_kernels_backend != BACKEND_NAME:
+            if use_fused_kernels:
+                model._rl_kernels_fused = False
+                _warn_unserved_head(model, fused_kernels_backend)
+            return original(model, use_fused_kernels=use_fused_kernels,
+                            fused_kernels_backend=fused_kernels_backend)
+        cls = model.__class__.__name__
+        options = verl_options.options()
+        if not use_fused_kernels:
+            log_once(logging.INFO, f"rl_kernels: impl_backend='rl_kernels' with use_fused_kernels=False: "
+                     f"{cls} keeps its logits forward; log-probs/entropy come from rl-kernels' from-logits "
+                     f"functions" + ("" if options.patch_logits_path else " (disabled by patch_logits_path)"))
+            return original(model, use_fused_kernels=False, fused_kernels_backend=None)
+        # what the model's own forward does between its last hidden state and its logits (soft-cap,
+        # scale), or VerlIntegrationError for a model type that the audit refuses or does not list
+        head = head_transform(model)
+        # verl's torch-backend forward for this model class (label rolling, shift_labels,
+        # temperature, rmpad shapes, CausalLMOutputForPPO stay verl's), wrapped so that the
+        # FusedLinearForPPO it builds runs rl-kernels for this model: the model is marked, the
+        # wrapper sees the mark (verl 0.7.x/0.8.0 never pass impl_backend to FusedLinearForPPO)
+        original(model, use_fused_kernels=True, fused_kernels_backend="torch")
+        model.__class__.forward = serving_forward(model.__class__.forward)
+        model._rl_kernels_fused = True
+        model._rl_kernels_head = head
+        model._verl_fused_kernels_backend = BACKEND_NAME
+        name = getattr(getattr(model, "config", None), "name_or_path", "") or cls
+        _model_names.append(str(name))
+        logger.info("rl_kernels: %s.forward computes log_probs and entropy with rl_kernels.linear_log_probs "
+                    "(backend=%s) through verl's fused forward (model %s, model type %s: %s)", cls,
+                    options.backend, name, getattr(model.config, "model_type", None), head.description)
+
+    patch_forward_with_backends._rl_kernels_original = original
+    return patch_forward_with_backends
+
+
+def patch_fused_path(monkey_patch, experimental_tf, dp_actor) -> str:
+    """Install the fused path into verl's ``monkey_patch`` and ``experimental.torch_functional``
+    modules (and the entropy hooks, :func:`wrap_entropy_requests`); returns the report text."""
+    set_attr(monkey_patch, "patch_forward_with_backends",
+             make_patch_forward_with_backends(monkey_patch.patch_forward_with_backends))
+    set_attr(experimental_tf, "FusedLinearForPPO", make_fused_linear_class(experimental_tf.FusedLinearForPPO))
+    return (f"impl_backend='{BACKEND_NAME}' (verl.models.transformers.monkey_patch."
+            f"patch_forward_with_backends, verl.utils.experimental.torch_functional."
+            f"FusedLinearForPPO; verl's triton/torch/liger backends unchanged; "
+            f"{wrap_entropy_requests(dp_actor)})")

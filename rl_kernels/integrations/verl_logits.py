@@ -1,0 +1,130 @@
+"""The FSDP logits path (``use_fused_kernels=False``) of the verl patch: rl-kernels' from-logits
+functions in place of verl's ``logprobs_from_logits``, ``entropy_from_logits``,
+``entropy_from_logits_with_chunking`` and ``calculate_sum_pi_squared_from_logits``.
+
+They replace verl's in ``verl.utils.torch_functional`` and in every loaded module that imported
+them by name (:func:`~._verl_common.replace_by_name`); modules imported later take them from
+``verl.utils.torch_functional``. Each is float32 (verl's non-flash-attn path returns the logits
+dtype), chunked, with O(N) saved state, and counted in :func:`~._verl_common.call_counts`.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+import rl_kernels
+
+from .._logging import log_once
+from ..logits import entropy_from_logits as _rk_entropy_from_logits
+from ..logits import log_probs_from_logits as _rk_log_probs_from_logits
+from ._verl_common import VerlIntegrationError, record, replace_by_name, verl_version
+from .verl_signatures import check_verl_signature
+
+LOGITS_FUNCTIONS = ("logprobs_from_logits", "entropy_from_logits", "entropy_from_logits_with_chunking")
+SUM_PI_SQUARED_FUNCTION = "calculate_sum_pi_squared_from_logits"
+
+
+def _viewable_2d(logits: torch.Tensor) -> bool:
+    try:
+        logits.view(-1, logits.shape[-1])
+    except RuntimeError:
+        return False
+    return True
+
+
+def _check_tensor(name: str, value) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"logprobs_from_logits: {name}: expected a torch.Tensor, got {type(value).__name__}")
+
+
+@torch.compiler.disable
+def logprobs_from_logits(logits, labels, inplace_backward=True):
+    """rl-kernels replacement for ``verl.utils.torch_functional.logprobs_from_logits``.
+
+    Same arguments: ``logits`` ``(..., vocab_size)`` (float32 / bfloat16 / float16), ``labels`` int
+    ``(...)``; float32 output of shape ``labels.shape``; ``inplace_backward=True`` writes the
+    gradient into the logits' storage as verl's flash-attn path does (verl passes False when it
+    also needs the logits for entropy). Raises TypeError naming the argument when ``logits`` or
+    ``labels`` is not a torch.Tensor (a Python list, ...), and the errors of
+    :func:`rl_kernels.log_probs_from_logits` otherwise.
+    """
+    _check_tensor("logits", logits)
+    _check_tensor("labels", labels)
+    if inplace_backward and not _viewable_2d(logits):
+        # verl's flash-attn path reshapes such logits (a copy, e.g. verl 0.7.x dp_actor's
+        # logits[:, -response_length - 1:-1] slice) and writes the gradient into that copy:
+        # the same as not writing in place
+        inplace_backward = False
+    out = _rk_log_probs_from_logits(logits, labels, inplace_backward=bool(inplace_backward))
+    record("logits_log_probs_calls", "logits fsdp", labels.numel())
+    return out
+
+
+@torch.compiler.disable
+def entropy_from_logits(logits):
+    """rl-kernels replacement for ``verl.utils.torch_functional.entropy_from_logits``: float32
+    entropy of shape ``logits.shape[:-1]``. Errors as :func:`rl_kernels.entropy_from_logits`."""
+    out = _rk_entropy_from_logits(logits)
+    record("logits_entropy_calls", "logits fsdp", logits.shape[:-1].numel())
+    return out
+
+
+@torch.compiler.disable
+def entropy_from_logits_with_chunking(logits, chunk_size=2048):
+    """rl-kernels replacement for ``entropy_from_logits_with_chunking``; rl-kernels always chunks
+    (by elements, not rows), so ``chunk_size`` is only validated (ValueError unless a positive int)."""
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
+    out = _rk_entropy_from_logits(logits)
+    record("logits_entropy_calls", "logits fsdp", logits.shape[:-1].numel())
+    return out
+
+
+@torch.compiler.disable
+def calculate_sum_pi_squared_from_logits(logits):
+    """rl-kernels replacement for ``verl.utils.torch_functional.calculate_sum_pi_squared_from_logits``:
+    sum over the vocabulary of softmax(logits)^2 (float32, shape ``logits.shape[:-1]``)."""
+    out = rl_kernels.sum_pi_squared_from_logits(logits)
+    record("sum_pi_squared_calls", "sum_pi_squared fsdp", logits.shape[:-1].numel())
+    return out
+
+
+REPLACEMENTS = {
+    "logprobs_from_logits": logprobs_from_logits,
+    "entropy_from_logits": entropy_from_logits,
+    "entropy_from_logits_with_chunking": entropy_from_logits_with_chunking,
+}
+"""verl function name -> its rl-kernels replacement (the logits path)."""
+
+
+def _checked(torch_functional, names) -> None:
+    for name in names:
+        fn = getattr(torch_functional, name, None)
+        if fn is None:
+            raise VerlIntegrationError(f"rl_kernels.integrations.verl: verl.utils.torch_functional has no "
+                                       f"{name} in verl {verl_version()}")
+        check_verl_signature(name, fn)
+
+
+def patch_logits_path(torch_functional) -> list[str]:
+    """Replace the three functions in ``torch_functional`` and wherever they were imported by name;
+    returns the by-name places patched."""
+    _checked(torch_functional, LOGITS_FUNCTIONS)
+    return replace_by_name(torch_functional, REPLACEMENTS)
+
+
+def sum_pi_squared_available() -> bool:
+    """Whether this rl-kernels has ``sum_pi_squared_from_logits`` (logged once when not)."""
+    if hasattr(rl_kernels, "sum_pi_squared_from_logits"):
+        return True
+    log_once(logging.INFO, "rl_kernels: this rl-kernels has no sum_pi_squared_from_logits: verl's "
+             "sum-of-squared-probabilities functions are not replaced")
+    return False
+
+
+def patch_sum_pi_squared(torch_functional) -> list[str]:
+    """Replace ``calculate_sum_pi_squared_from_logits`` in ``torch_functional`` and wherever it
+    was imported by name; returns the by-name places patched."""
+    _checked(torch_functional, (SUM_PI_SQUARED_FUNCTION,))
+    return replace_by_name(torch_functional, {SUM_PI_SQUARED_FUNCTION: calculate_sum_pi_squared_from_logits})

@@ -1,0 +1,254 @@
+"""The verl patch as a whole: :func:`patch` applies the parts (FSDP fused path, FSDP logits path,
+sum of squared probabilities, Megatron engine, the hooks), rolls all of them back when one does
+not fit, and reports what it replaced (:func:`report`, the INFO lines, and the line naming the
+engine verl builds: :func:`_report_engine`). :func:`apply_model_config` takes the options of the
+model configs verl hands over (:mod:`.verl_hooks`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import logging
+import sys
+
+from .._logging import log_once, logger
+from . import verl_megatron, verl_options
+from ._verl_common import SUPPORTED_VERL, VerlIntegrationError, restore, set_attr, verl_version
+from .verl_fsdp_fused import patch_fused_path
+from .verl_hooks import DP_ACTOR_MODULE, wrap_dp_actor, wrap_engine_new, wrap_legacy_workers, wrap_model_config
+from .verl_logits import (LOGITS_FUNCTIONS, REPLACEMENTS, SUM_PI_SQUARED_FUNCTION, patch_logits_path,
+                          patch_sum_pi_squared, sum_pi_squared_available)
+from .verl_options import PATCH_TIME_OPTIONS, lock, mark_patched, model_config_options, options
+from .verl_signatures import check_verl_signature, expected_signatures, verl_minor
+
+SERVED_ENGINES = {"verl.workers.engine.fsdp.transformer_impl": "FSDP",
+                  "verl.workers.engine.megatron.transformer_impl": "Megatron"}
+"""verl engine modules whose engines (and their subclasses: fsdp_turbo, MindSpeed) rl-kernels serves."""
+
+_patched = False
+_report: dict = {}           # part ("FSDP fused path", ...) -> (replaced?, what), of the last patch()
+_import_config_pending = False  # True from the import until a verl model config arrives (apply_model_config)
+
+
+# ----------------------------------------------------------------------------- engine report
+_WHEN = {"FSDP fused path": " (models with impl_backend=rl_kernels)",
+         "FSDP logits path": " (use_fused_kernels=False)", "Megatron logits path": " (use_fused_kernels=False)",
+         "Megatron fused path": " (use_fused_kernels=True)"}
+
+
+def _engine_family(engine_cls):
+    for klass in getattr(engine_cls, "__mro__", ()):
+        family = SERVED_ENGINES.get(klass.__module__)
+        if family is not None:
+            return family
+    return None
+
+
+def _report_engine(model_type, backend, engine_cls) -> None:
+    """Log once which rl-kernels paths serve the verl engine just chosen; warn for one it does not."""
+    if model_type != "language_model" or not isinstance(engine_cls, type):
+        return  # the critic's value head computes no log-probs
+    name = f"verl engine '{backend}' ({engine_cls.__name__})"
+    family = _engine_family(engine_cls)
+    if family is not None:
+        parts = {part: entry for part, entry in _report.items() if part.startswith(family) or
+                 part == f"sum_pi_squared ({family})"}
+        done = [part + _WHEN.get(part, "") for part, (ok, _) in parts.items() if ok]
+        if done:
+            log_once(logging.INFO, f"rl_kernels: {name} is served by rl-kernels: {', '.join(done)}"
+                     + "".join(f"; {part}: {what}" for part, (ok, what) in parts.items() if not ok))
+        else:
+            log_once(logging.WARNING, f"rl_kernels: {name}: rl-kernels replaced nothing it uses ("
+                     + "; ".join(f"{part}: {what}" for part, (_, what) in parts.items()) + ")")
+        return
+    module = sys.modules.get(engine_cls.__module__)
+    namespace = vars(module) if module is not None else {}
+    import verl.utils.torch_functional as torch_functional
+    ours = set(map(id, REPLACEMENTS.values()))
+    by_name = sorted(bound for bound, value in namespace.items() if id(value) in ours)
+    uses_module = any(value is torch_functional for value in namespace.values())
+    if _report.get("FSDP logits path", (False,))[0] and (by_name or uses_module):
+        detail = ("only its calls to verl.utils.torch_functional's from-logits functions ("
+                  + ", ".join(by_name + (["verl_F.*"] if uses_module else [])) + ") go through rl-kernels; "
+                  "its fused path and everything else stay verl's")
+    else:
+        detail = "its log-probs and entropy are computed by verl's own code"
+    log_once(logging.WARNING, f"rl_kernels: {name} is not an engine rl-kernels serves (FSDP: fsdp, fsdp2; "
+             f"Megatron: megatron): {detail}")
+
+
+def _wrap_engine_registry(engine_base) -> None:
+    """``EngineRegistry.get_engine_cls`` reports the engine verl chose (:func:`_report_engine`);
+    ``EngineRegistry.new`` hands the engine's model config to :func:`apply_model_config`."""
+    registry = engine_base.EngineRegistry
+    original = vars(registry)["get_engine_cls"]
+    if not isinstance(original, classmethod):
+        raise VerlIntegrationError(f"rl_kernels.integrations.verl: verl {verl_version()} changed "
+                                   f"EngineRegistry.get_engine_cls (no longer a classmethod)")
+    check_verl_signature("EngineRegistry.get_engine_cls", original.__func__)
+
+    @functools.wraps(original.__func__)
+    def get_engine_cls(cls, model_type, backend):
+        engine_cls = original.__func__(cls, model_type, backend)
+        _report_engine(model_type, backend, engine_cls)
+        return engine_cls
+
+    get_engine_cls._rl_kernels_original = original
+    set_attr(registry, "get_engine_cls", classmethod(get_engine_cls))
+    wrap_engine_new(registry, apply_model_config)
+
+
+# ----------------------------------------------------------------------------- patch / unpatch
+def _patch_all(monkey_patch, experimental_tf, torch_functional) -> dict:
+    """Apply every patch; returns the report {part: (replaced?, what)}. The caller rolls back on error."""
+    report = {}
+    current = options()
+    dp_actor = None
+    if "DataParallelPPOActor.__init__" in expected_signatures():  # verl 0.7.x: the legacy workers' actor,
+        dp_actor = importlib.import_module(DP_ACTOR_MODULE)       # imported first: its by-name imports are listed
+    try:  # imports verl's engines first, so that their by-name imports are patched and listed below
+        import verl.workers.engine.base as engine_base
+    except ImportError as exc:
+        log_once(logging.INFO, f"rl_kernels: verl.workers.engine not importable ({exc}); the verl engine in "
+                 f"use is not reported")
+    else:
+        _wrap_engine_registry(engine_base)
+    report["FSDP fused path"] = (True, patch_fused_path(monkey_patch, experimental_tf, dp_actor))
+    logits_path = current.patch_logits_path
+    if logits_path:
+        places = patch_logits_path(torch_functional)
+        report["FSDP logits path"] = (True, f"{', '.join(LOGITS_FUNCTIONS)} in verl.utils.torch_functional and "
+                                      f"{len(places)} by-name import(s) ({', '.join(places) or 'none loaded yet'})")
+    else:
+        report["FSDP logits path"] = (False, "not replaced (patch_logits_path=False)")
+    sum_pi_squared = logits_path and sum_pi_squared_available()
+    if sum_pi_squared:
+        places = patch_sum_pi_squared(torch_functional)
+        report["sum_pi_squared (FSDP)"] = (True, f"{SUM_PI_SQUARED_FUNCTION} in verl.utils.torch_functional and "
+                                           f"{len(places)} by-name import(s) ({', '.join(places) or 'none'})")
+    else:
+        report["sum_pi_squared (FSDP)"] = (False, "not replaced (" + (
+            "rl_kernels has no sum_pi_squared_from_logits" if logits_path else "patch_logits_path=False") + ")")
+    if dp_actor is not None:
+        what = wrap_dp_actor(dp_actor, logits_path, sum_pi_squared)
+        if logits_path:
+            report["FSDP logits path"] = (True, report["FSDP logits path"][1] + "; " + what)
+    if verl_minor() == "0.9":
+        megatron = verl_megatron.patch(logits_path=logits_path, fused_path=current.patch_megatron_fused,
+                                       sum_pi_squared=sum_pi_squared)
+    else:
+        why = f"not patched (verl {verl_version()}: rl-kernels serves verl's Megatron engine on verl 0.9.x only)"
+        megatron = dict.fromkeys(("Megatron logits path", "Megatron fused path", "sum_pi_squared (Megatron)"),
+                                 (False, why))
+    off = {"Megatron logits path": (logits_path, "not replaced (patch_logits_path=False)"),
+           "Megatron fused path": (current.patch_megatron_fused, "not replaced (patch_megatron_fused=False)"),
+           "sum_pi_squared (Megatron)": (sum_pi_squared, report["sum_pi_squared (FSDP)"][1])}
+    for part, (ok, what) in megatron.items():
+        switched_on, reason = off[part]
+        report[part] = (ok, what) if switched_on or what.startswith("not patched") else (False, reason)
+    try:
+        import verl.workers.config.model as model_config_module
+    except ImportError as exc:  # a stubbed verl without the worker stack
+        log_once(logging.INFO, f"rl_kernels: verl.workers.config.model not importable ({exc}); "
+                 f"options come from rl_kernels.integrations.verl.configure() only")
+    else:
+        wrap_model_config(model_config_module, apply_model_config)
+    wrap_legacy_workers(apply_model_config)
+    return report
+
+
+def patch() -> None:
+    """Patch verl (idempotent). Raises VerlIntegrationError when verl is missing or of an
+    unsupported version, or when its functions do not have the parameters of
+    :data:`~.verl_signatures.SIGNATURES` (nothing stays patched then)."""
+    global _patched, _report
+    with lock:
+        if _patched:
+            return
+        version = verl_version()
+        if not version.startswith(SUPPORTED_VERL):
+            raise VerlIntegrationError(f"rl_kernels.integrations.verl supports verl {SUPPORTED_VERL}, "
+                                       f"found verl {version}")
+        import verl.models.transformers.monkey_patch as monkey_patch
+        import verl.utils.experimental.torch_functional as experimental_tf
+        import verl.utils.torch_functional as torch_functional
+
+        check_verl_signature("patch_forward_with_backends", monkey_patch.patch_forward_with_backends)
+        check_verl_signature("FusedLinearForPPO.__init__", experimental_tf.FusedLinearForPPO.__init__)
+        check_verl_signature("FusedLinearForPPO.forward", experimental_tf.FusedLinearForPPO.forward)
+        try:
+            report = _patch_all(monkey_patch, experimental_tf, torch_functional)
+        except BaseException:
+            restore()
+            raise
+        _report, _patched = report, True
+        mark_patched(options())
+        logger.info("rl_kernels patched verl %s:\n%s", version, "\n".join(
+            f"  {part}: {what}" for part, (_, what) in report.items()))
+
+
+def report() -> dict:
+    """What the last :func:`patch` replaced: ``{part: (replaced?, what)}``, parts "FSDP fused path",
+    "FSDP logits path", "sum_pi_squared (FSDP)", "Megatron logits path", "Megatron fused path",
+    "sum_pi_squared (Megatron)". Empty while unpatched."""
+    return dict(_report) if _patched else {}
+
+
+def unpatch() -> None:
+    """Undo :func:`patch` (idempotent). Models already patched with impl_backend='rl_kernels' keep
+    verl's fused forward, whose ``FusedLinearForPPO`` then rejects that backend name."""
+    global _patched, _report
+    with lock:
+        if not _patched:
+            return
+        restore()
+        _patched, _report = False, {}
+        mark_patched(None)
+        logger.info("rl_kernels: verl patches removed")
+
+
+def is_patched() -> bool:
+    """Whether verl is patched now."""
+    return _patched
+
+
+def expect_import_config() -> None:
+    """Called when verl imports the integration: the next model config verl hands over
+    (:func:`apply_model_config`) is the one that imported it."""
+    global _import_config_pending
+    _import_config_pending = True
+
+
+def apply_model_config(model_config) -> None:
+    """Options of a model config verl hands over (a verl ``HFModelConfig``, or the ``model``
+    section of a verl 0.7.x legacy worker's config): its ``fused_kernel_options.rl_kernels``
+    section is applied with :func:`~.verl_options.configure` (errors as configure's).
+
+    The first config after verl imported the integration is the one that imported it (verl's
+    import carries no config), and the patch was applied with the options in force before it. When
+    its section changes what the patch replaces (``patch_logits_path``, ``patch_megatron_fused``),
+    verl is patched again with them; nothing of verl has used the patch yet at that point (the
+    hooks run before verl builds its model or engine). For later configs such a change is logged
+    as configure() does: it takes effect at the next patch()."""
+    global _import_config_pending
+    with lock:
+        first, _import_config_pending = _import_config_pending, False
+        section = model_config_options(model_config)
+        if section is None:
+            return
+        if first and _patched:
+            current = options()
+            new = dataclasses.replace(current, **{k: v for k, v in section.items() if k in PATCH_TIME_OPTIONS})
+            changed = [f for f in PATCH_TIME_OPTIONS if getattr(new, f) != getattr(current, f)]
+            if changed:
+                logger.info("rl_kernels: %s from the model config verl imported rl_kernels.integrations.verl "
+                            "with: verl is patched again with them", ", ".join(
+                                f"{f}={getattr(new, f)}" for f in changed))
+                unpatch()
+                try:
+                    verl_options.configure(**section)
+                finally:
+                    patch()
+                return
+        verl_options.configure(**section)
