@@ -9,8 +9,9 @@ import torch
 from .autograd.linear import HeadOutputs, HeadParams, LinearLogProbsFunction
 from .autograd.vocab_parallel import VocabParallelLinearFunction, parallel_params
 from .backends import get_backend
+from .label_check import deferred_label_check, raise_label_errors, sync_label_check
 from .validation import (check_bool_arg, check_head_inputs, check_label_values, check_softcap, check_temperature,
-                         deferred_label_check, raise_label_errors, sync_label_check, warn_fp16_temperature)
+                         warn_fp16_temperature)
 
 __all__ = ["LogProbsOutput", "linear_log_probs"]  # the public names (rl_kernels/__init__.py exports them)
 

@@ -31,8 +31,9 @@ import torch
 from .autograd.logits import LogitsOutputs, LogitsParams, LogitsStatsFunction, logits_stats_forward
 from .autograd.vocab_parallel import VocabParallelLogitsFunction, parallel_params
 from .backends import get_backend
+from .label_check import deferred_label_check, raise_label_errors
 from .validation import (check_bool_arg, check_choice, check_label_values, check_labels, check_logits,
-                         check_temperature, deferred_label_check, describe, raise_label_errors)
+                         check_temperature, describe)
 
 __all__ = ["LogitsStats", "logits_stats", "log_probs_from_logits", "entropy_from_logits", "logsumexp",
            "sum_pi_squared_from_logits", "cross_entropy"]  # the public names (rl_kernels/__init__.py exports them)

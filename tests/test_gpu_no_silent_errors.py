@@ -91,7 +91,7 @@ def test_bad_label_is_reported_without_a_host_sync(fn, n, v):
     backward). With RL_KERNELS_SYNC_LABEL_CHECK=1 the call itself raises."""
     import os
 
-    from rl_kernels.validation import SYNC_LABEL_CHECK_ENV
+    from rl_kernels.label_check import SYNC_LABEL_CHECK_ENV
 
     g = torch.Generator(device="cuda").manual_seed(3)
     labels = torch.randint(0, v, (n,), device="cuda", generator=g)
@@ -122,7 +122,7 @@ def test_bad_label_is_reported_without_a_host_sync(fn, n, v):
         t.grad = None
     log_probs = call(labels)
     torch.cuda.synchronize()
-    from rl_kernels.validation import raise_label_errors
+    from rl_kernels.label_check import raise_label_errors
     with pytest.raises(ValueError, match="labels"):
         raise_label_errors()
     log_probs.sum().backward()

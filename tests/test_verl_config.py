@@ -37,7 +37,7 @@ def _compose_in_process(*overrides):
     from omegaconf import OmegaConf
 
     config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
-    conf = os.path.join(REPO, "rl_kernels", "integrations", "conf")
+    conf = os.path.join(REPO, "conf")  # the repository's Hydra group folder
     with initialize_config_dir(config_dir=config_dir, version_base=None):
         cfg = compose("ppo_trainer", overrides=[f"hydra.searchpath=[file://{conf}]", *overrides])
     return OmegaConf.to_container(cfg)

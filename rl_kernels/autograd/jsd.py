@@ -9,7 +9,7 @@ dlogits windows of the student recomputed from both heads and consumed by the sh
 """
 from __future__ import annotations
 
-import dataclasses
+from typing import NamedTuple
 
 import torch
 
@@ -21,9 +21,8 @@ from .linear import HeadParams, head_forward
 from .vocab_parallel import all_gather_rows, finish_hidden_grad, merge_lse
 
 
-@dataclasses.dataclass(frozen=True)
-class JSDParams:
-    """``linear_jsd``'s parameters, one frozen record from the public function to the launcher."""
+class JSDParams(NamedTuple):
+    """``linear_jsd``'s parameters, one immutable record from the public function to the launcher."""
 
     backend: Backend  # resolved (backends.get_backend)
     inv_temperature: float

@@ -10,21 +10,20 @@ logits windows on the backend and hands them to the shared schedule
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import NamedTuple
 
 import torch
 
 from ..backends import Backend, implements
 from ..torch_ops.linear import torch_dlogits, torch_forward, torch_gathered_logits
-from ..validation import raise_label_errors
+from ..label_check import raise_label_errors
 from .backward_schedule import chunked_backward, full_precision_reduction
 from .common import first_order_only, hidden_for_weight_grad
 
 
-@dataclasses.dataclass(frozen=True)
-class HeadParams:
-    """The fused head's parameters, one frozen record from the public function to the launcher."""
+class HeadParams(NamedTuple):
+    """The fused head's parameters, one immutable record from the public function to the launcher
+    (a NamedTuple: built once per call, cheaply)."""
 
     backend: Backend  # resolved (backends.get_backend)
     inv_temperature: float
@@ -111,7 +110,7 @@ class TorchHead:
 def head_forward(hidden_states, weight, labels, params: HeadParams, label_check=None) -> HeadOutputs:
     """The head's statistics, no autograd: ``HeadOutputs`` with log_probs, lse, entropy (when
     asked) and sum_pi_squared (when asked), (N,) float32 each. ``label_check``: (flag, check_id)
-    of ``validation.deferred_label_check`` for the Triton kernels, which then make a bad label's
+    of ``label_check.deferred_label_check`` for the Triton kernels, which then make a bad label's
     row NaN and report it; None when checked already."""
     return params.backend.family("linear").forward(hidden_states, weight, labels, params, label_check)
 

@@ -8,21 +8,19 @@ Backward: one more read of the logits writes d loss / d logits once, in the logi
 the logits' own storage with ``inplace_backward``, reported to autograd by a version bump)."""
 from __future__ import annotations
 
-import dataclasses
 from typing import NamedTuple
 
 import torch
 
 from ..backends import Backend, implements
 from ..torch_ops.logits_stats import torch_logits_backward, torch_logits_forward
-from ..validation import raise_label_errors
+from ..label_check import raise_label_errors
 from .common import first_order_only
 
 
-@dataclasses.dataclass(frozen=True)
-class LogitsParams:
-    """The from-logits functions' parameters, one frozen record from the public function to the
-    launcher."""
+class LogitsParams(NamedTuple):
+    """The from-logits functions' parameters, one immutable record from the public function to the
+    launcher (a NamedTuple: built once per call, cheaply)."""
 
     backend: Backend  # resolved (backends.get_backend)
     inv_temperature: float

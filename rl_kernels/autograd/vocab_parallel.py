@@ -203,7 +203,7 @@ class VocabParallelLogitsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, params: LogitsParams, tp: ParallelParams):
         v_r = logits.shape[1]
-        shard_params = dataclasses.replace(params, return_mean_log_p=False)
+        shard_params = params._replace(return_mean_log_p=False)
         stats = params.backend.family("logits").forward(logits, None, shard_params)
         owned = None
         z_y = None

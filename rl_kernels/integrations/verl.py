@@ -1,6 +1,6 @@
 """verl integration: importing this module patches verl to compute log-probs and entropy with rl-kernels.
 
-Turn it on in a verl run with overrides only (see ``integrations/verl/README.md`` and the Hydra group in ``rl_kernels/integrations/conf/``)::
+Turn it on in a verl run with overrides only (see ``integrations/verl/README.md`` and the Hydra group in the repository's ``conf/``, shipped as ``rl_kernels.integrations.conf``)::
 
     actor_rollout_ref.model.external_lib=rl_kernels.integrations.verl
     actor_rollout_ref.model.use_fused_kernels=True

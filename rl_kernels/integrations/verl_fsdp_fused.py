@@ -38,6 +38,12 @@ _head = contextvars.ContextVar("rl_kernels_head", default=None)
 _UNSET = object()
 
 
+
+def names_rl_kernels(name) -> bool:
+    """Whether verl's ``impl_backend`` / ``fused_kernels_backend`` value is the name this
+    integration registers (verl's own kernel choice, not one of rl-kernels' backends)."""
+    return name == BACKEND_NAME
+
 def full_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The full lm_head weight in the compute dtype ``dtype``.
 
@@ -157,7 +163,7 @@ def make_fused_linear_class(base: type) -> type:
         with no ``impl_backend``) or when built with ``impl_backend='rl_kernels'`` (verl 0.9.x)."""
 
         def __init__(self, chunk_size: int = 512, impl_backend=_UNSET):
-            ours = impl_backend == BACKEND_NAME
+            ours = names_rl_kernels(impl_backend)
             if impl_backend is _UNSET or (ours and not takes_backend):
                 super().__init__(chunk_size=chunk_size)
             else:  # verl's own backends (0.9.x) are its business
@@ -226,7 +232,7 @@ def make_patch_forward_with_backends(original):
     """verl's ``patch_forward_with_backends`` (``original``), accepting ``fused_kernels_backend='rl_kernels'``."""
     @functools.wraps(original)
     def patch_forward_with_backends(model, use_fused_kernels=False, fused_kernels_backend=None):
-        if fused_kernels_backend != BACKEND_NAME:
+        if not names_rl_kernels(fused_kernels_backend):
             if use_fused_kernels:
                 model._rl_kernels_fused = False
                 _warn_unserved_head(model, fused_kernels_backend)

@@ -137,7 +137,7 @@ def label_logits(
     (N, K) ids per row (K ids of row i all dot with h_i); ids outside [0, V) (``ignore_index``)
     get 0. Reads one row of W per id. ``label_check``: (flag, check_id): an id outside [0, V)
     other than ``params.ignore_index`` gets NaN instead, and check_id is written to flag
-    (``validation.deferred_label_check``; nothing written when check_id is 0)."""
+    (``label_check.deferred_label_check``; nothing written when check_id is 0)."""
     inv_temperature, softcap = params.inv_temperature, params.softcap
     n, h = hidden_states.shape
     k = labels.shape[1] if labels.dim() == 2 else 1

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from .._logging import log_once
-from ..validation import label_flag as host_flag
+from ..label_check import label_flag as host_flag
 from .common import log_sum_lse, merge_stats, merge_q, multiprocessors, stats_entropy
 from .config import LogitsConfig
 
@@ -94,7 +94,7 @@ def _finalize(row, m, s, b, t, q, x_ptr, stride_n, stride_v, labels_ptr, stride_
         in_range = (label >= 0) & (label < V)
         # a label outside [0, V) that is not ignore_index: never read out of bounds; the row's
         # log-prob and (through the saved log_sum) its gradient become NaN, and the call id goes
-        # to the host-visible flag word (validation.deferred_label_check; 0 = checked on the host)
+        # to the host-visible flag word (label_check.deferred_label_check; 0 = checked on the host)
         bad = valid & (in_range == 0)
         tl.store(label_flag_ptr, check_id, mask=bad & (check_id != 0))
         safe = tl.where(valid & in_range, label, 0).to(tl.int64)
@@ -286,7 +286,7 @@ def logits_forward(
     of log p) and ``sum_pi_squared`` (sum_j p_j^2) when asked. ``two_level=None`` picks the
     launch shape with :func:`use_two_level` (logged at debug level); both shapes give bitwise
     identical results. ``label_check``: (flag, check_id): where a label outside [0, V) that is
-    not ``ignore_index`` is reported (``validation.deferred_label_check``); such a row's log-prob
+    not ``ignore_index`` is reported (``label_check.deferred_label_check``); such a row's log-prob
     and saved ``log_sum`` are NaN either way.
     """
     inv_temperature, ignore_index = params.inv_temperature, params.ignore_index

@@ -8,7 +8,8 @@ cuBLAS ``hidden @ W.T`` of the same shape as the unit.
 
 Cases: linear head forward (no grad) and forward+backward at 16384 x 3584 x 152064, 32768 x 4096 x
 128256, 4096 x 3584 x 152064 and 512 x 3584 x 152064; logits_stats forward and forward+backward at 16384 x 152064 and
-512 x 152064 (bf16). Prints a table: ms of A and B, B / A, and x matmul.
+512 x 152064 (bf16). Prints a table: ms of A and B, B / A, and x matmul; with ``--check``, whether
+A and B give bitwise equal outputs and gradients (a refactoring must).
 """
 import argparse
 import importlib.util
@@ -54,8 +55,12 @@ def head_cases(n, h, v):
             out = mod.linear_log_probs(hx, wx, lab)
             (out.log_probs.sum() + out.entropy.sum()).backward()
         return run
+    def values(mod):  # what --check compares bitwise: outputs and both gradients
+        fwd_bwd(mod)()
+        out = mod.linear_log_probs(hid, w, lab)
+        return [out.log_probs, out.entropy, hx.grad.clone(), wx.grad.clone()]
     mm = bench(lambda: hid @ w.T)
-    return [(f"head fwd {n}x{h}x{v}", fwd, mm), (f"head fwd+bwd {n}x{h}x{v}", fwd_bwd, mm)]
+    return [(f"head fwd {n}x{h}x{v}", fwd, mm, None), (f"head fwd+bwd {n}x{h}x{v}", fwd_bwd, mm, values)]
 
 
 def logits_cases(n, v):
@@ -76,7 +81,11 @@ def logits_cases(n, v):
             s = mod.logits_stats(xg, lab)
             (s.log_probs.sum() + s.entropy.sum()).backward()
         return run
-    return [(f"logits fwd {n}x{v}", fwd, None), (f"logits fwd+bwd {n}x{v}", fwd_bwd, None)]
+    def values(mod):
+        fwd_bwd(mod)()
+        s = mod.logits_stats(x, lab)
+        return [s.log_probs, s.entropy, s.lse, xg.grad.clone()]
+    return [(f"logits fwd {n}x{v}", fwd, None, None), (f"logits fwd+bwd {n}x{v}", fwd_bwd, None, values)]
 
 
 def main():
@@ -84,6 +93,8 @@ def main():
     ap.add_argument("--old", type=Path, required=True, help="directory of the older rl_kernels package")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--cases", default="", help="run only the cases whose name contains this text")
+    ap.add_argument("--check", action="store_true",
+                    help="also compare A's and B's outputs and gradients bitwise (fwd+bwd cases)")
     args = ap.parse_args()
     old = load_old(args.old)
     cases = []
@@ -93,9 +104,12 @@ def main():
         cases += logits_cases(*shape)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; A = {args.old}, B = working tree")
     print(f"{'case':36s} {'A ms':>9s} {'B ms':>9s} {'B/A':>7s} {'per-round B/A':>15s} {'A xmm':>7s} {'B xmm':>7s}")
-    for name, make, mm in cases:
+    for name, make, mm, values in cases:
         if args.cases not in name:
             continue
+        if args.check and values is not None:
+            same = all(torch.equal(x, y) for x, y in zip(values(old), values(new)))
+            print(f"{name:36s} A and B bitwise equal (outputs, gradients): {same}", flush=True)
         a_fn, b_fn = make(old), make(new)
         a_fn(), b_fn()  # compile both
         ta, tb = [], []

@@ -1,0 +1,81 @@
+"""The deferred label check: label values checked inside the Triton kernels, without a host
+synchronisation, and reported as a ValueError at the next rl_kernels call or backward.
+
+A kernel that meets a label outside [0, vocab_size) that is not ``ignore_index`` makes that row's
+outputs NaN (never a finite wrong value) and writes its call's id into a process-wide flag word in
+pinned host memory; :func:`raise_label_errors`, called at the start of every public call and
+backward, reads the word (no torch op, no sync) and raises the error naming the call. The torch
+backend, and ``$RL_KERNELS_SYNC_LABEL_CHECK=1``, check on the host instead
+(``validation.check_label_values``, one sync per call)."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .validation import check_label_values
+
+SYNC_LABEL_CHECK_ENV = "RL_KERNELS_SYNC_LABEL_CHECK"
+"""Set to 1 to check label values on the host inside every call (one host sync per call, the
+error raised by the call itself) instead of in the kernels (see :func:`deferred_label_check`)."""
+
+_label_flag: torch.Tensor | None = None  # (1,) int32: id of the last call that met a bad label, 0 = none
+_label_word = None  # numpy view of _label_flag (a host read without a torch op)
+_label_calls: dict[int, tuple] = {}  # id -> (fn_name, labels shape, vocab_size, ignore_index, device)
+_label_ids = iter(range(1, 2**31 - 1))
+
+
+def sync_label_check() -> bool:
+    """Whether ``$RL_KERNELS_SYNC_LABEL_CHECK=1`` asks for label values checked on the host."""
+    return os.environ.get(SYNC_LABEL_CHECK_ENV, "") == "1"
+
+
+def label_flag(device: torch.device) -> torch.Tensor:
+    """The process-wide flag word the kernels write a bad label's call id into: pinned host memory
+    (a GPU kernel writes it directly: CUDA maps pinned memory into every device's address space),
+    plain host memory under the CPU interpreter. Also a harmless int32 placeholder argument."""
+    global _label_flag, _label_word
+    if _label_flag is None or (device.type == "cuda" and not _label_flag.is_pinned()):
+        _label_flag = torch.zeros(1, dtype=torch.int32, pin_memory=device.type == "cuda")
+        _label_word = _label_flag.numpy()
+    return _label_flag
+
+
+def deferred_label_check(labels: torch.Tensor, vocab_size: int, ignore_index: int, fn_name: str,
+                         in_kernel: bool) -> tuple[torch.Tensor, int]:
+    """Label values for a kernel launch: returns ``(flag, call_id)`` for the kernel, which writes
+    ``call_id`` into ``flag`` when it meets a label outside [0, vocab_size) that is not
+    ``ignore_index``, and makes that row's outputs NaN (never a finite wrong value).
+
+    When ``in_kernel`` is False, or ``$RL_KERNELS_SYNC_LABEL_CHECK=1``, the labels are checked
+    here instead (:func:`check_label_values`, one host sync) and ``call_id`` is 0 (the kernel
+    writes nothing). Otherwise no host sync happens: :func:`raise_label_errors` raises the
+    ValueError at the first call of rl_kernels (or backward of one) that begins after the kernel
+    has run; under the CPU interpreter the caller calls it right after its launch, so the call
+    itself raises."""
+    if not in_kernel or sync_label_check():
+        check_label_values(labels, vocab_size, ignore_index)
+        return label_flag(labels.device), 0
+    call_id = next(_label_ids)
+    if len(_label_calls) >= 256:  # keep the last calls only
+        _label_calls.pop(next(iter(_label_calls)))
+    _label_calls[call_id] = (fn_name, tuple(labels.shape), vocab_size, ignore_index, labels.device)
+    return label_flag(labels.device), call_id
+
+
+def raise_label_errors() -> None:
+    """Raise the ValueError of a bad label that a kernel has reported since the last check (see
+    :func:`deferred_label_check`); O(1), no host sync. The flag is cleared first."""
+    word = _label_word
+    if word is None or not word[0]:
+        return
+    call_id = int(word[0])
+    word[0] = 0
+    fn_name, shape, vocab_size, ignore_index, device = _label_calls.pop(
+        call_id, ("an earlier call", "?", "vocab_size", "ignore_index", "?"))
+    raise ValueError(
+        f"labels: a value outside [0, vocab_size={vocab_size}) that is not ignore_index={ignore_index} "
+        f"was passed to rl_kernels.{fn_name} (labels of shape {shape} on {device}). The kernel found "
+        f"it after that call returned, so this error comes from the next rl_kernels call or backward; "
+        f"the offending rows' log-probs (and their gradient) are NaN. Set "
+        f"{SYNC_LABEL_CHECK_ENV}=1 to check on the host inside the call instead (one sync per call).")
