@@ -83,21 +83,28 @@ def wrap_model_config(model_config_module, on_config) -> None:
     set_attr(cls, "__post_init__", __post_init__)
 
 
+def registry_classmethod(registry, name: str):
+    """The function behind verl's ``EngineRegistry.<name>`` classmethod, its signature checked
+    against :data:`verl_signatures.SIGNATURES`; VerlIntegrationError when verl changed it."""
+    original = vars(registry)[name]
+    if not isinstance(original, classmethod):
+        raise VerlIntegrationError(f"rl_kernels.integrations.verl: verl {verl_version()} changed "
+                                   f"EngineRegistry.{name} (no longer a classmethod)")
+    check_verl_signature(f"EngineRegistry.{name}", original.__func__)
+    return original.__func__
+
+
 def wrap_engine_new(registry, on_config) -> None:
     """``EngineRegistry.new`` (``registry``) calls ``on_config(model_config)`` with the
     ``model_config`` keyword verl builds the engine with, before the engine is built."""
-    original = vars(registry)["new"]
-    if not isinstance(original, classmethod):
-        raise VerlIntegrationError(f"rl_kernels.integrations.verl: verl {verl_version()} changed "
-                                   f"EngineRegistry.new (no longer a classmethod)")
-    check_verl_signature("EngineRegistry.new", original.__func__)
+    original = registry_classmethod(registry, "new")
 
-    @functools.wraps(original.__func__)
+    @functools.wraps(original)
     def new(cls, model_type, backend, *args, **kwargs):
         model_config = kwargs.get("model_config")
         if model_config is not None:
             on_config(model_config)
-        return original.__func__(cls, model_type, backend, *args, **kwargs)
+        return original(cls, model_type, backend, *args, **kwargs)
 
     set_attr(registry, "new", classmethod(new))
 

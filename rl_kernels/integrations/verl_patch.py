@@ -16,7 +16,8 @@ from .._logging import log_once, logger
 from . import verl_megatron, verl_options
 from ._verl_common import SUPPORTED_VERL, VerlIntegrationError, restore, set_attr, verl_version
 from .verl_fsdp_fused import patch_fused_path
-from .verl_hooks import DP_ACTOR_MODULE, wrap_dp_actor, wrap_engine_new, wrap_legacy_workers, wrap_model_config
+from .verl_hooks import (DP_ACTOR_MODULE, registry_classmethod, wrap_dp_actor, wrap_engine_new, wrap_legacy_workers,
+                         wrap_model_config)
 from .verl_logits import (LOGITS_FUNCTIONS, REPLACEMENTS, SUM_PI_SQUARED_FUNCTION, patch_logits_path,
                           patch_sum_pi_squared, sum_pi_squared_available)
 from .verl_options import PATCH_TIME_OPTIONS, lock, mark_patched, model_config_options, options
@@ -82,15 +83,11 @@ def _wrap_engine_registry(engine_base) -> None:
     """``EngineRegistry.get_engine_cls`` reports the engine verl chose (:func:`_report_engine`);
     ``EngineRegistry.new`` hands the engine's model config to :func:`apply_model_config`."""
     registry = engine_base.EngineRegistry
-    original = vars(registry)["get_engine_cls"]
-    if not isinstance(original, classmethod):
-        raise VerlIntegrationError(f"rl_kernels.integrations.verl: verl {verl_version()} changed "
-                                   f"EngineRegistry.get_engine_cls (no longer a classmethod)")
-    check_verl_signature("EngineRegistry.get_engine_cls", original.__func__)
+    original = registry_classmethod(registry, "get_engine_cls")
 
-    @functools.wraps(original.__func__)
+    @functools.wraps(original)
     def get_engine_cls(cls, model_type, backend):
-        engine_cls = original.__func__(cls, model_type, backend)
+        engine_cls = original(cls, model_type, backend)
         _report_engine(model_type, backend, engine_cls)
         return engine_cls
 
