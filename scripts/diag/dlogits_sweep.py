@@ -64,7 +64,7 @@ def main():
         base = ops_config.CUDA_CONFIG
         hp = head_params(hid.device)
         _, ent, lse, _ = ops.split_combine(ops.linear_split_stats(hid, w, lab, hp, base), lab, hp)
-        saved, grads = saved_and_grads(lse, ent, g_lp, g_ent)
+        saved, upstream = saved_and_grads(lse, ent, g_lp, g_ent)
         win = torch.empty(n, WINDOW, dtype=hid.dtype, device="cuda")
         hg = hid.detach().requires_grad_()
         wg = w.detach().requires_grad_()
@@ -81,7 +81,7 @@ def main():
             cfg = variant_config(fields)
             try:
                 def kernel():
-                    ops.linear_dlogits(hid, w, lab, saved, grads, slice(0, n), slice(0, WINDOW), win, hp, cfg,
+                    ops.linear_dlogits(hid, w, lab, saved, upstream, slice(0, n), slice(0, WINDOW), win, hp, cfg,
                                        cfg.bwd_cols)
                 win.fill_(float("nan"))
                 kernel()
