@@ -214,21 +214,27 @@ def plot(results: dict, path: str) -> None:
 
     if results.get("kind") == "logits":
         return plot_logits(results, path, plt)
+    _bar_panels(results, path, plt, ("fwd_x_mm", "forward"), ("fwd_bwd_x_mm", "forward+backward"), "",
+                "time / cuBLAS matmul", f"{results['device']}, {results['date']}")
+
+
+def _bar_panels(results: dict, path: str, plt, left: tuple, right: tuple, title_suffix: str, ylabel: str,
+                suptitle: str) -> None:
+    """One panel per shape, two bars per implementation: ``left`` / ``right`` = (result key, legend
+    label); a missing value draws 0. Saved to ``path``."""
     shapes = results["shapes"]
     fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
     for ax, shape in zip(axes[0], shapes):
         names = [k for k, r in shape["impls"].items() if "error" not in r]
         x = range(len(names))
-        fwd = [shape["impls"][k]["fwd_x_mm"] for k in names]
-        fb = [shape["impls"][k]["fwd_bwd_x_mm"] for k in names]
-        ax.bar([i - 0.2 for i in x], fwd, width=0.4, label="forward")
-        ax.bar([i + 0.2 for i in x], fb, width=0.4, label="forward+backward")
+        for offset, (key, label) in ((-0.2, left), (0.2, right)):
+            ax.bar([i + offset for i in x], [shape["impls"][k][key] or 0.0 for k in names], width=0.4, label=label)
         ax.set_xticks(list(x), names, rotation=30, ha="right", fontsize=8)
-        ax.set_title("x".join(map(str, shape["shape"])), fontsize=9)
-        ax.set_ylabel("time / cuBLAS matmul")
+        ax.set_title("x".join(map(str, shape["shape"])) + title_suffix, fontsize=9)
+        ax.set_ylabel(ylabel)
         ax.axhline(1.0, color="gray", lw=0.5)
     axes[0][0].legend(fontsize=8)
-    fig.suptitle(f"{results['device']}, {results['date']}", fontsize=9)
+    fig.suptitle(suptitle, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -464,26 +470,11 @@ def format_logits_tables(results: dict) -> str:
 
 def plot_logits(results: dict, path: str, plt) -> None:
     """Bar chart of forward (of the read ceiling) and backward (of the copy ceiling) bandwidth."""
-    shapes = results["shapes"]
-    fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
-    for ax, shape in zip(axes[0], shapes):
-        names = [k for k, r in shape["impls"].items() if "error" not in r]
-        x = range(len(names))
-        fwd = [shape["impls"][k]["fwd_frac_read"] for k in names]
-        bwd = [shape["impls"][k]["bwd_frac_copy"] or 0.0 for k in names]
-        ax.bar([i - 0.2 for i in x], fwd, width=0.4, label="forward / read ceiling")
-        ax.bar([i + 0.2 for i in x], bwd, width=0.4, label="backward / copy ceiling")
-        ax.set_xticks(list(x), names, rotation=30, ha="right", fontsize=8)
-        ax.set_title("x".join(map(str, shape["shape"])) + " bf16 logits", fontsize=9)
-        ax.set_ylabel("fraction of the measured bandwidth")
-        ax.axhline(1.0, color="gray", lw=0.5)
-    axes[0][0].legend(fontsize=8)
     c = results["ceilings"]
-    fig.suptitle(f"{results['device']}, {results['date']}: read {c['read_gbps']:.0f} GB/s, "
-                 f"copy {c['copy_gbps']:.0f} GB/s", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _bar_panels(results, path, plt, ("fwd_frac_read", "forward / read ceiling"),
+                ("bwd_frac_copy", "backward / copy ceiling"), " bf16 logits", "fraction of the measured bandwidth",
+                f"{results['device']}, {results['date']}: read {c['read_gbps']:.0f} GB/s, "
+                f"copy {c['copy_gbps']:.0f} GB/s")
 
 
 def run_logits(shapes=None, *, json_path=None, png_path=None, only=None) -> int:
