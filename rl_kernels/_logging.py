@@ -3,11 +3,18 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 logger = logging.getLogger("rl_kernels")
 _seen: set[str] = set()
 
 
 def log_once(level: int, message: str) -> None:
+    """Log ``message`` the first time it comes. Nothing while torch.compile traces the caller (a
+    logger call would break the graph): the messages that matter there are logged at run time
+    from the custom ops' bodies (``rl_kernels.autograd``), which run eagerly."""
+    if torch.compiler.is_compiling():
+        return
     if message not in _seen:
         _seen.add(message)
         logger.log(level, message)

@@ -12,7 +12,6 @@ a machine without Triton.
 """
 from __future__ import annotations
 
-import functools
 import importlib.util
 import logging
 import os
@@ -24,10 +23,12 @@ from ._logging import log_once
 BACKENDS = ("auto", "triton", "torch")
 
 
-@functools.cache
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None  # (looked up once, at import)
+
+
 def triton_available() -> bool:
     """Whether the ``triton`` package is installed (not imported)."""
-    return importlib.util.find_spec("triton") is not None
+    return _TRITON_INSTALLED
 
 
 def interpreting() -> bool:
@@ -93,6 +94,13 @@ def implements(family: str, backend: str):
         _FAMILIES.setdefault(family, {})[backend] = cls()
         return cls
     return register
+
+
+def backend_by_name(name: str) -> Backend:
+    """The resolved :class:`Backend` called ``name`` ("triton" or "torch"): the custom ops of
+    ``torch.compile`` (whose arguments are plain values) carry the name of the backend that the
+    public function resolved, and look the object up here."""
+    return _BACKENDS[name]
 
 
 def get_backend(backend: str, device: torch.device) -> Backend:

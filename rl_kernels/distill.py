@@ -22,12 +22,14 @@ when only top-K log-probs are available; with K = V and a renormalized teacher i
 """
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
 
-from .autograd.jsd import JSDParams, LinearJSDFunction
-from .autograd.linear import HeadOutputs, HeadParams, LinearLogProbsFunction
+from .autograd.common import compiling
+from .autograd.jsd import JSDParams, LinearJSDFunction, compiled_jsd
+from .autograd.linear import HeadOutputs, HeadParams, LinearLogProbsFunction, compiled_head
 from .autograd.vocab_parallel import VocabParallelLseGatherFunction, parallel_params
 from .backends import get_backend
 from .validation import (FLOAT_DTYPES, LABEL_DTYPES, check_bool_arg, check_choice, check_hidden_weight,
@@ -40,9 +42,10 @@ KINDS = ("forward", "reverse")
 REDUCTIONS = ("none", "sum", "mean", "batchmean")
 
 
-def _check_teacher(hidden_states, ids, teacher_log_probs) -> None:
+def _check_teacher(hidden_states, ids, teacher_log_probs, check_values: bool = True) -> None:
     """The top-K teacher: ids (..., K) int, log-probs of the same shape, float, on the student's
-    device (value checks follow once the vocabulary is known)."""
+    device (the log-probs' values read on the host unless ``check_values`` is False; the ids'
+    values are checked once the vocabulary is known)."""
     check_tensor_arg("teacher_token_ids", ids)
     check_tensor_arg("teacher_log_probs", teacher_log_probs)
     lead = tuple(hidden_states.shape[:-1])
@@ -54,6 +57,11 @@ def _check_teacher(hidden_states, ids, teacher_log_probs) -> None:
                          f"float, got {describe(teacher_log_probs)}")
     for name, t in (("teacher_token_ids", ids), ("teacher_log_probs", teacher_log_probs)):
         check_same_device(name, t, hidden_states, "hidden_states")
+    if check_values:
+        _check_teacher_log_probs(teacher_log_probs)
+
+
+def _check_teacher_log_probs(teacher_log_probs) -> None:
     bad = torch.isnan(teacher_log_probs) | (teacher_log_probs == float("inf"))
     if teacher_log_probs.numel() and bool(bad.any()):
         first = bad.reshape(-1).nonzero()[0, 0].item()
@@ -83,11 +91,50 @@ def counted_positions(hidden_states, labels, ignore_index, mask, vocab_size, che
         any_excluded = check_labels(labels, hidden_states, hidden_name, vocab_size, ignore_index,
                                     check_values=check_values, report_ignored=True)
         valid = labels.reshape(-1) != ignore_index
-    check_mask(mask, lead, hidden_states, hidden_name)
+    check_mask(mask, lead, hidden_states, hidden_name, check_values=check_values)
     if mask is not None:
         valid = valid & (mask.reshape(-1) != 0)
         any_excluded = None
     return valid, any_excluded
+
+
+@torch.library.custom_op(
+    "rl_kernels::counted_positions", mutates_args=(),
+    schema="(Tensor hidden_states, Tensor? labels, Tensor? mask, Tensor? teacher_token_ids, "
+           "Tensor? teacher_log_probs, SymInt vocab_size, int ignore_index, str hidden_name) -> Tensor")
+def _counted_positions_op(hidden_states, labels, mask, teacher_token_ids, teacher_log_probs, vocab_size,
+                          ignore_index, hidden_name):
+    """torch.compile's route of the losses' value checks (labels, mask, teacher ids and log-probs:
+    ValueError as in eager, with the host reading the values inside this opaque op, so the traced
+    function holds no data-dependent Python) -> (N,) bool, the positions that count."""
+    if teacher_log_probs is not None:
+        _check_teacher_log_probs(teacher_log_probs)
+    if teacher_token_ids is not None:
+        _check_teacher_ids(teacher_token_ids, vocab_size)
+    return counted_positions(hidden_states, labels, ignore_index, mask, vocab_size, True, hidden_name)[0]
+
+
+@_counted_positions_op.register_fake
+def _(hidden_states, *rest):
+    return hidden_states.new_empty(math.prod(hidden_states.shape[:-1]), dtype=torch.bool)
+
+
+def _positions(hidden_states, labels, ignore_index, mask, vocab_size, tp, hidden_name="hidden_states",
+               teacher_token_ids=None, teacher_log_probs=None):
+    """(valid (N,) bool, whether any position is excluded or None): eagerly with the checks on the
+    host; under torch.compile (no process group) through ``rl_kernels::counted_positions``."""
+    if compiling() and tp is None:
+        counted_positions(hidden_states, labels, ignore_index, mask, vocab_size, False, hidden_name)  # metadata
+        return torch.ops.rl_kernels.counted_positions(
+            hidden_states, labels, mask, teacher_token_ids, teacher_log_probs, vocab_size, ignore_index,
+            hidden_name), None
+    if teacher_log_probs is not None:
+        _check_teacher_log_probs(teacher_log_probs)
+    if teacher_token_ids is not None:
+        # (vocabulary unknown: vocab_start_index given without a collective; only >= 0 is checked)
+        _check_teacher_ids(teacher_token_ids, vocab_size if vocab_size is not None else torch.iinfo(torch.int64).max)
+    return counted_positions(hidden_states, labels, ignore_index, mask, vocab_size,
+                             check_values=vocab_size is not None, hidden_name=hidden_name)
 
 
 def linear_topk_kl(
@@ -166,15 +213,13 @@ def linear_topk_kl(
     check_bool_arg("renormalize_teacher", renormalize_teacher)
     t = check_temperature(temperature)
     check_hidden_weight(hidden_states, weight, min_dim=2)
-    _check_teacher(hidden_states, teacher_token_ids, teacher_log_probs)
+    _check_teacher(hidden_states, teacher_token_ids, teacher_log_probs, check_values=False)
     tp = parallel_params(process_group, vocab_start_index, reduce_hidden_grad, ignore_index, weight.shape[0],
                          hidden_states.device)
     # ids and labels are global with a group: checked against the whole vocabulary when known
     vocab_size = weight.shape[0] if tp is None else tp.vocab_size
-    # (vocabulary unknown: vocab_start_index given without a collective; only >= 0 is checked)
-    _check_teacher_ids(teacher_token_ids, vocab_size if vocab_size is not None else torch.iinfo(torch.int64).max)
-    valid, any_excluded = counted_positions(hidden_states, labels, ignore_index, mask, vocab_size,
-                                            check_values=vocab_size is not None)
+    valid, any_excluded = _positions(hidden_states, labels, ignore_index, mask, vocab_size, tp,
+                                     teacher_token_ids=teacher_token_ids, teacher_log_probs=teacher_log_probs)
     backend = get_backend(backend, hidden_states.device)
     lead = hidden_states.shape[:-1]
     h2 = hidden_states.reshape(-1, hidden_states.shape[-1])
@@ -187,7 +232,8 @@ def linear_topk_kl(
     if tp is not None:
         lse, z_ids = VocabParallelLseGatherFunction.apply(h2, weight, valid, ids, params, tp)
     else:
-        head = HeadOutputs(*LinearLogProbsFunction.apply(h2, weight, row_labels, params, ids))
+        head = (compiled_head(h2, weight, row_labels, params, ids) if compiling()
+                else HeadOutputs(*LinearLogProbsFunction.apply(h2, weight, row_labels, params, ids)))
         lse, z_ids = head.lse, head.gathered_logits
     log_q = z_ids - lse[:, None]
 
@@ -318,12 +364,15 @@ def linear_jsd(
                          student_weight.shape[0], student_hidden.device)
     vocab_size = student_weight.shape[0] if tp is None else tp.vocab_size
     # (labels only select positions: with a group and vocab_start_index their values are not checked)
-    valid, any_excluded = counted_positions(student_hidden, labels, ignore_index, mask, vocab_size,
-                                            check_values=vocab_size is not None, hidden_name="student_hidden")
+    valid, any_excluded = _positions(student_hidden, labels, ignore_index, mask, vocab_size, tp,
+                                     hidden_name="student_hidden")
     backend = get_backend(backend, student_hidden.device)
     hs = student_hidden.reshape(-1, student_hidden.shape[-1])
     ht = teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1])
     params = JSDParams(backend=backend, inv_temperature=1.0 / t, beta=float(beta), tp=tp,
                        may_have_ignored=any_excluded is not False)
-    per_token = LinearJSDFunction.apply(hs, student_weight, ht, teacher_weight.detach(), valid, params)
+    if compiling() and tp is None:  # torch.compile: the custom ops (no graph break)
+        per_token = compiled_jsd(hs, student_weight, ht, teacher_weight.detach(), valid, params)
+    else:
+        per_token = LinearJSDFunction.apply(hs, student_weight, ht, teacher_weight.detach(), valid, params)
     return _reduce(per_token, valid, lead, reduction)

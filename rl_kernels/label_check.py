@@ -79,3 +79,16 @@ def raise_label_errors() -> None:
         f"it after that call returned, so this error comes from the next rl_kernels call or backward; "
         f"the offending rows' log-probs (and their gradient) are NaN. Set "
         f"{SYNC_LABEL_CHECK_ENV}=1 to check on the host inside the call instead (one sync per call).")
+
+
+def checked_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int, fn_name: str,
+                   in_kernel: bool) -> tuple[tuple[torch.Tensor, int] | None, bool | None]:
+    """The label-value check of one call, where it runs best: ``(label_check, has_ignored)``.
+    With ``in_kernel`` (the Triton backend) and no ``$RL_KERNELS_SYNC_LABEL_CHECK=1``: the
+    kernel's ``(flag, call_id)`` (:func:`deferred_label_check`, no host sync) and None (unknown
+    whether a label is ``ignore_index``). Otherwise the labels are checked on the host here (one
+    sync; ValueError now), and the result says whether any label equals ``ignore_index`` (which
+    spares the backward its ignored-row check)."""
+    if in_kernel and not sync_label_check():
+        return deferred_label_check(labels, vocab_size, ignore_index, fn_name, in_kernel=True), None
+    return None, check_label_values(labels, vocab_size, ignore_index, report_ignored=True)

@@ -6,10 +6,11 @@ from typing import NamedTuple
 
 import torch
 
-from .autograd.linear import HeadOutputs, HeadParams, LinearLogProbsFunction
+from .autograd.common import compiling
+from .autograd.linear import HeadOutputs, HeadParams, LinearLogProbsFunction, compiled_head
 from .autograd.vocab_parallel import VocabParallelLinearFunction, parallel_params
 from .backends import get_backend
-from .label_check import deferred_label_check, raise_label_errors, sync_label_check
+from .label_check import checked_labels, raise_label_errors
 from .validation import (check_bool_arg, check_head_inputs, check_label_values, check_softcap, check_temperature,
                          warn_fp16_temperature)
 
@@ -115,7 +116,8 @@ def linear_log_probs(
     Bug cases covered: verl #2656/#2899 (padded vocab columns), verl PR #7439 (all-negative
     logits), verl #6913 (3-D hidden keeps its gradient).
     """
-    raise_label_errors()  # a bad label that an earlier call's kernel reported
+    if not compiling():  # (compiled: the custom op's body does it)
+        raise_label_errors()  # a bad label that an earlier call's kernel reported
     temperature = check_temperature(temperature)
     softcap = check_softcap(softcap, temperature)
     check_head_inputs(hidden_states, weight, labels, ignore_index, check_values=False)
@@ -127,12 +129,9 @@ def linear_log_probs(
     # label values: in the Triton kernels (no host sync), else on the host here (the host check
     # also tells whether any label is ignore_index, which spares the backward a sync)
     has_ignored, label_check = None, None
-    if tp is None:
-        if resolved.checks_labels_in_kernel and not sync_label_check():
-            label_check = deferred_label_check(labels, weight.shape[0], ignore_index, "linear_log_probs",
-                                               in_kernel=True)
-        else:
-            has_ignored = check_label_values(labels, weight.shape[0], ignore_index, report_ignored=True)
+    if tp is None and not compiling():  # (compiled: the op's body checks them)
+        label_check, has_ignored = checked_labels(labels, weight.shape[0], ignore_index, "linear_log_probs",
+                                                  resolved.checks_labels_in_kernel)
     warn_fp16_temperature(hidden_states.dtype, temperature)
     inv_temperature = 1.0 / temperature
     lead_shape = labels.shape
@@ -148,6 +147,8 @@ def linear_log_probs(
         if tp.vocab_size is not None:
             has_ignored = check_label_values(labels, tp.vocab_size, ignore_index, report_ignored=True)
         out = HeadOutputs(*VocabParallelLinearFunction.apply(h2, weight, labels1, params(has_ignored), tp))
+    elif compiling():  # torch.compile: the custom ops (no graph break), label values checked in their body
+        out = compiled_head(h2, weight, labels1, params(None))
     else:
         out = HeadOutputs(*LinearLogProbsFunction.apply(h2, weight, labels1, params(has_ignored), None, label_check))
         if label_check is not None and hidden_states.device.type == "cpu":

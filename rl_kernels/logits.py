@@ -28,7 +28,9 @@ from typing import NamedTuple
 
 import torch
 
-from .autograd.logits import LogitsOutputs, LogitsParams, LogitsStatsFunction, logits_stats_forward
+from .autograd.common import compiling
+from .autograd.logits import (LogitsOutputs, LogitsParams, LogitsStatsFunction, compiled_logits_stats,
+                              logits_stats_forward)
 from .autograd.vocab_parallel import VocabParallelLogitsFunction, parallel_params
 from .backends import get_backend
 from .label_check import deferred_label_check, raise_label_errors
@@ -55,7 +57,8 @@ def _run(logits, labels, temperature, ignore_index, return_entropy, return_mean_
          return_sum_pi_squared=False) -> LogitsOutputs:
     """Validate, flatten to 2-D, run; returns ``LogitsOutputs`` shaped like logits.shape[:-1].
     ``fn_name``: the public function (error messages)."""
-    raise_label_errors()  # a bad label that an earlier call's kernel reported
+    if not compiling():  # (compiled: the custom op's body does it)
+        raise_label_errors()  # a bad label that an earlier call's kernel reported
     check_logits(logits)
     inv_temperature = 1.0 / check_temperature(temperature)
     if labels is not None:  # label values: in the kernel, or on the host below
@@ -78,6 +81,10 @@ def _run(logits, labels, temperature, ignore_index, return_entropy, return_mean_
             check_label_values(labels, tp.vocab_size, ignore_index)
         outs = VocabParallelLogitsFunction.apply(logits2d, labels1d, params, tp)
         return LogitsOutputs(*(o if o is None else o.view(shape) for o in outs))
+    if compiling() and tp is None:  # torch.compile: the custom ops (no graph break; an
+        # inplace_backward request is reported by the op's body, and the gradient is a new tensor)
+        outs = compiled_logits_stats(logits2d, labels1d, params)
+        return LogitsOutputs(*(o if o is None or o.shape == shape else o.view(shape) for o in outs))
     if inplace_backward:
         _check_inplace_target(logits, logits2d)
     label_check = None

@@ -48,7 +48,7 @@ def _positive_number(name: str, value, what: str = "a positive finite") -> float
         number = float(value)
     except OverflowError:
         number = math.inf
-    if not math.isfinite(number) or number <= 0:
+    if not 0 < number < math.inf:  # (NaN fails too; comparisons also trace under torch.compile)
         raise ValueError(f"{name}: expected {what} number, got {value!r}")
     return number
 
@@ -261,16 +261,17 @@ def check_label_values(labels: torch.Tensor, vocab_size: int, ignore_index,
     return None if any_ignored is None else bool(any_ignored)
 
 
-def check_mask(mask, lead: tuple, like: torch.Tensor, like_name: str) -> None:
+def check_mask(mask, lead: tuple, like: torch.Tensor, like_name: str, check_values: bool = True) -> None:
     """Validate a position mask: None, or a bool / 0-1 tensor of shape ``lead`` on ``like``'s
-    device. ValueError naming ``mask`` otherwise."""
+    device (the 0-1 values read on the host unless ``check_values`` is False). ValueError naming
+    ``mask`` otherwise."""
     if mask is None:
         return
     if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(lead) or mask.device != like.device:
         raise ValueError(f"mask: expected a bool/0-1 tensor of shape {tuple(lead)} on {like.device} "
                          f"({like_name} without its last dim), got "
                          + (describe(mask) if isinstance(mask, torch.Tensor) else type(mask).__name__))
-    if mask.dtype != torch.bool and mask.numel() and bool(((mask != 0) & (mask != 1)).any()):
+    if check_values and mask.dtype != torch.bool and mask.numel() and bool(((mask != 0) & (mask != 1)).any()):
         raise ValueError(f"mask: expected bool or 0/1 values, got other values ({describe(mask)}; e.g. "
                          f"{mask[(mask != 0) & (mask != 1)].reshape(-1)[0].item()!r})")
 

@@ -66,3 +66,41 @@ def hidden_for_weight_grad(hidden_states: torch.Tensor, ignored: torch.Tensor,
         ready.synchronize()
         return hidden_states.masked_fill(bad[:, None], 0) if bool(flag) else hidden_states
     return resolve
+
+
+def compiling() -> bool:
+    """Whether ``torch.compile`` (Dynamo) is tracing the caller. The public functions then call
+    their head family's ``torch.library`` custom ops (``torch.ops.rl_kernels.*``: opaque to the
+    compiler, so no graph break, and carrying fake-tensor shapes) instead of its autograd Function,
+    and leave the data-dependent checks (label values) to the ops' bodies, which run eagerly. Both
+    routes call the same backend implementations, so they give the same bits."""
+    return torch.compiler.is_compiling()
+
+
+def refuse_double_backward(backward_op) -> None:
+    """Register, as the autograd of a family's backward custom op (whose last argument is the
+    public function's name), a node that raises "double backward is not supported by
+    rl_kernels.<name>" when the gradients are differentiated again (the compiled route's
+    :func:`first_order_only`)."""
+
+    def setup_context(ctx, inputs, output):
+        ctx.fn_name = inputs[-1]
+
+    def backward(ctx, *grads):
+        raise RuntimeError(f"double backward is not supported by rl_kernels.{ctx.fn_name}: its backward "
+                           f"computes first derivatives only")
+
+    backward_op.register_autograd(backward, setup_context=setup_context)
+
+
+def if_asked(t: torch.Tensor, asked: bool) -> torch.Tensor | None:
+    """A custom op's output or gradient as the output record holds it: None unless ``asked`` (a
+    custom op returns an empty tensor for an output that was not asked, as it cannot return
+    None; and autograd hands its backward zeros, not None, for an output that was not used)."""
+    return t if asked else None
+
+
+def or_empty(outputs, like: torch.Tensor) -> tuple:
+    """A custom op's outputs: each tensor as it is, each None as a new empty float32 tensor on
+    ``like``'s device (outputs may alias neither each other nor the inputs)."""
+    return tuple(like.new_empty(0, dtype=torch.float32) if t is None else t for t in outputs)

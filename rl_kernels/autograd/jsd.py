@@ -13,10 +13,10 @@ from typing import NamedTuple
 
 import torch
 
-from ..backends import Backend, implements
+from ..backends import Backend, backend_by_name, implements
 from ..torch_ops.linear_jsd import torch_jsd_dlogits, torch_jsd_sums
 from .backward_schedule import chunked_backward, full_precision_reduction
-from .common import first_order_only, hidden_for_weight_grad
+from .common import first_order_only, hidden_for_weight_grad, refuse_double_backward
 from .linear import HeadParams, head_forward
 from .vocab_parallel import all_gather_rows, finish_hidden_grad, merge_lse
 
@@ -75,6 +75,53 @@ class TorchJSD:
         return window, torch.float32, 1
 
 
+def jsd_forward(student_hidden, student_weight, teacher_hidden, teacher_weight, valid, params: JSDParams):
+    """The forward without autograd: (per-token divergence x T^2 (N,) float32, 0 where not valid;
+    the student's lse, the teacher's lse and the g sum (the student's lse when there is none),
+    which the backward reads)."""
+    n = student_hidden.shape[0]
+    zeros = torch.zeros(n, dtype=torch.long, device=student_hidden.device)
+    head = HeadParams(backend=params.backend, inv_temperature=params.inv_temperature,
+                      ignore_index=-100, return_entropy=False)
+    lse_s = head_forward(student_hidden, student_weight, zeros, head).lse.contiguous()
+    lse_t = head_forward(teacher_hidden, teacher_weight, zeros, head).lse.contiguous()
+    tp = params.tp
+    if tp is not None:  # shard lse -> global lse of both heads (one all_gather)
+
+        lse_w = all_gather_rows(tp.process_group, torch.stack([lse_s, lse_t]))
+        lse_s, lse_t = (merge_lse(lse_w[:, i])[0].contiguous() for i in (0, 1))
+    loss, g_sum = params.backend.family("jsd").sums(student_hidden, student_weight, teacher_hidden,
+                                                     teacher_weight, lse_s, lse_t, params)
+    if tp is not None:  # shard sums -> global sums, added in rank order (one all_gather)
+
+        sums = all_gather_rows(tp.process_group, torch.stack(
+            [loss.float(), g_sum.float() if g_sum is not None else torch.zeros_like(loss, dtype=torch.float32)]
+        )).sum(0)
+        loss = sums[0]
+        g_sum = sums[1] if 0.0 < params.beta < 1.0 else (loss if params.beta == 1.0 else None)
+    t2 = 1.0 / params.inv_temperature ** 2
+    per_token = torch.where(valid, loss.float() * t2, torch.zeros((), device=loss.device))
+    return per_token, lse_s, lse_t, g_sum if g_sum is not None else lse_s
+
+
+def jsd_backward(hs, ws, ht, wt, lse_s, lse_t, g_sum, valid, grad, params: JSDParams, need_dh, need_dw):
+    """(dh or None, dW or None) of the student from the forward's saved statistics
+    (:func:`jsd_forward`) and the per-token upstream gradient ``grad`` (N,)."""
+    scale = torch.where(valid, grad.float() / params.inv_temperature ** 2,
+                        torch.zeros((), device=grad.device)).contiguous()
+    g_sum = None if params.beta == 0.0 else g_sum
+    dlogits, dz_dtype, width = params.backend.family("jsd").dlogits(hs, ws, ht, wt, lse_s, lse_t, g_sum, scale,
+                                                                     params)
+    reduce_dh = params.tp is not None and params.tp.reduce_hidden_grad
+    h_dw = hidden_for_weight_grad(hs, ~valid, lse_s) if need_dw and params.may_have_ignored else hs
+    with full_precision_reduction():
+        dh, dw = chunked_backward(dlogits, hs, ws, dz_dtype, need_dh, need_dw, reduce_dh, h_dw,
+                                  width_multiple=width)
+    if reduce_dh:
+        dh = finish_hidden_grad(dh, params.tp, hs.dtype)
+    return dh, dw
+
+
 class LinearJSDFunction(torch.autograd.Function):
     """Inputs: student_hidden (N, Hs), student_weight (V, Hs), teacher_hidden (N, Ht),
     teacher_weight (V, Ht), valid (N,) bool, JSDParams. Output: (N,) float32 per-token divergence
@@ -82,50 +129,89 @@ class LinearJSDFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, student_hidden, student_weight, teacher_hidden, teacher_weight, valid, params):
-        n = student_hidden.shape[0]
-        zeros = torch.zeros(n, dtype=torch.long, device=student_hidden.device)
-        head = HeadParams(backend=params.backend, inv_temperature=params.inv_temperature,
-                          ignore_index=-100, return_entropy=False)
-        lse_s = head_forward(student_hidden, student_weight, zeros, head).lse.contiguous()
-        lse_t = head_forward(teacher_hidden, teacher_weight, zeros, head).lse.contiguous()
-        tp = params.tp
-        if tp is not None:  # shard lse -> global lse of both heads (one all_gather)
-
-            lse_w = all_gather_rows(tp.process_group, torch.stack([lse_s, lse_t]))
-            lse_s, lse_t = (merge_lse(lse_w[:, i])[0].contiguous() for i in (0, 1))
-        loss, g_sum = params.backend.family("jsd").sums(student_hidden, student_weight, teacher_hidden,
-                                                         teacher_weight, lse_s, lse_t, params)
-        if tp is not None:  # shard sums -> global sums, added in rank order (one all_gather)
-
-            sums = all_gather_rows(tp.process_group, torch.stack(
-                [loss.float(), g_sum.float() if g_sum is not None else torch.zeros_like(loss, dtype=torch.float32)]
-            )).sum(0)
-            loss = sums[0]
-            g_sum = sums[1] if 0.0 < params.beta < 1.0 else (loss if params.beta == 1.0 else None)
-        t2 = 1.0 / params.inv_temperature ** 2
+        per_token, lse_s, lse_t, g_sum = jsd_forward(student_hidden, student_weight, teacher_hidden, teacher_weight,
+                                                     valid, params)
         ctx.save_for_backward(student_hidden, student_weight, teacher_hidden, teacher_weight,
-                              lse_s, lse_t, g_sum if g_sum is not None else lse_s, valid)
+                              lse_s, lse_t, g_sum, valid)
         ctx.params, ctx.fn_name = params, "linear_jsd"
-        return torch.where(valid, loss.float() * t2, torch.zeros((), device=loss.device))
+        return per_token
 
     @staticmethod
     @first_order_only
     def backward(ctx, grad):
-        hs, ws, ht, wt, lse_s, lse_t, g_sum, valid = ctx.saved_tensors
-        params: JSDParams = ctx.params
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if grad is None or not (need_dh or need_dw):
             return None, None, None, None, None, None
-        scale = torch.where(valid, grad.float() / params.inv_temperature ** 2,
-                            torch.zeros((), device=grad.device)).contiguous()
-        g_sum = None if params.beta == 0.0 else g_sum
-        dlogits, dz_dtype, width = params.backend.family("jsd").dlogits(hs, ws, ht, wt, lse_s, lse_t, g_sum, scale,
-                                                                         params)
-        reduce_dh = params.tp is not None and params.tp.reduce_hidden_grad
-        h_dw = hidden_for_weight_grad(hs, ~valid, lse_s) if need_dw and params.may_have_ignored else hs
-        with full_precision_reduction():
-            dh, dw = chunked_backward(dlogits, hs, ws, dz_dtype, need_dh, need_dw, reduce_dh, h_dw,
-                                      width_multiple=width)
-        if reduce_dh:
-            dh = finish_hidden_grad(dh, params.tp, hs.dtype)
+        dh, dw = jsd_backward(*ctx.saved_tensors, grad, ctx.params, need_dh, need_dw)
         return dh, dw, None, None, None, None
+
+
+# ------------------------------------------------------------------ torch.compile: custom ops
+# LinearJSDFunction as torch.library custom ops (see the same section of ``autograd/linear.py``);
+# without a process group (a group is no custom-op argument).
+
+_PARAMS_SCHEMA = "str backend, float inv_temperature, float beta, bool may_have_ignored, str name"
+
+
+@torch.library.custom_op(
+    "rl_kernels::jsd_forward", mutates_args=(),
+    schema="(Tensor student_hidden, Tensor student_weight, Tensor teacher_hidden, Tensor teacher_weight, "
+           "Tensor valid, " + _PARAMS_SCHEMA + ") -> (Tensor, Tensor, Tensor, Tensor)")
+def _jsd_forward_op(hs, ws, ht, wt, valid, backend, inv_temperature, beta, may_have_ignored, name):
+    """-> (per-token divergence x T^2, student lse, teacher lse, g sum), (N,) float32 each."""
+    p = JSDParams(backend_by_name(backend), inv_temperature, beta, None, may_have_ignored)
+    per_token, lse_s, lse_t, g_sum = jsd_forward(hs, ws, ht, wt, valid, p)
+    return per_token, lse_s, lse_t, g_sum.clone() if g_sum is lse_s else g_sum
+
+
+@_jsd_forward_op.register_fake
+def _(hs, *rest):
+    return tuple(hs.new_empty(hs.shape[0], dtype=torch.float32) for _ in range(4))
+
+
+@torch.library.custom_op(
+    "rl_kernels::jsd_backward", mutates_args=(),
+    schema="(Tensor student_hidden, Tensor student_weight, Tensor teacher_hidden, Tensor teacher_weight, "
+           "Tensor lse_s, Tensor lse_t, Tensor g_sum, Tensor valid, Tensor grad, bool need_dh, bool need_dw, "
+           + _PARAMS_SCHEMA + ") -> (Tensor, Tensor)")
+def _jsd_backward_op(hs, ws, ht, wt, lse_s, lse_t, g_sum, valid, grad, need_dh, need_dw, backend, inv_temperature,
+                     beta, may_have_ignored, name):
+    """-> (dh, dW) of the student in the input dtypes, empty where not needed."""
+    p = JSDParams(backend_by_name(backend), inv_temperature, beta, None, may_have_ignored)
+    dh, dw = jsd_backward(hs, ws, ht, wt, lse_s, lse_t, g_sum, valid, grad, p, need_dh, need_dw)
+    return (hs.new_empty(0) if dh is None else dh.contiguous(), ws.new_empty(0) if dw is None else dw.contiguous())
+
+
+@_jsd_backward_op.register_fake
+def _(hs, ws, ht, wt, lse_s, lse_t, g_sum, valid, grad, need_dh, need_dw, *params):
+    return hs.new_empty(hs.shape if need_dh else (0,)), ws.new_empty(ws.shape if need_dw else (0,))
+
+
+def _jsd_setup_context(ctx, inputs, output):
+    hs, ws, ht, wt, valid, *params = inputs
+    _, lse_s, lse_t, g_sum = output
+    ctx.params = params
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(hs, ws, ht, wt, lse_s, lse_t, g_sum, valid)
+
+
+def _jsd_backward(ctx, grad, *unused):
+    need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    none = (None,) * (5 + len(ctx.params))
+    if grad is None or not (need_dh or need_dw):
+        return none
+    dh, dw = torch.ops.rl_kernels.jsd_backward(*ctx.saved_tensors, grad.float().contiguous(), need_dh, need_dw,
+                                               *ctx.params)
+    return (dh if need_dh else None, dw if need_dw else None) + none[2:]
+
+
+_jsd_forward_op.register_autograd(_jsd_backward, setup_context=_jsd_setup_context)
+refuse_double_backward(_jsd_backward_op)
+
+
+def compiled_jsd(student_hidden, student_weight, teacher_hidden, teacher_weight, valid, params: JSDParams):
+    """``LinearJSDFunction``'s output through the custom ops (``torch.compile``'s route; no
+    process group)."""
+    return torch.ops.rl_kernels.jsd_forward(student_hidden, student_weight, teacher_hidden, teacher_weight, valid,
+                                            params.backend.name, params.inv_temperature, params.beta,
+                                            params.may_have_ignored, "linear_jsd")[0]

@@ -14,11 +14,12 @@ from typing import NamedTuple
 
 import torch
 
-from ..backends import Backend, implements
+from ..backends import Backend, backend_by_name, implements
+from ..label_check import checked_labels, raise_label_errors
+from ..validation import warn_fp16_temperature
 from ..torch_ops.linear import torch_dlogits, torch_forward, torch_gathered_logits
-from ..label_check import raise_label_errors
 from .backward_schedule import chunked_backward, full_precision_reduction
-from .common import first_order_only, hidden_for_weight_grad
+from .common import first_order_only, hidden_for_weight_grad, if_asked, or_empty, refuse_double_backward
 
 
 class HeadParams(NamedTuple):
@@ -187,3 +188,126 @@ def gathered_logits(hidden_states, weight, ids, params: HeadParams) -> torch.Ten
     """(N, K) float32 z[i, k] = hidden_states[i] . weight[ids[i, k]] * inv_temperature (soft-capped
     first with ``params.softcap``)."""
     return params.backend.family("linear").gathered_logits(hidden_states, weight, ids, params)
+
+
+# ------------------------------------------------------------------ torch.compile: custom ops
+# The same forward and backward as LinearLogProbsFunction, as torch.library custom ops: opaque to
+# torch.compile (no graph break; fake implementations give the output shapes, symbolic sizes
+# included) and differentiable through register_autograd. The parameter record travels as plain
+# values (a custom op takes no Python objects); the op's body rebuilds it. Label values are
+# checked in the body (in the Triton kernels without a host sync, else on the host), so the traced
+# public function holds no data-dependent Python.
+
+_PARAMS_SCHEMA = ("str backend, float inv_temperature, int ignore_index, bool return_entropy, "
+                  "bool return_sum_pi_squared, float? softcap, str name")
+
+
+def _op_params(params: HeadParams) -> tuple:
+    """A HeadParams as the custom ops' trailing plain arguments (``_PARAMS_SCHEMA``)."""
+    return (params.backend.name, params.inv_temperature, params.ignore_index, params.return_entropy,
+            params.return_sum_pi_squared, params.softcap, params.name)
+
+
+def _from_op_params(backend, inv_temperature, ignore_index, return_entropy, return_sum_pi_squared, softcap,
+                    name, may_have_ignored=True) -> HeadParams:
+    return HeadParams(backend=backend_by_name(backend), inv_temperature=inv_temperature,
+                      ignore_index=ignore_index, return_entropy=return_entropy, name=name,
+                      may_have_ignored=may_have_ignored, return_sum_pi_squared=return_sum_pi_squared,
+                      softcap=softcap)
+
+
+@torch.library.custom_op(
+    "rl_kernels::linear_forward", mutates_args=(),
+    schema="(Tensor hidden_states, Tensor weight, Tensor labels, Tensor? gather_ids, " + _PARAMS_SCHEMA
+           + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+def _linear_forward_op(hidden_states, weight, labels, gather_ids, *params):
+    """-> (log_probs, entropy, lse, sum_pi_squared, gathered_logits), empty where not asked."""
+    raise_label_errors()  # a bad label that an earlier call's kernel reported
+    p = _from_op_params(*params)
+    warn_fp16_temperature(hidden_states.dtype, 1.0 / p.inv_temperature)  # (not logged while tracing)
+    label_check, has_ignored = checked_labels(labels, weight.shape[0], p.ignore_index, p.name,
+                                              p.backend.checks_labels_in_kernel)
+    p = p._replace(may_have_ignored=has_ignored is not False)
+    out = head_forward(hidden_states, weight, labels, p, label_check)
+    if gather_ids is not None:
+        out = out._replace(gathered_logits=gathered_logits(hidden_states, weight, gather_ids, p))
+    if label_check is not None and hidden_states.device.type == "cpu":
+        raise_label_errors()  # the interpreter has run the kernels already: raise in this call
+    return or_empty(out, hidden_states)
+
+
+@_linear_forward_op.register_fake
+def _(hidden_states, weight, labels, gather_ids, backend, inv_temperature, ignore_index, return_entropy,
+      return_sum_pi_squared, softcap, name):
+    n = hidden_states.shape[0]
+
+    def rows(asked):
+        return hidden_states.new_empty(n if asked else 0, dtype=torch.float32)
+    gathered = hidden_states.new_empty((n, gather_ids.shape[1]) if gather_ids is not None else (0,),
+                                       dtype=torch.float32)
+    return rows(True), rows(return_entropy), rows(True), rows(return_sum_pi_squared), gathered
+
+
+@torch.library.custom_op(
+    "rl_kernels::linear_backward", mutates_args=(),
+    schema="(Tensor hidden_states, Tensor weight, Tensor labels, Tensor? gather_ids, Tensor lse, Tensor? entropy, "
+           "Tensor? sum_pi_squared, Tensor? grad_log_probs, Tensor? grad_entropy, Tensor? grad_lse, "
+           "Tensor? grad_sum_pi_squared, Tensor? grad_gathered_logits, bool need_dh, bool need_dw, "
+           + _PARAMS_SCHEMA + ") -> (Tensor, Tensor)")
+def _linear_backward_op(hidden_states, weight, labels, gather_ids, lse, entropy, sum_pi_squared, grad_log_probs,
+                        grad_entropy, grad_lse, grad_sum_pi_squared, grad_gathered_logits, need_dh, need_dw,
+                        *params):
+    """-> (dh, dW) in the input dtypes, empty where not needed."""
+    raise_label_errors()  # a bad label reported by this call's (or an earlier) forward kernel
+    p = _from_op_params(*params)
+    grads = HeadOutputs(grad_log_probs, grad_entropy, grad_lse, grad_sum_pi_squared, grad_gathered_logits)
+    saved = HeadOutputs(None, entropy, lse, sum_pi_squared)
+    dh, dw = head_backward(hidden_states, weight, labels, saved, grads, p, need_dh, need_dw, gather_ids)
+    return (hidden_states.new_empty(0) if dh is None else dh.contiguous(),
+            weight.new_empty(0) if dw is None else dw.contiguous())
+
+
+@_linear_backward_op.register_fake
+def _(hidden_states, weight, labels, gather_ids, lse, entropy, sum_pi_squared, grad_log_probs, grad_entropy,
+      grad_lse, grad_sum_pi_squared, grad_gathered_logits, need_dh, need_dw, *params):
+    return (hidden_states.new_empty(hidden_states.shape if need_dh else (0,)),
+            weight.new_empty(weight.shape if need_dw else (0,)))
+
+
+def _linear_setup_context(ctx, inputs, output):
+    hidden_states, weight, labels, gather_ids, *params = inputs
+    _, entropy, lse, sum_pi_squared, _ = output
+    ctx.params = params
+    return_entropy, return_sum_pi_squared = params[3], params[4]
+    ctx.save_for_backward(hidden_states, weight, labels, gather_ids, lse,
+                          if_asked(entropy, return_entropy), if_asked(sum_pi_squared, return_sum_pi_squared))
+
+
+def _linear_backward(ctx, grad_log_probs, grad_entropy, grad_lse, grad_sum_pi_squared, grad_gathered_logits):
+    hidden_states, weight, labels, gather_ids, lse, entropy, sum_pi_squared = ctx.saved_tensors
+    need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    none = (None,) * (4 + len(ctx.params))
+    if not (need_dh or need_dw):
+        return none
+    return_entropy, return_sum_pi_squared = ctx.params[3], ctx.params[4]
+
+    def as_float(g, asked=True):  # the Function's backward takes float32 contiguous gradients
+        return g.float().contiguous() if asked and g is not None else None
+    dh, dw = torch.ops.rl_kernels.linear_backward(
+        hidden_states, weight, labels, gather_ids, lse, entropy, sum_pi_squared, as_float(grad_log_probs),
+        as_float(grad_entropy, return_entropy), as_float(grad_lse),
+        as_float(grad_sum_pi_squared, return_sum_pi_squared), as_float(grad_gathered_logits, gather_ids is not None),
+        need_dh, need_dw, *ctx.params)
+    return (dh if need_dh else None, dw if need_dw else None) + none[2:]
+
+
+_linear_forward_op.register_autograd(_linear_backward, setup_context=_linear_setup_context)
+refuse_double_backward(_linear_backward_op)
+
+
+def compiled_head(hidden_states, weight, labels, params: HeadParams, gather_ids=None) -> HeadOutputs:
+    """``LinearLogProbsFunction``'s outputs through the custom ops (``torch.compile``'s route; see
+    ``autograd.common.compiling``). Label values are checked in the op's body."""
+    out = torch.ops.rl_kernels.linear_forward(hidden_states, weight, labels, gather_ids, *_op_params(params))
+    return HeadOutputs(out[0], if_asked(out[1], params.return_entropy), out[2],
+                       if_asked(out[3], params.return_sum_pi_squared), if_asked(out[4], gather_ids is not None))

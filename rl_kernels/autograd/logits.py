@@ -8,14 +8,16 @@ Backward: one more read of the logits writes d loss / d logits once, in the logi
 the logits' own storage with ``inplace_backward``, reported to autograd by a version bump)."""
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple
 
 import torch
 
-from ..backends import Backend, implements
+from .._logging import log_once
+from ..backends import Backend, backend_by_name, implements
+from ..label_check import deferred_label_check, raise_label_errors
 from ..torch_ops.logits_stats import torch_logits_backward, torch_logits_forward
-from ..label_check import raise_label_errors
-from .common import first_order_only
+from .common import first_order_only, if_asked, or_empty, refuse_double_backward
 
 
 class LogitsParams(NamedTuple):
@@ -114,3 +116,115 @@ class LogitsStatsFunction(torch.autograd.Function):
             # raises torch's "modified by an inplace operation" error instead of reading gradients
             torch.autograd.graph.increment_version(logits)
         return grad, None, None, None
+
+
+# ------------------------------------------------------------------ torch.compile: custom ops
+# LogitsStatsFunction's forward and backward as torch.library custom ops (see the same section of
+# ``autograd/linear.py``). The forward op also returns the two saved statistics (row max, log-sum)
+# that its backward reads. ``inplace_backward`` is not offered on this route: a custom op cannot
+# return its input's storage as a new gradient (the public function says so once).
+
+_PARAMS_SCHEMA = ("str backend, float inv_temperature, int ignore_index, bool return_entropy, "
+                  "bool return_mean_log_p, bool return_sum_pi_squared, bool inplace_backward, str name")
+_STAT_KEYS = ("log_probs", "entropy", "lse", "mean_log_p", "sum_pi_squared", "row_max", "log_sum")
+
+
+def _op_params(params: LogitsParams) -> tuple:
+    """A LogitsParams as the custom ops' trailing plain arguments (``_PARAMS_SCHEMA``)."""
+    return (params.backend.name, params.inv_temperature, params.ignore_index, params.return_entropy,
+            params.return_mean_log_p, params.return_sum_pi_squared, params.inplace_backward, params.name)
+
+
+def _from_op_params(backend, inv_temperature, ignore_index, return_entropy, return_mean_log_p,
+                    return_sum_pi_squared, inplace_backward, name) -> LogitsParams:
+    """The record back from the plain values; ``inplace_backward`` (asked by the caller) is
+    reported, not honoured: this route's gradient is a new tensor."""
+    return LogitsParams(backend=backend_by_name(backend), inv_temperature=inv_temperature, ignore_index=ignore_index,
+                        return_entropy=return_entropy, name=name, return_mean_log_p=return_mean_log_p,
+                        return_sum_pi_squared=return_sum_pi_squared, inplace_backward=False)
+
+
+@torch.library.custom_op(
+    "rl_kernels::logits_forward", mutates_args=(),
+    schema="(Tensor logits, Tensor? labels, " + _PARAMS_SCHEMA
+           + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+def _logits_forward_op(logits, labels, *params):
+    """-> (log_probs, entropy, lse, mean_log_p, sum_pi_squared, row_max, log_sum), empty where not
+    asked."""
+    raise_label_errors()  # a bad label that an earlier call's kernel reported
+    p = _from_op_params(*params)
+    if params[6]:  # inplace_backward asked: say once that this route does not honour it
+        log_once(logging.WARNING, f"rl_kernels.{p.name}: inplace_backward=True is not honoured under "
+                 f"torch.compile; the gradient is written to a new tensor (the same values)")
+    label_check = None
+    if labels is not None:  # in the kernel (no host sync), else on the host here
+        label_check = deferred_label_check(labels, logits.shape[-1], p.ignore_index, p.name,
+                                           in_kernel=p.backend.checks_labels_in_kernel)
+    stats = logits_stats_forward(logits, labels, p, label_check)
+    if label_check is not None and logits.device.type == "cpu":
+        raise_label_errors()  # the interpreter has run the kernel already: raise in this call
+    return or_empty((stats.get(k) for k in _STAT_KEYS), logits)
+
+
+@_logits_forward_op.register_fake
+def _(logits, labels, backend, inv_temperature, ignore_index, return_entropy, return_mean_log_p,
+      return_sum_pi_squared, inplace_backward, name):
+    n = logits.shape[0]
+    asked = (labels is not None, return_entropy, True, return_mean_log_p, return_sum_pi_squared, True, True)
+    return tuple(logits.new_empty(n if a else 0, dtype=torch.float32) for a in asked)
+
+
+@torch.library.custom_op(
+    "rl_kernels::logits_backward", mutates_args=(),
+    schema="(Tensor logits, Tensor? labels, Tensor row_max, Tensor log_sum, Tensor? entropy, Tensor? sum_pi_squared, "
+           "Tensor? grad_log_probs, Tensor? grad_entropy, Tensor? grad_lse, Tensor? grad_mean_log_p, "
+           "Tensor? grad_sum_pi_squared, " + _PARAMS_SCHEMA + ") -> Tensor")
+def _logits_backward_op(logits, labels, row_max, log_sum, entropy, sum_pi_squared, grad_log_probs, grad_entropy,
+                        grad_lse, grad_mean_log_p, grad_sum_pi_squared, *params):
+    """-> d loss / d logits, a new contiguous tensor in the logits' dtype."""
+    raise_label_errors()  # a bad label reported by this call's (or an earlier) forward kernel
+    p = _from_op_params(*params)
+    grads = {k: g for k, g in zip(LogitsOutputs._fields, (grad_log_probs, grad_entropy, grad_lse, grad_mean_log_p,
+                                                           grad_sum_pi_squared)) if g is not None}
+    stats = {"row_max": row_max, "log_sum": log_sum, "entropy": entropy, "sum_pi_squared": sum_pi_squared}
+    grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    p.backend.family("logits").backward(logits, grad, labels, stats, grads, p)
+    return grad
+
+
+@_logits_backward_op.register_fake
+def _(logits, *rest):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+def _logits_setup_context(ctx, inputs, output):
+    logits, labels, *params = inputs
+    _, entropy, _, _, sum_pi_squared, row_max, log_sum = output
+    ctx.params = params
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(logits, labels, row_max, log_sum, if_asked(entropy, params[3]),
+                          if_asked(sum_pi_squared, params[5]))
+
+
+def _logits_backward(ctx, *output_grads):
+    logits, labels, row_max, log_sum, entropy, sum_pi_squared = ctx.saved_tensors
+    none = (None,) * (2 + len(ctx.params))
+    asked = (labels is not None, ctx.params[3], True, ctx.params[4], ctx.params[5])
+    grads = [g.float().contiguous() if a and g is not None else None for g, a in zip(output_grads, asked)]
+    if not ctx.needs_input_grad[0] or all(g is None for g in grads):
+        return none
+    grad = torch.ops.rl_kernels.logits_backward(logits, labels, row_max, log_sum, entropy, sum_pi_squared, *grads,
+                                                *ctx.params)
+    return (grad,) + none[1:]
+
+
+_logits_forward_op.register_autograd(_logits_backward, setup_context=_logits_setup_context)
+refuse_double_backward(_logits_backward_op)
+
+
+def compiled_logits_stats(logits, labels, params: LogitsParams) -> LogitsOutputs:
+    """``LogitsStatsFunction``'s outputs through the custom ops (``torch.compile``'s route; see
+    ``autograd.common.compiling``). Label values are checked in the op's body."""
+    out = torch.ops.rl_kernels.logits_forward(logits, labels, *_op_params(params))
+    return LogitsOutputs(if_asked(out[0], labels is not None), if_asked(out[1], params.return_entropy), out[2],
+                         if_asked(out[3], params.return_mean_log_p), if_asked(out[4], params.return_sum_pi_squared))
