@@ -54,6 +54,10 @@ def hidden_for_weight_grad(hidden_states: torch.Tensor, ignored: torch.Tensor,
     kernels, so the GPU is never left idle while the host waits (a sync at the start of the
     backward cost 3-5% of a 4096-row step on the H100, 2026-11-24)."""
     bad = ignored & ~torch.isfinite(lse)
+    if hidden_states.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        # a CUDA graph being captured: no host read; the selection is always made (one copy of
+        # hidden_states, replayed with the graph), so every replay is right whatever its rows
+        return lambda: hidden_states.masked_fill(bad[:, None], 0)
     if hidden_states.device.type != "cuda":
         any_bad = bool(bad.any())
         return lambda: hidden_states.masked_fill(bad[:, None], 0) if any_bad else hidden_states

@@ -1,0 +1,122 @@
+"""Launch cost at small N: a public call eager (back to back), compiled (inductor, fullgraph) and
+replayed from a CUDA graph, against its kernels alone (issue 29's question: how much of a small
+call is host time, and how much of it a CUDA graph or torch.compile removes).
+
+python scripts/diag/graph_launch.py [N,H,V] [--json PATH] [--no-compile]   (default 512,3584,152064)
+
+Rows (bf16, labels uniform, medians of triton.testing.do_bench, ms):
+  from-logits forward / forward+backward (``logits_stats`` with entropy) at N x V;
+  fused head forward+backward (``linear_log_probs``) at N x H x V.
+Each row: the public call eager, compiled (from-logits fwd+bwd only), one CUDA-graph replay of
+the same call, and the kernels alone (the launchers, no autograd or checks); the ratios to the
+kernels. Every graph is checked to give the eager call's bits before it is timed.
+"""
+import datetime
+import json
+import sys
+
+import torch
+import triton.testing
+
+import rl_kernels
+from rl_kernels import ops
+
+from diag_common import logits_params
+
+
+def bench(f) -> float:
+    return triton.testing.do_bench(f, warmup=25, rep=300, return_mode="median")
+
+
+def graphed(step, check):
+    """A CUDA graph of ``step()`` (warmed up on a side stream); returns (replay, outputs)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    check(outs)
+    return graph.replay
+
+
+def main():
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    n, h, v = (int(x) for x in (args[0] if args and "," in args[0] else "512,3584,152064").split(","))
+    out_path = sys.argv[sys.argv.index("--json") + 1] if "--json" in sys.argv else None
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hid = torch.randn(n, h, device="cuda", generator=g).bfloat16()
+    w = (0.02 * torch.randn(v, h, device="cuda", generator=g)).bfloat16()
+    lab = torch.randint(0, v, (n,), device="cuda", generator=g)
+    logits = (3 * torch.randn(n, v, device="cuda", generator=g)).bfloat16()
+    g_lp, g_ent = torch.randn(n, device="cuda", generator=g), torch.randn(n, device="cuda", generator=g)
+    lp, lcfg = logits_params(logits.device), ops.logits_config(logits.device)
+    rows = {}
+
+    # --- from-logits forward
+    fwd = lambda: rl_kernels.logits_stats(logits, lab)  # noqa: E731
+    ref = fwd()
+    replay = graphed(fwd, lambda o: (torch.equal(o.log_probs, ref.log_probs) and torch.equal(o.entropy, ref.entropy))
+                     or sys.exit("graph != eager (from-logits forward)"))
+    rows[f"from-logits fwd {n}x{v}"] = dict(
+        eager=bench(fwd), graph=bench(replay), kernels=bench(lambda: ops.logits_forward(logits, lab, lp, lcfg)))
+
+    # --- from-logits forward + backward
+    x = logits.clone().requires_grad_()
+
+    def fwd_bwd(f=rl_kernels.logits_stats):
+        x.grad = None
+        o = f(x, lab)
+        torch.autograd.backward([o.log_probs, o.entropy], [g_lp, g_ent])
+        return x.grad
+
+    ref_grad = fwd_bwd().clone()
+    replay = graphed(fwd_bwd, lambda gr: torch.equal(gr, ref_grad) or sys.exit("graph != eager (from-logits bwd)"))
+    grad = torch.empty_like(logits)
+    grads = {"log_probs": g_lp, "entropy": g_ent}
+
+    def kernels():
+        stats = ops.logits_forward(logits, lab, lp, lcfg)
+        ops.logits_backward(logits, grad, lab, stats, grads, lp, lcfg)
+
+    row = dict(eager=bench(fwd_bwd), graph=bench(replay), kernels=bench(kernels))
+    if "--no-compile" not in sys.argv:
+        compiled = torch.compile(lambda z, y: rl_kernels.logits_stats(z, y), fullgraph=True)
+        if not torch.equal(fwd_bwd(compiled), ref_grad):
+            sys.exit("compiled != eager (from-logits bwd)")
+        row["compiled"] = bench(lambda: fwd_bwd(compiled))
+    rows[f"from-logits fwd+bwd {n}x{v}"] = row
+
+    # --- fused head forward + backward
+    hx, wx = hid.clone().requires_grad_(), w.clone().requires_grad_()
+
+    def head_step():
+        hx.grad = wx.grad = None
+        o = rl_kernels.linear_log_probs(hx, wx, lab)
+        torch.autograd.backward([o.log_probs, o.entropy], [g_lp, g_ent])
+        return hx.grad, wx.grad
+
+    ref_dh, ref_dw = (t.clone() for t in head_step())
+    replay = graphed(head_step, lambda o: (torch.equal(o[0], ref_dh) and torch.equal(o[1], ref_dw))
+                     or sys.exit("graph != eager (head)"))
+    rows[f"head fwd+bwd {n}x{h}x{v}"] = dict(eager=bench(head_step), graph=bench(replay),
+                                             matmul=bench(lambda: hid @ w.T))
+
+    dev = torch.cuda.get_device_name()
+    print(f"{dev}, torch {torch.__version__}, {datetime.date.today()}; ms (do_bench median); x = / kernels")
+    for name, r in rows.items():
+        base = r.get("kernels")
+        cells = [f"{k} {t:.3f}" + (f" ({t / base:.2f}x)" if base and k != "kernels" else "") for k, t in r.items()]
+        print(f"{name:36s} " + " | ".join(cells))
+    if out_path:
+        with open(out_path, "w") as f:
+            json.dump(dict(device=dev, date=str(datetime.date.today()), torch=torch.__version__, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
