@@ -30,7 +30,8 @@ import torch
 from .autograd.common import compiling
 from .autograd.jsd import JSDParams, LinearJSDFunction, compiled_jsd
 from .autograd.linear import HeadOutputs, HeadParams, LinearLogProbsFunction, compiled_head
-from .autograd.vocab_parallel import VocabParallelLseGatherFunction, parallel_params
+from .autograd.vocab_parallel import (VocabParallelLseGatherFunction, compiled_vocab_parallel_lse_gather,
+                                      group_by_name, parallel_params)
 from .backends import get_backend
 from .validation import (FLOAT_DTYPES, LABEL_DTYPES, check_bool_arg, check_choice, check_hidden_weight,
                          check_labels, check_mask, check_same_device, check_temperature, check_tensor_arg,
@@ -101,17 +102,20 @@ def counted_positions(hidden_states, labels, ignore_index, mask, vocab_size, che
 @torch.library.custom_op(
     "rl_kernels::counted_positions", mutates_args=(),
     schema="(Tensor hidden_states, Tensor? labels, Tensor? mask, Tensor? teacher_token_ids, "
-           "Tensor? teacher_log_probs, SymInt vocab_size, int ignore_index, str hidden_name) -> Tensor")
+           "Tensor? teacher_log_probs, SymInt vocab_size, int ignore_index, str hidden_name, str? group_name, "
+           "int? vocab_start_index) -> Tensor")
 def _counted_positions_op(hidden_states, labels, mask, teacher_token_ids, teacher_log_probs, vocab_size,
-                          ignore_index, hidden_name):
+                          ignore_index, hidden_name, group_name, vocab_start_index):
     """torch.compile's route of the losses' value checks (labels, mask, teacher ids and log-probs:
     ValueError as in eager, with the host reading the values inside this opaque op, so the traced
-    function holds no data-dependent Python) -> (N,) bool, the positions that count."""
-    if teacher_log_probs is not None:
-        _check_teacher_log_probs(teacher_log_probs)
-    if teacher_token_ids is not None:
-        _check_teacher_ids(teacher_token_ids, vocab_size)
-    return counted_positions(hidden_states, labels, ignore_index, mask, vocab_size, True, hidden_name)[0]
+    function holds no data-dependent Python) -> (N,) bool, the positions that count.
+    ``vocab_size``: the head's rows; with ``group_name`` (a vocab-sharded head) the whole
+    vocabulary is derived as in eager (unknown when ``vocab_start_index`` is given)."""
+    if group_name is not None:
+        vocab_size = parallel_params(group_by_name(group_name), vocab_start_index, False, ignore_index, vocab_size,
+                                     hidden_states.device).vocab_size
+    return _positions(hidden_states, labels, ignore_index, mask, vocab_size, None, hidden_name, teacher_token_ids,
+                      teacher_log_probs)[0]
 
 
 @_counted_positions_op.register_fake
@@ -122,12 +126,14 @@ def _(hidden_states, *rest):
 def _positions(hidden_states, labels, ignore_index, mask, vocab_size, tp, hidden_name="hidden_states",
                teacher_token_ids=None, teacher_log_probs=None):
     """(valid (N,) bool, whether any position is excluded or None): eagerly with the checks on the
-    host; under torch.compile (no process group) through ``rl_kernels::counted_positions``."""
-    if compiling() and tp is None:
-        counted_positions(hidden_states, labels, ignore_index, mask, vocab_size, False, hidden_name)  # metadata
+    host; under torch.compile through ``rl_kernels::counted_positions`` (``vocab_size``: then the
+    head's own rows; the op derives the sharded vocabulary from ``tp``)."""
+    if compiling():
+        counted_positions(hidden_states, labels, ignore_index, mask, None, False, hidden_name)  # metadata
+        group = (None, None) if tp is None else (tp.process_group.group_name, tp.start)
         return torch.ops.rl_kernels.counted_positions(
             hidden_states, labels, mask, teacher_token_ids, teacher_log_probs, vocab_size, ignore_index,
-            hidden_name), None
+            hidden_name, *group), None
     if teacher_log_probs is not None:
         _check_teacher_log_probs(teacher_log_probs)
     if teacher_token_ids is not None:
@@ -217,7 +223,7 @@ def linear_topk_kl(
     tp = parallel_params(process_group, vocab_start_index, reduce_hidden_grad, ignore_index, weight.shape[0],
                          hidden_states.device)
     # ids and labels are global with a group: checked against the whole vocabulary when known
-    vocab_size = weight.shape[0] if tp is None else tp.vocab_size
+    vocab_size = weight.shape[0] if tp is None or compiling() else tp.vocab_size
     valid, any_excluded = _positions(hidden_states, labels, ignore_index, mask, vocab_size, tp,
                                      teacher_token_ids=teacher_token_ids, teacher_log_probs=teacher_log_probs)
     backend = get_backend(backend, hidden_states.device)
@@ -229,7 +235,9 @@ def linear_topk_kl(
     row_labels = torch.where(valid, ids[:, 0], -100)
     params = HeadParams(backend=backend, inv_temperature=1.0 / t, ignore_index=-100,
                         return_entropy=False, name="linear_topk_kl", may_have_ignored=any_excluded is not False)
-    if tp is not None:
+    if tp is not None and compiling():  # torch.compile: the custom ops
+        lse, z_ids = compiled_vocab_parallel_lse_gather(h2, weight, valid, ids, params, tp)
+    elif tp is not None:
         lse, z_ids = VocabParallelLseGatherFunction.apply(h2, weight, valid, ids, params, tp)
     else:
         head = (compiled_head(h2, weight, row_labels, params, ids) if compiling()
@@ -362,7 +370,7 @@ def linear_jsd(
     lead = tuple(student_hidden.shape[:-1])
     tp = parallel_params(process_group, vocab_start_index, reduce_hidden_grad, ignore_index,
                          student_weight.shape[0], student_hidden.device)
-    vocab_size = student_weight.shape[0] if tp is None else tp.vocab_size
+    vocab_size = student_weight.shape[0] if tp is None or compiling() else tp.vocab_size
     # (labels only select positions: with a group and vocab_start_index their values are not checked)
     valid, any_excluded = _positions(student_hidden, labels, ignore_index, mask, vocab_size, tp,
                                      hidden_name="student_hidden")
@@ -371,7 +379,7 @@ def linear_jsd(
     ht = teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1])
     params = JSDParams(backend=backend, inv_temperature=1.0 / t, beta=float(beta), tp=tp,
                        may_have_ignored=any_excluded is not False)
-    if compiling() and tp is None:  # torch.compile: the custom ops (no graph break)
+    if compiling():  # torch.compile: the custom ops (no graph break)
         per_token = compiled_jsd(hs, student_weight, ht, teacher_weight.detach(), valid, params)
     else:
         per_token = LinearJSDFunction.apply(hs, student_weight, ht, teacher_weight.detach(), valid, params)

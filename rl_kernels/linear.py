@@ -8,7 +8,7 @@ import torch
 
 from .autograd.common import compiling
 from .autograd.linear import HeadOutputs, HeadParams, LinearLogProbsFunction, compiled_head
-from .autograd.vocab_parallel import VocabParallelLinearFunction, parallel_params
+from .autograd.vocab_parallel import VocabParallelLinearFunction, compiled_vocab_parallel_head, parallel_params
 from .backends import get_backend
 from .label_check import checked_labels, raise_label_errors
 from .validation import (check_bool_arg, check_head_inputs, check_label_values, check_softcap, check_temperature,
@@ -143,7 +143,9 @@ def linear_log_probs(
                           may_have_ignored=has_ignored is not False,
                           return_sum_pi_squared=return_sum_pi_squared, softcap=softcap)
 
-    if tp is not None:
+    if tp is not None and compiling():  # torch.compile: the custom ops derive the layout, check the labels
+        out = compiled_vocab_parallel_head(h2, weight, labels1, params(None), tp)
+    elif tp is not None:
         if tp.vocab_size is not None:
             has_ignored = check_label_values(labels, tp.vocab_size, ignore_index, report_ignored=True)
         out = HeadOutputs(*VocabParallelLinearFunction.apply(h2, weight, labels1, params(has_ignored), tp))

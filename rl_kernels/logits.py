@@ -31,7 +31,7 @@ import torch
 from .autograd.common import compiling
 from .autograd.logits import (LogitsOutputs, LogitsParams, LogitsStatsFunction, compiled_logits_stats,
                               logits_stats_forward)
-from .autograd.vocab_parallel import VocabParallelLogitsFunction, parallel_params
+from .autograd.vocab_parallel import VocabParallelLogitsFunction, compiled_vocab_parallel_logits, parallel_params
 from .backends import get_backend
 from .label_check import deferred_label_check, raise_label_errors
 from .validation import (check_bool_arg, check_choice, check_label_values, check_labels, check_logits,
@@ -77,6 +77,9 @@ def _run(logits, labels, temperature, ignore_index, return_entropy, return_mean_
     logits2d = logits.reshape(-1, logits.shape[-1])
     labels1d = labels.reshape(-1) if labels is not None else None
     if tp is not None:  # vocab-sharded logits (``rl_kernels.autograd.vocab_parallel``)
+        if compiling():  # torch.compile: the custom ops derive the layout and check the labels
+            outs = compiled_vocab_parallel_logits(logits2d, labels1d, params, tp)
+            return LogitsOutputs(*(o if o is None else o.view(shape) for o in outs))
         if labels is not None and tp.vocab_size is not None:
             check_label_values(labels, tp.vocab_size, ignore_index)
         outs = VocabParallelLogitsFunction.apply(logits2d, labels1d, params, tp)

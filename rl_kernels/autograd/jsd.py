@@ -18,7 +18,8 @@ from ..torch_ops.linear_jsd import torch_jsd_dlogits, torch_jsd_sums
 from .backward_schedule import chunked_backward, full_precision_reduction
 from .common import first_order_only, hidden_for_weight_grad, refuse_double_backward
 from .linear import HeadParams, head_forward
-from .vocab_parallel import all_gather_rows, finish_hidden_grad, merge_lse
+from .vocab_parallel import (ParallelParams, all_gather_rows, finish_hidden_grad, group_by_name, merge_lse,
+                             parallel_params)
 
 
 class JSDParams(NamedTuple):
@@ -147,19 +148,39 @@ class LinearJSDFunction(torch.autograd.Function):
 
 
 # ------------------------------------------------------------------ torch.compile: custom ops
-# LinearJSDFunction as torch.library custom ops (see the same section of ``autograd/linear.py``);
-# without a process group (a group is no custom-op argument).
+# LinearJSDFunction as torch.library custom ops (see the same section of ``autograd/linear.py``;
+# a process group travels by name, as in ``autograd/vocab_parallel.py``).
 
-_PARAMS_SCHEMA = "str backend, float inv_temperature, float beta, bool may_have_ignored, str name"
+_PARAMS_SCHEMA = ("str backend, float inv_temperature, float beta, bool may_have_ignored, str? group_name, "
+                  "int? vocab_start_index, bool reduce_hidden_grad, str name")
+
+
+def _params_from_op(backend, inv_temperature, beta, may_have_ignored, group_name, vocab_start_index,
+                    reduce_hidden_grad, name, local_vocab=None, device=None) -> JSDParams:
+    """The record back from the plain values; with ``group_name`` the layout is derived again
+    (``local_vocab`` and ``device`` given: the forward, with its all_gather when
+    ``vocab_start_index`` is None) or only what the backward reads (the group, the dh reduction)."""
+    tp = None
+    if group_name is not None:
+        group = group_by_name(group_name)
+        tp = (parallel_params(group, vocab_start_index, reduce_hidden_grad, -100, local_vocab, device)
+              if local_vocab is not None else ParallelParams(group, 0, None, reduce_hidden_grad))
+    return JSDParams(backend_by_name(backend), inv_temperature, beta, tp, may_have_ignored)
+
+
+def _op_params(params: JSDParams) -> tuple:
+    tp = params.tp
+    group = (None, None, False) if tp is None else (tp.process_group.group_name, tp.start, tp.reduce_hidden_grad)
+    return (params.backend.name, params.inv_temperature, params.beta, params.may_have_ignored, *group, "linear_jsd")
 
 
 @torch.library.custom_op(
     "rl_kernels::jsd_forward", mutates_args=(),
     schema="(Tensor student_hidden, Tensor student_weight, Tensor teacher_hidden, Tensor teacher_weight, "
            "Tensor valid, " + _PARAMS_SCHEMA + ") -> (Tensor, Tensor, Tensor, Tensor)")
-def _jsd_forward_op(hs, ws, ht, wt, valid, backend, inv_temperature, beta, may_have_ignored, name):
+def _jsd_forward_op(hs, ws, ht, wt, valid, *params):
     """-> (per-token divergence x T^2, student lse, teacher lse, g sum), (N,) float32 each."""
-    p = JSDParams(backend_by_name(backend), inv_temperature, beta, None, may_have_ignored)
+    p = _params_from_op(*params, local_vocab=ws.shape[0], device=hs.device)
     per_token, lse_s, lse_t, g_sum = jsd_forward(hs, ws, ht, wt, valid, p)
     return per_token, lse_s, lse_t, g_sum.clone() if g_sum is lse_s else g_sum
 
@@ -174,10 +195,9 @@ def _(hs, *rest):
     schema="(Tensor student_hidden, Tensor student_weight, Tensor teacher_hidden, Tensor teacher_weight, "
            "Tensor lse_s, Tensor lse_t, Tensor g_sum, Tensor valid, Tensor grad, bool need_dh, bool need_dw, "
            + _PARAMS_SCHEMA + ") -> (Tensor, Tensor)")
-def _jsd_backward_op(hs, ws, ht, wt, lse_s, lse_t, g_sum, valid, grad, need_dh, need_dw, backend, inv_temperature,
-                     beta, may_have_ignored, name):
+def _jsd_backward_op(hs, ws, ht, wt, lse_s, lse_t, g_sum, valid, grad, need_dh, need_dw, *params):
     """-> (dh, dW) of the student in the input dtypes, empty where not needed."""
-    p = JSDParams(backend_by_name(backend), inv_temperature, beta, None, may_have_ignored)
+    p = _params_from_op(*params)
     dh, dw = jsd_backward(hs, ws, ht, wt, lse_s, lse_t, g_sum, valid, grad, p, need_dh, need_dw)
     return (hs.new_empty(0) if dh is None else dh.contiguous(), ws.new_empty(0) if dw is None else dw.contiguous())
 
@@ -210,8 +230,7 @@ refuse_double_backward(_jsd_backward_op)
 
 
 def compiled_jsd(student_hidden, student_weight, teacher_hidden, teacher_weight, valid, params: JSDParams):
-    """``LinearJSDFunction``'s output through the custom ops (``torch.compile``'s route; no
-    process group)."""
+    """``LinearJSDFunction``'s output through the custom ops (``torch.compile``'s route; a
+    process group travels by name, its layout derived in the op's body)."""
     return torch.ops.rl_kernels.jsd_forward(student_hidden, student_weight, teacher_hidden, teacher_weight, valid,
-                                            params.backend.name, params.inv_temperature, params.beta,
-                                            params.may_have_ignored, "linear_jsd")[0]
+                                            *_op_params(params))[0]

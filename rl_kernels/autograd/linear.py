@@ -198,17 +198,18 @@ def gathered_logits(hidden_states, weight, ids, params: HeadParams) -> torch.Ten
 # checked in the body (in the Triton kernels without a host sync, else on the host), so the traced
 # public function holds no data-dependent Python.
 
-_PARAMS_SCHEMA = ("str backend, float inv_temperature, int ignore_index, bool return_entropy, "
+HEAD_OP_SCHEMA = ("str backend, float inv_temperature, int ignore_index, bool return_entropy, "
                   "bool return_sum_pi_squared, float? softcap, str name")
 
 
-def _op_params(params: HeadParams) -> tuple:
-    """A HeadParams as the custom ops' trailing plain arguments (``_PARAMS_SCHEMA``)."""
+def head_op_params(params: HeadParams) -> tuple:
+    """A HeadParams as the custom ops' trailing plain arguments (``HEAD_OP_SCHEMA``; also the
+    vocab-parallel ops')."""
     return (params.backend.name, params.inv_temperature, params.ignore_index, params.return_entropy,
             params.return_sum_pi_squared, params.softcap, params.name)
 
 
-def _from_op_params(backend, inv_temperature, ignore_index, return_entropy, return_sum_pi_squared, softcap,
+def head_params_from_op(backend, inv_temperature, ignore_index, return_entropy, return_sum_pi_squared, softcap,
                     name, may_have_ignored=True) -> HeadParams:
     return HeadParams(backend=backend_by_name(backend), inv_temperature=inv_temperature,
                       ignore_index=ignore_index, return_entropy=return_entropy, name=name,
@@ -218,12 +219,12 @@ def _from_op_params(backend, inv_temperature, ignore_index, return_entropy, retu
 
 @torch.library.custom_op(
     "rl_kernels::linear_forward", mutates_args=(),
-    schema="(Tensor hidden_states, Tensor weight, Tensor labels, Tensor? gather_ids, " + _PARAMS_SCHEMA
+    schema="(Tensor hidden_states, Tensor weight, Tensor labels, Tensor? gather_ids, " + HEAD_OP_SCHEMA
            + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 def _linear_forward_op(hidden_states, weight, labels, gather_ids, *params):
     """-> (log_probs, entropy, lse, sum_pi_squared, gathered_logits), empty where not asked."""
     raise_label_errors()  # a bad label that an earlier call's kernel reported
-    p = _from_op_params(*params)
+    p = head_params_from_op(*params)
     warn_fp16_temperature(hidden_states.dtype, 1.0 / p.inv_temperature)  # (not logged while tracing)
     label_check, has_ignored = checked_labels(labels, weight.shape[0], p.ignore_index, p.name,
                                               p.backend.checks_labels_in_kernel)
@@ -253,13 +254,13 @@ def _(hidden_states, weight, labels, gather_ids, backend, inv_temperature, ignor
     schema="(Tensor hidden_states, Tensor weight, Tensor labels, Tensor? gather_ids, Tensor lse, Tensor? entropy, "
            "Tensor? sum_pi_squared, Tensor? grad_log_probs, Tensor? grad_entropy, Tensor? grad_lse, "
            "Tensor? grad_sum_pi_squared, Tensor? grad_gathered_logits, bool need_dh, bool need_dw, "
-           + _PARAMS_SCHEMA + ") -> (Tensor, Tensor)")
+           + HEAD_OP_SCHEMA + ") -> (Tensor, Tensor)")
 def _linear_backward_op(hidden_states, weight, labels, gather_ids, lse, entropy, sum_pi_squared, grad_log_probs,
                         grad_entropy, grad_lse, grad_sum_pi_squared, grad_gathered_logits, need_dh, need_dw,
                         *params):
     """-> (dh, dW) in the input dtypes, empty where not needed."""
     raise_label_errors()  # a bad label reported by this call's (or an earlier) forward kernel
-    p = _from_op_params(*params)
+    p = head_params_from_op(*params)
     grads = HeadOutputs(grad_log_probs, grad_entropy, grad_lse, grad_sum_pi_squared, grad_gathered_logits)
     saved = HeadOutputs(None, entropy, lse, sum_pi_squared)
     dh, dw = head_backward(hidden_states, weight, labels, saved, grads, p, need_dh, need_dw, gather_ids)
@@ -308,6 +309,6 @@ refuse_double_backward(_linear_backward_op)
 def compiled_head(hidden_states, weight, labels, params: HeadParams, gather_ids=None) -> HeadOutputs:
     """``LinearLogProbsFunction``'s outputs through the custom ops (``torch.compile``'s route; see
     ``autograd.common.compiling``). Label values are checked in the op's body."""
-    out = torch.ops.rl_kernels.linear_forward(hidden_states, weight, labels, gather_ids, *_op_params(params))
+    out = torch.ops.rl_kernels.linear_forward(hidden_states, weight, labels, gather_ids, *head_op_params(params))
     return HeadOutputs(out[0], if_asked(out[1], params.return_entropy), out[2],
                        if_asked(out[3], params.return_sum_pi_squared), if_asked(out[4], gather_ids is not None))

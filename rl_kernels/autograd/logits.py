@@ -124,18 +124,18 @@ class LogitsStatsFunction(torch.autograd.Function):
 # that its backward reads. ``inplace_backward`` is not offered on this route: a custom op cannot
 # return its input's storage as a new gradient (the public function says so once).
 
-_PARAMS_SCHEMA = ("str backend, float inv_temperature, int ignore_index, bool return_entropy, "
+LOGITS_OP_SCHEMA = ("str backend, float inv_temperature, int ignore_index, bool return_entropy, "
                   "bool return_mean_log_p, bool return_sum_pi_squared, bool inplace_backward, str name")
 _STAT_KEYS = ("log_probs", "entropy", "lse", "mean_log_p", "sum_pi_squared", "row_max", "log_sum")
 
 
-def _op_params(params: LogitsParams) -> tuple:
-    """A LogitsParams as the custom ops' trailing plain arguments (``_PARAMS_SCHEMA``)."""
+def logits_op_params(params: LogitsParams) -> tuple:
+    """A LogitsParams as the custom ops' trailing plain arguments (``LOGITS_OP_SCHEMA``)."""
     return (params.backend.name, params.inv_temperature, params.ignore_index, params.return_entropy,
             params.return_mean_log_p, params.return_sum_pi_squared, params.inplace_backward, params.name)
 
 
-def _from_op_params(backend, inv_temperature, ignore_index, return_entropy, return_mean_log_p,
+def logits_params_from_op(backend, inv_temperature, ignore_index, return_entropy, return_mean_log_p,
                     return_sum_pi_squared, inplace_backward, name) -> LogitsParams:
     """The record back from the plain values; ``inplace_backward`` (asked by the caller) is
     reported, not honoured: this route's gradient is a new tensor."""
@@ -146,13 +146,13 @@ def _from_op_params(backend, inv_temperature, ignore_index, return_entropy, retu
 
 @torch.library.custom_op(
     "rl_kernels::logits_forward", mutates_args=(),
-    schema="(Tensor logits, Tensor? labels, " + _PARAMS_SCHEMA
+    schema="(Tensor logits, Tensor? labels, " + LOGITS_OP_SCHEMA
            + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 def _logits_forward_op(logits, labels, *params):
     """-> (log_probs, entropy, lse, mean_log_p, sum_pi_squared, row_max, log_sum), empty where not
     asked."""
     raise_label_errors()  # a bad label that an earlier call's kernel reported
-    p = _from_op_params(*params)
+    p = logits_params_from_op(*params)
     if params[6]:  # inplace_backward asked: say once that this route does not honour it
         log_once(logging.WARNING, f"rl_kernels.{p.name}: inplace_backward=True is not honoured under "
                  f"torch.compile; the gradient is written to a new tensor (the same values)")
@@ -178,12 +178,12 @@ def _(logits, labels, backend, inv_temperature, ignore_index, return_entropy, re
     "rl_kernels::logits_backward", mutates_args=(),
     schema="(Tensor logits, Tensor? labels, Tensor row_max, Tensor log_sum, Tensor? entropy, Tensor? sum_pi_squared, "
            "Tensor? grad_log_probs, Tensor? grad_entropy, Tensor? grad_lse, Tensor? grad_mean_log_p, "
-           "Tensor? grad_sum_pi_squared, " + _PARAMS_SCHEMA + ") -> Tensor")
+           "Tensor? grad_sum_pi_squared, " + LOGITS_OP_SCHEMA + ") -> Tensor")
 def _logits_backward_op(logits, labels, row_max, log_sum, entropy, sum_pi_squared, grad_log_probs, grad_entropy,
                         grad_lse, grad_mean_log_p, grad_sum_pi_squared, *params):
     """-> d loss / d logits, a new contiguous tensor in the logits' dtype."""
     raise_label_errors()  # a bad label reported by this call's (or an earlier) forward kernel
-    p = _from_op_params(*params)
+    p = logits_params_from_op(*params)
     grads = {k: g for k, g in zip(LogitsOutputs._fields, (grad_log_probs, grad_entropy, grad_lse, grad_mean_log_p,
                                                            grad_sum_pi_squared)) if g is not None}
     stats = {"row_max": row_max, "log_sum": log_sum, "entropy": entropy, "sum_pi_squared": sum_pi_squared}
@@ -225,6 +225,6 @@ refuse_double_backward(_logits_backward_op)
 def compiled_logits_stats(logits, labels, params: LogitsParams) -> LogitsOutputs:
     """``LogitsStatsFunction``'s outputs through the custom ops (``torch.compile``'s route; see
     ``autograd.common.compiling``). Label values are checked in the op's body."""
-    out = torch.ops.rl_kernels.logits_forward(logits, labels, *_op_params(params))
+    out = torch.ops.rl_kernels.logits_forward(logits, labels, *logits_op_params(params))
     return LogitsOutputs(if_asked(out[0], labels is not None), if_asked(out[1], params.return_entropy), out[2],
                          if_asked(out[3], params.return_mean_log_p), if_asked(out[4], params.return_sum_pi_squared))

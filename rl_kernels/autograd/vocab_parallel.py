@@ -38,10 +38,12 @@ import dataclasses
 
 import torch
 
-from ..validation import check_vocab_parallel_args
-from .common import first_order_only
-from .linear import HeadOutputs, HeadParams, gathered_logits, head_backward, head_forward
-from .logits import LogitsOutputs, LogitsParams
+from ..label_check import raise_label_errors
+from ..validation import check_label_values, check_vocab_parallel_args
+from .common import compiling, first_order_only, if_asked, or_empty, refuse_double_backward
+from .linear import (HEAD_OP_SCHEMA, HeadOutputs, HeadParams, gathered_logits, head_backward, head_forward,
+                     head_op_params, head_params_from_op)
+from .logits import LOGITS_OP_SCHEMA, LogitsOutputs, LogitsParams, logits_op_params, logits_params_from_op
 
 
 def _dist():
@@ -57,7 +59,7 @@ class ParallelParams:
     backward all-reduces dh."""
 
     process_group: object
-    start: int
+    start: int | None  # None only while torch.compile traces without vocab_start_index
     vocab_size: int | None
     reduce_hidden_grad: bool
 
@@ -68,11 +70,15 @@ def parallel_params(process_group, vocab_start_index, reduce_hidden_grad, ignore
     (``validation.check_vocab_parallel_args``; raises TypeError / ValueError / RuntimeError naming
     the argument) and returns None without a group, else the layout. Without
     ``vocab_start_index`` one small all_gather of the shard sizes derives this rank's first id
-    and the total vocabulary (shards in group-rank order)."""
+    and the total vocabulary (shards in group-rank order). While torch.compile traces, only the
+    arguments are checked: the layout (``start`` None when not given) is derived again in the
+    custom ops' bodies."""
     check_vocab_parallel_args(process_group, vocab_start_index, reduce_hidden_grad, ignore_index,
                               allow_reduce_hidden_grad)
     if process_group is None:
         return None
+    if compiling():  # traced: the custom ops' bodies derive the layout (and run its all_gather)
+        return ParallelParams(process_group, vocab_start_index, None, reduce_hidden_grad)
     if vocab_start_index is not None:
         return ParallelParams(process_group, int(vocab_start_index), None, reduce_hidden_grad)
     dist = _dist()
@@ -157,6 +163,29 @@ def merge_shards(process_group, lse_r, entropy_r, z_y_r, owned, labels, ignore_i
     return log_probs, entropy, lse, sum_pi_squared
 
 
+def vp_linear_forward(hidden_states, weight, labels, params: HeadParams, tp: ParallelParams):
+    """The vocab-parallel head's forward without autograd: (``HeadOutputs`` merged over the group,
+    the labels shifted into this shard (``local_labels``), which the backward reads)."""
+    v_r = weight.shape[0]
+    local, owned = local_labels(labels, tp.start, v_r, params.ignore_index)
+    shard = head_forward(hidden_states, weight, local, params)
+    z_y = gathered_logits(hidden_states, weight, torch.where(owned, local, 0)[:, None], params)[:, 0]
+    log_probs, entropy, lse, sum_pi_squared = merge_shards(
+        tp.process_group, shard.lse, shard.entropy, z_y, owned, labels, params.ignore_index, tp.vocab_size,
+        shard.sum_pi_squared)
+    # the merged entropy of ignored rows is 0 here; the backward masks those rows anyway
+    return HeadOutputs(log_probs, entropy, lse, sum_pi_squared), local
+
+
+def vp_linear_backward(hidden_states, weight, local, saved: HeadOutputs, grads: HeadOutputs, params: HeadParams,
+                       tp: ParallelParams, need_dh: bool, need_dw: bool):
+    """(dh or None, dW or None) of the vocab-parallel head (``grads``: float32 contiguous)."""
+    dh, dw = head_backward(hidden_states, weight, local, saved, grads, params, need_dh, need_dw,
+                           dh_float32=tp.reduce_hidden_grad)
+    # summed in float32, rounded once: as accurate as the unsharded head
+    return finish_hidden_grad(dh, tp, hidden_states.dtype), dw
+
+
 class VocabParallelLinearFunction(torch.autograd.Function):
     """hidden_states (N, H), weight shard (V_r, H), global labels (N,), HeadParams, ParallelParams
     -> the five fields of ``HeadOutputs`` (log_probs, entropy or None, lse, sum_pi_squared or
@@ -164,34 +193,81 @@ class VocabParallelLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden_states, weight, labels, params: HeadParams, tp: ParallelParams):
-        v_r = weight.shape[0]
-        local, owned = local_labels(labels, tp.start, v_r, params.ignore_index)
-        shard = head_forward(hidden_states, weight, local, params)
-        z_y = gathered_logits(hidden_states, weight, torch.where(owned, local, 0)[:, None], params)[:, 0]
-        log_probs, entropy, lse, sum_pi_squared = merge_shards(
-            tp.process_group, shard.lse, shard.entropy, z_y, owned, labels, params.ignore_index, tp.vocab_size,
-            shard.sum_pi_squared)
-        # the merged entropy of ignored rows is 0 here; the backward masks those rows anyway
-        ctx.save_for_backward(hidden_states, weight, local, lse, entropy, sum_pi_squared)
+        out, local = vp_linear_forward(hidden_states, weight, labels, params, tp)
+        ctx.save_for_backward(hidden_states, weight, local, out.lse, out.entropy, out.sum_pi_squared)
         ctx.params, ctx.tp, ctx.fn_name = params, tp, params.name
         ctx.set_materialize_grads(False)
-        return tuple(HeadOutputs(log_probs, entropy, lse, sum_pi_squared))
+        return tuple(out)
 
     @staticmethod
     @first_order_only
     def backward(ctx, *output_grads):
         hidden_states, weight, local, lse, entropy, sum_pi_squared = ctx.saved_tensors
-        params, tp = ctx.params, ctx.tp
         grads = HeadOutputs(*output_grads)
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if all(g is None for g in grads) or not (need_dh or need_dw):
             return None, None, None, None, None
         grads = grads._replace(**{k: getattr(grads, k).float().contiguous()
                                   for k in ("lse", "sum_pi_squared") if getattr(grads, k) is not None})
-        dh, dw = head_backward(hidden_states, weight, local, HeadOutputs(None, entropy, lse, sum_pi_squared), grads,
-                               params, need_dh, need_dw, dh_float32=tp.reduce_hidden_grad)
-        # summed in float32, rounded once: as accurate as the unsharded head
-        return finish_hidden_grad(dh, tp, hidden_states.dtype), dw, None, None, None
+        dh, dw = vp_linear_backward(hidden_states, weight, local, HeadOutputs(None, entropy, lse, sum_pi_squared),
+                                    grads, ctx.params, ctx.tp, need_dh, need_dw)
+        return dh, dw, None, None, None
+
+
+def vp_logits_forward(logits, labels, params: LogitsParams, tp: ParallelParams):
+    """The vocab-parallel from-logits forward without autograd: (``LogitsOutputs`` merged over
+    the group, the labels shifted into this shard (``local_labels``; None without labels))."""
+    v_r = logits.shape[1]
+    shard_params = params._replace(return_mean_log_p=False)
+    stats = params.backend.family("logits").forward(logits, None, shard_params)
+    local = None
+    if labels is not None:
+        local, owned = local_labels(labels, tp.start, v_r, params.ignore_index)
+        z_y = logits.gather(1, torch.where(owned, local, 0).long()[:, None])[:, 0].float() * params.inv_temperature
+    else:
+        owned = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+        z_y = torch.zeros(logits.shape[0], device=logits.device)
+    log_probs, entropy, lse, sum_pi_squared = merge_shards(
+        tp.process_group, stats["lse"], stats.get("entropy"), z_y, owned, labels, params.ignore_index,
+        tp.vocab_size, stats.get("sum_pi_squared"))
+    return LogitsOutputs(log_probs, entropy, lse, None, sum_pi_squared), local
+
+
+def vp_logits_backward(logits, local, lse, entropy, sum_pi_squared, g: LogitsOutputs, params: LogitsParams):
+    """d loss / d logits of the shard (a new tensor in the logits' dtype) from the merged
+    statistics and the upstream gradients ``g``; ``local``: the forward's shard labels or None."""
+    params = params._replace(return_mean_log_p=False)
+    zero = torch.zeros((), device=logits.device)
+    valid = (local != params.ignore_index) if local is not None else None
+    # onehot(y) - p on the shard: the -p part folds into the lse coefficient on every rank, the
+    # onehot part is added below on the owner's column only
+    coef = g.lse.float() if g.lse is not None else torch.zeros(lse.shape, device=lse.device)
+    grad_log_probs = None
+    if g.log_probs is not None:
+        grad_log_probs = torch.where(valid, g.log_probs.float(), zero)
+        coef = coef - grad_log_probs
+    grads = {"lse": coef.contiguous()}
+    if g.entropy is not None:
+        grads["entropy"] = (torch.where(valid, g.entropy.float(), zero) if valid is not None
+                            else g.entropy.float()).contiguous()
+    stats = {"row_max": lse, "log_sum": torch.zeros_like(lse)}
+    if entropy is not None:
+        stats["entropy"] = entropy
+    if g.sum_pi_squared is not None:  # global p = exp(z - lse) and global S on every shard
+        stats["sum_pi_squared"] = sum_pi_squared
+        grads["sum_pi_squared"] = g.sum_pi_squared.float().contiguous()
+    grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    # labels for the shard kernel: only the ignored / kept mask (id -1 ... matches no column,
+    # and no log-prob gradient is passed: the onehot part is added below)
+    row_labels = None if local is None else torch.where(valid, -1 if params.ignore_index != -1 else -2,
+                                                        params.ignore_index)
+    params.backend.family("logits").backward(logits, grad, row_labels, stats, grads, params)
+    if grad_log_probs is not None:
+        owned = valid & (local >= 0) & (local < logits.shape[1])  # (ignore_index is negative here)
+        rows = owned.nonzero()[:, 0]
+        cols = local[rows].long()
+        grad[rows, cols] += (grad_log_probs[rows] * params.inv_temperature).to(grad.dtype)
+    return grad
 
 
 class VocabParallelLogitsFunction(torch.autograd.Function):
@@ -202,64 +278,53 @@ class VocabParallelLogitsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels, params: LogitsParams, tp: ParallelParams):
-        v_r = logits.shape[1]
-        shard_params = params._replace(return_mean_log_p=False)
-        stats = params.backend.family("logits").forward(logits, None, shard_params)
-        owned = None
-        z_y = None
-        if labels is not None:
-            local, owned = local_labels(labels, tp.start, v_r, params.ignore_index)
-            z_y = logits.gather(1, torch.where(owned, local, 0).long()[:, None])[:, 0].float() * params.inv_temperature
-        else:
-            owned = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
-            z_y = torch.zeros(logits.shape[0], device=logits.device)
-        log_probs, entropy, lse, sum_pi_squared = merge_shards(
-            tp.process_group, stats["lse"], stats.get("entropy"), z_y, owned, labels, params.ignore_index,
-            tp.vocab_size, stats.get("sum_pi_squared"))
-        ctx.save_for_backward(logits, labels, owned, lse, entropy, sum_pi_squared)
-        ctx.params, ctx.tp, ctx.fn_name = shard_params, tp, params.name
+        out, local = vp_logits_forward(logits, labels, params, tp)
+        ctx.save_for_backward(logits, local, out.lse, out.entropy, out.sum_pi_squared)
+        ctx.params, ctx.fn_name = params, params.name
         ctx.set_materialize_grads(False)
-        return tuple(LogitsOutputs(log_probs, entropy, lse, None, sum_pi_squared))
+        return tuple(out)
 
     @staticmethod
     @first_order_only
     def backward(ctx, *output_grads):
-        logits, labels, owned, lse, entropy, sum_pi_squared = ctx.saved_tensors
-        params: LogitsParams = ctx.params
+        logits, local, lse, entropy, sum_pi_squared = ctx.saved_tensors
         g = LogitsOutputs(*output_grads)
-        none = (None,) * 4
         if not ctx.needs_input_grad[0] or all(x is None for x in g):
-            return none
-        zero = torch.zeros((), device=logits.device)
-        valid = (labels != params.ignore_index) if labels is not None else None
-        # onehot(y) - p on the shard: the -p part folds into the lse coefficient on every rank, the
-        # onehot part is added below on the owner's column only
-        coef = g.lse.float() if g.lse is not None else torch.zeros(lse.shape, device=lse.device)
-        grad_log_probs = None
-        if g.log_probs is not None:
-            grad_log_probs = torch.where(valid, g.log_probs.float(), zero)
-            coef = coef - grad_log_probs
-        grads = {"lse": coef.contiguous()}
-        if g.entropy is not None:
-            grads["entropy"] = (torch.where(valid, g.entropy.float(), zero) if valid is not None
-                                else g.entropy.float()).contiguous()
-        stats = {"row_max": lse, "log_sum": torch.zeros_like(lse)}
-        if entropy is not None:
-            stats["entropy"] = entropy
-        if g.sum_pi_squared is not None:  # global p = exp(z - lse) and global S on every shard
-            stats["sum_pi_squared"] = sum_pi_squared
-            grads["sum_pi_squared"] = g.sum_pi_squared.float().contiguous()
-        grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
-        # labels for the shard kernel: only the ignored / kept mask (id -1 ... matches no column,
-        # and no log-prob gradient is passed: the onehot part is added below)
-        row_labels = None if labels is None else torch.where(valid, -1 if params.ignore_index != -1 else -2,
-                                                             params.ignore_index)
-        params.backend.family("logits").backward(logits, grad, row_labels, stats, grads, params)
-        if grad_log_probs is not None:
-            rows = owned.nonzero()[:, 0]
-            cols = (labels[rows] - ctx.tp.start).long()
-            grad[rows, cols] += (grad_log_probs[rows] * params.inv_temperature).to(grad.dtype)
-        return (grad,) + none[1:]
+            return (None,) * 4
+        return (vp_logits_backward(logits, local, lse, entropy, sum_pi_squared, g, ctx.params),) + (None,) * 3
+
+
+def vp_lse_gather_forward(hidden_states, weight, valid, ids, params: HeadParams, tp: ParallelParams):
+    """``VocabParallelLseGatherFunction``'s forward without autograd: (lse, z, the shard's row
+    labels, the shard's ids), the last two read by the backward."""
+    v_r = weight.shape[0]
+    labels = torch.where(valid, v_r, params.ignore_index)  # no label column on any shard
+    lse_r = head_forward(hidden_states, weight, labels, params).lse
+    owned = (ids >= tp.start) & (ids < tp.start + v_r)
+    local_ids = torch.where(owned, ids - tp.start, -1)
+    z_r = gathered_logits(hidden_states, weight, local_ids.clamp_min(0), params)
+    zero = torch.zeros((), device=z_r.device)
+    part = torch.cat([lse_r.float()[:, None], torch.where(owned, z_r, zero), owned.float()], 1)
+    k = ids.shape[1]
+    gathered = all_gather_rows(tp.process_group, part)  # (W, N, 1 + 2K)
+    lse, _ = merge_lse(gathered[:, :, 0])
+    count = gathered[:, :, 1 + k:].sum(0)
+    if bool((count != 1).any()):
+        bad = (count != 1).nonzero()[0]
+        raise ValueError(f"teacher_token_ids: id {int(ids[bad[0], bad[1]])} at (token {int(bad[0])}, "
+                         f"k {int(bad[1])}) is held by {int(count[bad[0], bad[1]])} shards, expected one "
+                         f"(check vocab_start_index)")
+    return lse, gathered[:, :, 1:1 + k].sum(0), labels, local_ids
+
+
+def vp_lse_gather_backward(hidden_states, weight, labels, lse, local_ids, grad_lse, grad_z, params: HeadParams,
+                           tp: ParallelParams, need_dh: bool, need_dw: bool):
+    """(dh or None, dW or None) of :func:`vp_lse_gather_forward`."""
+    grads = HeadOutputs(None, lse=grad_lse.float().contiguous() if grad_lse is not None else None,
+                        gathered_logits=grad_z)
+    dh, dw = head_backward(hidden_states, weight, labels, HeadOutputs(None, lse=lse), grads, params, need_dh,
+                           need_dw, local_ids, dh_float32=tp.reduce_hidden_grad)
+    return finish_hidden_grad(dh, tp, hidden_states.dtype), dw
 
 
 class VocabParallelLseGatherFunction(torch.autograd.Function):
@@ -272,24 +337,7 @@ class VocabParallelLseGatherFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden_states, weight, valid, ids, params: HeadParams, tp: ParallelParams):
-        v_r = weight.shape[0]
-        labels = torch.where(valid, v_r, params.ignore_index)  # no label column on any shard
-        lse_r = head_forward(hidden_states, weight, labels, params).lse
-        owned = (ids >= tp.start) & (ids < tp.start + v_r)
-        local_ids = torch.where(owned, ids - tp.start, -1)
-        z_r = gathered_logits(hidden_states, weight, local_ids.clamp_min(0), params)
-        zero = torch.zeros((), device=z_r.device)
-        part = torch.cat([lse_r.float()[:, None], torch.where(owned, z_r, zero), owned.float()], 1)
-        k = ids.shape[1]
-        gathered = all_gather_rows(tp.process_group, part)  # (W, N, 1 + 2K)
-        lse, _ = merge_lse(gathered[:, :, 0])
-        count = gathered[:, :, 1 + k:].sum(0)
-        if bool((count != 1).any()):
-            bad = (count != 1).nonzero()[0]
-            raise ValueError(f"teacher_token_ids: id {int(ids[bad[0], bad[1]])} at (token {int(bad[0])}, "
-                             f"k {int(bad[1])}) is held by {int(count[bad[0], bad[1]])} shards, expected one "
-                             f"(check vocab_start_index)")
-        z = gathered[:, :, 1:1 + k].sum(0)
+        lse, z, labels, local_ids = vp_lse_gather_forward(hidden_states, weight, valid, ids, params, tp)
         ctx.save_for_backward(hidden_states, weight, labels, lse, local_ids)
         ctx.params, ctx.tp, ctx.fn_name = params, tp, params.name
         ctx.set_materialize_grads(False)
@@ -298,13 +346,270 @@ class VocabParallelLseGatherFunction(torch.autograd.Function):
     @staticmethod
     @first_order_only
     def backward(ctx, grad_lse, grad_z):
-        hidden_states, weight, labels, lse, local_ids = ctx.saved_tensors
-        params, tp = ctx.params, ctx.tp
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if (grad_lse is None and grad_z is None) or not (need_dh or need_dw):
             return (None,) * 6
-        grads = HeadOutputs(None, lse=grad_lse.float().contiguous() if grad_lse is not None else None,
-                            gathered_logits=grad_z)
-        dh, dw = head_backward(hidden_states, weight, labels, HeadOutputs(None, lse=lse), grads, params, need_dh,
-                               need_dw, local_ids, dh_float32=tp.reduce_hidden_grad)
-        return finish_hidden_grad(dh, tp, hidden_states.dtype), dw, None, None, None, None
+        dh, dw = vp_lse_gather_backward(*ctx.saved_tensors, grad_lse, grad_z, ctx.params, ctx.tp, need_dh, need_dw)
+        return dh, dw, None, None, None, None
+
+
+# ------------------------------------------------------------------ torch.compile: custom ops
+# The three vocab-parallel Functions as torch.library custom ops (see the same section of
+# ``autograd/linear.py``). The group travels by name (``ProcessGroup.group_name``; a custom op
+# takes no Python objects) and is looked up again in the op's body, which also derives the layout
+# (``parallel_params``: one small all_gather when ``vocab_start_index`` is None, as in eager) and
+# checks the label values on the host. The collectives run inside the ops' bodies, eagerly.
+_GROUP_SCHEMA = "str group_name, int? vocab_start_index, bool reduce_hidden_grad"
+
+
+def group_by_name(name: str):
+    """The ``torch.distributed`` process group called ``name`` (``ProcessGroup.group_name``)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+def _layout(group_name, vocab_start_index, reduce_hidden_grad, ignore_index, local_vocab, device,
+            allow_reduce_hidden_grad=True) -> ParallelParams:
+    return parallel_params(group_by_name(group_name), vocab_start_index, reduce_hidden_grad, ignore_index,
+                           local_vocab, device, allow_reduce_hidden_grad)
+
+
+def _backward_layout(group_name, reduce_hidden_grad) -> ParallelParams:
+    """What a backward reads of the layout: the group and whether dh is all-reduced."""
+    return ParallelParams(group_by_name(group_name), 0, None, reduce_hidden_grad)
+
+
+def _op_group(tp: ParallelParams) -> tuple:
+    """(group name, vocab_start_index or None, reduce_hidden_grad): the ops' ``_GROUP_SCHEMA``."""
+    return tp.process_group.group_name, tp.start, tp.reduce_hidden_grad
+
+
+@torch.library.custom_op(
+    "rl_kernels::vocab_parallel_linear_forward", mutates_args=(),
+    schema="(Tensor hidden_states, Tensor weight, Tensor labels, " + HEAD_OP_SCHEMA + ", " + _GROUP_SCHEMA
+           + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+def _vp_linear_forward_op(hidden_states, weight, labels, *args):
+    """-> (log_probs, entropy, lse, sum_pi_squared, the shard's labels), empty where not asked."""
+    raise_label_errors()
+    p, (name, start, reduce) = head_params_from_op(*args[:-3]), args[-3:]
+    tp = _layout(name, start, reduce, p.ignore_index, weight.shape[0], hidden_states.device)
+    if tp.vocab_size is not None:
+        check_label_values(labels, tp.vocab_size, p.ignore_index)
+    out, local = vp_linear_forward(hidden_states, weight, labels, p, tp)
+    return or_empty(out[:4], hidden_states) + (local,)
+
+
+@_vp_linear_forward_op.register_fake
+def _(hidden_states, weight, labels, *args):
+    n, return_entropy, return_sum_pi_squared = hidden_states.shape[0], args[3], args[4]
+
+    def rows(asked):
+        return hidden_states.new_empty(n if asked else 0, dtype=torch.float32)
+    return rows(True), rows(return_entropy), rows(True), rows(return_sum_pi_squared), torch.empty_like(labels)
+
+
+@torch.library.custom_op(
+    "rl_kernels::vocab_parallel_linear_backward", mutates_args=(),
+    schema="(Tensor hidden_states, Tensor weight, Tensor local, Tensor lse, Tensor? entropy, Tensor? sum_pi_squared, "
+           "Tensor? grad_log_probs, Tensor? grad_entropy, Tensor? grad_lse, Tensor? grad_sum_pi_squared, "
+           "bool need_dh, bool need_dw, str group_name, bool reduce_hidden_grad, " + HEAD_OP_SCHEMA
+           + ") -> (Tensor, Tensor)")
+def _vp_linear_backward_op(hidden_states, weight, local, lse, entropy, sum_pi_squared, grad_log_probs, grad_entropy,
+                           grad_lse, grad_sum_pi_squared, need_dh, need_dw, group_name, reduce_hidden_grad, *params):
+    raise_label_errors()
+    grads = HeadOutputs(grad_log_probs, grad_entropy, grad_lse, grad_sum_pi_squared)
+    dh, dw = vp_linear_backward(hidden_states, weight, local, HeadOutputs(None, entropy, lse, sum_pi_squared), grads,
+                                head_params_from_op(*params), _backward_layout(group_name, reduce_hidden_grad),
+                                need_dh, need_dw)
+    return (hidden_states.new_empty(0) if dh is None else dh.contiguous(),
+            weight.new_empty(0) if dw is None else dw.contiguous())
+
+
+@_vp_linear_backward_op.register_fake
+def _(hidden_states, weight, local, lse, entropy, sum_pi_squared, grad_log_probs, grad_entropy, grad_lse,
+      grad_sum_pi_squared, need_dh, need_dw, *rest):
+    return (hidden_states.new_empty(hidden_states.shape if need_dh else (0,)),
+            weight.new_empty(weight.shape if need_dw else (0,)))
+
+
+def _vp_linear_setup_context(ctx, inputs, output):
+    hidden_states, weight, labels, *args = inputs
+    _, entropy, lse, sum_pi_squared, local = output
+    ctx.params, (name, _, reduce) = args[:-3], args[-3:]
+    ctx.group = (name, reduce)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(hidden_states, weight, local, lse, if_asked(entropy, args[3]),
+                          if_asked(sum_pi_squared, args[4]))
+
+
+def _vp_linear_backward(ctx, grad_log_probs, grad_entropy, grad_lse, grad_sum_pi_squared, grad_local):
+    hidden_states, weight, local, lse, entropy, sum_pi_squared = ctx.saved_tensors
+    need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    none = (None,) * (3 + len(ctx.params) + 3)
+    asked = (True, ctx.params[3], True, ctx.params[4])
+    grads = [g.float().contiguous() if a and g is not None else None
+             for g, a in zip((grad_log_probs, grad_entropy, grad_lse, grad_sum_pi_squared), asked)]
+    if not (need_dh or need_dw) or all(g is None for g in grads):
+        return none
+    dh, dw = torch.ops.rl_kernels.vocab_parallel_linear_backward(
+        hidden_states, weight, local, lse, entropy, sum_pi_squared, *grads, need_dh, need_dw, *ctx.group, *ctx.params)
+    return (dh if need_dh else None, dw if need_dw else None) + none[2:]
+
+
+_vp_linear_forward_op.register_autograd(_vp_linear_backward, setup_context=_vp_linear_setup_context)
+refuse_double_backward(_vp_linear_backward_op)
+
+
+def compiled_vocab_parallel_head(hidden_states, weight, labels, params: HeadParams, tp: ParallelParams) -> HeadOutputs:
+    """``VocabParallelLinearFunction``'s outputs through the custom ops (``torch.compile``'s route)."""
+    out = torch.ops.rl_kernels.vocab_parallel_linear_forward(hidden_states, weight, labels, *head_op_params(params),
+                                                              *_op_group(tp))
+    return HeadOutputs(out[0], if_asked(out[1], params.return_entropy), out[2],
+                       if_asked(out[3], params.return_sum_pi_squared))
+
+
+@torch.library.custom_op(
+    "rl_kernels::vocab_parallel_logits_forward", mutates_args=(),
+    schema="(Tensor logits, Tensor? labels, " + LOGITS_OP_SCHEMA + ", " + _GROUP_SCHEMA
+           + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+def _vp_logits_forward_op(logits, labels, *args):
+    """-> (log_probs, entropy, lse, sum_pi_squared, the shard's labels), empty where not asked."""
+    raise_label_errors()
+    p, (name, start, reduce) = logits_params_from_op(*args[:-3]), args[-3:]
+    tp = _layout(name, start, reduce, p.ignore_index, logits.shape[1], logits.device, allow_reduce_hidden_grad=False)
+    if labels is not None and tp.vocab_size is not None:
+        check_label_values(labels, tp.vocab_size, p.ignore_index)
+    out, local = vp_logits_forward(logits, labels, p, tp)
+    return or_empty((out.log_probs, out.entropy, out.lse, out.sum_pi_squared), logits) + (
+        local if local is not None else logits.new_empty(0, dtype=torch.long),)
+
+
+@_vp_logits_forward_op.register_fake
+def _(logits, labels, *args):
+    n, return_entropy, return_sum_pi_squared = logits.shape[0], args[3], args[5]
+
+    def rows(asked):
+        return logits.new_empty(n if asked else 0, dtype=torch.float32)
+    local = torch.empty_like(labels) if labels is not None else logits.new_empty(0, dtype=torch.long)
+    return rows(labels is not None), rows(return_entropy), rows(True), rows(return_sum_pi_squared), local
+
+
+@torch.library.custom_op(
+    "rl_kernels::vocab_parallel_logits_backward", mutates_args=(),
+    schema="(Tensor logits, Tensor? local, Tensor lse, Tensor? entropy, Tensor? sum_pi_squared, "
+           "Tensor? grad_log_probs, Tensor? grad_entropy, Tensor? grad_lse, Tensor? grad_sum_pi_squared, "
+           + LOGITS_OP_SCHEMA + ") -> Tensor")
+def _vp_logits_backward_op(logits, local, lse, entropy, sum_pi_squared, grad_log_probs, grad_entropy, grad_lse,
+                           grad_sum_pi_squared, *params):
+    raise_label_errors()
+    g = LogitsOutputs(grad_log_probs, grad_entropy, grad_lse, None, grad_sum_pi_squared)
+    return vp_logits_backward(logits, local, lse, entropy, sum_pi_squared, g, logits_params_from_op(*params))
+
+
+@_vp_logits_backward_op.register_fake
+def _(logits, *rest):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+def _vp_logits_setup_context(ctx, inputs, output):
+    logits, labels, *args = inputs
+    log_probs, entropy, lse, sum_pi_squared, local = output
+    ctx.params = args[:-3]
+    ctx.has_labels = labels is not None
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(logits, local if labels is not None else None, lse, if_asked(entropy, args[3]),
+                          if_asked(sum_pi_squared, args[5]))
+
+
+def _vp_logits_backward(ctx, grad_log_probs, grad_entropy, grad_lse, grad_sum_pi_squared, grad_local):
+    logits, local, lse, entropy, sum_pi_squared = ctx.saved_tensors
+    none = (None,) * (2 + len(ctx.params) + 3)
+    asked = (ctx.has_labels, ctx.params[3], True, ctx.params[5])
+    grads = [g.float().contiguous() if a and g is not None else None
+             for g, a in zip((grad_log_probs, grad_entropy, grad_lse, grad_sum_pi_squared), asked)]
+    if not ctx.needs_input_grad[0] or all(g is None for g in grads):
+        return none
+    grad = torch.ops.rl_kernels.vocab_parallel_logits_backward(logits, local, lse, entropy, sum_pi_squared, *grads,
+                                                               *ctx.params)
+    return (grad,) + none[1:]
+
+
+_vp_logits_forward_op.register_autograd(_vp_logits_backward, setup_context=_vp_logits_setup_context)
+refuse_double_backward(_vp_logits_backward_op)
+
+
+def compiled_vocab_parallel_logits(logits, labels, params: LogitsParams, tp: ParallelParams) -> LogitsOutputs:
+    """``VocabParallelLogitsFunction``'s outputs through the custom ops (``torch.compile``'s route)."""
+    out = torch.ops.rl_kernels.vocab_parallel_logits_forward(logits, labels, *logits_op_params(params),
+                                                              *_op_group(tp))
+    return LogitsOutputs(if_asked(out[0], labels is not None), if_asked(out[1], params.return_entropy), out[2], None,
+                         if_asked(out[3], params.return_sum_pi_squared))
+
+
+@torch.library.custom_op(
+    "rl_kernels::vocab_parallel_lse_gather_forward", mutates_args=(),
+    schema="(Tensor hidden_states, Tensor weight, Tensor valid, Tensor ids, " + HEAD_OP_SCHEMA + ", " + _GROUP_SCHEMA
+           + ") -> (Tensor, Tensor, Tensor, Tensor)")
+def _vp_lse_gather_forward_op(hidden_states, weight, valid, ids, *args):
+    """-> (lse, z at ids, the shard's row labels, the shard's ids)."""
+    p, (name, start, reduce) = head_params_from_op(*args[:-3]), args[-3:]
+    tp = _layout(name, start, reduce, p.ignore_index, weight.shape[0], hidden_states.device)
+    return vp_lse_gather_forward(hidden_states, weight, valid, ids, p, tp)
+
+
+@_vp_lse_gather_forward_op.register_fake
+def _(hidden_states, weight, valid, ids, *args):
+    n = hidden_states.shape[0]
+    return (hidden_states.new_empty(n, dtype=torch.float32), ids.new_empty(ids.shape, dtype=torch.float32),
+            valid.new_empty(n, dtype=torch.int64), torch.empty_like(ids))
+
+
+@torch.library.custom_op(
+    "rl_kernels::vocab_parallel_lse_gather_backward", mutates_args=(),
+    schema="(Tensor hidden_states, Tensor weight, Tensor labels, Tensor lse, Tensor local_ids, Tensor? grad_lse, "
+           "Tensor? grad_z, bool need_dh, bool need_dw, str group_name, bool reduce_hidden_grad, " + HEAD_OP_SCHEMA
+           + ") -> (Tensor, Tensor)")
+def _vp_lse_gather_backward_op(hidden_states, weight, labels, lse, local_ids, grad_lse, grad_z, need_dh, need_dw,
+                               group_name, reduce_hidden_grad, *params):
+    dh, dw = vp_lse_gather_backward(hidden_states, weight, labels, lse, local_ids, grad_lse, grad_z,
+                                    head_params_from_op(*params), _backward_layout(group_name, reduce_hidden_grad),
+                                    need_dh, need_dw)
+    return (hidden_states.new_empty(0) if dh is None else dh.contiguous(),
+            weight.new_empty(0) if dw is None else dw.contiguous())
+
+
+@_vp_lse_gather_backward_op.register_fake
+def _(hidden_states, weight, labels, lse, local_ids, grad_lse, grad_z, need_dh, need_dw, *rest):
+    return (hidden_states.new_empty(hidden_states.shape if need_dh else (0,)),
+            weight.new_empty(weight.shape if need_dw else (0,)))
+
+
+def _vp_lse_gather_setup_context(ctx, inputs, output):
+    hidden_states, weight, valid, ids, *args = inputs
+    lse, _, labels, local_ids = output
+    ctx.params, (name, _, reduce) = args[:-3], args[-3:]
+    ctx.group = (name, reduce)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(hidden_states, weight, labels, lse, local_ids)
+
+
+def _vp_lse_gather_backward(ctx, grad_lse, grad_z, grad_labels, grad_local_ids):
+    need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    none = (None,) * (4 + len(ctx.params) + 3)
+    if (grad_lse is None and grad_z is None) or not (need_dh or need_dw):
+        return none
+    dh, dw = torch.ops.rl_kernels.vocab_parallel_lse_gather_backward(
+        *ctx.saved_tensors, grad_lse, grad_z, need_dh, need_dw, *ctx.group, *ctx.params)
+    return (dh if need_dh else None, dw if need_dw else None) + none[2:]
+
+
+_vp_lse_gather_forward_op.register_autograd(_vp_lse_gather_backward, setup_context=_vp_lse_gather_setup_context)
+refuse_double_backward(_vp_lse_gather_backward_op)
+
+
+def compiled_vocab_parallel_lse_gather(hidden_states, weight, valid, ids, params: HeadParams, tp: ParallelParams):
+    """``VocabParallelLseGatherFunction``'s (lse, z) through the custom ops (``torch.compile``'s route)."""
+    out = torch.ops.rl_kernels.vocab_parallel_lse_gather_forward(hidden_states, weight, valid, ids,
+                                                                  *head_op_params(params), *_op_group(tp))
+    return out[0], out[1]
