@@ -4,7 +4,9 @@ synchronisation, and reported as a ValueError at the next rl_kernels call or bac
 A kernel that meets a label outside [0, vocab_size) that is not ``ignore_index`` makes that row's
 outputs NaN (never a finite wrong value) and writes its call's id into a process-wide flag word in
 pinned host memory; :func:`raise_label_errors`, called at the start of every public call and
-backward, reads the word (no torch op, no sync) and raises the error naming the call. The torch
+backward (under torch.compile: at the start of every rl_kernels custom op's body; a CUDA-graph
+replay runs no Python, so the next eager call raises), reads the word (no torch op, no sync) and
+raises the error naming the call. The torch
 backend, and ``$RL_KERNELS_SYNC_LABEL_CHECK=1``, check on the host instead
 (``validation.check_label_values``, one sync per call)."""
 from __future__ import annotations
