@@ -231,6 +231,31 @@ def test_logits_path_functions(dtype):
         assert (got.double() - want).abs().max() <= (ref.double() - want).abs().max() + 1e-6
 
 
+def test_logits_path_under_verls_torch_compile():
+    """verl 0.8 / 0.9's engines build ``torch.compile(entropy_from_logits, dynamic=True)`` from
+    ``verl.utils.torch_functional`` when ``use_torch_compile=True`` (their default); with the patch
+    in place that compiles rl-kernels' replacement, which runs eagerly inside the compiled wrapper
+    (``torch.compiler.disable``: one custom op gains nothing from tracing and inductor's wrappers add
+    host time). verl 0.7's legacy actor caches the same; the patch replaces that cache with the
+    uncompiled function (test_verl_dp_actor). Here: no error, served by rl-kernels (counted), the
+    eager bits, at two shapes (dynamic=True)."""
+    g = torch.Generator().manual_seed(5)
+    for fn_name in ("entropy_from_logits", "entropy_from_logits_with_chunking"):
+        compiled = torch.compile(getattr(verl_F, fn_name), dynamic=True)  # verl's engine line
+        for shape in ((9, 301), (14, 301)):
+            logits = torch.randn(*shape, generator=g) * 3
+            grads = []
+            for f in (getattr(rkv, fn_name), compiled):
+                x = logits.clone().requires_grad_()
+                before = rkv.call_counts()["logits_entropy_calls"]
+                ent = f(x)
+                assert rkv.call_counts()["logits_entropy_calls"] == before + 1, "not served by rl-kernels"
+                (ent * torch.arange(shape[0])).sum().backward()
+                grads.append((ent.detach(), x.grad))
+            for a, b in zip(*grads):
+                assert torch.equal(a, b)
+
+
 def test_inplace_backward_writes_into_logits():
     g = torch.Generator().manual_seed(4)
     base = torch.randn(5, 33, generator=g)
