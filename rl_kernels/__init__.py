@@ -13,7 +13,10 @@ Conventions, the same in every function:
     losses, which need no labels, also take a ``mask`` (1 = counts), and with both given a
     position counts when both say so;
   * losses default to ``reduction='mean'`` over the positions that count;
-  * ``weight`` is always an lm_head weight (V, H); outputs are float32 in nats.
+  * ``weight`` is always an lm_head weight (V, H); outputs are float32 in nats;
+  * every function traces under ``torch.compile(fullgraph=True)`` without a graph break (it then
+    calls the ``torch.ops.rl_kernels`` custom ops, which run the same kernels: the same bits as
+    eager) and can be captured in a CUDA graph (README, "torch.compile and CUDA graphs").
 """
 import inspect as _inspect
 

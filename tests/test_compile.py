@@ -232,3 +232,24 @@ def test_custom_ops_pass_opcheck(op):
     else:
         args = (logits, labels, "torch", 1 / T, -100, True, False, True, False, "logits_stats")
     torch.library.opcheck(getattr(torch.ops.rl_kernels, op).default, args)
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_bad_arguments_under_compile_name_the_argument(fullgraph):
+    """An argument error found while Dynamo traces: without fullgraph the original exception comes
+    out (Dynamo runs the frame eagerly); with fullgraph torch wraps it in its own RuntimeError
+    ("Observed exception"), whose text carries our message naming the argument."""
+    hidden, weight, logits, labels = _inputs()
+    torch._dynamo.reset()  # (a frame that failed to trace before is otherwise run eagerly)
+
+    def f(h, w, y):
+        return rl_kernels.linear_log_probs(h, w, y, backend="torch").log_probs
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=fullgraph)
+    cases = [((hidden, weight, labels.float()), TypeError, "labels: expected int64 or int32"),
+             ((hidden, weight, labels[:-1]), ValueError, "labels: expected shape"),
+             ((hidden, weight.double(), labels), TypeError, "weight")]
+    for args, error, message in cases:
+        with pytest.raises(RuntimeError if fullgraph else error, match=message if not fullgraph else None) as info:
+            compiled(*args)
+        assert message in str(info.value), str(info.value)[:500]
