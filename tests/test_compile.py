@@ -222,16 +222,26 @@ def test_compiled_inplace_backward_is_out_of_place_and_says_so(caplog):
     assert torch.equal(grad, logits.grad)
 
 
-@pytest.mark.parametrize("op", ["linear_forward", "logits_forward"])
+@pytest.mark.parametrize("op", ["linear_forward", "linear_forward_gather", "logits_forward", "jsd_forward",
+                                "counted_positions"])
 def test_custom_ops_pass_opcheck(op):
     """torch.library.opcheck: schema (no hidden mutation or aliasing), fake implementation,
-    autograd registration and AOT dispatch with dynamic shapes."""
+    autograd registration and AOT dispatch with dynamic shapes. (The vocab-parallel ops need a
+    process group: tests/tp_worker.py compiles them.)"""
     hidden, weight, logits, labels = _inputs()
-    if op == "linear_forward":
-        args = (hidden, weight, labels, None, "torch", 1 / T, -100, True, True, None, "linear_log_probs")
-    else:
-        args = (logits, labels, "torch", 1 / T, -100, True, False, True, False, "logits_stats")
-    torch.library.opcheck(getattr(torch.ops.rl_kernels, op).default, args)
+    ids, teacher = _teacher(N)
+    valid = labels != -100
+    args = {
+        "linear_forward": (hidden, weight, labels, None, "torch", 1 / T, -100, True, True, None, "linear_log_probs"),
+        "linear_forward_gather": (hidden, weight, labels, ids, "torch", 1 / T, -100, False, False, None,
+                                  "linear_topk_kl"),
+        "logits_forward": (logits, labels, "torch", 1 / T, -100, True, False, True, False, "logits_stats"),
+        "jsd_forward": (hidden, weight, torch.sin(hidden.detach()), weight.detach().flip(0), valid, "torch", 1 / T,
+                        0.3, True, None, None, False, "linear_jsd"),
+        "counted_positions": (hidden, labels, None, ids, teacher, V, -100, "hidden_states", None, None),
+    }[op]
+    name = "linear_forward" if op == "linear_forward_gather" else op
+    torch.library.opcheck(getattr(torch.ops.rl_kernels, name).default, args)
 
 
 @pytest.mark.parametrize("fullgraph", [False, True])
