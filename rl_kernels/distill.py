@@ -31,7 +31,7 @@ from .autograd.common import compiling
 from .autograd.jsd import JSDParams, LinearJSDFunction, compiled_jsd
 from .autograd.linear import HeadOutputs, HeadParams, LinearLogProbsFunction, compiled_head
 from .autograd.vocab_parallel import (VocabParallelLseGatherFunction, compiled_vocab_parallel_lse_gather,
-                                      group_by_name, parallel_params)
+                                      op_layout, parallel_params)
 from .backends import get_backend
 from .validation import (FLOAT_DTYPES, LABEL_DTYPES, check_bool_arg, check_choice, check_hidden_weight,
                          check_labels, check_mask, check_same_device, check_temperature, check_tensor_arg,
@@ -112,8 +112,8 @@ def _counted_positions_op(hidden_states, labels, mask, teacher_token_ids, teache
     ``vocab_size``: the head's rows; with ``group_name`` (a vocab-sharded head) the whole
     vocabulary is derived as in eager (unknown when ``vocab_start_index`` is given)."""
     if group_name is not None:
-        vocab_size = parallel_params(group_by_name(group_name), vocab_start_index, False, ignore_index, vocab_size,
-                                     hidden_states.device).vocab_size
+        vocab_size = op_layout(group_name, vocab_start_index, False, ignore_index, vocab_size,
+                               hidden_states.device).vocab_size
     return _positions(hidden_states, labels, ignore_index, mask, vocab_size, None, hidden_name, teacher_token_ids,
                       teacher_log_probs)[0]
 

@@ -83,6 +83,13 @@ def raise_label_errors() -> None:
         f"{SYNC_LABEL_CHECK_ENV}=1 to check on the host inside the call instead (one sync per call).")
 
 
+def raise_if_interpreted(label_check, device: torch.device) -> None:
+    """After a launch with the deferred check: under the CPU interpreter the kernel has run
+    already, so raise its label error in this call (on CUDA the next call raises)."""
+    if label_check is not None and device.type == "cpu":
+        raise_label_errors()
+
+
 def checked_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int, fn_name: str,
                    in_kernel: bool) -> tuple[tuple[torch.Tensor, int] | None, bool | None]:
     """The label-value check of one call, where it runs best: ``(label_check, has_ignored)``.

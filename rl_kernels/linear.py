@@ -10,7 +10,7 @@ from .autograd.common import compiling
 from .autograd.linear import HeadOutputs, HeadParams, LinearLogProbsFunction, compiled_head
 from .autograd.vocab_parallel import VocabParallelLinearFunction, compiled_vocab_parallel_head, parallel_params
 from .backends import get_backend
-from .label_check import checked_labels, raise_label_errors
+from .label_check import checked_labels, raise_if_interpreted, raise_label_errors
 from .validation import (check_bool_arg, check_head_inputs, check_label_values, check_softcap, check_temperature,
                          warn_fp16_temperature)
 
@@ -153,7 +153,6 @@ def linear_log_probs(
         out = compiled_head(h2, weight, labels1, params(None))
     else:
         out = HeadOutputs(*LinearLogProbsFunction.apply(h2, weight, labels1, params(has_ignored), None, label_check))
-        if label_check is not None and hidden_states.device.type == "cpu":
-            raise_label_errors()  # the interpreter has run the kernels already: raise in this call
+        raise_if_interpreted(label_check, hidden_states.device)
     return LogProbsOutput(*(o if o is None else o.view(lead_shape)
                             for o in (out.log_probs, out.entropy, out.sum_pi_squared)))

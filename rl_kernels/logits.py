@@ -33,7 +33,7 @@ from .autograd.logits import (LogitsOutputs, LogitsParams, LogitsStatsFunction, 
                               logits_stats_forward)
 from .autograd.vocab_parallel import VocabParallelLogitsFunction, compiled_vocab_parallel_logits, parallel_params
 from .backends import get_backend
-from .label_check import deferred_label_check, raise_label_errors
+from .label_check import deferred_label_check, raise_if_interpreted, raise_label_errors
 from .validation import (check_bool_arg, check_choice, check_label_values, check_labels, check_logits,
                          check_temperature, describe)
 
@@ -99,8 +99,7 @@ def _run(logits, labels, temperature, ignore_index, return_entropy, return_mean_
     else:  # no gradient wanted: the same forward without an autograd node (host cost at small N)
         stats = logits_stats_forward(logits2d, labels1d, params, label_check)
         outs = tuple(stats.get(k) for k in LogitsOutputs._fields)
-    if label_check is not None and logits.device.type == "cpu":
-        raise_label_errors()  # the interpreter has run the kernel already: raise in this call
+    raise_if_interpreted(label_check, logits.device)
     return LogitsOutputs(*(o if o is None or o.shape == shape else o.view(shape) for o in outs))
 
 

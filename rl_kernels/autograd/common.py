@@ -104,6 +104,24 @@ def if_asked(t: torch.Tensor, asked: bool) -> torch.Tensor | None:
     return t if asked else None
 
 
+def float_grads(grads, asked) -> list:
+    """The upstream gradients a backward op takes: float32 contiguous for the outputs that were
+    asked, None for the others (and for those autograd left None)."""
+    return [g.float().contiguous() if a and g is not None else None for g, a in zip(grads, asked)]
+
+
+def grads_or_empty(dh, dw, hidden_states: torch.Tensor, weight: torch.Tensor) -> tuple:
+    """A backward op's (dh, dW): contiguous, or an empty tensor for one that was not needed."""
+    return (hidden_states.new_empty(0) if dh is None else dh.contiguous(),
+            weight.new_empty(0) if dw is None else dw.contiguous())
+
+
+def fake_grads(hidden_states: torch.Tensor, weight: torch.Tensor, need_dh: bool, need_dw: bool) -> tuple:
+    """The fake (shape-only) twin of :func:`grads_or_empty`."""
+    return (hidden_states.new_empty(hidden_states.shape if need_dh else (0,)),
+            weight.new_empty(weight.shape if need_dw else (0,)))
+
+
 def or_empty(outputs, like: torch.Tensor) -> tuple:
     """A custom op's outputs: each tensor as it is, each None as a new empty float32 tensor on
     ``like``'s device (outputs may alias neither each other nor the inputs)."""

@@ -16,10 +16,10 @@ import torch
 from ..backends import Backend, backend_by_name, implements
 from ..torch_ops.linear_jsd import torch_jsd_dlogits, torch_jsd_sums
 from .backward_schedule import chunked_backward, full_precision_reduction
-from .common import first_order_only, hidden_for_weight_grad, refuse_double_backward
+from .common import fake_grads, first_order_only, grads_or_empty, hidden_for_weight_grad, refuse_double_backward
 from .linear import HeadParams, head_forward
-from .vocab_parallel import (ParallelParams, all_gather_rows, finish_hidden_grad, group_by_name, merge_lse,
-                             parallel_params)
+from .vocab_parallel import (all_gather_rows, finish_hidden_grad, merge_lse, op_backward_layout, op_group,
+                             op_layout)
 
 
 class JSDParams(NamedTuple):
@@ -162,15 +162,13 @@ def _params_from_op(backend, inv_temperature, beta, may_have_ignored, group_name
     ``vocab_start_index`` is None) or only what the backward reads (the group, the dh reduction)."""
     tp = None
     if group_name is not None:
-        group = group_by_name(group_name)
-        tp = (parallel_params(group, vocab_start_index, reduce_hidden_grad, -100, local_vocab, device)
-              if local_vocab is not None else ParallelParams(group, 0, None, reduce_hidden_grad))
+        tp = (op_layout(group_name, vocab_start_index, reduce_hidden_grad, -100, local_vocab, device)
+              if local_vocab is not None else op_backward_layout(group_name, reduce_hidden_grad))
     return JSDParams(backend_by_name(backend), inv_temperature, beta, tp, may_have_ignored)
 
 
 def _op_params(params: JSDParams) -> tuple:
-    tp = params.tp
-    group = (None, None, False) if tp is None else (tp.process_group.group_name, tp.start, tp.reduce_hidden_grad)
+    group = (None, None, False) if params.tp is None else op_group(params.tp)
     return (params.backend.name, params.inv_temperature, params.beta, params.may_have_ignored, *group, "linear_jsd")
 
 
@@ -199,12 +197,12 @@ def _jsd_backward_op(hs, ws, ht, wt, lse_s, lse_t, g_sum, valid, grad, need_dh, 
     """-> (dh, dW) of the student in the input dtypes, empty where not needed."""
     p = _params_from_op(*params)
     dh, dw = jsd_backward(hs, ws, ht, wt, lse_s, lse_t, g_sum, valid, grad, p, need_dh, need_dw)
-    return (hs.new_empty(0) if dh is None else dh.contiguous(), ws.new_empty(0) if dw is None else dw.contiguous())
+    return grads_or_empty(dh, dw, hs, ws)
 
 
 @_jsd_backward_op.register_fake
 def _(hs, ws, ht, wt, lse_s, lse_t, g_sum, valid, grad, need_dh, need_dw, *params):
-    return hs.new_empty(hs.shape if need_dh else (0,)), ws.new_empty(ws.shape if need_dw else (0,))
+    return fake_grads(hs, ws, need_dh, need_dw)
 
 
 def _jsd_setup_context(ctx, inputs, output):

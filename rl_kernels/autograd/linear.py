@@ -15,11 +15,12 @@ from typing import NamedTuple
 import torch
 
 from ..backends import Backend, backend_by_name, implements
-from ..label_check import checked_labels, raise_label_errors
+from ..label_check import checked_labels, raise_if_interpreted, raise_label_errors
 from ..validation import warn_fp16_temperature
 from ..torch_ops.linear import torch_dlogits, torch_forward, torch_gathered_logits
 from .backward_schedule import chunked_backward, full_precision_reduction
-from .common import first_order_only, hidden_for_weight_grad, if_asked, or_empty, refuse_double_backward
+from .common import (fake_grads, first_order_only, float_grads, grads_or_empty, hidden_for_weight_grad, if_asked,
+                     or_empty, refuse_double_backward)
 
 
 class HeadParams(NamedTuple):
@@ -210,11 +211,12 @@ def head_op_params(params: HeadParams) -> tuple:
 
 
 def head_params_from_op(backend, inv_temperature, ignore_index, return_entropy, return_sum_pi_squared, softcap,
-                    name, may_have_ignored=True) -> HeadParams:
+                        name) -> HeadParams:
+    """The record back from the plain values (``may_have_ignored`` left True: the forward op sets
+    it from its own label check)."""
     return HeadParams(backend=backend_by_name(backend), inv_temperature=inv_temperature,
                       ignore_index=ignore_index, return_entropy=return_entropy, name=name,
-                      may_have_ignored=may_have_ignored, return_sum_pi_squared=return_sum_pi_squared,
-                      softcap=softcap)
+                      return_sum_pi_squared=return_sum_pi_squared, softcap=softcap)
 
 
 @torch.library.custom_op(
@@ -232,8 +234,7 @@ def _linear_forward_op(hidden_states, weight, labels, gather_ids, *params):
     out = head_forward(hidden_states, weight, labels, p, label_check)
     if gather_ids is not None:
         out = out._replace(gathered_logits=gathered_logits(hidden_states, weight, gather_ids, p))
-    if label_check is not None and hidden_states.device.type == "cpu":
-        raise_label_errors()  # the interpreter has run the kernels already: raise in this call
+    raise_if_interpreted(label_check, hidden_states.device)
     return or_empty(out, hidden_states)
 
 
@@ -264,15 +265,13 @@ def _linear_backward_op(hidden_states, weight, labels, gather_ids, lse, entropy,
     grads = HeadOutputs(grad_log_probs, grad_entropy, grad_lse, grad_sum_pi_squared, grad_gathered_logits)
     saved = HeadOutputs(None, entropy, lse, sum_pi_squared)
     dh, dw = head_backward(hidden_states, weight, labels, saved, grads, p, need_dh, need_dw, gather_ids)
-    return (hidden_states.new_empty(0) if dh is None else dh.contiguous(),
-            weight.new_empty(0) if dw is None else dw.contiguous())
+    return grads_or_empty(dh, dw, hidden_states, weight)
 
 
 @_linear_backward_op.register_fake
 def _(hidden_states, weight, labels, gather_ids, lse, entropy, sum_pi_squared, grad_log_probs, grad_entropy,
       grad_lse, grad_sum_pi_squared, grad_gathered_logits, need_dh, need_dw, *params):
-    return (hidden_states.new_empty(hidden_states.shape if need_dh else (0,)),
-            weight.new_empty(weight.shape if need_dw else (0,)))
+    return fake_grads(hidden_states, weight, need_dh, need_dw)
 
 
 def _linear_setup_context(ctx, inputs, output):
@@ -290,15 +289,10 @@ def _linear_backward(ctx, grad_log_probs, grad_entropy, grad_lse, grad_sum_pi_sq
     none = (None,) * (4 + len(ctx.params))
     if not (need_dh or need_dw):
         return none
-    return_entropy, return_sum_pi_squared = ctx.params[3], ctx.params[4]
-
-    def as_float(g, asked=True):  # the Function's backward takes float32 contiguous gradients
-        return g.float().contiguous() if asked and g is not None else None
-    dh, dw = torch.ops.rl_kernels.linear_backward(
-        hidden_states, weight, labels, gather_ids, lse, entropy, sum_pi_squared, as_float(grad_log_probs),
-        as_float(grad_entropy, return_entropy), as_float(grad_lse),
-        as_float(grad_sum_pi_squared, return_sum_pi_squared), as_float(grad_gathered_logits, gather_ids is not None),
-        need_dh, need_dw, *ctx.params)
+    grads = float_grads((grad_log_probs, grad_entropy, grad_lse, grad_sum_pi_squared, grad_gathered_logits),
+                        (True, ctx.params[3], True, ctx.params[4], gather_ids is not None))
+    dh, dw = torch.ops.rl_kernels.linear_backward(hidden_states, weight, labels, gather_ids, lse, entropy,
+                                                  sum_pi_squared, *grads, need_dh, need_dw, *ctx.params)
     return (dh if need_dh else None, dw if need_dw else None) + none[2:]
 
 

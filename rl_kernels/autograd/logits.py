@@ -15,9 +15,9 @@ import torch
 
 from .._logging import log_once
 from ..backends import Backend, backend_by_name, implements
-from ..label_check import deferred_label_check, raise_label_errors
+from ..label_check import deferred_label_check, raise_if_interpreted, raise_label_errors
 from ..torch_ops.logits_stats import torch_logits_backward, torch_logits_forward
-from .common import first_order_only, if_asked, or_empty, refuse_double_backward
+from .common import first_order_only, float_grads, if_asked, or_empty, refuse_double_backward
 
 
 class LogitsParams(NamedTuple):
@@ -125,7 +125,7 @@ class LogitsStatsFunction(torch.autograd.Function):
 # return its input's storage as a new gradient (the public function says so once).
 
 LOGITS_OP_SCHEMA = ("str backend, float inv_temperature, int ignore_index, bool return_entropy, "
-                  "bool return_mean_log_p, bool return_sum_pi_squared, bool inplace_backward, str name")
+                    "bool return_mean_log_p, bool return_sum_pi_squared, bool inplace_backward, str name")
 _STAT_KEYS = ("log_probs", "entropy", "lse", "mean_log_p", "sum_pi_squared", "row_max", "log_sum")
 
 
@@ -136,7 +136,7 @@ def logits_op_params(params: LogitsParams) -> tuple:
 
 
 def logits_params_from_op(backend, inv_temperature, ignore_index, return_entropy, return_mean_log_p,
-                    return_sum_pi_squared, inplace_backward, name) -> LogitsParams:
+                          return_sum_pi_squared, inplace_backward, name) -> LogitsParams:
     """The record back from the plain values; ``inplace_backward`` (asked by the caller) is
     reported, not honoured: this route's gradient is a new tensor."""
     return LogitsParams(backend=backend_by_name(backend), inv_temperature=inv_temperature, ignore_index=ignore_index,
@@ -161,8 +161,7 @@ def _logits_forward_op(logits, labels, *params):
         label_check = deferred_label_check(labels, logits.shape[-1], p.ignore_index, p.name,
                                            in_kernel=p.backend.checks_labels_in_kernel)
     stats = logits_stats_forward(logits, labels, p, label_check)
-    if label_check is not None and logits.device.type == "cpu":
-        raise_label_errors()  # the interpreter has run the kernel already: raise in this call
+    raise_if_interpreted(label_check, logits.device)
     return or_empty((stats.get(k) for k in _STAT_KEYS), logits)
 
 
@@ -210,7 +209,7 @@ def _logits_backward(ctx, *output_grads):
     logits, labels, row_max, log_sum, entropy, sum_pi_squared = ctx.saved_tensors
     none = (None,) * (2 + len(ctx.params))
     asked = (labels is not None, ctx.params[3], True, ctx.params[4], ctx.params[5])
-    grads = [g.float().contiguous() if a and g is not None else None for g, a in zip(output_grads, asked)]
+    grads = float_grads(output_grads, asked)
     if not ctx.needs_input_grad[0] or all(g is None for g in grads):
         return none
     grad = torch.ops.rl_kernels.logits_backward(logits, labels, row_max, log_sum, entropy, sum_pi_squared, *grads,

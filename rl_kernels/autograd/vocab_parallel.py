@@ -40,7 +40,8 @@ import torch
 
 from ..label_check import raise_label_errors
 from ..validation import check_label_values, check_vocab_parallel_args
-from .common import compiling, first_order_only, if_asked, or_empty, refuse_double_backward
+from .common import (compiling, fake_grads, first_order_only, float_grads, grads_or_empty, if_asked, or_empty,
+                     refuse_double_backward)
 from .linear import (HEAD_OP_SCHEMA, HeadOutputs, HeadParams, gathered_logits, head_backward, head_forward,
                      head_op_params, head_params_from_op)
 from .logits import LOGITS_OP_SCHEMA, LogitsOutputs, LogitsParams, logits_op_params, logits_params_from_op
@@ -369,18 +370,20 @@ def group_by_name(name: str):
     return _resolve_process_group(name)
 
 
-def _layout(group_name, vocab_start_index, reduce_hidden_grad, ignore_index, local_vocab, device,
-            allow_reduce_hidden_grad=True) -> ParallelParams:
+def op_layout(group_name, vocab_start_index, reduce_hidden_grad, ignore_index, local_vocab, device,
+              allow_reduce_hidden_grad=True) -> ParallelParams:
+    """A forward op's layout from its plain values (``parallel_params``, with its all_gather of
+    the shard sizes when ``vocab_start_index`` is None)."""
     return parallel_params(group_by_name(group_name), vocab_start_index, reduce_hidden_grad, ignore_index,
                            local_vocab, device, allow_reduce_hidden_grad)
 
 
-def _backward_layout(group_name, reduce_hidden_grad) -> ParallelParams:
+def op_backward_layout(group_name, reduce_hidden_grad) -> ParallelParams:
     """What a backward reads of the layout: the group and whether dh is all-reduced."""
     return ParallelParams(group_by_name(group_name), 0, None, reduce_hidden_grad)
 
 
-def _op_group(tp: ParallelParams) -> tuple:
+def op_group(tp: ParallelParams) -> tuple:
     """(group name, vocab_start_index or None, reduce_hidden_grad): the ops' ``_GROUP_SCHEMA``."""
     return tp.process_group.group_name, tp.start, tp.reduce_hidden_grad
 
@@ -393,7 +396,7 @@ def _vp_linear_forward_op(hidden_states, weight, labels, *args):
     """-> (log_probs, entropy, lse, sum_pi_squared, the shard's labels), empty where not asked."""
     raise_label_errors()
     p, (name, start, reduce) = head_params_from_op(*args[:-3]), args[-3:]
-    tp = _layout(name, start, reduce, p.ignore_index, weight.shape[0], hidden_states.device)
+    tp = op_layout(name, start, reduce, p.ignore_index, weight.shape[0], hidden_states.device)
     if tp.vocab_size is not None:
         check_label_values(labels, tp.vocab_size, p.ignore_index)
     out, local = vp_linear_forward(hidden_states, weight, labels, p, tp)
@@ -420,17 +423,15 @@ def _vp_linear_backward_op(hidden_states, weight, local, lse, entropy, sum_pi_sq
     raise_label_errors()
     grads = HeadOutputs(grad_log_probs, grad_entropy, grad_lse, grad_sum_pi_squared)
     dh, dw = vp_linear_backward(hidden_states, weight, local, HeadOutputs(None, entropy, lse, sum_pi_squared), grads,
-                                head_params_from_op(*params), _backward_layout(group_name, reduce_hidden_grad),
+                                head_params_from_op(*params), op_backward_layout(group_name, reduce_hidden_grad),
                                 need_dh, need_dw)
-    return (hidden_states.new_empty(0) if dh is None else dh.contiguous(),
-            weight.new_empty(0) if dw is None else dw.contiguous())
+    return grads_or_empty(dh, dw, hidden_states, weight)
 
 
 @_vp_linear_backward_op.register_fake
 def _(hidden_states, weight, local, lse, entropy, sum_pi_squared, grad_log_probs, grad_entropy, grad_lse,
       grad_sum_pi_squared, need_dh, need_dw, *rest):
-    return (hidden_states.new_empty(hidden_states.shape if need_dh else (0,)),
-            weight.new_empty(weight.shape if need_dw else (0,)))
+    return fake_grads(hidden_states, weight, need_dh, need_dw)
 
 
 def _vp_linear_setup_context(ctx, inputs, output):
@@ -448,8 +449,7 @@ def _vp_linear_backward(ctx, grad_log_probs, grad_entropy, grad_lse, grad_sum_pi
     need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     none = (None,) * (3 + len(ctx.params) + 3)
     asked = (True, ctx.params[3], True, ctx.params[4])
-    grads = [g.float().contiguous() if a and g is not None else None
-             for g, a in zip((grad_log_probs, grad_entropy, grad_lse, grad_sum_pi_squared), asked)]
+    grads = float_grads((grad_log_probs, grad_entropy, grad_lse, grad_sum_pi_squared), asked)
     if not (need_dh or need_dw) or all(g is None for g in grads):
         return none
     dh, dw = torch.ops.rl_kernels.vocab_parallel_linear_backward(
@@ -464,7 +464,7 @@ refuse_double_backward(_vp_linear_backward_op)
 def compiled_vocab_parallel_head(hidden_states, weight, labels, params: HeadParams, tp: ParallelParams) -> HeadOutputs:
     """``VocabParallelLinearFunction``'s outputs through the custom ops (``torch.compile``'s route)."""
     out = torch.ops.rl_kernels.vocab_parallel_linear_forward(hidden_states, weight, labels, *head_op_params(params),
-                                                              *_op_group(tp))
+                                                              *op_group(tp))
     return HeadOutputs(out[0], if_asked(out[1], params.return_entropy), out[2],
                        if_asked(out[3], params.return_sum_pi_squared))
 
@@ -477,7 +477,7 @@ def _vp_logits_forward_op(logits, labels, *args):
     """-> (log_probs, entropy, lse, sum_pi_squared, the shard's labels), empty where not asked."""
     raise_label_errors()
     p, (name, start, reduce) = logits_params_from_op(*args[:-3]), args[-3:]
-    tp = _layout(name, start, reduce, p.ignore_index, logits.shape[1], logits.device, allow_reduce_hidden_grad=False)
+    tp = op_layout(name, start, reduce, p.ignore_index, logits.shape[1], logits.device, allow_reduce_hidden_grad=False)
     if labels is not None and tp.vocab_size is not None:
         check_label_values(labels, tp.vocab_size, p.ignore_index)
     out, local = vp_logits_forward(logits, labels, p, tp)
@@ -526,8 +526,7 @@ def _vp_logits_backward(ctx, grad_log_probs, grad_entropy, grad_lse, grad_sum_pi
     logits, local, lse, entropy, sum_pi_squared = ctx.saved_tensors
     none = (None,) * (2 + len(ctx.params) + 3)
     asked = (ctx.has_labels, ctx.params[3], True, ctx.params[5])
-    grads = [g.float().contiguous() if a and g is not None else None
-             for g, a in zip((grad_log_probs, grad_entropy, grad_lse, grad_sum_pi_squared), asked)]
+    grads = float_grads((grad_log_probs, grad_entropy, grad_lse, grad_sum_pi_squared), asked)
     if not ctx.needs_input_grad[0] or all(g is None for g in grads):
         return none
     grad = torch.ops.rl_kernels.vocab_parallel_logits_backward(logits, local, lse, entropy, sum_pi_squared, *grads,
@@ -542,7 +541,7 @@ refuse_double_backward(_vp_logits_backward_op)
 def compiled_vocab_parallel_logits(logits, labels, params: LogitsParams, tp: ParallelParams) -> LogitsOutputs:
     """``VocabParallelLogitsFunction``'s outputs through the custom ops (``torch.compile``'s route)."""
     out = torch.ops.rl_kernels.vocab_parallel_logits_forward(logits, labels, *logits_op_params(params),
-                                                              *_op_group(tp))
+                                                              *op_group(tp))
     return LogitsOutputs(if_asked(out[0], labels is not None), if_asked(out[1], params.return_entropy), out[2], None,
                          if_asked(out[3], params.return_sum_pi_squared))
 
@@ -554,7 +553,7 @@ def compiled_vocab_parallel_logits(logits, labels, params: LogitsParams, tp: Par
 def _vp_lse_gather_forward_op(hidden_states, weight, valid, ids, *args):
     """-> (lse, z at ids, the shard's row labels, the shard's ids)."""
     p, (name, start, reduce) = head_params_from_op(*args[:-3]), args[-3:]
-    tp = _layout(name, start, reduce, p.ignore_index, weight.shape[0], hidden_states.device)
+    tp = op_layout(name, start, reduce, p.ignore_index, weight.shape[0], hidden_states.device)
     return vp_lse_gather_forward(hidden_states, weight, valid, ids, p, tp)
 
 
@@ -573,16 +572,14 @@ def _(hidden_states, weight, valid, ids, *args):
 def _vp_lse_gather_backward_op(hidden_states, weight, labels, lse, local_ids, grad_lse, grad_z, need_dh, need_dw,
                                group_name, reduce_hidden_grad, *params):
     dh, dw = vp_lse_gather_backward(hidden_states, weight, labels, lse, local_ids, grad_lse, grad_z,
-                                    head_params_from_op(*params), _backward_layout(group_name, reduce_hidden_grad),
+                                    head_params_from_op(*params), op_backward_layout(group_name, reduce_hidden_grad),
                                     need_dh, need_dw)
-    return (hidden_states.new_empty(0) if dh is None else dh.contiguous(),
-            weight.new_empty(0) if dw is None else dw.contiguous())
+    return grads_or_empty(dh, dw, hidden_states, weight)
 
 
 @_vp_lse_gather_backward_op.register_fake
 def _(hidden_states, weight, labels, lse, local_ids, grad_lse, grad_z, need_dh, need_dw, *rest):
-    return (hidden_states.new_empty(hidden_states.shape if need_dh else (0,)),
-            weight.new_empty(weight.shape if need_dw else (0,)))
+    return fake_grads(hidden_states, weight, need_dh, need_dw)
 
 
 def _vp_lse_gather_setup_context(ctx, inputs, output):
@@ -611,5 +608,5 @@ refuse_double_backward(_vp_lse_gather_backward_op)
 def compiled_vocab_parallel_lse_gather(hidden_states, weight, valid, ids, params: HeadParams, tp: ParallelParams):
     """``VocabParallelLseGatherFunction``'s (lse, z) through the custom ops (``torch.compile``'s route)."""
     out = torch.ops.rl_kernels.vocab_parallel_lse_gather_forward(hidden_states, weight, valid, ids,
-                                                                  *head_op_params(params), *_op_group(tp))
+                                                                  *head_op_params(params), *op_group(tp))
     return out[0], out[1]
