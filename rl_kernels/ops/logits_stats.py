@@ -37,10 +37,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .._logging import log_once
+from .._logging import log_once, logger
 from ..label_check import label_flag as host_flag
 from .common import log_sum_lse, merge_stats, merge_q, multiprocessors, stats_entropy
 from .config import LogitsConfig
+from .launch import Launcher
 
 
 @triton.jit
@@ -78,15 +79,24 @@ def _split_stats(row_ptr, stride_v, v_begin, V, inv_temperature,
     return m, s, b, t, q
 
 
+# The forward's per-row outputs: one (7, N) float32 block, a row per statistic in this order (the
+# kernels address slot k at out_ptr + k * N; one pointer instead of seven keeps the launch cheap).
+OUT_SLOTS = ("row_max", "log_sum", "lse", "log_probs", "entropy", "mean_log_p", "sum_pi_squared")
+# The two-level split's partials: one (5, S, N) float32 block, field f of split j of row i at
+# part_ptr + (f * S + j) * N + i, fields (m, s, b, t, q) in this order.
+PART_FIELDS = ("m", "s", "b", "t", "q")
+
+
 @triton.jit
-def _finalize(row, m, s, b, t, q, x_ptr, stride_n, stride_v, labels_ptr, stride_lab, V,
+def _finalize(row, m, s, b, t, q, x_ptr, stride_n, stride_v, labels_ptr, stride_lab, out_ptr, N, V,
               inv_temperature, ignore_index, label_flag_ptr, check_id,
-              log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_ptr, lse_ptr, mean_log_p_ptr, sum_pi_squared_ptr,
               LOG_PROBS: tl.constexpr, ENTROPY: tl.constexpr, MEAN_LOG_P: tl.constexpr, SUM_PI_SQUARED: tl.constexpr):
-    """Write the per-row outputs from the merged statistics (scalars of one row)."""
+    """Write the per-row outputs from the merged statistics (scalars of one row) into their slots
+    of the (7, N) block (``OUT_SLOTS``)."""
+    out_ptr += row
     log_sum, lse = log_sum_lse(m, s)  # log s clamped at 0 for a finite m (see there)
-    tl.store(row_max_ptr + row, m)
-    tl.store(lse_ptr + row, lse)
+    tl.store(out_ptr, m)  # row_max
+    tl.store(out_ptr + 2 * N, lse)
     valid = True
     if LOG_PROBS:
         label = tl.load(labels_ptr + row.to(tl.int64) * stride_lab)
@@ -101,54 +111,46 @@ def _finalize(row, m, s, b, t, q, x_ptr, stride_n, stride_v, labels_ptr, stride_
         zy = tl.load(x_ptr + row.to(tl.int64) * stride_n + safe * stride_v).to(tl.float32)
         zy = zy * inv_temperature
         log_p = tl.minimum((zy - m) - log_sum, 0.0, propagate_nan=tl.PropagateNan.ALL)
-        tl.store(log_probs_ptr + row, tl.where(bad, float("nan"), tl.where(valid, log_p, 0.0)))
-        tl.store(log_sum_ptr + row, tl.where(bad, float("nan"), log_sum))
+        tl.store(out_ptr + 3 * N, tl.where(bad, float("nan"), tl.where(valid, log_p, 0.0)))
+        tl.store(out_ptr + N, tl.where(bad, float("nan"), log_sum))
     else:
-        tl.store(log_sum_ptr + row, log_sum)
+        tl.store(out_ptr + N, log_sum)
     if ENTROPY:
-        tl.store(entropy_ptr + row, tl.where(valid, stats_entropy(log_sum, b, s), 0.0))
+        tl.store(out_ptr + 4 * N, tl.where(valid, stats_entropy(log_sum, b, s), 0.0))
     if MEAN_LOG_P:
-        tl.store(mean_log_p_ptr + row, t / V - lse)
+        tl.store(out_ptr + 5 * N, t / V - lse)
     if SUM_PI_SQUARED:  # sum_j p_j^2 = q / s^2 (0 for ignored rows, as log p and entropy)
-        tl.store(sum_pi_squared_ptr + row, tl.where(valid, q / (s * s), 0.0))
+        tl.store(out_ptr + 6 * N, tl.where(valid, q / (s * s), 0.0))
 
 
 @triton.jit
 def _merge_and_finalize(
-    row, x_ptr, stride_n, stride_v, labels_ptr, stride_lab,
-    part_m_ptr, part_s_ptr, part_b_ptr, part_t_ptr, part_q_ptr,
-    log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_ptr, lse_ptr, mean_log_p_ptr, sum_pi_squared_ptr,
+    row, x_ptr, stride_n, stride_v, labels_ptr, stride_lab, part_ptr, out_ptr,
     N, V, num_splits, inv_temperature, ignore_index, label_flag_ptr, check_id,
     SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, FROM_PARTS: tl.constexpr,
     LOG_PROBS: tl.constexpr, ENTROPY: tl.constexpr, MEAN_LOG_P: tl.constexpr, SUM_PI_SQUARED: tl.constexpr,
 ):
     """Merge the S split partials of ``row`` left to right and finalize it: the one path of both
     launch shapes. Each partial is computed here by ``_split_stats`` (one level) or, with
-    FROM_PARTS (the two-level combine), read from the (S, N) buffers that the first level wrote."""
+    FROM_PARTS (the two-level combine), read from the (5, S, N) block that the first level wrote."""
     m, s, b, t, q = _no_stats()
     if FROM_PARTS:
-        part_m_ptr += row
-        part_s_ptr += row
-        part_b_ptr += row
-        part_t_ptr += row
-        part_q_ptr += row
+        field = (tl.zeros((), tl.int64) + num_splits) * N  # elements between two fields (int64;
+        # num_splits and N may be the constexpr 1, which Triton specializes)
+        part_ptr += row
     else:
         row_ptr = x_ptr + row.to(tl.int64) * stride_n
     for split in range(0, num_splits):
         if FROM_PARTS:
-            pm = tl.load(part_m_ptr)
-            ps = tl.load(part_s_ptr)
+            pm = tl.load(part_ptr)
+            ps = tl.load(part_ptr + field)
+            pb = tl.load(part_ptr + 2 * field)
+            pt = tl.load(part_ptr + 3 * field)
             if SUM_PI_SQUARED:
-                pq = tl.load(part_q_ptr)
+                pq = tl.load(part_ptr + 4 * field)
             else:
                 pq = q  # not read
-            pb = tl.load(part_b_ptr)
-            pt = tl.load(part_t_ptr)
-            part_m_ptr += N
-            part_s_ptr += N
-            part_b_ptr += N
-            part_t_ptr += N
-            part_q_ptr += N
+            part_ptr += N
         else:
             pm, ps, pb, pt, pq = _split_stats(row_ptr, stride_v, split * SPLIT_V, V, inv_temperature,
                                               SPLIT_V, BLOCK_V, ENTROPY, MEAN_LOG_P, SUM_PI_SQUARED)
@@ -156,23 +158,20 @@ def _merge_and_finalize(
             q = merge_q(m, s, q, pm, ps, pq)
         m, s, b = merge_stats(m, s, b, pm, ps, pb)
         t += pt
-    _finalize(row, m, s, b, t, q, x_ptr, stride_n, stride_v, labels_ptr, stride_lab, V,
+    _finalize(row, m, s, b, t, q, x_ptr, stride_n, stride_v, labels_ptr, stride_lab, out_ptr, N, V,
               inv_temperature, ignore_index, label_flag_ptr, check_id,
-              log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_ptr, lse_ptr, mean_log_p_ptr,
-              sum_pi_squared_ptr, LOG_PROBS, ENTROPY, MEAN_LOG_P, SUM_PI_SQUARED)
+              LOG_PROBS, ENTROPY, MEAN_LOG_P, SUM_PI_SQUARED)
 
 
 @triton.jit(do_not_specialize=["check_id"])
 def _logits_fwd_kernel(
-    x_ptr, stride_n, stride_v, labels_ptr, stride_lab,
-    part_m_ptr, part_s_ptr, part_b_ptr, part_t_ptr, part_q_ptr,
-    log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_ptr, lse_ptr, mean_log_p_ptr, sum_pi_squared_ptr,
+    x_ptr, stride_n, stride_v, labels_ptr, stride_lab, part_ptr, out_ptr,
     N, V, num_splits, inv_temperature, ignore_index, label_flag_ptr, check_id,
     SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, TWO_LEVEL: tl.constexpr,
     LOG_PROBS: tl.constexpr, ENTROPY: tl.constexpr, MEAN_LOG_P: tl.constexpr, SUM_PI_SQUARED: tl.constexpr,
 ):
     """One level: program = row, merges all splits and finalizes. Two levels: program =
-    (row, split), writes the split's partial (m, s, b, t, q), each (S, N) float32."""
+    (row, split), writes the split's partial (m, s, b, t, q) into the (5, S, N) block."""
     pid = tl.program_id(0)
     if TWO_LEVEL:
         row = pid // num_splits
@@ -180,35 +179,30 @@ def _logits_fwd_kernel(
         row_ptr = x_ptr + row.to(tl.int64) * stride_n
         m, s, b, t, q = _split_stats(row_ptr, stride_v, split * SPLIT_V, V, inv_temperature,
                                      SPLIT_V, BLOCK_V, ENTROPY, MEAN_LOG_P, SUM_PI_SQUARED)
-        off = split.to(tl.int64) * N + row
-        tl.store(part_m_ptr + off, m)
-        tl.store(part_s_ptr + off, s)
-        tl.store(part_b_ptr + off, b)
-        tl.store(part_t_ptr + off, t)
+        field = (tl.zeros((), tl.int64) + num_splits) * N  # (int64; see _merge_and_finalize)
+        part_ptr += split.to(tl.int64) * N + row
+        tl.store(part_ptr, m)
+        tl.store(part_ptr + field, s)
+        tl.store(part_ptr + 2 * field, b)
+        tl.store(part_ptr + 3 * field, t)
         if SUM_PI_SQUARED:
-            tl.store(part_q_ptr + off, q)
+            tl.store(part_ptr + 4 * field, q)
     else:
-        _merge_and_finalize(pid, x_ptr, stride_n, stride_v, labels_ptr, stride_lab,
-                            part_m_ptr, part_s_ptr, part_b_ptr, part_t_ptr, part_q_ptr,
-                            log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_ptr, lse_ptr,
-                            mean_log_p_ptr, sum_pi_squared_ptr, N, V, num_splits, inv_temperature,
-                            ignore_index, label_flag_ptr, check_id, SPLIT_V, BLOCK_V, False, LOG_PROBS, ENTROPY, MEAN_LOG_P, SUM_PI_SQUARED)
+        _merge_and_finalize(pid, x_ptr, stride_n, stride_v, labels_ptr, stride_lab, part_ptr, out_ptr,
+                            N, V, num_splits, inv_temperature, ignore_index, label_flag_ptr, check_id,
+                            SPLIT_V, BLOCK_V, False, LOG_PROBS, ENTROPY, MEAN_LOG_P, SUM_PI_SQUARED)
 
 
 @triton.jit(do_not_specialize=["check_id"])
 def _logits_combine_kernel(
-    x_ptr, stride_n, stride_v, labels_ptr, stride_lab,
-    part_m_ptr, part_s_ptr, part_b_ptr, part_t_ptr, part_q_ptr,
-    log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_ptr, lse_ptr, mean_log_p_ptr, sum_pi_squared_ptr,
+    x_ptr, stride_n, stride_v, labels_ptr, stride_lab, part_ptr, out_ptr,
     N, V, num_splits, inv_temperature, ignore_index, label_flag_ptr, check_id,
     LOG_PROBS: tl.constexpr, ENTROPY: tl.constexpr, MEAN_LOG_P: tl.constexpr, SUM_PI_SQUARED: tl.constexpr,
 ):
     """Second level: program = row; merges the row's S partials in split order and finalizes."""
-    _merge_and_finalize(tl.program_id(0), x_ptr, stride_n, stride_v, labels_ptr, stride_lab,
-                        part_m_ptr, part_s_ptr, part_b_ptr, part_t_ptr, part_q_ptr,
-                        log_probs_ptr, entropy_ptr, row_max_ptr, log_sum_ptr, lse_ptr,
-                        mean_log_p_ptr, sum_pi_squared_ptr, N, V, num_splits, inv_temperature,
-                        ignore_index, label_flag_ptr, check_id, 1, 1, True, LOG_PROBS, ENTROPY, MEAN_LOG_P, SUM_PI_SQUARED)  # SPLIT_V, BLOCK_V unused
+    _merge_and_finalize(tl.program_id(0), x_ptr, stride_n, stride_v, labels_ptr, stride_lab, part_ptr, out_ptr,
+                        N, V, num_splits, inv_temperature, ignore_index, label_flag_ptr, check_id,
+                        1, 1, True, LOG_PROBS, ENTROPY, MEAN_LOG_P, SUM_PI_SQUARED)  # SPLIT_V, BLOCK_V unused
 
 
 @triton.jit
@@ -289,46 +283,45 @@ def logits_forward(
     not ``ignore_index`` is reported (``label_check.deferred_label_check``); such a row's log-prob
     and saved ``log_sum`` are NaN either way.
     """
-    inv_temperature, ignore_index = params.inv_temperature, params.ignore_index
     return_entropy, return_mean_log_p = params.return_entropy, params.return_mean_log_p
     return_sum_pi_squared = params.return_sum_pi_squared
-    label_flag, check_id = label_check if label_check is not None else (None, 0)
     n, v = logits.shape
     dev = logits.device
-    out = {k: torch.empty(n, dtype=torch.float32, device=dev) for k in ("row_max", "log_sum", "lse")}
+    block = torch.empty((7, n), dtype=torch.float32, device=dev)  # OUT_SLOTS
+    rows = block.unbind(0)
+    out = {"row_max": rows[0], "log_sum": rows[1], "lse": rows[2]}
     if labels is not None:
-        out["log_probs"] = torch.empty(n, dtype=torch.float32, device=dev)
+        out["log_probs"] = rows[3]
     if return_entropy:
-        out["entropy"] = torch.empty(n, dtype=torch.float32, device=dev)
+        out["entropy"] = rows[4]
     if return_mean_log_p:
-        out["mean_log_p"] = torch.empty(n, dtype=torch.float32, device=dev)
+        out["mean_log_p"] = rows[5]
     if return_sum_pi_squared:
-        out["sum_pi_squared"] = torch.empty(n, dtype=torch.float32, device=dev)
+        out["sum_pi_squared"] = rows[6]
     if n == 0:
         return out
-    num_splits = triton.cdiv(v, cfg.split_v)
+    num_splits = -(-v // cfg.split_v)
     if two_level is None:
         two_level = use_two_level(n, v, cfg, dev)
-        log_once(logging.DEBUG, f"rl_kernels: from-logits forward, {n} x {v}: "
-                 f"{'two-level split' if two_level else 'one level'} ({num_splits} splits per row)")
-    dummy = out["lse"]
-    flag = label_flag if label_flag is not None else host_flag(dev)
+        if logger.isEnabledFor(logging.DEBUG):  # (the message costs host time at small N)
+            log_once(logging.DEBUG, f"rl_kernels: from-logits forward, {n} x {v}: "
+                     f"{'two-level split' if two_level else 'one level'} ({num_splits} splits per row)")
+    if label_check is not None:
+        flag, check_id = label_check
+    else:
+        flag, check_id = host_flag(dev), 0
     lab = labels if labels is not None else flag  # (a placeholder: not read without labels)
-    ptrs = (out.get("log_probs", dummy), out.get("entropy", dummy), out["row_max"], out["log_sum"],
-            out["lse"], out.get("mean_log_p", dummy), out.get("sum_pi_squared", dummy))
+    part = torch.empty((5, num_splits, n), dtype=torch.float32, device=dev) if two_level else block
+    args = (logits, logits.stride(0), logits.stride(1), lab, lab.stride(0), part, block,
+            n, v, num_splits, params.inv_temperature, params.ignore_index, flag, check_id)
     flags = dict(LOG_PROBS=labels is not None, ENTROPY=return_entropy, MEAN_LOG_P=return_mean_log_p,
                  SUM_PI_SQUARED=return_sum_pi_squared)
-    part = (torch.empty((4 + return_sum_pi_squared, num_splits, n), dtype=torch.float32, device=dev) if two_level
-            else dummy.expand(4 + return_sum_pi_squared, 1, n))
-    part = tuple(part.unbind(0)) + (() if return_sum_pi_squared else (dummy.expand(1, n),))
-    args = (logits, logits.stride(0), logits.stride(1), lab, lab.stride(0), *part, *ptrs,
-            n, v, num_splits, inv_temperature, ignore_index,
-            flag, check_id if label_flag is not None else 0)
-    _logits_fwd_kernel[(n * num_splits if two_level else n,)](
-        *args, SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, TWO_LEVEL=two_level, **flags,
-        num_warps=cfg.num_warps)
+    _FWD.launch((n * num_splits if two_level else n,), args,
+                dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, TWO_LEVEL=two_level, **flags,
+                     num_warps=cfg.num_warps))
     if two_level:
-        _logits_combine_kernel[(n,)](*args, **flags, num_warps=1)
+        flags["num_warps"] = 1
+        _COMBINE.launch((n,), args, flags)
     return out
 
 
@@ -348,7 +341,7 @@ def logits_backward(
         return grad
     dummy = stats["row_max"]
     lab = labels if labels is not None else host_flag(logits.device)  # (a placeholder: not read)
-    _logits_bwd_kernel[(n, triton.cdiv(v, cfg.bwd_block_v))](
+    _BWD[(n, -(-v // cfg.bwd_block_v))](
         logits, logits.stride(0), logits.stride(1), grad, grad.stride(0), grad.stride(1),
         lab, lab.stride(0), stats["row_max"], stats["log_sum"], stats.get("entropy", dummy),
         stats.get("sum_pi_squared", dummy),
@@ -358,3 +351,6 @@ def logits_backward(
         HAS_GRAD_LSE="lse" in grads, HAS_GRAD_MEAN_LOG_P="mean_log_p" in grads, HAS_GRAD_SUM_PI_SQUARED="sum_pi_squared" in grads,
         num_warps=cfg.bwd_num_warps)
     return grad
+
+
+_FWD, _COMBINE, _BWD = (Launcher(k) for k in (_logits_fwd_kernel, _logits_combine_kernel, _logits_bwd_kernel))
