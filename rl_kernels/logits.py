@@ -57,7 +57,8 @@ def _run(logits, labels, temperature, ignore_index, return_entropy, return_mean_
          return_sum_pi_squared=False) -> LogitsOutputs:
     """Validate, flatten to 2-D, run; returns ``LogitsOutputs`` shaped like logits.shape[:-1].
     ``fn_name``: the public function (error messages)."""
-    if not compiling():  # (compiled: the custom op's body does it)
+    traced = compiling()
+    if not traced:  # (compiled: the custom op's body does it)
         raise_label_errors()  # a bad label that an earlier call's kernel reported
     check_logits(logits)
     inv_temperature = 1.0 / check_temperature(temperature)
@@ -74,17 +75,17 @@ def _run(logits, labels, temperature, ignore_index, return_entropy, return_mean_
                           return_mean_log_p=return_mean_log_p, return_sum_pi_squared=return_sum_pi_squared,
                           inplace_backward=inplace_backward)
     shape = logits.shape[:-1]
-    logits2d = logits.reshape(-1, logits.shape[-1])
-    labels1d = labels.reshape(-1) if labels is not None else None
+    logits2d = logits if logits.dim() == 2 else logits.reshape(-1, logits.shape[-1])
+    labels1d = labels.reshape(-1) if labels is not None and labels.dim() != 1 else labels
     if tp is not None:  # vocab-sharded logits (``rl_kernels.autograd.vocab_parallel``)
-        if compiling():  # torch.compile: the custom ops derive the layout and check the labels
+        if traced:  # torch.compile: the custom ops derive the layout and check the labels
             outs = compiled_vocab_parallel_logits(logits2d, labels1d, params, tp)
             return LogitsOutputs(*(o if o is None else o.view(shape) for o in outs))
         if labels is not None and tp.vocab_size is not None:
             check_label_values(labels, tp.vocab_size, ignore_index)
         outs = VocabParallelLogitsFunction.apply(logits2d, labels1d, params, tp)
         return LogitsOutputs(*(o if o is None else o.view(shape) for o in outs))
-    if compiling() and tp is None:  # torch.compile: the custom ops (no graph break; an
+    if traced:  # torch.compile: the custom ops (no graph break; an
         # inplace_backward request is reported by the op's body, and the gradient is a new tensor)
         outs = compiled_logits_stats(logits2d, labels1d, params)
         return LogitsOutputs(*(o if o is None or o.shape == shape else o.view(shape) for o in outs))
@@ -98,9 +99,12 @@ def _run(logits, labels, temperature, ignore_index, return_entropy, return_mean_
         outs = LogitsStatsFunction.apply(logits2d, labels1d, params, label_check)
     else:  # no gradient wanted: the same forward without an autograd node (host cost at small N)
         stats = logits_stats_forward(logits2d, labels1d, params, label_check)
-        outs = tuple(stats.get(k) for k in LogitsOutputs._fields)
+        outs = (stats.get("log_probs"), stats.get("entropy"), stats["lse"], stats.get("mean_log_p"),
+                stats.get("sum_pi_squared"))  # (LogitsOutputs' fields)
     raise_if_interpreted(label_check, logits.device)
-    return LogitsOutputs(*(o if o is None or o.shape == shape else o.view(shape) for o in outs))
+    if logits2d is logits:  # 2-D logits: the (N,) outputs as they are (host time at small N)
+        return LogitsOutputs(*outs)
+    return LogitsOutputs(*(o if o is None else o.view(shape) for o in outs))
 
 
 def _overlaps(x: torch.Tensor) -> bool:

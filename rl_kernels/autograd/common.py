@@ -15,6 +15,8 @@ def first_order_only(backward):
 
     @functools.wraps(backward)
     def wrapper(ctx, *grads):
+        if not torch.is_grad_enabled():  # the usual case (no create_graph): nothing to wire
+            return backward(ctx, *grads)
         with torch.no_grad():
             outs = backward(ctx, *grads)
         if not torch.is_grad_enabled():
@@ -107,7 +109,13 @@ def if_asked(t: torch.Tensor, asked: bool) -> torch.Tensor | None:
 def float_grads(grads, asked) -> list:
     """The upstream gradients a backward op takes: float32 contiguous for the outputs that were
     asked, None for the others (and for those autograd left None)."""
-    return [g.float().contiguous() if a and g is not None else None for g, a in zip(grads, asked)]
+    return [as_float_grad(g) if a and g is not None else None for g, a in zip(grads, asked)]
+
+
+def as_float_grad(g: torch.Tensor) -> torch.Tensor:
+    """``g`` as a float32 contiguous tensor (itself when it is one: no torch call at all, which
+    matters for the host time of small calls)."""
+    return g if g.dtype is torch.float32 and g.is_contiguous() else g.float().contiguous()
 
 
 def grads_or_empty(dh, dw, hidden_states: torch.Tensor, weight: torch.Tensor) -> tuple:
@@ -123,6 +131,13 @@ def fake_grads(hidden_states: torch.Tensor, weight: torch.Tensor, need_dh: bool,
 
 
 def or_empty(outputs, like: torch.Tensor) -> tuple:
-    """A custom op's outputs: each tensor as it is, each None as a new empty float32 tensor on
-    ``like``'s device (outputs may alias neither each other nor the inputs)."""
-    return tuple(like.new_empty(0, dtype=torch.float32) if t is None else t for t in outputs)
+    """A custom op's outputs: each tensor as it is, a view (e.g. a row of the from-logits
+    forward's one output block) as a copy, each None as a new empty float32 tensor on ``like``'s
+    device (outputs may alias neither each other nor the inputs)."""
+    return tuple(like.new_empty(0, dtype=torch.float32) if t is None else t.clone() if _shares_storage(t) else t
+                 for t in outputs)
+
+
+def _shares_storage(t: torch.Tensor) -> bool:
+    """Whether ``t`` covers only part of its storage (a view, e.g. one row of a block)."""
+    return t.untyped_storage().nbytes() != t.numel() * t.element_size()

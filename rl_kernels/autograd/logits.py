@@ -17,7 +17,7 @@ from .._logging import log_once
 from ..backends import Backend, backend_by_name, implements
 from ..label_check import deferred_label_check, raise_if_interpreted, raise_label_errors
 from ..torch_ops.logits_stats import torch_logits_backward, torch_logits_forward
-from .common import first_order_only, float_grads, if_asked, or_empty, refuse_double_backward
+from .common import as_float_grad, first_order_only, float_grads, if_asked, or_empty, refuse_double_backward
 
 
 class LogitsParams(NamedTuple):
@@ -102,7 +102,7 @@ class LogitsStatsFunction(torch.autograd.Function):
         raise_label_errors()  # a bad label reported by this call's (or an earlier) forward kernel
         logits, labels, row_max, log_sum, entropy, sum_pi_squared = ctx.saved_tensors
         params: LogitsParams = ctx.params
-        grads = {k: g.float().contiguous() for k, g in zip(LogitsOutputs._fields, output_grads) if g is not None}
+        grads = {k: as_float_grad(g) for k, g in zip(LogitsOutputs._fields, output_grads) if g is not None}
         if not ctx.needs_input_grad[0] or not grads:
             return None, None, None, None
         stats = {"row_max": row_max, "log_sum": log_sum, "entropy": entropy, "sum_pi_squared": sum_pi_squared}
