@@ -2,12 +2,13 @@
 replayed from a CUDA graph, against its kernels alone (issue 29's question: how much of a small
 call is host time, and how much of it a CUDA graph or torch.compile removes).
 
-python scripts/diag/graph_launch.py [N,H,V] [--json PATH] [--no-compile]   (default 512,3584,152064)
+python scripts/diag/graph_launch.py [N,H,V ...] [--json PATH] [--no-compile]   (default 512,3584,152064)
 
 Rows (bf16, labels uniform, medians of triton.testing.do_bench, ms):
   from-logits forward / forward+backward (``logits_stats`` with entropy) at N x V;
   fused head forward+backward (``linear_log_probs``) at N x H x V.
-Each row: the public call eager, compiled (from-logits fwd+bwd only), one CUDA-graph replay of
+Each row: the public call eager, compiled (from-logits fwd+bwd only; inductor, and inductor with
+``mode="reduce-overhead"``, its own CUDA graphs), one CUDA-graph replay of
 the same call, and the kernels alone (the launchers, no autograd or checks); the ratios to the
 kernels. Every graph is checked to give the eager call's bits before it is timed.
 """
@@ -24,8 +25,9 @@ from rl_kernels import ops
 from diag_common import logits_params
 
 
-def bench(f) -> float:
-    return triton.testing.do_bench(f, warmup=25, rep=300, return_mode="median")
+def bench(f, rep: int = 300) -> float:
+    """do_bench median (ms); ``rep`` is its time budget (ms): 1000 for steps of 100 ms and more."""
+    return triton.testing.do_bench(f, warmup=25, rep=rep, return_mode="median")
 
 
 def graphed(step, check):
@@ -46,9 +48,25 @@ def graphed(step, check):
 
 
 def main():
-    args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    n, h, v = (int(x) for x in (args[0] if args and "," in args[0] else "512,3584,152064").split(","))
+    args = [a for a in sys.argv[1:] if not a.startswith("--") and "," in a]
     out_path = sys.argv[sys.argv.index("--json") + 1] if "--json" in sys.argv else None
+    rows = {}
+    for shape in args or ["512,3584,152064"]:
+        rows.update(measure(*(int(x) for x in shape.split(","))))
+        torch.cuda.empty_cache()
+    dev = torch.cuda.get_device_name()
+    print(f"{dev}, torch {torch.__version__}, {datetime.date.today()}; ms (do_bench median); x = / kernels")
+    for name, r in rows.items():
+        base = r.get("kernels")
+        cells = [f"{k} {t:.3f}" + (f" ({t / base:.2f}x)" if base and k != "kernels" else "") for k, t in r.items()]
+        print(f"{name:36s} " + " | ".join(cells))
+    if out_path:
+        with open(out_path, "w") as f:
+            json.dump(dict(device=dev, date=str(datetime.date.today()), torch=torch.__version__, rows=rows), f, indent=1)
+
+
+def measure(n: int, h: int, v: int) -> dict:
+    """The rows of one shape."""
     g = torch.Generator(device="cuda").manual_seed(0)
     hid = torch.randn(n, h, device="cuda", generator=g).bfloat16()
     w = (0.02 * torch.randn(v, h, device="cuda", generator=g)).bfloat16()
@@ -86,10 +104,14 @@ def main():
 
     row = dict(eager=bench(fwd_bwd), graph=bench(replay), kernels=bench(kernels))
     if "--no-compile" not in sys.argv:
-        compiled = torch.compile(lambda z, y: rl_kernels.logits_stats(z, y), fullgraph=True)
-        if not torch.equal(fwd_bwd(compiled), ref_grad):
-            sys.exit("compiled != eager (from-logits bwd)")
-        row["compiled"] = bench(lambda: fwd_bwd(compiled))
+        for mode in ("default", "reduce-overhead"):  # inductor; and inductor with its CUDA graphs
+            torch._dynamo.reset()
+            compiled = torch.compile(lambda z, y: rl_kernels.logits_stats(z, y), fullgraph=True, mode=mode)
+            for _ in range(3):  # (reduce-overhead records its graph after warm-up runs)
+                got = fwd_bwd(compiled)
+            if not torch.equal(got, ref_grad):
+                sys.exit(f"compiled ({mode}) != eager (from-logits bwd)")
+            row["compiled" if mode == "default" else "reduce-overhead"] = bench(lambda: fwd_bwd(compiled))
     rows[f"from-logits fwd+bwd {n}x{v}"] = row
 
     # --- fused head forward + backward
@@ -104,18 +126,10 @@ def main():
     ref_dh, ref_dw = (t.clone() for t in head_step())
     replay = graphed(head_step, lambda o: (torch.equal(o[0], ref_dh) and torch.equal(o[1], ref_dw))
                      or sys.exit("graph != eager (head)"))
-    rows[f"head fwd+bwd {n}x{h}x{v}"] = dict(eager=bench(head_step), graph=bench(replay),
+    rep = 1000 if n >= 4096 else 300
+    rows[f"head fwd+bwd {n}x{h}x{v}"] = dict(eager=bench(head_step, rep), graph=bench(replay, rep),
                                              matmul=bench(lambda: hid @ w.T))
-
-    dev = torch.cuda.get_device_name()
-    print(f"{dev}, torch {torch.__version__}, {datetime.date.today()}; ms (do_bench median); x = / kernels")
-    for name, r in rows.items():
-        base = r.get("kernels")
-        cells = [f"{k} {t:.3f}" + (f" ({t / base:.2f}x)" if base and k != "kernels" else "") for k, t in r.items()]
-        print(f"{name:36s} " + " | ".join(cells))
-    if out_path:
-        with open(out_path, "w") as f:
-            json.dump(dict(device=dev, date=str(datetime.date.today()), torch=torch.__version__, rows=rows), f, indent=1)
+    return rows
 
 
 if __name__ == "__main__":

@@ -35,9 +35,12 @@ print(f"ceilings: read {read_bw:.0f} GB/s, copy (read+write) {copy_bw:.0f} GB/s"
 base = ops_config.LOGITS_CUDA_CONFIG
 VARIANTS = [("shipped", {})] + [
     (f"block {b}, {w} warps", dict(block_v=b, num_warps=w))
-    for b, w in ((2048, 4), (4096, 4), (8192, 8), (8192, 16), (16384, 16))] + [
-    ("split 8192", dict(split_v=8192)), ("split 32768", dict(split_v=32768))]
-BWD = [(b, w) for b, w in ((2048, 4), (4096, 4), (4096, 8), (8192, 8), (16384, 16))]
+    for b, w in ((1024, 2), (2048, 2), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8), (8192, 16),
+                 (16384, 16))] + [
+    ("split 8192", dict(split_v=8192)), ("split 32768", dict(split_v=32768)),
+    ("split 8192, block 2048, 4 warps", dict(split_v=8192, block_v=2048, num_warps=4))]
+BWD = [(b, w) for b, w in ((1024, 4), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8), (8192, 16),
+                           (16384, 16))]
 
 for shape in shapes:
     n, v = (int(x) for x in shape.split(","))
