@@ -113,6 +113,37 @@ def test_two_level_and_one_level_are_bitwise_equal_and_batch_invariant(monkeypat
         assert torch.equal(a[0], b[4])
 
 
+@pytest.mark.parametrize("n,v", [(5, 997), (1, 70), (3, 64)])  # several splits; one row; one split
+def test_two_level_combine_in_one_launch_or_two(n, v):
+    """The two-level forward merges each row either in its last split's program (one launch, with
+    per-row counters) or in a combine launch: the same bits, the float64 values, all five
+    statistics, with a label on an ignored row (placeholder outputs poisoned first)."""
+    from rl_kernels.autograd.logits import LogitsParams
+    from rl_kernels.backends import get_backend
+    from rl_kernels.ops import logits_config, logits_forward
+
+    g = torch.Generator().manual_seed(n * v)
+    x = torch.randn(n, v, generator=g) * 4
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[-1] = -100
+    params = LogitsParams(backend=get_backend("triton", x.device), inv_temperature=1 / 0.7, ignore_index=-100,
+                          return_entropy=True, name="test", return_mean_log_p=True, return_sum_pi_squared=True)
+    cfg = logits_config(x.device)
+    paths = []
+    for last in (True, False):
+        with torch.no_grad():
+            paths.append(logits_forward(x, labels, params, cfg, two_level=True, last_combines=last))
+    lp, ent, lse = _reference(x, labels, 0.7)
+    log_p = (x.double() / 0.7).log_softmax(-1)
+    p = log_p.exp()
+    valid = labels != -100
+    want = {"log_probs": lp, "entropy": ent, "lse": lse, "mean_log_p": log_p.mean(-1),
+            "sum_pi_squared": torch.where(valid, (p * p).sum(-1), 0.0)}
+    for key, ref in want.items():
+        assert torch.equal(paths[0][key], paths[1][key]), key
+        torch.testing.assert_close(paths[0][key].double(), ref, rtol=1e-5, atol=1e-5, msg=key)
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_inplace_backward_writes_the_logits_storage(backend):
     g = torch.Generator().manual_seed(3)

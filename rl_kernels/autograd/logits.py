@@ -32,6 +32,10 @@ class LogitsParams(NamedTuple):
     return_mean_log_p: bool = False  # the row's mean log p over the vocabulary (label smoothing)
     return_sum_pi_squared: bool = False
     inplace_backward: bool = False  # the gradient is written into the logits' own storage
+    # two-level forward: the row's last split merges it in the same launch, with row counters kept
+    # across calls (ops.logits_stats.row_counters); off in the custom ops' bodies (torch.compile),
+    # where inductor's CUDA-graph trees warm up in a private memory pool that no tensor may outlive
+    combine_in_one_launch: bool = True
 
 
 class LogitsOutputs(NamedTuple):
@@ -53,7 +57,8 @@ class TritonLogits:
     def forward(logits, labels, params: LogitsParams, label_check=None) -> dict:
         from .. import ops
 
-        return ops.logits_forward(logits, labels, params, ops.logits_config(logits.device), label_check=label_check)
+        return ops.logits_forward(logits, labels, params, ops.logits_config(logits.device), label_check=label_check,
+                                  last_combines=None if params.combine_in_one_launch else False)
 
     @staticmethod
     def backward(logits, grad, labels, stats: dict, grads: dict, params: LogitsParams) -> None:
@@ -138,10 +143,12 @@ def logits_op_params(params: LogitsParams) -> tuple:
 def logits_params_from_op(backend, inv_temperature, ignore_index, return_entropy, return_mean_log_p,
                           return_sum_pi_squared, inplace_backward, name) -> LogitsParams:
     """The record back from the plain values; ``inplace_backward`` (asked by the caller) is
-    reported, not honoured: this route's gradient is a new tensor."""
+    reported, not honoured: this route's gradient is a new tensor. The two-level forward combines
+    in a second launch here (no state kept across calls: see ``combine_in_one_launch``)."""
     return LogitsParams(backend=backend_by_name(backend), inv_temperature=inv_temperature, ignore_index=ignore_index,
                         return_entropy=return_entropy, name=name, return_mean_log_p=return_mean_log_p,
-                        return_sum_pi_squared=return_sum_pi_squared, inplace_backward=False)
+                        return_sum_pi_squared=return_sum_pi_squared, inplace_backward=False,
+                        combine_in_one_launch=False)
 
 
 @torch.library.custom_op(

@@ -132,7 +132,8 @@ def _merge_and_finalize(
 ):
     """Merge the S split partials of ``row`` left to right and finalize it: the one path of both
     launch shapes. Each partial is computed here by ``_split_stats`` (one level) or, with
-    FROM_PARTS (the two-level combine), read from the (5, S, N) block that the first level wrote."""
+    FROM_PARTS (the two-level combine), read from the (5, S, N) block that the first level wrote
+    (volatile loads: in the one-launch combine other programs wrote them, so no L1 line may serve)."""
     m, s, b, t, q = _no_stats()
     if FROM_PARTS:
         field = (tl.zeros((), tl.int64) + num_splits) * N  # elements between two fields (int64;
@@ -142,12 +143,12 @@ def _merge_and_finalize(
         row_ptr = x_ptr + row.to(tl.int64) * stride_n
     for split in range(0, num_splits):
         if FROM_PARTS:
-            pm = tl.load(part_ptr)
-            ps = tl.load(part_ptr + field)
-            pb = tl.load(part_ptr + 2 * field)
-            pt = tl.load(part_ptr + 3 * field)
+            pm = tl.load(part_ptr, volatile=True)
+            ps = tl.load(part_ptr + field, volatile=True)
+            pb = tl.load(part_ptr + 2 * field, volatile=True)
+            pt = tl.load(part_ptr + 3 * field, volatile=True)
             if SUM_PI_SQUARED:
-                pq = tl.load(part_ptr + 4 * field)
+                pq = tl.load(part_ptr + 4 * field, volatile=True)
             else:
                 pq = q  # not read
             part_ptr += N
@@ -165,13 +166,16 @@ def _merge_and_finalize(
 
 @triton.jit(do_not_specialize=["check_id"])
 def _logits_fwd_kernel(
-    x_ptr, stride_n, stride_v, labels_ptr, stride_lab, part_ptr, out_ptr,
+    x_ptr, stride_n, stride_v, labels_ptr, stride_lab, part_ptr, out_ptr, counter_ptr,
     N, V, num_splits, inv_temperature, ignore_index, label_flag_ptr, check_id,
-    SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, TWO_LEVEL: tl.constexpr,
+    SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, TWO_LEVEL: tl.constexpr, LAST_COMBINES: tl.constexpr,
     LOG_PROBS: tl.constexpr, ENTROPY: tl.constexpr, MEAN_LOG_P: tl.constexpr, SUM_PI_SQUARED: tl.constexpr,
 ):
     """One level: program = row, merges all splits and finalizes. Two levels: program =
-    (row, split), writes the split's partial (m, s, b, t, q) into the (5, S, N) block."""
+    (row, split), writes the split's partial (m, s, b, t, q) into the (5, S, N) block; with
+    LAST_COMBINES the row's last program to finish (an acq_rel count of finished splits in
+    ``counter_ptr[row]``, int32, zero on entry and reset to zero here) merges the row's partials
+    in split order and finalizes it, as the combine kernel would (same bits), in the same launch."""
     pid = tl.program_id(0)
     if TWO_LEVEL:
         row = pid // num_splits
@@ -187,6 +191,15 @@ def _logits_fwd_kernel(
         tl.store(part_ptr + 3 * field, t)
         if SUM_PI_SQUARED:
             tl.store(part_ptr + 4 * field, q)
+        if LAST_COMBINES:
+            tl.debug_barrier()  # the partial's stores are issued before the count (release below)
+            finished = tl.atomic_add(counter_ptr + row, 1, sem="acq_rel", scope="gpu")
+            if finished == num_splits - 1:  # every other split of the row has stored its partial
+                tl.store(counter_ptr + row, 0)  # ready for the next call on this stream
+                _merge_and_finalize(row, x_ptr, stride_n, stride_v, labels_ptr, stride_lab,
+                                    part_ptr - split.to(tl.int64) * N - row, out_ptr,
+                                    N, V, num_splits, inv_temperature, ignore_index, label_flag_ptr,
+                                    check_id, 1, 1, True, LOG_PROBS, ENTROPY, MEAN_LOG_P, SUM_PI_SQUARED)
     else:
         _merge_and_finalize(pid, x_ptr, stride_n, stride_v, labels_ptr, stride_lab, part_ptr, out_ptr,
                             N, V, num_splits, inv_temperature, ignore_index, label_flag_ptr, check_id,
@@ -195,7 +208,7 @@ def _logits_fwd_kernel(
 
 @triton.jit(do_not_specialize=["check_id"])
 def _logits_combine_kernel(
-    x_ptr, stride_n, stride_v, labels_ptr, stride_lab, part_ptr, out_ptr,
+    x_ptr, stride_n, stride_v, labels_ptr, stride_lab, part_ptr, out_ptr, counter_ptr,
     N, V, num_splits, inv_temperature, ignore_index, label_flag_ptr, check_id,
     LOG_PROBS: tl.constexpr, ENTROPY: tl.constexpr, MEAN_LOG_P: tl.constexpr, SUM_PI_SQUARED: tl.constexpr,
 ):
@@ -269,7 +282,7 @@ def use_two_level(n: int, v: int, cfg: LogitsConfig, device: torch.device) -> bo
 
 def logits_forward(
     logits: torch.Tensor, labels: torch.Tensor | None, params, cfg: LogitsConfig, two_level: bool | None = None,
-    label_check: tuple[torch.Tensor, int] | None = None,
+    label_check: tuple[torch.Tensor, int] | None = None, last_combines: bool | None = None,
 ) -> dict[str, torch.Tensor]:
     """Softmax statistics of 2-D ``logits`` (N, V) (any strides; bf16/fp16/fp32).
 
@@ -281,7 +294,10 @@ def logits_forward(
     launch shape with :func:`use_two_level` (logged at debug level); both shapes give bitwise
     identical results. ``label_check``: (flag, check_id): where a label outside [0, V) that is
     not ``ignore_index`` is reported (``label_check.deferred_label_check``); such a row's log-prob
-    and saved ``log_sum`` are NaN either way.
+    and saved ``log_sum`` are NaN either way. ``last_combines`` (two levels): the row's last
+    split to finish merges the row in the same launch (one launch: host time at small N), else a
+    second, combine launch does; None = the former except while a CUDA graph is being captured
+    (the one-launch path keeps its row counters across calls). Same bits either way.
     """
     return_entropy, return_mean_log_p = params.return_entropy, params.return_mean_log_p
     return_sum_pi_squared = params.return_sum_pi_squared
@@ -311,18 +327,43 @@ def logits_forward(
     else:
         flag, check_id = host_flag(dev), 0
     lab = labels if labels is not None else flag  # (a placeholder: not read without labels)
-    part = torch.empty((5, num_splits, n), dtype=torch.float32, device=dev) if two_level else block
-    args = (logits, logits.stride(0), logits.stride(1), lab, lab.stride(0), part, block,
+    counters = flag  # (a placeholder: read only when the last split combines)
+    if two_level:
+        part = torch.empty((5, num_splits, n), dtype=torch.float32, device=dev)
+        if last_combines is None:  # not while a CUDA graph is captured: no state kept across calls
+            last_combines = not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing())
+        if last_combines:
+            counters = row_counters(dev, n)
+    else:
+        part, last_combines = block, False
+    args = (logits, logits.stride(0), logits.stride(1), lab, lab.stride(0), part, block, counters,
             n, v, num_splits, params.inv_temperature, params.ignore_index, flag, check_id)
     flags = dict(LOG_PROBS=labels is not None, ENTROPY=return_entropy, MEAN_LOG_P=return_mean_log_p,
                  SUM_PI_SQUARED=return_sum_pi_squared)
     _FWD.launch((n * num_splits if two_level else n,), args,
-                dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, TWO_LEVEL=two_level, **flags,
-                     num_warps=cfg.num_warps))
-    if two_level:
+                dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, TWO_LEVEL=two_level, LAST_COMBINES=last_combines,
+                     **flags, num_warps=cfg.num_warps))
+    if two_level and not last_combines:
         flags["num_warps"] = 1
         _COMBINE.launch((n,), args, flags)
     return out
+
+
+_counters: dict = {}  # (device index, raw stream) -> int32 zeros, the one-launch combine's row counts
+
+
+def row_counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least ``n`` int32 counters, all zero, for a two-level forward with the last split
+    combining (``LAST_COMBINES``): one buffer per (device, stream), kept across calls (each
+    launch leaves it zero again, and launches on one stream run in order, so no memset per call);
+    fresh zeros on the CPU interpreter."""
+    if device.type != "cuda":
+        return torch.zeros(n, dtype=torch.int32, device=device)
+    key = (device.index, torch._C._cuda_getCurrentRawStream(device.index))
+    buf = _counters.get(key)
+    if buf is None or buf.numel() < n:
+        buf = _counters[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return buf
 
 
 def logits_backward(
