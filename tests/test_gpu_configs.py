@@ -11,12 +11,14 @@
   vocabulary.
 """
 import contextlib
+import os
 
 import pytest
 import torch
 
 from rl_kernels import linear_jsd, linear_log_probs, logits_stats
 from rl_kernels.ops import config as config_mod
+from rl_kernels.ops.launch import TRITON_LAUNCH_ENV
 import importlib
 
 kernels_mod = importlib.import_module("rl_kernels.ops.logits_stats")
@@ -61,9 +63,17 @@ def compile_only_for(arch: int, compiled: list):
     forget()
     for k, orig in zip(kernels, saved_runs):
         k.run = make_run(orig)
+    # every launch through Triton's path (the patched run above): the direct launch path
+    # (ops.launch) would run a kernel it compiled earlier, or keep one compiled for this target
+    saved_env = os.environ.get(TRITON_LAUNCH_ENV)
+    os.environ[TRITON_LAUNCH_ENV] = "1"
     try:
         yield
     finally:
+        if saved_env is None:
+            os.environ.pop(TRITON_LAUNCH_ENV)
+        else:
+            os.environ[TRITON_LAUNCH_ENV] = saved_env
         driver.get_current_target = saved_target
         forget()
         for k, orig in zip(kernels, saved_runs):

@@ -11,7 +11,8 @@ Each row: the public call eager, compiled (from-logits fwd+bwd only; inductor, a
 ``mode="reduce-overhead"``, its own CUDA graphs), one CUDA-graph replay of
 the same call, and the kernels alone (the launchers, no autograd or checks); the ratios to the
 kernels; and for the from-logits calls ``eager_b2b``: the eager call timed back to back without
-do_bench's L2 flush between calls (which overlaps part of a host-bound call's host time). Every graph is checked to give the eager call's bits before it is timed.
+do_bench's L2 flush between calls (which overlaps part of a host-bound call's host time).
+Every graph is checked to give the eager call's bits before it is timed.
 """
 import datetime
 import json
