@@ -362,6 +362,8 @@ def row_counters(device: torch.device, n: int) -> torch.Tensor:
     key = (device.index, torch._C._cuda_getCurrentRawStream(device.index))
     buf = _counters.get(key)
     if buf is None or buf.numel() < n:
+        if len(_counters) >= 64:  # many streams seen: start afresh (a dropped buffer's memory is
+            _counters.clear()  # reused only on its own stream, after its pending kernels)
         buf = _counters[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
     return buf
 
