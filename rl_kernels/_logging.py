@@ -6,7 +6,7 @@ import logging
 import torch
 
 logger = logging.getLogger("rl_kernels")
-_seen: set[str] = set()
+_seen: set = set()  # messages logged (and keys of messages logged without building them)
 
 
 def log_once(level: int, message: str) -> None:

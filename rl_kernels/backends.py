@@ -18,6 +18,7 @@ import os
 
 import torch
 
+from . import _logging
 from ._logging import log_once
 
 BACKENDS = ("auto", "triton", "torch")
@@ -36,9 +37,6 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-_AUTO_LOGGED: set = set()  # (backend, device type) pairs whose 'auto' choice was logged
-
-
 def resolve_backend(backend: str, device: torch.device) -> str:
     """Map 'auto' | 'triton' | 'torch' to the backend that runs on ``device``: 'auto' is Triton on
     CUDA when installed, torch elsewhere (the choice is logged once). Raises ValueError for an
@@ -48,8 +46,9 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
         chosen = "triton" if device.type == "cuda" and triton_available() else "torch"
-        if (chosen, device.type) not in _AUTO_LOGGED and not torch.compiler.is_compiling():
-            _AUTO_LOGGED.add((chosen, device.type))  # (a message built per call costs host time)
+        key = ("backend='auto'", chosen, device.type)  # (a message built per call costs host time)
+        if key not in _logging._seen and not torch.compiler.is_compiling():
+            _logging._seen.add(key)
             log_once(logging.INFO, f"rl_kernels: backend='auto' runs '{chosen}' for {device.type} tensors"
                      + ("" if chosen == "triton" or device.type != "cuda" else " (Triton is not installed)"))
         return chosen
