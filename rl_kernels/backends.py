@@ -18,7 +18,6 @@ import os
 
 import torch
 
-from . import _logging
 from ._logging import log_once
 
 BACKENDS = ("auto", "triton", "torch")
@@ -46,11 +45,9 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
         chosen = "triton" if device.type == "cuda" and triton_available() else "torch"
-        key = ("backend='auto'", chosen, device.type)  # (a message built per call costs host time)
-        if key not in _logging._seen and not torch.compiler.is_compiling():
-            _logging._seen.add(key)
-            log_once(logging.INFO, f"rl_kernels: backend='auto' runs '{chosen}' for {device.type} tensors"
-                     + ("" if chosen == "triton" or device.type != "cuda" else " (Triton is not installed)"))
+        log_once(logging.INFO, lambda: f"rl_kernels: backend='auto' runs '{chosen}' for {device.type} tensors"
+                 + ("" if chosen == "triton" or device.type != "cuda" else " (Triton is not installed)"),
+                 key=("backend='auto'", chosen, device.type))  # (the text is built only when logged)
         return chosen
     if backend == "triton":
         if not triton_available():

@@ -303,17 +303,9 @@ def logits_forward(
     return_sum_pi_squared = params.return_sum_pi_squared
     n, v = logits.shape
     dev = logits.device
-    block = torch.empty((7, n), dtype=torch.float32, device=dev)  # OUT_SLOTS
-    rows = block.unbind(0)
-    out = {"row_max": rows[0], "log_sum": rows[1], "lse": rows[2]}
-    if labels is not None:
-        out["log_probs"] = rows[3]
-    if return_entropy:
-        out["entropy"] = rows[4]
-    if return_mean_log_p:
-        out["mean_log_p"] = rows[5]
-    if return_sum_pi_squared:
-        out["sum_pi_squared"] = rows[6]
+    block = torch.empty((len(OUT_SLOTS), n), dtype=torch.float32, device=dev)
+    asked = (True, True, True, labels is not None, return_entropy, return_mean_log_p, return_sum_pi_squared)
+    out = {name: row for name, row, a in zip(OUT_SLOTS, block.unbind(0), asked) if a}
     if n == 0:
         return out
     num_splits = -(-v // cfg.split_v)
@@ -329,7 +321,7 @@ def logits_forward(
     lab = labels if labels is not None else flag  # (a placeholder: not read without labels)
     counters = flag  # (a placeholder: read only when the last split combines)
     if two_level:
-        part = torch.empty((5, num_splits, n), dtype=torch.float32, device=dev)
+        part = torch.empty((len(PART_FIELDS), num_splits, n), dtype=torch.float32, device=dev)
         if last_combines is None:  # not while a CUDA graph is captured: no state kept across calls
             last_combines = not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing())
         if last_combines:

@@ -18,7 +18,6 @@ import datetime
 import json
 import statistics
 import sys
-import time
 
 import torch
 import triton.testing
@@ -26,7 +25,7 @@ import triton.testing
 import rl_kernels
 from rl_kernels import ops
 
-from diag_common import logits_params
+from diag_common import logits_params, per_call_us
 
 
 def bench(f, rep: int = 300) -> float:
@@ -36,23 +35,10 @@ def bench(f, rep: int = 300) -> float:
 
 def back_to_back(f) -> float:
     """ms per call of ``f`` called back to back (no L2 flush between calls, unlike do_bench,
-    whose flush kernel hides part of a host-bound call's host time): the larger of the host's and
-    the GPU's time per call; the median of 5 runs of max(20, 30 ms worth of) calls."""
-    f()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    f()
-    torch.cuda.synchronize()
-    reps = max(20, int(0.03 / max(time.perf_counter() - t0, 1e-6)))
-    runs = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            f()
-        torch.cuda.synchronize()
-        runs.append((time.perf_counter() - t0) / reps * 1e3)
-    return statistics.median(runs)
+    whose flush kernel hides part of a host-bound call's host time): ``per_call_us``, the larger
+    of the host's and the GPU's time per call; the median of 5 runs of max(20, 30 ms worth of) calls."""
+    reps = max(20, int(30e3 / per_call_us(f, reps=1, warmup=1)))
+    return statistics.median(per_call_us(f, reps=reps, warmup=0) for _ in range(5)) / 1e3
 
 
 def graphed(step, check):
