@@ -19,8 +19,8 @@ import rl_kernels.integrations.verl as rkv
 from verl_helpers import rollout_tensors, tiny_qwen2, verl_unpatched
 
 pytestmark = [pytest.mark.verl_matrix,
-              pytest.mark.skipif(rkv.verl_minor() != "0.7",
-                                 reason="DataParallelPPOActor (legacy workers) is verl 0.7.x's; 0.8.0+ use engines"),
+              pytest.mark.skipif(not rkv.verl_features().legacy_actor,
+                                 reason="this verl has no legacy DataParallelPPOActor (0.7.x's; 0.8.0+ use engines)"),
               pytest.mark.filterwarnings("ignore::UserWarning")]
 
 T = 0.7

@@ -37,7 +37,7 @@ from verl_helpers import VOCAB, rollout_tensors, tiny_qwen2
 pytest.importorskip("verl", reason="verl is not installed (pip install -e '.[verl]')")
 pytest.importorskip("ray", reason="ray is not installed (pip install -e '.[verl]')")
 
-from verl_cpu import legacy_workers, use_torch_padding, verl_minor, worker_class, worker_env  # noqa: E402
+from verl_cpu import legacy_workers, use_torch_padding, verl_version, worker_class, worker_env  # noqa: E402
 
 pytestmark = [pytest.mark.verl_matrix, pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -353,5 +353,5 @@ def test_verl_update_actor_on_ray_matches_unpatched(runs, option):
             continue
         moved += 1
         err = (update - want).norm() / want.norm()
-        assert err < 1e-4, f"{name}: relative parameter-update error {err:.2e} ({option}, verl {verl_minor()})"
+        assert err < 1e-4, f"{name}: relative parameter-update error {err:.2e} ({option}, verl {verl_version()})"
     assert moved >= 10

@@ -27,15 +27,23 @@ from transformers import Qwen2ForCausalLM
 from verl.models.transformers.monkey_patch import apply_monkey_patch
 
 import rl_kernels.integrations.verl as rkv
+import rl_kernels.integrations.verl_megatron as rkm
 from rl_kernels.samples import load_sample
 from verl_helpers import VOCAB, tiny_qwen2, verl_logits_path, verl_unpatched
 
 pytestmark = pytest.mark.verl_matrix
 
-VERL = rkv.verl_minor()  # "0.7", "0.8" or "0.9"
+FEATURES = rkv.verl_features()  # what the installed verl has (never its version string)
 T = 0.7
 VALUE_ATOL = 2e-5
 GRAD_RTOL = 1e-4
+
+
+def _fused_forward_takes_shift_labels() -> bool:
+    """verl's fused forwards take ``shift_labels`` (globally rolled under Ulysses SP): 0.8.0 on."""
+    from verl.models.transformers.dense_common import forward_with_torch_backend
+
+    return "shift_labels" in inspect.signature(forward_with_torch_backend).parameters
 
 
 @pytest.fixture
@@ -122,7 +130,8 @@ def test_entropy_only_when_verl_asks(qwen2_forward):
     _forward_micro_batch on 0.7.x), a micro-batch with calculate_entropy=False runs the fused head
     without entropy: same log-probs, a NaN placeholder for the entropy verl drops."""
     what = rkv.report()["FSDP fused path"][1]
-    hook = "DataParallelPPOActor._forward_micro_batch" if VERL == "0.7" else "FSDPEngineWithLMHead.forward_step"
+    hook = ("DataParallelPPOActor._forward_micro_batch" if FEATURES.legacy_actor
+            else "FSDPEngineWithLMHead.forward_step")
     assert "calculate_entropy asks (" in what and hook in what, what
     inputs = _inputs(rmpad=True)
     model = tiny_qwen2()
@@ -146,7 +155,7 @@ def test_entropy_only_when_verl_asks(qwen2_forward):
     out = wrapped({}, calculate_entropy=True)
     assert rkv.call_counts()["entropy_skipped_calls"] == after["entropy_skipped_calls"]
     assert bool(torch.isfinite(out.entropy).all()) and float(out.entropy.min()) > 0
-    if VERL != "0.7":  # the engine reads the flag from the micro-batch's non-tensor data
+    if not FEATURES.legacy_actor:  # the engine reads the flag from the micro-batch's non-tensor data
         from tensordict import TensorDict
         from verl.utils import tensordict_utils as tu
 
@@ -156,7 +165,7 @@ def test_entropy_only_when_verl_asks(qwen2_forward):
             assert rkv.micro_batch_flag({"micro_batch": micro_batch}) is flag
 
 
-@pytest.mark.skipif(VERL == "0.7", reason="verl 0.7.x's fused forward has no shift_labels")
+@pytest.mark.skipif(not _fused_forward_takes_shift_labels(), reason="this verl's fused forward has no shift_labels (0.7.x)")
 def test_shift_labels_take_precedence(qwen2_forward, backend):
     """verl #6068: the engine passes globally rolled labels as shift_labels under Ulysses SP; the
     fused forward must use them instead of rolling its local shard."""
@@ -297,7 +306,7 @@ def _logits_function_imports():
 def test_every_by_name_import_is_patched():
     imports = _logits_function_imports()
     # verl 0.9.1 has 5 (fsdp/automodel/torchtitan engines, ...), 0.8.0 2, 0.7.1 more (legacy workers)
-    assert len(imports) >= (4 if VERL == "0.9" else 2), imports
+    assert len(imports) >= 2, imports
     checked = 0
     for module, bound, original, top_level in imports:
         try:
@@ -307,7 +316,7 @@ def test_every_by_name_import_is_patched():
         if top_level:
             assert getattr(mod, bound) is getattr(rkv, original), f"{module}.{bound} not patched"
             checked += 1
-    assert checked >= (2 if VERL == "0.9" else 1)
+    assert checked >= 1
     # modules imported before the patch are found through sys.modules
     rkv.unpatch()
     for module, bound, original, top_level in imports:
@@ -333,10 +342,10 @@ def test_patch_is_idempotent_and_undoable():
         assert mp.patch_forward_with_backends is patched[0]._rl_kernels_original
         assert xtf.FusedLinearForPPO is patched[1]._rl_kernels_base
         assert verl_F.logprobs_from_logits.__module__ == "verl.utils.torch_functional"
-        if VERL == "0.9":
+        if FEATURES.fused_impl_backend:  # verl 0.9.x: impl_backend torch / triton / liger
             with pytest.raises(ValueError, match="Unsupported FusedLinearForPPO backend"):
                 xtf.FusedLinearForPPO(impl_backend=rkv.BACKEND_NAME)
-        else:  # verl 0.7.x / 0.8.0: FusedLinearForPPO takes no impl_backend at all
+        else:  # verl 0.7.x / 0.8.0 / main: FusedLinearForPPO takes no impl_backend at all
             with pytest.raises(TypeError):
                 xtf.FusedLinearForPPO(impl_backend=rkv.BACKEND_NAME)
     assert hasattr(mp.patch_forward_with_backends, "_rl_kernels_original")  # patched again
@@ -438,20 +447,18 @@ def test_signature_table_matches_installed_verl():
                "EngineRegistry.get_engine_cls": vars(EngineRegistry)["get_engine_cls"].__func__,
                "EngineRegistry.new": vars(EngineRegistry)["new"].__func__,
                **{n: getattr(verl_F, n) for n in rkv.LOGITS_FUNCTIONS + (rkv.SUM_PI_SQUARED_FUNCTION,)}}
-        if VERL == "0.7":
+        if FEATURES.legacy_actor:
             from verl.workers.actor.dp_actor import DataParallelPPOActor
             fns["DataParallelPPOActor.__init__"] = DataParallelPPOActor.__init__
         for label, fn in fns.items():
-            assert rkv._signature(fn) == rkv._expected_signatures()[label], label
+            assert rkv._signature(fn) in rkv.SIGNATURES[label], label
             assert inspect.isfunction(fn)
-        assert set(fns) == set(rkv._expected_signatures())
+        assert set(fns) == set(rkv.SIGNATURES) - ({"DataParallelPPOActor.__init__"} - set(fns))
         # the Megatron part (rl_kernels.integrations.verl_megatron), when megatron-core is installed
-        if VERL == "0.9" and importlib.util.find_spec("megatron.core") is not None:
+        if importlib.util.find_spec("megatron.core") is not None and not rkm._engine_functions()[1]:
             import megatron.core.tensor_parallel as mcore_tp
             import verl.utils.megatron.tensor_parallel as vtp
             from verl.utils.kernel.linear_cross_entropy import LinearCrossEntropy
-
-            import rl_kernels.integrations.verl_megatron as rkm
 
             fns = {**{n: getattr(vtp, n) for n in rkm.LOGITS_FUNCTIONS + (rkm.SUM_PI_SQUARED_FUNCTION,)},
                    "LinearCrossEntropy.forward": LinearCrossEntropy.forward,
@@ -521,8 +528,9 @@ def test_fused_routing_follows_the_model_not_impl_backend(qwen2_forward, backend
     assert rkv.call_counts()["fused_calls"] == before + 1
 
 
-@pytest.mark.skipif(VERL != "0.7", reason="verl 0.8.0+ passes globally rolled shift_labels under Ulysses SP")
-def test_fused_with_ulysses_is_refused_on_verl_0_7(qwen2_forward, backend, monkeypatch):
+@pytest.mark.skipif(_fused_forward_takes_shift_labels(),
+                    reason="this verl passes globally rolled shift_labels under Ulysses SP (0.8.0+)")
+def test_fused_with_ulysses_is_refused_without_shift_labels(qwen2_forward, backend, monkeypatch):
     """verl #3512 / #3723: 0.7.x's fused forward rolls each Ulysses shard's labels; refused, loudly."""
     import verl.utils.ulysses as ulysses
 
@@ -640,3 +648,74 @@ def test_logprobs_from_logits_rejects_a_list():
     for inplace_backward in (True, False):
         with pytest.raises(TypeError, match=r"logits: expected a torch\.Tensor, got list"):
             verl_F.logprobs_from_logits(logits.tolist(), torch.tensor([1, 2]), inplace_backward=inplace_backward)
+
+
+def _fake_verl_version(monkeypatch, version):
+    """importlib.metadata reports ``version`` for verl (everything else as installed)."""
+    import importlib.metadata as metadata
+
+    real = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda name: version if name == "verl" else real(name))
+
+
+@pytest.mark.parametrize("version", ["0.10.0", "0.10.0.dev0", "0.11.2", "1.0.0rc1"])
+def test_an_unknown_verl_version_with_these_functions_is_accepted(monkeypatch, caplog, version):
+    """Feature detection: a verl version no table names, whose functions are the installed ones,
+    is patched as the installed one is (the same parts replaced), and the report names it."""
+    expected = {part: ok for part, (ok, _) in rkv.report().items()}
+    with verl_unpatched(), monkeypatch.context() as patcher:  # (undone before verl is patched again)
+        _fake_verl_version(patcher, version)
+        with caplog.at_level("INFO", logger="rl_kernels"):
+            rkv.patch()
+        try:
+            assert {part: ok for part, (ok, _) in rkv.report().items()} == expected
+            assert any(f"rl_kernels patched verl {version}:" in m for m in caplog.messages), caplog.messages
+        finally:
+            rkv.unpatch()
+
+
+def test_a_changed_signature_is_refused_naming_it(monkeypatch):
+    """A verl (of any version) whose FusedLinearForPPO.forward lost a parameter: refused with the
+    function, the expected and the found parameters; nothing stays patched."""
+    import verl.utils.experimental.torch_functional as xtf
+
+    with verl_unpatched(), monkeypatch.context() as patcher:  # (undone before verl is patched again)
+        _fake_verl_version(patcher, "0.12.0")
+
+        def forward(self, hidden_states, vocab_weights, input_ids):  # no temperature
+            raise AssertionError("never called")
+
+        patcher.setattr(xtf.FusedLinearForPPO, "forward", forward)
+        before = verl_F.logprobs_from_logits
+        with pytest.raises(rkv.VerlIntegrationError) as err:
+            rkv.patch()
+        message = str(err.value)
+        assert "verl 0.12.0 changed FusedLinearForPPO.forward" in message, message
+        assert "'temperature=1.0'" in message and "found ['self', 'hidden_states', 'vocab_weights', 'input_ids']" \
+            in message, message
+        assert not rkv.is_patched() and verl_F.logprobs_from_logits is before
+
+
+@pytest.mark.parametrize("version", ["0.6.2", "0.7.0rc1"])
+def test_a_verl_older_than_the_oldest_handled_is_refused(monkeypatch, version):
+    with verl_unpatched(), monkeypatch.context() as patcher:  # (undone before verl is patched again)
+        _fake_verl_version(patcher, version)
+        with pytest.raises(rkv.VerlIntegrationError, match=f"verl {version} is older than 0.7.0"):
+            rkv.patch()
+        assert not rkv.is_patched()
+
+
+def test_optional_parts_follow_the_installed_functions():
+    """Which optional parts are patched is read from verl's modules: the legacy actor where
+    verl.workers.actor.dp_actor exists, the Megatron part where verl has every function it
+    replaces (with megatron-core importable)."""
+    report = rkv.report()
+    assert FEATURES.legacy_actor == (importlib.util.find_spec("verl.workers.fsdp_workers") is not None)
+    assert ("DataParallelPPOActor" in report["FSDP logits path"][1]) == FEATURES.legacy_actor
+    missing = rkm._engine_functions()[1]
+    if importlib.util.find_spec("megatron.core") is None:
+        assert not report["Megatron logits path"][0]
+    elif missing:
+        assert not report["Megatron logits path"][0] and all(m in report["Megatron logits path"][1] for m in missing)
+    else:
+        assert report["Megatron logits path"][0] and report["Megatron fused path"][0]

@@ -18,24 +18,26 @@ import torch
 
 from .._logging import logger
 
-SUPPORTED_VERL = ("0.7.", "0.8.", "0.9.")
-"""verl releases this integration supports (tested: 0.7.1, 0.8.0, 0.9.1; see integrations/verl/README.md)."""
-
 SUMMARY_AFTER_CALLS = 8
 """After this many calls served in a process, one INFO line says how many tokens rl-kernels
 served and by which path (so the training log shows that it is on)."""
 
 
 class VerlIntegrationError(RuntimeError):
-    """verl is missing, of an unsupported version, or its functions changed their signatures."""
+    """verl is missing or older than 0.7.0, or a verl function the patch touches is missing or has
+    parameters it does not handle."""
 
 
 def verl_version() -> str:
     try:
         return importlib.metadata.version("verl")
-    except importlib.metadata.PackageNotFoundError as exc:
+    except importlib.metadata.PackageNotFoundError:
+        missing = True  # raised outside the handler: one clear error, no chained traceback
+    else:
+        missing = False
+    if missing:
         raise VerlIntegrationError("rl_kernels.integrations.verl: verl is not installed "
-                                   "(pip install '/path/to/rl-kernels[verl]')") from exc
+                                   "(pip install '/path/to/rl-kernels[verl]')")
 
 
 def signature(fn) -> list[str]:
@@ -48,14 +50,21 @@ def signature(fn) -> list[str]:
     return out
 
 
-def check_signature(label: str, fn, expected: list[str], package: str = "verl") -> None:
+def check_signature(label: str, fn, expected, package: str = "verl") -> list[str]:
+    """``fn``'s parameters (:func:`signature`) when they equal ``expected`` (one list) or one of
+    ``expected`` (a tuple of lists: the variants handled); else VerlIntegrationError naming
+    ``label``, the accepted and the found parameters."""
     got = signature(fn)
-    if got != expected:
+    variants = expected if isinstance(expected, tuple) else (expected,)
+    if got not in variants:
         found = verl_version() if package == "verl" else _version(package)
+        accepted = " or ".join(map(str, variants))
         raise VerlIntegrationError(
             f"rl_kernels.integrations.verl: {package} {found} changed {label}: expected parameters "
-            f"{expected}, found {got}. This patch supports verl 0.7.0-0.9.x (tested: 0.7.1, "
-            f"0.8.0, 0.9.1; Megatron with megatron-core 0.16 on 0.9.x); pin one of those or update rl-kernels.")
+            f"{accepted}, found {got}. rl-kernels handles the verl functions of verl 0.7.1, 0.8.0, 0.9.1 "
+            f"and verl's main branch (0.10.0.dev0; Megatron with megatron-core 0.16); pin a verl whose "
+            f"{label} has those parameters, or update rl-kernels.")
+    return got
 
 
 def _version(package: str) -> str:

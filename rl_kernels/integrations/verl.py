@@ -6,10 +6,15 @@ Turn it on in a verl run with overrides only (see ``integrations/verl/README.md`
     actor_rollout_ref.model.use_fused_kernels=True
     actor_rollout_ref.model.fused_kernel_options.impl_backend=rl_kernels
 
-Supported: verl 0.7.0 to 0.9.x (:data:`SUPPORTED_VERL`; tested on 0.7.1, 0.8.0 and 0.9.1, see the
-table in ``integrations/verl/README.md``). verl 0.8+ imports ``external_lib`` in
-``HFModelConfig.__post_init__``, verl 0.7.x's legacy workers (``fsdp_workers``) in ``init_model``;
-either way inside every Ray worker, before it builds the model. The import calls :func:`patch`, which
+Supported: verl 0.7.0 and newer whose functions have the parameters the patches handle
+(:data:`SIGNATURES`; detected by feature, never by version string: :func:`verl_features`). Tested
+on 0.7.1, 0.8.0, 0.9.1 and verl's main branch (0.10.0.dev0), see the table in
+``integrations/verl/README.md``. verl 0.8+ imports ``external_lib`` in
+``HFModelConfig.__post_init__``, verl 0.7.x's legacy workers (``fsdp_workers``) in ``init_model``:
+in the actor / rollout / reference workers, before they build the model (a config built in the
+driver and pickled, as the critic's ``HFModelConfig`` and ``sft_trainer_ray``'s are, imports it
+in the driver only: the critic computes no log-probs; for SFT, import this module in the workers
+yourself). The import calls :func:`patch`, which
 
 * **FSDP fused path** (``use_fused_kernels=True``): registers a new ``impl_backend`` name,
   ``rl_kernels``. ``verl.models.transformers.monkey_patch.patch_forward_with_backends`` accepts
@@ -40,8 +45,8 @@ either way inside every Ray worker, before it builds the model. The import calls
   ``DataParallelPPOActor``, imports ``logprobs_from_logits`` by name (patched) and caches
   ``torch.compile`` of the entropy / Σπ² functions in ``__init__``: the wrapped ``__init__``
   replaces those caches by rl-kernels' functions.
-* **Megatron engine** (:mod:`rl_kernels.integrations.verl_megatron`, verl 0.9.x only, when
-  ``megatron.core`` is importable): verl's vocab-parallel from-logits functions (logits path) and the
+* **Megatron engine** (:mod:`rl_kernels.integrations.verl_megatron`, where verl has every function
+  replaced there: 0.9.x and main, not 0.7.x / 0.8.x; when ``megatron.core`` is importable): verl's vocab-parallel from-logits functions (logits path) and the
   ``linear_cross_entropy`` of its Megatron fused forwards (fused path), on the tensor-parallel
   group, with the hidden-state gradient summed exactly once over that group.
 
@@ -55,26 +60,25 @@ Options come from ``actor_rollout_ref.model.fused_kernel_options.rl_kernels`` (a
 verl 0.7.x legacy worker's ``self.config.model``: read where verl next hands that config on, before
 it builds the model or engine; see :mod:`rl_kernels.integrations.verl_hooks`) and of every later
 ``HFModelConfig``, or from :func:`configure`. The patch is idempotent, :func:`unpatch` undoes it, it logs once what
-it patched with the verl version, and it raises :class:`VerlIntegrationError` when verl's
-functions do not have the signatures of its table for the installed minor release (:data:`SIGNATURES`).
+it patched with the verl version, and it raises :class:`VerlIntegrationError`, naming the function
+and its expected and found parameters, when a verl function it replaces is missing or has none of
+the parameter lists of its table (:data:`SIGNATURES`).
 """
 from __future__ import annotations
 
 import logging
 
 from .._logging import logger
-from ._verl_common import (SUMMARY_AFTER_CALLS, SUPPORTED_VERL, VerlIntegrationError, call_counts,  # noqa: F401
+from ._verl_common import (SUMMARY_AFTER_CALLS, VerlIntegrationError, call_counts,  # noqa: F401
                            entropy_on_request, entropy_wanted, verl_version)
 from ._verl_common import signature as _signature  # noqa: F401
 from .verl_fsdp_fused import fused_log_probs_entropy, micro_batch_flag  # noqa: F401
-from .verl_hooks import DP_ACTOR_MODULE  # noqa: F401
 from .verl_logits import (LOGITS_FUNCTIONS, SUM_PI_SQUARED_FUNCTION, calculate_sum_pi_squared_from_logits,  # noqa: F401
                           entropy_from_logits, entropy_from_logits_with_chunking, logprobs_from_logits)
 from .verl_options import (BACKEND_NAME, VerlOptions, configure, configure_from_model_config,  # noqa: F401
                            options)
 from .verl_patch import SERVED_ENGINES, apply_model_config, is_patched, patch, report, unpatch  # noqa: F401
-from .verl_signatures import SIGNATURES, verl_minor  # noqa: F401
-from .verl_signatures import expected_signatures as _expected_signatures  # noqa: F401
+from .verl_signatures import DP_ACTOR_MODULE, MIN_VERL, SIGNATURES, VerlFeatures, verl_features  # noqa: F401
 from . import verl_options as _verl_options
 from . import verl_patch as _verl_patch
 
@@ -86,9 +90,20 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+class _HandlerUntilRootHandles(logging.StreamHandler):
+    """Prints the package's records while no handler of the root logger does: once verl (or the
+    user) configures root logging, the records propagate there and this handler stays silent, so
+    that every line is printed once."""
+
+    def emit(self, record):
+        if logger.propagate and logging.getLogger().handlers:
+            return
+        super().emit(record)
+
+
 def _on_import() -> None:
     if not logger.hasHandlers():  # make "it is on" visible in verl's Ray workers
-        handler = logging.StreamHandler()
+        handler = _HandlerUntilRootHandles()
         handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
         logger.addHandler(handler)
     if logger.level == logging.NOTSET:

@@ -26,12 +26,7 @@ from .verl_label_check import refuse_rolled_shard_labels
 from .verl_logits import SUM_PI_SQUARED_FUNCTION, calculate_sum_pi_squared_from_logits, entropy_from_logits
 from .verl_logits import entropy_from_logits_with_chunking
 from .verl_options import config_value
-from .verl_signatures import check_verl_signature
-
-DP_ACTOR_MODULE = "verl.workers.actor.dp_actor"
-"""verl 0.7.x's legacy FSDP actor: by-name ``logprobs_from_logits``, and ``torch.compile`` caches of
-``entropy_from_logits[_with_chunking]`` / ``calculate_sum_pi_squared_from_logits`` built in
-``DataParallelPPOActor.__init__``."""
+from .verl_signatures import DP_ACTOR_MODULE, check_verl_signature
 
 LEGACY_WORKERS = {
     "verl.workers.fsdp_workers": {"ActorRolloutRefWorker": "_build_model_optimizer",

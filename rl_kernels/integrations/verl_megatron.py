@@ -57,7 +57,10 @@ changes nothing else. :func:`linear_cross_entropy` uses
 ``tests/test_verl_megatron.py`` checks both cases through verl's own ``fused_output_processor``
 (each rank's dh equals the unsharded float64 gradient, or its rows of it).
 
-Skipped, with an INFO line, when ``megatron.core`` is not importable.
+Skipped, with an INFO line, when ``megatron.core`` is not importable, and not applied (the report
+says which functions are missing) when the installed verl lacks any function replaced here:
+verl 0.7.x has no ``vocab_parallel_sum_pi_squared``, 0.7.x and 0.8.x no
+``vocab_parallel_entropy_with_chunking``; verl 0.9.x and verl's main branch have all of them.
 """
 from __future__ import annotations
 
@@ -83,7 +86,7 @@ TENSOR_PARALLEL_MODULE = "verl.utils.megatron.tensor_parallel"
 FUSED_MODULES = ("verl.models.mcore.model_forward_fused", "verl.models.mcore.model_forward_1f1b_overlap")
 GATHER = "gather_from_sequence_parallel_region"
 
-# parameter names (with defaults) this patch was written against (verl 0.9.1, megatron-core 0.16.1)
+# parameter names (with defaults) this patch was written against (verl 0.9.1 and main, megatron-core 0.16.1)
 EXPECTED_SIGNATURES = {
     "vocab_parallel_log_probs_from_logits": ["logits", "labels"],
     "vocab_parallel_entropy": ["vocab_parallel_logits"],
@@ -342,16 +345,12 @@ def patch(*, logits_path: bool, fused_path: bool, sum_pi_squared: bool) -> dict:
                     "patched", exc)
         return dict.fromkeys(parts, (False, f"not patched (megatron.core not importable: {exc})"))
     report = dict.fromkeys(parts, (False, "off"))
+    tensor_parallel, missing = _engine_functions()
+    if missing:  # a verl whose Megatron engine predates what is replaced here (verl 0.7.x, 0.8.x)
+        why = (f"not patched (this verl has no {', '.join(missing)}: rl-kernels serves the Megatron engine "
+               f"of a verl that has every function it replaces there)")
+        return dict.fromkeys(parts, (False, why))
     if logits_path or sum_pi_squared:
-        try:
-            tensor_parallel = importlib.import_module(TENSOR_PARALLEL_MODULE)
-        except ImportError as exc:
-            logger.info("rl_kernels: %s is not importable (%s): verl's Megatron logits path is not patched",
-                        TENSOR_PARALLEL_MODULE, exc)
-            tensor_parallel = None
-            report["Megatron logits path"] = report["sum_pi_squared (Megatron)"] = \
-                (False, f"not patched ({TENSOR_PARALLEL_MODULE} not importable: {exc})")
-    if (logits_path or sum_pi_squared) and tensor_parallel is not None:
         names = (LOGITS_FUNCTIONS if logits_path else ()) + ((SUM_PI_SQUARED_FUNCTION,) if sum_pi_squared else ())
         for name in names:
             check_signature(name, getattr(tensor_parallel, name), EXPECTED_SIGNATURES[name])
@@ -368,6 +367,28 @@ def patch(*, logits_path: bool, fused_path: bool, sum_pi_squared: bool) -> dict:
     if fused_path:
         report["Megatron fused path"] = _patch_fused(mcore_tp)
     return report
+
+
+def _engine_functions():
+    """(verl's ``tensor_parallel`` module or None, the names of the functions this patch replaces
+    that the installed verl lacks): the Megatron part is applied only where none is missing."""
+    missing = []
+    try:
+        tensor_parallel = importlib.import_module(TENSOR_PARALLEL_MODULE)
+    except ImportError:
+        tensor_parallel = None
+        missing.append(TENSOR_PARALLEL_MODULE)
+    else:
+        missing += [f"{TENSOR_PARALLEL_MODULE}.{name}" for name in LOGITS_FUNCTIONS + (SUM_PI_SQUARED_FUNCTION,)
+                    if not hasattr(tensor_parallel, name)]
+    try:
+        lce_module = importlib.import_module("verl.utils.kernel.linear_cross_entropy")
+    except ImportError:
+        missing.append("verl.utils.kernel.linear_cross_entropy")
+    else:
+        if not hasattr(lce_module, "LinearCrossEntropy"):
+            missing.append("verl.utils.kernel.linear_cross_entropy.LinearCrossEntropy")
+    return tensor_parallel, missing
 
 
 def _patch_fused(mcore_tp) -> tuple:

@@ -14,14 +14,14 @@ import sys
 
 from .._logging import log_once, logger
 from . import verl_megatron, verl_options
-from ._verl_common import SUPPORTED_VERL, VerlIntegrationError, restore, set_attr, verl_version
+from ._verl_common import VerlIntegrationError, restore, set_attr, verl_version
 from .verl_fsdp_fused import patch_fused_path
-from .verl_hooks import (DP_ACTOR_MODULE, registry_classmethod, wrap_dp_actor, wrap_engine_new, wrap_legacy_workers,
+from .verl_hooks import (registry_classmethod, wrap_dp_actor, wrap_engine_new, wrap_legacy_workers,
                          wrap_model_config)
 from .verl_logits import (LOGITS_FUNCTIONS, REPLACEMENTS, SUM_PI_SQUARED_FUNCTION, patch_logits_path,
                           patch_sum_pi_squared, sum_pi_squared_available)
 from .verl_options import PATCH_TIME_OPTIONS, lock, mark_patched, model_config_options, options
-from .verl_signatures import check_verl_signature, expected_signatures, verl_minor
+from .verl_signatures import DP_ACTOR_MODULE, check_verl_signature, check_verl_version, verl_features
 
 SERVED_ENGINES = {"verl.workers.engine.fsdp.transformer_impl": "FSDP",
                   "verl.workers.engine.megatron.transformer_impl": "Megatron"}
@@ -38,6 +38,13 @@ _WHEN = {"FSDP fused path": " (models with impl_backend=rl_kernels)",
          "Megatron fused path": " (use_fused_kernels=True)"}
 
 
+FUSED_ROUTES = {"FSDP": ("FSDPEngineWithLMHead", "prepare_model_inputs"),
+                "Megatron": ("MegatronEngineWithLMHead", "forward_step")}
+"""family -> (its engine class, the method of it that sends a micro-batch to the fused forward
+rl-kernels patches). An engine that overrides that method has a fused route of its own (VeOmni's
+``chunk_logprobs``), which no patch of rl-kernels reaches: its fused path is reported as not served."""
+
+
 def _engine_family(engine_cls):
     for klass in getattr(engine_cls, "__mro__", ()):
         family = SERVED_ENGINES.get(klass.__module__)
@@ -46,8 +53,29 @@ def _engine_family(engine_cls):
     return None
 
 
+def _switched_off(what: str) -> bool:
+    """A report entry of a part the options switched off (``patch_logits_path=False``, ...): the
+    user's choice, said at INFO."""
+    return what.startswith("not replaced (patch_")
+
+
+def _own_fused_route(engine_cls, family) -> str | None:
+    """Why ``engine_cls``'s fused forward is not the one rl-kernels patched (None when it is)."""
+    base_name, method = FUSED_ROUTES[family]
+    base = next((k for k in engine_cls.__mro__ if k.__name__ == base_name and SERVED_ENGINES.get(k.__module__)
+                 == family), None)
+    if base is None:
+        return f"{engine_cls.__name__} does not derive from {base_name}"
+    if getattr(engine_cls, method, None) is getattr(base, method, None):
+        return None
+    owner = next(k for k in engine_cls.__mro__ if method in vars(k))
+    return f"{owner.__name__}.{method} replaces {base_name}'s: the engine's fused forward is its own"
+
+
 def _report_engine(model_type, backend, engine_cls) -> None:
-    """Log once which rl-kernels paths serve the verl engine just chosen; warn for one it does not."""
+    """Log once which rl-kernels paths serve the verl engine just chosen, from what :func:`patch`
+    actually replaced and whether the engine runs the methods that reach it: INFO when every part
+    of its family is served, one WARNING naming what is not otherwise."""
     if model_type != "language_model" or not isinstance(engine_cls, type):
         return  # the critic's value head computes no log-probs
     name = f"verl engine '{backend}' ({engine_cls.__name__})"
@@ -55,13 +83,20 @@ def _report_engine(model_type, backend, engine_cls) -> None:
     if family is not None:
         parts = {part: entry for part, entry in _report.items() if part.startswith(family) or
                  part == f"sum_pi_squared ({family})"}
+        own_route = _own_fused_route(engine_cls, family)
+        if own_route is not None:
+            parts[f"{family} fused path"] = (False, f"not served ({own_route})")
         done = [part + _WHEN.get(part, "") for part, (ok, _) in parts.items() if ok]
-        if done:
-            log_once(logging.INFO, f"rl_kernels: {name} is served by rl-kernels: {', '.join(done)}"
-                     + "".join(f"; {part}: {what}" for part, (ok, what) in parts.items() if not ok))
+        left = [f"{part}: {what}" for part, (ok, what) in parts.items() if not ok and not _switched_off(what)]
+        off = "".join(f"; {part}: {what}" for part, (ok, what) in parts.items() if not ok and _switched_off(what))
+        if done and not left:
+            log_once(logging.INFO, f"rl_kernels: {name} is served by rl-kernels: {', '.join(done)}{off}")
+        elif done:
+            log_once(logging.WARNING, f"rl_kernels: {name}: served by rl-kernels: {', '.join(done)}; "
+                     f"NOT served (verl's own code): " + "; ".join(left) + off)
         else:
             log_once(logging.WARNING, f"rl_kernels: {name}: rl-kernels replaced nothing it uses ("
-                     + "; ".join(f"{part}: {what}" for part, (_, what) in parts.items()) + ")")
+                     + "; ".join(left) + off + ")")
         return
     module = sys.modules.get(engine_cls.__module__)
     namespace = vars(module) if module is not None else {}
@@ -102,7 +137,7 @@ def _patch_all(monkey_patch, experimental_tf, torch_functional) -> dict:
     report = {}
     current = options()
     dp_actor = None
-    if "DataParallelPPOActor.__init__" in expected_signatures():  # verl 0.7.x: the legacy workers' actor,
+    if verl_features().legacy_actor:  # verl 0.7.x: the legacy workers' actor,
         dp_actor = importlib.import_module(DP_ACTOR_MODULE)       # imported first: its by-name imports are listed
     try:  # imports verl's engines first, so that their by-name imports are patched and listed below
         import verl.workers.engine.base as engine_base
@@ -131,13 +166,8 @@ def _patch_all(monkey_patch, experimental_tf, torch_functional) -> dict:
         what = wrap_dp_actor(dp_actor, logits_path, sum_pi_squared)
         if logits_path:
             report["FSDP logits path"] = (True, report["FSDP logits path"][1] + "; " + what)
-    if verl_minor() == "0.9":
-        megatron = verl_megatron.patch(logits_path=logits_path, fused_path=current.patch_megatron_fused,
-                                       sum_pi_squared=sum_pi_squared)
-    else:
-        why = f"not patched (verl {verl_version()}: rl-kernels serves verl's Megatron engine on verl 0.9.x only)"
-        megatron = dict.fromkeys(("Megatron logits path", "Megatron fused path", "sum_pi_squared (Megatron)"),
-                                 (False, why))
+    megatron = verl_megatron.patch(logits_path=logits_path, fused_path=current.patch_megatron_fused,
+                                   sum_pi_squared=sum_pi_squared)
     off = {"Megatron logits path": (logits_path, "not replaced (patch_logits_path=False)"),
            "Megatron fused path": (current.patch_megatron_fused, "not replaced (patch_megatron_fused=False)"),
            "sum_pi_squared (Megatron)": (sum_pi_squared, report["sum_pi_squared (FSDP)"][1])}
@@ -156,17 +186,17 @@ def _patch_all(monkey_patch, experimental_tf, torch_functional) -> dict:
 
 
 def patch() -> None:
-    """Patch verl (idempotent). Raises VerlIntegrationError when verl is missing or of an
-    unsupported version, or when its functions do not have the parameters of
-    :data:`~.verl_signatures.SIGNATURES` (nothing stays patched then)."""
+    """Patch verl (idempotent). Raises VerlIntegrationError when verl is missing or older than
+    :data:`~.verl_signatures.MIN_VERL`, or when a function it replaces is missing or has none of
+    the parameter lists of :data:`~.verl_signatures.SIGNATURES` (nothing stays patched then). Which
+    optional parts are patched follows what the installed verl has (:func:`~.verl_signatures.verl_features`),
+    never its version string."""
     global _patched, _report
     with lock:
         if _patched:
             return
         version = verl_version()
-        if not version.startswith(SUPPORTED_VERL):
-            raise VerlIntegrationError(f"rl_kernels.integrations.verl supports verl {SUPPORTED_VERL}, "
-                                       f"found verl {version}")
+        check_verl_version(version)
         import verl.models.transformers.monkey_patch as monkey_patch
         import verl.utils.experimental.torch_functional as experimental_tf
         import verl.utils.torch_functional as torch_functional

@@ -30,19 +30,32 @@ worker module is imported. The rest is config overrides, in the test.
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import os
 from types import SimpleNamespace
 
 import torch
 
 
-def verl_minor() -> str:
-    return ".".join(importlib.metadata.version("verl").split(".")[:2])
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:
+        return False
+
+
+def verl_version() -> str:
+    return importlib.metadata.version("verl")
 
 
 def legacy_workers() -> bool:
-    """verl 0.7.x: the legacy FSDP workers (``verl.workers.fsdp_workers``, DataProto batches)."""
-    return verl_minor() == "0.7"
+    """The legacy FSDP workers (``verl.workers.fsdp_workers``, DataProto batches): verl 0.7.x."""
+    return _has_module("verl.workers.fsdp_workers")
+
+
+def platform_plugin() -> bool:
+    """verl's platform plugin hook (``verl.plugin.platform``, ``VERL_PLATFORM``): verl 0.9 on."""
+    return _has_module("verl.plugin.platform")
 
 
 def _zero(*args, **kwargs):
@@ -70,7 +83,7 @@ class CPUDeviceModule(SimpleNamespace):
 
 def worker_env() -> dict:
     """Environment variables for the Ray workers (``runtime_env``) of the installed verl."""
-    if verl_minor() == "0.9":
+    if platform_plugin():
         return {"VERL_PLATFORM": "cpu", "VERL_USE_EXTERNAL_MODULES": "verl_cpu_platform",
                 "VERL_ENGINE_DEVICE": "cuda", "VERL_ENGINE_VENDOR": "nvidia"}
     return {"VERL_USE_EXTERNAL_MODULES": "verl_cpu_legacy"}
@@ -85,12 +98,10 @@ def _torch_padding_functions():
 def use_torch_padding(monkeypatch=None) -> None:
     """verl 0.7.x / 0.8.x without flash_attn: ``verl.utils.attention_utils``'s dispatch returns
     verl's pure-torch padding helpers. ``monkeypatch``: undone with it (in the driver)."""
-    import importlib.util
-
     import verl.utils.attention_utils as attention_utils
 
-    if verl_minor() == "0.9" or importlib.util.find_spec("flash_attn") is not None:
-        return
+    if hasattr(attention_utils, "_fallback_pad_input") or _has_module("flash_attn"):
+        return  # verl falls back to pure torch by itself (0.9 on), or flash_attn is there
     (monkeypatch.setattr if monkeypatch is not None else setattr)(
         attention_utils, "_get_attention_functions", _torch_padding_functions)
 
@@ -130,7 +141,7 @@ def worker_class():
     def __init__(self, *args, **kwargs):
         import torch.distributed as dist
 
-        if verl_minor() == "0.8":
+        if not platform_plugin() and not legacy_workers():  # engine workers without a CPU platform (0.8.x)
             _register_engines_for_cpu()
         if legacy_workers():
             _unpinned_reference_offload()
