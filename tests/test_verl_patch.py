@@ -719,3 +719,47 @@ def test_optional_parts_follow_the_installed_functions():
         assert not report["Megatron logits path"][0] and all(m in report["Megatron logits path"][1] for m in missing)
     else:
         assert report["Megatron logits path"][0] and report["Megatron fused path"][0]
+
+
+def _engine_lines(caplog, engine_cls, backend):
+    import rl_kernels.integrations.verl_patch as verl_patch
+
+    caplog.clear()
+    with caplog.at_level("INFO", logger="rl_kernels"):
+        verl_patch._report_engine("language_model", backend, engine_cls)
+    return [(r.levelname, r.getMessage()) for r in caplog.records if f"'{backend}'" in r.getMessage()]
+
+
+def test_an_engine_with_its_own_fused_route_is_not_reported_served(caplog):
+    """VeOmni's engine subclasses FSDPEngineWithLMHead but sends fused micro-batches to its own
+    chunk_logprobs (its prepare_model_inputs), which no patch reaches: one WARNING that says the
+    fused path is NOT served and the logits path is; never 'is served by rl-kernels'. A subclass
+    that keeps the FSDP route is served (INFO)."""
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    class VeOmniLikeEngineWithLMHead(FSDPEngineWithLMHead):
+        def prepare_model_inputs(self, micro_batch):  # a fused route of its own
+            raise AssertionError("not called")
+
+    class KeepsTheRouteEngine(FSDPEngineWithLMHead):
+        pass
+
+    lines = _engine_lines(caplog, VeOmniLikeEngineWithLMHead, "rlk_veomni_like")
+    assert len(lines) == 1, lines
+    level, message = lines[0]
+    assert level == "WARNING" and "is served by" not in message, message
+    served, not_served = message.split("NOT served")
+    assert "FSDP logits path" in served and "FSDP fused path" not in served, message
+    assert ("FSDP fused path: not served (VeOmniLikeEngineWithLMHead.prepare_model_inputs replaces "
+            "FSDPEngineWithLMHead's" in not_served), message
+    lines = _engine_lines(caplog, KeepsTheRouteEngine, "rlk_keeps_route")
+    assert len(lines) == 1 and lines[0][0] == "INFO" and "is served by rl-kernels: FSDP fused path" in lines[0][1]
+
+
+def test_verls_veomni_engine_is_not_reported_served(caplog):
+    """verl's own VeOmniEngineWithLMHead, where the veomni package is installed."""
+    pytest.importorskip("veomni", reason="veomni is not installed (verl's VeOmni engine needs it)")
+    from verl.workers.engine.veomni.transformer_impl import VeOmniEngineWithLMHead
+
+    lines = _engine_lines(caplog, VeOmniEngineWithLMHead, "veomni")
+    assert len(lines) == 1 and lines[0][0] == "WARNING" and "FSDP fused path: not served" in lines[0][1], lines
