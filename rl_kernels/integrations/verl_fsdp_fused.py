@@ -28,6 +28,7 @@ from ._verl_common import (VerlIntegrationError, entropy_on_request, entropy_pla
 from .lm_heads import HeadTransform, head_transform
 from .verl_label_check import refuse_rolled_shard_labels
 from .verl_options import BACKEND_NAME
+from .verl_signatures import verl_features
 
 _model_names: list[str] = []  # the models patched for rl-kernels in this process (anomaly samples name the last)
 
@@ -273,7 +274,8 @@ def patch_fused_path(monkey_patch, experimental_tf, dp_actor) -> str:
     set_attr(monkey_patch, "patch_forward_with_backends",
              make_patch_forward_with_backends(monkey_patch.patch_forward_with_backends))
     set_attr(experimental_tf, "FusedLinearForPPO", make_fused_linear_class(experimental_tf.FusedLinearForPPO))
+    own = "torch/triton/liger" if verl_features().fused_impl_backend else "torch/triton"
     return (f"impl_backend='{BACKEND_NAME}' (verl.models.transformers.monkey_patch."
             f"patch_forward_with_backends, verl.utils.experimental.torch_functional."
-            f"FusedLinearForPPO; verl's triton/torch/liger backends unchanged; "
+            f"FusedLinearForPPO; verl's own {own} backends unchanged; "
             f"{wrap_entropy_requests(dp_actor)})")

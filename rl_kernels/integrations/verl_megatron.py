@@ -24,7 +24,8 @@ clone stays verl's).
 
 **Fused path** (``use_fused_kernels=True``): ``fused_output_processor`` / ``_fused_GPTModel_forward``
 (``verl.models.mcore.model_forward_fused``) and the 1F1B-overlap postprocess
-(``verl.models.mcore.model_forward_1f1b_overlap``) call ``linear_cross_entropy(hidden, weight,
+(``verl.models.mcore.model_forward_1f1b_overlap``, which no code of verl 0.8, 0.9 or main calls
+today; patched so that it is right if verl calls it) call ``linear_cross_entropy(hidden, weight,
 labels, temperature, "none", tp_group)``, imported by name from
 ``verl.utils.kernel.linear_cross_entropy``; those two bindings are replaced by
 :func:`linear_cross_entropy` below (verl's kernel itself, and the FSDP models' use of it, are left

@@ -174,6 +174,10 @@ def _patch_all(monkey_patch, experimental_tf, torch_functional) -> dict:
     for part, (ok, what) in megatron.items():
         switched_on, reason = off[part]
         report[part] = (ok, what) if switched_on or what.startswith("not patched") else (False, reason)
+    legacy_megatron = "verl.workers.megatron_workers"  # verl 0.7.x's legacy Megatron workers (no engine report)
+    if legacy_megatron in sys.modules and not any(ok for ok, _ in megatron.values()):
+        log_once(logging.WARNING, f"rl_kernels: verl's legacy Megatron workers ({legacy_megatron}) are not served: "
+                 f"their log-probs and entropy are computed by verl's own code ({megatron['Megatron logits path'][1]})")
     try:
         import verl.workers.config.model as model_config_module
     except ImportError as exc:  # a stubbed verl without the worker stack
