@@ -9,9 +9,9 @@ Conventions, the same in every function:
     (and softcap, the rest of the logits' definition, where a function has it);
     which positions count (labels, ignore_index, mask); the function's own options; reduction;
     backend; the vocab-parallel trio (process_group, vocab_start_index, reduce_hidden_grad);
-  * a position counts unless its label equals ``ignore_index`` (-100); the two distillation
-    losses, which need no labels, also take a ``mask`` (1 = counts), and with both given a
-    position counts when both say so;
+  * a position counts unless its label equals ``ignore_index`` (-100); the distillation losses
+    (``linear_topk_kl``, ``topk_kl_from_logits``, ``linear_jsd``), which need no labels, also take
+    a ``mask`` (1 = counts), and with both given a position counts when both say so;
   * losses default to ``reduction='mean'`` over the positions that count;
   * ``weight`` is always an lm_head weight (V, H); outputs are float32 in nats;
   * every function traces under ``torch.compile(fullgraph=True)`` without a graph break (it then

@@ -43,10 +43,12 @@ KINDS = ("forward", "reverse")
 REDUCTIONS = ("none", "sum", "mean", "batchmean")
 
 
-def _check_teacher(hidden_states, ids, teacher_log_probs, check_values: bool = True) -> None:
+def _check_teacher(hidden_states, ids, teacher_log_probs, check_values: bool = True,
+                   like_name: str = "hidden_states") -> None:
     """The top-K teacher: ids (..., K) int, log-probs of the same shape, float, on the student's
     device (the log-probs' values read on the host unless ``check_values`` is False; the ids'
-    values are checked once the vocabulary is known)."""
+    values are checked once the vocabulary is known). ``like_name``: the student tensor's name
+    (``hidden_states``, or ``logits`` for the from-logits loss), for the messages."""
     check_tensor_arg("teacher_token_ids", ids)
     check_tensor_arg("teacher_log_probs", teacher_log_probs)
     lead = tuple(hidden_states.shape[:-1])
@@ -57,7 +59,7 @@ def _check_teacher(hidden_states, ids, teacher_log_probs, check_values: bool = T
         raise ValueError(f"teacher_log_probs: expected shape {tuple(ids.shape)} (as teacher_token_ids), "
                          f"float, got {describe(teacher_log_probs)}")
     for name, t in (("teacher_token_ids", ids), ("teacher_log_probs", teacher_log_probs)):
-        check_same_device(name, t, hidden_states, "hidden_states")
+        check_same_device(name, t, hidden_states, like_name)
     if check_values:
         _check_teacher_log_probs(teacher_log_probs)
 
@@ -243,9 +245,19 @@ def linear_topk_kl(
         head = (compiled_head(h2, weight, row_labels, params, ids) if compiling()
                 else HeadOutputs(*LinearLogProbsFunction.apply(h2, weight, row_labels, params, ids)))
         lse, z_ids = head.lse, head.gathered_logits
-    log_q = z_ids - lse[:, None]
+    return topk_kl_loss(z_ids - lse[:, None], teacher_log_probs, valid, lead, temperature=t, kind=kind,
+                        renormalize_teacher=renormalize_teacher, reduction=reduction)
 
-    log_pt = teacher_log_probs.reshape(ids.shape).detach().float()
+
+def topk_kl_loss(log_q, teacher_log_probs, valid, lead, *, temperature: float, kind: str,
+                 renormalize_teacher: bool, reduction: str) -> torch.Tensor:
+    """The loss of the top-K KL functions (``linear_topk_kl``, ``rl_kernels.topk_kl_from_logits``)
+    from the student's log-probs at the teacher's ids: ``log_q`` (N, K) float32 (differentiable),
+    ``teacher_log_probs`` (..., K) (validated; no gradient), ``valid`` (N,) bool (the positions that
+    count), ``lead`` (the positions' shape), the checked ``temperature`` and options. Teacher slots
+    at -inf are out of its support (0 to the sum, both kinds); renormalization is over the other
+    slots; the per-token sum is x temperature^2 (Hinton et al. 2015) and reduced per ``reduction``."""
+    log_pt = teacher_log_probs.reshape(log_q.shape).detach().float()
     # slots with teacher log-prob -inf (zero probability: filtered by the server) are out of the
     # teacher's support and contribute exactly 0 to the sum, forward and reverse alike
     support = log_pt > float("-inf")
@@ -258,7 +270,7 @@ def linear_topk_kl(
     else:
         terms = log_q.exp() * (log_q - log_pt)
     per_token = torch.where(support, terms, zero).sum(-1)
-    per_token = torch.where(valid, per_token * (t * t), zero)
+    per_token = torch.where(valid, per_token * (temperature * temperature), zero)
     return _reduce(per_token, valid, lead, reduction)
 
 

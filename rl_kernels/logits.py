@@ -17,7 +17,11 @@ Formulas (z = logits / temperature, p = softmax(z), lse = logsumexp(z)):
     H = -sum_j p_j log p_j                       (computed as log s - b / s: no cancellation)
     d log p_y / dz = onehot(y) - p,   d lse / dz = p,   dH/dz_j = -p_j (log p_j + H)
     cross-entropy with label smoothing eps: (1 - eps) (-log p_y) + eps (-(1/V) sum_j log p_j)
-and d/dlogits = (d/dz) / temperature. Sources: the softmax derivative d p_j / dz_k = p_j ([j == k]
+Top-K log-probs at K given ids per row (distillation from a top-K teacher): log p_{id_k} =
+z_{id_k} - lse, with gradient d/dz_j = p_j g_lse + sum_{k: id_k = j} g_k, g_lse = -sum_k g_k (the
+lse from the same kernels; no N x V tensor in forward, the gradient alone in backward:
+``rl_kernels.autograd.logits``, section "top-K log-probs").
+And d/dlogits = (d/dz) / temperature. Sources: the softmax derivative d p_j / dz_k = p_j ([j == k]
 - p_k), from which the three gradients follow (dH/dz_k = -sum_j (1 + log p_j) dp_j/dz_k); label
 smoothing as in Szegedy et al. 2016 ("Rethinking the Inception Architecture", sec. 7) and
 ``torch.nn.functional.cross_entropy``.
@@ -29,16 +33,18 @@ from typing import NamedTuple
 import torch
 
 from .autograd.common import compiling
-from .autograd.logits import (LogitsOutputs, LogitsParams, LogitsStatsFunction, compiled_logits_stats,
-                              logits_stats_forward)
+from .autograd.logits import (LogitsOutputs, LogitsParams, LogitsStatsFunction, checked_token_ids,
+                              compiled_logits_stats, logits_stats_forward, topk_log_probs)
 from .autograd.vocab_parallel import VocabParallelLogitsFunction, compiled_vocab_parallel_logits, parallel_params
 from .backends import get_backend
+from .distill import KINDS, REDUCTIONS as LOSS_REDUCTIONS, _check_teacher, _positions, topk_kl_loss
 from .label_check import deferred_label_check, raise_if_interpreted, raise_label_errors
-from .validation import (check_bool_arg, check_choice, check_label_values, check_labels, check_logits,
-                         check_temperature, describe)
+from .validation import (LABEL_DTYPES, check_bool_arg, check_choice, check_label_values, check_labels,
+                         check_logits, check_same_device, check_temperature, check_tensor_arg, describe)
 
 __all__ = ["LogitsStats", "logits_stats", "log_probs_from_logits", "entropy_from_logits", "logsumexp",
-           "sum_pi_squared_from_logits", "cross_entropy"]  # the public names (rl_kernels/__init__.py exports them)
+           "sum_pi_squared_from_logits", "cross_entropy", "topk_log_probs_from_logits",
+           "topk_kl_from_logits"]  # the public names (rl_kernels/__init__.py exports them)
 
 REDUCTIONS = ("none", "sum", "mean")
 
@@ -350,10 +356,144 @@ def cross_entropy(
     return loss.to(logits.dtype)
 
 
+def _check_token_ids(name: str, token_ids, logits) -> None:
+    """``token_ids``: a tensor, int64/int32, shape ``logits.shape[:-1] + (K,)`` with K >= 1, on the
+    logits' device (values checked by the caller). TypeError / ValueError naming ``name``."""
+    check_tensor_arg(name, token_ids)
+    lead = tuple(logits.shape[:-1])
+    if token_ids.dtype not in LABEL_DTYPES:
+        raise TypeError(f"{name}: expected int64 or int32 token ids, got {describe(token_ids)}")
+    if token_ids.dim() != len(lead) + 1 or tuple(token_ids.shape[:-1]) != lead or token_ids.shape[-1] == 0:
+        raise ValueError(f"{name}: expected shape {lead + ('K',)} (logits' leading shape, then K >= 1 ids), "
+                         f"got {describe(token_ids)}")
+    check_same_device(name, token_ids, logits, "logits")
+
+
+def topk_log_probs_from_logits(
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Log-probabilities ``log softmax(logits / temperature)`` at K given token ids per row (the
+    student side of a top-K distillation loss), without an N x V intermediate.
+
+    Args:{args}
+        token_ids: (..., K) int64 or int32 ids in [0, vocab_size), the logits' leading shape then
+            K >= 1 ids per row (any K, duplicates allowed: their gradients add up).{backend}
+
+    Returns:
+        float32 log-probs (nats), shape ``token_ids.shape``; differentiable w.r.t. ``logits``
+        (the gradient is written in the logits dtype).
+
+    Memory: forward reads the logits once (the from-logits kernels' logsumexp) and gathers the K
+    logits; O(N) saved for backward, which writes the gradient as the one N x V tensor it
+    allocates: softmax times g_lse = -sum_k g_k from the same kernels, then the K columns of each
+    row overwritten with p g_lse + (sum of g over the slots with that id), computed in float32 and
+    rounded once (no atomic add into the gradient). Under
+    ``torch.compile`` the same code runs inside the ``rl_kernels::topk_log_probs_forward`` /
+    ``_backward`` custom ops.
+
+    Formula: log p_k = z_{{id_k}} - logsumexp(z), z = logits / T; d log p_k / dz_j = [j == id_k] - p_j
+    (the softmax derivative, module docstring), times 1 / T for the logits.
+{raises}
+        ValueError naming ``token_ids`` for an id outside [0, vocab_size), a wrong shape or
+        device; TypeError for a non-integer dtype.
+    """
+    check_logits(logits)
+    inv_temperature = 1.0 / check_temperature(temperature)
+    _check_token_ids("token_ids", token_ids, logits)
+    params = LogitsParams(backend=get_backend(backend, logits.device), inv_temperature=inv_temperature,
+                          ignore_index=-100, return_entropy=False, name="topk_log_probs_from_logits")
+    vocab_size, k = logits.shape[-1], token_ids.shape[-1]
+    ids = checked_token_ids(token_ids.reshape(-1, k), vocab_size, "token_ids")
+    log_probs = topk_log_probs(logits.reshape(-1, vocab_size), ids, None, params)
+    return log_probs.view(token_ids.shape)
+
+
+def topk_kl_from_logits(
+    logits: torch.Tensor,
+    teacher_token_ids: torch.Tensor,
+    teacher_log_probs: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    labels: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    mask: torch.Tensor | None = None,
+    kind: str = "forward",
+    renormalize_teacher: bool = False,
+    reduction: str = "mean",
+    backend: str = "auto",
+) -> torch.Tensor:
+    """KL divergence to a top-K teacher from materialized student logits: the from-logits twin of
+    :func:`rl_kernels.linear_topk_kl` (same semantics, options and checks).
+
+    With z = logits / T and log q_k = z_{{id_k}} - logsumexp(z) (:func:`topk_log_probs_from_logits`):
+        forward KL:  T^2 * sum_k p_t,k (log p_t,k - log q_k)
+        reverse KL:  T^2 * sum_k q_k (log q_k - log p_t,k)        (over the teacher's K ids)
+    The T^2 factor keeps gradient magnitudes comparable across temperatures (Hinton, Vinyals, Dean
+    2015, "Distilling the Knowledge in a Neural Network", sec. 2); with K = V and a renormalized
+    teacher it is the full KL.
+
+    Args:{args}
+        teacher_token_ids: (..., K) int64/int32 ids in [0, vocab_size) (K >= 1, any K <= V).
+        teacher_log_probs: (..., K) float teacher log-probs (nats) at those ids, taken as given
+            (already at ``temperature``); no gradient flows to them. -inf marks a zero-probability
+            slot, which adds exactly 0 to the loss and the gradient (forward: 0 log 0 = 0;
+            reverse: left out); ``renormalize_teacher`` renormalizes over the other slots. NaN or
+            +inf entries raise ValueError.
+        labels: optional (...) int64/int32; positions whose label is ``ignore_index`` contribute
+            0 and get exactly zero gradient (even when their logits are non-finite); other values
+            must lie in [0, vocab_size) and are not used otherwise.
+        ignore_index: int, see ``labels``.
+        mask: optional (...) bool or 0/1 (verl's response mask): positions with mask 0 are
+            excluded like ignored labels. With both ``labels`` and ``mask``, a position counts
+            when both say so.
+        kind: 'forward' (mode covering) or 'reverse' (mode seeking), as above.
+        renormalize_teacher: log-softmax the teacher log-probs over the K ids first.
+        reduction: 'mean' (default: sum over the positions that count / their number), 'sum',
+            'none' (shape ``...``), 'batchmean' (sum / size of the first dim, as
+            ``torch.nn.functional.kl_div``).{backend}
+
+    Returns:
+        float32 loss (nats x T^2): shape ``logits.shape[:-1]`` for 'none', a scalar otherwise;
+        differentiable w.r.t. ``logits`` (gradient in the logits dtype).
+{raises}
+        TypeError / ValueError naming the argument for 1-D logits (at least one token dim is
+        needed), teacher ids or log-probs of a wrong type, dtype, shape or device, ids outside
+        [0, vocab_size), NaN / +inf teacher log-probs, a bad ``labels`` / ``mask`` / ``kind`` /
+        ``reduction`` / ``renormalize_teacher``.
+
+    Memory: O(N K) besides the logits; backward allocates the gradient as its one N x V tensor
+    (:func:`topk_log_probs_from_logits`).
+    """
+    check_choice("kind", kind, KINDS)
+    check_choice("reduction", reduction, LOSS_REDUCTIONS)
+    check_bool_arg("renormalize_teacher", renormalize_teacher)
+    t = check_temperature(temperature)
+    check_logits(logits)
+    if logits.dim() < 2:
+        raise ValueError(f"logits: expected shape (..., vocab_size) with at least one token dim (e.g. "
+                         f"(N, vocab_size)), got {describe(logits)}")
+    _check_teacher(logits, teacher_token_ids, teacher_log_probs, check_values=False, like_name="logits")
+    vocab_size, k = logits.shape[-1], teacher_token_ids.shape[-1]
+    valid, any_excluded = _positions(logits, labels, ignore_index, mask, vocab_size, None, hidden_name="logits",
+                                     teacher_token_ids=teacher_token_ids, teacher_log_probs=teacher_log_probs)
+    params = LogitsParams(backend=get_backend(backend, logits.device), inv_temperature=1.0 / t,
+                          ignore_index=-100, return_entropy=False, name="topk_kl_from_logits")
+    ids = teacher_token_ids.reshape(-1, k).long()
+    # positions that do not count: rows labelled ignore_index for the kernels (exactly zero gradient)
+    rows = None if any_excluded is False else torch.where(valid, ids[:, 0], params.ignore_index)
+    log_q = topk_log_probs(logits.reshape(-1, vocab_size), ids, rows, params)
+    return topk_kl_loss(log_q, teacher_log_probs, valid, logits.shape[:-1], temperature=t, kind=kind,
+                        renormalize_teacher=renormalize_teacher, reduction=reduction)
+
+
 def _fill_docs(fn):
     fn.__doc__ = fn.__doc__.format(args=_ARGS_DOC, backend=_BACKEND_DOC, raises=_RAISES_DOC, tp=_TP_DOC)
 
 
 for _fn in (logits_stats, log_probs_from_logits, entropy_from_logits, logsumexp, sum_pi_squared_from_logits,
-            cross_entropy):
+            cross_entropy, topk_log_probs_from_logits, topk_kl_from_logits):
     _fill_docs(_fn)

@@ -187,6 +187,41 @@ def test_topk_kl_bf16_against_float64():
         torch.cuda.empty_cache()
 
 
+def test_topk_log_probs_from_logits_bf16_against_float64():
+    """verl's distillation shape (4096 x 152064 bf16 logits, K = 64 teacher ids, duplicates
+    included): the top-K log-probs within 1e-5 of float64 from the same bf16 logits (float32
+    outputs), the logits' gradient within one bf16 rounding of float64 (rel. Frobenius 1e-2), and
+    topk_kl_from_logits equal to the same loss built from them."""
+    from rl_kernels import topk_kl_from_logits, topk_log_probs_from_logits
+
+    n, v, k, t = 4096, 152064, 64, 0.8
+    g = torch.Generator(device="cuda").manual_seed(11)
+    logits = (2 * torch.randn(n, v, device="cuda", generator=g)).to(torch.bfloat16)
+    ids = torch.randint(0, v, (n, k), device="cuda", generator=g)
+    ids[:, 1] = ids[:, 0]  # a duplicate id in every row: its gradients add up
+    up = torch.randn(n, k, device="cuda", generator=g)
+    x = logits.clone().requires_grad_()
+    got = topk_log_probs_from_logits(x, ids, temperature=t)
+    (got * up).sum().backward()
+    err, grad_err = 0.0, 0.0
+    ref_grad_sq, diff_sq = 0.0, 0.0
+    for s in range(0, n, 512):  # float64 reference in row chunks
+        z = logits[s:s + 512].double().requires_grad_()
+        ref = torch.log_softmax(z / t, -1).gather(1, ids[s:s + 512])
+        (ref * up[s:s + 512].double()).sum().backward()
+        err = max(err, (got[s:s + 512].double() - ref.detach()).abs().max().item())
+        diff_sq += (x.grad[s:s + 512].double() - z.grad).pow(2).sum().item()
+        ref_grad_sq += z.grad.pow(2).sum().item()
+    grad_err = (diff_sq / ref_grad_sq) ** 0.5
+    print(f"\ntopk_log_probs_from_logits {n}x{v} K={k} bf16: max abs err {err:.1e}, grad rel err {grad_err:.2e}")
+    assert got.dtype == torch.float32 and err <= 1e-5 and grad_err <= 1e-2
+    t_lp = torch.log_softmax(2 * torch.randn(n, k, device="cuda", generator=g), -1)
+    loss = topk_kl_from_logits(logits, ids, t_lp, temperature=t, reduction="sum")
+    log_q = got.detach()
+    expected = (t_lp.exp() * (t_lp - log_q)).sum() * t * t
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-3)
+
+
 def test_jsd_bf16_against_float64():
     """linear_jsd (beta 0, 0.5, 1) at the Qwen2.5-7B head in bf16: value within 2e-3 relative,
     student dh / dW within 1e-2 relative Frobenius of float64 from the same bf16 inputs. The last

@@ -13,7 +13,8 @@ import torch
 
 import rl_kernels
 from rl_kernels import (cross_entropy, entropy_from_logits, linear_jsd, linear_log_probs, linear_topk_kl,
-                        log_probs_from_logits, logits_stats, logsumexp)
+                        log_probs_from_logits, logits_stats, logsumexp, topk_kl_from_logits,
+                        topk_log_probs_from_logits)
 from rl_kernels.ops import logits_stats as kernels
 
 from rl_kernels.reference import dense_linear_log_probs, make_inputs
@@ -95,6 +96,60 @@ def test_non_finite_rows_of_the_distillation_losses(backend):
     jsd = linear_jsd(hidden, weight, teacher_h, teacher_w, reduction="none", backend=backend)
     for loss in (kl, jsd):
         assert not torch.isfinite(loss[4]) and torch.isfinite(loss[torch.arange(6) != 4]).all(), loss
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("backend,two_level", PATHS, ids=PATH_IDS)
+def test_non_finite_logits_row_of_the_topk_functions(monkeypatch, backend, two_level, bad):
+    _force(monkeypatch, two_level)
+    x, _ = _logits(5, 300, seed=24)
+    x[3, 11] = bad  # not one of the row's ids
+    g = torch.Generator().manual_seed(25)
+    ids = torch.stack([torch.randperm(300, generator=g)[:4] for _ in range(5)])
+    ids[3] = torch.tensor([0, 1, 2, 3])
+    t_lp = torch.log_softmax(torch.randn(5, 4, generator=g), -1)
+    ok = torch.arange(5) != 3
+    xg = x.clone().requires_grad_()
+    log_q = topk_log_probs_from_logits(xg, ids, temperature=0.7, backend=backend)
+    kl = topk_kl_from_logits(xg, ids, t_lp, temperature=0.7, reduction="none", backend=backend)
+    assert not torch.isfinite(log_q[3]).any() and not torch.isfinite(kl[3])
+    (log_q.sum() + kl.sum()).backward()
+    assert not torch.isfinite(xg.grad[3]).all()
+    z = x.double().requires_grad_()
+    ref = torch.log_softmax(z / 0.7, -1).gather(1, ids)
+    ref_kl = (t_lp.double().exp() * (t_lp.double() - ref)).sum(-1) * 0.49
+    (ref[ok].sum() + ref_kl[ok].sum()).backward()
+    torch.testing.assert_close(log_q[ok].double(), ref[ok].detach(), **TOL)
+    torch.testing.assert_close(kl[ok].double(), ref_kl[ok].detach(), **TOL)
+    torch.testing.assert_close(xg.grad[ok].double(), z.grad[ok], **TOL)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), "all -inf"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_masked_non_finite_logits_row_of_topk_kl_from_logits_gets_exactly_zero_gradient(backend, bad):
+    x, labels = _logits(4, 300, seed=26)
+    if bad == "all -inf":
+        x[2] = float("-inf")
+    else:
+        x[2, 5] = bad
+    g = torch.Generator().manual_seed(27)
+    ids = torch.stack([torch.randperm(300, generator=g)[:3] for _ in range(4)])
+    t_lp = torch.log_softmax(torch.randn(4, 3, generator=g), -1)
+    mask = torch.tensor([1, 1, 0, 1])
+    labels[2] = -100
+    for kw in (dict(mask=mask), dict(labels=labels)):
+        xg = x.clone().requires_grad_()
+        loss = topk_kl_from_logits(xg, ids, t_lp, reduction="sum", backend=backend, **kw)
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(xg.grad).all()
+        assert torch.equal(xg.grad[2], torch.zeros(300)), xg.grad[2]
+        clean = x.clone()
+        clean[2] = 0.0  # a masked row's value is irrelevant to the exact result
+        ref = clean.clone().requires_grad_()
+        topk_kl_from_logits(ref, ids, t_lp, reduction="sum", backend="torch", **kw).backward()
+        torch.testing.assert_close(loss, topk_kl_from_logits(clean, ids, t_lp, reduction="sum", backend="torch",
+                                                             **kw))
+        torch.testing.assert_close(xg.grad, ref.grad, atol=1e-6, rtol=1e-6)
 
 
 # ----------------------------------------------------------------------------- 4. ignored rows
@@ -208,6 +263,8 @@ def _double_backward_cases(backend):
         "cross_entropy": (x, lambda z: cross_entropy(z, lab, backend=backend)),
         "linear_topk_kl": (hidden, lambda h: linear_topk_kl(h, weight, ids, t_lp, backend=backend)),
         "linear_jsd": (hidden, lambda h: linear_jsd(h, weight, th, tw, backend=backend)),
+        "topk_log_probs_from_logits": (x, lambda z: topk_log_probs_from_logits(z, ids, backend=backend).sum()),
+        "topk_kl_from_logits": (x, lambda z: topk_kl_from_logits(z, ids, t_lp, backend=backend)),
     }
 
 
@@ -370,6 +427,16 @@ def test_more_bad_inputs_name_the_argument():
     ids, t_lp = torch.tensor([[0, 1], [2, 3], [4, 5]]), torch.full((3, 2), -0.7)
     with pytest.raises(ValueError, match="mask: expected bool or 0/1 values, got other values .* 0.5"):
         linear_topk_kl(hidden, weight, ids, t_lp, mask=torch.tensor([1.0, 0.5, 0.0]), backend="torch")
+    # the top-K functions of logits: ids named as their argument, values checked before any kernel
+    logits = torch.randn(3, 5)  # the ids above go up to 5
+    with pytest.raises(TypeError, match="token_ids: expected a torch.Tensor, got NoneType"):
+        topk_log_probs_from_logits(logits, None)
+    with pytest.raises(ValueError, match=r"token_ids: values must lie in \[0, vocab_size=5\); 1 do not"):
+        topk_log_probs_from_logits(logits, ids, backend="torch")
+    with pytest.raises(ValueError, match=r"teacher_token_ids: values must lie in \[0, vocab_size=5\)"):
+        topk_kl_from_logits(logits, ids, t_lp, backend="torch")
+    with pytest.raises(ValueError, match="teacher_log_probs: a meta tensor holds no data"):
+        topk_kl_from_logits(logits, ids % 5, t_lp.to("meta"), backend="torch")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

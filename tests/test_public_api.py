@@ -8,12 +8,20 @@ import pytest
 import rl_kernels
 
 FUNCTIONS = ["linear_log_probs", "logits_stats", "log_probs_from_logits", "entropy_from_logits", "logsumexp",
-             "sum_pi_squared_from_logits", "cross_entropy", "linear_topk_kl", "linear_jsd"]
+             "sum_pi_squared_from_logits", "cross_entropy", "topk_log_probs_from_logits", "topk_kl_from_logits",
+             "linear_topk_kl", "linear_jsd"]
 # the keyword-only order every function follows (a function takes a subsequence of it)
 KEYWORD_ORDER = ["temperature", "softcap", "labels", "ignore_index", "mask",
                  "return_entropy", "return_sum_pi_squared", "kind", "renormalize_teacher", "beta",
                  "label_smoothing", "inplace_backward",
                  "reduction", "backend", "process_group", "vocab_start_index", "reduce_hidden_grad"]
+# the positional (tensor) order: the student's tensors (what the gradient reaches) first, then
+# which tokens (labels, ids), then the teacher's values
+POSITIONAL_ORDER = ["hidden_states", "weight", "student_hidden", "student_weight", "teacher_hidden",
+                    "teacher_weight", "logits", "labels", "token_ids", "teacher_token_ids", "teacher_log_probs"]
+# from-logits twins of fused-head functions: the same keywords, less the vocab-parallel trio
+# (process_group, vocab_start_index and reduce_hidden_grad are the head's)
+TWINS = {"topk_kl_from_logits": "linear_topk_kl"}
 DEFAULTS = {"temperature": 1.0, "softcap": None, "ignore_index": -100, "labels": None, "mask": None, "reduction": "mean",
             "backend": "auto", "process_group": None, "vocab_start_index": None, "reduce_hidden_grad": False,
             "return_entropy": True, "return_sum_pi_squared": False, "inplace_backward": False}
@@ -45,6 +53,12 @@ def test_one_argument_order_and_one_default_per_concept(name):
             assert p.default == DEFAULTS[p.name], (name, p.name, p.default)
     # every tensor argument is positional; nothing positional after the tensors
     assert all(p.kind != p.VAR_POSITIONAL and p.kind != p.VAR_KEYWORD for p in params)
+    positional = [p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD]
+    assert [a for a in POSITIONAL_ORDER if a in positional] == positional, f"{name}: {positional}"
+    if name in TWINS:
+        twin = inspect.signature(getattr(rl_kernels, TWINS[name])).parameters.values()
+        trio = {"process_group", "vocab_start_index", "reduce_hidden_grad"}
+        assert keyword == [p.name for p in twin if p.kind == p.KEYWORD_ONLY and p.name not in trio], name
 
 
 @pytest.mark.parametrize("name", FUNCTIONS)

@@ -5,7 +5,12 @@ The head family "logits": its parameter record (``LogitsParams``), output record
 Forward: one read of the logits (Triton ``ops.logits_forward`` or its torch twin
 ``torch_ops.logits_stats``) gives per-row float32 statistics; only O(N) of them are saved.
 Backward: one more read of the logits writes d loss / d logits once, in the logits' dtype (into
-the logits' own storage with ``inplace_backward``, reported to autograd by a version bump)."""
+the logits' own storage with ``inplace_backward``, reported to autograd by a version bump).
+
+Also the top-K log-probs of ``rl_kernels.topk_log_probs_from_logits`` / ``topk_kl_from_logits``
+(``TopKLogProbsFunction`` and its custom ops): the same forward's lse with K gathered logits, and a
+backward that writes one N x V gradient (the family's backward for the lse, then the K columns per
+row)."""
 from __future__ import annotations
 
 import logging
@@ -17,7 +22,8 @@ from .._logging import log_once
 from ..backends import Backend, backend_by_name, implements
 from ..label_check import deferred_label_check, raise_if_interpreted, raise_label_errors
 from ..torch_ops.logits_stats import torch_logits_backward, torch_logits_forward
-from .common import as_float_grad, first_order_only, float_grads, if_asked, or_empty, refuse_double_backward
+from .common import (as_float_grad, compiling, first_order_only, float_grads, if_asked, or_empty,
+                     refuse_double_backward)
 
 
 class LogitsParams(NamedTuple):
@@ -234,3 +240,191 @@ def compiled_logits_stats(logits, labels, params: LogitsParams) -> LogitsOutputs
     out = torch.ops.rl_kernels.logits_forward(logits, labels, *logits_op_params(params))
     return LogitsOutputs(if_asked(out[0], labels is not None), if_asked(out[1], params.return_entropy), out[2],
                          if_asked(out[3], params.return_mean_log_p), if_asked(out[4], params.return_sum_pi_squared))
+
+
+# ------------------------------------------------------------------ top-K log-probs of the logits
+# log softmax(z)[ids] with z = logits * inv_temperature, for K given ids per row: the lse comes from
+# the family's forward (one read of the logits, O(N) saved); the K values are z[ids] - lse.
+# Backward, from the softmax derivative (d lse / dz = p): with g the (N, K) upstream gradient,
+#     d/dz_j = p_j g_lse + sum_{k: ids_k = j} g_k,    g_lse = -sum_k g_k,
+# so the family's backward writes p_j g_lse (times inv_temperature) into the one N x V gradient, and
+# the K columns of each row are then overwritten with their full value, computed in float32 and
+# rounded once: duplicate ids are summed first (in float64, over the row's K slots), so every slot
+# of an id writes the same value (no atomic add into the gradient; float64 sums of a few float32
+# values round to the same float32 whatever their order, but for a double-rounding tie).
+
+
+def gather_logits(logits, token_ids, inv_temperature: float) -> torch.Tensor:
+    """z[i, token_ids[i, k]] in float32: ``logits`` (N, V) at (N, K) int64 ids, scaled as the
+    kernels scale them (converted to float32, then times ``inv_temperature``)."""
+    return logits.gather(1, token_ids).float() * inv_temperature
+
+
+def sum_over_equal_ids(token_ids, grad_log_probs) -> torch.Tensor:
+    """(N, K) float32: for each slot, the sum of ``grad_log_probs`` over the slots of its row that
+    hold the same id (itself alone when its id is unique in the row). The runs of equal ids of
+    each sorted row are summed in float64 (``scatter_add_`` over at most K slots: a slot alone is
+    its own value exactly) and rounded to float32 once."""
+    if token_ids.shape[1] == 1:
+        return grad_log_probs
+    sorted_ids, order = token_ids.sort(dim=1, stable=True)
+    starts = torch.ones_like(sorted_ids, dtype=torch.bool)
+    starts[:, 1:] = sorted_ids[:, 1:] != sorted_ids[:, :-1]
+    run = starts.cumsum(1) - 1  # the run (of equal ids) each sorted slot belongs to
+    sums = torch.zeros(sorted_ids.shape, dtype=torch.float64, device=token_ids.device)
+    sums.scatter_add_(1, run, grad_log_probs.gather(1, order).double())
+    return torch.empty_like(grad_log_probs).scatter_(1, order, sums.gather(1, run).float())
+
+
+def topk_log_probs_backward(logits, grad, token_ids, labels, row_max, log_sum, lse, grad_log_probs,
+                            params: LogitsParams) -> torch.Tensor:
+    """Write d loss / d logits into ``grad`` (N x V, the logits' dtype) for the upstream gradient
+    ``grad_log_probs`` (N, K) float32 of the top-K log-probs: the family's backward with
+    g_lse = -sum_k g_k, then the K columns of each row overwritten (see the section comment).
+    ``labels``: None, or (N,) whose ``ignore_index`` rows get exactly 0 unless g_lse != 0 there
+    (as the family's backward selects them)."""
+    grad_lse = -grad_log_probs.sum(1)
+    stats = {"row_max": row_max, "log_sum": log_sum}
+    params.backend.family("logits").backward(logits, grad, labels, stats, {"lse": grad_lse}, params)
+    p = (gather_logits(logits, token_ids, params.inv_temperature) - lse[:, None]).exp()
+    values = (p * grad_lse[:, None] + sum_over_equal_ids(token_ids, grad_log_probs)) * params.inv_temperature
+    if labels is not None:
+        active = (labels != params.ignore_index) | (grad_lse != 0)
+        values = torch.where(active[:, None], values, torch.zeros((), device=values.device))
+    grad.scatter_(1, token_ids, values.to(grad.dtype))
+    return grad
+
+
+class TopKLogProbsFunction(torch.autograd.Function):
+    """2-D logits (N, V), token ids (N, K) int64 in [0, V), labels (N,) or None (rows whose label
+    is ``params.ignore_index`` get exactly zero gradient when no gradient reaches them, even if
+    non-finite), LogitsParams -> float32 (N, K) log softmax(logits * inv_temperature) at the ids.
+    Saves O(N) statistics (and the inputs); its backward allocates one N x V tensor, the gradient."""
+
+    @staticmethod
+    def forward(ctx, logits, token_ids, labels, params: LogitsParams):
+        stats = logits_stats_forward(logits, labels, params)
+        lse = stats["lse"]
+        ctx.save_for_backward(logits, token_ids, labels, stats["row_max"], stats["log_sum"], lse)
+        ctx.params, ctx.fn_name = params, params.name
+        ctx.set_materialize_grads(False)
+        return gather_logits(logits, token_ids, params.inv_temperature) - lse[:, None]
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, grad_log_probs):
+        if grad_log_probs is None or not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        logits, token_ids, labels, row_max, log_sum, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+        topk_log_probs_backward(logits, grad, token_ids, labels, row_max, log_sum, lse,
+                                as_float_grad(grad_log_probs), ctx.params)
+        return grad, None, None, None
+
+
+# torch.compile's route: TopKLogProbsFunction's forward and backward bodies as custom ops (the
+# forward op also returns the three (N,) statistics its backward reads), so that compiled and eager
+# run the same code and give the same bits, with the same one N x V tensor in backward.
+
+@torch.library.custom_op(
+    "rl_kernels::topk_log_probs_forward", mutates_args=(),
+    schema="(Tensor logits, Tensor token_ids, Tensor? labels, " + LOGITS_OP_SCHEMA
+           + ") -> (Tensor, Tensor, Tensor, Tensor)")
+def _topk_forward_op(logits, token_ids, labels, *params):
+    """-> (log_probs (N, K), row_max, log_sum, lse), float32."""
+    p = logits_params_from_op(*params)
+    stats = logits_stats_forward(logits, labels, p)
+    log_probs = gather_logits(logits, token_ids, p.inv_temperature) - stats["lse"][:, None]
+    return (log_probs, *or_empty((stats["row_max"], stats["log_sum"], stats["lse"]), logits))
+
+
+@_topk_forward_op.register_fake
+def _(logits, token_ids, labels, *params):
+    n = logits.shape[0]
+    return (logits.new_empty(token_ids.shape, dtype=torch.float32),
+            *(logits.new_empty(n, dtype=torch.float32) for _ in range(3)))
+
+
+@torch.library.custom_op(
+    "rl_kernels::topk_log_probs_backward", mutates_args=(),
+    schema="(Tensor logits, Tensor token_ids, Tensor? labels, Tensor row_max, Tensor log_sum, Tensor lse, "
+           "Tensor grad_log_probs, " + LOGITS_OP_SCHEMA + ") -> Tensor")
+def _topk_backward_op(logits, token_ids, labels, row_max, log_sum, lse, grad_log_probs, *params):
+    """-> d loss / d logits, a new contiguous tensor in the logits' dtype."""
+    grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    return topk_log_probs_backward(logits, grad, token_ids, labels, row_max, log_sum, lse, grad_log_probs,
+                                   logits_params_from_op(*params))
+
+
+@_topk_backward_op.register_fake
+def _(logits, *rest):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+def _topk_setup_context(ctx, inputs, output):
+    logits, token_ids, labels, *params = inputs
+    _, row_max, log_sum, lse = output
+    ctx.params = params
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(logits, token_ids, labels, row_max, log_sum, lse)
+
+
+def _topk_backward(ctx, grad_log_probs, *unused):
+    logits, token_ids, labels, row_max, log_sum, lse = ctx.saved_tensors
+    none = (None,) * (3 + len(ctx.params))
+    if grad_log_probs is None or not ctx.needs_input_grad[0]:
+        return none
+    grad = torch.ops.rl_kernels.topk_log_probs_backward(logits, token_ids, labels, row_max, log_sum, lse,
+                                                        as_float_grad(grad_log_probs), *ctx.params)
+    return (grad,) + none[1:]
+
+
+_topk_forward_op.register_autograd(_topk_backward, setup_context=_topk_setup_context)
+refuse_double_backward(_topk_backward_op)
+
+
+def topk_log_probs(logits, token_ids, labels, params: LogitsParams) -> torch.Tensor:
+    """(N, K) float32 log-probs of 2-D ``logits`` at checked int64 ``token_ids`` (N, K): through
+    :class:`TopKLogProbsFunction` when a gradient is wanted, its forward alone otherwise, and under
+    ``torch.compile`` through the ``rl_kernels::topk_log_probs_forward`` / ``_backward`` custom ops
+    (the same bodies: the same bits)."""
+    if compiling():
+        return torch.ops.rl_kernels.topk_log_probs_forward(logits, token_ids, labels, *logits_op_params(params))[0]
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return TopKLogProbsFunction.apply(logits, token_ids, labels, params)
+    lse = logits_stats_forward(logits, labels, params)["lse"]
+    return gather_logits(logits, token_ids, params.inv_temperature) - lse[:, None]
+
+
+def check_token_id_values(token_ids, vocab_size: int, name: str) -> None:
+    """ValueError naming ``name`` when an id lies outside [0, vocab_size) (one host read)."""
+    if token_ids.numel() and bool(((token_ids < 0) | (token_ids >= vocab_size)).any()):
+        bad = (token_ids < 0) | (token_ids >= vocab_size)
+        first = bad.reshape(-1).nonzero()[0, 0].item()
+        raise ValueError(f"{name}: values must lie in [0, vocab_size={vocab_size}); {int(bad.sum())} do not, "
+                         f"first at flat position {first}: {token_ids.reshape(-1)[first].item()} (min "
+                         f"{int(token_ids.min())}, max {int(token_ids.max())})")
+
+
+@torch.library.custom_op("rl_kernels::checked_token_ids", mutates_args=(),
+                         schema="(Tensor token_ids, SymInt vocab_size, str name) -> Tensor")
+def _checked_token_ids_op(token_ids, vocab_size, name):
+    """torch.compile's route of the id check: ValueError as in eager (the host reads the ids inside
+    this opaque op) -> the ids as a new int64 tensor, which the traced function then gathers with
+    (so the op is not dropped as unused)."""
+    check_token_id_values(token_ids, vocab_size, name)
+    return token_ids.to(torch.int64, copy=True)
+
+
+@_checked_token_ids_op.register_fake
+def _(token_ids, vocab_size, name):
+    return token_ids.new_empty(token_ids.shape, dtype=torch.int64)
+
+
+def checked_token_ids(token_ids, vocab_size: int, name: str) -> torch.Tensor:
+    """``token_ids`` as int64 after the value check (eager: on the host here; compiled: in the
+    ``rl_kernels::checked_token_ids`` op's body)."""
+    if compiling():
+        return torch.ops.rl_kernels.checked_token_ids(token_ids, vocab_size, name)
+    check_token_id_values(token_ids, vocab_size, name)
+    return token_ids.long()

@@ -144,6 +144,7 @@ COUNT_KEYS = (
     "entropy_skipped_calls",
     "logits_log_probs_calls", "logits_entropy_calls",
     "megatron_logits_log_probs_calls", "megatron_logits_entropy_calls", "sum_pi_squared_calls",
+    "distillation_calls",
 )
 _counts = dict.fromkeys(COUNT_KEYS, 0)
 _served = {}                 # path label -> [calls, tokens], for the summary line

@@ -15,6 +15,9 @@ import sys
 from .._logging import log_once, logger
 from . import verl_megatron, verl_options
 from ._verl_common import VerlIntegrationError, restore, set_attr, verl_version
+from .verl_distill import FSDP_PART as DISTILLATION_FSDP
+from .verl_distill import MEGATRON_PART as DISTILLATION_MEGATRON
+from .verl_distill import patch_distillation
 from .verl_fsdp_fused import patch_fused_path
 from .verl_hooks import (registry_classmethod, wrap_dp_actor, wrap_engine_new, wrap_legacy_workers,
                          wrap_model_config)
@@ -174,6 +177,11 @@ def _patch_all(monkey_patch, experimental_tf, torch_functional) -> dict:
     for part, (ok, what) in megatron.items():
         switched_on, reason = off[part]
         report[part] = (ok, what) if switched_on or what.startswith("not patched") else (False, reason)
+    if logits_path:
+        report.update(patch_distillation())
+    else:
+        report.update(dict.fromkeys((DISTILLATION_FSDP, DISTILLATION_MEGATRON),
+                                    (False, "not replaced (patch_logits_path=False)")))
     legacy_megatron = "verl.workers.megatron_workers"  # verl 0.7.x's legacy Megatron workers (no engine report)
     if legacy_megatron in sys.modules and not any(ok for ok, _ in megatron.values()):
         log_once(logging.WARNING, f"rl_kernels: verl's legacy Megatron workers ({legacy_megatron}) are not served: "
@@ -222,7 +230,8 @@ def patch() -> None:
 def report() -> dict:
     """What the last :func:`patch` replaced: ``{part: (replaced?, what)}``, parts "FSDP fused path",
     "FSDP logits path", "sum_pi_squared (FSDP)", "Megatron logits path", "Megatron fused path",
-    "sum_pi_squared (Megatron)". Empty while unpatched."""
+    "sum_pi_squared (Megatron)", "distillation (FSDP, VeOmni)", "distillation (Megatron)". Empty
+    while unpatched."""
     return dict(_report) if _patched else {}
 
 
