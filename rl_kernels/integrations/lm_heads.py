@@ -22,9 +22,12 @@ The table :data:`LM_HEADS` is an audit of ``transformers`` 5.10.4's ``MODEL_FOR_
 (every ``*ForCausalLM`` / ``*ForConditionalGeneration`` class that ``AutoModelForCausalLM`` builds,
 163 model types) plus the text models behind verl's VLM fused forwards (qwen2_vl, qwen2_5_vl,
 qwen3_vl, qwen3_vl_moe, glm4v, qwen3_5, qwen3_5_moe): each class's ``forward`` was read from the
-assignment of ``hidden_states`` to the return. Classes whose forward does not get its hidden state
-from ``self.model(...)`` (what verl's fused forward calls) are refused: verl's fused forward would
-not compute their hidden state. ``tests/test_lm_heads.py`` builds a tiny random model of every
+assignment of ``hidden_states`` to the return. Re-audited on ``transformers`` 5.24.0 (2026-11-26,
+196 model types): the 33 types it adds are marked "added in the 5.24.0 audit" below (with
+``emu3_text_model``, which 5.10.4's audit missed), and the heads of the 163 earlier types were
+compared with 5.10.4's (no change to what any of them does to its logits). Classes whose forward
+does not get its hidden state from ``self.model(...)`` (what verl's fused forward calls) are
+refused: verl's fused forward would not compute their hidden state. ``tests/test_lm_heads.py`` builds a tiny random model of every
 listed type it can, scales its ``lm_head`` so that the logits reach the cap, and compares the
 patched fused forward with the model's own logits.
 """
@@ -79,7 +82,15 @@ _PLAIN_TYPES = """
     qwen2 qwen2_5_vl qwen2_moe qwen2_vl qwen3 qwen3_5 qwen3_5_moe qwen3_5_moe_text qwen3_5_text
     qwen3_moe qwen3_next qwen3_vl qwen3_vl_moe seed_oss smollm3 solar_open stablelm starcoder2 xglm
     youtu zamba zamba2
-""".split()
+""".split() + """
+    apertus1p5_text axk1 axk2 bailing_hybrid deepseek_v32 dots3_note dots3_note_text exaone flint hy_v4
+    internlm3 iquestcoder kimi_linear kolibri1 lara_mini lfm3 mimo_v2_flash minimax_m3_vl_text
+    moss_transcribe_diarize qwen4_exp qwen4_exp_text sarvam_mla sarvam_moe zaya
+""".split()  # added in the 5.24.0 audit. exaone, internlm3, iquestcoder: LlamaForCausalLM; sarvam_mla:
+# DeepseekV3ForCausalLM; sarvam_moe: Glm4MoeForCausalLM. zaya: lm_head bias=config.lm_head_bias (False by
+# default; a bias is refused by the check in head_transform). hy_v4 keeps lm_head in float32 and casts
+# the hidden state to it: the same logits in real arithmetic; the fused head computes in the hidden
+# state's dtype (as the model's own lm_head does under verl's FSDP mixed precision).
 
 _NOT_SELF_MODEL = ("its forward does not take its last hidden state from self.model(...), which is what "
                    "verl's fused forward calls")
@@ -100,18 +111,28 @@ LM_HEADS: dict[str, LMHead] = {
                  "vaultgemma")},
     **{t: LMHead(SOFTCAPPED, "text_config.final_logit_softcapping", "cap")
        for t in ("gemma3n", "gemma4", "gemma4_unified")},
+    "beam": LMHead(SOFTCAPPED, "config.final_logit_softcapping", "cap"),  # added in the 5.24.0 audit
+    # always capped by a module built from config.final_logit_softcapping at __init__ (Inkling2Softcap:
+    # c tanh(z / c); no None test, a None cap fails in the model's own forward): read from the module
+    **{t: LMHead(SOFTCAPPED, "logit_softcap.softcap", "cap") for t in ("inkling2_text", "inkling2_loop_text")},
     # always capped (logits_soft_cap), but its base model returns no past_key_values, which verl's fused
     # forward reads: verl cannot run it
     "recurrent_gemma": LMHead(REFUSED, why="verl's fused forward cannot run it (its base model output has no "
                                           "past_key_values); its forward also soft-caps at config.logits_soft_cap"),
     # MllamaForCausalLM's config (the text model of Llama 3.2 Vision) names itself so
     "mllama_text_model": LMHead(PLAIN),
+    # and Emu3ForCausalLM's (AutoModelForCausalLM gives it the text config of an emu3 config; found in
+    # the 5.24.0 audit, the same on 5.10.4)
+    "emu3_text_model": LMHead(PLAIN),
     # constant multipliers of the logits
-    **{t: LMHead(SCALED, "logit_scale", "mul") for t in ("cohere", "cohere2", "cohere2_moe")},
+    **{t: LMHead(SCALED, "logit_scale", "mul") for t in ("cohere", "cohere2", "cohere2_moe", "cohere_compass_text")},
     "hyperclovax": LMHead(SCALED, "config.logits_scaling", "mul"),
     "falcon_h1": LMHead(SCALED, "model.lm_head_multiplier", "mul"),
     **{t: LMHead(SCALED, "config.logits_scaling", "div")
-       for t in ("granite", "granitemoe", "granitemoehybrid", "granitemoeshared")},
+       for t in ("granite", "granitemoe", "granitemoehybrid", "granitemoeshared", "granite_swa", "granitemoe_swa")},
+    # lm_head(hidden_states / s) = lm_head(hidden_states) / s (no bias); s is a read-only property of the
+    # config, hidden_size / dim_model_base (added in the 5.24.0 audit)
+    "minicpm3": LMHead(SCALED, "config.logits_scaling", "div"),
     # other heads
     "phi": LMHead(REFUSED, why="its lm_head has a bias (PhiForCausalLM builds it with bias=True), which "
                                "verl's fused forward and the fused head leave out"),
@@ -121,6 +142,14 @@ LM_HEADS: dict[str, LMHead] = {
                                                "prediction head, not the vocabulary projection"),
     **{t: LMHead(REFUSED, why="its logits come from one head per audio codebook")
        for t in ("musicgen", "musicgen_melody")},
+    # added in the 5.24.0 audit
+    "dory": LMHead(REFUSED, why="its lm_head (DoryLMHead) multiplies the logits by a learned per-token scale "
+                                "(lm_head.logit_scale, one value per vocabulary entry), which verl's fused forward "
+                                "and the fused head leave out"),
+    "inkling_text": LMHead(REFUSED, why="its logits are cut to config.unpadded_vocab_size (lm_head's padding rows "
+                                        "leave the softmax), which the fused head, over every row of lm_head.weight, "
+                                        "does not do; its forward also divides the hidden state by "
+                                        "config.logits_mup_width_multiplier"),
 }
 """model_type -> audited transform (see the module docstring)."""
 
