@@ -39,6 +39,8 @@ examples:
   rl-kernels repro bad_step.safetensors     a sample saved by rl_kernels.samples.save_sample
   rl-kernels repro --save samples/          write the bundled samples as .safetensors files
   rl-kernels bench --json out.json          GPU timings, saved as JSON
+  rl-kernels verl-check 'hydra.searchpath=[pkg://rl_kernels.integrations.conf]' +rl_kernels=fused
+                                            is rl-kernels on in that verl run? (exit 1: off)
   rl-kernels <command> --help               the options of one command"""
 
 class CommandError(Exception):
@@ -318,7 +320,38 @@ def build_parser() -> argparse.ArgumentParser:
                        help="import verl's kernels without its Ray/tensordict stack (GPU machines "
                             "without a package index)")
     bench.set_defaults(func=_bench)
+
+    check = sub.add_parser("verl-check", help="say whether rl-kernels is on in the verl run these overrides make",
+                           description="Compose verl's config with these overrides the way the run does "
+                           "(python -m verl.trainer.main_ppo --cfg job OVERRIDES; nothing is trained) and "
+                           "say in one line whether rl-kernels is on (which path, backend, options) or off "
+                           "and why, with the likely fix. Exit status 0 when on, 1 when off, 2 for a usage "
+                           "error. Needs verl (the verl extra).")
+    _add_verbose(check, argparse.SUPPRESS)
+    check.add_argument("--entry", default="verl.trainer.main_ppo",
+                       help="verl's entry module that composes the config (default: %(default)s)")
+    check.add_argument("overrides", nargs=argparse.REMAINDER,
+                       help="the run's Hydra overrides, as on verl's command line (also --config-dir DIR)")
+    check.set_defaults(func=_verl_check)
     return parser
+
+
+def _verl_check(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    if importlib.util.find_spec("verl") is None:
+        raise UsageError("verl is not installed here (pip install '/path/to/rl-kernels[verl]')")
+    try:
+        found = importlib.util.find_spec(args.entry) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise UsageError(f"--entry: no module named {args.entry!r}")
+    from .integrations.verl_check import check
+
+    verdict = check(list(args.overrides), args.entry)
+    print(verdict.line)
+    return 0 if verdict.on else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -763,3 +763,22 @@ def test_verls_veomni_engine_is_not_reported_served(caplog):
 
     lines = _engine_lines(caplog, VeOmniEngineWithLMHead, "veomni")
     assert len(lines) == 1 and lines[0][0] == "WARNING" and "FSDP fused path: not served" in lines[0][1], lines
+
+
+@pytest.mark.parametrize("name", ["rl_kernel", "rl-kernels", "RL_Kernels"])
+def test_a_misspelt_impl_backend_is_refused(qwen2_forward, name):
+    """verl only prints "Skipping monkey patch" for an impl_backend it does not know and trains with
+    the plain forward: a name close to rl_kernels is refused before the model runs."""
+    with pytest.raises(rkv.VerlIntegrationError, match=f"impl_backend={name!r} is not a backend verl or "
+                                                       f"rl-kernels knows.*did you mean impl_backend='rl_kernels'"):
+        apply_monkey_patch(tiny_qwen2(), use_remove_padding=True, use_fused_kernels=True, fused_kernels_backend=name)
+
+
+def test_an_unknown_impl_backend_is_warned(qwen2_forward, caplog):
+    with caplog.at_level("WARNING", logger="rl_kernels"):
+        try:
+            apply_monkey_patch(tiny_qwen2(), use_remove_padding=True, use_fused_kernels=True,
+                               fused_kernels_backend="cutlass_xyz")
+        except Exception:  # noqa: BLE001 - whatever verl does with the name is verl's
+            pass
+    assert any("impl_backend='cutlass_xyz' is not one of verl's fused backends" in m for m in caplog.messages)

@@ -13,6 +13,7 @@ entropy is computed only when verl's ``calculate_entropy`` asks (:func:`wrap_ent
 from __future__ import annotations
 
 import contextvars
+import difflib
 import functools
 import inspect
 import logging
@@ -229,12 +230,32 @@ def _warn_unserved_head(model, backend) -> None:
                    "use_fused_kernels=False uses the model's logits.", backend, type(model).__name__, why)
 
 
+VERL_FUSED_BACKENDS = ("torch", "triton", "liger")
+"""verl's own fused backends (``liger`` on 0.9.x): names rl-kernels leaves to verl."""
+
+
+def _refuse_misspelt_backend(name) -> None:
+    """verl only prints "Skipping monkey patch" for an ``impl_backend`` it does not know, and trains
+    with the model's plain forward: a name close to ``rl_kernels`` (``rl_kernel``, ``rl-kernels``)
+    is refused here, before the model runs; any other unknown name gets one WARNING."""
+    if name is None or name in VERL_FUSED_BACKENDS:
+        return
+    if difflib.get_close_matches(str(name).lower(), [BACKEND_NAME], n=1, cutoff=0.75):
+        raise VerlIntegrationError(f"rl_kernels.integrations.verl: fused_kernel_options.impl_backend={name!r} is "
+                                   f"not a backend verl or rl-kernels knows (verl would skip its fused patch and "
+                                   f"train without rl-kernels); did you mean impl_backend={BACKEND_NAME!r}?")
+    log_once(logging.WARNING, f"rl_kernels: fused_kernel_options.impl_backend={name!r} is not one of verl's "
+             f"fused backends {VERL_FUSED_BACKENDS} nor {BACKEND_NAME!r}: verl skips its fused patch, and "
+             f"rl-kernels serves nothing on this model's fused path")
+
+
 def make_patch_forward_with_backends(original):
     """verl's ``patch_forward_with_backends`` (``original``), accepting ``fused_kernels_backend='rl_kernels'``."""
     @functools.wraps(original)
     def patch_forward_with_backends(model, use_fused_kernels=False, fused_kernels_backend=None):
         if not names_rl_kernels(fused_kernels_backend):
             if use_fused_kernels:
+                _refuse_misspelt_backend(fused_kernels_backend)
                 model._rl_kernels_fused = False
                 _warn_unserved_head(model, fused_kernels_backend)
             return original(model, use_fused_kernels=use_fused_kernels,

@@ -8,6 +8,7 @@ patch (``patch_logits_path``, ``patch_megatron_fused``).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import threading
 
 from .._logging import logger
@@ -97,19 +98,28 @@ def mark_patched(applied: VerlOptions | None) -> None:
     _patched_with = applied
 
 
+def validated_options(section: dict, base: VerlOptions | None = None) -> VerlOptions:
+    """``base`` (default: the defaults) with the options of ``section`` (keys of :class:`VerlOptions`),
+    every value validated; changes nothing. Unknown keys raise ValueError naming them (with the
+    closest known one); bad values TypeError / ValueError naming the option."""
+    fields = [f.name for f in dataclasses.fields(VerlOptions)]
+    unknown = sorted(set(section) - set(fields))
+    if unknown:
+        near = {k: difflib.get_close_matches(str(k), fields, n=1) for k in unknown}
+        hints = "".join(f"; did you mean {m[0]!r} for {k!r}?" for k, m in near.items() if m)
+        raise ValueError(f"fused_kernel_options.rl_kernels: unknown option(s) {unknown}; "
+                         f"expected some of {sorted(fields)}{hints}")
+    return dataclasses.replace(base or VerlOptions(), **section)  # validates (VerlOptions.__post_init__)
+
+
 def configure(**kwargs) -> VerlOptions:
     """Set options (keys of :class:`VerlOptions`). Atomic: every value is validated (type, range,
     NaN) and the anomaly capture is built before anything changes, so a call that raises leaves
     the previous options in force. Unknown keys raise ValueError naming them; bad values
     TypeError / ValueError naming the option."""
     global _options, _capture
-    fields = {f.name for f in dataclasses.fields(VerlOptions)}
-    unknown = sorted(set(kwargs) - fields)
-    if unknown:
-        raise ValueError(f"fused_kernel_options.rl_kernels: unknown option(s) {unknown}; "
-                         f"expected some of {sorted(fields)}")
     with lock:
-        new = dataclasses.replace(_options, **kwargs)  # validates (VerlOptions.__post_init__)
+        new = validated_options(kwargs, _options)
         if new == _options:
             return _options
         new_capture = None

@@ -1,0 +1,201 @@
+"""``rl-kernels verl-check [OVERRIDES...]``: is rl-kernels on in the verl run these overrides make?
+
+verl's config is composed the way the run composes it: ``python -m verl.trainer.main_ppo --cfg job
+OVERRIDES`` (verl's own entry point and Hydra, run in this process; nothing is trained), then :func:`diagnose` reads the composed ``actor_rollout_ref.model`` section and says in
+one line whether rl-kernels is on (which path, which backend, which options) or off and why, with
+the likely fix. Hydra composes several mistakes without an error, each leaving rl-kernels off:
+
+* a misspelt group (``+rl_kernel=fused``): a plain top-level key;
+* the group without its search path (or a ``pkg://`` path that does not resolve): a plain
+  top-level ``rl_kernels: fused`` (and, for the path, Hydra's "is not available" UserWarning);
+* an option as a top-level key (``+rl_kernels.backend=triton``, which Hydra suggests for
+  ``rl_kernels.backend=triton``): a stray ``rl_kernels`` section that nothing reads;
+* ``impl_backend`` misspelt (``rl_kernel``): verl prints "Skipping monkey patch" and runs its
+  plain forward;
+* a bad value under ``fused_kernel_options.rl_kernels`` (``backend=tritn``): otherwise refused only
+  in a Ray worker, when it builds the model.
+
+verl offers no hook in the driver before Ray starts its workers that could run rl-kernels' checks
+(its ``external_lib`` is imported in the workers), so this command is the check before launch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import sys
+from typing import NamedTuple
+
+from .verl_options import BACKEND_NAME, VerlOptions, validated_options
+
+GROUP = "rl_kernels"
+"""The Hydra group (``+rl_kernels=fused``) and its package on the search path."""
+SEARCH_PATH = "pkg://rl_kernels.integrations.conf"
+ENTRY = "verl.trainer.main_ppo"
+EXTERNAL_LIB = "rl_kernels.integrations.verl"
+OPTIONS_KEY = "actor_rollout_ref.model.fused_kernel_options.rl_kernels"
+
+
+class Verdict(NamedTuple):
+    on: bool
+    line: str  # one line: "rl-kernels is ON: ..." / "rl-kernels is OFF: ... Fix: ..."
+
+
+class ComposeError(RuntimeError):
+    """verl's entry point could not compose the config (Hydra's message, one line)."""
+
+
+def compose(overrides: list[str], entry: str = ENTRY) -> tuple[dict, str]:
+    """(the composed config as a dict, what Hydra printed to stderr and warned) of ``python -m
+    ENTRY --cfg job OVERRIDES``, run in this process (``runpy``, as ``python -m`` runs it; ``--cfg
+    job`` makes verl's Hydra main print the config and return before anything starts). Raises
+    ComposeError with Hydra's own message when the overrides do not compose."""
+    import contextlib
+    import io
+    import runpy
+    import warnings
+
+    import yaml
+
+    argv, out, err = sys.argv, io.StringIO(), io.StringIO()
+    sys.argv = [entry, "--cfg", "job", *overrides]
+    code = 0
+    try:
+        with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(out), \
+                contextlib.redirect_stderr(err):
+            warnings.simplefilter("always")
+            try:
+                runpy.run_module(entry, run_name="__main__", alter_sys=False)
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        sys.argv = argv
+        _clear_hydra()
+    stderr = err.getvalue() + "".join(f"{w.category.__name__}: {w.message}\n" for w in caught)
+    if code != 0:
+        raise ComposeError(_hydra_error(err.getvalue()) or f"{entry} --cfg job exited {code}")
+    try:
+        cfg = yaml.safe_load(out.getvalue())
+    except yaml.YAMLError as exc:
+        raise ComposeError(f"{entry} --cfg job printed no config ({exc.__class__.__name__})") from exc
+    if not isinstance(cfg, dict):
+        raise ComposeError(f"{entry} --cfg job printed no config")
+    return cfg, stderr
+
+
+def _clear_hydra() -> None:
+    """Hydra's global state after a run (a second compose in the same process starts clean)."""
+    try:
+        from hydra.core.global_hydra import GlobalHydra
+    except ImportError:
+        return
+    GlobalHydra.instance().clear()
+
+
+def _hydra_error(stderr: str) -> str:
+    """Hydra's error lines (not the log lines and warnings around them), joined into one."""
+    skip = ("WARNING:", "INFO:", "Set the environment variable HYDRA_FULL_ERROR", "warnings.warn")
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip() and not ln.lstrip().startswith(skip)
+             and "Warning:" not in ln]
+    return "; ".join(lines[:4])
+
+
+def _close(word: str, choices) -> str | None:
+    match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.75)
+    return match[0] if match else None
+
+
+def _section(cfg: dict, dotted: str):
+    node = cfg
+    for key in dotted.split("."):
+        if not isinstance(node, dict) or key not in node:
+            return None
+        node = node[key]
+    return node
+
+
+def diagnose(cfg: dict, stderr: str = "", overrides: list[str] = ()) -> Verdict:
+    """The verdict on a composed verl config (``cfg``: ``--cfg job``'s YAML as a dict; ``stderr``:
+    what Hydra printed while composing; ``overrides``: the user's, for the hints)."""
+    model = _section(cfg, "actor_rollout_ref.model")
+    if not isinstance(model, dict):
+        return Verdict(False, "rl-kernels is OFF: the composed config has no actor_rollout_ref.model section "
+                              "(is this verl's PPO entry point?)")
+    external_lib = model.get("external_lib")
+    if external_lib != EXTERNAL_LIB:
+        return Verdict(False, f"rl-kernels is OFF: actor_rollout_ref.model.external_lib is {external_lib!r}, not "
+                              f"{EXTERNAL_LIB!r}: {_why_not_imported(cfg, stderr, overrides)}")
+    fused_options = model.get("fused_kernel_options") or {}
+    try:
+        section = fused_options.get(BACKEND_NAME) if isinstance(fused_options, dict) else None
+        opts = validated_options(section or {})
+    except (TypeError, ValueError) as exc:
+        return Verdict(False, f"rl-kernels is OFF: a Ray worker would refuse these options when it builds the "
+                              f"model: {exc}. Fix: correct {OPTIONS_KEY}")
+    changed = {f.name: getattr(opts, f.name) for f in dataclasses.fields(VerlOptions)
+               if getattr(opts, f.name) != f.default}
+    options_text = f"options {changed}" if changed else "default options"
+    if model.get("use_fused_kernels"):
+        backend = fused_options.get("impl_backend") if isinstance(fused_options, dict) else None
+        if backend != BACKEND_NAME:
+            hint = _close(str(backend), [BACKEND_NAME])
+            fix = (f"did you mean actor_rollout_ref.model.fused_kernel_options.impl_backend={BACKEND_NAME}?" if hint
+                   else f"set actor_rollout_ref.model.fused_kernel_options.impl_backend={BACKEND_NAME}, or "
+                        f"use_fused_kernels=False for rl-kernels' logits path")
+            return Verdict(False, f"rl-kernels is OFF on the fused path: use_fused_kernels=True with impl_backend="
+                                  f"{backend!r}, so verl's own fused kernel (or, for an unknown name, verl's plain "
+                                  f"forward, after printing 'Skipping monkey patch') computes the log-probs; "
+                                  f"rl-kernels is imported but replaces nothing on this path. Fix: {fix}")
+        return Verdict(True, f"rl-kernels is ON: fused path (use_fused_kernels=True, impl_backend={BACKEND_NAME}), "
+                             f"backend={opts.backend}, {options_text}; the actor and the reference model "
+                             f"(actor_rollout_ref.model)")
+    if not opts.patch_logits_path:
+        return Verdict(False, "rl-kernels is OFF: use_fused_kernels=False (verl's logits path) with "
+                              "patch_logits_path=False, so nothing is replaced. Fix: use_fused_kernels=True with "
+                              f"impl_backend={BACKEND_NAME}, or drop patch_logits_path=False")
+    return Verdict(True, f"rl-kernels is ON: logits path (use_fused_kernels=False: verl's from-logits functions "
+                         f"replaced), {options_text}; the actor and the reference model (actor_rollout_ref.model)")
+
+
+def _why_not_imported(cfg: dict, stderr: str, overrides) -> str:
+    """Why external_lib is not ours, from the top-level keys and Hydra's warnings; with the fix."""
+    unavailable = re.findall(r"path=(\S+?) is not available", stderr)
+    top = cfg.get(GROUP)
+    if unavailable:
+        paths = ", ".join(unavailable)
+        return (f"Hydra could not read the search path {paths} (its 'is not available' warning), so the group "
+                f"'{GROUP}' was not found. Fix: hydra.searchpath=[{SEARCH_PATH}]")
+    if isinstance(top, str):
+        return (f"a plain top-level '{GROUP}: {top}' was composed: Hydra did not find the group '{GROUP}' (no "
+                f"search path to it). Fix: add 'hydra.searchpath=[{SEARCH_PATH}]' (or --config-dir conf from a "
+                f"clone's root), with +{GROUP}={top}")
+    if isinstance(top, dict):
+        keys = ", ".join(f"{k}={v}" for k, v in top.items())
+        return (f"a stray top-level '{GROUP}' section ({keys}) was composed, which nothing reads (the group is "
+                f"'@package _global_'; '+{GROUP}.<option>' makes such a section). Fix: put options under "
+                f"{OPTIONS_KEY}, e.g. " + " ".join(f"++{OPTIONS_KEY}.{k}={v}" for k, v in top.items())
+                + f", and select the group with +{GROUP}=fused (or logits)")
+    near = [k for k in cfg if k != GROUP and _close(str(k), [GROUP])]
+    if near:
+        return (f"a top-level '{near[0]}: {cfg[near[0]]}' was composed, which nothing reads. Fix: did you mean "
+                f"+{GROUP}={cfg[near[0]]}? (with hydra.searchpath=[{SEARCH_PATH}])")
+    return (f"Fix: hydra.searchpath=[{SEARCH_PATH}] +{GROUP}=fused, or "
+            f"actor_rollout_ref.model.external_lib={EXTERNAL_LIB} with use_fused_kernels=True and "
+            f"fused_kernel_options.impl_backend={BACKEND_NAME}")
+
+
+def check(overrides: list[str], entry: str = ENTRY) -> Verdict:
+    """Compose (:func:`compose`) and :func:`diagnose`. A failed composition is a verdict too: OFF,
+    with Hydra's message and, for an option given without its path, where it goes."""
+    try:
+        cfg, stderr = compose(overrides, entry)
+    except ComposeError as exc:
+        message = str(exc)
+        stray = re.search(rf"Could not override '{GROUP}\.([\w.]+)'", message)
+        if stray:
+            value = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+~").startswith(f"{GROUP}.")), "...")
+            return Verdict(False, f"rl-kernels is OFF: verl's config did not compose ({message}). Hydra's "
+                                  f"'+{GROUP}.{stray.group(1)}' would compose a top-level section that nothing "
+                                  f"reads. Fix: ++{OPTIONS_KEY}.{stray.group(1)}={value} ('++' adds or overrides)")
+        return Verdict(False, f"rl-kernels is OFF: verl's config did not compose: {message}")
+    return diagnose(cfg, stderr, overrides)

@@ -1,0 +1,82 @@
+"""``rl-kernels verl-check``: each override mistake that leaves rl-kernels off without an error (issue
+35) is caught, with its fix, and the right overrides read as on. verl's own entry point composes the
+config (``main_ppo --cfg job``, in process), as the run would.
+
+Marked ``verl_matrix``: the same overrides on verl 0.7.1 and 0.8.0 (.ci/run).
+"""
+import pytest
+
+pytest.importorskip("verl", reason="verl is not installed (pip install -e '.[verl]')")
+
+from rl_kernels.cli import main
+from rl_kernels.integrations.verl_check import diagnose
+
+pytestmark = pytest.mark.verl_matrix
+
+SEARCH = "hydra.searchpath=[pkg://rl_kernels.integrations.conf]"
+MODEL = "actor_rollout_ref.model"
+
+
+def _check(capsys, *overrides):
+    code = main(["verl-check", *overrides])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1, out  # one line
+    return code, out[0]
+
+
+@pytest.mark.parametrize("overrides,path", [
+    ((SEARCH, "+rl_kernels=fused"), "fused path (use_fused_kernels=True, impl_backend=rl_kernels), backend=auto"),
+    ((SEARCH, "+rl_kernels=logits"), "logits path"),
+    ((f"{MODEL}.external_lib=rl_kernels.integrations.verl", f"{MODEL}.use_fused_kernels=True",
+      f"{MODEL}.fused_kernel_options.impl_backend=rl_kernels",
+      f"+{MODEL}.fused_kernel_options.rl_kernels.backend=torch"), "backend=torch, options {'backend': 'torch'}"),
+])
+def test_on(capsys, overrides, path):
+    code, line = _check(capsys, *overrides)
+    assert code == 0 and line.startswith("rl-kernels is ON: ") and path in line, line
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    # the group's name misspelt: a plain top-level key
+    ((SEARCH, "+rl_kernel=fused"), ["top-level 'rl_kernel: fused'", "did you mean +rl_kernels=fused?"]),
+    # an option without its path: Hydra refuses, and its hint (+rl_kernels.backend=...) composes a stray section
+    ((SEARCH, "rl_kernels.backend=tritn"),
+     ["did not compose", f"Fix: ++{MODEL}.fused_kernel_options.rl_kernels.backend=tritn"]),
+    ((SEARCH, "+rl_kernels.backend=tritn"),
+     ["stray top-level 'rl_kernels' section (backend=tritn)", f"++{MODEL}.fused_kernel_options.rl_kernels.backend=tritn"]),
+    # the package of the search path misspelt: Hydra only warns
+    (("hydra.searchpath=[pkg://rl_kernels.integration.conf]", "+rl_kernels=fused"),
+     ["could not read the search path rl_kernels.integration.conf", f"Fix: {SEARCH}"]),
+    # no search path at all
+    (("+rl_kernels=fused",), ["plain top-level 'rl_kernels: fused'", "hydra.searchpath=[pkg://rl_kernels.integrations.conf]"]),
+    # impl_backend misspelt: verl prints "Skipping monkey patch" and runs the plain forward
+    ((f"{MODEL}.external_lib=rl_kernels.integrations.verl", f"{MODEL}.use_fused_kernels=True",
+      f"{MODEL}.fused_kernel_options.impl_backend=rl_kernel"),
+     ["OFF on the fused path", "impl_backend='rl_kernel'", "did you mean "
+      f"{MODEL}.fused_kernel_options.impl_backend=rl_kernels?"]),
+    # a bad value where it belongs: otherwise refused only in a Ray worker
+    ((SEARCH, "+rl_kernels=fused", f"{MODEL}.fused_kernel_options.rl_kernels.backend=tritn"),
+     ["a Ray worker would refuse these options", "fused_kernel_options.rl_kernels.backend: expected one of"]),
+    ((SEARCH, "+rl_kernels=fused", f"++{MODEL}.fused_kernel_options.rl_kernels.anomaly_dirr=/tmp/x"),
+     ["unknown option(s) ['anomaly_dirr']", "did you mean 'anomaly_dir'"]),
+])
+def test_each_mistake_is_off_with_its_fix(capsys, overrides, expected):
+    code, line = _check(capsys, *overrides)
+    assert code == 1 and line.startswith("rl-kernels is OFF"), line
+    for text in expected:
+        assert text in line, (text, line)
+
+
+def test_logits_path_switched_off_is_off():
+    cfg = {"actor_rollout_ref": {"model": {"external_lib": "rl_kernels.integrations.verl", "use_fused_kernels": False,
+                                           "fused_kernel_options": {"rl_kernels": {"patch_logits_path": False}}}}}
+    verdict = diagnose(cfg)
+    assert not verdict.on and "patch_logits_path=False" in verdict.line
+
+
+def test_a_bad_entry_is_a_one_line_usage_error(capsys):
+    with pytest.raises(SystemExit) as err:
+        main(["verl-check", "--entry", "no.such.module", "+rl_kernels=fused"])
+    assert err.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "--entry: no module named 'no.such.module'" in lines[0], lines
