@@ -1,7 +1,7 @@
 """rl_kernels.integrations.verl_distill: verl's top-K distillation loss (``compute_forward_kl_topk``
 of ``verl.trainer.distillation.fsdp.losses``, FSDP / VeOmni) with rl-kernels' student log-probs.
 
-Marked ``verl_matrix``: on verl 0.7.x / 0.8.x, which have no distillation module, the tests that
+Marked ``verl_matrix``: on verl 0.7.x, which has no distillation module, the tests that
 need it skip (the report's "not in this verl" entries are checked on every release).
 
 verl's own function, captured before patching, is the reference: CPU float32 logits (1, 20, 203)
@@ -36,7 +36,7 @@ def _has_distillation() -> bool:
 
 
 needs_distillation = pytest.mark.skipif(
-    not _has_distillation(), reason="this verl has no verl.trainer.distillation (verl 0.7.x / 0.8.x): nothing to patch")
+    not _has_distillation(), reason="this verl has no verl.trainer.distillation (verl 0.7.x): nothing to patch")
 
 LENGTHS, V, K = (7, 4, 9), 203, 5
 TOL = dict(atol=1e-5, rtol=0)
@@ -67,8 +67,11 @@ def _backend(name):
 def _config(clamp, chunked=False):
     from verl.workers.config import DistillationConfig, DistillationLossConfig
 
+    # use_chunked_topk: verl 0.9 on (0.8.0's loss has only the log_softmax path)
+    chunking = {"use_chunked_topk": chunked} if "use_chunked_topk" in DistillationLossConfig.__dataclass_fields__ \
+        else {}
     return DistillationConfig(distillation_loss=DistillationLossConfig(
-        loss_mode="forward_kl_topk", topk=K, log_prob_min_clamp=clamp, use_chunked_topk=chunked,
+        loss_mode="forward_kl_topk", topk=K, log_prob_min_clamp=clamp, **chunking,
         use_policy_gradient=False))
 
 
@@ -201,7 +204,7 @@ def test_changed_signature_raises_and_patches_nothing(monkeypatch):
 
 
 def test_verl_without_distillation_reports_not_in_this_verl(monkeypatch):
-    """verl 0.7.x / 0.8.x (simulated here on any verl: the modules made unimportable)."""
+    """verl 0.7.x (simulated here on any verl: the modules made unimportable)."""
     monkeypatch.setitem(sys.modules, verl_distill.FSDP_MODULE, None)
     monkeypatch.setitem(sys.modules, verl_distill.MEGATRON_MODULE, None)
     report = verl_distill.patch_distillation()

@@ -1,7 +1,7 @@
 """verl's top-K distillation loss on the logits path (issue 34): rl-kernels' student log-probs in
 place of verl's full-vocabulary ``log_softmax``.
 
-verl (0.9.x and its main branch) computes the top-K distillation loss in the logits processor of
+verl (0.8.0 on: 0.8.x, 0.9.x and its main branch) computes the top-K distillation loss in the logits processor of
 the FSDP (and VeOmni) engines: ``verl.trainer.distillation.losses.compute_topk_loss`` calls
 ``verl.trainer.distillation.fsdp.losses.compute_forward_kl_topk(student_logits,
 teacher_topk_log_probs, teacher_topk_ids, config, data_format)`` as a module attribute. verl's
@@ -40,7 +40,7 @@ PARAMETERS = ["student_logits", "teacher_topk_log_probs", "teacher_topk_ids", "c
 
 FSDP_PART = "distillation (FSDP, VeOmni)"
 MEGATRON_PART = "distillation (Megatron)"
-NOT_IN_THIS_VERL = "not in this verl (no verl.trainer.distillation: verl 0.7.x / 0.8.x)"
+NOT_IN_THIS_VERL = "not in this verl (no verl.trainer.distillation: verl 0.7.x)"
 
 
 def _import_fsdp_losses():
@@ -99,7 +99,7 @@ def patch_distillation() -> dict[str, tuple[bool, str]]:
     """Replace verl's ``compute_forward_kl_topk`` of the FSDP / VeOmni distillation losses by
     :func:`compute_forward_kl_topk` (through :func:`~._verl_common.replace_by_name`, so
     :func:`~._verl_common.restore` undoes it). Returns the report entries ``{FSDP_PART:
-    (replaced?, what), MEGATRON_PART: (False, why)}``; a verl without distillation (0.7.x, 0.8.x)
+    (replaced?, what), MEGATRON_PART: (False, why)}``; a verl without distillation (0.7.x)
     gets ``(False, "not in this verl ...")`` for both, one whose module lacks the function
     ``(False, "not replaced ...")``. Raises VerlIntegrationError when the function has other
     parameters than :data:`PARAMETERS`. Idempotent:

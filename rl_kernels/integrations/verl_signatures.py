@@ -52,7 +52,7 @@ class VerlFeatures(NamedTuple):
 
     legacy_actor: bool        # verl.workers.actor.dp_actor (legacy workers: verl 0.7.x)
     fused_impl_backend: bool  # FusedLinearForPPO(impl_backend=...): verl's torch/triton/liger backends (0.9.x)
-    distillation: bool        # verl.trainer.distillation (top-K distillation loss: 0.9.x, main)
+    distillation: bool        # verl.trainer.distillation (top-K distillation loss: 0.8.0 on)
 
 
 def _has_module(name: str) -> bool:
