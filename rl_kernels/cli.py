@@ -37,6 +37,7 @@ EPILOG = """\
 examples:
   rl-kernels repro                          the bundled samples, every backend available here
   rl-kernels repro bad_step.safetensors     a sample saved by rl_kernels.samples.save_sample
+  rl-kernels repro anomalies/               every sample file in a directory, in name order
   rl-kernels repro --save samples/          write the bundled samples as .safetensors files
   rl-kernels bench --json out.json          GPU timings, saved as JSON
   rl-kernels verl-check 'hydra.searchpath=[pkg://rl_kernels.integrations.conf]' +rl_kernels=fused
@@ -126,14 +127,42 @@ def _save_bundled(target: str) -> int:
 _METADATA_FIRST = ("reason", "rank", "call", "verl_version", "model", "time", "step", "source")
 
 
+_METADATA_SHOWN_ELSEWHERE = ("description", "rl_kernels.baseline_bugs")  # the sample's line, the notes
+
+
 def _describe_metadata(meta: dict) -> str:
     keys = [k for k in _METADATA_FIRST if k in meta]
-    keys += sorted(k for k in meta if k not in _METADATA_FIRST and k != "description")
+    keys += sorted(k for k in meta if k not in _METADATA_FIRST and k not in _METADATA_SHOWN_ELSEWHERE)
     return "; ".join(f"{k}={' '.join(str(meta[k]).split())}" for k in keys)
 
 
+def _sample_paths(paths: list[str]) -> list[tuple[str, str | None]]:
+    """(path, None) per file to replay: each PATH, or every sample file of a directory PATH in
+    name order; (PATH, message) for a directory that holds none or cannot be listed. A
+    CommandError (one line) when no PATH leaves anything to replay."""
+    from .samples import SAMPLE_SUFFIXES, sample_files
+
+    targets: list[tuple[str, str | None]] = []
+    for path in paths:
+        if not os.path.isdir(path):
+            targets.append((path, None))
+            continue
+        try:
+            files = sample_files(path)
+        except OSError as exc:
+            targets.append((path, f"{path}: directory cannot be listed ({exc.strerror or _one_line(exc)})"))
+            continue
+        if not files:
+            targets.append((path, f"{path}: no sample files in this directory (files ending in "
+                                  f"{' or '.join(SAMPLE_SUFFIXES)})"))
+        targets.extend((f, None) for f in files)
+    if targets and all(message for _, message in targets):
+        raise CommandError("; ".join(message for _, message in targets))
+    return targets
+
+
 def _repro(args: argparse.Namespace) -> int:
-    from .repro import (BASELINE_BUG, INPUT_NON_FINITE, available_backends,
+    from .repro import (BASELINE_FAIL, INPUT_NON_FINITE, available_backends,
                         available_logits_backends, check_sample, error_row, format_table,
                         unavailable_backends)
     from .samples import BUNDLED, LogitsSample, SampleError, load_sample
@@ -142,6 +171,7 @@ def _repro(args: argparse.Namespace) -> int:
         if args.paths:
             raise UsageError("argument --save: writes the bundled samples; give no PATH with it")
         return _save_bundled(args.save)
+    targets = _sample_paths(args.paths)
     device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     backends = available_backends(device)
     logits_backends = available_logits_backends(device)
@@ -154,7 +184,7 @@ def _repro(args: argparse.Namespace) -> int:
     rows, errors = [], []
 
     def error(label: str, message: str) -> None:
-        if _verbose(args):
+        if _verbose(args) and sys.exc_info()[0] is not None:
             traceback.print_exc()
         print(f"rl-kernels repro: error: {message}", file=sys.stderr)
         errors.append(message)
@@ -172,7 +202,10 @@ def _repro(args: argparse.Namespace) -> int:
             s = make()
             print(f"  {s.name}: {s.description}")
             run(s)
-    for path in args.paths:
+    for path, message in targets:
+        if message:
+            error(path, message)
+            continue
         try:
             s = load_sample(path)
         except SampleError as exc:
@@ -183,14 +216,15 @@ def _repro(args: argparse.Namespace) -> int:
             continue
         if s.description:
             print(f"  {s.name}: {s.description}")
-        if set(s.metadata) - {"description"}:
+        if set(s.metadata) - set(_METADATA_SHOWN_ELSEWHERE):
             print(f"  {s.name}: metadata: {_describe_metadata(s.metadata)}")
         run(s)
     print(format_table(rows))
     failed = [r for r in rows if r.ours and not r.passed]
-    if any(r.status == BASELINE_BUG for r in rows):
-        print(f"{BASELINE_BUG}: a known bug of that baseline, which the sample reproduces; "
-              f"only rl_kernels rows decide the exit status")
+    if any(r.status == BASELINE_FAIL for r in rows):
+        print(f"{BASELINE_FAIL}: a baseline (not rl-kernels) further from float64 than the tolerance: "
+              f"that baseline's own error (the note says what it computes differently), not a failure "
+              f"of this run; only rl_kernels rows decide the exit status")
     non_finite = list(dict.fromkeys(r.sample for r in rows if "input holds NaN/inf" in r.note))
     if non_finite:
         print(f"input NaN/inf: {', '.join(non_finite)}: the rows named in the note are not "
@@ -223,19 +257,20 @@ def _bench(args: argparse.Namespace) -> int:
     bench = load_bench()
     if args.plot:
         results, text = bench.load_results(args.plot)
-        png = args.png or os.path.splitext(args.plot)[0] + ".png"
-        _writable_file("--png", png)
+        if not args.png:  # a chart only where asked for: nothing is written next to the JSON
+            print(text)
+            return 0
         try:
-            bench.plot(results, png)
+            bench.plot(results, args.png)
         except ImportError as exc:
-            raise CommandError(f"--plot: the chart needs matplotlib (pip install matplotlib, or the "
+            raise CommandError(f"--png: the chart needs matplotlib (pip install matplotlib, or the "
                                f"bench extra: pip install '/path/to/rl-kernels[bench]'): "
                                f"{_one_line(exc)}") from exc
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
             raise CommandError(f"{args.plot}: not a complete rl-kernels bench result "
                                f"({type(exc).__name__}: {_one_line(exc)})") from exc
         print(text)
-        print(report_written(png))
+        print(report_written(args.png))
         return 0
     if args.shapes:
         bench.parse_shapes(args.shapes, logits=args.logits)  # a bad shape: exit 2 before timing
@@ -284,12 +319,15 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Replay samples through every backend available here "
                            "(ours Triton and torch, torch eager, verl's kernel when importable on "
                            "CUDA) and print, per backend, the max |error| of log-probs and entropy "
-                           "against float64 and PASS / FAIL. Exit status 1 when one of ours fails "
-                           "or a file cannot be replayed, 2 for a bad option.")
+                           "against float64 and PASS / FAIL; a baseline further from float64 than "
+                           "the tolerance is FAIL (baseline), that baseline's own error, never a "
+                           "failure of the run. Exit status 1 when one of ours fails or a file "
+                           "cannot be replayed, 2 for a bad option.")
     _add_verbose(repro, argparse.SUPPRESS)
-    repro.add_argument("paths", nargs="*", help=".safetensors/.pt sample files, each holding "
-                       "hidden_states/weight/labels or logits/labels "
-                       "(default: the bundled bug-catalogue samples)")
+    repro.add_argument("paths", nargs="*", metavar="PATH",
+                       help=".safetensors/.pt sample files, each holding hidden_states/weight/labels "
+                       "or logits/labels, or directories of them (every .safetensors/.pt file in "
+                       "it, in name order) (default: the bundled bug-catalogue samples)")
     repro.add_argument("--atol", type=_tolerance, default=DEFAULT_ATOL,
                        help="max |error| for PASS, a finite number >= 0 (default %(default)g)")
     repro.add_argument("--device", type=_device, help="cpu, cuda or cuda:N (default: cuda when available)")
@@ -314,8 +352,10 @@ def build_parser() -> argparse.ArgumentParser:
                             f"--logits N,V (default: {' '.join(DEFAULT_LOGITS_SHAPES)})")
     bench.add_argument("--impls", nargs="+", help="only these implementations (names as in the table)")
     bench.add_argument("--json", help="write the results as JSON here")
-    bench.add_argument("--png", help="write a bar chart here (needs matplotlib)")
-    bench.add_argument("--plot", metavar="JSON", help="no timing: re-print and chart a saved JSON")
+    bench.add_argument("--png", metavar="PATH", help="write a bar chart to PATH, a .png file name "
+                       "in an existing directory (needs matplotlib); nothing else writes one")
+    bench.add_argument("--plot", metavar="JSON", help="no timing: re-print the tables of a saved "
+                       "--json result (with --png PATH: chart it there too)")
     bench.add_argument("--stub-verl", action="store_true",
                        help="import verl's kernels without its Ray/tensordict stack (GPU machines "
                             "without a package index)")

@@ -7,6 +7,7 @@ Triton kernels in each launch shape, one-level and two-level split) and torch ea
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable
@@ -40,14 +41,16 @@ class Row:
     positive_log_probs: int
     passed: bool
     note: str = ""
-    status: str = ""  # the table's result when not plain PASS / FAIL ("FAIL (baseline bug)", ...)
+    status: str = ""  # the table's result when not plain PASS / FAIL ("FAIL (baseline)", ...)
 
     @property
     def result(self) -> str:
         return self.status or ("PASS" if self.passed else "FAIL")
 
 
-BASELINE_BUG = "FAIL (baseline bug)"
+BASELINE_FAIL = "FAIL (baseline)"
+"""The result of a baseline's row (a backend that is not rl-kernels' own) further from float64 than
+the tolerance: that baseline's own error, explained in the row's note; never a failure of the run."""
 INPUT_NON_FINITE = "n/a: input NaN/inf"
 ERROR = "ERROR"
 
@@ -78,7 +81,7 @@ def _verl_backends() -> dict[str, Backend]:
     except Exception:  # noqa: BLE001 - any import failure means "not available here"
         return {}
     # verl's head has no soft-capping: on a capped sample it computes the uncapped logits, as
-    # verl's fused forwards do for such models (the sample's baseline_bugs says so)
+    # verl's fused forwards do for such models (the bundled sample's baseline_bugs says so)
     return {"verl linear_cross_entropy": lambda s: head(s.hidden_states, s.weight, s.labels, s.temperature)}
 
 
@@ -109,6 +112,16 @@ def _ours_logits_triton(two_level: bool) -> LogitsBackend:
         out = ops.logits_forward(x, s.labels.reshape(-1), params, ops.logits_config(x.device), two_level=two_level)
         return out["log_probs"].view(s.labels.shape), out["entropy"].view(s.labels.shape)
     return run
+
+
+def _quiet_interpreter():
+    """``ops.launch.quiet_interpreter()`` under Triton's CPU interpreter; else nothing (and no
+    import of ``ops``, which needs Triton)."""
+    if not (interpreting() and triton_available()):
+        return contextlib.nullcontext()
+    from .ops.launch import quiet_interpreter
+
+    return quiet_interpreter()
 
 
 def _triton_runs_on(device: torch.device) -> bool:
@@ -181,6 +194,31 @@ def _baseline_bug(sample: Sample | LogitsSample, backend: str) -> str | None:
                  if backend.startswith(prefix)), None)
 
 
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def baseline_error(sample: Sample | LogitsSample, backend: str) -> str:
+    """The note of a baseline's row that fails (``FAIL (baseline)``): that it is the baseline's own
+    error, what the baseline computes differently from float64 (the same words for a bundled sample
+    and for the file it is saved as, for ``save_sample`` and anomaly-capture files), and the
+    known bug of that baseline which the sample reproduces, when it names one (``baseline_bugs``)."""
+    if backend.startswith("torch eager"):
+        if isinstance(sample, LogitsSample):
+            how = (f"logits divided by T in {_dtype(sample.logits)} (the logits' dtype), as verl's "
+                   f"logits path does" if sample.temperature != 1.0 else
+                   f"float32 log-softmax of the {_dtype(sample.logits)} logits")
+        else:
+            how = (f"logits computed in {_dtype(sample.hidden_states)} (the inputs' dtype), as "
+                   f"verl's default path does")
+    elif backend.startswith("verl"):
+        how = "verl's own kernel"
+    else:
+        how = "not an rl-kernels backend"
+    bug = _baseline_bug(sample, backend)
+    return f"baseline's own error: {how}" + (f"; known bug: {bug}" if bug else "")
+
+
 def check_sample(sample: Sample | LogitsSample, device: torch.device, atol: float = DEFAULT_ATOL,
                  backends: dict[str, tuple[Backend | LogitsBackend, bool]] | None = None) -> list[Row]:
     """One Row per backend: errors vs the float64 reference (over non-ignored positions).
@@ -189,8 +227,11 @@ def check_sample(sample: Sample | LogitsSample, device: torch.device, atol: floa
 
     Rows whose inputs hold NaN/inf (:func:`non_finite_inputs`) are left out of the comparison and
     named in each row's note (the input, not a kernel, is non-finite); when no row is left, the
-    result is ``n/a: input NaN/inf``. A failing baseline row that the sample lists in
-    ``baseline_bugs`` (the bundled bug catalogue) is ``FAIL (baseline bug)``: expected."""
+    result is ``n/a: input NaN/inf``. A failing row of a baseline (``ours`` False: torch eager,
+    verl) is ``FAIL (baseline)``, its note saying what that baseline does (:func:`baseline_error`):
+    the baseline's error, not a failure of rl-kernels, whether the sample is bundled or a file.
+    Under Triton's CPU interpreter every backend runs in
+    :func:`~rl_kernels.ops.launch.quiet_interpreter` (no numpy warnings from its masked-off lanes)."""
     if isinstance(sample, LogitsSample):
         backends = backends if backends is not None else available_logits_backends(device)
         ref = reference_logits_stats(sample.logits, sample.labels, temperature=sample.temperature,
@@ -207,7 +248,7 @@ def check_sample(sample: Sample | LogitsSample, device: torch.device, atol: floa
     rows = []
     for name, (fn, ours) in backends.items():
         try:
-            with torch.no_grad():
+            with torch.no_grad(), _quiet_interpreter():
                 lp, ent = fn(s_dev)
         except Exception as exc:  # noqa: BLE001 - a peer failing is a result to report
             row = Row(sample.name, name, ours, math.nan, math.nan, -1, -1, False,
@@ -222,10 +263,9 @@ def check_sample(sample: Sample | LogitsSample, device: torch.device, atol: floa
             row = Row(sample.name, name, ours, e_lp, e_ent, non_finite, positive, passed)
             if nothing_to_compare:
                 row.passed, row.status = True, INPUT_NON_FINITE
-        bug = None if ours or row.passed else _baseline_bug(sample, name)
-        if bug:
-            row.status = BASELINE_BUG
-            row.note = "; ".join(x for x in (f"expected: {bug}", row.note) if x)
+        if not ours and not row.passed:
+            row.status = BASELINE_FAIL
+            row.note = "; ".join(x for x in (baseline_error(sample, name), row.note) if x)
         if input_note:
             row.note = "; ".join(x for x in (input_note + " (not compared)", row.note) if x)
         rows.append(row)

@@ -11,12 +11,14 @@ and optionally ``temperature`` (0-d tensor or number) and ``ignore_index``; a li
 also ``softcap`` (the cap c of logits c tanh(h . w / c), e.g. Gemma 2's
 ``final_logit_softcapping``; absent or NaN: none). ``save_sample`` /
 ``save_logits_sample`` write one from tensors captured in training; ``load_sample`` reads either
-kind back. Both check the tensors with the public API's rules (TypeError / ValueError naming the
-argument; :class:`SampleError`, a ValueError naming the file, from ``load_sample``).
+kind back; ``sample_files`` lists those of a directory. Both check the tensors with the public
+API's rules (TypeError / ValueError naming the argument; :class:`SampleError`, a ValueError naming
+the file, from ``load_sample``).
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Callable
 
@@ -29,7 +31,8 @@ LOGITS_SAMPLE_TENSORS = ("logits", "labels")
 @dataclasses.dataclass
 class Sample:
     """A linear-head sample. ``baseline_bugs``: backend name (prefix) -> the known bug of that
-    baseline which this sample shows (bundled samples); a failing row of it is marked expected."""
+    baseline which this sample shows (bundled samples; kept in a file's metadata by
+    :func:`write_sample`); repro names it in that baseline's failing row."""
 
     name: str
     hidden_states: torch.Tensor
@@ -182,9 +185,16 @@ def save_logits_sample(path: str | os.PathLike, logits: torch.Tensor, labels: to
     _write(path, {"logits": logits, "labels": labels}, temperature, ignore_index, metadata)
 
 
+BASELINE_BUGS_KEY = "rl_kernels.baseline_bugs"
+"""The metadata key of a sample's ``baseline_bugs`` in a file (a JSON object: backend prefix -> bug)."""
+
+
 def write_sample(path: str | os.PathLike, sample: Sample | LogitsSample) -> None:
-    """Save a :class:`Sample` or :class:`LogitsSample` (its description goes to the metadata)."""
+    """Save a :class:`Sample` or :class:`LogitsSample` (its description and ``baseline_bugs`` go
+    to the metadata, so that the file replays with the bundled sample's notes)."""
     meta = {**sample.metadata, "description": sample.description}
+    if sample.baseline_bugs:
+        meta[BASELINE_BUGS_KEY] = json.dumps(sample.baseline_bugs, sort_keys=True)
     if isinstance(sample, LogitsSample):
         save_logits_sample(path, sample.logits, sample.labels, temperature=sample.temperature,
                            ignore_index=sample.ignore_index, metadata=meta)
@@ -195,6 +205,16 @@ def write_sample(path: str | os.PathLike, sample: Sample | LogitsSample) -> None
 
 
 _KINDS = "a sample file is .safetensors or a torch.save .pt"
+SAMPLE_SUFFIXES = (".safetensors", ".pt")
+
+
+def sample_files(directory: str | os.PathLike) -> list[str]:
+    """The sample files in ``directory``, sorted by name: its regular files ending in .safetensors
+    or .pt (not those of its subfolders, nor hidden ones, such as a temporary file being written).
+    OSError when it cannot be listed."""
+    directory = os.fspath(directory)
+    names = sorted(n for n in os.listdir(directory) if n.endswith(SAMPLE_SUFFIXES) and not n.startswith("."))
+    return [os.path.join(directory, n) for n in names if os.path.isfile(os.path.join(directory, n))]
 
 
 def _short(exc: BaseException) -> str:
@@ -299,10 +319,25 @@ def _validated(path: str, data: dict, meta: dict) -> Sample | LogitsSample:
         raise SampleError(path, str(exc)) from exc
     common = dict(name=os.path.basename(path), labels=data["labels"], temperature=temperature,
                   ignore_index=int(ignore_index), description=meta.get("description", ""),
-                  metadata=meta)
+                  metadata=meta, baseline_bugs=_baseline_bugs(path, meta))
     if is_logits:
         return LogitsSample(logits=data["logits"], **common)
     return Sample(hidden_states=data["hidden_states"], weight=data["weight"], softcap=softcap, **common)
+
+
+def _baseline_bugs(path: str, meta: dict) -> dict:
+    """The ``baseline_bugs`` a file's metadata holds (:func:`write_sample`); {} when none."""
+    text = meta.get(BASELINE_BUGS_KEY)
+    if text is None:
+        return {}
+    try:
+        bugs = json.loads(text)
+    except ValueError:
+        bugs = None
+    if not isinstance(bugs, dict) or not all(isinstance(v, str) for v in bugs.values()):
+        raise SampleError(path, f"metadata {BASELINE_BUGS_KEY!r}: expected a JSON object of "
+                                f"backend name -> text, got {' '.join(str(text).split())[:80]!r}")
+    return bugs
 
 
 def load_sample(path: str | os.PathLike) -> Sample | LogitsSample:
@@ -321,12 +356,10 @@ def load_sample(path: str | os.PathLike) -> Sample | LogitsSample:
 
 # --------------------------------------------------------------------------- bundled samples
 
-# what the baselines get wrong on the bundled samples (repro marks their FAIL rows as expected)
-_EAGER_BF16 = "logits rounded to bf16, as in verl's default path"
-
-
-def _bugs(verl: str | None = None) -> dict:
-    return {"torch eager": _EAGER_BF16, **({"verl": verl} if verl else {})}
+# the known bug of a baseline that a bundled sample reproduces (repro names it in a failing row's
+# note; what torch eager computes differently, bf16 logits, repro says for every sample)
+def _bugs(verl: str) -> dict:
+    return {"verl": verl}
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -407,7 +440,7 @@ def _softcap_past_cap() -> Sample:
                   description="Gemma 2 final-logit soft-capping (c = 30, then T = 0.9): raw logits of std "
                               "24 (a fifth past the cap, the largest ~110); a head that skips the "
                               "cap (verl's fused forwards) is off by up to ~100 nats",
-                  baseline_bugs={"torch eager": _EAGER_BF16, "verl": "verl's fused head applies no soft-capping"})
+                  baseline_bugs=_bugs("verl's fused head applies no soft-capping"))
 
 
 def _logits_bf16_temperature() -> LogitsSample:
@@ -426,8 +459,7 @@ def _logits_bf16_temperature() -> LogitsSample:
                                     "bf16 logits, which verl divides by T in bf16 (z rounded by "
                                     "up to |z| 2^-9: 0.17 nats here); labels -100; a row of "
                                     "logits <= -100 (PR #7439); a row dominated by the last "
-                                    "column; V=1000",
-                        baseline_bugs={"torch eager": "logits / T in bf16, as in verl's logits path"})
+                                    "column; V=1000")
 
 
 BUNDLED: dict[str, Callable[[], Sample | LogitsSample]] = {

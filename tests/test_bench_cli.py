@@ -1,4 +1,5 @@
-"""`rl-kernels bench` off the GPU: it says so and exits 0; `--plot` re-charts a saved result. The
+"""`rl-kernels bench` off the GPU: it says so and exits 0; `--plot` re-prints a saved result and
+charts it only where `--png` says. The
 bench is a module of the package (`rl_kernels.bench`): it runs without the clone's scripts/ and
 does not import the command line."""
 import ast
@@ -34,7 +35,8 @@ def test_bench_is_a_package_module_without_the_cli():
     """The bench's source imports nothing of the CLI, and importing it loads no CLI module."""
     import rl_kernels.bench as bench
 
-    tree = ast.parse(open(bench.__file__, encoding="utf-8").read())
+    with open(bench.__file__, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     assert not any(name and name.split(".")[-1] == "cli" for name in imported), imported
@@ -74,7 +76,20 @@ def test_bench_plot_from_json(tmp_path, capsys):
     assert main(["bench", "--plot", str(path)]) == 0
     out = capsys.readouterr().out
     assert "16 x 8 x 33" in out and "6.00" in out and "out of memory" in out
-    png = tmp_path / "r.png"
+    assert os.listdir(tmp_path) == ["r.json"] and "wrote" not in out  # no chart unless asked for
+    png = tmp_path / "charts" / "chart.png"
+    with pytest.raises(SystemExit) as exc:  # its directory must exist: one line, exit 2
+        main(["bench", "--plot", str(path), "--png", str(png)])
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == [
+        f"rl-kernels bench: error: argument --png: cannot write {str(png)!r}: directory "
+        f"{str(png.parent)!r} does not exist (see rl-kernels bench --help)"]
+    png.parent.mkdir()
+    assert main(["bench", "--plot", str(path), "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "16 x 8 x 33" in out and os.listdir(tmp_path / "charts") == ["chart.png"]
+    assert sorted(os.listdir(tmp_path)) == ["charts", "r.json"]
     assert png.exists() and os.path.getsize(png) > 1000
     # the file written, with its size in MB
     (size,) = [line.removeprefix(f"wrote {png} (") for line in out.splitlines()
@@ -117,7 +132,11 @@ def _logits_results():
 def test_bench_logits_plot_from_json(tmp_path, capsys):
     path = tmp_path / "logits.json"
     path.write_text(json.dumps(_logits_results()))
+    png = tmp_path / "logits.png"
+    png.write_bytes(b"mine")  # a file of the user's: --plot alone leaves it alone
     assert main(["bench", "--plot", str(path)]) == 0
+    assert png.read_bytes() == b"mine"
+    assert main(["bench", "--plot", str(path), "--png", str(png)]) == 0
     out = capsys.readouterr().out
     assert "read 3000 GB/s (sum 2900, amax 3000); copy 2800 GB/s" in out
     assert "16384 x 152064 bf16 logits (4.64 GiB)" in out and "8 x 1000" in out
@@ -127,7 +146,6 @@ def test_bench_logits_plot_from_json(tmp_path, capsys):
     assert any("liger (CE only)" in line and "CE only" in line.split("|")[-2] for line in table)
     assert any("torch eager" in line and "out of memory" in line for line in table)
     assert "not importable here: flash-attn" in out
-    png = tmp_path / "logits.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and os.path.getsize(png) > 1000
 
 

@@ -60,7 +60,6 @@ def _table(out: str) -> list[str]:
 def _bad_files(tmp_path):
     """name -> (path, what the error line must say)."""
     hidden, weight, labels = _tensors()
-    os.mkdir(tmp_path / "a_dir")
     (tmp_path / "empty.pt").write_bytes(b"")
     (tmp_path / "empty.safetensors").write_bytes(b"")
     junk = bytes(range(7, 256)) * 3
@@ -72,7 +71,6 @@ def _bad_files(tmp_path):
     torch.save({"hidden_states": [1.0, 2.0], "weight": weight, "labels": labels}, tmp_path / "list.pt")
     return {
         "missing": (tmp_path / "nope.safetensors", "no such file"),
-        "directory": (tmp_path / "a_dir", "is a directory"),
         "empty .pt": (tmp_path / "empty.pt", "is empty"),
         "empty .safetensors": (tmp_path / "empty.safetensors", "is empty"),
         "random bytes .safetensors": (tmp_path / "junk.safetensors", "not a readable .safetensors file"),
@@ -111,7 +109,15 @@ def _bad_files(tmp_path):
                                "ignore_index: expected an int"),
         "logits vs labels": (_write(tmp_path / "logits.safetensors", logits=torch.randn(4, 8, 32),
                                     labels=labels[:, :3]), "labels (4, 3) do not match logits (4, 8, 32)"),
+        "bad baseline_bugs": (_bad_baseline_bugs(tmp_path / "bugs.safetensors", hidden, weight, labels),
+                              "metadata 'rl_kernels.baseline_bugs': expected a JSON object"),
     }
+
+
+def _bad_baseline_bugs(path, hidden, weight, labels):
+    save_file({"hidden_states": hidden, "weight": weight, "labels": labels}, str(path),
+              metadata={samples.BASELINE_BUGS_KEY: "[1, 2"})
+    return path
 
 
 def test_every_bad_sample_file_is_one_error_line(tmp_path, capsys):
@@ -126,6 +132,37 @@ def test_every_bad_sample_file_is_one_error_line(tmp_path, capsys):
         assert len(rows) == 1 and "ERROR" in rows[0] and str(path) in rows[0], (case, out)
         with pytest.raises(SampleError, match=re.escape(str(path))):  # the API: a ValueError naming the path
             load_sample(path)
+
+
+def test_repro_directory(tmp_path, capsys):
+    """A directory PATH replays its sample files in name order (not its other files, subfolders or
+    hidden files); one that holds none is one line, exit 1, or an ERROR row beside other PATHs."""
+    folder = tmp_path / "samples"
+    folder.mkdir()
+    for name, seed in (("b.pt", 1), ("a.safetensors", 0), ("c.safetensors", 2)):
+        _good(folder, name, seed)
+    (folder / "notes.txt").write_text("not a sample\n")
+    (folder / ".tmp-write.safetensors").write_bytes(b"partial")
+    (folder / "sub.pt").mkdir()
+    assert main(["repro", "--device", "cpu", str(folder)]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and [r.split("|")[1].strip() for r in _table(out)] == \
+        ["a.safetensors"] * 2 + ["b.pt"] * 2 + ["c.safetensors"] * 2
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "readme.txt").write_text("x")
+    assert main(["repro", "--device", "cpu", str(empty)]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == [
+        f"rl-kernels repro: error: {empty}: no sample files in this directory (files ending in "
+        f".safetensors or .pt)"]
+    assert main(["repro", "--device", "cpu", str(empty), str(folder / "a.safetensors")]) == 1
+    out, err = capsys.readouterr()
+    assert "no sample files in this directory" in _one_line_naming(err, str(empty))
+    rows = _table(out)
+    assert len(rows) == 3 and "ERROR" in rows[0] and str(empty) in rows[0]
+    with pytest.raises(SampleError, match="is a directory"):  # the API reads files only
+        load_sample(folder)
 
 
 def test_one_bad_file_among_several_does_not_discard_the_others(tmp_path, capsys):
@@ -278,21 +315,34 @@ def test_anomaly_sample_replays_with_its_metadata(tmp_path, capsys):
     assert all("input holds NaN/inf in weight rows (vocab ids) [3]" in r for r in rows)
 
 
-def test_default_table_marks_the_baselines_known_bugs(tmp_path, monkeypatch, capsys):
+EAGER_BF16 = "baseline's own error: logits computed in bfloat16 (the inputs' dtype), as verl's default path does"
+
+
+def test_failing_baseline_reads_the_same_bundled_saved_or_captured(tmp_path, monkeypatch, capsys):
+    """torch eager on bf16 inputs is further from float64 than the tolerance: the row says it is
+    that baseline's own error, in the same words for a bundled sample, a user's save_sample file
+    and an anomaly-capture file, and the run exits 0 (only rl_kernels rows decide)."""
     monkeypatch.setattr(samples, "BUNDLED", {"hidden_904": samples.BUNDLED["hidden_904"]})
-    assert main(["repro", "--device", "cpu"]) == 0
-    out = capsys.readouterr().out
-    rows = {r.split("|")[2].strip(): r for r in _table(out)}
-    assert "PASS" in rows["rl_kernels torch"]
-    eager = rows["torch eager"]
-    assert "FAIL (baseline bug)" in eager and "expected: logits rounded to bf16" in eager
-    assert "FAIL (baseline bug): a known bug of that baseline" in out
-    # a user's sample has no known baseline bug: a failing baseline is a plain FAIL
     hidden, weight, labels = _tensors()
-    save_sample(tmp_path / "mine.pt", hidden.bfloat16() * 40, weight.bfloat16(), labels)
-    assert main(["repro", "--device", "cpu", str(tmp_path / "mine.pt")]) == 0
-    eager = next(r for r in _table(capsys.readouterr().out) if "torch eager" in r)
-    assert "| FAIL " in eager and "baseline bug" not in eager
+    hidden, weight = hidden.bfloat16() * 40, weight.bfloat16()
+    save_sample(tmp_path / "mine.pt", hidden, weight, labels)
+    from rl_kernels import linear_log_probs
+
+    out = linear_log_probs(hidden, weight, labels, backend="torch")
+    capture = AnomalyCapture(str(tmp_path / "anomalies"))
+    assert capture.check(hidden, weight, labels, temperature=1.0, ignore_index=-100,
+                         log_probs=out.log_probs.abs() + 1.0, entropy=out.entropy).startswith("log-prob above")
+    (captured,) = (tmp_path / "anomalies").iterdir()
+    for argv in ([], [str(tmp_path / "mine.pt")], [str(captured)]):
+        assert main(["repro", "--device", "cpu", *argv]) == 0, argv
+        text = capsys.readouterr().out
+        rows = {r.split("|")[2].strip(): r for r in _table(text)}
+        assert "PASS" in rows["rl_kernels torch"], argv
+        eager = [c.strip() for c in rows["torch eager"].split("|")]
+        assert eager[7:9] == ["FAIL (baseline)", EAGER_BF16], (argv, eager)
+        assert "FAIL (baseline): a baseline (not rl-kernels) further from float64" in text
+        assert "only rl_kernels rows decide the exit status" in text
+        assert text.splitlines()[-1] == "all rl_kernels backends PASS"
 
 
 # ----------------------------------------------------------------------------- helper arguments

@@ -3,6 +3,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -10,8 +11,8 @@ import torch
 import rl_kernels.repro as repro
 from rl_kernels.cli import main
 from rl_kernels.reference import make_inputs, reference_logits_stats
-from rl_kernels.samples import (BUNDLED, LogitsSample, SampleError, load_sample, save_logits_sample,
-                                save_sample)
+from rl_kernels.samples import (BUNDLED, LogitsSample, Sample, SampleError, load_sample,
+                                save_logits_sample, save_sample)
 
 
 
@@ -24,8 +25,9 @@ def test_bundled_repro_main_job_passes():
     table = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
     ours = [line for line in table if "rl_kernels torch" in line]
     assert len(ours) == len(BUNDLED) and all("PASS" in line for line in ours)
-    # the anchors' symptom is visible: bf16 logits fail the 5e-4 tolerance
-    assert any("torch eager" in line and "FAIL" in line for line in table)
+    # the anchors' symptom is visible: bf16 logits fail the 5e-4 tolerance, as the baseline's error
+    assert any("torch eager" in line and "FAIL (baseline)" in line for line in table)
+    assert not any(re.search(r"\| FAIL +\|", line) for line in table)  # every failing row is a baseline's
     # the from-logits sample: ours passes; eager fails (bf16 logits divided by T in bf16)
     logits_rows = [line for line in table if line.startswith("| logits_bf16_temperature ")]
     assert any("rl_kernels torch" in line and "PASS" in line for line in logits_rows)
@@ -86,6 +88,77 @@ def test_saved_bundled_sample_replays_through_every_backend(tmp_path, capsys):
     assert "rl_kernels torch" in out and "PASS" in out
     if "rl_kernels triton" in repro.available_backends(torch.device("cpu")):
         assert out.count("| ignore_index_3d") == 3  # triton (interpreter), torch, eager
+
+
+def _rows(out):
+    """(sample, backend) -> [result, note] of the table in ``out``; a file's sample name without
+    its suffix."""
+    rows = {}
+    for line in _table(out)[1:]:  # after the header
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        rows[(cells[0].removesuffix(".safetensors"), cells[1])] = cells[6:8]
+    return rows
+
+
+def test_saved_bundled_samples_replay_from_their_directory_as_bundled(tmp_path, monkeypatch, capsys):
+    """`repro --save DIR` then `repro DIR`: every file, in name order, with the bundled run's results
+    and notes (a failing baseline is FAIL (baseline) with the same words, the known bug kept in the
+    file's metadata and not printed as metadata); the exit status is 0 both times."""
+    import rl_kernels.samples as samples
+
+    monkeypatch.setattr(repro, "interpreting", lambda: False)  # our torch backend and eager: cheap
+    monkeypatch.setattr(samples, "BUNDLED", {k: samples.BUNDLED[k] for k in
+                                             ("logits_bf16_temperature", "hidden_904")})
+    sample = samples.BUNDLED["hidden_904"]()
+    monkeypatch.setitem(sample.baseline_bugs, "torch eager", "a known bug of eager")
+    monkeypatch.setitem(samples.BUNDLED, "hidden_904", lambda: sample)
+    assert main(["repro"]) == 0
+    bundled = _rows(capsys.readouterr().out)
+    assert main(["repro", "--save", str(tmp_path)]) == 0
+    capsys.readouterr()
+    assert main(["repro", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert _rows(out) == bundled and list(_rows(out)) == sorted(bundled)
+    assert bundled[("hidden_904", "torch eager")] == [
+        repro.BASELINE_FAIL, "baseline's own error: logits computed in bfloat16 (the inputs' dtype), as "
+        "verl's default path does; known bug: a known bug of eager"]
+    assert bundled[("logits_bf16_temperature", "torch eager")] == [
+        repro.BASELINE_FAIL, "baseline's own error: logits divided by T in bfloat16 (the logits' "
+        "dtype), as verl's logits path does"]
+    assert "metadata:" not in out and "  hidden_904.safetensors: verl triton asserts H % 128 == 0" in out
+
+
+def test_failing_baseline_never_fails_the_run(tmp_path, monkeypatch, capsys):
+    hidden, weight, labels = make_inputs(5, 8, 30, torch.float32, seed=2)
+    path = tmp_path / "s.safetensors"
+    save_sample(path, hidden, weight, labels)
+
+    def broken(s):
+        raise RuntimeError("peer crashed")
+
+    monkeypatch.setattr(repro, "available_backends", lambda device: {
+        "rl_kernels torch": (repro._ours("torch"), True), "some peer": (broken, False)})
+    assert main(["repro", str(path)]) == 0
+    rows = _rows(capsys.readouterr().out)
+    assert rows[("s", "rl_kernels torch")] == ["PASS", ""]
+    assert rows[("s", "some peer")] == [repro.BASELINE_FAIL, "baseline's own error: not an rl-kernels "
+                                        "backend; RuntimeError: peer crashed"]
+
+
+def test_interpreted_backends_warn_nothing():
+    """Under Triton's CPU interpreter (the tests run there) the replay prints no numpy warning:
+    the interpreter computes the masked-off lanes too (log 0, 0 * inf), silenced around our runs."""
+    if "rl_kernels triton" not in repro.available_backends(torch.device("cpu")):
+        pytest.skip("needs Triton's CPU interpreter")
+    hidden, weight, labels = make_inputs(5, 8, 30, torch.bfloat16, seed=2)
+    bad = hidden.clone()
+    bad[1] = float("inf")  # a non-finite row: NaN through the interpreter's reductions (not compared)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rows = repro.check_sample(Sample("s", hidden, weight, labels, temperature=0.7), torch.device("cpu"))
+        rows += repro.check_sample(Sample("inf", bad, weight, labels, softcap=2.0), torch.device("cpu"))
+    assert [r.result for r in rows if r.ours] == ["PASS"] * 4
+    assert [str(w.message) for w in caught] == []
 
 
 def test_failing_backend_of_ours_gives_nonzero_exit(tmp_path, monkeypatch, capsys):

@@ -26,6 +26,7 @@ import re
 import sys
 from typing import NamedTuple
 
+from .verl_fsdp_fused import names_rl_kernels
 from .verl_options import BACKEND_NAME, VerlOptions, validated_options
 
 GROUP = "rl_kernels"
@@ -136,14 +137,14 @@ def diagnose(cfg: dict, stderr: str = "", overrides: list[str] = ()) -> Verdict:
                if getattr(opts, f.name) != f.default}
     options_text = f"options {changed}" if changed else "default options"
     if model.get("use_fused_kernels"):
-        backend = fused_options.get("impl_backend") if isinstance(fused_options, dict) else None
-        if backend != BACKEND_NAME:
-            hint = _close(str(backend), [BACKEND_NAME])
+        impl_backend = fused_options.get("impl_backend") if isinstance(fused_options, dict) else None
+        if not names_rl_kernels(impl_backend):
+            hint = _close(str(impl_backend), [BACKEND_NAME])
             fix = (f"did you mean actor_rollout_ref.model.fused_kernel_options.impl_backend={BACKEND_NAME}?" if hint
                    else f"set actor_rollout_ref.model.fused_kernel_options.impl_backend={BACKEND_NAME}, or "
                         f"use_fused_kernels=False for rl-kernels' logits path")
             return Verdict(False, f"rl-kernels is OFF on the fused path: use_fused_kernels=True with impl_backend="
-                                  f"{backend!r}, so verl's own fused kernel (or, for an unknown name, verl's plain "
+                                  f"{impl_backend!r}, so verl's own fused kernel (or, for an unknown name, verl's plain "
                                   f"forward, after printing 'Skipping monkey patch') computes the log-probs; "
                                   f"rl-kernels is imported but replaces nothing on this path. Fix: {fix}")
         return Verdict(True, f"rl-kernels is ON: fused path (use_fused_kernels=True, impl_backend={BACKEND_NAME}), "

@@ -24,7 +24,9 @@ device, as Triton takes it) and arguments, so results are bitwise those of ``ker
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import warnings
 
 import torch
 
@@ -118,7 +120,8 @@ class Launcher:
             self._bind = False if interpreting() else (
                 make_binder(self.kernel.params, args, kwargs) or False)
         if self._bind is False or os.environ.get(TRITON_LAUNCH_ENV) == "1" or _hooks_active():
-            self.kernel[grid](*args, **kwargs)
+            with quiet_interpreter():  # nothing outside the CPU interpreter
+                self.kernel[grid](*args, **kwargs)
             return
         key, ordered = self._bind(*args, **kwargs)
         device = torch.cuda.current_device()
@@ -137,6 +140,31 @@ class Launcher:
 
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def quiet_interpreter():
+    """Context for launches: under Triton's CPU interpreter (``TRITON_INTERPRET=1``) the numpy
+    warnings of its arithmetic are off inside it; elsewhere it does nothing. The interpreter
+    evaluates every lane of a block with numpy, the masked-off ones too (log 0, 0 * inf, a max
+    over -inf padding), and a non-finite input row reaches its reductions as on the GPU, which
+    computes the same values silently (the masked lanes' values are never stored). Off inside:
+    numpy's floating-point warnings (``numpy.errstate``, thread-local) and its "All-NaN slice"
+    RuntimeWarning (``warnings.catch_warnings``: the process's filters, restored on exit), nothing
+    else. ``Launcher.launch`` uses it; a kernel launched as ``kernel[grid](...)`` can be wrapped
+    in it the same way."""
+    if not interpreting():
+        return contextlib.nullcontext()
+    return _quiet_numpy()
+
+
+@contextlib.contextmanager
+def _quiet_numpy():
+    import numpy
+
+    with numpy.errstate(divide="ignore", invalid="ignore", over="ignore", under="ignore"), \
+            warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"All-NaN (slice|axis) encountered", category=RuntimeWarning)
+        yield
 
 
 def _hooks_active() -> bool:

@@ -22,6 +22,8 @@ import triton.testing
 
 import rl_kernels as new
 
+from diag_common import require_cuda
+
 
 def load_old(path: Path):
     spec = importlib.util.spec_from_file_location("rl_kernels_old", path / "__init__.py",
@@ -96,6 +98,7 @@ def main():
     ap.add_argument("--check", action="store_true",
                     help="also compare A's and B's outputs and gradients bitwise (fwd+bwd cases)")
     args = ap.parse_args()
+    require_cuda(__file__)
     old = load_old(args.old)
     cases = []
     for shape in ((16384, 3584, 152064), (32768, 4096, 128256), (4096, 3584, 152064), (512, 3584, 152064)):

@@ -14,6 +14,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import rl_kernels  # noqa: E402
 from rl_kernels.ops import config as config_mod  # noqa: E402
 
+from diag_common import require_cuda  # noqa: E402 - this script's folder is on sys.path
+
+require_cuda(__file__)
+
 n, h, v = (int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "4096,3584,152064").split(","))
 bench = lambda f: triton.testing.do_bench(f, warmup=25, rep=300, return_mode="median")  # noqa: E731
 print(f"{torch.cuda.get_device_name()}, {n}x{h}x{v}; x = multiple of cuBLAS in the same dtype")

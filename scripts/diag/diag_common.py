@@ -3,10 +3,23 @@ so this folder is on ``sys.path``)."""
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 
 import torch
+
+
+def require_cuda(script: str, hint: str = "") -> None:
+    """Every script here measures on a CUDA GPU: without one, print one line, ``NAME: no CUDA
+    device; nothing to measure`` (NAME: the script's, from ``__file__``; ``hint`` after it, e.g. a
+    CPU option), and exit with status 0, as the top-level scripts (``scripts/gpu_parity.py`` ...)
+    do. Called before a script's first CUDA call, after its argument parsing (``--help`` works
+    anywhere)."""
+    if not torch.cuda.is_available():
+        name = os.path.splitext(os.path.basename(script))[0]
+        print(f"{name}: no CUDA device{f' ({hint})' if hint else ''}; nothing to measure", flush=True)
+        raise SystemExit(0)
 
 
 def head_inputs(n: int, h: int, v: int, seed: int = 0):

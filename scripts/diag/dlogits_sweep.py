@@ -22,7 +22,7 @@ import rl_kernels
 from rl_kernels import ops
 from rl_kernels.ops import config as ops_config
 
-from diag_common import head_inputs, head_params, saved_and_grads
+from diag_common import head_inputs, head_params, require_cuda, saved_and_grads
 
 WINDOW = 4096
 VARIANTS = [  # every field set explicitly: the shipped config may have either
@@ -54,6 +54,7 @@ def main():
                                                       "32768,4096,128256"])
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    require_cuda(__file__)
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, time.strftime("%Y-%m-%d"))
     for shape in args.shapes:

@@ -16,7 +16,9 @@ import rl_kernels
 from rl_kernels import ops
 from rl_kernels.ops import config as ops_config
 
-from diag_common import head_inputs, head_params
+from diag_common import head_inputs, head_params, require_cuda
+
+require_cuda(__file__)
 
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
 WITH_BWD = "--bwd" in sys.argv

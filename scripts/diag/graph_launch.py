@@ -25,7 +25,7 @@ import triton.testing
 import rl_kernels
 from rl_kernels import ops
 
-from diag_common import logits_params, per_call_us
+from diag_common import logits_params, per_call_us, require_cuda
 
 
 def bench(f, rep: int = 300) -> float:
@@ -61,6 +61,7 @@ def graphed(step, check):
 def main():
     args = [a for a in sys.argv[1:] if not a.startswith("--") and "," in a]
     out_path = sys.argv[sys.argv.index("--json") + 1] if "--json" in sys.argv else None
+    require_cuda(__file__)
     rows = {}
     for shape in args or ["512,3584,152064"]:
         rows.update(measure(*(int(x) for x in shape.split(","))))

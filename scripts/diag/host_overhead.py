@@ -27,7 +27,7 @@ from rl_kernels import ops
 from rl_kernels.autograd.logits import LogitsStatsFunction
 from rl_kernels.validation import check_label_values
 
-from diag_common import head_params, logits_params, per_call_us
+from diag_common import head_params, logits_params, per_call_us, require_cuda
 
 
 def small_n():
@@ -173,4 +173,5 @@ def tiny():
 
 
 if __name__ == "__main__":
+    require_cuda(__file__)
     tiny() if "--tiny" in sys.argv else small_n()

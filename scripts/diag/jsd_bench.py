@@ -16,6 +16,10 @@ import rl_kernels.ops as ops
 from rl_kernels.bench import peak_extra_gib as peak_extra
 from rl_kernels.ops.config import BwdTile, forced_config
 
+from diag_common import require_cuda  # this script's folder is on sys.path
+
+require_cuda(__file__)
+
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
 n, h, v = (int(x) for x in (args[0] if args else "4096,3584,152064").split(","))
 dev = "cuda"

@@ -13,6 +13,8 @@ import triton.language as tl
 
 import diag_common
 
+diag_common.require_cuda(__file__)
+
 
 @triton.jit
 def _one(p0, n, B: tl.constexpr):

@@ -17,7 +17,9 @@ from rl_kernels import ops
 from rl_kernels.ops import config as ops_config
 from rl_kernels.ops import logits_stats as kernels
 
-from diag_common import logits_params  # noqa: E402 - this script's folder is on sys.path
+from diag_common import logits_params, require_cuda  # noqa: E402 - this script's folder is on sys.path
+
+require_cuda(__file__)
 
 bench = lambda f: triton.testing.do_bench(f, warmup=25, rep=300, return_mode="median")  # noqa: E731
 shapes = [a for a in sys.argv[1:] if not a.startswith("--")] or ["16384,152064", "512,152064"]

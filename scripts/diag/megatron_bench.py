@@ -29,6 +29,8 @@ import rl_kernels  # noqa: E402
 from rl_kernels.bench import peak_extra_gib as peak_extra  # noqa: E402
 from rl_kernels.reference import reference_linear_log_probs  # noqa: E402
 
+from diag_common import require_cuda  # noqa: E402 - this script's folder is on sys.path
+
 
 def import_verl(*names):
     spec = importlib.util.find_spec("verl")
@@ -46,6 +48,7 @@ def bench(fn):
 
 
 def main():
+    require_cuda(__file__)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29531")
     dist.init_process_group("nccl", rank=0, world_size=1)

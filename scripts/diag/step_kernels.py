@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 import rl_kernels
 from rl_kernels.ops import config as ops_config
 
-from diag_common import head_inputs
+from diag_common import head_inputs, require_cuda
 
 STEPS = 3
 
@@ -29,6 +29,7 @@ def main():
     parser.add_argument("shapes", nargs="*", default=["4096,3584,152064", "32768,4096,128256"])
     parser.add_argument("--programs-per-sm", type=int, default=None)
     args = parser.parse_args()
+    require_cuda(__file__)
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     cfg = ops_config.CUDA_CONFIG
     if args.programs_per_sm is not None:

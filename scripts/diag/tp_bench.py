@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 import rl_kernels
 
-from diag_common import local_ms, slowest_rank_ms
+from diag_common import local_ms, require_cuda, slowest_rank_ms
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("shape", nargs="?", default="16384,3584,152064", help="N,H,V")
@@ -37,6 +37,8 @@ ap.add_argument("--iters", type=int, default=None,
                 help="timed calls per case, the same on every rank (default: as many as fill 500 ms)")
 ap.add_argument("--cpu", action="store_true", help="run on the CPU (gloo, torch backend): a check of the code")
 args = ap.parse_args()
+if not args.cpu:
+    require_cuda(__file__, "--cpu runs the same code on the CPU")
 dist.init_process_group(os.environ.get("TP_BACKEND", "gloo" if args.cpu else "nccl"))
 rank, world = dist.get_rank(), dist.get_world_size()
 if args.cpu:
