@@ -291,7 +291,8 @@ def _logits_function_imports():
             if not fname.endswith(".py"):
                 continue
             path = os.path.join(dirpath, fname)
-            tree = ast.parse(open(path, encoding="utf-8").read())
+            with open(path, encoding="utf-8") as source:
+                tree = ast.parse(source.read())
             module = "verl." + os.path.relpath(path, root)[:-3].replace(os.sep, ".")
             module = module.removesuffix(".__init__")
             for node in ast.walk(tree):
