@@ -8,7 +8,8 @@ Conventions, the same in every function:
   * tensors are positional; every other argument is keyword-only, in this order: temperature
     (and softcap, the rest of the logits' definition, where a function has it);
     which positions count (labels, ignore_index, mask); the function's own options; reduction;
-    backend; the vocab-parallel trio (process_group, vocab_start_index, reduce_hidden_grad);
+    backend; the vocab-parallel trio (process_group, vocab_start_index, reduce_hidden_grad); one
+    passed by position raises a TypeError that spells the call with keywords (``temperature=0.7``);
   * a position counts unless its label equals ``ignore_index`` (-100); the distillation losses
     (``linear_topk_kl``, ``topk_kl_from_logits``, ``linear_jsd``), which need no labels, also take
     a ``mask`` (1 = counts), and with both given a position counts when both say so;
@@ -16,7 +17,8 @@ Conventions, the same in every function:
   * ``weight`` is always an lm_head weight (V, H); outputs are float32 in nats;
   * every function traces under ``torch.compile(fullgraph=True)`` without a graph break (it then
     calls the ``torch.ops.rl_kernels`` custom ops, which run the same kernels: the same bits as
-    eager) and can be captured in a CUDA graph (README, "torch.compile and CUDA graphs").
+    eager), with the temperature a runtime value of the graph (no graph per temperature), and
+    can be captured in a CUDA graph (README, "torch.compile and CUDA graphs").
 """
 import inspect as _inspect
 

@@ -33,9 +33,9 @@ from .autograd.linear import HeadOutputs, HeadParams, LinearLogProbsFunction, co
 from .autograd.vocab_parallel import (VocabParallelLseGatherFunction, compiled_vocab_parallel_lse_gather,
                                       op_layout, parallel_params)
 from .backends import get_backend
-from .validation import (FLOAT_DTYPES, LABEL_DTYPES, check_bool_arg, check_choice, check_hidden_weight,
-                         check_labels, check_mask, check_same_device, check_temperature, check_tensor_arg,
-                         describe)
+from .validation import (FLOAT_DTYPES, LABEL_DTYPES, check_bool_arg, check_choice, check_hidden_weight, check_labels,
+                         check_mask, check_same_device, check_temperature, check_tensor_arg, describe, public_signature,
+                         raise_extra_positional)
 
 __all__ = ["linear_topk_kl", "linear_jsd"]  # the public names (rl_kernels/__init__.py exports them)
 
@@ -145,12 +145,13 @@ def _positions(hidden_states, labels, ignore_index, mask, vocab_size, tp, hidden
                              check_values=vocab_size is not None, hidden_name=hidden_name)
 
 
+@public_signature
 def linear_topk_kl(
     hidden_states: torch.Tensor,
     weight: torch.Tensor,
     teacher_token_ids: torch.Tensor,
     teacher_log_probs: torch.Tensor,
-    *,
+    *extra_positional,
     temperature: float = 1.0,
     labels: torch.Tensor | None = None,
     ignore_index: int = -100,
@@ -216,6 +217,8 @@ def linear_topk_kl(
 
     Memory: O(N K) besides the fused head's own (``linear_log_probs``' bounds).
     """
+    if extra_positional:  # a keyword-only argument given by position
+        raise_extra_positional(linear_topk_kl, extra_positional)
     check_choice("kind", kind, KINDS)
     check_choice("reduction", reduction, REDUCTIONS)
     check_bool_arg("renormalize_teacher", renormalize_teacher)
@@ -238,11 +241,11 @@ def linear_topk_kl(
     params = HeadParams(backend=backend, inv_temperature=1.0 / t, ignore_index=-100,
                         return_entropy=False, name="linear_topk_kl", may_have_ignored=any_excluded is not False)
     if tp is not None and compiling():  # torch.compile: the custom ops
-        lse, z_ids = compiled_vocab_parallel_lse_gather(h2, weight, valid, ids, params, tp)
+        lse, z_ids = compiled_vocab_parallel_lse_gather(h2, weight, valid, ids, params, tp, temperature=t)
     elif tp is not None:
         lse, z_ids = VocabParallelLseGatherFunction.apply(h2, weight, valid, ids, params, tp)
     else:
-        head = (compiled_head(h2, weight, row_labels, params, ids) if compiling()
+        head = (compiled_head(h2, weight, row_labels, params, ids, temperature=t) if compiling()
                 else HeadOutputs(*LinearLogProbsFunction.apply(h2, weight, row_labels, params, ids)))
         lse, z_ids = head.lse, head.gathered_logits
     return topk_kl_loss(z_ids - lse[:, None], teacher_log_probs, valid, lead, temperature=t, kind=kind,
@@ -301,12 +304,13 @@ def _check_teacher_head(student_hidden, student_weight, teacher_hidden, teacher_
                          f"student_weight's {student_weight.shape[0]}; the heads must share a vocabulary")
 
 
+@public_signature
 def linear_jsd(
     student_hidden: torch.Tensor,
     student_weight: torch.Tensor,
     teacher_hidden: torch.Tensor,
     teacher_weight: torch.Tensor,
-    *,
+    *extra_positional,
     temperature: float = 1.0,
     labels: torch.Tensor | None = None,
     ignore_index: int = -100,
@@ -373,6 +377,8 @@ def linear_jsd(
     and a backward recomputing both GEMM tiles per dlogits window (memory bounds as
     ``linear_log_probs``' backward). Extra memory O(N).
     """
+    if extra_positional:  # a keyword-only argument given by position
+        raise_extra_positional(linear_jsd, extra_positional)
     if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not 0.0 <= float(beta) <= 1.0:
         raise ValueError(f"beta: expected a Python number in [0, 1], got {beta!r}")
     check_choice("reduction", reduction, REDUCTIONS)
@@ -392,7 +398,7 @@ def linear_jsd(
     params = JSDParams(backend=backend, inv_temperature=1.0 / t, beta=float(beta), tp=tp,
                        may_have_ignored=any_excluded is not False)
     if compiling():  # torch.compile: the custom ops (no graph break)
-        per_token = compiled_jsd(hs, student_weight, ht, teacher_weight.detach(), valid, params)
+        per_token = compiled_jsd(hs, student_weight, ht, teacher_weight.detach(), valid, params, temperature=t)
     else:
         per_token = LinearJSDFunction.apply(hs, student_weight, ht, teacher_weight.detach(), valid, params)
     return _reduce(per_token, valid, lead, reduction)

@@ -12,7 +12,7 @@ from .autograd.vocab_parallel import VocabParallelLinearFunction, compiled_vocab
 from .backends import get_backend
 from .label_check import checked_labels, raise_if_interpreted, raise_label_errors
 from .validation import (check_bool_arg, check_head_inputs, check_label_values, check_softcap, check_temperature,
-                         warn_fp16_temperature)
+                         public_signature, raise_extra_positional, warn_fp16_temperature)
 
 __all__ = ["LogProbsOutput", "linear_log_probs"]  # the public names (rl_kernels/__init__.py exports them)
 
@@ -26,11 +26,12 @@ class LogProbsOutput(NamedTuple):
     sum_pi_squared: torch.Tensor | None = None
 
 
+@public_signature
 def linear_log_probs(
     hidden_states: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
-    *,
+    *extra_positional,
     temperature: float = 1.0,
     softcap: float | None = None,
     ignore_index: int = -100,
@@ -116,7 +117,10 @@ def linear_log_probs(
     Bug cases covered: verl #2656/#2899 (padded vocab columns), verl PR #7439 (all-negative
     logits), verl #6913 (3-D hidden keeps its gradient).
     """
-    if not compiling():  # (compiled: the custom op's body does it)
+    if extra_positional:  # a keyword-only argument given by position
+        raise_extra_positional(linear_log_probs, extra_positional)
+    traced = compiling()
+    if not traced:  # (compiled: the custom op's body does it)
         raise_label_errors()  # a bad label that an earlier call's kernel reported
     temperature = check_temperature(temperature)
     softcap = check_softcap(softcap, temperature)
@@ -129,10 +133,11 @@ def linear_log_probs(
     # label values: in the Triton kernels (no host sync), else on the host here (the host check
     # also tells whether any label is ignore_index, which spares the backward a sync)
     has_ignored, label_check = None, None
-    if tp is None and not compiling():  # (compiled: the op's body checks them)
+    if tp is None and not traced:  # (compiled: the op's body checks them)
         label_check, has_ignored = checked_labels(labels, weight.shape[0], ignore_index, "linear_log_probs",
                                                   resolved.checks_labels_in_kernel)
-    warn_fp16_temperature(hidden_states.dtype, temperature)
+    if not traced:  # (compiled: the custom op's body does it, with the runtime temperature)
+        warn_fp16_temperature(hidden_states.dtype, temperature)
     inv_temperature = 1.0 / temperature
     lead_shape = labels.shape
     h2, labels1 = hidden_states.reshape(-1, hidden_states.shape[-1]), labels.reshape(-1)
@@ -143,14 +148,14 @@ def linear_log_probs(
                           may_have_ignored=has_ignored is not False,
                           return_sum_pi_squared=return_sum_pi_squared, softcap=softcap)
 
-    if tp is not None and compiling():  # torch.compile: the custom ops derive the layout, check the labels
-        out = compiled_vocab_parallel_head(h2, weight, labels1, params(None), tp)
+    if tp is not None and traced:  # torch.compile: the custom ops derive the layout, check the labels
+        out = compiled_vocab_parallel_head(h2, weight, labels1, params(None), tp, temperature=temperature)
     elif tp is not None:
         if tp.vocab_size is not None:
             has_ignored = check_label_values(labels, tp.vocab_size, ignore_index, report_ignored=True)
         out = HeadOutputs(*VocabParallelLinearFunction.apply(h2, weight, labels1, params(has_ignored), tp))
-    elif compiling():  # torch.compile: the custom ops (no graph break), label values checked in their body
-        out = compiled_head(h2, weight, labels1, params(None))
+    elif traced:  # torch.compile: the custom ops (no graph break), label values checked in their body
+        out = compiled_head(h2, weight, labels1, params(None), temperature=temperature)
     else:
         out = HeadOutputs(*LinearLogProbsFunction.apply(h2, weight, labels1, params(has_ignored), None, label_check))
         raise_if_interpreted(label_check, hidden_states.device)

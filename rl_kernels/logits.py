@@ -39,8 +39,9 @@ from .autograd.vocab_parallel import VocabParallelLogitsFunction, compiled_vocab
 from .backends import get_backend
 from .distill import KINDS, REDUCTIONS as LOSS_REDUCTIONS, _check_teacher, _positions, topk_kl_loss
 from .label_check import deferred_label_check, raise_if_interpreted, raise_label_errors
-from .validation import (LABEL_DTYPES, check_bool_arg, check_choice, check_label_values, check_labels,
-                         check_logits, check_same_device, check_temperature, check_tensor_arg, describe)
+from .validation import (LABEL_DTYPES, check_bool_arg, check_choice, check_label_values, check_labels, check_logits,
+                         check_same_device, check_temperature, check_tensor_arg, describe, public_signature,
+                         raise_extra_positional)
 
 __all__ = ["LogitsStats", "logits_stats", "log_probs_from_logits", "entropy_from_logits", "logsumexp",
            "sum_pi_squared_from_logits", "cross_entropy", "topk_log_probs_from_logits",
@@ -67,7 +68,8 @@ def _run(logits, labels, temperature, ignore_index, return_entropy, return_mean_
     if not traced:  # (compiled: the custom op's body does it)
         raise_label_errors()  # a bad label that an earlier call's kernel reported
     check_logits(logits)
-    inv_temperature = 1.0 / check_temperature(temperature)
+    temperature = check_temperature(temperature)
+    inv_temperature = 1.0 / temperature
     if labels is not None:  # label values: in the kernel, or on the host below
         check_labels(labels, logits, "logits", logits.shape[-1], ignore_index, check_values=False)
     check_bool_arg("inplace_backward", inplace_backward)
@@ -85,7 +87,7 @@ def _run(logits, labels, temperature, ignore_index, return_entropy, return_mean_
     labels1d = labels.reshape(-1) if labels is not None and labels.dim() != 1 else labels
     if tp is not None:  # vocab-sharded logits (``rl_kernels.autograd.vocab_parallel``)
         if traced:  # torch.compile: the custom ops derive the layout and check the labels
-            outs = compiled_vocab_parallel_logits(logits2d, labels1d, params, tp)
+            outs = compiled_vocab_parallel_logits(logits2d, labels1d, params, tp, temperature=temperature)
             return LogitsOutputs(*(o if o is None else o.view(shape) for o in outs))
         if labels is not None and tp.vocab_size is not None:
             check_label_values(labels, tp.vocab_size, ignore_index)
@@ -93,7 +95,7 @@ def _run(logits, labels, temperature, ignore_index, return_entropy, return_mean_
         return LogitsOutputs(*(o if o is None else o.view(shape) for o in outs))
     if traced:  # torch.compile: the custom ops (no graph break; an
         # inplace_backward request is reported by the op's body, and the gradient is a new tensor)
-        outs = compiled_logits_stats(logits2d, labels1d, params)
+        outs = compiled_logits_stats(logits2d, labels1d, params, temperature=temperature)
         return LogitsOutputs(*(o if o is None or o.shape == shape else o.view(shape) for o in outs))
     if inplace_backward:
         _check_inplace_target(logits, logits2d)
@@ -172,10 +174,11 @@ _RAISES_DOC = """
         supported: ``create_graph=True`` gives correct first derivatives only)."""
 
 
+@public_signature
 def logits_stats(
     logits: torch.Tensor,
     labels: torch.Tensor | None = None,
-    *,
+    *extra_positional,
     temperature: float = 1.0,
     ignore_index: int = -100,
     return_entropy: bool = True,
@@ -213,6 +216,8 @@ def logits_stats(
     Formula: log p_y = z_y - lse, H = -sum p log p, lse = log sum exp z with z = logits / T
     (module docstring).
     """
+    if extra_positional:  # a keyword-only argument given by position
+        raise_extra_positional(logits_stats, extra_positional)
     check_bool_arg("return_entropy", return_entropy)
     check_bool_arg("return_sum_pi_squared", return_sum_pi_squared)
     out = _run(logits, labels, temperature, ignore_index, return_entropy, False, inplace_backward, backend,
@@ -220,10 +225,11 @@ def logits_stats(
     return LogitsStats(out.log_probs, out.entropy, out.lse, out.sum_pi_squared)
 
 
+@public_signature
 def log_probs_from_logits(
     logits: torch.Tensor,
     labels: torch.Tensor,
-    *,
+    *extra_positional,
     temperature: float = 1.0,
     ignore_index: int = -100,
     inplace_backward: bool = False,
@@ -246,13 +252,16 @@ def log_probs_from_logits(
     Memory: O(N) saved for backward. Formula: log p_y = z_y - logsumexp(z), gradient
     onehot(y) - softmax(z) (module docstring).
     """
+    if extra_positional:  # a keyword-only argument given by position
+        raise_extra_positional(log_probs_from_logits, extra_positional)
     if labels is None:
         raise TypeError("labels: expected a torch.Tensor of token ids, got None")
     return _run(logits, labels, temperature, ignore_index, False, False, inplace_backward, backend,
                 process_group, vocab_start_index, fn_name="log_probs_from_logits").log_probs
 
 
-def entropy_from_logits(logits: torch.Tensor, *, temperature: float = 1.0, backend: str = "auto",
+@public_signature
+def entropy_from_logits(logits: torch.Tensor, *extra_positional, temperature: float = 1.0, backend: str = "auto",
                         process_group=None, vocab_start_index: int | None = None) -> torch.Tensor:
     """Shannon entropy ``-sum p log p`` of ``softmax(logits / temperature)`` over the last dim.
 
@@ -263,11 +272,14 @@ def entropy_from_logits(logits: torch.Tensor, *, temperature: float = 1.0, backe
 {raises}
     Formula: H = -sum_j p_j log p_j, dH/dz_j = -p_j (log p_j + H) (module docstring).
     """
+    if extra_positional:  # a keyword-only argument given by position
+        raise_extra_positional(entropy_from_logits, extra_positional)
     return _run(logits, None, temperature, -100, True, False, False, backend, process_group,
                 vocab_start_index, fn_name="entropy_from_logits").entropy
 
 
-def logsumexp(logits: torch.Tensor, *, temperature: float = 1.0, backend: str = "auto",
+@public_signature
+def logsumexp(logits: torch.Tensor, *extra_positional, temperature: float = 1.0, backend: str = "auto",
               process_group=None, vocab_start_index: int | None = None) -> torch.Tensor:
     """``log sum_j exp(logits_j / temperature)`` over the last dim, in float32.
 
@@ -279,12 +291,16 @@ def logsumexp(logits: torch.Tensor, *, temperature: float = 1.0, backend: str = 
         rounded to the input dtype.
 {raises}
     """
+    if extra_positional:  # a keyword-only argument given by position
+        raise_extra_positional(logsumexp, extra_positional)
     return _run(logits, None, temperature, -100, False, False, False, backend, process_group,
                 vocab_start_index, fn_name="logsumexp").lse
 
 
-def sum_pi_squared_from_logits(logits: torch.Tensor, *, temperature: float = 1.0, backend: str = "auto",
-                               process_group=None, vocab_start_index: int | None = None) -> torch.Tensor:
+@public_signature
+def sum_pi_squared_from_logits(logits: torch.Tensor, *extra_positional, temperature: float = 1.0,
+                               backend: str = "auto", process_group=None,
+                               vocab_start_index: int | None = None) -> torch.Tensor:
     """Sum of squared probabilities ``sum_j softmax(logits / temperature)_j^2`` over the last dim
     (the collision probability; verl's optimal-token-baseline advantage estimators use it).
 
@@ -298,14 +314,17 @@ def sum_pi_squared_from_logits(logits: torch.Tensor, *, temperature: float = 1.0
     derivative d p_k / dz_j = p_k ([k == j] - p_j)). Vocab shards merge as sum_r w_r^2 S_r with
     w_r the shard's probability mass (``rl_kernels.autograd.vocab_parallel``).
     """
+    if extra_positional:  # a keyword-only argument given by position
+        raise_extra_positional(sum_pi_squared_from_logits, extra_positional)
     return _run(logits, None, temperature, -100, False, False, False, backend, process_group,
                 vocab_start_index, fn_name="sum_pi_squared_from_logits", return_sum_pi_squared=True).sum_pi_squared
 
 
+@public_signature
 def cross_entropy(
     logits: torch.Tensor,
     labels: torch.Tensor,
-    *,
+    *extra_positional,
     ignore_index: int = -100,
     label_smoothing: float = 0.0,
     inplace_backward: bool = False,
@@ -334,6 +353,8 @@ def cross_entropy(
         Class weights (torch's ``weight``) are not offered: every ``weight`` argument of
         rl_kernels is an lm_head weight.
     """
+    if extra_positional:  # a keyword-only argument given by position
+        raise_extra_positional(cross_entropy, extra_positional)
     if labels is None:
         raise TypeError("labels: expected a torch.Tensor of class indices, got None")
     check_choice("reduction", reduction, REDUCTIONS)
@@ -369,10 +390,11 @@ def _check_token_ids(name: str, token_ids, logits) -> None:
     check_same_device(name, token_ids, logits, "logits")
 
 
+@public_signature
 def topk_log_probs_from_logits(
     logits: torch.Tensor,
     token_ids: torch.Tensor,
-    *,
+    *extra_positional,
     temperature: float = 1.0,
     backend: str = "auto",
 ) -> torch.Tensor:
@@ -401,22 +423,25 @@ def topk_log_probs_from_logits(
         ValueError naming ``token_ids`` for an id outside [0, vocab_size), a wrong shape or
         device; TypeError for a non-integer dtype.
     """
+    if extra_positional:  # a keyword-only argument given by position
+        raise_extra_positional(topk_log_probs_from_logits, extra_positional)
     check_logits(logits)
-    inv_temperature = 1.0 / check_temperature(temperature)
+    temperature = check_temperature(temperature)
     _check_token_ids("token_ids", token_ids, logits)
-    params = LogitsParams(backend=get_backend(backend, logits.device), inv_temperature=inv_temperature,
+    params = LogitsParams(backend=get_backend(backend, logits.device), inv_temperature=1.0 / temperature,
                           ignore_index=-100, return_entropy=False, name="topk_log_probs_from_logits")
     vocab_size, k = logits.shape[-1], token_ids.shape[-1]
     ids = checked_token_ids(token_ids.reshape(-1, k), vocab_size, "token_ids")
-    log_probs = topk_log_probs(logits.reshape(-1, vocab_size), ids, None, params)
+    log_probs = topk_log_probs(logits.reshape(-1, vocab_size), ids, None, params, temperature)
     return log_probs.view(token_ids.shape)
 
 
+@public_signature
 def topk_kl_from_logits(
     logits: torch.Tensor,
     teacher_token_ids: torch.Tensor,
     teacher_log_probs: torch.Tensor,
-    *,
+    *extra_positional,
     temperature: float = 1.0,
     labels: torch.Tensor | None = None,
     ignore_index: int = -100,
@@ -468,6 +493,8 @@ def topk_kl_from_logits(
     Memory: O(N K) besides the logits; backward allocates the gradient as its one N x V tensor
     (:func:`topk_log_probs_from_logits`).
     """
+    if extra_positional:  # a keyword-only argument given by position
+        raise_extra_positional(topk_kl_from_logits, extra_positional)
     check_choice("kind", kind, KINDS)
     check_choice("reduction", reduction, LOSS_REDUCTIONS)
     check_bool_arg("renormalize_teacher", renormalize_teacher)
@@ -485,7 +512,7 @@ def topk_kl_from_logits(
     ids = teacher_token_ids.reshape(-1, k).long()
     # positions that do not count: rows labelled ignore_index for the kernels (exactly zero gradient)
     rows = None if any_excluded is False else torch.where(valid, ids[:, 0], params.ignore_index)
-    log_q = topk_log_probs(logits.reshape(-1, vocab_size), ids, rows, params)
+    log_q = topk_log_probs(logits.reshape(-1, vocab_size), ids, rows, params, t)
     return topk_kl_loss(log_q, teacher_log_probs, valid, logits.shape[:-1], temperature=t, kind=kind,
                         renormalize_teacher=renormalize_teacher, reduction=reduction)
 

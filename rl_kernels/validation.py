@@ -7,6 +7,7 @@ labels once (one host sync).
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import numbers
@@ -23,6 +24,9 @@ LABEL_DTYPES = (torch.int64, torch.int32)
 # the kernels scale logits by 1 / temperature in float32: both T and 1 / T must be normal float32
 # numbers, or the scale overflows to inf (T < 2.9e-39) or flushes to 0 (T > 8.5e37)
 TEMPERATURE_RANGE = (1.0 / torch.finfo(torch.float32).max, 1.0 / torch.finfo(torch.float32).tiny)
+# The checks below compare with these bounds written as literals (tests/test_no_silent_errors.py
+# checks both edges): a module-level float is a symbolic input of a graph that torch.compile traces
+# with dynamic=True, which Dynamo then specializes in a second trace of the whole function.
 
 # float16 backward windows hold dz / T: far from T = 1 they leave float16's range
 FP16_TEMPERATURE_RANGE = (1e-2, 1e2)
@@ -35,6 +39,46 @@ def describe(t: torch.Tensor) -> str:
 
 def _got(value) -> str:
     return f"{value!r} ({type(value).__name__})"
+
+
+# ----------------------------------------------------------------------------- call shape
+# Tensors are positional, every other argument keyword-only (rl_kernels/__init__.py). A public
+# function catches extra positional arguments in a trailing ``*extra_positional`` (an empty tuple
+# on a normal call: no wrapper, no extra Python frame, nothing for torch.compile to trace) and
+# raises :func:`raise_extra_positional`'s TypeError, which says what to write instead of Python's
+# "takes 3 positional arguments but 4 were given"; :func:`public_signature` hides the catch-all
+# from ``inspect.signature``.
+def public_signature(fn):
+    """Decorate a public function whose ``*extra_positional`` only catches misplaced keyword-only
+    arguments: ``inspect.signature`` (help(), the package docstring's summary, the argument-order
+    tests) then shows the function without it. Returns ``fn`` itself."""
+    sig = inspect.signature(fn)
+    fn.__signature__ = sig.replace(parameters=[p for p in sig.parameters.values() if p.kind is not p.VAR_POSITIONAL])
+    return fn
+
+
+def raise_extra_positional(fn, extra: tuple):
+    """TypeError for a call of the public function ``fn`` with the positional arguments ``extra``
+    after its tensors: it names the function and its positional arguments, says that
+    ``temperature`` and the other arguments after the tensors are keyword-only (listing them), and
+    spells the call with keywords (``temperature=0.7``) as Python would have bound it."""
+    params = inspect.signature(fn).parameters.values()
+    positional = [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
+    keyword = [p.name for p in params if p.kind is p.KEYWORD_ONLY]
+    spelled = ", ".join([*positional, *(f"{name}={_short_repr(value)}" for name, value in zip(keyword, extra))])
+    raise TypeError(f"{fn.__name__}() takes {len(positional)} positional argument{'s' * (len(positional) > 1)} "
+                    f"({', '.join(positional)}) but "
+                    f"{len(positional) + len(extra)} were given: "
+                    + ("temperature and every other argument" if "temperature" in keyword else "every argument")
+                    + f" after the tensors is keyword-only ({', '.join(keyword)}); write {fn.__name__}({spelled}"
+                    + (")" if len(extra) <= len(keyword) else ", ...): more arguments than it takes"))
+
+
+def _short_repr(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"<tensor of shape {tuple(value.shape)}>"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 # ----------------------------------------------------------------------------- scalars
@@ -58,8 +102,8 @@ def check_temperature(temperature) -> float:
     finite Python number (bool and tensors are rejected) inside ``TEMPERATURE_RANGE`` (where
     1 / temperature is a normal float32 number)."""
     value = _positive_number("temperature", temperature)
-    lo, hi = TEMPERATURE_RANGE
-    if not lo <= value <= hi:
+    if not 2.938736052218037e-39 <= value <= 8.507059173023462e+37:  # TEMPERATURE_RANGE
+        lo, hi = TEMPERATURE_RANGE
         raise ValueError(f"temperature: {value!r} is outside the usable range [{lo:.3g}, {hi:.3g}] "
                          f"(1 / temperature must be a normal float32 number: the logits are "
                          f"scaled by it in float32)")
@@ -74,8 +118,9 @@ def check_softcap(softcap, temperature: float) -> float | None:
     if softcap is None:
         return None
     value = _positive_number("softcap", softcap, "None or a positive finite")
-    lo, hi = TEMPERATURE_RANGE
-    if not lo <= value <= hi or not lo <= value / temperature <= hi:
+    if not (2.938736052218037e-39 <= value <= 8.507059173023462e+37  # TEMPERATURE_RANGE, for both
+            and 2.938736052218037e-39 <= value / temperature <= 8.507059173023462e+37):
+        lo, hi = TEMPERATURE_RANGE
         raise ValueError(f"softcap: {value!r} with temperature {temperature!r} is outside the usable range: "
                          f"1 / softcap and softcap / temperature must be normal float32 numbers "
                          f"(within [{lo:.3g}, {hi:.3g}])")

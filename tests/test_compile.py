@@ -4,7 +4,12 @@ distillation losses; no process group) traces with
 same bits as eager (values and gradients), stays within a float64 reference's tolerance, and keeps
 the promises of the eager path: bad labels raise ValueError naming ``labels``, double backward
 raises. CPU: the torch backend and the Triton interpreter, with the ``aot_eager`` compiler (the
-custom ops are opaque to any compiler, so inductor changes nothing inside them)."""
+custom ops are opaque to any compiler, so inductor changes nothing inside them). The temperature
+(issue 35): a runtime value of one inductor graph over a schedule of ten, with inductor's caches
+on, for every function that takes one and for the vocab-parallel routes (a group of two)."""
+import os
+import shutil
+
 import pytest
 import torch
 import torch._dynamo.testing
@@ -26,27 +31,30 @@ def _inputs(n=N, seed=0):
     return hidden, weight, logits, labels
 
 
+# each case's function takes the temperature as an optional last argument (T when left out: a
+# constant of the graph; passed, a Python float that Dynamo may hold symbolically)
 def _head(backend):
-    def f(hidden, weight, logits, labels):
-        o = rl_kernels.linear_log_probs(hidden, weight, labels, temperature=T, return_sum_pi_squared=True,
+    def f(hidden, weight, logits, labels, temperature=T):
+        o = rl_kernels.linear_log_probs(hidden, weight, labels, temperature=temperature, return_sum_pi_squared=True,
                                         backend=backend)
         return o.log_probs, o.entropy, o.sum_pi_squared
     return f
 
 
 def _logits_stats(backend):
-    def f(hidden, weight, logits, labels):
-        o = rl_kernels.logits_stats(logits, labels, temperature=T, return_sum_pi_squared=True, backend=backend)
+    def f(hidden, weight, logits, labels, temperature=T):
+        o = rl_kernels.logits_stats(logits, labels, temperature=temperature, return_sum_pi_squared=True,
+                                    backend=backend)
         return o.log_probs, o.entropy, o.lse, o.sum_pi_squared
     return f
 
 
 def _one(name, **kw):
     def build(backend):
-        def f(hidden, weight, logits, labels):
+        def f(hidden, weight, logits, labels, temperature=T):
             fn = getattr(rl_kernels, name)
             args = (logits, labels) if name in ("log_probs_from_logits", "cross_entropy") else (logits,)
-            return (fn(*args, backend=backend, **kw),)
+            return (fn(*args, backend=backend, **({**kw, "temperature": temperature} if "temperature" in kw else kw)),)
         return f
     return build
 
@@ -61,20 +69,35 @@ def _teacher(n):
     return ids, torch.log_softmax(torch.sin(torch.arange(n * K, dtype=torch.float32)).reshape(n, K) * 3, -1)
 
 
-def _topk_kl(backend):
-    def f(hidden, weight, logits, labels):
+def _topk_kl(backend, reduction="none"):
+    def f(hidden, weight, logits, labels, temperature=T):
         ids, teacher = _teacher(hidden.shape[0])
         mask = torch.ones(hidden.shape[0], dtype=torch.long)
-        return (rl_kernels.linear_topk_kl(hidden, weight, ids, teacher, temperature=T, labels=labels, mask=mask,
-                                          reduction="none", backend=backend),)
+        return (rl_kernels.linear_topk_kl(hidden, weight, ids, teacher, temperature=temperature, labels=labels,
+                                          mask=mask, reduction=reduction, backend=backend),)
     return f
 
 
 def _jsd(backend):
-    def f(hidden, weight, logits, labels):
+    def f(hidden, weight, logits, labels, temperature=T):
         teacher_hidden = torch.sin(3 * hidden.detach() + 1)
-        return (rl_kernels.linear_jsd(hidden, weight, teacher_hidden, weight.detach().flip(0), temperature=T,
+        return (rl_kernels.linear_jsd(hidden, weight, teacher_hidden, weight.detach().flip(0), temperature=temperature,
                                       labels=labels, beta=0.3, reduction="sum", backend=backend),)
+    return f
+
+
+def _topk_log_probs(backend):
+    def f(hidden, weight, logits, labels, temperature=T):
+        return (rl_kernels.topk_log_probs_from_logits(logits, _teacher(logits.shape[0])[0], temperature=temperature,
+                                                      backend=backend),)
+    return f
+
+
+def _topk_kl_from_logits(backend):
+    def f(hidden, weight, logits, labels, temperature=T):
+        ids, teacher = _teacher(logits.shape[0])
+        return (rl_kernels.topk_kl_from_logits(logits, ids, teacher, temperature=temperature, labels=labels,
+                                               reduction="none", backend=backend),)
     return f
 
 
@@ -91,28 +114,31 @@ CASES = {
 }
 
 
-def _reference(name, hidden, weight, logits, labels):
-    """float64, from the definitions: the outputs of CASES[name] (ignored rows 0)."""
+def _reference(name, hidden, weight, logits, labels, temperature=T):
+    """float64, from the definitions: the outputs of CASES[name] (ignored rows 0; differentiable
+    w.r.t. float64 hidden, weight and logits, the teacher's side excepted)."""
     keep = labels != -100
     safe = torch.where(keep, labels, 0)
-    if name in ("linear_topk_kl", "linear_jsd"):
-        z = (hidden.double() @ weight.double().T) / T
+    if name in ("linear_topk_kl", "linear_jsd", "topk_log_probs_from_logits", "topk_kl_from_logits"):
+        z = (hidden.double() @ weight.double().T if name.startswith("linear") else logits.double()) / temperature
         log_q = torch.log_softmax(z, -1)
-        if name == "linear_topk_kl":  # forward KL over the teacher's K ids, x T^2
-            ids, teacher = _teacher(hidden.shape[0])
-            kl = (teacher.double().exp() * (teacher.double() - log_q.gather(1, ids))).sum(-1) * T * T
+        ids, teacher = _teacher(z.shape[0])
+        if name == "topk_log_probs_from_logits":
+            return (log_q.gather(1, ids),)
+        if name != "linear_jsd":  # forward KL over the teacher's K ids, x T^2
+            kl = (teacher.double().exp() * (teacher.double() - log_q.gather(1, ids))).sum(-1) * temperature ** 2
             return (torch.where(keep, kl, 0.0),)
         teacher_hidden = torch.sin(3 * hidden.detach().double() + 1)
-        log_p = torch.log_softmax(teacher_hidden @ weight.double().flip(0).T / T, -1)
+        log_p = torch.log_softmax(teacher_hidden @ weight.detach().double().flip(0).T / temperature, -1)
         m = (0.3 * log_p.exp() + 0.7 * log_q.exp()).log()
         jsd = 0.3 * (log_p.exp() * (log_p - m)).sum(-1) + 0.7 * (log_q.exp() * (log_q - m)).sum(-1)
-        return (torch.where(keep, jsd * T * T, 0.0).sum(),)
+        return (torch.where(keep, jsd * temperature ** 2, 0.0).sum(),)
     if name == "linear_log_probs":
-        z = (hidden.double() @ weight.double().T) / T
+        z = (hidden.double() @ weight.double().T) / temperature
     elif name == "cross_entropy":
         z = logits.double()
     else:
-        z = logits.double() / T
+        z = logits.double() / temperature
     log_p = torch.log_softmax(z, -1)
     p = log_p.exp()
     lp = torch.where(keep, log_p.gather(1, safe[:, None])[:, 0], 0.0)
@@ -128,12 +154,13 @@ def _reference(name, hidden, weight, logits, labels):
              "sum_pi_squared_from_logits": sps}[name],)
 
 
-def _run(f, inputs, weights):
-    """Outputs and the gradients of sum_k weights[k] . outputs[k] w.r.t. hidden, weight, logits."""
+def _run(f, inputs, weights, *temperature):
+    """Outputs and the gradients of sum_k weights[k] . outputs[k] w.r.t. hidden, weight, logits
+    (``temperature``: passed on to ``f`` when given)."""
     hidden, weight, logits, labels = inputs
     for t in (hidden, weight, logits):
         t.grad = None
-    outs = f(hidden, weight, logits, labels)
+    outs = f(hidden, weight, logits, labels, *temperature)
     sum(((o * w).sum() for o, w in zip(outs, weights)), torch.zeros(())).backward()
     return [o.detach() for o in outs], [t.grad for t in (hidden, weight, logits)]
 
@@ -169,6 +196,151 @@ def test_fullgraph_compile_equals_eager(name, backend):
     c13, _ = _run(compiled, other, weights13)
     assert all(torch.equal(a, b) for a, b in zip(e13, c13))
     assert counter.frame_count == frames, "recompiled for a new batch size"
+
+
+# ----------------------------------------------------------------------------- the temperature
+# A runtime value of the compiled graph (issue 35): inductor with its default caches, a schedule of
+# more temperatures than Dynamo's recompile limit (8), values and gradients against float64 at
+# each. The torch backend: the ops' bodies are the backends' shared code; the temperature's way
+# into them is what is tested (the Triton path would add ~0.3 s per launch and nothing here).
+TEMPERATURE_CASES = {**{name: build for name, build in CASES.items() if name != "cross_entropy"},
+                     "topk_log_probs_from_logits": _topk_log_probs, "topk_kl_from_logits": _topk_kl_from_logits}
+SCHEDULE = (0.5, 0.7, 1.3, 2.0, 0.9, 1.1, 3.0, 0.4, 1.7, 0.6)
+needs_cxx = pytest.mark.skipif(not any(shutil.which(c) for c in (os.environ.get("CXX"), "g++", "clang++", "c++") if c),
+                               reason="inductor on CPU needs a C++ compiler")
+
+
+def _reference_and_grads(name, inputs, weights, temperature):
+    """``_run``'s outputs and gradients, from the float64 reference."""
+    leaves = [t.detach().double().requires_grad_() for t in inputs[:3]]
+    outs = _reference(name, *leaves, inputs[3], temperature=temperature)
+    total = sum((o * w.double()).sum() for o, w in zip(outs, weights))
+    return [o.detach() for o in outs], list(torch.autograd.grad(total, leaves, allow_unused=True))
+
+
+def _check_against_float64(name, outs, grads, inputs, weights, temperature):
+    ref_outs, ref_grads = _reference_and_grads(name, inputs, weights, temperature)
+    for c, r in zip(outs, ref_outs):
+        torch.testing.assert_close(c.double(), r, rtol=1e-5, atol=1e-5, msg=lambda m: f"T = {temperature}: {m}")
+    for which, c, r in zip(("hidden", "weight", "logits"), grads, ref_grads):
+        assert (c is None) == (r is None), (which, temperature)
+        if c is not None:
+            torch.testing.assert_close(c.double(), r, rtol=1e-4, atol=1e-5,
+                                       msg=lambda m: f"T = {temperature}, d/d{which}: {m}")
+
+
+@needs_cxx
+@pytest.mark.parametrize("name", sorted(TEMPERATURE_CASES))
+def test_temperature_schedule_compiles_once_and_is_right_at_every_value(name):
+    """Ten temperatures through one inductor graph (``dynamic=True``: a Python float argument is
+    then symbolic from the first call), fullgraph=True (no FailOnRecompileLimitHit), each output
+    and gradient within float64's tolerance at its own temperature."""
+    torch._dynamo.reset()  # (other tests compile the same code objects)
+    f = TEMPERATURE_CASES[name]("torch")
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    compiled = torch.compile(f, backend=counter, fullgraph=True, dynamic=True)
+    inputs = _inputs()
+    g = torch.Generator().manual_seed(3)
+    weights = [torch.randn(o.shape, generator=g) for o in f(*inputs)]
+    for temperature in SCHEDULE:
+        outs, grads = _run(compiled, inputs, weights, temperature)
+        _check_against_float64(name, outs, grads, inputs, weights, temperature)
+    assert counter.frame_count == 1, f"{counter.frame_count} compilations for {len(SCHEDULE)} temperatures"
+
+
+@needs_cxx
+def test_inductor_caches_do_not_serve_an_earlier_temperature():
+    """Issue 35's reproduction: linear_topk_kl under inductor (its FX graph and AOT autograd caches
+    on, as by default; ``dynamic`` left to Dynamo) at T = 0.5, 0.7, 1.3, 2.0. Dynamo holds T as a
+    constant at the first call and symbolically from the second on; 1 / T entering the custom op as
+    a ``float`` was specialized again while T^2 stayed symbolic, so the recompiled graphs looked
+    alike and the caches returned T = 0.7's: the loss at 1.3 was KL(0.7) x 1.3^2 (14.26 here instead
+    of 9.14), its gradients likewise. Now: two compilations (the constant, then the runtime value),
+    and each temperature's own loss and gradients."""
+    torch._dynamo.reset()
+    f = _topk_kl("torch", reduction="mean")
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    inputs = _inputs()
+    weights = [torch.ones(())]
+    with torch._inductor.config.patch(fx_graph_cache=True), \
+            torch._functorch.config.patch(enable_autograd_cache=True):
+        compiled = torch.compile(f, backend=counter, fullgraph=True)
+        losses = {}
+        for temperature in (0.5, 0.7, 1.3, 2.0):
+            outs, grads = _run(compiled, inputs, weights, temperature)
+            losses[temperature] = outs[0].item()
+            ref = _reference("linear_topk_kl", *inputs, temperature=temperature)[0]
+            ref_mean = ref.sum() / (inputs[3] != -100).sum()
+            torch.testing.assert_close(outs[0].double(), ref_mean, rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"T = {temperature}: {m}")
+            eager_grads = _run(f, inputs, weights, temperature)[1]
+            for c, e in zip(grads, eager_grads):
+                assert (c is None) == (e is None)
+                if c is not None:
+                    torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-6, msg=lambda m: f"T = {temperature}: {m}")
+    # the stale value would be the loss at 0.7 rescaled by (T / 0.7)^2: far from the right one
+    assert abs(losses[1.3] - losses[0.7] * (1.3 / 0.7) ** 2) > 0.1
+    assert counter.frame_count == 2
+
+
+def test_vocab_parallel_temperature_schedule_compiles_once():
+    """The vocab-parallel routes (their own custom ops) with a runtime temperature: a gloo group of
+    2 processes (tests/tp_worker.py checks these functions against float64 at fixed temperatures),
+    ten temperatures through one graph each (aot_eager: the ops' plumbing and Dynamo's handling of
+    the temperature are what is tested), values and gradients equal to eager's at each."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_vp_temperature_worker, args=(2, os.path.join(tmp, "init")), nprocs=2, join=True)
+
+
+def _vp_temperature_worker(rank, world, init_file):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        hidden, weight, logits, labels = _inputs()
+        lo, hi = (0, 20) if rank == 0 else (20, V)
+        group = dist.group.WORLD
+        ids, teacher = _teacher(N)
+        teacher_hidden, teacher_weight = torch.sin(3 * hidden.detach() + 1), weight.detach().flip(0)[lo:hi]
+        g = torch.Generator().manual_seed(5)
+        g_lp, g_ent, g_lse = torch.randn(3, N, generator=g)
+
+        def head(h, w, y, t):
+            o = rl_kernels.linear_log_probs(h, w, y, temperature=t, backend="torch", process_group=group)
+            return (o.log_probs * g_lp + o.entropy * g_ent).sum()
+
+        def from_logits(h, w, y, t):
+            o = rl_kernels.logits_stats(h @ w.T, y, temperature=t, backend="torch", process_group=group)
+            return (o.log_probs * g_lp + o.entropy * g_ent + o.lse * g_lse).sum()
+
+        def topk(h, w, y, t):
+            return rl_kernels.linear_topk_kl(h, w, ids, teacher, labels=y, temperature=t, reduction="sum",
+                                             backend="torch", process_group=group)
+
+        def jsd(h, w, y, t):
+            return rl_kernels.linear_jsd(h, w, teacher_hidden, teacher_weight, labels=y, temperature=t, beta=0.3,
+                                         reduction="sum", backend="torch", process_group=group)
+
+        for fn in (head, from_logits, topk, jsd):
+            counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+            compiled = torch.compile(fn, backend=counter, fullgraph=True, dynamic=True)
+            for t in SCHEDULE:
+                results = []
+                for f in (fn, compiled):
+                    hx, wx = hidden.detach().clone().requires_grad_(), weight.detach()[lo:hi].clone().requires_grad_()
+                    loss = f(hx, wx, labels, t)
+                    loss.backward()
+                    results.append((loss.detach(), hx.grad, wx.grad))
+                for a, b in zip(*results):
+                    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6,
+                                               msg=lambda m: f"{fn.__name__}, T = {t}, rank {rank}: {m}")
+            assert counter.frame_count == 1, (fn.__name__, counter.frame_count)
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -223,25 +395,41 @@ def test_compiled_inplace_backward_is_out_of_place_and_says_so(caplog):
 
 
 @pytest.mark.parametrize("op", ["linear_forward", "linear_forward_gather", "logits_forward", "jsd_forward",
-                                "counted_positions"])
+                                "counted_positions", "linear_forward-runtime_temperature",
+                                "linear_forward_gather-runtime_temperature", "logits_forward-runtime_temperature",
+                                "jsd_forward-runtime_temperature", "topk_log_probs_forward-runtime_temperature"])
 def test_custom_ops_pass_opcheck(op):
     """torch.library.opcheck: schema (no hidden mutation or aliasing), fake implementation,
-    autograd registration and AOT dispatch with dynamic shapes. (The vocab-parallel ops need a
-    process group: tests/tp_worker.py compiles them.)"""
+    autograd registration and AOT dispatch with dynamic shapes, with the temperature as a float
+    and as the runtime 0-d tensor of the compiled route (then the float is ignored: 1.0 here).
+    (The vocab-parallel ops need a process group: tests/tp_worker.py compiles them.)"""
+    op, _, runtime = op.partition("-")
+    inv = 1.0 if runtime else 1 / T
     hidden, weight, logits, labels = _inputs()
     ids, teacher = _teacher(N)
     valid = labels != -100
     args = {
-        "linear_forward": (hidden, weight, labels, None, "torch", 1 / T, -100, True, True, None, "linear_log_probs"),
-        "linear_forward_gather": (hidden, weight, labels, ids, "torch", 1 / T, -100, False, False, None,
+        "linear_forward": (hidden, weight, labels, None, "torch", inv, -100, True, True, None, "linear_log_probs"),
+        "linear_forward_gather": (hidden, weight, labels, ids, "torch", inv, -100, False, False, None,
                                   "linear_topk_kl"),
-        "logits_forward": (logits, labels, "torch", 1 / T, -100, True, False, True, False, "logits_stats"),
-        "jsd_forward": (hidden, weight, torch.sin(hidden.detach()), weight.detach().flip(0), valid, "torch", 1 / T,
+        "logits_forward": (logits, labels, "torch", inv, -100, True, False, True, False, "logits_stats"),
+        "jsd_forward": (hidden, weight, torch.sin(hidden.detach()), weight.detach().flip(0), valid, "torch", inv,
                         0.3, True, None, None, False, "linear_jsd"),
         "counted_positions": (hidden, labels, None, ids, teacher, V, -100, "hidden_states", None, None),
+        "topk_log_probs_forward": (logits, ids, labels, "torch", inv, -100, False, False, False, False,
+                                   "topk_log_probs_from_logits"),
     }[op]
+    if runtime:
+        args += (torch.tensor(T, dtype=torch.float64),)
     name = "linear_forward" if op == "linear_forward_gather" else op
+    if runtime:  # the compiled route's twin, tagged cudagraph-unsafe (autograd.common.CustomOpPair)
+        name += "_runtime_temperature"
+        assert torch.Tag.cudagraph_unsafe in getattr(torch.ops.rl_kernels, name).default.tags
     torch.library.opcheck(getattr(torch.ops.rl_kernels, name).default, args)
+    if runtime:  # the tensor, not the float, gives the temperature
+        f = getattr(torch.ops.rl_kernels, name)
+        float_args = tuple(1 / T if a is inv else a for a in args[:-1])
+        assert all(torch.equal(a, b) for a, b in zip(f(*args), f(*float_args)))
 
 
 @pytest.mark.parametrize("fullgraph", [False, True])

@@ -356,6 +356,40 @@ def test_edge_values_get_clear_errors():
         linear_topk_kl(torch.randn(8), weight, torch.zeros(1, dtype=torch.long), torch.zeros(1), backend="torch")
 
 
+def test_temperature_and_softcap_checks_use_exactly_temperature_range():
+    """The checks compare with TEMPERATURE_RANGE written as literals (a module-level float would be a
+    symbolic input under torch.compile(dynamic=True)): both edges are accepted, the next float
+    outside each is refused, for the temperature and for the softcap (alone and over T)."""
+    from rl_kernels.validation import TEMPERATURE_RANGE, check_softcap, check_temperature
+
+    lo, hi = TEMPERATURE_RANGE
+    assert (lo, hi) == (1.0 / torch.finfo(torch.float32).max, 1.0 / torch.finfo(torch.float32).tiny)
+    for edge, outside in ((lo, math.nextafter(lo, 0.0)), (hi, math.nextafter(hi, math.inf))):
+        assert check_temperature(edge) == edge and check_softcap(edge, 1.0) == edge
+        with pytest.raises(ValueError, match="temperature: .* outside the usable range"):
+            check_temperature(outside)
+        with pytest.raises(ValueError, match="softcap: .* outside the usable range"):
+            check_softcap(outside, 1.0)
+    assert check_softcap(lo * 2.0, 2.0) == lo * 2.0  # softcap / T = lo: accepted
+    with pytest.raises(ValueError, match="softcap: .* outside the usable range"):
+        check_softcap(lo * 2.0, math.nextafter(2.0, 3.0))
+
+
+def test_positional_temperature_says_it_is_keyword_only():
+    """Issue 35: ``linear_log_probs(h, W, y, 0.7)`` got Python's bare "takes 3 positional arguments
+    but 4 were given"; the message now names the function and spells the keyword
+    (tests/test_public_api.py checks every public function)."""
+    hidden, weight, labels = make_inputs(3, 8, 10, torch.float32)
+    with pytest.raises(TypeError, match=r"linear_log_probs\(\) takes 3 positional arguments \(hidden_states, weight, "
+                                        r"labels\) but 4 were given: temperature and every other argument after the "
+                                        r"tensors is keyword-only .*write linear_log_probs\(hidden_states, weight, "
+                                        r"labels, temperature=0.7\)"):
+        linear_log_probs(hidden, weight, labels, 0.7)
+    with pytest.raises(TypeError, match=r"log_probs_from_logits\(\) takes 2 positional arguments .* write "
+                                        r"log_probs_from_logits\(logits, labels, temperature=0.7\)"):
+        log_probs_from_logits(hidden @ weight.T, labels, 0.7)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_extreme_usable_temperatures_match_float64(backend):
     hidden, weight, labels = make_inputs(3, 8, 10, torch.float32, seed=18, ignore_frac=0.0)

@@ -4,6 +4,7 @@ import pathlib
 import re
 
 import pytest
+import torch
 
 import rl_kernels
 
@@ -59,6 +60,48 @@ def test_one_argument_order_and_one_default_per_concept(name):
         twin = inspect.signature(getattr(rl_kernels, TWINS[name])).parameters.values()
         trio = {"process_group", "vocab_start_index", "reduce_hidden_grad"}
         assert keyword == [p.name for p in twin if p.kind == p.KEYWORD_ONLY and p.name not in trio], name
+
+
+@pytest.mark.parametrize("name", FUNCTIONS)
+def test_a_positional_keyword_argument_names_the_function_and_spells_the_keyword(name):
+    """Tensors are positional, every other argument keyword-only: a call that passes the
+    temperature (or any argument after the tensors) by position gets a TypeError naming the
+    function, saying that those arguments are keyword-only and spelling the call with keywords,
+    instead of Python's bare "takes 3 positional arguments but 4 were given" (issue 35). The
+    catch-all that finds them is hidden from inspect.signature (the tests above)."""
+    fn = getattr(rl_kernels, name)
+    params = inspect.signature(fn).parameters.values()
+    positional = [p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD]
+    keyword = [p.name for p in params if p.kind == p.KEYWORD_ONLY]
+    tensors = [torch.zeros(2, 5)] * len(positional)
+    for extra in ((0.7,), (0.7, -100)):
+        with pytest.raises(TypeError) as info:
+            fn(*tensors, *extra)
+        message = str(info.value)
+        assert message.startswith(f"{name}() takes {len(positional)} positional argument"), message
+        assert f"({', '.join(positional)}) but {len(positional) + len(extra)} were given" in message, message
+        said = "temperature and every other argument" if "temperature" in keyword else "every argument"
+        assert f"{said} after the tensors is keyword-only ({', '.join(keyword)})" in message, message
+        spelled = ", ".join(f"{k}={v!r}" for k, v in zip(keyword, extra))
+        assert f"write {name}({', '.join(positional)}, {spelled})" in message, message
+        if "temperature" in keyword:
+            assert keyword[0] == "temperature" and "temperature=0.7" in message
+    with pytest.raises(TypeError, match="more arguments than it takes"):
+        fn(*tensors, *range(len(keyword) + 1))
+
+
+def test_a_positional_temperature_under_torch_compile_keeps_the_message():
+    """The catch-all is an empty tuple on a normal call (no graph break: tests/test_compile.py);
+    a positional temperature in compiled code raises with the same message (fullgraph: inside
+    torch's "Observed exception" RuntimeError)."""
+    def f(logits):
+        return rl_kernels.logsumexp(logits, 0.7, backend="torch")
+
+    torch._dynamo.reset()
+    for fullgraph in (False, True):
+        with pytest.raises((TypeError, RuntimeError)) as info:
+            torch.compile(f, backend="eager", fullgraph=fullgraph)(torch.randn(3, 5))
+        assert "write logsumexp(logits, temperature=0.7)" in str(info.value), str(info.value)[:300]
 
 
 @pytest.mark.parametrize("name", FUNCTIONS)

@@ -83,14 +83,91 @@ def compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
+# The temperature on torch.compile's route. A custom op's ``float`` argument is a constant of the
+# graph: Dynamo holds a temperature that changed between calls as a symbolic float, and passing it
+# (or 1 / T) to a ``float`` argument specializes it again (a recompilation per temperature, and a
+# FailOnRecompileLimitHit under fullgraph=True after 8), while its other uses (the T^2 of the
+# distillation losses) stay symbolic: inductor's caches then returned the graph of an earlier
+# temperature (issue 35: T = 1.3 after 0.5 and 0.7 gave the loss at T = 0.7 times 1.3^2). So every
+# op that takes ``inv_temperature`` also takes ``Tensor? temperature``: a symbolic temperature
+# travels as a 0-d float64 CPU tensor, a runtime value of the one graph (its multiplication below
+# is one that Dynamo's float tensorification keeps symbolic), which the op's body (run eagerly)
+# reads on the host; a constant one stays a float, as before.
+# The body launches the kernels with 1 / T as a kernel argument: replayed from a CUDA graph, a
+# captured call would keep the temperature of its capture. So each such op has a twin,
+# ``<name>_runtime_temperature``, tagged cudagraph-unsafe (under mode="reduce-overhead" inductor
+# runs it outside its CUDA graphs: graph partitions, or no CUDA graph for that graph), which the
+# compiled route calls when it passes a runtime temperature; with a constant one the ops stay in.
+RUNTIME_TEMPERATURE_SCHEMA = "Tensor? temperature=None"  # the last argument of the ops that take one
+RUNTIME_TEMPERATURE_SUFFIX = "_runtime_temperature"
+_CUDAGRAPH_UNSAFE = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
+class CustomOpPair:
+    """A ``torch.library`` custom op ``rl_kernels::<name>`` and its cudagraph-unsafe twin
+    ``rl_kernels::<name>_runtime_temperature`` (same schema, body, fake implementation and
+    autograd): ``register_fake`` / ``register_autograd`` register on both."""
+
+    def __init__(self, qualname: str, schema: str, fn):
+        self.ops = (torch.library.custom_op(qualname, fn, mutates_args=(), schema=schema),
+                    torch.library.custom_op(qualname + RUNTIME_TEMPERATURE_SUFFIX, fn, mutates_args=(),
+                                            schema=schema, tags=_CUDAGRAPH_UNSAFE))
+
+    def register_fake(self, fn):
+        for op in self.ops:
+            op.register_fake(fn)
+        return fn
+
+    def register_autograd(self, backward, setup_context=None) -> None:
+        for op in self.ops:
+            op.register_autograd(backward, setup_context=setup_context)
+
+
+def custom_op_pair(qualname: str, schema: str):
+    """Decorator: ``fn`` as the body of a :class:`CustomOpPair` (for the ops that take
+    ``RUNTIME_TEMPERATURE_SCHEMA``)."""
+    return lambda fn: CustomOpPair(qualname, schema, fn)
+
+
+def rl_op(name: str, temperature):
+    """``torch.ops.rl_kernels.<name>``, or its cudagraph-unsafe twin when ``temperature`` (the
+    op's runtime-temperature argument) is a tensor rather than None."""
+    return getattr(torch.ops.rl_kernels, name if temperature is None else name + RUNTIME_TEMPERATURE_SUFFIX)
+
+
+def op_temperature(inv_temperature: float, temperature) -> tuple:
+    """(inv_temperature, temperature) as the custom ops take them, in the traced code:
+    ``(inv_temperature, None)`` when ``temperature`` (the checked Python number, or Dynamo's
+    symbolic float of it) is None or has a static value, else ``(1.0, 0-d float64 tensor T)``
+    (the op's body then ignores the float; see :func:`op_inv_temperature`)."""
+    if temperature is None or has_static_value(temperature):
+        return inv_temperature, None
+    return 1.0, torch.ones((), dtype=torch.float64) * temperature
+
+
+def op_inv_temperature(inv_temperature: float, temperature) -> float:
+    """In a custom op's body: 1 / T from the runtime ``temperature`` tensor when there is one, as
+    the eager route computes it (``1.0 / T`` in Python floats: the same bits), else the float."""
+    return inv_temperature if temperature is None else 1.0 / temperature.item()
+
+
+def has_static_value(value) -> bool:
+    """Whether a Python number (or Dynamo's symbolic version of one) is a constant of the graph
+    being traced (``torch.fx.experimental.symbolic_shapes.has_static_value``, which Dynamo answers
+    without a guard)."""
+    from torch.fx.experimental.symbolic_shapes import has_static_value as static
+
+    return static(value)
+
+
 def refuse_double_backward(backward_op) -> None:
-    """Register, as the autograd of a family's backward custom op (whose last argument is the
-    public function's name), a node that raises "double backward is not supported by
-    rl_kernels.<name>" when the gradients are differentiated again (the compiled route's
-    :func:`first_order_only`)."""
+    """Register, as the autograd of a family's backward custom op (whose last ``str`` argument is
+    the public function's name, followed by the runtime temperature), a node that raises "double
+    backward is not supported by rl_kernels.<name>" when the gradients are differentiated again
+    (the compiled route's :func:`first_order_only`)."""
 
     def setup_context(ctx, inputs, output):
-        ctx.fn_name = inputs[-1]
+        ctx.fn_name = next(a for a in reversed(inputs) if isinstance(a, str))
 
     def backward(ctx, *grads):
         raise RuntimeError(f"double backward is not supported by rl_kernels.{ctx.fn_name}: its backward "

@@ -16,7 +16,8 @@ import torch
 from ..backends import Backend, backend_by_name, implements
 from ..torch_ops.linear_jsd import torch_jsd_dlogits, torch_jsd_sums
 from .backward_schedule import chunked_backward, full_precision_reduction
-from .common import fake_grads, first_order_only, grads_or_empty, hidden_for_weight_grad, refuse_double_backward
+from .common import (RUNTIME_TEMPERATURE_SCHEMA, custom_op_pair, fake_grads, first_order_only, grads_or_empty,
+                     hidden_for_weight_grad, op_inv_temperature, op_temperature, refuse_double_backward, rl_op)
 from .linear import HeadParams, head_forward
 from .vocab_parallel import (all_gather_rows, finish_hidden_grad, merge_lse, op_backward_layout, op_group,
                              op_layout)
@@ -149,31 +150,36 @@ class LinearJSDFunction(torch.autograd.Function):
 
 # ------------------------------------------------------------------ torch.compile: custom ops
 # LinearJSDFunction as torch.library custom ops (see the same section of ``autograd/linear.py``;
-# a process group travels by name, as in ``autograd/vocab_parallel.py``).
+# a process group travels by name, as in ``autograd/vocab_parallel.py``; the last argument is the
+# runtime temperature, ``autograd.common.op_temperature``).
 
 _PARAMS_SCHEMA = ("str backend, float inv_temperature, float beta, bool may_have_ignored, str? group_name, "
-                  "int? vocab_start_index, bool reduce_hidden_grad, str name")
+                  "int? vocab_start_index, bool reduce_hidden_grad, str name, " + RUNTIME_TEMPERATURE_SCHEMA)
 
 
 def _params_from_op(backend, inv_temperature, beta, may_have_ignored, group_name, vocab_start_index,
-                    reduce_hidden_grad, name, local_vocab=None, device=None) -> JSDParams:
-    """The record back from the plain values; with ``group_name`` the layout is derived again
-    (``local_vocab`` and ``device`` given: the forward, with its all_gather when
-    ``vocab_start_index`` is None) or only what the backward reads (the group, the dh reduction)."""
+                    reduce_hidden_grad, name, temperature=None, local_vocab=None, device=None) -> JSDParams:
+    """The record back from the plain values (1 / T from ``temperature`` when given); with
+    ``group_name`` the layout is derived again (``local_vocab`` and ``device`` given: the forward,
+    with its all_gather when ``vocab_start_index`` is None) or only what the backward reads (the
+    group, the dh reduction)."""
     tp = None
     if group_name is not None:
         tp = (op_layout(group_name, vocab_start_index, reduce_hidden_grad, -100, local_vocab, device)
               if local_vocab is not None else op_backward_layout(group_name, reduce_hidden_grad))
-    return JSDParams(backend_by_name(backend), inv_temperature, beta, tp, may_have_ignored)
+    return JSDParams(backend_by_name(backend), op_inv_temperature(inv_temperature, temperature), beta, tp,
+                     may_have_ignored)
 
 
-def _op_params(params: JSDParams) -> tuple:
+def _op_params(params: JSDParams, temperature=None) -> tuple:
     group = (None, None, False) if params.tp is None else op_group(params.tp)
-    return (params.backend.name, params.inv_temperature, params.beta, params.may_have_ignored, *group, "linear_jsd")
+    inv_temperature, runtime_temperature = op_temperature(params.inv_temperature, temperature)
+    return (params.backend.name, inv_temperature, params.beta, params.may_have_ignored, *group, "linear_jsd",
+            runtime_temperature)
 
 
-@torch.library.custom_op(
-    "rl_kernels::jsd_forward", mutates_args=(),
+@custom_op_pair(
+    "rl_kernels::jsd_forward",
     schema="(Tensor student_hidden, Tensor student_weight, Tensor teacher_hidden, Tensor teacher_weight, "
            "Tensor valid, " + _PARAMS_SCHEMA + ") -> (Tensor, Tensor, Tensor, Tensor)")
 def _jsd_forward_op(hs, ws, ht, wt, valid, *params):
@@ -188,8 +194,8 @@ def _(hs, *rest):
     return tuple(hs.new_empty(hs.shape[0], dtype=torch.float32) for _ in range(4))
 
 
-@torch.library.custom_op(
-    "rl_kernels::jsd_backward", mutates_args=(),
+@custom_op_pair(
+    "rl_kernels::jsd_backward",
     schema="(Tensor student_hidden, Tensor student_weight, Tensor teacher_hidden, Tensor teacher_weight, "
            "Tensor lse_s, Tensor lse_t, Tensor g_sum, Tensor valid, Tensor grad, bool need_dh, bool need_dw, "
            + _PARAMS_SCHEMA + ") -> (Tensor, Tensor)")
@@ -218,8 +224,8 @@ def _jsd_backward(ctx, grad, *unused):
     none = (None,) * (5 + len(ctx.params))
     if grad is None or not (need_dh or need_dw):
         return none
-    dh, dw = torch.ops.rl_kernels.jsd_backward(*ctx.saved_tensors, grad.float().contiguous(), need_dh, need_dw,
-                                               *ctx.params)
+    dh, dw = rl_op("jsd_backward", ctx.params[-1])(*ctx.saved_tensors, grad.float().contiguous(), need_dh, need_dw,
+                                                   *ctx.params)
     return (dh if need_dh else None, dw if need_dw else None) + none[2:]
 
 
@@ -227,8 +233,11 @@ _jsd_forward_op.register_autograd(_jsd_backward, setup_context=_jsd_setup_contex
 refuse_double_backward(_jsd_backward_op)
 
 
-def compiled_jsd(student_hidden, student_weight, teacher_hidden, teacher_weight, valid, params: JSDParams):
+def compiled_jsd(student_hidden, student_weight, teacher_hidden, teacher_weight, valid, params: JSDParams,
+                 temperature=None):
     """``LinearJSDFunction``'s output through the custom ops (``torch.compile``'s route; a
-    process group travels by name, its layout derived in the op's body)."""
-    return torch.ops.rl_kernels.jsd_forward(student_hidden, student_weight, teacher_hidden, teacher_weight, valid,
-                                            *_op_params(params))[0]
+    process group travels by name, its layout derived in the op's body; ``temperature``: the
+    public function's checked temperature, ``autograd.common.op_temperature``)."""
+    op_params = _op_params(params, temperature)
+    return rl_op("jsd_forward", op_params[-1])(student_hidden, student_weight, teacher_hidden, teacher_weight, valid,
+                                               *op_params)[0]

@@ -19,8 +19,9 @@ from ..label_check import checked_labels, raise_if_interpreted, raise_label_erro
 from ..validation import warn_fp16_temperature
 from ..torch_ops.linear import torch_dlogits, torch_forward, torch_gathered_logits
 from .backward_schedule import chunked_backward, full_precision_reduction
-from .common import (fake_grads, first_order_only, float_grads, grads_or_empty, hidden_for_weight_grad, if_asked,
-                     or_empty, refuse_double_backward)
+from .common import (RUNTIME_TEMPERATURE_SCHEMA, custom_op_pair, fake_grads, first_order_only, float_grads,
+                     grads_or_empty, hidden_for_weight_grad, if_asked, op_inv_temperature, op_temperature, or_empty,
+                     refuse_double_backward, rl_op)
 
 
 class HeadParams(NamedTuple):
@@ -197,32 +198,37 @@ def gathered_logits(hidden_states, weight, ids, params: HeadParams) -> torch.Ten
 # included) and differentiable through register_autograd. The parameter record travels as plain
 # values (a custom op takes no Python objects); the op's body rebuilds it. Label values are
 # checked in the body (in the Triton kernels without a host sync, else on the host), so the traced
-# public function holds no data-dependent Python.
+# public function holds no data-dependent Python. A temperature that Dynamo holds as a symbolic
+# float travels as the ops' last argument, a 0-d tensor (``autograd.common.op_temperature``: a
+# runtime value, so a temperature schedule runs one graph).
 
 HEAD_OP_SCHEMA = ("str backend, float inv_temperature, int ignore_index, bool return_entropy, "
                   "bool return_sum_pi_squared, float? softcap, str name")
 
 
-def head_op_params(params: HeadParams) -> tuple:
-    """A HeadParams as the custom ops' trailing plain arguments (``HEAD_OP_SCHEMA``; also the
-    vocab-parallel ops')."""
-    return (params.backend.name, params.inv_temperature, params.ignore_index, params.return_entropy,
-            params.return_sum_pi_squared, params.softcap, params.name)
+def head_op_params(params: HeadParams, temperature=None) -> tuple:
+    """A HeadParams as the custom ops' trailing plain arguments (``HEAD_OP_SCHEMA``, then the
+    runtime temperature or None; also the vocab-parallel ops'). ``temperature``: the public
+    function's checked temperature (see ``autograd.common.op_temperature``)."""
+    inv_temperature, runtime_temperature = op_temperature(params.inv_temperature, temperature)
+    return (params.backend.name, inv_temperature, params.ignore_index, params.return_entropy,
+            params.return_sum_pi_squared, params.softcap, params.name, runtime_temperature)
 
 
 def head_params_from_op(backend, inv_temperature, ignore_index, return_entropy, return_sum_pi_squared, softcap,
-                        name) -> HeadParams:
+                        name, temperature=None) -> HeadParams:
     """The record back from the plain values (``may_have_ignored`` left True: the forward op sets
-    it from its own label check)."""
-    return HeadParams(backend=backend_by_name(backend), inv_temperature=inv_temperature,
-                      ignore_index=ignore_index, return_entropy=return_entropy, name=name,
-                      return_sum_pi_squared=return_sum_pi_squared, softcap=softcap)
+    it from its own label check; 1 / T from ``temperature`` when given)."""
+    return HeadParams(backend=backend_by_name(backend),
+                      inv_temperature=op_inv_temperature(inv_temperature, temperature), ignore_index=ignore_index,
+                      return_entropy=return_entropy, name=name, return_sum_pi_squared=return_sum_pi_squared,
+                      softcap=softcap)
 
 
-@torch.library.custom_op(
-    "rl_kernels::linear_forward", mutates_args=(),
-    schema="(Tensor hidden_states, Tensor weight, Tensor labels, Tensor? gather_ids, " + HEAD_OP_SCHEMA
-           + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+@custom_op_pair(
+    "rl_kernels::linear_forward",
+    schema="(Tensor hidden_states, Tensor weight, Tensor labels, Tensor? gather_ids, " + HEAD_OP_SCHEMA + ", "
+           + RUNTIME_TEMPERATURE_SCHEMA + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 def _linear_forward_op(hidden_states, weight, labels, gather_ids, *params):
     """-> (log_probs, entropy, lse, sum_pi_squared, gathered_logits), empty where not asked."""
     raise_label_errors()  # a bad label that an earlier call's kernel reported
@@ -240,7 +246,7 @@ def _linear_forward_op(hidden_states, weight, labels, gather_ids, *params):
 
 @_linear_forward_op.register_fake
 def _(hidden_states, weight, labels, gather_ids, backend, inv_temperature, ignore_index, return_entropy,
-      return_sum_pi_squared, softcap, name):
+      return_sum_pi_squared, softcap, name, temperature=None):
     n = hidden_states.shape[0]
 
     def rows(asked):
@@ -250,12 +256,12 @@ def _(hidden_states, weight, labels, gather_ids, backend, inv_temperature, ignor
     return rows(True), rows(return_entropy), rows(True), rows(return_sum_pi_squared), gathered
 
 
-@torch.library.custom_op(
-    "rl_kernels::linear_backward", mutates_args=(),
+@custom_op_pair(
+    "rl_kernels::linear_backward",
     schema="(Tensor hidden_states, Tensor weight, Tensor labels, Tensor? gather_ids, Tensor lse, Tensor? entropy, "
            "Tensor? sum_pi_squared, Tensor? grad_log_probs, Tensor? grad_entropy, Tensor? grad_lse, "
            "Tensor? grad_sum_pi_squared, Tensor? grad_gathered_logits, bool need_dh, bool need_dw, "
-           + HEAD_OP_SCHEMA + ") -> (Tensor, Tensor)")
+           + HEAD_OP_SCHEMA + ", " + RUNTIME_TEMPERATURE_SCHEMA + ") -> (Tensor, Tensor)")
 def _linear_backward_op(hidden_states, weight, labels, gather_ids, lse, entropy, sum_pi_squared, grad_log_probs,
                         grad_entropy, grad_lse, grad_sum_pi_squared, grad_gathered_logits, need_dh, need_dw,
                         *params):
@@ -291,8 +297,8 @@ def _linear_backward(ctx, grad_log_probs, grad_entropy, grad_lse, grad_sum_pi_sq
         return none
     grads = float_grads((grad_log_probs, grad_entropy, grad_lse, grad_sum_pi_squared, grad_gathered_logits),
                         (True, ctx.params[3], True, ctx.params[4], gather_ids is not None))
-    dh, dw = torch.ops.rl_kernels.linear_backward(hidden_states, weight, labels, gather_ids, lse, entropy,
-                                                  sum_pi_squared, *grads, need_dh, need_dw, *ctx.params)
+    dh, dw = rl_op("linear_backward", ctx.params[-1])(hidden_states, weight, labels, gather_ids, lse, entropy,
+                                                      sum_pi_squared, *grads, need_dh, need_dw, *ctx.params)
     return (dh if need_dh else None, dw if need_dw else None) + none[2:]
 
 
@@ -300,9 +306,12 @@ _linear_forward_op.register_autograd(_linear_backward, setup_context=_linear_set
 refuse_double_backward(_linear_backward_op)
 
 
-def compiled_head(hidden_states, weight, labels, params: HeadParams, gather_ids=None) -> HeadOutputs:
+def compiled_head(hidden_states, weight, labels, params: HeadParams, gather_ids=None, temperature=None) -> HeadOutputs:
     """``LinearLogProbsFunction``'s outputs through the custom ops (``torch.compile``'s route; see
-    ``autograd.common.compiling``). Label values are checked in the op's body."""
-    out = torch.ops.rl_kernels.linear_forward(hidden_states, weight, labels, gather_ids, *head_op_params(params))
+    ``autograd.common.compiling``). Label values are checked in the op's body. ``temperature``: the
+    public function's checked temperature (a runtime value of the graph when Dynamo holds it
+    symbolically: ``autograd.common.op_temperature``)."""
+    op_params = head_op_params(params, temperature)
+    out = rl_op("linear_forward", op_params[-1])(hidden_states, weight, labels, gather_ids, *op_params)
     return HeadOutputs(out[0], if_asked(out[1], params.return_entropy), out[2],
                        if_asked(out[3], params.return_sum_pi_squared), if_asked(out[4], gather_ids is not None))

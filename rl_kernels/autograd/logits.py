@@ -22,8 +22,8 @@ from .._logging import log_once
 from ..backends import Backend, backend_by_name, implements
 from ..label_check import deferred_label_check, raise_if_interpreted, raise_label_errors
 from ..torch_ops.logits_stats import torch_logits_backward, torch_logits_forward
-from .common import (as_float_grad, compiling, first_order_only, float_grads, if_asked, or_empty,
-                     refuse_double_backward)
+from .common import (RUNTIME_TEMPERATURE_SCHEMA, as_float_grad, compiling, custom_op_pair, first_order_only,
+                     float_grads, if_asked, op_inv_temperature, op_temperature, or_empty, refuse_double_backward, rl_op)
 
 
 class LogitsParams(NamedTuple):
@@ -133,33 +133,40 @@ class LogitsStatsFunction(torch.autograd.Function):
 # LogitsStatsFunction's forward and backward as torch.library custom ops (see the same section of
 # ``autograd/linear.py``). The forward op also returns the two saved statistics (row max, log-sum)
 # that its backward reads. ``inplace_backward`` is not offered on this route: a custom op cannot
-# return its input's storage as a new gradient (the public function says so once).
+# return its input's storage as a new gradient (the public function says so once). The ops' last
+# argument is the runtime temperature (``autograd.common.op_temperature``).
 
 LOGITS_OP_SCHEMA = ("str backend, float inv_temperature, int ignore_index, bool return_entropy, "
                     "bool return_mean_log_p, bool return_sum_pi_squared, bool inplace_backward, str name")
 _STAT_KEYS = ("log_probs", "entropy", "lse", "mean_log_p", "sum_pi_squared", "row_max", "log_sum")
 
 
-def logits_op_params(params: LogitsParams) -> tuple:
-    """A LogitsParams as the custom ops' trailing plain arguments (``LOGITS_OP_SCHEMA``)."""
-    return (params.backend.name, params.inv_temperature, params.ignore_index, params.return_entropy,
-            params.return_mean_log_p, params.return_sum_pi_squared, params.inplace_backward, params.name)
+def logits_op_params(params: LogitsParams, temperature=None) -> tuple:
+    """A LogitsParams as the custom ops' trailing plain arguments (``LOGITS_OP_SCHEMA``, then the
+    runtime temperature or None). ``temperature``: the public function's checked temperature (see
+    ``autograd.common.op_temperature``)."""
+    inv_temperature, runtime_temperature = op_temperature(params.inv_temperature, temperature)
+    return (params.backend.name, inv_temperature, params.ignore_index, params.return_entropy,
+            params.return_mean_log_p, params.return_sum_pi_squared, params.inplace_backward, params.name,
+            runtime_temperature)
 
 
 def logits_params_from_op(backend, inv_temperature, ignore_index, return_entropy, return_mean_log_p,
-                          return_sum_pi_squared, inplace_backward, name) -> LogitsParams:
+                          return_sum_pi_squared, inplace_backward, name, temperature=None) -> LogitsParams:
     """The record back from the plain values; ``inplace_backward`` (asked by the caller) is
     reported, not honoured: this route's gradient is a new tensor. The two-level forward combines
-    in a second launch here (no state kept across calls: see ``combine_in_one_launch``)."""
-    return LogitsParams(backend=backend_by_name(backend), inv_temperature=inv_temperature, ignore_index=ignore_index,
+    in a second launch here (no state kept across calls: see ``combine_in_one_launch``). 1 / T
+    from ``temperature`` when given."""
+    return LogitsParams(backend=backend_by_name(backend), ignore_index=ignore_index,
+                        inv_temperature=op_inv_temperature(inv_temperature, temperature),
                         return_entropy=return_entropy, name=name, return_mean_log_p=return_mean_log_p,
                         return_sum_pi_squared=return_sum_pi_squared, inplace_backward=False,
                         combine_in_one_launch=False)
 
 
-@torch.library.custom_op(
-    "rl_kernels::logits_forward", mutates_args=(),
-    schema="(Tensor logits, Tensor? labels, " + LOGITS_OP_SCHEMA
+@custom_op_pair(
+    "rl_kernels::logits_forward",
+    schema="(Tensor logits, Tensor? labels, " + LOGITS_OP_SCHEMA + ", " + RUNTIME_TEMPERATURE_SCHEMA
            + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 def _logits_forward_op(logits, labels, *params):
     """-> (log_probs, entropy, lse, mean_log_p, sum_pi_squared, row_max, log_sum), empty where not
@@ -180,17 +187,17 @@ def _logits_forward_op(logits, labels, *params):
 
 @_logits_forward_op.register_fake
 def _(logits, labels, backend, inv_temperature, ignore_index, return_entropy, return_mean_log_p,
-      return_sum_pi_squared, inplace_backward, name):
+      return_sum_pi_squared, inplace_backward, name, temperature=None):
     n = logits.shape[0]
     asked = (labels is not None, return_entropy, True, return_mean_log_p, return_sum_pi_squared, True, True)
     return tuple(logits.new_empty(n if a else 0, dtype=torch.float32) for a in asked)
 
 
-@torch.library.custom_op(
-    "rl_kernels::logits_backward", mutates_args=(),
+@custom_op_pair(
+    "rl_kernels::logits_backward",
     schema="(Tensor logits, Tensor? labels, Tensor row_max, Tensor log_sum, Tensor? entropy, Tensor? sum_pi_squared, "
            "Tensor? grad_log_probs, Tensor? grad_entropy, Tensor? grad_lse, Tensor? grad_mean_log_p, "
-           "Tensor? grad_sum_pi_squared, " + LOGITS_OP_SCHEMA + ") -> Tensor")
+           "Tensor? grad_sum_pi_squared, " + LOGITS_OP_SCHEMA + ", " + RUNTIME_TEMPERATURE_SCHEMA + ") -> Tensor")
 def _logits_backward_op(logits, labels, row_max, log_sum, entropy, sum_pi_squared, grad_log_probs, grad_entropy,
                         grad_lse, grad_mean_log_p, grad_sum_pi_squared, *params):
     """-> d loss / d logits, a new contiguous tensor in the logits' dtype."""
@@ -225,8 +232,8 @@ def _logits_backward(ctx, *output_grads):
     grads = float_grads(output_grads, asked)
     if not ctx.needs_input_grad[0] or all(g is None for g in grads):
         return none
-    grad = torch.ops.rl_kernels.logits_backward(logits, labels, row_max, log_sum, entropy, sum_pi_squared, *grads,
-                                                *ctx.params)
+    grad = rl_op("logits_backward", ctx.params[-1])(logits, labels, row_max, log_sum, entropy, sum_pi_squared,
+                                                    *grads, *ctx.params)
     return (grad,) + none[1:]
 
 
@@ -234,10 +241,12 @@ _logits_forward_op.register_autograd(_logits_backward, setup_context=_logits_set
 refuse_double_backward(_logits_backward_op)
 
 
-def compiled_logits_stats(logits, labels, params: LogitsParams) -> LogitsOutputs:
+def compiled_logits_stats(logits, labels, params: LogitsParams, temperature=None) -> LogitsOutputs:
     """``LogitsStatsFunction``'s outputs through the custom ops (``torch.compile``'s route; see
-    ``autograd.common.compiling``). Label values are checked in the op's body."""
-    out = torch.ops.rl_kernels.logits_forward(logits, labels, *logits_op_params(params))
+    ``autograd.common.compiling``). Label values are checked in the op's body. ``temperature``: the
+    public function's checked temperature (``autograd.common.op_temperature``)."""
+    op_params = logits_op_params(params, temperature)
+    out = rl_op("logits_forward", op_params[-1])(logits, labels, *op_params)
     return LogitsOutputs(if_asked(out[0], labels is not None), if_asked(out[1], params.return_entropy), out[2],
                          if_asked(out[3], params.return_mean_log_p), if_asked(out[4], params.return_sum_pi_squared))
 
@@ -326,9 +335,9 @@ class TopKLogProbsFunction(torch.autograd.Function):
 # forward op also returns the three (N,) statistics its backward reads), so that compiled and eager
 # run the same code and give the same bits, with the same one N x V tensor in backward.
 
-@torch.library.custom_op(
-    "rl_kernels::topk_log_probs_forward", mutates_args=(),
-    schema="(Tensor logits, Tensor token_ids, Tensor? labels, " + LOGITS_OP_SCHEMA
+@custom_op_pair(
+    "rl_kernels::topk_log_probs_forward",
+    schema="(Tensor logits, Tensor token_ids, Tensor? labels, " + LOGITS_OP_SCHEMA + ", " + RUNTIME_TEMPERATURE_SCHEMA
            + ") -> (Tensor, Tensor, Tensor, Tensor)")
 def _topk_forward_op(logits, token_ids, labels, *params):
     """-> (log_probs (N, K), row_max, log_sum, lse), float32."""
@@ -345,10 +354,10 @@ def _(logits, token_ids, labels, *params):
             *(logits.new_empty(n, dtype=torch.float32) for _ in range(3)))
 
 
-@torch.library.custom_op(
-    "rl_kernels::topk_log_probs_backward", mutates_args=(),
+@custom_op_pair(
+    "rl_kernels::topk_log_probs_backward",
     schema="(Tensor logits, Tensor token_ids, Tensor? labels, Tensor row_max, Tensor log_sum, Tensor lse, "
-           "Tensor grad_log_probs, " + LOGITS_OP_SCHEMA + ") -> Tensor")
+           "Tensor grad_log_probs, " + LOGITS_OP_SCHEMA + ", " + RUNTIME_TEMPERATURE_SCHEMA + ") -> Tensor")
 def _topk_backward_op(logits, token_ids, labels, row_max, log_sum, lse, grad_log_probs, *params):
     """-> d loss / d logits, a new contiguous tensor in the logits' dtype."""
     grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
@@ -374,8 +383,8 @@ def _topk_backward(ctx, grad_log_probs, *unused):
     none = (None,) * (3 + len(ctx.params))
     if grad_log_probs is None or not ctx.needs_input_grad[0]:
         return none
-    grad = torch.ops.rl_kernels.topk_log_probs_backward(logits, token_ids, labels, row_max, log_sum, lse,
-                                                        as_float_grad(grad_log_probs), *ctx.params)
+    grad = rl_op("topk_log_probs_backward", ctx.params[-1])(logits, token_ids, labels, row_max, log_sum, lse,
+                                                            as_float_grad(grad_log_probs), *ctx.params)
     return (grad,) + none[1:]
 
 
@@ -383,13 +392,15 @@ _topk_forward_op.register_autograd(_topk_backward, setup_context=_topk_setup_con
 refuse_double_backward(_topk_backward_op)
 
 
-def topk_log_probs(logits, token_ids, labels, params: LogitsParams) -> torch.Tensor:
+def topk_log_probs(logits, token_ids, labels, params: LogitsParams, temperature=None) -> torch.Tensor:
     """(N, K) float32 log-probs of 2-D ``logits`` at checked int64 ``token_ids`` (N, K): through
     :class:`TopKLogProbsFunction` when a gradient is wanted, its forward alone otherwise, and under
     ``torch.compile`` through the ``rl_kernels::topk_log_probs_forward`` / ``_backward`` custom ops
-    (the same bodies: the same bits)."""
+    (the same bodies: the same bits; ``temperature``: the public function's checked temperature,
+    ``autograd.common.op_temperature``)."""
     if compiling():
-        return torch.ops.rl_kernels.topk_log_probs_forward(logits, token_ids, labels, *logits_op_params(params))[0]
+        op_params = logits_op_params(params, temperature)
+        return rl_op("topk_log_probs_forward", op_params[-1])(logits, token_ids, labels, *op_params)[0]
     if torch.is_grad_enabled() and logits.requires_grad:
         return TopKLogProbsFunction.apply(logits, token_ids, labels, params)
     lse = logits_stats_forward(logits, labels, params)["lse"]

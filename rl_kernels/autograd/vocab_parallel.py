@@ -39,9 +39,9 @@ import dataclasses
 import torch
 
 from ..label_check import raise_label_errors
-from ..validation import check_label_values, check_vocab_parallel_args
-from .common import (compiling, fake_grads, first_order_only, float_grads, grads_or_empty, if_asked, or_empty,
-                     refuse_double_backward)
+from ..validation import check_label_values, check_vocab_parallel_args, warn_fp16_temperature
+from .common import (RUNTIME_TEMPERATURE_SCHEMA, compiling, custom_op_pair, fake_grads, first_order_only, float_grads,
+                     grads_or_empty, if_asked, or_empty, refuse_double_backward, rl_op)
 from .linear import (HEAD_OP_SCHEMA, HeadOutputs, HeadParams, gathered_logits, head_backward, head_forward,
                      head_op_params, head_params_from_op)
 from .logits import LOGITS_OP_SCHEMA, LogitsOutputs, LogitsParams, logits_op_params, logits_params_from_op
@@ -51,6 +51,46 @@ def _dist():
     import torch.distributed as dist
 
     return dist
+
+
+# [Work handle or None, torch.ScriptList of the tensors, the tensors] of this module's collectives
+# whose tensors a communication thread may still hold; see ``collective``.
+_KEPT: list = []
+
+
+def collective(fn, *tensors, group) -> None:
+    """Run the ``torch.distributed`` collective ``fn(*tensors, group=group)`` (``tensors``: its
+    tensor and tensor-list arguments, used in place, no copies) and wait for it. Every collective
+    of this module runs through here, one thread at a time (as the ranks' common order of
+    collectives requires), so that a communication thread never drops the last C++ reference
+    besides a tensor's own Python object.
+
+    Why (issue 35): torch keeps a tensor's Python object alive while C++ holds the tensor too and
+    releases it, under the GIL, when the C++ references fall from two to one (``Note [PyObject
+    preservation for Tensor and Storages]``, c10/util/intrusive_ptr.h). A communication thread
+    (gloo's ``pt_gloo_runloop``, NCCL's watchdog) holds the Work, and through it the tensors, for
+    a while after ``wait()`` returns. If it drops the second-to-last reference it takes the GIL,
+    and at interpreter exit that thread is ended inside the Work's destructor: std::terminate,
+    SIGABRT (about 12 of 30 runs over gloo on a loaded 2-core machine with the synchronous
+    ``dist.all_gather`` / ``all_reduce`` on temporaries; torch issue #190489 is the same class).
+    Here a ``torch.ScriptList`` adds one C++ reference to each tensor before the collective
+    starts, so a communication thread's release never leaves only one. The Work handle stays
+    referenced until the next collective here; the tensors and their ScriptList until a later
+    collective sees that nothing else holds them (``Tensor._use_count()`` 2: the Python object and
+    the ScriptList), and this thread drops them. What is kept at exit goes with this module's
+    globals, after ``Py_IsInitialized()`` has turned false, when torch skips the GIL and leaks
+    (``PyInterpreter::decref``); an atexit hook would run before that point, so there is none.
+    Memory: the float32 ``dh`` of ``finish_hidden_grad`` lives until the next collective, not
+    until its rounding. ``tests/test_exit_clean.py`` is the test."""
+    flat = list({id(t): t for x in tensors for t in (x if isinstance(x, (list, tuple)) else (x,))}.values())
+    held = torch.ScriptList(flat)  # one more C++ reference to each tensor, before the collective holds any
+    work = fn(*tensors, group=group, async_op=True)
+    if work is not None:  # None: this rank is not in ``group`` (torch warns, as the synchronous call did)
+        work.wait()
+    earlier = [(h, f) for _, h, f in _KEPT]
+    _KEPT[:] = [(work, held, flat)]  # the earlier Work handles are dropped here
+    _KEPT[:0] = [(None, h, f) for h, f in earlier if any(t._use_count() > 2 for t in f)]
+    # the other earlier tensors are released on return, by this thread
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +126,7 @@ def parallel_params(process_group, vocab_start_index, reduce_hidden_grad, ignore
     world = dist.get_world_size(process_group)
     mine = torch.tensor([local_vocab], dtype=torch.int64, device=device)
     sizes = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(sizes, mine, group=process_group)
+    collective(dist.all_gather, sizes, mine, group=process_group)
     sizes = [int(s) for s in torch.cat(sizes).tolist()]
     rank = dist.get_rank(process_group)
     return ParallelParams(process_group, sum(sizes[:rank]), sum(sizes), reduce_hidden_grad)
@@ -104,7 +144,7 @@ def all_gather_rows(process_group, part: torch.Tensor) -> torch.Tensor:
     """(W, *part.shape): every rank's ``part`` in group-rank order (one all_gather)."""
     dist = _dist()
     gathered = [torch.empty_like(part) for _ in range(dist.get_world_size(process_group))]
-    dist.all_gather(gathered, part.contiguous(), group=process_group)
+    collective(dist.all_gather, gathered, part.contiguous(), group=process_group)
     return torch.stack(gathered)
 
 
@@ -113,7 +153,7 @@ def finish_hidden_grad(dh, tp, dtype):
     once to ``dtype`` (else ``dh`` as is: the caller's region sums it)."""
     if dh is None or tp is None or not tp.reduce_hidden_grad:
         return dh
-    _dist().all_reduce(dh, group=tp.process_group)
+    collective(_dist().all_reduce, dh, group=tp.process_group)
     return dh.to(dtype)
 
 
@@ -359,8 +399,11 @@ class VocabParallelLseGatherFunction(torch.autograd.Function):
 # ``autograd/linear.py``). The group travels by name (``ProcessGroup.group_name``; a custom op
 # takes no Python objects) and is looked up again in the op's body, which also derives the layout
 # (``parallel_params``: one small all_gather when ``vocab_start_index`` is None, as in eager) and
-# checks the label values on the host. The collectives run inside the ops' bodies, eagerly.
+# checks the label values on the host. The collectives run inside the ops' bodies, eagerly. The
+# runtime temperature (``autograd.common.op_temperature``) follows the head's plain values: in the
+# forward ops before the group's (``_HEAD_AND_GROUP``), last in the backward ops.
 _GROUP_SCHEMA = "str group_name, int? vocab_start_index, bool reduce_hidden_grad"
+_HEAD_AND_GROUP = HEAD_OP_SCHEMA + ", Tensor? temperature, " + _GROUP_SCHEMA
 
 
 def group_by_name(name: str):
@@ -388,14 +431,15 @@ def op_group(tp: ParallelParams) -> tuple:
     return tp.process_group.group_name, tp.start, tp.reduce_hidden_grad
 
 
-@torch.library.custom_op(
-    "rl_kernels::vocab_parallel_linear_forward", mutates_args=(),
-    schema="(Tensor hidden_states, Tensor weight, Tensor labels, " + HEAD_OP_SCHEMA + ", " + _GROUP_SCHEMA
+@custom_op_pair(
+    "rl_kernels::vocab_parallel_linear_forward",
+    schema="(Tensor hidden_states, Tensor weight, Tensor labels, " + _HEAD_AND_GROUP
            + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 def _vp_linear_forward_op(hidden_states, weight, labels, *args):
     """-> (log_probs, entropy, lse, sum_pi_squared, the shard's labels), empty where not asked."""
     raise_label_errors()
     p, (name, start, reduce) = head_params_from_op(*args[:-3]), args[-3:]
+    warn_fp16_temperature(hidden_states.dtype, 1.0 / p.inv_temperature)  # (not logged while tracing)
     tp = op_layout(name, start, reduce, p.ignore_index, weight.shape[0], hidden_states.device)
     if tp.vocab_size is not None:
         check_label_values(labels, tp.vocab_size, p.ignore_index)
@@ -412,12 +456,12 @@ def _(hidden_states, weight, labels, *args):
     return rows(True), rows(return_entropy), rows(True), rows(return_sum_pi_squared), torch.empty_like(labels)
 
 
-@torch.library.custom_op(
-    "rl_kernels::vocab_parallel_linear_backward", mutates_args=(),
+@custom_op_pair(
+    "rl_kernels::vocab_parallel_linear_backward",
     schema="(Tensor hidden_states, Tensor weight, Tensor local, Tensor lse, Tensor? entropy, Tensor? sum_pi_squared, "
            "Tensor? grad_log_probs, Tensor? grad_entropy, Tensor? grad_lse, Tensor? grad_sum_pi_squared, "
-           "bool need_dh, bool need_dw, str group_name, bool reduce_hidden_grad, " + HEAD_OP_SCHEMA
-           + ") -> (Tensor, Tensor)")
+           "bool need_dh, bool need_dw, str group_name, bool reduce_hidden_grad, " + HEAD_OP_SCHEMA + ", "
+           + RUNTIME_TEMPERATURE_SCHEMA + ") -> (Tensor, Tensor)")
 def _vp_linear_backward_op(hidden_states, weight, local, lse, entropy, sum_pi_squared, grad_log_probs, grad_entropy,
                            grad_lse, grad_sum_pi_squared, need_dh, need_dw, group_name, reduce_hidden_grad, *params):
     raise_label_errors()
@@ -452,7 +496,7 @@ def _vp_linear_backward(ctx, grad_log_probs, grad_entropy, grad_lse, grad_sum_pi
     grads = float_grads((grad_log_probs, grad_entropy, grad_lse, grad_sum_pi_squared), asked)
     if not (need_dh or need_dw) or all(g is None for g in grads):
         return none
-    dh, dw = torch.ops.rl_kernels.vocab_parallel_linear_backward(
+    dh, dw = rl_op("vocab_parallel_linear_backward", ctx.params[-1])(
         hidden_states, weight, local, lse, entropy, sum_pi_squared, *grads, need_dh, need_dw, *ctx.group, *ctx.params)
     return (dh if need_dh else None, dw if need_dw else None) + none[2:]
 
@@ -461,17 +505,20 @@ _vp_linear_forward_op.register_autograd(_vp_linear_backward, setup_context=_vp_l
 refuse_double_backward(_vp_linear_backward_op)
 
 
-def compiled_vocab_parallel_head(hidden_states, weight, labels, params: HeadParams, tp: ParallelParams) -> HeadOutputs:
-    """``VocabParallelLinearFunction``'s outputs through the custom ops (``torch.compile``'s route)."""
-    out = torch.ops.rl_kernels.vocab_parallel_linear_forward(hidden_states, weight, labels, *head_op_params(params),
-                                                              *op_group(tp))
+def compiled_vocab_parallel_head(hidden_states, weight, labels, params: HeadParams, tp: ParallelParams,
+                                 temperature=None) -> HeadOutputs:
+    """``VocabParallelLinearFunction``'s outputs through the custom ops (``torch.compile``'s route;
+    ``temperature``: the public function's checked temperature, ``autograd.common.op_temperature``)."""
+    op_params = head_op_params(params, temperature)
+    out = rl_op("vocab_parallel_linear_forward", op_params[-1])(hidden_states, weight, labels, *op_params,
+                                                                *op_group(tp))
     return HeadOutputs(out[0], if_asked(out[1], params.return_entropy), out[2],
                        if_asked(out[3], params.return_sum_pi_squared))
 
 
-@torch.library.custom_op(
-    "rl_kernels::vocab_parallel_logits_forward", mutates_args=(),
-    schema="(Tensor logits, Tensor? labels, " + LOGITS_OP_SCHEMA + ", " + _GROUP_SCHEMA
+@custom_op_pair(
+    "rl_kernels::vocab_parallel_logits_forward",
+    schema="(Tensor logits, Tensor? labels, " + LOGITS_OP_SCHEMA + ", Tensor? temperature, " + _GROUP_SCHEMA
            + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 def _vp_logits_forward_op(logits, labels, *args):
     """-> (log_probs, entropy, lse, sum_pi_squared, the shard's labels), empty where not asked."""
@@ -495,11 +542,11 @@ def _(logits, labels, *args):
     return rows(labels is not None), rows(return_entropy), rows(True), rows(return_sum_pi_squared), local
 
 
-@torch.library.custom_op(
-    "rl_kernels::vocab_parallel_logits_backward", mutates_args=(),
+@custom_op_pair(
+    "rl_kernels::vocab_parallel_logits_backward",
     schema="(Tensor logits, Tensor? local, Tensor lse, Tensor? entropy, Tensor? sum_pi_squared, "
            "Tensor? grad_log_probs, Tensor? grad_entropy, Tensor? grad_lse, Tensor? grad_sum_pi_squared, "
-           + LOGITS_OP_SCHEMA + ") -> Tensor")
+           + LOGITS_OP_SCHEMA + ", " + RUNTIME_TEMPERATURE_SCHEMA + ") -> Tensor")
 def _vp_logits_backward_op(logits, local, lse, entropy, sum_pi_squared, grad_log_probs, grad_entropy, grad_lse,
                            grad_sum_pi_squared, *params):
     raise_label_errors()
@@ -529,8 +576,8 @@ def _vp_logits_backward(ctx, grad_log_probs, grad_entropy, grad_lse, grad_sum_pi
     grads = float_grads((grad_log_probs, grad_entropy, grad_lse, grad_sum_pi_squared), asked)
     if not ctx.needs_input_grad[0] or all(g is None for g in grads):
         return none
-    grad = torch.ops.rl_kernels.vocab_parallel_logits_backward(logits, local, lse, entropy, sum_pi_squared, *grads,
-                                                               *ctx.params)
+    grad = rl_op("vocab_parallel_logits_backward", ctx.params[-1])(logits, local, lse, entropy, sum_pi_squared,
+                                                                   *grads, *ctx.params)
     return (grad,) + none[1:]
 
 
@@ -538,17 +585,19 @@ _vp_logits_forward_op.register_autograd(_vp_logits_backward, setup_context=_vp_l
 refuse_double_backward(_vp_logits_backward_op)
 
 
-def compiled_vocab_parallel_logits(logits, labels, params: LogitsParams, tp: ParallelParams) -> LogitsOutputs:
-    """``VocabParallelLogitsFunction``'s outputs through the custom ops (``torch.compile``'s route)."""
-    out = torch.ops.rl_kernels.vocab_parallel_logits_forward(logits, labels, *logits_op_params(params),
-                                                              *op_group(tp))
+def compiled_vocab_parallel_logits(logits, labels, params: LogitsParams, tp: ParallelParams,
+                                   temperature=None) -> LogitsOutputs:
+    """``VocabParallelLogitsFunction``'s outputs through the custom ops (``torch.compile``'s route;
+    ``temperature``: the public function's checked temperature, ``autograd.common.op_temperature``)."""
+    op_params = logits_op_params(params, temperature)
+    out = rl_op("vocab_parallel_logits_forward", op_params[-1])(logits, labels, *op_params, *op_group(tp))
     return LogitsOutputs(if_asked(out[0], labels is not None), if_asked(out[1], params.return_entropy), out[2], None,
                          if_asked(out[3], params.return_sum_pi_squared))
 
 
-@torch.library.custom_op(
-    "rl_kernels::vocab_parallel_lse_gather_forward", mutates_args=(),
-    schema="(Tensor hidden_states, Tensor weight, Tensor valid, Tensor ids, " + HEAD_OP_SCHEMA + ", " + _GROUP_SCHEMA
+@custom_op_pair(
+    "rl_kernels::vocab_parallel_lse_gather_forward",
+    schema="(Tensor hidden_states, Tensor weight, Tensor valid, Tensor ids, " + _HEAD_AND_GROUP
            + ") -> (Tensor, Tensor, Tensor, Tensor)")
 def _vp_lse_gather_forward_op(hidden_states, weight, valid, ids, *args):
     """-> (lse, z at ids, the shard's row labels, the shard's ids)."""
@@ -564,11 +613,11 @@ def _(hidden_states, weight, valid, ids, *args):
             valid.new_empty(n, dtype=torch.int64), torch.empty_like(ids))
 
 
-@torch.library.custom_op(
-    "rl_kernels::vocab_parallel_lse_gather_backward", mutates_args=(),
+@custom_op_pair(
+    "rl_kernels::vocab_parallel_lse_gather_backward",
     schema="(Tensor hidden_states, Tensor weight, Tensor labels, Tensor lse, Tensor local_ids, Tensor? grad_lse, "
            "Tensor? grad_z, bool need_dh, bool need_dw, str group_name, bool reduce_hidden_grad, " + HEAD_OP_SCHEMA
-           + ") -> (Tensor, Tensor)")
+           + ", " + RUNTIME_TEMPERATURE_SCHEMA + ") -> (Tensor, Tensor)")
 def _vp_lse_gather_backward_op(hidden_states, weight, labels, lse, local_ids, grad_lse, grad_z, need_dh, need_dw,
                                group_name, reduce_hidden_grad, *params):
     dh, dw = vp_lse_gather_backward(hidden_states, weight, labels, lse, local_ids, grad_lse, grad_z,
@@ -596,7 +645,7 @@ def _vp_lse_gather_backward(ctx, grad_lse, grad_z, grad_labels, grad_local_ids):
     none = (None,) * (4 + len(ctx.params) + 3)
     if (grad_lse is None and grad_z is None) or not (need_dh or need_dw):
         return none
-    dh, dw = torch.ops.rl_kernels.vocab_parallel_lse_gather_backward(
+    dh, dw = rl_op("vocab_parallel_lse_gather_backward", ctx.params[-1])(
         *ctx.saved_tensors, grad_lse, grad_z, need_dh, need_dw, *ctx.group, *ctx.params)
     return (dh if need_dh else None, dw if need_dw else None) + none[2:]
 
@@ -605,8 +654,11 @@ _vp_lse_gather_forward_op.register_autograd(_vp_lse_gather_backward, setup_conte
 refuse_double_backward(_vp_lse_gather_backward_op)
 
 
-def compiled_vocab_parallel_lse_gather(hidden_states, weight, valid, ids, params: HeadParams, tp: ParallelParams):
-    """``VocabParallelLseGatherFunction``'s (lse, z) through the custom ops (``torch.compile``'s route)."""
-    out = torch.ops.rl_kernels.vocab_parallel_lse_gather_forward(hidden_states, weight, valid, ids,
-                                                                  *head_op_params(params), *op_group(tp))
+def compiled_vocab_parallel_lse_gather(hidden_states, weight, valid, ids, params: HeadParams, tp: ParallelParams,
+                                       temperature=None):
+    """``VocabParallelLseGatherFunction``'s (lse, z) through the custom ops (``torch.compile``'s route;
+    ``temperature``: the public function's checked temperature, ``autograd.common.op_temperature``)."""
+    op_params = head_op_params(params, temperature)
+    out = rl_op("vocab_parallel_lse_gather_forward", op_params[-1])(hidden_states, weight, valid, ids, *op_params,
+                                                                    *op_group(tp))
     return out[0], out[1]
