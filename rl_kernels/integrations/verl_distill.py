@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.util
 import logging
 
 import torch
@@ -31,6 +30,7 @@ from .._logging import log_once
 from ..logits import topk_log_probs_from_logits
 from ._verl_common import check_signature, record, replace_by_name, set_attr
 from .verl_options import options
+from .verl_signatures import has_module
 
 FSDP_MODULE = "verl.trainer.distillation.fsdp.losses"
 MEGATRON_MODULE = "verl.trainer.distillation.megatron.losses"
@@ -56,18 +56,11 @@ def _import_fsdp_losses():
         return None, f"not replaced: {FSDP_MODULE} failed to import ({exc})"
 
 
-def _has_module(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except ImportError:  # a parent package that is missing
-        return False
-
-
 def _megatron_entry() -> tuple[bool, str]:
     """The Megatron part's report entry. Where verl's Megatron losses import, their
     ``compute_forward_kl_topk`` is wrapped to say once, at its first call, that verl's own code runs
     it (the wrapper changes nothing else)."""
-    if not _has_module(MEGATRON_MODULE):
+    if not has_module(MEGATRON_MODULE):
         return False, NOT_IN_THIS_VERL
     why = ("not replaced: verl's Megatron top-K loss (verl/trainer/distillation/megatron/losses.py) takes this "
            "rank's vocab-parallel logits shard, with its own tensor-parallel all-reduces in a custom autograd "

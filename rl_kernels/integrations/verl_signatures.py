@@ -55,7 +55,8 @@ class VerlFeatures(NamedTuple):
     distillation: bool        # verl.trainer.distillation (top-K distillation loss: 0.8.0 on)
 
 
-def _has_module(name: str) -> bool:
+def has_module(name: str) -> bool:
+    """Whether ``name`` is importable (a missing parent package counts as no), without importing it."""
     try:
         return importlib.util.find_spec(name) is not None
     except ImportError:  # a parent package that is missing
@@ -70,10 +71,10 @@ def verl_features() -> VerlFeatures:
     import verl.utils.experimental.torch_functional as experimental_tf
 
     return VerlFeatures(
-        legacy_actor=_has_module(DP_ACTOR_MODULE),
+        legacy_actor=has_module(DP_ACTOR_MODULE),
         fused_impl_backend=check_verl_signature("FusedLinearForPPO.__init__", experimental_tf.FusedLinearForPPO.__init__)
         == _FUSED_INIT_WITH_BACKEND,
-        distillation=_has_module("verl.trainer.distillation.fsdp.losses"))
+        distillation=has_module("verl.trainer.distillation.fsdp.losses"))
 
 
 def check_verl_version(version: str | None = None) -> Version:
