@@ -12,9 +12,19 @@ log-probs against float64 on the first 256 rows. Medians of ``triton.testing.do_
 
 Implementations: ours (``linear_log_probs``), torch eager (materialized bf16 logits, verl's
 default path) and, when importable, verl's ``linear_cross_entropy`` (Triton) and
-``FusedLinearForPPO`` (torch), Liger's fused linear cross-entropy and Apple's CCE. Liger and CCE
-return only the cross-entropy (no entropy); their rows time log-probs alone, which favours them.
-An implementation that fails (out of memory, an error) gets its error in the table instead.
+``FusedLinearForPPO`` (torch), Liger's per-token log-prob + entropy function
+``LigerFusedLinearScaledCrossEntropyFunction`` called as verl 0.9.1's ``impl_backend=liger`` calls
+it (its row is named after the route Liger takes here: its CuTe-DSL kernel on sm90 with
+``nvidia-cutlass-dsl`` installed, else torch chunks), Liger's fused linear cross-entropy and
+Apple's CCE. Those last two return only the cross-entropy (no entropy); their rows time log-probs
+alone, which favours them. Accuracy: max |error| of the log-probs and, where an implementation
+returns it, of the entropy, against float64. An implementation that fails (out of memory, an
+error) gets its error in the table instead.
+
+``--varying-n`` adds the case of verl's dynamic micro-batches (:func:`bench_varying_n`, run
+first, before anything else has compiled): 8 fused-head forward+backward calls whose token
+counts change from call to call (3000 to 20000), wall time of each call including any
+compilation, then the same 8 calls again (warm).
 
 ``--logits`` benchmarks the from-logits path instead (:func:`run_logits`): bf16 logits N x V
 (~ N(0, 2^2), labels uniform), ours ``logits_stats`` (log-probs + entropy + lse in one call)
@@ -66,6 +76,13 @@ def implementations(stub_verl: bool = False) -> tuple[dict[str, Impl], dict[str,
     except Exception as exc:  # noqa: BLE001
         absent["verl"] = _why(exc)
     try:
+        from liger_kernel.ops import LigerFusedLinearScaledCrossEntropyFunction
+
+        impls[f"liger ppo ({liger_ppo_route()})"] = \
+            lambda h, w, y, f=LigerFusedLinearScaledCrossEntropyFunction: _liger_ppo(f, h, w, y)
+    except Exception as exc:  # noqa: BLE001
+        absent["liger ppo"] = _why(exc)
+    try:
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
         impls["liger (CE only)"] = lambda h, w, y: (-liger_fused_linear_cross_entropy(h, w, y, reduction="none"),
@@ -81,6 +98,26 @@ def implementations(stub_verl: bool = False) -> tuple[dict[str, Impl], dict[str,
     for name, why in absent.items():
         log_once(logging.INFO, f"rl-kernels bench: {name} not benchmarked ({why})")
     return impls, absent
+
+
+def liger_ppo_route() -> str:
+    """Which of its two routes Liger's ``LigerFusedLinearScaledCrossEntropyFunction`` takes on the
+    current CUDA device: its CuTe-DSL kernel on sm90 where ``nvidia-cutlass-dsl`` is importable,
+    else its torch chunks."""
+    import importlib.util
+
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) \
+            and importlib.util.find_spec("cutlass") is not None:
+        return "CuTe sm90"
+    return "torch chunks"
+
+
+def _liger_ppo(function, hidden, weight, labels) -> tuple:
+    """Liger's per-token NLL + entropy, called as verl 0.9.1's fused forward does with
+    ``impl_backend=liger`` (temperature 1.0, ignore_index -100, one M tile per cluster, entropy
+    on, int64 labels): (log_probs = -nll, entropy)."""
+    nll, entropy = function.apply(hidden, weight, labels.long(), 1.0, -100, 1, True)
+    return -nll, entropy
 
 
 def _why(exc: BaseException) -> str:
@@ -110,7 +147,8 @@ def bench_shape(n: int, h: int, v: int, impls: dict[str, Impl], progress=None) -
     g_lp = torch.randn(n, device="cuda", generator=g)
     g_ent = torch.randn(n, device="cuda", generator=g)
     rows = min(ERROR_ROWS, n)
-    ref = reference_linear_log_probs(hidden[:rows], weight, labels[:rows]).log_probs
+    ref_out = reference_linear_log_probs(hidden[:rows], weight, labels[:rows])
+    ref, ref_ent = ref_out.log_probs, ref_out.entropy
     t_mm = bench(lambda: hidden @ weight.T)
     out = {"shape": [n, h, v], "cublas_ms": t_mm, "cublas_tflops": 2 * n * h * v / t_mm / 1e9, "impls": {}}
     for name, fn in impls.items():
@@ -119,8 +157,10 @@ def bench_shape(n: int, h: int, v: int, impls: dict[str, Impl], progress=None) -
             with torch.no_grad():
                 rec["fwd_ms"] = bench(lambda: fn(hidden, weight, labels))
                 rec["fwd_extra_gb"] = peak_extra_gib(lambda: fn(hidden, weight, labels))
-                lp = fn(hidden[:rows], weight, labels[:rows])[0]
+                lp, ent = fn(hidden[:rows], weight, labels[:rows])[:2]
                 rec["max_err"] = (lp.double() - ref).abs().max().item()
+                rec["max_ent_err"] = None if ent is None else (ent.double() - ref_ent).abs().max().item()
+                rec["entropy_dtype"] = None if ent is None else str(ent.dtype).replace("torch.", "")
             hx, wx = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
 
             def fwd_bwd():
@@ -148,6 +188,79 @@ def bench_shape(n: int, h: int, v: int, impls: dict[str, Impl], progress=None) -
     return out
 
 
+VARYING_N_COUNTS = (12288, 3000, 17001, 7919, 20000, 5000, 14321, 9876)
+"""Token counts of the varying-N case: packed micro-batches of 3000 to 20000 tokens, in the
+unordered way verl's dynamic batching hands them over."""
+VARYING_N_SHAPE = "3584,152064"
+
+
+def bench_varying_n(h: int, v: int, impls: dict[str, Impl], counts=VARYING_N_COUNTS, progress=None) -> dict:
+    """Forward+backward of each implementation on ``len(counts)`` calls whose token count changes
+    from call to call (hidden size ``h``, vocabulary ``v``, bf16), twice: a first pass in which any
+    compilation for a new token count is part of the call's wall time, then the same calls again.
+    Wall time per call in seconds (the call and a device synchronization). Run it before anything
+    else in the process has compiled, so the first pass is what a fresh training job sees."""
+    import time
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    n_max = max(counts)
+    hidden = torch.randn(n_max, h, device="cuda", generator=g).bfloat16()
+    weight = (0.02 * torch.randn(v, h, device="cuda", generator=g)).bfloat16()
+    labels = torch.randint(0, v, (n_max,), device="cuda", generator=g)
+    g_lp = torch.randn(n_max, device="cuda", generator=g)
+    g_ent = torch.randn(n_max, device="cuda", generator=g)
+    out = {"hidden": h, "vocab": v, "counts": list(counts), "impls": {}}
+    for name, fn in impls.items():
+        rec: dict = {"first_s": [], "second_s": []}
+        try:
+            wx = weight.clone().requires_grad_()
+            for key in ("first_s", "second_s"):
+                for n in counts:
+                    hx = hidden[:n].clone().requires_grad_()
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    lp, ent = fn(hx, wx, labels[:n])[:2]
+                    outs, grads = [lp], [g_lp[:n].to(lp.dtype)]
+                    if ent is not None:
+                        outs.append(ent)
+                        grads.append(g_ent[:n].to(ent.dtype))
+                    torch.autograd.backward(outs, grads)
+                    torch.cuda.synchronize()
+                    rec[key].append(time.perf_counter() - t0)
+                    wx.grad = None
+                    del hx, lp, ent, outs
+            wx = None
+        except torch.OutOfMemoryError:
+            rec = {"error": "out of memory"}
+        except Exception as exc:  # noqa: BLE001 - a peer's failure is a result
+            rec = {"error": f"{type(exc).__name__}: {str(exc)[:100]}"}
+        torch.cuda.empty_cache()
+        out["impls"][name] = rec
+        if progress is not None:
+            progress.update(1)
+    return out
+
+
+def format_varying_n(case: dict) -> str:
+    from tabulate import tabulate
+
+    counts = case["counts"]
+    lines = [f"\nvarying N (verl's dynamic micro-batches): {len(counts)} forward+backward calls of "
+             f"N x {case['hidden']} x {case['vocab']} bf16, N = {', '.join(map(str, counts))}; wall "
+             f"seconds, first pass (compilation included) and the same calls again"]
+    rows = []
+    for name, r in case["impls"].items():
+        if "error" in r:
+            rows.append([name, "-", "-", "-", "-", r["error"]])
+            continue
+        first, second = sum(r["first_s"]), sum(r["second_s"])
+        rows.append([name, f"{first:.2f}", f"{second:.3f}", f"{first - second:.2f}",
+                     " ".join(f"{t:.2f}" for t in r["first_s"]), ""])
+    lines.append(tabulate(rows, headers=["impl", "first pass s", "second pass s", "first - second s",
+                                         "first pass per call s", "error"], tablefmt="github"))
+    return "\n".join(lines)
+
+
 def format_tables(results: dict) -> str:
     from tabulate import tabulate
 
@@ -162,14 +275,18 @@ def format_tables(results: dict) -> str:
         rows = []
         for name, r in shape["impls"].items():
             if "error" in r:
-                rows.append([name] + ["-"] * 7 + [r["error"]])
+                rows.append([name] + ["-"] * 8 + [r["error"]])
                 continue
+            ent_err = r.get("max_ent_err")
+            ent_col = "no entropy" if ent_err is None else f"{ent_err:.1e} ({r.get('entropy_dtype', '?')})"
             rows.append([name, f"{r['fwd_ms']:.2f}", f"{r['fwd_x_mm']:.2f}", f"{r['fwd_bwd_ms']:.2f}",
                          f"{r['fwd_bwd_x_mm']:.2f}", f"{r['fwd_extra_gb']:.3f}", f"{r['fwd_bwd_extra_gb']:.2f}",
-                         f"{r['max_err']:.1e}", ""])
+                         f"{r['max_err']:.1e}", ent_col, ""])
         lines.append(tabulate(rows, headers=["impl", "fwd ms", "fwd x mm", "fwd+bwd ms", "fwd+bwd x mm",
-                                             "fwd extra GB", "fwd+bwd extra GB", "max |logp err|", "error"],
-                              tablefmt="github"))
+                                             "fwd extra GB", "fwd+bwd extra GB", "max |logp err|",
+                                             "max |entropy err|", "error"], tablefmt="github"))
+    if results.get("varying_n"):
+        lines.append(format_varying_n(results["varying_n"]))
     if results.get("absent"):
         lines.append("\nnot importable here: " + "; ".join(f"{k} ({v})" for k, v in results["absent"].items()))
     return "\n".join(lines)
@@ -265,6 +382,17 @@ def parse_shapes(shapes, logits: bool = False) -> list[tuple[int, ...]]:
     return parsed
 
 
+def parse_hidden_vocab(text: str) -> tuple[int, int]:
+    """'H,V' of ``--varying-n`` -> (H, V); a UsageError naming --varying-n."""
+    try:
+        dims = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        dims = ()
+    if len(dims) != 2 or min(dims) < 1:
+        raise UsageError(f"argument --varying-n: expected H,V (two positive integers), got {text!r}")
+    return dims
+
+
 def _header() -> dict:
     import triton
 
@@ -284,9 +412,10 @@ def _save(results: dict, json_path, png_path) -> None:
 
 
 def run(shapes=None, *, json_path=None, png_path=None, stub_verl=False, only=None,
-        logits=False) -> int:
+        logits=False, varying_n=None) -> int:
     """The ``rl-kernels bench`` command (``logits``: ``--logits``, :func:`run_logits`). ``shapes``
-    None: the defaults. Returns the exit status."""
+    None: the defaults. ``varying_n``: "H,V" of the varying-N case (:func:`bench_varying_n`, run
+    first), None for none. Returns the exit status."""
     if not torch.cuda.is_available():
         print("rl-kernels bench: no CUDA device here; nothing to benchmark (the timings need a GPU)")
         return 0
@@ -298,7 +427,11 @@ def run(shapes=None, *, json_path=None, png_path=None, stub_verl=False, only=Non
     impls, absent = implementations(stub_verl)
     impls = _select(impls, only)
     results = {**_header(), "absent": absent, "shapes": []}
-    with tqdm(total=len(parsed) * len(impls), desc="rl-kernels bench", unit="impl") as progress:
+    varying = parse_hidden_vocab(varying_n) if varying_n else None
+    total = (len(parsed) + (varying is not None)) * len(impls)
+    with tqdm(total=total, desc="rl-kernels bench", unit="impl") as progress:
+        if varying is not None:
+            results["varying_n"] = bench_varying_n(*varying, impls, progress=progress)
         for n, h, v in parsed:
             results["shapes"].append(bench_shape(n, h, v, impls, progress))
     _save(results, json_path, png_path)

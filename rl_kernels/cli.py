@@ -274,8 +274,12 @@ def _bench(args: argparse.Namespace) -> int:
         return 0
     if args.shapes:
         bench.parse_shapes(args.shapes, logits=args.logits)  # a bad shape: exit 2 before timing
+    if args.varying_n:
+        if args.logits:
+            raise UsageError("argument --varying-n: not with --logits (it times the fused head)")
+        bench.parse_hidden_vocab(args.varying_n)
     return bench.run(args.shapes, json_path=args.json, png_path=args.png, stub_verl=args.stub_verl,
-                     only=args.impls, logits=args.logits)
+                     only=args.impls, logits=args.logits, varying_n=args.varying_n)
 
 
 # ----------------------------------------------------------------------------- parser / main
@@ -356,6 +360,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "in an existing directory (needs matplotlib); nothing else writes one")
     bench.add_argument("--plot", metavar="JSON", help="no timing: re-print the tables of a saved "
                        "--json result (with --png PATH: chart it there too)")
+    bench.add_argument("--varying-n", nargs="?", const="3584,152064", metavar="H,V",
+                       help="first time 8 forward+backward calls whose token count changes from call "
+                            "to call (3000-20000, as verl's dynamic micro-batches), compilation "
+                            "included, hidden size H and vocabulary V (default 3584,152064)")
     bench.add_argument("--stub-verl", action="store_true",
                        help="import verl's kernels without its Ray/tensordict stack (GPU machines "
                             "without a package index)")

@@ -98,6 +98,58 @@ def test_bench_plot_from_json(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_tables_show_entropy_error_and_varying_n(tmp_path, capsys):
+    """A saved result with the entropy column (old results without it still print) and the
+    varying-N case: its totals, the compile overhead and the per-call times."""
+    rec = {"fwd_ms": 1.5, "fwd_x_mm": 1.5, "fwd_bwd_ms": 6.0, "fwd_bwd_x_mm": 6.0, "fwd_extra_gb": 0.001,
+           "fwd_bwd_extra_gb": 0.5, "max_err": 2e-5}
+    results = {"device": "test", "torch": "x", "triton": "y", "date": "2026-11-26", "absent": {},
+               "shapes": [{"shape": [16, 8, 33], "cublas_ms": 1.0, "cublas_tflops": 1.0, "impls": {
+                   "rl_kernels": {**rec, "max_ent_err": 8.5e-6, "entropy_dtype": "float32"},
+                   "liger ppo (CuTe sm90)": {**rec, "max_ent_err": 3.0e-2, "entropy_dtype": "bfloat16"},
+                   "liger (CE only)": {**rec, "max_ent_err": None, "entropy_dtype": None},
+                   "old": rec}}],
+               "varying_n": {"hidden": 8, "vocab": 33, "counts": [3, 5], "impls": {
+                   "rl_kernels": {"first_s": [0.75, 0.25], "second_s": [0.125, 0.125]},
+                   "liger ppo (CuTe sm90)": {"error": "ImportError: no cutlass"}}}}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(results))
+    assert main(["bench", "--plot", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "8.5e-06 (float32)" in out and "3.0e-02 (bfloat16)" in out and "no entropy" in out
+    assert "varying N (verl's dynamic micro-batches): 2 forward+backward calls of N x 8 x 33 bf16, N = 3, 5" in out
+    (line,) = [x for x in out.splitlines() if x.startswith("| rl_kernels ") and "0.75 0.25" in x]
+    assert [c.strip() for c in line.split("|")[1:6]] == ["rl_kernels", "1.00", "0.250", "0.75", "0.75 0.25"]
+    assert "ImportError: no cutlass" in out
+
+
+def test_liger_ppo_called_as_verl_calls_it():
+    """The Liger peer gets verl 0.9.1's positional arguments (T 1.0, ignore -100, 1 tile per
+    cluster, entropy on) and int64 labels; its log-probs are -nll."""
+    seen = {}
+
+    class Fake:
+        @staticmethod
+        def apply(*args):
+            seen["args"] = args
+            return torch.tensor([0.5, 2.0]), torch.tensor([1.0, 1.5])
+
+    bench = load_bench()
+    labels = torch.tensor([3, 4], dtype=torch.int32)
+    lp, ent = bench._liger_ppo(Fake, "h", "w", labels)
+    assert seen["args"][:2] == ("h", "w") and seen["args"][2].dtype == torch.int64
+    assert seen["args"][3:] == (1.0, -100, 1, True)
+    assert lp.tolist() == [-0.5, -2.0] and ent.tolist() == [1.0, 1.5]
+
+
+def test_bench_rejects_bad_varying_n(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(SystemExit, match="--varying-n: expected H,V"):
+        main(["bench", "--varying-n", "3584"])
+    with pytest.raises(SystemExit, match="--varying-n: not with --logits"):
+        main(["bench", "--logits", "--varying-n"])
+
+
 def test_bench_rejects_bad_shape(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(load_bench(), "implementations", lambda stub_verl: ({"rl_kernels": None}, {}))

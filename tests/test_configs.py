@@ -56,6 +56,26 @@ def test_one_record_per_class_and_the_device_order():
     assert config_mod.default_config(cpu) is config_mod.INTERPRETER_CONFIG
 
 
+@pytest.mark.parametrize("device,want", [("NVIDIA H200", "hopper-h200"), ("NVIDIA H100 80GB HBM3", "hopper"),
+                                         ("NVIDIA H200 NVL", "hopper-h200"), ("NVIDIA A100-SXM4-80GB", "ampere")])
+def test_class_by_device_name_then_budget(monkeypatch, device, want):
+    """A class that names a device (the H200's) is chosen for it; any other device gets the
+    largest unnamed class its shared memory fits (the H100 never gets the H200's)."""
+    import types
+
+    major = 8 if "A100" in device else 9
+    smem = 166912 if major == 8 else 232448
+    props = types.SimpleNamespace(name=device, major=major, shared_memory_per_block_optin=smem)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+    monkeypatch.delenv(config_mod.CONFIG_CLASS_ENV, raising=False)
+    config_mod._device_class.cache_clear()
+    try:
+        assert config_mod.config_class(torch.device("cuda", 0)).name == want
+    finally:
+        config_mod._device_class.cache_clear()
+    assert config_mod.HOPPER_H200.bf16 is config_mod.HOPPER.bf16  # the GEMM tiles are the H100's
+
+
 def test_class_override_by_environment(monkeypatch):
     monkeypatch.setenv(config_mod.CONFIG_CLASS_ENV, "ampere")
     assert config_mod.config_class(torch.device("cuda", 0)) is config_mod.AMPERE

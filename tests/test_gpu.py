@@ -94,9 +94,15 @@ def test_memory_bounds():
 
     bwd_extra, _ = _peak_extra(step)
     grads = hidden.numel() * 2 + weight.numel() * 2
+    # the dh accumulator's second half (N x H/2 float32) gets its own storage when it costs at most
+    # SPARE_ACCUMULATOR_FRACTION of the gradients (2.6% here), saving the re-recompute of N vocab rows
+    from rl_kernels.autograd import backward_schedule
+    spare = n * h * 2 if n * h * 2 <= backward_schedule.SPARE_ACCUMULATOR_FRACTION * grads else 0
     print(f"\nmemory {n}x{h}x{v}: forward extra {fwd_extra / 2**20:.1f} MiB; fwd+bwd extra "
-          f"{bwd_extra / 2**30:.3f} GiB = {bwd_extra / grads:.3f} x the two gradients")
-    assert bwd_extra <= 1.10 * grads, bwd_extra / grads
+          f"{bwd_extra / 2**30:.3f} GiB = {bwd_extra / grads:.3f} x the two gradients "
+          f"({spare / 2**20:.0f} MiB of it the spare accumulator)")
+    # the gradients, the window buffer (8% of them) and the spare accumulator
+    assert bwd_extra <= 1.10 * grads + spare, (bwd_extra - spare) / grads
 
 
 @pytest.mark.parametrize("n,v", [(4096, 152064), (96, 151553)])  # one level; two-level (few rows)

@@ -70,21 +70,32 @@ def test_values_and_gradients_match_float64(backend, dtype, n, h, v, temperature
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("n,h,v,dtype,schedule", [
-    (37, 16, 1007, torch.float32, "one recompute"),    # float32: the accumulator is dh itself
-    (40, 16, 60, torch.float16, "one recompute"),      # half in dh, half in dW's last N rows (N > V/2)
-    (40, 64, 2000, torch.float16, "one recompute"),    # windows placed in dW's unwritten rows
-    (40, 16, 41, torch.float16, "two passes")], ids=["fp32", "fp16", "fp16-wide", "fp16-fallback"])
-def test_backward_schedules(backend, n, h, v, dtype, schedule, poison, small_chunks, monkeypatch):
+@pytest.mark.parametrize("n,h,v,dtype,schedule,spare", [
+    (37, 16, 1007, torch.float32, "one recompute", 0.25),    # float32: the accumulator is dh itself
+    (40, 16, 60, torch.float16, "one recompute", 0.25),      # half in dh, half in dW's last N rows (N > V/2)
+    (40, 64, 2000, torch.float16, "one recompute", 0.0),     # windows placed in dW's unwritten rows
+    (40, 64, 2000, torch.float16, "one recompute", 0.25),    # the same with the half in its own storage
+    (40, 16, 41, torch.float16, "two passes", 0.25)],
+    ids=["fp32", "fp16", "fp16-wide", "fp16-wide-spare", "fp16-fallback"])
+def test_backward_schedules(backend, n, h, v, dtype, schedule, spare, poison, small_chunks, monkeypatch):
     """Both gradients: one recompute with the float32 dh accumulator in dh's own storage and (for
-    16-bit dh) dW's tail storage (those vocab rows recomputed afterwards), or two passes when it
-    does not fit (N > V - 2 for 16-bit weights). Both against float64; poison makes an unwritten
-    dW row show as NaN. In "fp16-wide" the Triton backend's 16-bit windows go into the bytes of dW
-    rows not written yet (wider than the fixed buffer): a window that overlapped a written dW row
-    or the accumulator would corrupt it."""
-    calls, placed = [], []
+    16-bit dh) either its own storage (when that costs at most SPARE_ACCUMULATOR_FRACTION of the
+    gradients: 2% in "fp16-wide-spare", 40% in "fp16") or dW's tail storage (those vocab rows
+    recomputed afterwards), or two passes when it does not fit (N > V - 2 for 16-bit weights).
+    All against float64; poison makes an unwritten dW row show as NaN. In "fp16-wide" the Triton
+    backend's 16-bit windows go into the bytes of dW rows not written yet (wider than the fixed
+    buffer): a window that overlapped a written dW row or the accumulator would corrupt it. The
+    number of dlogits windows shows whether vocab rows were recomputed twice."""
+    calls, placed, windows = [], [], []
+    monkeypatch.setattr(rl_autograd, "SPARE_ACCUMULATOR_FRACTION", spare)
     one = rl_autograd._one_recompute
-    monkeypatch.setattr(rl_autograd, "_one_recompute", lambda *a: calls.append(one(*a)) or calls[-1])
+
+    def counted(dlogits, *a):
+        def count(rows, cols, out):
+            windows.append(cols.stop - cols.start)
+            return dlogits(rows, cols, out)
+        return one(count, *a)
+    monkeypatch.setattr(rl_autograd, "_one_recompute", lambda *a: calls.append(counted(*a)) or calls[-1])
     mm_into = rl_autograd._mm_into
 
     def spy(out, a, b):  # dW chunks written from a window that lies inside dW's own storage
@@ -102,6 +113,8 @@ def test_backward_schedules(backend, n, h, v, dtype, schedule, poison, small_chu
     (out.log_probs * g_lp + out.entropy * g_ent).sum().backward()
     runs = schedule == "one recompute"
     assert len(calls) == 1 and (calls[0] is not None) == runs
+    if runs and dtype == torch.float16:  # recomputed columns: V with spare storage, V + ~N without
+        assert (sum(windows) == v) == (spare > 0 and n / (n + v) <= spare), (sum(windows), v)
     if h == 64:  # the triton backend's windows are 16-bit like dW (the torch backend's are float32)
         assert any(placed) == (backend == "triton"), placed
     if schedule == "two passes":  # the fallback is logged (once per process)

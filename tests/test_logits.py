@@ -144,6 +144,43 @@ def test_two_level_combine_in_one_launch_or_two(n, v):
         torch.testing.assert_close(paths[0][key].double(), ref, rtol=1e-5, atol=1e-5, msg=key)
 
 
+@pytest.mark.parametrize("two_level", [False, True])
+def test_prefetch_and_blocks_per_program_keep_the_bits(two_level):
+    """The bandwidth variants of the from-logits kernels (forward: the next block loaded before
+    this block's math; backward: several column blocks per program, the next one prefetched) give
+    the shipped variant's bits, forward and backward, with a partial last block and a partial last
+    program; and the float64 gradient (outputs poisoned first)."""
+    import dataclasses
+
+    from rl_kernels.autograd.logits import LogitsParams
+    from rl_kernels.backends import get_backend
+    from rl_kernels.ops import logits_backward, logits_config, logits_forward
+
+    g = torch.Generator().manual_seed(11)
+    n, v = 3, 997  # 16 splits of 64 (blocks of 32; last split 37 columns); 32 backward blocks of 64
+    x = torch.randn(n, v, generator=g) * 4
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[1] = -100
+    grads = {"log_probs": torch.randn(n, generator=g), "entropy": torch.randn(n, generator=g)}
+    params = LogitsParams(backend=get_backend("triton", x.device), inv_temperature=1 / 0.7, ignore_index=-100,
+                          return_entropy=True, name="test")
+    base = logits_config(x.device)
+    results = []
+    for fields in ({}, dict(prefetch=True), dict(bwd_blocks_per_program=3), dict(prefetch=True, bwd_blocks_per_program=5)):
+        cfg = dataclasses.replace(base, **fields)
+        with torch.no_grad():
+            stats = logits_forward(x, labels, params, cfg, two_level=two_level)
+            grad = logits_backward(x, torch.full_like(x, float("nan")), labels, stats, grads, params, cfg)
+        results.append((stats["log_probs"], stats["entropy"], stats["lse"], grad))
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
+    x64 = x.double().requires_grad_()
+    lp, ent, _ = _reference(x64, labels, 0.7)
+    (lp * grads["log_probs"].double() + ent * grads["entropy"].double()).sum().backward()
+    torch.testing.assert_close(results[0][3].double(), x64.grad, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_inplace_backward_writes_the_logits_storage(backend):
     g = torch.Generator().manual_seed(3)

@@ -42,6 +42,13 @@ MIN_CHUNK_ELEMENTS = 1 << 22
 CHUNK_FRACTION = 0.08  # of (N + V) * H: the buffer stays under 10% of the two gradients
 ALIGN = 64
 WIDE_FACTOR = 0  # windows placed in dW's unwritten rows are at most this many times `cols` (0: no cap)
+SPARE_ACCUMULATOR_FRACTION = 0.25
+"""The one-recompute schedule gives the float32 dh accumulator's second half (N x H/2 float32 for
+a 16-bit dh: N x H x 2 bytes) storage of its own when that costs at most this fraction of the
+two gradients' bytes (N / (N + V) for 16-bit tensors: 4096 x 152064 2.6%, 32768 x 128256 20%):
+then no vocab row is recomputed a second time. Above it, that half lives in the tail of dW's
+storage (no memory beyond the gradients and the window buffer) and those N vocab rows are
+recomputed after dh is final. 0 turns the spare storage off."""
 
 
 
@@ -194,7 +201,10 @@ def _one_recompute(dlogits, hidden_states, weight, dz_dtype, cols, dh_float32, h
     flat = dw.view(-1)
     acc_lo = dh.view(-1).view(torch.float32).view(n, lo) if lo else None
     acc_hi, tail = None, v  # dW rows from `tail` on share bytes with the accumulator
-    if hi:
+    if hi and n * hi * 4 <= SPARE_ACCUMULATOR_FRACTION * (dh.numel() * dh.element_size() + v * h * elem):
+        # affordable: the other columns get their own storage, so no vocab row is recomputed twice
+        acc_hi = torch.empty((n, hi), dtype=torch.float32, device=hidden_states.device)
+    elif hi:
         per_float = 4 // elem
         start = (v * h - acc_elems) // per_float * per_float  # float32-aligned
         acc_hi = flat[start:start + acc_elems].view(torch.float32).view(n, hi)

@@ -105,14 +105,19 @@ class LogitsConfig:
     bwd_block_v: int  # columns per backward program
     bwd_num_warps: int
     rows_per_sm: int  # one level when N >= rows_per_sm * multiprocessors
+    prefetch: bool = False  # forward: load the next block before this block's math (same bits)
+    bwd_blocks_per_program: int = 1  # backward: column blocks per program, the next one prefetched
 
 
 # H100, bf16 16384 x 152064, 2026-11-23 (scripts/diag/logits_sweep.py; read ceiling 3057 GB/s, copy
 # 3025 GB/s): forward 4096 / 4 warps 94% of read (8 warps 81%, 2048 / 4 87%, 8192 / 8 88%, 16 warps
 # 58-76%); splits of 8192 / 32768 columns 79% / 82% (with 8 warps); backward 4096 / 4 warps 92% of copy
 # (8192 / 8 93%, 4096 / 8 87%, 16384 / 16 73%). At 512 rows the two-level split wins (68% vs 59%).
+# 2026-11-26 (same script, H100, three runs): backward with 2 column blocks per program (the second
+# prefetched) 93% of copy at 16384 and 4096 rows against 91% with one (bitwise equal); 4 per program
+# 88-90%. Forward with the next block prefetched: 90-91% against 94-95% (not adopted here).
 LOGITS_CUDA_CONFIG = LogitsConfig(split_v=16384, block_v=4096, num_warps=4, bwd_block_v=4096,
-                                  bwd_num_warps=4, rows_per_sm=4)
+                                  bwd_num_warps=4, rows_per_sm=4, bwd_blocks_per_program=2)
 
 
 
@@ -137,6 +142,7 @@ class ConfigClass:
     bf16: KernelConfig  # bfloat16 and float16
     fp32: KernelConfig
     logits: LogitsConfig  # the from-logits kernels (any dtype)
+    device_names: tuple = ()  # chosen only for devices whose name contains one of these (else by budget)
 
     def for_dtype(self, dtype: torch.dtype) -> KernelConfig:
         return self.fp32 if dtype == torch.float32 else self.bf16
@@ -161,6 +167,13 @@ AMPERE = ConfigClass("ampere", 166912, False, (80,), _cfg(128, 128, 64, 8, 3, (1
 # config_bench.py) 128 x 256 / BK 32 with TMA ran 23.6x cuBLAS forward and 148x forward+backward
 # (the 128 x 256 fp32 accumulator spills), 128 x 128 / BK 32 2.36x and 6.6x.
 HOPPER = ConfigClass("hopper", 232448, True, (90,), CUDA_CONFIG, _AMPERE_FP32, LOGITS_CUDA_CONFIG)
+# H200 (sm90, HBM3e at 4.8 TB/s against the H100's 3.35): the H100's tiles for the GEMM kernels.
+# Its from-logits kernels reached 71% of read / 81% of copy with the H100's tiles (2026-11-26);
+# the variants with more bytes in flight per program (``prefetch``, ``bwd_blocks_per_program``)
+# have not yet run on an H200 (no H200 was lent in the session that built them), so this class
+# holds the H100's measured settings until `scripts/diag/logits_sweep.py` runs there.
+LOGITS_H200_CONFIG = LOGITS_CUDA_CONFIG
+HOPPER_H200 = dataclasses.replace(HOPPER, name="hopper-h200", logits=LOGITS_H200_CONFIG, device_names=("H200",))
 # A10 / L40S / RTX 3090-5090 (sm86 / sm89 / sm120, 99 KB): K step 32 (bf16 49 KB, fp32 49 KB).
 ADA = ConfigClass("ada", 101376, False, (86, 89, 120),
                   _cfg(128, 128, 32, 8, 3, (64, 128, 4, 2)),
@@ -169,8 +182,9 @@ ADA = ConfigClass("ada", 101376, False, (86, 89, 120),
 SMALL = ConfigClass("small", 65536, False, (80,),
                     _cfg(64, 128, 32, 4, 2, (64, 64, 4, 2)),
                     _cfg(64, 64, 32, 4, 2, (32, 64, 4, 2)), LOGITS_CUDA_CONFIG)
-CLASSES = {c.name: c for c in (HOPPER, AMPERE, ADA, SMALL)}
-"""The GPU classes, largest first: a device gets the first whose budget its opt-in limit covers."""
+CLASSES = {c.name: c for c in (HOPPER_H200, HOPPER, AMPERE, ADA, SMALL)}
+"""The GPU classes, largest first: a device gets the first class that names it (``device_names``),
+else the first without names whose budget its opt-in limit covers."""
 CONFIG_CLASS_ENV = "RL_KERNELS_CONFIG_CLASS"
 """Environment variable that forces a configuration class by name (tests, or a user who hits a
 problem): one of ``CLASSES``. Forcing a class with more shared memory than the device has fails
@@ -182,16 +196,21 @@ def _device_class(index: int) -> ConfigClass:
     props = torch.cuda.get_device_properties(index)
     smem = getattr(props, "shared_memory_per_block_optin", 0) or 0
     major = props.major
-    for cls in CLASSES.values():
-        if smem >= cls.smem_limit and (not cls.tma or major >= 9):
+    fits = [cls for cls in CLASSES.values() if smem >= cls.smem_limit and (not cls.tma or major >= 9)]
+    for cls in fits:  # a class made for this device by name
+        if any(name in props.name for name in cls.device_names):
+            return cls
+    for cls in fits:
+        if not cls.device_names:
             return cls
     return SMALL
 
 
 def config_class(device: torch.device) -> ConfigClass:
     """The configuration class for a CUDA ``device``: ``$RL_KERNELS_CONFIG_CLASS`` when set, else
-    the largest class whose shared-memory limit the device's opt-in limit covers (TMA classes
-    need sm90+). Read from the device, so an unknown GPU gets tiles that fit."""
+    a class made for the device's name (``hopper-h200`` for an H200) if its budget fits, else
+    the largest class without device names whose shared-memory limit the device's opt-in limit
+    covers (TMA classes need sm90+). Read from the device, so an unknown GPU gets tiles that fit."""
     forced = os.environ.get(CONFIG_CLASS_ENV, "").strip()
     if forced:
         if forced not in CLASSES:

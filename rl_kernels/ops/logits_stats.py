@@ -54,14 +54,25 @@ def _no_stats():
 @triton.jit
 def _split_stats(row_ptr, stride_v, v_begin, V, inv_temperature,
                  SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr,
-                 ENTROPY: tl.constexpr, MEAN_LOG_P: tl.constexpr, SUM_PI_SQUARED: tl.constexpr):
-    """Partial (m, s, b, t, q) of columns [v_begin, min(v_begin + SPLIT_V, V)) of one row."""
+                 ENTROPY: tl.constexpr, MEAN_LOG_P: tl.constexpr, SUM_PI_SQUARED: tl.constexpr,
+                 PREFETCH: tl.constexpr):
+    """Partial (m, s, b, t, q) of columns [v_begin, min(v_begin + SPLIT_V, V)) of one row. With
+    PREFETCH the next chunk is loaded before this chunk's math (twice the bytes in flight per
+    program; the same values in the same order, so the same bits)."""
     m, s, b, t, q = _no_stats()
     v_end = tl.minimum(v_begin + SPLIT_V, V)
+    if PREFETCH:  # the first chunk's load; each iteration issues the next one before its math
+        nxt = tl.arange(0, BLOCK_V) + v_begin
+        x_next = tl.load(row_ptr + nxt.to(tl.int64) * stride_v, mask=nxt < v_end, other=float("-inf"))
     for c0 in range(v_begin, v_end, BLOCK_V):
         cols = c0 + tl.arange(0, BLOCK_V)
         mask = cols < v_end
-        z = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=mask, other=float("-inf"))
+        if PREFETCH:  # same values, same arithmetic: the next chunk's bytes are in flight meanwhile
+            z = x_next
+            nxt = cols + BLOCK_V
+            x_next = tl.load(row_ptr + nxt.to(tl.int64) * stride_v, mask=nxt < v_end, other=float("-inf"))
+        else:
+            z = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=mask, other=float("-inf"))
         z = z.to(tl.float32) * inv_temperature
         cm = tl.max(z, 0)
         cm_safe = tl.where(cm == float("-inf"), 0.0, cm)
@@ -129,6 +140,7 @@ def _merge_and_finalize(
     N, V, num_splits, inv_temperature, ignore_index, label_flag_ptr, check_id,
     SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, FROM_PARTS: tl.constexpr,
     LOG_PROBS: tl.constexpr, ENTROPY: tl.constexpr, MEAN_LOG_P: tl.constexpr, SUM_PI_SQUARED: tl.constexpr,
+    PREFETCH: tl.constexpr = False,
 ):
     """Merge the S split partials of ``row`` left to right and finalize it: the one path of both
     launch shapes. Each partial is computed here by ``_split_stats`` (one level) or, with
@@ -154,7 +166,7 @@ def _merge_and_finalize(
             part_ptr += N
         else:
             pm, ps, pb, pt, pq = _split_stats(row_ptr, stride_v, split * SPLIT_V, V, inv_temperature,
-                                              SPLIT_V, BLOCK_V, ENTROPY, MEAN_LOG_P, SUM_PI_SQUARED)
+                                              SPLIT_V, BLOCK_V, ENTROPY, MEAN_LOG_P, SUM_PI_SQUARED, PREFETCH)
         if SUM_PI_SQUARED:
             q = merge_q(m, s, q, pm, ps, pq)
         m, s, b = merge_stats(m, s, b, pm, ps, pb)
@@ -170,6 +182,7 @@ def _logits_fwd_kernel(
     N, V, num_splits, inv_temperature, ignore_index, label_flag_ptr, check_id,
     SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, TWO_LEVEL: tl.constexpr, LAST_COMBINES: tl.constexpr,
     LOG_PROBS: tl.constexpr, ENTROPY: tl.constexpr, MEAN_LOG_P: tl.constexpr, SUM_PI_SQUARED: tl.constexpr,
+    PREFETCH: tl.constexpr = False,
 ):
     """One level: program = row, merges all splits and finalizes. Two levels: program =
     (row, split), writes the split's partial (m, s, b, t, q) into the (5, S, N) block; with
@@ -182,7 +195,7 @@ def _logits_fwd_kernel(
         split = pid % num_splits
         row_ptr = x_ptr + row.to(tl.int64) * stride_n
         m, s, b, t, q = _split_stats(row_ptr, stride_v, split * SPLIT_V, V, inv_temperature,
-                                     SPLIT_V, BLOCK_V, ENTROPY, MEAN_LOG_P, SUM_PI_SQUARED)
+                                     SPLIT_V, BLOCK_V, ENTROPY, MEAN_LOG_P, SUM_PI_SQUARED, PREFETCH)
         field = (tl.zeros((), tl.int64) + num_splits) * N  # (int64; see _merge_and_finalize)
         part_ptr += split.to(tl.int64) * N + row
         tl.store(part_ptr, m)
@@ -203,7 +216,7 @@ def _logits_fwd_kernel(
     else:
         _merge_and_finalize(pid, x_ptr, stride_n, stride_v, labels_ptr, stride_lab, part_ptr, out_ptr,
                             N, V, num_splits, inv_temperature, ignore_index, label_flag_ptr, check_id,
-                            SPLIT_V, BLOCK_V, False, LOG_PROBS, ENTROPY, MEAN_LOG_P, SUM_PI_SQUARED)
+                            SPLIT_V, BLOCK_V, False, LOG_PROBS, ENTROPY, MEAN_LOG_P, SUM_PI_SQUARED, PREFETCH)
 
 
 @triton.jit(do_not_specialize=["check_id"])
@@ -226,16 +239,14 @@ def _logits_bwd_kernel(
     V, inv_temperature, ignore_index,
     BLOCK_V: tl.constexpr, HAS_LABELS: tl.constexpr, HAS_GRAD_LOG_PROBS: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr,
     HAS_GRAD_LSE: tl.constexpr, HAS_GRAD_MEAN_LOG_P: tl.constexpr, HAS_GRAD_SUM_PI_SQUARED: tl.constexpr,
+    BLOCKS_PER_PROGRAM: tl.constexpr = 1,
 ):
-    """Program = (row, column block): grad[row, cols] = d loss / d logits in grad's dtype."""
+    """Program = (row, BLOCKS_PER_PROGRAM column blocks): grad[row, cols] = d loss / d logits in
+    grad's dtype. The row's statistics are read once per program; with several blocks, block j + 1
+    is loaded before block j's math (more bytes in flight; every element's arithmetic unchanged)."""
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    mask = cols < V
-    cols64 = cols.to(tl.int64)
-    z = tl.load(x_ptr + row * stride_n + cols64 * stride_v, mask=mask, other=0.0)
-    z = z.to(tl.float32) * inv_temperature
-    log_p = (z - tl.load(row_max_ptr + row)) - tl.load(log_sum_ptr + row)
-    p = tl.exp(log_p)
+    row_max = tl.load(row_max_ptr + row)
+    log_sum = tl.load(log_sum_ptr + row)
     coef = tl.zeros((), tl.float32)
     valid = True
     # an ignored row gets exactly 0 unless an lse / smoothing gradient reaches it: selected, not
@@ -256,20 +267,38 @@ def _logits_bwd_kernel(
         grad_mean_log_p = tl.load(grad_mean_log_p_ptr + row)
         coef -= grad_mean_log_p
         active = active | (grad_mean_log_p != 0)
-    dz = p * coef
     if HAS_GRAD_ENTROPY:
         g_ent = tl.where(valid, tl.load(g_ent_ptr + row), 0.0)
         h = tl.load(entropy_ptr + row)
-        dz -= g_ent * p * tl.where(p > 0, log_p + h, 0.0)
-    if HAS_GRAD_SUM_PI_SQUARED:  # d(sum p^2)/dz_j = 2 p_j (p_j - sum p^2)
+    if HAS_GRAD_SUM_PI_SQUARED:
         grad_sum_pi_squared = tl.where(valid, tl.load(grad_sum_pi_squared_ptr + row), 0.0)
-        dz += (2.0 * grad_sum_pi_squared) * p * (p - tl.load(sum_pi_squared_ptr + row))
-    if HAS_GRAD_LOG_PROBS:
-        dz += tl.where(cols == label, g_lp, 0.0)
-    if HAS_GRAD_MEAN_LOG_P:
-        dz += grad_mean_log_p / V
-    dz = tl.where(active, dz * inv_temperature, 0.0)
-    tl.store(grad_ptr + row * stride_gn + cols64 * stride_gv, dz.to(grad_ptr.dtype.element_ty), mask=mask)
+        sum_pi_squared = tl.load(sum_pi_squared_ptr + row)
+    x_row = x_ptr + row * stride_n
+    first = tl.program_id(1) * (BLOCKS_PER_PROGRAM * BLOCK_V)
+    cols = first + tl.arange(0, BLOCK_V)
+    x_next = tl.load(x_row + cols.to(tl.int64) * stride_v, mask=cols < V, other=0.0)
+    for j in tl.static_range(BLOCKS_PER_PROGRAM):
+        cols = first + j * BLOCK_V + tl.arange(0, BLOCK_V)
+        mask = cols < V
+        z = x_next
+        if j + 1 < BLOCKS_PER_PROGRAM:
+            nxt = cols + BLOCK_V
+            x_next = tl.load(x_row + nxt.to(tl.int64) * stride_v, mask=nxt < V, other=0.0)
+        z = z.to(tl.float32) * inv_temperature
+        log_p = (z - row_max) - log_sum
+        p = tl.exp(log_p)
+        dz = p * coef
+        if HAS_GRAD_ENTROPY:
+            dz -= g_ent * p * tl.where(p > 0, log_p + h, 0.0)
+        if HAS_GRAD_SUM_PI_SQUARED:  # d(sum p^2)/dz_j = 2 p_j (p_j - sum p^2)
+            dz += (2.0 * grad_sum_pi_squared) * p * (p - sum_pi_squared)
+        if HAS_GRAD_LOG_PROBS:
+            dz += tl.where(cols == label, g_lp, 0.0)
+        if HAS_GRAD_MEAN_LOG_P:
+            dz += grad_mean_log_p / V
+        dz = tl.where(active, dz * inv_temperature, 0.0)
+        tl.store(grad_ptr + row * stride_gn + cols.to(tl.int64) * stride_gv, dz.to(grad_ptr.dtype.element_ty),
+                 mask=mask)
 
 
 def use_two_level(n: int, v: int, cfg: LogitsConfig, device: torch.device) -> bool:
@@ -334,7 +363,7 @@ def logits_forward(
                  SUM_PI_SQUARED=return_sum_pi_squared)
     _FWD.launch((n * num_splits if two_level else n,), args,
                 dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, TWO_LEVEL=two_level, LAST_COMBINES=last_combines,
-                     **flags, num_warps=cfg.num_warps))
+                     PREFETCH=cfg.prefetch, **flags, num_warps=cfg.num_warps))
     if two_level and not last_combines:
         flags["num_warps"] = 1
         _COMBINE.launch((n,), args, flags)
@@ -376,7 +405,8 @@ def logits_backward(
         return grad
     dummy = stats["row_max"]
     lab = labels if labels is not None else host_flag(logits.device)  # (a placeholder: not read)
-    _BWD[(n, -(-v // cfg.bwd_block_v))](
+    per_program = cfg.bwd_blocks_per_program
+    _BWD[(n, -(-v // (cfg.bwd_block_v * per_program)))](
         logits, logits.stride(0), logits.stride(1), grad, grad.stride(0), grad.stride(1),
         lab, lab.stride(0), stats["row_max"], stats["log_sum"], stats.get("entropy", dummy),
         stats.get("sum_pi_squared", dummy),
@@ -384,7 +414,7 @@ def logits_backward(
         grads.get("mean_log_p", dummy), grads.get("sum_pi_squared", dummy), v, inv_temperature, ignore_index,
         BLOCK_V=cfg.bwd_block_v, HAS_LABELS=labels is not None, HAS_GRAD_LOG_PROBS="log_probs" in grads, HAS_GRAD_ENTROPY="entropy" in grads,
         HAS_GRAD_LSE="lse" in grads, HAS_GRAD_MEAN_LOG_P="mean_log_p" in grads, HAS_GRAD_SUM_PI_SQUARED="sum_pi_squared" in grads,
-        num_warps=cfg.bwd_num_warps)
+        BLOCKS_PER_PROGRAM=per_program, num_warps=cfg.bwd_num_warps)
     return grad
 
 

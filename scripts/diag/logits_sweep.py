@@ -34,15 +34,16 @@ del big, out
 torch.cuda.empty_cache()
 print(f"ceilings: read {read_bw:.0f} GB/s, copy (read+write) {copy_bw:.0f} GB/s", flush=True)
 
-base = ops_config.LOGITS_CUDA_CONFIG
-VARIANTS = [("shipped", {})] + [
-    (f"block {b}, {w} warps", dict(block_v=b, num_warps=w))
-    for b, w in ((1024, 2), (2048, 2), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8), (8192, 16),
-                 (16384, 16))] + [
-    ("split 8192", dict(split_v=8192)), ("split 32768", dict(split_v=32768)),
-    ("split 8192, block 2048, 4 warps", dict(split_v=8192, block_v=2048, num_warps=4))]
-BWD = [(b, w) for b, w in ((1024, 4), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8), (8192, 16),
-                           (16384, 16))]
+base = ops_config.LOGITS_CUDA_CONFIG  # the H100's tiles; "shipped" is this device's class
+shipped = ops_config.logits_config(torch.device("cuda"))
+VARIANTS = [("shipped", {f.name: getattr(shipped, f.name) for f in dataclasses.fields(shipped)}),
+            ("h100 class", {})] + [
+    (f"block {b}, {w} warps{', prefetch' if pf else ''}", dict(block_v=b, num_warps=w, prefetch=pf))
+    for b, w in ((1024, 2), (2048, 2), (2048, 4), (4096, 4), (4096, 8), (8192, 8)) for pf in (False, True)] + [
+    ("split 8192, prefetch", dict(split_v=8192, prefetch=True)),
+    ("split 32768, prefetch", dict(split_v=32768, prefetch=True))]
+BWD = [(b, w, k) for b, w, k in ((4096, 4, 1), (4096, 4, 2), (4096, 4, 4), (2048, 4, 2), (2048, 4, 4),
+                                 (2048, 2, 4), (1024, 4, 4), (8192, 8, 1), (8192, 8, 2), (8192, 4, 2))]
 
 for shape in shapes:
     n, v = (int(x) for x in shape.split(","))
@@ -78,11 +79,16 @@ for shape in shapes:
     stats = ops.logits_forward(x, lab, lp, base)
     grads = {"log_probs": torch.randn(n, device="cuda"), "entropy": torch.randn(n, device="cuda")}
     grad = torch.empty_like(x)
-    for b, w in BWD:
-        cfg = dataclasses.replace(base, bwd_block_v=b, bwd_num_warps=w)
+    first = None
+    for b, w, k in [(shipped.bwd_block_v, shipped.bwd_num_warps, shipped.bwd_blocks_per_program)] + BWD:
+        cfg = dataclasses.replace(base, bwd_block_v=b, bwd_num_warps=w, bwd_blocks_per_program=k)
+        grad.fill_(float("nan"))
+        ops.logits_backward(x, grad, lab, stats, grads, lp, cfg)
+        first = grad.clone() if first is None else first
+        same = torch.equal(grad, first)
         t = bench(lambda: ops.logits_backward(x, grad, lab, stats, grads, lp, cfg))
-        print(f"  bwd block {b}, {w} warps: {t:7.3f} ms {2 * n * v * 2 / t / 1e6:6.0f} GB/s = "
-              f"{2 * n * v * 2 / t / 1e6 / copy_bw:.0%} of copy", flush=True)
+        print(f"  bwd block {b}, {w} warps, {k} per program: {t:7.3f} ms {2 * n * v * 2 / t / 1e6:6.0f} GB/s = "
+              f"{2 * n * v * 2 / t / 1e6 / copy_bw:.0%} of copy; bitwise = first: {same}", flush=True)
     # whole public call, fwd and fwd+bwd, vs torch eager (verl's two functions)
     xg = x.detach().requires_grad_()
 

@@ -1,0 +1,92 @@
+"""Backward schedule A/B: the one-recompute schedule with the float32 dh accumulator's second half
+in dW's tail storage (those N vocab rows recomputed after dh is final) against the same half in
+storage of its own (``backward_schedule.SPARE_ACCUMULATOR_FRACTION``), on the fused head's
+forward+backward.
+
+python scripts/diag/schedule_ab.py [--rounds R] [N,H,V ...]   (default: the three benchmark shapes)
+
+Per shape: rounds alternate the two variants (median of the rounds' ``do_bench`` medians, 1 s
+budget each), as multiples of one cuBLAS ``hidden @ W.T`` of the same shape timed in the same run;
+peak extra memory of a step beyond inputs; whether the forward outputs are bitwise equal and the
+largest relative difference of dh / dW between the variants (their float32 dh sums are grouped
+differently, so bits may differ) and each variant's dh / dW error against float64 on 64 rows.
+"""
+import argparse
+import statistics
+import time
+
+import torch
+import triton
+import triton.testing
+
+import rl_kernels
+import rl_kernels.autograd.backward_schedule as schedule
+
+from diag_common import head_inputs, require_cuda
+
+VARIANTS = (("tail (re-recompute)", 0.0), ("spare accumulator", 0.25))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("shapes", nargs="*", default=["4096,3584,152064", "16384,3584,152064",
+                                                      "32768,4096,128256"])
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    require_cuda(__file__)
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, time.strftime("%Y-%m-%d"))
+    for shape in args.shapes:
+        n, h, v = (int(x) for x in shape.split(","))
+        hid, w, lab, g_lp, g_ent = head_inputs(n, h, v)
+        t_mm = triton.testing.do_bench(lambda: hid @ w.T, rep=500, return_mode="median")
+        hg, wg = hid.detach().requires_grad_(), w.detach().requires_grad_()
+
+        def step():
+            hg.grad = wg.grad = None
+            out = rl_kernels.linear_log_probs(hg, wg, lab)
+            torch.autograd.backward([out.log_probs, out.entropy], [g_lp, g_ent])
+            return out
+
+        results, times = {}, {name: [] for name, _ in VARIANTS}
+        for name, frac in VARIANTS:
+            schedule.SPARE_ACCUMULATOR_FRACTION = frac
+            step()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            out = step()
+            torch.cuda.synchronize()
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+            results[name] = (out.log_probs.clone(), out.entropy.clone(), hg.grad.clone(), wg.grad.clone(), peak)
+        for _ in range(args.rounds):
+            for name, frac in VARIANTS:
+                schedule.SPARE_ACCUMULATOR_FRACTION = frac
+                times[name].append(triton.testing.do_bench(step, warmup=5, rep=1000, return_mode="median"))
+        # float64 gradients of the first 64 rows' loss (dh rows) and of their contribution to dW
+        rows = slice(0, 64)
+        h64, w64 = hid[rows].double().requires_grad_(), w.double().requires_grad_()
+        z = h64 @ w64.T
+        logp = z.log_softmax(-1)
+        lp64 = logp.gather(1, lab[rows, None])[:, 0]
+        ent64 = -(logp.exp() * logp).sum(-1)
+        torch.autograd.backward([lp64, ent64], [g_lp[rows].double(), g_ent[rows].double()])
+        dh_ref = h64.grad
+        print(f"\n{n}x{h}x{v}: cuBLAS {t_mm:.2f} ms ({2 * n * h * v / t_mm / 1e9:.0f} TFLOP/s)")
+        (a_name, a), (b_name, b) = results.items()
+        same_fwd = torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        rel = lambda x, y: ((x.float() - y.float()).norm() / y.float().norm()).item()  # noqa: E731
+        print(f"  forward bitwise equal: {same_fwd}; dh rel diff {rel(a[2], b[2]):.1e}, dW rel diff "
+              f"{rel(a[3], b[3]):.1e}")
+        for name, (_, _, dh, dw, peak) in results.items():
+            t = statistics.median(times[name])
+            print(f"  {name:22s} fwd+bwd {t:8.2f} ms = {t / t_mm:5.3f}x mm (rounds "
+                  f"{' '.join(f'{x / t_mm:.3f}' for x in times[name])}); peak extra {peak:.2f} GiB; "
+                  f"dh[:64] err vs float64 {rel(dh[rows], dh_ref):.1e}", flush=True)
+        del hid, w, hg, wg, results
+        torch.cuda.empty_cache()
+    schedule.SPARE_ACCUMULATOR_FRACTION = 0.25
+
+
+if __name__ == "__main__":
+    main()
