@@ -15,14 +15,13 @@ import os
 
 import torch
 
+from .label_flag import label_flag, label_word
 from .validation import check_label_values
 
 SYNC_LABEL_CHECK_ENV = "RL_KERNELS_SYNC_LABEL_CHECK"
 """Set to 1 to check label values on the host inside every call (one host sync per call, the
 error raised by the call itself) instead of in the kernels (see :func:`deferred_label_check`)."""
 
-_label_flag: torch.Tensor | None = None  # (1,) int32: id of the last call that met a bad label, 0 = none
-_label_word = None  # numpy view of _label_flag (a host read without a torch op)
 _label_calls: dict[int, tuple] = {}  # id -> (fn_name, labels shape, vocab_size, ignore_index, device)
 _label_ids = iter(range(1, 2**31 - 1))
 
@@ -30,17 +29,6 @@ _label_ids = iter(range(1, 2**31 - 1))
 def sync_label_check() -> bool:
     """Whether ``$RL_KERNELS_SYNC_LABEL_CHECK=1`` asks for label values checked on the host."""
     return os.environ.get(SYNC_LABEL_CHECK_ENV, "") == "1"
-
-
-def label_flag(device: torch.device) -> torch.Tensor:
-    """The process-wide flag word the kernels write a bad label's call id into: pinned host memory
-    (a GPU kernel writes it directly: CUDA maps pinned memory into every device's address space),
-    plain host memory under the CPU interpreter. Also a harmless int32 placeholder argument."""
-    global _label_flag, _label_word
-    if _label_flag is None or (device.type == "cuda" and not _label_flag.is_pinned()):
-        _label_flag = torch.zeros(1, dtype=torch.int32, pin_memory=device.type == "cuda")
-        _label_word = _label_flag.numpy()
-    return _label_flag
 
 
 def deferred_label_check(labels: torch.Tensor, vocab_size: int, ignore_index: int, fn_name: str,
@@ -68,7 +56,7 @@ def deferred_label_check(labels: torch.Tensor, vocab_size: int, ignore_index: in
 def raise_label_errors() -> None:
     """Raise the ValueError of a bad label that a kernel has reported since the last check (see
     :func:`deferred_label_check`); O(1), no host sync. The flag is cleared first."""
-    word = _label_word
+    word = label_word()
     if word is None or not word[0]:
         return
     call_id = int(word[0])

@@ -147,7 +147,7 @@ def run(args, device):
         if device.type == "cuda":
             import triton.testing
 
-            from rl_kernels.bench import peak_extra_gib
+            from rl_kernels.tools.bench import peak_extra_gib
 
             peak = peak_extra_gib(once)
             ms = triton.testing.do_bench(once, rep=1000, return_mode="median")

@@ -1,6 +1,6 @@
 """`rl-kernels bench` off the GPU: it says so and exits 0; `--plot` re-prints a saved result and
 charts it only where `--png` says. The
-bench is a module of the package (`rl_kernels.bench`): it runs without the clone's scripts/ and
+bench is a module of the package (`rl_kernels.tools.bench`): it runs without the clone's scripts/ and
 does not import the command line."""
 import ast
 import json
@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from rl_kernels.cli import load_bench, main
+from rl_kernels.tools.cli import load_bench, main
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the no-CUDA message")
@@ -33,7 +33,7 @@ def _isolated(code: str, cwd) -> subprocess.CompletedProcess:
 
 def test_bench_is_a_package_module_without_the_cli():
     """The bench's source imports nothing of the CLI, and importing it loads no CLI module."""
-    import rl_kernels.bench as bench
+    import rl_kernels.tools.bench as bench
 
     with open(bench.__file__, encoding="utf-8") as f:
         tree = ast.parse(f.read())
@@ -41,17 +41,17 @@ def test_bench_is_a_package_module_without_the_cli():
     imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     assert not any(name and name.split(".")[-1] == "cli" for name in imported), imported
     assert load_bench() is bench
-    assert os.path.dirname(bench.__file__) == os.path.dirname(sys.modules["rl_kernels"].__file__)
+    assert os.path.dirname(bench.__file__) == os.path.join(os.path.dirname(sys.modules["rl_kernels"].__file__), "tools")
 
 
 def test_bench_module_imports_alone(tmp_path):
-    """From outside the clone (no scripts/ on the path): ``rl_kernels.bench`` imports, pulls in no
+    """From outside the clone (no scripts/ on the path): ``rl_kernels.tools.bench`` imports, pulls in no
     CLI module, and its run() says there is no GPU (one line) and returns 0."""
-    proc = _isolated("import sys, rl_kernels.bench as b; assert 'rl_kernels.cli' not in sys.modules, "
+    proc = _isolated("import sys, rl_kernels.tools.bench as b; assert 'rl_kernels.tools.cli' not in sys.modules, "
                      "sorted(sys.modules); print(b.__file__); sys.exit(b.run())", tmp_path)
     assert proc.returncode == 0, proc.stderr
     file, line = proc.stdout.splitlines()
-    assert file.endswith(os.path.join("rl_kernels", "bench.py"))
+    assert file.endswith(os.path.join("rl_kernels", "tools", "bench.py"))
     assert line == "rl-kernels bench: no CUDA device here; nothing to benchmark (the timings need a GPU)"
 
 

@@ -13,10 +13,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import rl_kernels.repro as repro
+import rl_kernels.tools.repro as repro
 import rl_kernels.samples as samples
-from rl_kernels.anomaly import AnomalyCapture
-from rl_kernels.cli import build_parser, main
+import rl_kernels.tools.bundled_samples as bundled_samples
+from rl_kernels.integrations.anomaly import AnomalyCapture
+from rl_kernels.tools.cli import build_parser, main
 from rl_kernels.samples import SampleError, load_sample, save_logits_sample, save_sample
 
 
@@ -265,7 +266,7 @@ def test_repro_does_not_import_the_bench(tmp_path, monkeypatch, capsys):
     import rl_kernels
 
     monkeypatch.delattr(rl_kernels, "bench", raising=False)  # an earlier test may have imported it
-    monkeypatch.setitem(sys.modules, "rl_kernels.bench", None)  # importing the bench now raises
+    monkeypatch.setitem(sys.modules, "rl_kernels.tools.bench", None)  # importing the bench now raises
     build_parser()
     assert main(["repro", "--device", "cpu", str(_good(tmp_path))]) == 0
     monkeypatch.undo()
@@ -322,7 +323,7 @@ def test_failing_baseline_reads_the_same_bundled_saved_or_captured(tmp_path, mon
     """torch eager on bf16 inputs is further from float64 than the tolerance: the row says it is
     that baseline's own error, in the same words for a bundled sample, a user's save_sample file
     and an anomaly-capture file, and the run exits 0 (only rl_kernels rows decide)."""
-    monkeypatch.setattr(samples, "BUNDLED", {"hidden_904": samples.BUNDLED["hidden_904"]})
+    monkeypatch.setattr(bundled_samples, "BUNDLED", {"hidden_904": bundled_samples.BUNDLED["hidden_904"]})
     hidden, weight, labels = _tensors()
     hidden, weight = hidden.bfloat16() * 40, weight.bfloat16()
     save_sample(tmp_path / "mine.pt", hidden, weight, labels)

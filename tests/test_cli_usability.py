@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import rl_kernels
-import rl_kernels.repro as repro
-from rl_kernels.cli import build_parser, main, report_written
+import rl_kernels.tools.repro as repro
+from rl_kernels.tools.cli import build_parser, main, report_written
 from rl_kernels.samples import save_logits_sample, save_sample
 
 

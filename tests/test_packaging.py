@@ -124,7 +124,7 @@ import sys
 sys.modules["triton"] = None  # as if not installed: `import triton` raises ImportError
 import torch
 import rl_kernels
-from rl_kernels.cli import main
+from rl_kernels.tools.cli import main
 from rl_kernels.samples import save_sample
 g = torch.Generator().manual_seed(0)
 h, w = torch.randn(6, 16, generator=g), torch.randn(40, 16, generator=g)

@@ -8,10 +8,11 @@ import warnings
 import pytest
 import torch
 
-import rl_kernels.repro as repro
-from rl_kernels.cli import main
+import rl_kernels.tools.repro as repro
+from rl_kernels.tools.cli import main
 from rl_kernels.reference import make_inputs, reference_logits_stats
-from rl_kernels.samples import (BUNDLED, LogitsSample, Sample, SampleError, load_sample,
+from rl_kernels.tools.bundled_samples import BUNDLED
+from rl_kernels.samples import (LogitsSample, Sample, SampleError, load_sample,
                                 save_logits_sample, save_sample)
 
 
@@ -104,7 +105,7 @@ def test_saved_bundled_samples_replay_from_their_directory_as_bundled(tmp_path, 
     """`repro --save DIR` then `repro DIR`: every file, in name order, with the bundled run's results
     and notes (a failing baseline is FAIL (baseline) with the same words, the known bug kept in the
     file's metadata and not printed as metadata); the exit status is 0 both times."""
-    import rl_kernels.samples as samples
+    import rl_kernels.tools.bundled_samples as samples
 
     monkeypatch.setattr(repro, "interpreting", lambda: False)  # our torch backend and eager: cheap
     monkeypatch.setattr(samples, "BUNDLED", {k: samples.BUNDLED[k] for k in

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("verl", reason="verl is not installed (pip install -e '.[verl]')")
 
-from rl_kernels.cli import main
+from rl_kernels.tools.cli import main
 from rl_kernels.integrations.verl_check import diagnose
 
 pytestmark = pytest.mark.verl_matrix

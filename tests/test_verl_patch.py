@@ -418,7 +418,7 @@ def test_anomaly_capture_saves_a_replayable_sample(tmp_path, qwen2_forward, back
 def test_anomaly_recheck_catches_a_wrong_kernel(tmp_path, monkeypatch):
     """A kernel result off by 0.01 nats (the size of verl's phantom-column bias) is caught by the
     sampled float32 re-check although it is finite and <= 0."""
-    from rl_kernels.anomaly import AnomalyCapture
+    from rl_kernels.integrations.anomaly import AnomalyCapture
 
     g = torch.Generator().manual_seed(6)
     hidden, weight = torch.randn(6, 16, generator=g), torch.randn(50, 16, generator=g) * 0.5

@@ -7,11 +7,13 @@ twin) and consumed at once by cuBLAS matmuls. Two schedules:
 
 * one recompute (both gradients needed, the usual case): windows of all rows x a vocab chunk;
   each gives ``dW[chunk] = dz^T h`` (full N reduction) and adds ``dz W[chunk]`` to a float32 dh
-  accumulator. The accumulator (N x H float32) costs no memory: half of its columns live in dh's
-  own storage (all of them for a float32 dh), the rest in the not-yet-written tail of dW's
-  storage; the vocab rows whose storage that part occupies are recomputed a second time, after
-  dh is final, to write their dW (N of V rows for 16-bit weights; 2N before the accumulator used
-  dh's storage). Those vocab rows come first: their windows go into the bytes of the other dW
+  accumulator (N x H float32). Half of its columns live in dh's own storage (all of them for a
+  float32 dh). The rest get storage of their own when that costs at most
+  ``SPARE_ACCUMULATOR_FRACTION`` of the two gradients (N x H x 2 bytes for 16-bit tensors);
+  otherwise they live in the not-yet-written tail of dW's storage (no memory beyond the
+  gradients and the window buffer), and the vocab rows whose storage that part occupies are
+  recomputed a second time, after dh is final, to write their dW (N of V rows for 16-bit
+  weights). Those vocab rows come first: their windows go into the bytes of the other dW
   rows, none written yet. Then, while dW rows are still unwritten, windows are placed in their
   bytes and made as wide as fits (fewer passes over the accumulator); later ones use the fixed
   buffer. Windows are a multiple of the dlogits kernel's tile width where they can be. Falls

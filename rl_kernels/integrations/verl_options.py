@@ -12,7 +12,7 @@ import difflib
 import threading
 
 from .._logging import logger
-from ..anomaly import AnomalyCapture
+from .anomaly import AnomalyCapture
 from ..backends import BACKENDS
 from ..validation import check_bool_arg, check_choice, check_float_arg, check_int_arg, check_path_arg
 from ._verl_common import verl_version
@@ -37,7 +37,7 @@ class VerlOptions:
         FSDP and Megatron engines, and the sum-of-squared-probabilities functions).
     patch_megatron_fused: replace ``linear_cross_entropy`` in verl's Megatron fused forwards
         (``use_fused_kernels=True`` with the Megatron engine); False keeps verl's kernel there.
-    anomaly_dir: turn on anomaly capture (:mod:`rl_kernels.anomaly`), writing samples here.
+    anomaly_dir: turn on anomaly capture (:mod:`rl_kernels.integrations.anomaly`), writing samples here.
     anomaly_max_count, anomaly_max_bytes: per-process bounds on what capture writes.
     anomaly_max_log_prob: a log-prob above this is an anomaly.
     anomaly_recheck_every: every k-th fused call re-checks sampled rows in float32 (0 = never).

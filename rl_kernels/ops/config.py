@@ -170,8 +170,8 @@ HOPPER = ConfigClass("hopper", 232448, True, (90,), CUDA_CONFIG, _AMPERE_FP32, L
 # H200 (sm90, HBM3e at 4.8 TB/s against the H100's 3.35): the H100's tiles for the GEMM kernels.
 # Its from-logits kernels reached 71% of read / 81% of copy with the H100's tiles (2026-11-26);
 # the variants with more bytes in flight per program (``prefetch``, ``bwd_blocks_per_program``)
-# have not yet run on an H200 (no H200 was lent in the session that built them), so this class
-# holds the H100's measured settings until `scripts/diag/logits_sweep.py` runs there.
+# have not been measured on an H200 yet, so this class holds the H100's measured settings until
+# `scripts/diag/logits_sweep.py` runs there.
 LOGITS_H200_CONFIG = LOGITS_CUDA_CONFIG
 HOPPER_H200 = dataclasses.replace(HOPPER, name="hopper-h200", logits=LOGITS_H200_CONFIG, device_names=("H200",))
 # A10 / L40S / RTX 3090-5090 (sm86 / sm89 / sm120, 99 KB): K step 32 (bf16 49 KB, fp32 49 KB).

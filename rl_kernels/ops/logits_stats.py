@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from .._logging import log_once, logger
-from ..label_check import label_flag as host_flag
+from ..label_flag import label_flag as host_flag
 from .common import log_sum_lse, merge_stats, merge_q, multiprocessors, stats_entropy
 from .config import LogitsConfig
 from .launch import Launcher

@@ -23,7 +23,7 @@ def require_cuda(script: str, hint: str = "") -> None:
 
 
 def head_inputs(n: int, h: int, v: int, seed: int = 0):
-    """Benchmark inputs of the fused head on CUDA, generated there (as ``rl_kernels.bench``): bf16
+    """Benchmark inputs of the fused head on CUDA, generated there (as ``rl_kernels.tools.bench``): bf16
     hidden ~ N(0, 1) (N, H) and weight ~ N(0, 0.02^2) (V, H), labels uniform in [0, V), and float32
     upstream gradients ~ N(0, 1) for log-probs and entropy; returns (hidden, weight, labels,
     g_lp, g_ent)."""

@@ -13,7 +13,7 @@ import triton.testing
 import rl_kernels
 import rl_kernels.distill
 import rl_kernels.ops as ops
-from rl_kernels.bench import peak_extra_gib as peak_extra
+from rl_kernels.tools.bench import peak_extra_gib as peak_extra
 from rl_kernels.ops.config import BwdTile, forced_config
 
 from diag_common import require_cuda  # this script's folder is on sys.path

@@ -26,7 +26,7 @@ import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import rl_kernels  # noqa: E402
-from rl_kernels.bench import peak_extra_gib as peak_extra  # noqa: E402
+from rl_kernels.tools.bench import peak_extra_gib as peak_extra  # noqa: E402
 from rl_kernels.reference import reference_linear_log_probs  # noqa: E402
 
 from diag_common import require_cuda  # noqa: E402 - this script's folder is on sys.path

@@ -16,7 +16,7 @@ import traceback
 
 import torch
 
-from ._cli_common import DEFAULT_LOGITS_SHAPES, DEFAULT_SHAPES, UsageError, report_written  # noqa: F401
+from ._common import DEFAULT_LOGITS_SHAPES, DEFAULT_SHAPES, UsageError, report_written  # noqa: F401
 
 # argparse prints these as they are: plain text, no reStructuredText markup
 DESCRIPTION = """\
@@ -103,7 +103,8 @@ def _writable_file(option: str, path: str) -> None:
 
 # ----------------------------------------------------------------------------- repro
 def _save_bundled(target: str) -> int:
-    from .samples import bundled_samples, write_sample
+    from ..samples import write_sample
+    from .bundled_samples import bundled_samples
 
     if os.path.exists(target) and not os.path.isdir(target):
         raise UsageError(f"argument --save: {target!r} exists and is not a directory")
@@ -140,7 +141,7 @@ def _sample_paths(paths: list[str]) -> list[tuple[str, str | None]]:
     """(path, None) per file to replay: each PATH, or every sample file of a directory PATH in
     name order; (PATH, message) for a directory that holds none or cannot be listed. A
     CommandError (one line) when no PATH leaves anything to replay."""
-    from .samples import SAMPLE_SUFFIXES, sample_files
+    from ..samples import SAMPLE_SUFFIXES, sample_files
 
     targets: list[tuple[str, str | None]] = []
     for path in paths:
@@ -165,7 +166,8 @@ def _repro(args: argparse.Namespace) -> int:
     from .repro import (BASELINE_FAIL, INPUT_NON_FINITE, available_backends,
                         available_logits_backends, check_sample, error_row, format_table,
                         unavailable_backends)
-    from .samples import BUNDLED, LogitsSample, SampleError, load_sample
+    from ..samples import LogitsSample, SampleError, load_sample
+    from .bundled_samples import BUNDLED
 
     if args.save:
         if args.paths:
@@ -243,7 +245,7 @@ def _repro(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- bench
 def load_bench():
-    """The benchmark module, ``rl_kernels.bench``, imported on first use (``rl-kernels repro`` and
+    """The benchmark module, ``rl_kernels.tools.bench``, imported on first use (``rl-kernels repro`` and
     building the parser never import it)."""
     from . import bench
 
@@ -299,7 +301,7 @@ def version_text() -> str:
     installed distribution's when it is installed), and the torch and Triton it runs with."""
     from importlib import metadata
 
-    from . import __version__
+    from .. import __version__
 
     def installed(name: str) -> str:
         try:
@@ -395,7 +397,7 @@ def _verl_check(args: argparse.Namespace) -> int:
         found = False
     if not found:
         raise UsageError(f"--entry: no module named {args.entry!r}")
-    from .integrations.verl_check import check
+    from ..integrations.verl_check import check
 
     verdict = check(list(args.overrides), args.entry)
     print(verdict.line)

@@ -14,12 +14,12 @@ from collections.abc import Callable
 
 import torch
 
-from .linear import linear_log_probs
-from .validation import check_labels, check_logits, check_temperature
-from .logits import logits_stats
-from .backends import interpreting, triton_available
-from .reference import reference_linear_log_probs, reference_logits_stats, torch_eager, torch_eager_logits
-from .samples import LogitsSample, Sample
+from ..linear import linear_log_probs
+from ..validation import check_labels, check_logits, check_temperature
+from ..logits import logits_stats
+from ..backends import interpreting, triton_available
+from ..reference import reference_linear_log_probs, reference_logits_stats, torch_eager, torch_eager_logits
+from ..samples import LogitsSample, Sample
 
 # PASS needs max |error| <= atol (log-probs and entropy). Ours keep fp32 logits and land below
 # 5e-5 on bf16 inputs; backends that round logits to bf16 land at ~7e-3 and fail, as they should.
@@ -75,7 +75,7 @@ def _torch_eager(s: Sample):
 def _verl_backends() -> dict[str, Backend]:
     """verl's fused Triton head, when verl is importable (it needs CUDA)."""
     try:
-        from .integrations.verl_kernels import verl_linear_kernels
+        from ..integrations.verl_kernels import verl_linear_kernels
 
         head = verl_linear_kernels()["verl triton"]
     except Exception:  # noqa: BLE001 - any import failure means "not available here"
@@ -99,9 +99,9 @@ def _ours_logits_triton(two_level: bool) -> LogitsBackend:
     """The Triton forward in one launch shape, forced (``logits_stats`` picks one by N), after
     the public API's checks (a label out of range must not reach the kernel)."""
     def run(s: LogitsSample):
-        from . import ops
-        from .autograd.logits import LogitsParams
-        from .backends import get_backend
+        from .. import ops
+        from ..autograd.logits import LogitsParams
+        from ..backends import get_backend
 
         check_logits(s.logits)
         inv_temperature = 1.0 / check_temperature(s.temperature)
@@ -119,7 +119,7 @@ def _quiet_interpreter():
     import of ``ops``, which needs Triton)."""
     if not (interpreting() and triton_available()):
         return contextlib.nullcontext()
-    from .ops.launch import quiet_interpreter
+    from ..ops.launch import quiet_interpreter
 
     return quiet_interpreter()
 

@@ -22,8 +22,8 @@ import time
 
 import torch
 
-from ._logging import log_once, logger
-from .validation import check_float_arg, check_int_arg, check_metadata_arg, check_path_arg
+from .._logging import log_once, logger
+from ..validation import check_float_arg, check_int_arg, check_metadata_arg, check_path_arg
 
 
 @dataclasses.dataclass
@@ -86,9 +86,9 @@ class AnomalyCapture:
         return None
 
     def _recheck(self, hidden_states, weight, labels, temperature, softcap, ignore_index, lp, entropy):
-        from .autograd.linear import HeadParams
-        from .backends import get_backend
-        from .torch_ops.linear import torch_forward
+        from ..autograd.linear import HeadParams
+        from ..backends import get_backend
+        from ..torch_ops.linear import torch_forward
 
         h = hidden_states.detach().reshape(-1, hidden_states.shape[-1])
         y = labels.reshape(-1)
@@ -108,7 +108,7 @@ class AnomalyCapture:
         return None
 
     def _save(self, reason, hidden_states, weight, labels, temperature, softcap, ignore_index, metadata):
-        from .samples import save_sample
+        from ..samples import save_sample
 
         size = sum(t.numel() * t.element_size() for t in (hidden_states, weight, labels))
         if self.saved >= self.max_count or self.saved_bytes + size > self.max_bytes:

@@ -1,4 +1,4 @@
-"""What the command line (``rl_kernels.cli``) and the benchmark (``rl_kernels.bench``) both use: the
+"""What the command line (``rl_kernels.tools.cli``) and the benchmark (``rl_kernels.tools.bench``) both use: the
 usage error, the line for a file written, and the bench's default shapes (here so that building
 the CLI's parser does not import the bench, and so that the bench does not import the CLI)."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ DEFAULT_LOGITS_SHAPES = ("16384,152064", "512,152064")
 
 class UsageError(SystemExit):
     """A bad command-line argument found after parsing: exit status 2, ``str()`` the message.
-    ``rl_kernels.cli.main`` prints it as one line; raised outside it, it still exits with status 2."""
+    ``rl_kernels.tools.cli.main`` prints it as one line; raised outside it, it still exits with status 2."""
 
     def __init__(self, message: str):
         super().__init__(2)

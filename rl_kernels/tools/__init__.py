@@ -1,0 +1,4 @@
+"""rl-kernels' tooling, apart from the library: the command line (``rl-kernels``, :mod:`.cli`), the
+benchmark (:mod:`.bench`), the regression repros (:mod:`.repro`) and their bundled samples
+(:mod:`.bundled_samples`). Tooling imports the library and the integrations; neither imports
+tooling (``tests/test_layers.py``)."""

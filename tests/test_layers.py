@@ -1,0 +1,97 @@
+"""The package's layers, read from its source: every import of an rl_kernels module (at module level
+or inside a function) goes to the importer's own layer or a lower one.
+
+    0 base          rl_kernels._logging, rl_kernels.backends, rl_kernels.label_flag
+    1 kernels       rl_kernels.ops.*, rl_kernels.torch_ops.*
+    2 library       the public API and what it is built of (rl_kernels, linear, logits, distill,
+                    validation, label_check, reference, samples, autograd.*)
+    3 integrations  rl_kernels.integrations.* (the verl integration, anomaly capture)
+    4 tooling       rl_kernels.tools.* (command line, bench, repro, bundled samples), __main__
+
+So the kernels import nothing above them, the library neither its integrations nor its tooling,
+and the integrations not the tooling."""
+import ast
+import os
+
+import pytest
+
+import rl_kernels
+
+ROOT = os.path.dirname(rl_kernels.__file__)
+BASE = {"rl_kernels._logging", "rl_kernels.backends", "rl_kernels.label_flag"}
+LAYERS = ("base", "kernels", "library", "integrations", "tooling")
+
+
+def layer(module: str) -> int:
+    if module in BASE:
+        return 0
+    if module.startswith(("rl_kernels.ops", "rl_kernels.torch_ops")):
+        return 1
+    if module.startswith("rl_kernels.integrations"):
+        return 3
+    if module.startswith("rl_kernels.tools") or module == "rl_kernels.__main__":
+        return 4
+    return 2
+
+
+def modules() -> dict[str, str]:
+    """Module name -> source path, every .py file of the package."""
+    found = {}
+    for folder, _, files in os.walk(ROOT):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                rel = os.path.relpath(path, os.path.dirname(ROOT))[:-3].replace(os.sep, ".")
+                found[rel.removesuffix(".__init__")] = path
+    return found
+
+
+def imports(module: str, path: str, known: dict) -> set[str]:
+    """The rl_kernels modules ``module`` imports anywhere in its source (a name imported from a
+    package counts as its submodule where one exists)."""
+    package = module if path.endswith("__init__.py") else module.rsplit(".", 1)[0]
+    out = set()
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            if base.startswith("rl_kernels"):
+                for alias in node.names:
+                    sub = f"{base}.{alias.name}"
+                    out.add(sub if sub in known else base)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("rl_kernels"))
+    out.discard(module)
+    return out
+
+
+def test_the_graph_is_read():
+    """The reader finds what is known to be there (a test of the test)."""
+    known = modules()
+    assert {"rl_kernels.ops.logits_stats", "rl_kernels.tools.cli", "rl_kernels.integrations.verl_patch",
+            "rl_kernels.label_flag"} <= set(known)
+    assert "rl_kernels.ops.common" in imports("rl_kernels.ops.logits_stats", known["rl_kernels.ops.logits_stats"], known)
+    assert "rl_kernels.tools.bench" in imports("rl_kernels.tools.cli", known["rl_kernels.tools.cli"], known)
+    assert layer("rl_kernels.tools.cli") > layer("rl_kernels.integrations.verl_patch") > layer("rl_kernels.linear") \
+        > layer("rl_kernels.ops.config") > layer("rl_kernels._logging")
+
+
+@pytest.mark.parametrize("module", sorted(modules()))
+def test_no_import_from_a_lower_layer_to_a_higher_one(module):
+    known = modules()
+    upward = sorted(f"{dep} ({LAYERS[layer(dep)]})" for dep in imports(module, known[module], known)
+                    if layer(dep) > layer(module))
+    assert not upward, f"{module} ({LAYERS[layer(module)]}) imports {', '.join(upward)}"
+
+
+def test_library_tooling_and_integrations_are_separate_folders():
+    known = modules()
+    for name in known:
+        if layer(name) == 4 and name != "rl_kernels.__main__":
+            assert name == "rl_kernels.tools" or name.startswith("rl_kernels.tools."), name
+        if layer(name) == 3:
+            assert known[name].startswith(os.path.join(ROOT, "integrations")), name
+    assert not {"rl_kernels.cli", "rl_kernels.bench", "rl_kernels.repro", "rl_kernels.anomaly"} & set(known)
