@@ -166,7 +166,8 @@ def test_prefetch_and_blocks_per_program_keep_the_bits(two_level):
                           return_entropy=True, name="test")
     base = logits_config(x.device)
     results = []
-    for fields in ({}, dict(prefetch=True), dict(bwd_blocks_per_program=3), dict(prefetch=True, bwd_blocks_per_program=5)):
+    for fields in (dict(bwd_blocks_per_program=1, prefetch=False), {}, dict(prefetch=True),
+                   dict(bwd_blocks_per_program=3), dict(prefetch=True, bwd_blocks_per_program=5)):
         cfg = dataclasses.replace(base, **fields)
         with torch.no_grad():
             stats = logits_forward(x, labels, params, cfg, two_level=two_level)

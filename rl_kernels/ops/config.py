@@ -228,9 +228,10 @@ INTERPRETER_CONFIG = KernelConfig(split_v=256, block_m=32, block_n=64, block_k=3
                                   bwd_programs_per_sm=2, bwd_tma_store=True)
 
 
-# Interpreter: small blocks so that odd vocabularies cover several splits and partial chunks.
+# Interpreter: small blocks so that odd vocabularies cover several splits and partial chunks; the
+# backward's blocks per program as the GPU classes ship it (CPU tests cover that path, in place too).
 LOGITS_INTERPRETER_CONFIG = LogitsConfig(split_v=64, block_v=32, num_warps=4, bwd_block_v=64,
-                                         bwd_num_warps=4, rows_per_sm=4)
+                                         bwd_num_warps=4, rows_per_sm=4, bwd_blocks_per_program=2)
 INTERPRETER = ConfigClass("interpreter", 0, True, (), INTERPRETER_CONFIG, INTERPRETER_CONFIG,
                           LOGITS_INTERPRETER_CONFIG)
 """Triton's CPU interpreter (not a GPU class: never chosen for a CUDA device)."""
