@@ -8,6 +8,7 @@ import os
 # the bench's default shapes: N,H,V (fused head) and N,V (--logits)
 DEFAULT_SHAPES = ("16384,3584,152064", "32768,4096,128256", "512,3584,152064")
 DEFAULT_LOGITS_SHAPES = ("16384,152064", "512,152064")
+VARYING_N_SHAPE = "3584,152064"  # H,V of --varying-n given without a value
 
 
 class UsageError(SystemExit):

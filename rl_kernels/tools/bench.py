@@ -135,17 +135,42 @@ def peak_extra_gib(fn) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
-def bench_shape(n: int, h: int, v: int, impls: dict[str, Impl], progress=None) -> dict:
-    """Time every implementation on one shape; returns a JSON-ready dict."""
-    from rl_kernels.reference import reference_linear_log_probs
-
-    bench = _do_bench
-    g = torch.Generator(device="cuda").manual_seed(0)
+def _head_inputs(n: int, h: int, v: int, seed: int) -> tuple:
+    """The fused head's benchmark inputs on CUDA (module docstring): bf16 hidden (n, h) and weight
+    (v, h), labels (n,), float32 upstream gradients of log-probs and entropy (n,)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
     hidden = torch.randn(n, h, device="cuda", generator=g).bfloat16()
     weight = (0.02 * torch.randn(v, h, device="cuda", generator=g)).bfloat16()
     labels = torch.randint(0, v, (n,), device="cuda", generator=g)
     g_lp = torch.randn(n, device="cuda", generator=g)
     g_ent = torch.randn(n, device="cuda", generator=g)
+    return hidden, weight, labels, g_lp, g_ent
+
+
+def _backward(outputs: tuple, g_lp: torch.Tensor, g_ent: torch.Tensor) -> None:
+    """Backward of an implementation's (log_probs, entropy or None, ...) with the upstream
+    gradients ``g_lp`` / ``g_ent``, each cast to its output's dtype."""
+    lp, ent = outputs[:2]
+    outs, grads = [lp], [g_lp.to(lp.dtype)]
+    if ent is not None:
+        outs.append(ent)
+        grads.append(g_ent.to(ent.dtype))
+    torch.autograd.backward(outs, grads)
+
+
+def _failure(exc: BaseException) -> dict:
+    """The record of an implementation that failed: its failure is a result, not the run's end."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return {"error": "out of memory"}
+    return {"error": f"{type(exc).__name__}: {str(exc)[:100]}"}
+
+
+def bench_shape(n: int, h: int, v: int, impls: dict[str, Impl], progress=None) -> dict:
+    """Time every implementation on one shape; returns a JSON-ready dict."""
+    from rl_kernels.reference import reference_linear_log_probs
+
+    bench = _do_bench
+    hidden, weight, labels, g_lp, g_ent = _head_inputs(n, h, v, seed=0)
     rows = min(ERROR_ROWS, n)
     ref_out = reference_linear_log_probs(hidden[:rows], weight, labels[:rows])
     ref, ref_ent = ref_out.log_probs, ref_out.entropy
@@ -164,12 +189,7 @@ def bench_shape(n: int, h: int, v: int, impls: dict[str, Impl], progress=None) -
             hx, wx = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
 
             def fwd_bwd():
-                lp, ent = fn(hx, wx, labels)[:2]
-                outs, grads = [lp], [g_lp.to(lp.dtype)]
-                if ent is not None:
-                    outs.append(ent)
-                    grads.append(g_ent.to(ent.dtype))
-                torch.autograd.backward(outs, grads)
+                _backward(fn(hx, wx, labels), g_lp, g_ent)
                 hx.grad = wx.grad = None
 
             rec["fwd_bwd_ms"] = bench(fwd_bwd)
@@ -177,10 +197,8 @@ def bench_shape(n: int, h: int, v: int, impls: dict[str, Impl], progress=None) -
             hx = wx = None  # free the gradient copies before the next implementation
             rec["fwd_x_mm"] = rec["fwd_ms"] / t_mm
             rec["fwd_bwd_x_mm"] = rec["fwd_bwd_ms"] / t_mm
-        except torch.OutOfMemoryError:
-            rec = {"error": "out of memory"}
         except Exception as exc:  # noqa: BLE001 - a peer's failure is a result
-            rec = {"error": f"{type(exc).__name__}: {str(exc)[:100]}"}
+            rec = _failure(exc)
         torch.cuda.empty_cache()
         out["impls"][name] = rec
         if progress is not None:
@@ -191,7 +209,6 @@ def bench_shape(n: int, h: int, v: int, impls: dict[str, Impl], progress=None) -
 VARYING_N_COUNTS = (12288, 3000, 17001, 7919, 20000, 5000, 14321, 9876)
 """Token counts of the varying-N case: packed micro-batches of 3000 to 20000 tokens, in the
 unordered way verl's dynamic batching hands them over."""
-VARYING_N_SHAPE = "3584,152064"
 
 
 def bench_varying_n(h: int, v: int, impls: dict[str, Impl], counts=VARYING_N_COUNTS, progress=None) -> dict:
@@ -202,13 +219,7 @@ def bench_varying_n(h: int, v: int, impls: dict[str, Impl], counts=VARYING_N_COU
     else in the process has compiled, so the first pass is what a fresh training job sees."""
     import time
 
-    g = torch.Generator(device="cuda").manual_seed(1)
-    n_max = max(counts)
-    hidden = torch.randn(n_max, h, device="cuda", generator=g).bfloat16()
-    weight = (0.02 * torch.randn(v, h, device="cuda", generator=g)).bfloat16()
-    labels = torch.randint(0, v, (n_max,), device="cuda", generator=g)
-    g_lp = torch.randn(n_max, device="cuda", generator=g)
-    g_ent = torch.randn(n_max, device="cuda", generator=g)
+    hidden, weight, labels, g_lp, g_ent = _head_inputs(max(counts), h, v, seed=1)
     out = {"hidden": h, "vocab": v, "counts": list(counts), "impls": {}}
     for name, fn in impls.items():
         rec: dict = {"first_s": [], "second_s": []}
@@ -219,21 +230,14 @@ def bench_varying_n(h: int, v: int, impls: dict[str, Impl], counts=VARYING_N_COU
                     hx = hidden[:n].clone().requires_grad_()
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
-                    lp, ent = fn(hx, wx, labels[:n])[:2]
-                    outs, grads = [lp], [g_lp[:n].to(lp.dtype)]
-                    if ent is not None:
-                        outs.append(ent)
-                        grads.append(g_ent[:n].to(ent.dtype))
-                    torch.autograd.backward(outs, grads)
+                    _backward(fn(hx, wx, labels[:n]), g_lp[:n], g_ent[:n])
                     torch.cuda.synchronize()
                     rec[key].append(time.perf_counter() - t0)
                     wx.grad = None
-                    del hx, lp, ent, outs
+                    del hx
             wx = None
-        except torch.OutOfMemoryError:
-            rec = {"error": "out of memory"}
         except Exception as exc:  # noqa: BLE001 - a peer's failure is a result
-            rec = {"error": f"{type(exc).__name__}: {str(exc)[:100]}"}
+            rec = _failure(exc)
         torch.cuda.empty_cache()
         out["impls"][name] = rec
         if progress is not None:
@@ -539,22 +543,15 @@ def bench_logits_shape(n: int, v: int, impls: dict[str, LogitsImpl], ceilings: d
             x = logits.clone().requires_grad_()
 
             def fwd_bwd():
-                lp, ent = fn(x, labels)[:2]
-                outs, grads = [lp], [g_lp.to(lp.dtype)]
-                if ent is not None:
-                    outs.append(ent)
-                    grads.append(g_ent.to(ent.dtype))
-                torch.autograd.backward(outs, grads)
+                _backward(fn(x, labels), g_lp, g_ent)
                 x.grad = None
 
             rec["fwd_bwd_ms"] = _do_bench(fwd_bwd)
             rec["fwd_bwd_extra_gb"] = peak_extra_gib(fwd_bwd)
             x = None  # free the copy before the next implementation
             _bandwidths(rec, n, v, ceilings)
-        except torch.OutOfMemoryError:
-            rec = {"ce_only": rec["ce_only"], "error": "out of memory"}
         except Exception as exc:  # noqa: BLE001 - a peer's failure is a result
-            rec = {"ce_only": rec["ce_only"], "error": f"{type(exc).__name__}: {str(exc)[:100]}"}
+            rec = {"ce_only": rec["ce_only"], **_failure(exc)}
         x = None
         torch.cuda.empty_cache()
         out["impls"][name] = rec

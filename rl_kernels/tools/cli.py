@@ -16,7 +16,7 @@ import traceback
 
 import torch
 
-from ._common import DEFAULT_LOGITS_SHAPES, DEFAULT_SHAPES, UsageError, report_written  # noqa: F401
+from ._common import DEFAULT_LOGITS_SHAPES, DEFAULT_SHAPES, VARYING_N_SHAPE, UsageError, report_written  # noqa: F401
 
 # argparse prints these as they are: plain text, no reStructuredText markup
 DESCRIPTION = """\
@@ -362,10 +362,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "in an existing directory (needs matplotlib); nothing else writes one")
     bench.add_argument("--plot", metavar="JSON", help="no timing: re-print the tables of a saved "
                        "--json result (with --png PATH: chart it there too)")
-    bench.add_argument("--varying-n", nargs="?", const="3584,152064", metavar="H,V",
+    bench.add_argument("--varying-n", nargs="?", const=VARYING_N_SHAPE, metavar="H,V",
                        help="first time 8 forward+backward calls whose token count changes from call "
                             "to call (3000-20000, as verl's dynamic micro-batches), compilation "
-                            "included, hidden size H and vocabulary V (default 3584,152064)")
+                            f"included, hidden size H and vocabulary V (default {VARYING_N_SHAPE})")
     bench.add_argument("--stub-verl", action="store_true",
                        help="import verl's kernels without its Ray/tensordict stack (GPU machines "
                             "without a package index)")
