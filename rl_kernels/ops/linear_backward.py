@@ -5,7 +5,10 @@ same K-loop GEMM as the forward, then from the saved per-row lse and entropy H:
     log p = z - lse,  p = exp(log p)
     dz    = g_lp * (onehot(y) - p) - g_H * p * (log p + H) + g_lse * p   (z - E_p[z] = log p + H)
             + 2 g_S * p * (p - S)                                         (S = sum_j p_j^2)
-and stores dz / temperature (the gradient w.r.t. the raw logits h.w) in the output dtype.
+          = p * (c + k log p + a p) + g_lp onehot(y),  c = g_lse - g_lp - g_H H - 2 g_S S, k = -g_H, a = 2 g_S
+and stores dz / temperature (the gradient w.r.t. the raw logits h.w) in the output dtype; the
+second form is what runs (per-row scalars times 1 / T; per element log2 p = log2(e) (z - lse) in one
+multiply-add, p = 2^(log2 p) and up to three multiply-adds).
 With SOFTCAP (z = (c / T) tanh(h.w / c), ``common.soft_cap``) the stored gradient is
 dz (1 - tanh^2) / T, the chain rule through the cap.
 With ``KernelConfig.bwd_programs_per_sm`` > 0 the launch is persistent: a few programs per
@@ -51,37 +54,59 @@ def _linear_dlogits_kernel(
     for tile_id in tl.range(tl.program_id(0), num_tiles, num_programs, flatten=FLATTEN):
         local_rows, local_cols, rows, cols, row_mask, col_mask, row0, col0 = window_tile(
             row_start, n_rows, col_start, n_cols, BLOCK_M, BLOCK_N, GROUP_M, tile_id)
-        z = logits_tile(h_ptr, w_ptr, rows, cols, row_mask, col_mask, H,
-                        stride_hn, stride_hk, stride_wv, stride_wk, logit_scale,
-                        BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PRECISION, USE_TMA, row0, col0)
+        # z2 = log2(e) z: the tile's last scale carries log2(e), so log2 p = z2 - log2(e) lse is
+        # one multiply-add with the GEMM's scale and p = 2^(log2 p) one ex2 (flushing p < 2^-126)
         if SOFTCAP:
-            z, t = soft_cap(z, softcap_scale, LIBDEVICE)
+            z = logits_tile(h_ptr, w_ptr, rows, cols, row_mask, col_mask, H,
+                            stride_hn, stride_hk, stride_wv, stride_wk, logit_scale,
+                            BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PRECISION, USE_TMA, row0, col0)
+            z2, t = soft_cap(z, softcap_scale * 1.4426950408889634, LIBDEVICE)
+        else:
+            z2 = logits_tile(h_ptr, w_ptr, rows, cols, row_mask, col_mask, H,
+                             stride_hn, stride_hk, stride_wv, stride_wk, logit_scale * 1.4426950408889634,
+                             BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PRECISION, USE_TMA, row0, col0)
         rows64 = rows.to(tl.int64)
         labels = tl.load(labels_ptr + rows64 * stride_lab, mask=row_mask, other=ignore_index)
         lse = tl.load(lse_ptr + rows64, mask=row_mask, other=0.0)
-        log_p = z - lse[:, None]
-        p = tl.exp(log_p)
-        dz = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        log2_p = z2 - (lse * 1.4426950408889634)[:, None]
+        p = tl.exp2(log2_p)
+        # dz = p (c + k log p + a p) + [j == y] g_lp, the row's terms folded into per-row scalars:
+        # c = g_lse - g_lp - g_H H - 2 g_S S, k = -g_H, a = 2 g_S (one exp and up to three
+        # multiply-adds per element; k times ln 2 multiplies log2 p)
+        c = tl.zeros((BLOCK_M,), tl.float32)
         if HAS_GRAD_LOG_PROBS:
             g_lp = tl.load(g_lp_ptr + rows64 * stride_glp, mask=row_mask, other=0.0).to(tl.float32)
-            onehot = tl.where(cols[None, :] == labels[:, None], 1.0, 0.0)
-            dz += g_lp[:, None] * (onehot - p)
+            c -= g_lp
         if HAS_GRAD_ENTROPY:
             g_ent = tl.load(g_ent_ptr + rows64 * stride_gent, mask=row_mask, other=0.0).to(tl.float32)
-            ent = tl.load(entropy_ptr + rows64, mask=row_mask, other=0.0)
-            dz -= g_ent[:, None] * p * (log_p + ent[:, None])
+            c -= g_ent * tl.load(entropy_ptr + rows64, mask=row_mask, other=0.0)
         if HAS_GRAD_LSE:  # d lse / dz = p (contiguous (N,) float32)
-            dz += tl.load(g_lse_ptr + rows64, mask=row_mask, other=0.0)[:, None] * p
+            c += tl.load(g_lse_ptr + rows64, mask=row_mask, other=0.0)
         if HAS_GRAD_SUM_PI_SQUARED:  # d(sum p^2)/dz_j = 2 p_j (p_j - sum p^2) (contiguous (N,) float32 each)
-            grad_sum_pi_squared = 2.0 * tl.load(grad_sum_pi_squared_ptr + rows64, mask=row_mask, other=0.0)
-            dz += grad_sum_pi_squared[:, None] * p * (p - tl.load(sum_pi_squared_ptr + rows64, mask=row_mask, other=0.0)[:, None])
+            twice_grad_sum_pi_squared = 2.0 * tl.load(grad_sum_pi_squared_ptr + rows64, mask=row_mask, other=0.0)
+            c -= twice_grad_sum_pi_squared * tl.load(sum_pi_squared_ptr + rows64, mask=row_mask, other=0.0)
+        # (each scalar times 1 / T: the stored gradient is w.r.t. h.w, and no element is scaled)
+        inner = (c * inv_temperature)[:, None]
+        if HAS_GRAD_ENTROPY:
+            inner = inner - (g_ent * (inv_temperature * 0.6931471805599453))[:, None] * log2_p
+        if HAS_GRAD_SUM_PI_SQUARED:
+            inner = inner + (twice_grad_sum_pi_squared * inv_temperature)[:, None] * p
+        if HAS_GRAD_LOG_PROBS:
+            # the label's column inside this tile (int32, -1 when elsewhere): a 32-bit compare per
+            # element against the tile's own column offsets, not a 64-bit one against ``cols``
+            label_at = labels - col0
+            label_at = tl.where((label_at >= 0) & (label_at < BLOCK_N), label_at, -1).to(tl.int32)
+            hit = tl.arange(0, BLOCK_N)[None, :] == label_at[:, None]
+            dz = p * inner + tl.where(hit, (g_lp * inv_temperature)[:, None], 0.0)
+        else:
+            dz = p * inner
         if SOFTCAP:  # d z / d(h.w / T) = 1 - tanh^2
             dz = dz * ((1.0 - t) * (1.0 + t))
         if STORE_TMA:  # dz_ptr: a descriptor of the window; the copy engine clips its bounds
-            dz = tl.where((labels != ignore_index)[:, None], dz * inv_temperature, 0.0)
+            dz = tl.where((labels != ignore_index)[:, None], dz, 0.0)
             dz_ptr.store([row0 - row_start, col0 - col_start], dz.to(OUT_DTYPE))
         else:
-            store_window(dz_ptr, dz * inv_temperature, labels != ignore_index, local_rows, local_cols,
+            store_window(dz_ptr, dz, labels != ignore_index, local_rows, local_cols,
                          row_mask, col_mask, stride_dzm, stride_dzn)
 
 

@@ -57,22 +57,32 @@ def _linear_split_stats_kernel(
     for v0 in tl.range(v_begin, v_end, BLOCK_N, flatten=FLATTEN, warp_specialize=WARP_SPEC):
         cols = v0 + tl.arange(0, BLOCK_N)
         col_mask = cols < v_end
-        z = logits_tile(h_ptr, w_ptr, rows, cols, row_mask, col_mask, H,
-                        stride_hn, stride_hk, stride_wv, stride_wk, logit_scale,
-                        BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PRECISION, USE_TMA, row0, v0)
+        # base 2: z2 = log2(e) z (the tile's last scale carries log2(e)), e = 2^(z2 - max z2), one
+        # ex2 per element (flushing e < 2^-126); m and b return to natural units per row. (An
+        # epilogue on the raw accumulator, max over h . w then one multiply-add, issues fewer
+        # instructions but measured 1.6% slower at 4096 rows on an H100, 2026-11-26: probably the
+        # accumulator's registers stay busy longer and the next tile's MMAs wait.)
         if SOFTCAP:
-            z, _ = soft_cap(z, softcap_scale, LIBDEVICE)
+            z = logits_tile(h_ptr, w_ptr, rows, cols, row_mask, col_mask, H,
+                            stride_hn, stride_hk, stride_wv, stride_wk, logit_scale,
+                            BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PRECISION, USE_TMA, row0, v0)
+            z2, _ = soft_cap(z, softcap_scale * 1.4426950408889634, LIBDEVICE)
+        else:
+            z2 = logits_tile(h_ptr, w_ptr, rows, cols, row_mask, col_mask, H,
+                             stride_hn, stride_hk, stride_wv, stride_wk, logit_scale * 1.4426950408889634,
+                             BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PRECISION, USE_TMA, row0, v0)
         if not EVEN_V:  # V % BLOCK_N != 0: the last tile's padded columns carry no mass
-            z = tl.where(col_mask[None, :], z, float("-inf"))
-        tile_m = tl.max(z, axis=1)
-        shifted = z - tile_m[:, None]
-        e = tl.exp(shifted)
+            z2 = tl.where(col_mask[None, :], z2, float("-inf"))
+        tile_m2 = tl.max(z2, axis=1)
+        tile_m = tile_m2 * 0.6931471805599453
+        shifted2 = z2 - tile_m2[:, None]
+        e = tl.exp2(shifted2)
         tile_s = tl.sum(e, axis=1)
         if ENTROPY:
             if EVEN_V:
-                tile_b = tl.sum(e * shifted, axis=1)
+                tile_b = tl.sum(e * shifted2, axis=1) * 0.6931471805599453
             else:  # exp(-inf) * -inf is NaN: zero the padded columns
-                tile_b = tl.sum(tl.where(col_mask[None, :], e * shifted, 0.0), axis=1)
+                tile_b = tl.sum(tl.where(col_mask[None, :], e * shifted2, 0.0), axis=1) * 0.6931471805599453
         else:
             tile_b = tl.zeros((BLOCK_M,), tl.float32)
         if SUM_PI_SQUARED:  # sum exp(2 (z - m)), merged before m and s move on

@@ -58,8 +58,15 @@ def _split_stats(row_ptr, stride_v, v_begin, V, inv_temperature,
                  PREFETCH: tl.constexpr):
     """Partial (m, s, b, t, q) of columns [v_begin, min(v_begin + SPLIT_V, V)) of one row. With
     PREFETCH the next chunk is loaded before this chunk's math (twice the bytes in flight per
-    program; the same values in the same order, so the same bits)."""
+    program; the same values in the same order, so the same bits).
+
+    Per element (the instruction count bounds this loop on a 4.8 TB/s part): the chunk's max is
+    taken over the raw values (x / T is monotone in x for T > 0 and so is its rounding, so
+    max(x) / T is the max of the scaled logits exactly), and the exponent is base 2 with log2(e) / T
+    folded into one scale: e = 2^(x c2 - max(x) c2) with c2 = log2(e) / T, one multiply-add and one
+    ``ex2``; b = ln 2 * sum e (x c2 - max(x) c2)."""
     m, s, b, t, q = _no_stats()
+    scale2 = inv_temperature * 1.4426950408889634  # log2(e) / T
     v_end = tl.minimum(v_begin + SPLIT_V, V)
     if PREFETCH:  # the first chunk's load; each iteration issues the next one before its math
         nxt = tl.arange(0, BLOCK_V) + v_begin
@@ -68,25 +75,29 @@ def _split_stats(row_ptr, stride_v, v_begin, V, inv_temperature,
         cols = c0 + tl.arange(0, BLOCK_V)
         mask = cols < v_end
         if PREFETCH:  # same values, same arithmetic: the next chunk's bytes are in flight meanwhile
-            z = x_next
+            x = x_next
             nxt = cols + BLOCK_V
             x_next = tl.load(row_ptr + nxt.to(tl.int64) * stride_v, mask=nxt < v_end, other=float("-inf"))
         else:
-            z = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=mask, other=float("-inf"))
-        z = z.to(tl.float32) * inv_temperature
-        cm = tl.max(z, 0)
-        cm_safe = tl.where(cm == float("-inf"), 0.0, cm)
-        e = tl.exp(z - cm_safe)
+            x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=mask, other=float("-inf"))
+        x = x.to(tl.float32)
+        x_max = tl.max(x, 0)
+        cm = x_max * inv_temperature  # the chunk's max of z = x / T
+        cm2 = tl.where(x_max == float("-inf"), 0.0, x_max * scale2)
+        d2 = x * scale2 - cm2  # (z - cm) log2(e)
+        e = tl.exp2(d2)  # ex2.approx.ftz: subnormal terms flushed to 0
         cs = tl.sum(e, 0)
-        if ENTROPY:
-            cb = tl.sum(e * tl.where(e > 0, z - cm_safe, 0.0), 0)
+        if ENTROPY:  # e * d with d = -inf (a -inf logit or a padded column) counts 0: clamping d
+            # to the lowest float gives e * d = -0 there (one min-max instead of a compare and a
+            # select; the sum is the same, a NaN stays NaN through e)
+            cb = tl.sum(e * tl.maximum(d2, -3.4028234663852886e38), 0) * 0.6931471805599453
         else:
             cb = tl.zeros((), tl.float32)
         if SUM_PI_SQUARED:  # (before m, s move on: the merge needs both sides' maxima)
             q = merge_q(m, s, q, cm, cs, tl.sum(e * e, 0))
         m, s, b = merge_stats(m, s, b, cm, cs, cb)
         if MEAN_LOG_P:
-            t += tl.sum(tl.where(mask, z, 0.0), 0)
+            t += tl.sum(tl.where(mask, x * inv_temperature, 0.0), 0)
     return m, s, b, t, q
 
 
@@ -243,60 +254,94 @@ def _logits_bwd_kernel(
 ):
     """Program = (row, BLOCKS_PER_PROGRAM column blocks): grad[row, cols] = d loss / d logits in
     grad's dtype. The row's statistics are read once per program; with several blocks, block j + 1
-    is loaded before block j's math (more bytes in flight; every element's arithmetic unchanged)."""
+    is loaded before block j's math (more bytes in flight; every element's arithmetic unchanged).
+    Per element: log2 p in one multiply-add, one ``ex2`` and up to three multiply-adds against
+    per-row scalars (the instruction count, not the bytes, bounds this kernel on a 4.8 TB/s part)."""
     row = tl.program_id(0).to(tl.int64)
     row_max = tl.load(row_max_ptr + row)
     log_sum = tl.load(log_sum_ptr + row)
-    coef = tl.zeros((), tl.float32)
+    # d/dlogits_j = p_j (c + k log2 p_j + a p_j) + [j == y] g_lp / T + grad_mean_log_p / (V T): the
+    # row's terms folded into three scalars (times 1 / T), so an element costs an exp and three
+    # fused multiply-adds (see the module docstring for the derivative)
+    c = tl.zeros((), tl.float32)  # g_lse - g_lp - grad_mean_log_p - g_ent H - 2 grad_sum_pi_squared S
     valid = True
-    # an ignored row gets exactly 0 unless an lse / smoothing gradient reaches it: selected, not
-    # multiplied by 0 (a NaN/inf row would otherwise leak NaN into the logits' producer)
+    # an ignored row gets exactly 0 unless an lse / smoothing gradient reaches it, and never a
+    # product with 0 (a NaN/inf row would leak NaN into the logits' producer): see offset2 below
     active = True
     if HAS_LABELS:  # rows with label == ignore_index have constant log p and entropy (0)
         label = tl.load(labels_ptr + row * stride_lab)
         valid = label != ignore_index
         active = valid
+    uniform = tl.zeros((), tl.float32)  # added at every column: grad_mean_log_p / (V T); at y also g_lp / T
     if HAS_GRAD_LOG_PROBS:
         g_lp = tl.where(valid, tl.load(g_lp_ptr + row), 0.0)
-        coef -= g_lp
+        c -= g_lp
     if HAS_GRAD_LSE:
         g_lse = tl.load(g_lse_ptr + row)
-        coef += g_lse
+        c += g_lse
         active = active | (g_lse != 0)
     if HAS_GRAD_MEAN_LOG_P:
         grad_mean_log_p = tl.load(grad_mean_log_p_ptr + row)
-        coef -= grad_mean_log_p
+        c -= grad_mean_log_p
+        uniform = grad_mean_log_p / V * inv_temperature
         active = active | (grad_mean_log_p != 0)
     if HAS_GRAD_ENTROPY:
         g_ent = tl.where(valid, tl.load(g_ent_ptr + row), 0.0)
-        h = tl.load(entropy_ptr + row)
+        c -= g_ent * tl.load(entropy_ptr + row)
+        k = -g_ent * inv_temperature * 0.6931471805599453  # (times ln 2: it multiplies log2 p)
+    if HAS_GRAD_SUM_PI_SQUARED:  # d(sum p^2)/dz_j = 2 p_j (p_j - sum p^2)
+        twice_grad_sum_pi_squared = 2.0 * tl.where(valid, tl.load(grad_sum_pi_squared_ptr + row), 0.0)
+        c -= twice_grad_sum_pi_squared * tl.load(sum_pi_squared_ptr + row)
+        a = twice_grad_sum_pi_squared * inv_temperature
+    c *= inv_temperature
+    # log2 p = x log2(e) / T - (row_max + log_sum) log2(e): one multiply-add per element
+    scale2 = inv_temperature * 1.4426950408889634
+    offset2 = (row_max + log_sum) * 1.4426950408889634
+    # an inactive row: its logits are not read (0), offset2 = +inf makes every p 0 and every row
+    # scalar is 0, so each element is 0 * 0 + 0 = 0 exactly, whatever the row held (NaN / inf)
+    # and without a select per element
+    offset2 = tl.where(active, offset2, float("inf"))
+    c = tl.where(active, c, 0.0)
+    uniform = tl.where(active, uniform, 0.0)
+    if HAS_GRAD_LOG_PROBS:
+        g_lp = tl.where(active, g_lp, 0.0)
+    if HAS_GRAD_ENTROPY:
+        k = tl.where(active, k, 0.0)
     if HAS_GRAD_SUM_PI_SQUARED:
-        grad_sum_pi_squared = tl.where(valid, tl.load(grad_sum_pi_squared_ptr + row), 0.0)
-        sum_pi_squared = tl.load(sum_pi_squared_ptr + row)
+        a = tl.where(active, a, 0.0)
     x_row = x_ptr + row * stride_n
     first = tl.program_id(1) * (BLOCKS_PER_PROGRAM * BLOCK_V)
+    if HAS_GRAD_LOG_PROBS:
+        onehot = g_lp * inv_temperature + uniform
+        # the label's column among this program's (int32, -1 when elsewhere): one 32-bit compare
+        # per element against the block's own offsets, not a 64-bit one against ``cols``
+        label_at = label - first
+        label_at = tl.where((label_at >= 0) & (label_at < BLOCKS_PER_PROGRAM * BLOCK_V), label_at, -1).to(tl.int32)
+    read = tl.full((BLOCK_V,), 1, tl.int1) & active  # (a vector: the interpreter's & of a vector
+    # compare and a scalar one gives int32, not a mask)
     cols = first + tl.arange(0, BLOCK_V)
-    x_next = tl.load(x_row + cols.to(tl.int64) * stride_v, mask=cols < V, other=0.0)
+    x_next = tl.load(x_row + cols.to(tl.int64) * stride_v, mask=(cols < V) & read, other=0.0)
     for j in tl.static_range(BLOCKS_PER_PROGRAM):
         cols = first + j * BLOCK_V + tl.arange(0, BLOCK_V)
         mask = cols < V
         z = x_next
         if j + 1 < BLOCKS_PER_PROGRAM:
             nxt = cols + BLOCK_V
-            x_next = tl.load(x_row + nxt.to(tl.int64) * stride_v, mask=nxt < V, other=0.0)
-        z = z.to(tl.float32) * inv_temperature
-        log_p = (z - row_max) - log_sum
-        p = tl.exp(log_p)
-        dz = p * coef
-        if HAS_GRAD_ENTROPY:
-            dz -= g_ent * p * tl.where(p > 0, log_p + h, 0.0)
-        if HAS_GRAD_SUM_PI_SQUARED:  # d(sum p^2)/dz_j = 2 p_j (p_j - sum p^2)
-            dz += (2.0 * grad_sum_pi_squared) * p * (p - sum_pi_squared)
-        if HAS_GRAD_LOG_PROBS:
-            dz += tl.where(cols == label, g_lp, 0.0)
-        if HAS_GRAD_MEAN_LOG_P:
-            dz += grad_mean_log_p / V
-        dz = tl.where(active, dz * inv_temperature, 0.0)
+            x_next = tl.load(x_row + nxt.to(tl.int64) * stride_v, mask=(nxt < V) & read, other=0.0)
+        log2_p = z.to(tl.float32) * scale2 - offset2
+        p = tl.exp2(log2_p)  # ex2.approx.ftz: p < 2^-126 flushed to 0
+        inner = c
+        if HAS_GRAD_ENTROPY:  # log2 p clamped at -1500 (p is 0 below -150): a -inf logit gives
+            # p * inner = 0, not 0 * inf = NaN
+            inner = inner + k * tl.maximum(log2_p, -1500.0)
+        if HAS_GRAD_SUM_PI_SQUARED:
+            inner = inner + a * p
+        if HAS_GRAD_LOG_PROBS:  # (onehot includes uniform)
+            dz = p * inner + tl.where(tl.arange(0, BLOCK_V) == label_at - j * BLOCK_V, onehot, uniform)
+        elif HAS_GRAD_MEAN_LOG_P:
+            dz = p * inner + uniform
+        else:
+            dz = p * inner
         tl.store(grad_ptr + row * stride_gn + cols.to(tl.int64) * stride_gv, dz.to(grad_ptr.dtype.element_ty),
                  mask=mask)
 
