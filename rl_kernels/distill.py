@@ -27,9 +27,9 @@ import numbers
 
 import torch
 
-from .autograd.common import compiling
-from .autograd.jsd import JSDParams, LinearJSDFunction, compiled_jsd
-from .autograd.linear import HeadOutputs, HeadParams, LinearLogProbsFunction, compiled_head
+from .autograd.common import compiling, split_temperature
+from .autograd.jsd import JSDParams, LinearJSDFunction
+from .autograd.linear import HeadParams, linear_head
 from .autograd.vocab_parallel import (VocabParallelLseGatherFunction, compiled_vocab_parallel_lse_gather,
                                       op_layout, parallel_params)
 from .backends import get_backend
@@ -239,14 +239,16 @@ def linear_topk_kl(
     # student lse over the full vocabulary (fused head; positions that do not count get no gradient)
     row_labels = torch.where(valid, ids[:, 0], -100)
     params = HeadParams(backend=backend, inv_temperature=1.0 / t, ignore_index=-100,
-                        return_entropy=False, name="linear_topk_kl", may_have_ignored=any_excluded is not False)
+                        return_entropy=False, name="linear_topk_kl", may_have_ignored=any_excluded is not False,
+                        labels_checked=True)  # (the row labels are checked teacher ids or ignore_index)
     if tp is not None and compiling():  # torch.compile: the custom ops
         lse, z_ids = compiled_vocab_parallel_lse_gather(h2, weight, valid, ids, params, tp, temperature=t)
     elif tp is not None:
         lse, z_ids = VocabParallelLseGatherFunction.apply(h2, weight, valid, ids, params, tp)
-    else:
-        head = (compiled_head(h2, weight, row_labels, params, ids, temperature=t) if compiling()
-                else HeadOutputs(*LinearLogProbsFunction.apply(h2, weight, row_labels, params, ids)))
+    else:  # the fused head's one route, with the logits at the teacher's ids
+        inv_temperature, runtime_temperature = split_temperature(t)
+        head = linear_head(h2, weight, row_labels, params._replace(inv_temperature=inv_temperature), ids,
+                           runtime_temperature)
         lse, z_ids = head.lse, head.gathered_logits
     return topk_kl_loss(z_ids - lse[:, None], teacher_log_probs, valid, lead, temperature=t, kind=kind,
                         renormalize_teacher=renormalize_teacher, reduction=reduction)
@@ -395,10 +397,9 @@ def linear_jsd(
     backend = get_backend(backend, student_hidden.device)
     hs = student_hidden.reshape(-1, student_hidden.shape[-1])
     ht = teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1])
-    params = JSDParams(backend=backend, inv_temperature=1.0 / t, beta=float(beta), tp=tp,
+    inv_temperature, runtime_temperature = split_temperature(t)
+    params = JSDParams(backend=backend, inv_temperature=inv_temperature, beta=float(beta), tp=tp,
                        may_have_ignored=any_excluded is not False)
-    if compiling():  # torch.compile: the custom ops (no graph break)
-        per_token = compiled_jsd(hs, student_weight, ht, teacher_weight.detach(), valid, params, temperature=t)
-    else:
-        per_token = LinearJSDFunction.apply(hs, student_weight, ht, teacher_weight.detach(), valid, params)
+    per_token = LinearJSDFunction.apply(hs, student_weight, ht, teacher_weight.detach(), valid, params,
+                                        runtime_temperature)  # (one route, eager and compiled)
     return _reduce(per_token, valid, lead, reduction)

@@ -6,13 +6,12 @@ from typing import NamedTuple
 
 import torch
 
-from .autograd.common import compiling
-from .autograd.linear import HeadOutputs, HeadParams, LinearLogProbsFunction, compiled_head
-from .autograd.vocab_parallel import VocabParallelLinearFunction, compiled_vocab_parallel_head, parallel_params
+from .autograd.common import split_temperature
+from .autograd.linear import HeadParams, linear_head
+from .autograd.vocab_parallel import parallel_params, vocab_parallel_head
 from .backends import get_backend
-from .label_check import checked_labels, raise_if_interpreted, raise_label_errors
-from .validation import (check_bool_arg, check_head_inputs, check_label_values, check_softcap, check_temperature,
-                         public_signature, raise_extra_positional, warn_fp16_temperature)
+from .validation import (check_bool_arg, check_head_inputs, check_softcap, check_temperature, public_signature,
+                         raise_extra_positional)
 
 __all__ = ["LogProbsOutput", "linear_log_probs"]  # the public names (rl_kernels/__init__.py exports them)
 
@@ -119,9 +118,6 @@ def linear_log_probs(
     """
     if extra_positional:  # a keyword-only argument given by position
         raise_extra_positional(linear_log_probs, extra_positional)
-    traced = compiling()
-    if not traced:  # (compiled: the custom op's body does it)
-        raise_label_errors()  # a bad label that an earlier call's kernel reported
     temperature = check_temperature(temperature)
     softcap = check_softcap(softcap, temperature)
     check_head_inputs(hidden_states, weight, labels, ignore_index, check_values=False)
@@ -130,34 +126,18 @@ def linear_log_probs(
     tp = parallel_params(process_group, vocab_start_index, reduce_hidden_grad, ignore_index, weight.shape[0],
                          hidden_states.device)
     resolved = get_backend(backend, hidden_states.device)
-    # label values: in the Triton kernels (no host sync), else on the host here (the host check
-    # also tells whether any label is ignore_index, which spares the backward a sync)
-    has_ignored, label_check = None, None
-    if tp is None and not traced:  # (compiled: the op's body checks them)
-        label_check, has_ignored = checked_labels(labels, weight.shape[0], ignore_index, "linear_log_probs",
-                                                  resolved.checks_labels_in_kernel)
-    if not traced:  # (compiled: the custom op's body does it, with the runtime temperature)
-        warn_fp16_temperature(hidden_states.dtype, temperature)
-    inv_temperature = 1.0 / temperature
     lead_shape = labels.shape
     h2, labels1 = hidden_states.reshape(-1, hidden_states.shape[-1]), labels.reshape(-1)
-
-    def params(has_ignored):
-        return HeadParams(backend=resolved, inv_temperature=inv_temperature,
-                          ignore_index=int(ignore_index), return_entropy=return_entropy,
-                          may_have_ignored=has_ignored is not False,
-                          return_sum_pi_squared=return_sum_pi_squared, softcap=softcap)
-
-    if tp is not None and traced:  # torch.compile: the custom ops derive the layout, check the labels
-        out = compiled_vocab_parallel_head(h2, weight, labels1, params(None), tp, temperature=temperature)
-    elif tp is not None:
-        if tp.vocab_size is not None:
-            has_ignored = check_label_values(labels, tp.vocab_size, ignore_index, report_ignored=True)
-        out = HeadOutputs(*VocabParallelLinearFunction.apply(h2, weight, labels1, params(has_ignored), tp))
-    elif traced:  # torch.compile: the custom ops (no graph break), label values checked in their body
-        out = compiled_head(h2, weight, labels1, params(None), temperature=temperature)
-    else:
-        out = HeadOutputs(*LinearLogProbsFunction.apply(h2, weight, labels1, params(has_ignored), None, label_check))
-        raise_if_interpreted(label_check, hidden_states.device)
+    if tp is not None:  # a vocab shard (``rl_kernels.autograd.vocab_parallel``)
+        params = HeadParams(backend=resolved, inv_temperature=1.0 / temperature, ignore_index=int(ignore_index),
+                            return_entropy=return_entropy, return_sum_pi_squared=return_sum_pi_squared,
+                            softcap=softcap)
+        out = vocab_parallel_head(h2, weight, labels1, params, tp, temperature, labels)
+    else:  # the family's one route (eager and compiled): label values are checked in its backend call
+        inv_temperature, runtime_temperature = split_temperature(temperature)
+        params = HeadParams(backend=resolved, inv_temperature=inv_temperature, ignore_index=int(ignore_index),
+                            return_entropy=return_entropy, return_sum_pi_squared=return_sum_pi_squared,
+                            softcap=softcap)
+        out = linear_head(h2, weight, labels1, params, None, runtime_temperature)
     return LogProbsOutput(*(o if o is None else o.view(lead_shape)
                             for o in (out.log_probs, out.entropy, out.sum_pi_squared)))

@@ -32,14 +32,13 @@ from typing import NamedTuple
 
 import torch
 
-from .autograd.common import compiling
-from .autograd.logits import (LogitsOutputs, LogitsParams, LogitsStatsFunction, checked_token_ids,
-                              compiled_logits_stats, logits_stats_forward, topk_log_probs)
-from .autograd.vocab_parallel import VocabParallelLogitsFunction, compiled_vocab_parallel_logits, parallel_params
+from .autograd.common import split_temperature
+from .autograd.logits import (LogitsOutputs, LogitsParams, LogitsStatsFunction, asked_outputs, checked_token_ids,
+                              forward_call, topk_log_probs)
+from .autograd.vocab_parallel import parallel_params, vocab_parallel_logits
 from .backends import get_backend
 from .distill import KINDS, REDUCTIONS as LOSS_REDUCTIONS, _check_teacher, _positions, topk_kl_loss
-from .label_check import deferred_label_check, raise_if_interpreted, raise_label_errors
-from .validation import (LABEL_DTYPES, check_bool_arg, check_choice, check_label_values, check_labels, check_logits,
+from .validation import (LABEL_DTYPES, check_bool_arg, check_choice, check_labels, check_logits,
                          check_same_device, check_temperature, check_tensor_arg, describe, public_signature,
                          raise_extra_positional)
 
@@ -64,13 +63,9 @@ def _run(logits, labels, temperature, ignore_index, return_entropy, return_mean_
          return_sum_pi_squared=False) -> LogitsOutputs:
     """Validate, flatten to 2-D, run; returns ``LogitsOutputs`` shaped like logits.shape[:-1].
     ``fn_name``: the public function (error messages)."""
-    traced = compiling()
-    if not traced:  # (compiled: the custom op's body does it)
-        raise_label_errors()  # a bad label that an earlier call's kernel reported
     check_logits(logits)
     temperature = check_temperature(temperature)
-    inv_temperature = 1.0 / temperature
-    if labels is not None:  # label values: in the kernel, or on the host below
+    if labels is not None:  # label values: in the kernel, or on the host in the backend call
         check_labels(labels, logits, "logits", logits.shape[-1], ignore_index, check_values=False)
     check_bool_arg("inplace_backward", inplace_backward)
     if inplace_backward and process_group is not None:
@@ -78,38 +73,29 @@ def _run(logits, labels, temperature, ignore_index, return_entropy, return_mean_
                          "shard is written to a new tensor); pass inplace_backward=False")
     tp = parallel_params(process_group, vocab_start_index, False, ignore_index, logits.shape[-1], logits.device,
                          allow_reduce_hidden_grad=False)
-    params = LogitsParams(backend=get_backend(backend, logits.device), inv_temperature=inv_temperature,
-                          ignore_index=int(ignore_index), return_entropy=return_entropy, name=fn_name,
-                          return_mean_log_p=return_mean_log_p, return_sum_pi_squared=return_sum_pi_squared,
-                          inplace_backward=inplace_backward)
     shape = logits.shape[:-1]
     logits2d = logits if logits.dim() == 2 else logits.reshape(-1, logits.shape[-1])
     labels1d = labels.reshape(-1) if labels is not None and labels.dim() != 1 else labels
     if tp is not None:  # vocab-sharded logits (``rl_kernels.autograd.vocab_parallel``)
-        if traced:  # torch.compile: the custom ops derive the layout and check the labels
-            outs = compiled_vocab_parallel_logits(logits2d, labels1d, params, tp, temperature=temperature)
-            return LogitsOutputs(*(o if o is None else o.view(shape) for o in outs))
-        if labels is not None and tp.vocab_size is not None:
-            check_label_values(labels, tp.vocab_size, ignore_index)
-        outs = VocabParallelLogitsFunction.apply(logits2d, labels1d, params, tp)
+        params = LogitsParams(backend=get_backend(backend, logits.device), inv_temperature=1.0 / temperature,
+                              ignore_index=int(ignore_index), return_entropy=return_entropy, name=fn_name,
+                              return_mean_log_p=return_mean_log_p, return_sum_pi_squared=return_sum_pi_squared)
+        outs = vocab_parallel_logits(logits2d, labels1d, params, tp, temperature)
         return LogitsOutputs(*(o if o is None else o.view(shape) for o in outs))
-    if traced:  # torch.compile: the custom ops (no graph break; an
-        # inplace_backward request is reported by the op's body, and the gradient is a new tensor)
-        outs = compiled_logits_stats(logits2d, labels1d, params, temperature=temperature)
-        return LogitsOutputs(*(o if o is None or o.shape == shape else o.view(shape) for o in outs))
+    inv_temperature, runtime_temperature = split_temperature(temperature)
+    params = LogitsParams(backend=get_backend(backend, logits.device), inv_temperature=inv_temperature,
+                          ignore_index=int(ignore_index), return_entropy=return_entropy, name=fn_name,
+                          return_mean_log_p=return_mean_log_p, return_sum_pi_squared=return_sum_pi_squared,
+                          inplace_backward=inplace_backward)
     if inplace_backward:
         _check_inplace_target(logits, logits2d)
-    label_check = None
-    if labels is not None:
-        label_check = deferred_label_check(labels, logits.shape[-1], ignore_index, fn_name,
-                                           in_kernel=params.backend.checks_labels_in_kernel)
     if torch.is_grad_enabled() and logits.requires_grad:
-        outs = LogitsStatsFunction.apply(logits2d, labels1d, params, label_check)
+        stats = dict(zip(asked_outputs(params, labels is not None),
+                         LogitsStatsFunction.apply(logits2d, labels1d, params, runtime_temperature)))
     else:  # no gradient wanted: the same forward without an autograd node (host cost at small N)
-        stats = logits_stats_forward(logits2d, labels1d, params, label_check)
-        outs = (stats.get("log_probs"), stats.get("entropy"), stats["lse"], stats.get("mean_log_p"),
-                stats.get("sum_pi_squared"))  # (LogitsOutputs' fields)
-    raise_if_interpreted(label_check, logits.device)
+        stats = forward_call(logits2d, labels1d, params, runtime_temperature)
+    outs = (stats.get("log_probs"), stats.get("entropy"), stats["lse"], stats.get("mean_log_p"),
+            stats.get("sum_pi_squared"))  # (LogitsOutputs' fields)
     if logits2d is logits:  # 2-D logits: the (N,) outputs as they are (host time at small N)
         return LogitsOutputs(*outs)
     return LogitsOutputs(*(o if o is None else o.view(shape) for o in outs))
@@ -428,11 +414,12 @@ def topk_log_probs_from_logits(
     check_logits(logits)
     temperature = check_temperature(temperature)
     _check_token_ids("token_ids", token_ids, logits)
-    params = LogitsParams(backend=get_backend(backend, logits.device), inv_temperature=1.0 / temperature,
+    inv_temperature, runtime_temperature = split_temperature(temperature)
+    params = LogitsParams(backend=get_backend(backend, logits.device), inv_temperature=inv_temperature,
                           ignore_index=-100, return_entropy=False, name="topk_log_probs_from_logits")
     vocab_size, k = logits.shape[-1], token_ids.shape[-1]
     ids = checked_token_ids(token_ids.reshape(-1, k), vocab_size, "token_ids")
-    log_probs = topk_log_probs(logits.reshape(-1, vocab_size), ids, None, params, temperature)
+    log_probs = topk_log_probs(logits.reshape(-1, vocab_size), ids, None, params, runtime_temperature)
     return log_probs.view(token_ids.shape)
 
 
@@ -507,12 +494,13 @@ def topk_kl_from_logits(
     vocab_size, k = logits.shape[-1], teacher_token_ids.shape[-1]
     valid, any_excluded = _positions(logits, labels, ignore_index, mask, vocab_size, None, hidden_name="logits",
                                      teacher_token_ids=teacher_token_ids, teacher_log_probs=teacher_log_probs)
-    params = LogitsParams(backend=get_backend(backend, logits.device), inv_temperature=1.0 / t,
+    inv_temperature, runtime_temperature = split_temperature(t)
+    params = LogitsParams(backend=get_backend(backend, logits.device), inv_temperature=inv_temperature,
                           ignore_index=-100, return_entropy=False, name="topk_kl_from_logits")
     ids = teacher_token_ids.reshape(-1, k).long()
     # positions that do not count: rows labelled ignore_index for the kernels (exactly zero gradient)
     rows = None if any_excluded is False else torch.where(valid, ids[:, 0], params.ignore_index)
-    log_q = topk_log_probs(logits.reshape(-1, vocab_size), ids, rows, params, t)
+    log_q = topk_log_probs(logits.reshape(-1, vocab_size), ids, rows, params, runtime_temperature)
     return topk_kl_loss(log_q, teacher_log_probs, valid, logits.shape[:-1], temperature=t, kind=kind,
                         renormalize_teacher=renormalize_teacher, reduction=reduction)
 

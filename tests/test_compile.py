@@ -359,23 +359,37 @@ def test_compiled_bad_label_raises(name, backend):
 
 @pytest.mark.parametrize("name", ["linear_log_probs", "logits_stats"])
 def test_double_backward_raises(name):
-    """Compiled: torch's AOT autograd refuses create_graph=True itself. The custom ops called
-    directly (eager): our node raises when the gradient is differentiated again."""
+    """Compiled: torch's AOT autograd refuses create_graph=True itself. Eager: our node raises when
+    the gradient is differentiated again."""
     hidden, weight, logits, labels = inputs = _inputs()
     x = hidden if name == "linear_log_probs" else logits
     f = torch.compile(CASES[name]("torch"), backend="aot_eager", fullgraph=True)
     with pytest.raises(RuntimeError, match="double backward"):
         torch.autograd.grad(f(*inputs)[0].sum(), x, create_graph=True)[0].sum().backward()
     if name == "linear_log_probs":
-        out = torch.ops.rl_kernels.linear_forward(hidden, weight, labels, None, "torch", 1.0, -100, True, False,
-                                                  None, name)
+        out = rl_kernels.linear_log_probs(hidden, weight, labels, backend="torch")
     else:
-        out = torch.ops.rl_kernels.logits_forward(logits, labels, "torch", 1.0, -100, True, False, False, False,
-                                                  name)
+        out = rl_kernels.logits_stats(logits, labels, backend="torch")
     (grad,) = torch.autograd.grad(out[0].sum() + out[1].sum(), x, create_graph=True)
     assert grad.requires_grad
     with pytest.raises(RuntimeError, match=f"double backward is not supported by rl_kernels.{name}"):
         grad.sum().backward()
+
+
+@pytest.mark.parametrize("op", ["linear_forward", "logits_forward"])
+def test_backend_call_ops_are_not_differentiable_by_themselves(op):
+    """A family's custom ops are backend calls inside its Function (which does the autograd on both
+    routes): called directly on inputs that require grad, their output's backward raises (torch:
+    no autograd formula), never a silently missing gradient."""
+    hidden, weight, logits, labels = _inputs()
+    if op == "linear_forward":
+        out = torch.ops.rl_kernels.linear_forward(hidden, weight, labels, None, "torch", 1.0, -100, True, False,
+                                                  None, "linear_log_probs")
+    else:
+        out = torch.ops.rl_kernels.logits_forward(logits, labels, "torch", 1.0, -100, True, False, False, False,
+                                                  "logits_stats")
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        out[0].sum().backward()
 
 
 def test_compiled_inplace_backward_is_out_of_place_and_says_so(caplog):
@@ -400,7 +414,10 @@ def test_compiled_inplace_backward_is_out_of_place_and_says_so(caplog):
                                 "jsd_forward-runtime_temperature", "topk_log_probs_forward-runtime_temperature"])
 def test_custom_ops_pass_opcheck(op):
     """torch.library.opcheck: schema (no hidden mutation or aliasing), fake implementation,
-    autograd registration and AOT dispatch with dynamic shapes, with the temperature as a float
+    autograd registration (the ops that carry their own autograd; the fused head's, the JSD's and
+    the from-logits family's are backend calls inside their Function: their inputs need no grad)
+    and AOT dispatch with dynamic
+    shapes, with the temperature as a float
     and as the runtime 0-d tensor of the compiled route (then the float is ignored: 1.0 here).
     (The vocab-parallel ops need a process group: tests/tp_worker.py compiles them.)"""
     op, _, runtime = op.partition("-")
@@ -409,14 +426,15 @@ def test_custom_ops_pass_opcheck(op):
     ids, teacher = _teacher(N)
     valid = labels != -100
     args = {
-        "linear_forward": (hidden, weight, labels, None, "torch", inv, -100, True, True, None, "linear_log_probs"),
-        "linear_forward_gather": (hidden, weight, labels, ids, "torch", inv, -100, False, False, None,
-                                  "linear_topk_kl"),
-        "logits_forward": (logits, labels, "torch", inv, -100, True, False, True, False, "logits_stats"),
-        "jsd_forward": (hidden, weight, torch.sin(hidden.detach()), weight.detach().flip(0), valid, "torch", inv,
-                        0.3, True, None, None, False, "linear_jsd"),
+        "linear_forward": (hidden.detach(), weight.detach(), labels, None, "torch", inv, -100, True, True, None,
+                           "linear_log_probs"),
+        "linear_forward_gather": (hidden.detach(), weight.detach(), labels, ids, "torch", inv, -100, False, False,
+                                  None, "linear_topk_kl"),
+        "logits_forward": (logits.detach(), labels, "torch", inv, -100, True, False, True, False, "logits_stats"),
+        "jsd_forward": (hidden.detach(), weight.detach(), torch.sin(hidden.detach()), weight.detach().flip(0), valid,
+                        "torch", inv, 0.3, True, None, None, False, "linear_jsd"),
         "counted_positions": (hidden, labels, None, ids, teacher, V, -100, "hidden_states", None, None),
-        "topk_log_probs_forward": (logits, ids, labels, "torch", inv, -100, False, False, False, False,
+        "topk_log_probs_forward": (logits.detach(), ids, labels, "torch", inv, -100, False, False, False, False,
                                    "topk_log_probs_from_logits"),
     }[op]
     if runtime:

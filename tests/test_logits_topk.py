@@ -277,8 +277,10 @@ def test_fullgraph_compile_matches_eager(name, backend):
 
 @pytest.mark.parametrize("op", ["checked_token_ids", "topk_log_probs_forward", "topk_log_probs_forward-labels"])
 def test_custom_ops_pass_opcheck(op):
-    """torch.library.opcheck: schema, fake implementation, autograd registration, AOT dispatch."""
+    """torch.library.opcheck: schema, fake implementation, AOT dispatch. The forward op is a backend
+    call inside ``TopKLogProbsFunction`` (which does the autograd), so its inputs need no grad."""
     x, ids, _, mask = _compile_inputs(5, 10)
+    x = x.detach()
     params = ("torch", 1 / 0.7, -100, False, False, False, False, "topk_log_probs_from_logits")
     args = {"checked_token_ids": (ids, 37, "token_ids"),
             "topk_log_probs_forward": (x, ids, None, *params),

@@ -1,5 +1,7 @@
 """Autograd Functions, one file per kernel family (forward, backward, and which kernel or torch
-twin each calls):
+twin each calls). A family's Function is its one route, eager and under torch.compile: its backend
+calls are ``torch.library`` custom ops while the compiler traces and plain calls otherwise (the
+vocab-parallel Functions still have a compile-only twin of custom ops with their own autograd):
 
 * ``linear``: the fused linear head (``LinearLogProbsFunction``; ``head_forward`` /
   ``head_backward`` are also the building blocks of the others);

@@ -75,11 +75,13 @@ def hidden_for_weight_grad(hidden_states: torch.Tensor, ignored: torch.Tensor,
 
 
 def compiling() -> bool:
-    """Whether ``torch.compile`` (Dynamo) is tracing the caller. The public functions then call
-    their head family's ``torch.library`` custom ops (``torch.ops.rl_kernels.*``: opaque to the
-    compiler, so no graph break, and carrying fake-tensor shapes) instead of its autograd Function,
-    and leave the data-dependent checks (label values) to the ops' bodies, which run eagerly. Both
-    routes call the same backend implementations, so they give the same bits."""
+    """Whether ``torch.compile`` (Dynamo) is tracing the caller. The vocab-parallel paths (and the
+    distillation losses' value checks) then call their ``torch.library`` custom ops
+    (``torch.ops.rl_kernels.*``: opaque to the compiler, so no graph break, and carrying fake-tensor
+    shapes) instead of their autograd Function, and leave the data-dependent checks to the ops'
+    bodies, which run eagerly; both routes call the same backend implementations, so they give the
+    same bits. (The fused head, the from-logits and the JSD families need no such branch: their
+    one Function calls its custom ops itself while traced; see ``split_temperature``.)"""
     return torch.compiler.is_compiling()
 
 
@@ -143,6 +145,16 @@ def op_temperature(inv_temperature: float, temperature) -> tuple:
     if temperature is None or has_static_value(temperature):
         return inv_temperature, None
     return 1.0, torch.ones((), dtype=torch.float64) * temperature
+
+
+def split_temperature(temperature) -> tuple:
+    """(inv_temperature, runtime temperature) of a public function's checked ``temperature``, for
+    a family's Function: eagerly ``(1 / T, None)``; while torch.compile traces,
+    :func:`op_temperature`'s pair (a temperature that Dynamo holds symbolically becomes the 0-d
+    runtime tensor of the custom ops, and the float 1.0)."""
+    if not torch.compiler.is_compiling():
+        return 1.0 / temperature, None
+    return op_temperature(1.0 / temperature, temperature)
 
 
 def op_inv_temperature(inv_temperature: float, temperature) -> float:

@@ -17,7 +17,7 @@ from ..backends import Backend, backend_by_name, implements
 from ..torch_ops.linear_jsd import torch_jsd_dlogits, torch_jsd_sums
 from .backward_schedule import chunked_backward, full_precision_reduction
 from .common import (RUNTIME_TEMPERATURE_SCHEMA, custom_op_pair, fake_grads, first_order_only, grads_or_empty,
-                     hidden_for_weight_grad, op_inv_temperature, op_temperature, refuse_double_backward, rl_op)
+                     hidden_for_weight_grad, op_inv_temperature, rl_op)
 from .linear import HeadParams, head_forward
 from .vocab_parallel import (all_gather_rows, finish_hidden_grad, merge_lse, op_backward_layout, op_group,
                              op_layout)
@@ -126,15 +126,24 @@ def jsd_backward(hs, ws, ht, wt, lse_s, lse_t, g_sum, valid, grad, params: JSDPa
 
 class LinearJSDFunction(torch.autograd.Function):
     """Inputs: student_hidden (N, Hs), student_weight (V, Hs), teacher_hidden (N, Ht),
-    teacher_weight (V, Ht), valid (N,) bool, JSDParams. Output: (N,) float32 per-token divergence
-    x T^2, 0 where not valid. Gradients to the student's two inputs only."""
+    teacher_weight (V, Ht), valid (N,) bool, JSDParams, runtime temperature (None, or the 0-d
+    tensor of a compiled graph). Output: (N,) float32 per-token divergence x T^2, 0 where not
+    valid. Gradients to the student's two inputs only. The family's one route, eager and under
+    ``torch.compile(fullgraph=True)``: its backend calls are the ``rl_kernels::jsd_forward`` /
+    ``jsd_backward`` custom ops while the compiler traces (a process group travels by name, its
+    layout derived in the op's body), :func:`jsd_forward` / :func:`jsd_backward` directly
+    otherwise."""
 
     @staticmethod
-    def forward(ctx, student_hidden, student_weight, teacher_hidden, teacher_weight, valid, params):
-        per_token, lse_s, lse_t, g_sum = jsd_forward(student_hidden, student_weight, teacher_hidden, teacher_weight,
-                                                     valid, params)
+    def forward(ctx, student_hidden, student_weight, teacher_hidden, teacher_weight, valid, params, temperature=None):
+        if torch.compiler.is_compiling():
+            out = rl_op("jsd_forward", temperature)(student_hidden, student_weight, teacher_hidden, teacher_weight,
+                                                    valid, *_op_params(params, temperature))
+        else:
+            out = jsd_forward(student_hidden, student_weight, teacher_hidden, teacher_weight, valid, params)
+        per_token, lse_s, lse_t, g_sum = out
         ctx.save_for_backward(student_hidden, student_weight, teacher_hidden, teacher_weight,
-                              lse_s, lse_t, g_sum, valid)
+                              lse_s, lse_t, g_sum, valid, temperature)
         ctx.params, ctx.fn_name = params, "linear_jsd"
         return per_token
 
@@ -143,15 +152,21 @@ class LinearJSDFunction(torch.autograd.Function):
     def backward(ctx, grad):
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if grad is None or not (need_dh or need_dw):
-            return None, None, None, None, None, None
-        dh, dw = jsd_backward(*ctx.saved_tensors, grad, ctx.params, need_dh, need_dw)
-        return dh, dw, None, None, None, None
+            return None, None, None, None, None, None, None
+        *saved, temperature = ctx.saved_tensors
+        if torch.compiler.is_compiling():
+            dh, dw = rl_op("jsd_backward", temperature)(*saved, grad.float().contiguous(), need_dh, need_dw,
+                                                        *_op_params(ctx.params, temperature))
+            return dh if need_dh else None, dw if need_dw else None, None, None, None, None, None
+        dh, dw = jsd_backward(*saved, grad, ctx.params, need_dh, need_dw)
+        return dh, dw, None, None, None, None, None
 
 
-# ------------------------------------------------------------------ torch.compile: custom ops
-# LinearJSDFunction as torch.library custom ops (see the same section of ``autograd/linear.py``;
-# a process group travels by name, as in ``autograd/vocab_parallel.py``; the last argument is the
-# runtime temperature, ``autograd.common.op_temperature``).
+# ------------------------------------------------------------------ the backend calls as custom ops
+# What torch.compile sees of the family (see the same section of ``autograd/linear.py``): its
+# forward and backward as torch.library custom ops, not differentiable themselves (the Function is
+# the autograd); a process group travels by name, as in ``autograd/vocab_parallel.py``; the last
+# argument is the runtime temperature (``autograd.common.op_temperature``).
 
 _PARAMS_SCHEMA = ("str backend, float inv_temperature, float beta, bool may_have_ignored, str? group_name, "
                   "int? vocab_start_index, bool reduce_hidden_grad, str name, " + RUNTIME_TEMPERATURE_SCHEMA)
@@ -171,10 +186,11 @@ def _params_from_op(backend, inv_temperature, beta, may_have_ignored, group_name
                      may_have_ignored)
 
 
-def _op_params(params: JSDParams, temperature=None) -> tuple:
+def _op_params(params: JSDParams, runtime_temperature=None) -> tuple:
+    """A JSDParams as the ops' trailing plain values (``_PARAMS_SCHEMA``; ``runtime_temperature``:
+    None, or the 0-d tensor that then gives 1 / T instead of the float)."""
     group = (None, None, False) if params.tp is None else op_group(params.tp)
-    inv_temperature, runtime_temperature = op_temperature(params.inv_temperature, temperature)
-    return (params.backend.name, inv_temperature, params.beta, params.may_have_ignored, *group, "linear_jsd",
+    return (params.backend.name, params.inv_temperature, params.beta, params.may_have_ignored, *group, "linear_jsd",
             runtime_temperature)
 
 
@@ -209,35 +225,3 @@ def _jsd_backward_op(hs, ws, ht, wt, lse_s, lse_t, g_sum, valid, grad, need_dh, 
 @_jsd_backward_op.register_fake
 def _(hs, ws, ht, wt, lse_s, lse_t, g_sum, valid, grad, need_dh, need_dw, *params):
     return fake_grads(hs, ws, need_dh, need_dw)
-
-
-def _jsd_setup_context(ctx, inputs, output):
-    hs, ws, ht, wt, valid, *params = inputs
-    _, lse_s, lse_t, g_sum = output
-    ctx.params = params
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(hs, ws, ht, wt, lse_s, lse_t, g_sum, valid)
-
-
-def _jsd_backward(ctx, grad, *unused):
-    need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    none = (None,) * (5 + len(ctx.params))
-    if grad is None or not (need_dh or need_dw):
-        return none
-    dh, dw = rl_op("jsd_backward", ctx.params[-1])(*ctx.saved_tensors, grad.float().contiguous(), need_dh, need_dw,
-                                                   *ctx.params)
-    return (dh if need_dh else None, dw if need_dw else None) + none[2:]
-
-
-_jsd_forward_op.register_autograd(_jsd_backward, setup_context=_jsd_setup_context)
-refuse_double_backward(_jsd_backward_op)
-
-
-def compiled_jsd(student_hidden, student_weight, teacher_hidden, teacher_weight, valid, params: JSDParams,
-                 temperature=None):
-    """``LinearJSDFunction``'s output through the custom ops (``torch.compile``'s route; a
-    process group travels by name, its layout derived in the op's body; ``temperature``: the
-    public function's checked temperature, ``autograd.common.op_temperature``)."""
-    op_params = _op_params(params, temperature)
-    return rl_op("jsd_forward", op_params[-1])(student_hidden, student_weight, teacher_hidden, teacher_weight, valid,
-                                               *op_params)[0]

@@ -19,9 +19,8 @@ from ..label_check import checked_labels, raise_if_interpreted, raise_label_erro
 from ..validation import warn_fp16_temperature
 from ..torch_ops.linear import torch_dlogits, torch_forward, torch_gathered_logits
 from .backward_schedule import chunked_backward, full_precision_reduction
-from .common import (RUNTIME_TEMPERATURE_SCHEMA, custom_op_pair, fake_grads, first_order_only, float_grads,
-                     grads_or_empty, hidden_for_weight_grad, if_asked, op_inv_temperature, op_temperature, or_empty,
-                     refuse_double_backward, rl_op)
+from .common import (RUNTIME_TEMPERATURE_SCHEMA, as_float_grad, custom_op_pair, fake_grads, first_order_only,
+                     grads_or_empty, hidden_for_weight_grad, op_inv_temperature, or_empty, rl_op)
 
 
 class HeadParams(NamedTuple):
@@ -40,6 +39,9 @@ class HeadParams(NamedTuple):
     # logits soft-capped at this value before the temperature, z = c tanh(h.w / c) / T (Gemma-2);
     # None: plain z = h.w / T
     softcap: float | None = None
+    # True when the caller checked the labels' values (and set may_have_ignored): the forward's
+    # backend call then does not check them again
+    labels_checked: bool = False
 
 
 class HeadOutputs(NamedTuple):
@@ -155,35 +157,84 @@ def _with_gathered(dlogits, ids, grad, valid, inv_temperature):
     return wrapped
 
 
+def forward_body(hidden_states, weight, labels, params: HeadParams, gather_ids=None) -> tuple:
+    """The family's forward as one backend call runs it -> (HeadOutputs, the params the backward
+    uses): a bad label reported by an earlier call raised, the fp16 temperature warning, this call's
+    label values checked unless ``params.labels_checked`` (in the Triton kernels without a host sync,
+    else on the host, which also tells whether any label is ignore_index: ``may_have_ignored``),
+    the statistics (:func:`head_forward`) and, with ``gather_ids`` (N, K), the logits at those ids.
+    Eagerly :class:`LinearLogProbsFunction` calls it directly; under torch.compile the
+    ``rl_kernels::linear_forward`` custom op's body does."""
+    raise_label_errors()  # a bad label that an earlier call's kernel reported
+    warn_fp16_temperature(hidden_states.dtype, 1.0 / params.inv_temperature)
+    label_check = None
+    if not params.labels_checked:
+        label_check, has_ignored = checked_labels(labels, weight.shape[0], params.ignore_index, params.name,
+                                                  params.backend.checks_labels_in_kernel)
+        params = params._replace(may_have_ignored=has_ignored is not False)
+    out = head_forward(hidden_states, weight, labels, params, label_check)
+    if gather_ids is not None:
+        out = out._replace(gathered_logits=gathered_logits(hidden_states, weight, gather_ids, params))
+    raise_if_interpreted(label_check, hidden_states.device)
+    return out, params
+
+
+def asked_outputs(params: HeadParams, gather: bool) -> tuple:
+    """The ``HeadOutputs`` fields a call computes, in order: what :class:`LinearLogProbsFunction`
+    returns (tensors only: torch.compile's tracing of a Function handles no None outputs)."""
+    asked = (True, params.return_entropy, True, params.return_sum_pi_squared, gather)
+    return tuple([k for k, a in zip(HeadOutputs._fields, asked) if a])
+
+
 class LinearLogProbsFunction(torch.autograd.Function):
     """Inputs: hidden_states (N, H), weight (V, H), labels (N,), HeadParams, optional ids (N, K)
-    (the logits at those ids are returned too: distillation), optional label check. Outputs: the
-    five fields of ``HeadOutputs`` in order, None where not asked (lse always)."""
+    (the logits at those ids are returned too: distillation), runtime temperature (None, or the
+    0-d tensor of a compiled graph). Outputs: the asked fields of ``HeadOutputs``
+    (:func:`asked_outputs`). The one route of the family, eager and under
+    ``torch.compile(fullgraph=True)``: its backend calls are the ``rl_kernels::linear_forward`` /
+    ``linear_backward`` custom ops while the compiler traces, their bodies called directly
+    otherwise (the same code, the same bits)."""
 
     @staticmethod
-    def forward(ctx, hidden_states, weight, labels, params: HeadParams, gather_ids=None, label_check=None):
-        out = head_forward(hidden_states, weight, labels, params, label_check)
-        ctx.save_for_backward(hidden_states, weight, labels, out.lse, out.entropy, out.sum_pi_squared, gather_ids)
+    def forward(ctx, hidden_states, weight, labels, params: HeadParams, gather_ids=None, temperature=None):
+        if torch.compiler.is_compiling():
+            op_params = head_op_params(params, temperature)
+            out = rl_op("linear_forward", temperature)(hidden_states, weight, labels, gather_ids, *op_params)
+            out = HeadOutputs(*out)
+        else:
+            out, params = forward_body(hidden_states, weight, labels, params, gather_ids)
+        ctx.save_for_backward(hidden_states, weight, labels, out.lse, out.entropy if params.return_entropy else None,
+                              out.sum_pi_squared if params.return_sum_pi_squared else None, gather_ids, temperature)
         ctx.params, ctx.fn_name = params, params.name
+        ctx.outputs = asked_outputs(params, gather_ids is not None)
         ctx.set_materialize_grads(False)
-        if gather_ids is not None:
-            out = out._replace(gathered_logits=gathered_logits(hidden_states, weight, gather_ids, params))
-        return tuple(out)
+        return tuple([getattr(out, k) for k in ctx.outputs])
 
     @staticmethod
     @first_order_only
     def backward(ctx, *output_grads):
-        raise_label_errors()  # a bad label reported by this call's (or an earlier) forward kernel
-        hidden_states, weight, labels, lse, entropy, sum_pi_squared, gather_ids = ctx.saved_tensors
-        grads = HeadOutputs(*output_grads)
+        hidden_states, weight, labels, lse, entropy, sum_pi_squared, gather_ids, temperature = ctx.saved_tensors
+        got = {k: g for k, g in zip(ctx.outputs, output_grads) if g is not None}
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if all(g is None for g in grads) or not (need_dh or need_dw):
+        if not got or not (need_dh or need_dw):
             return None, None, None, None, None, None
-        grads = grads._replace(**{k: getattr(grads, k).float().contiguous()
-                                  for k in ("lse", "sum_pi_squared") if getattr(grads, k) is not None})
+        grads = HeadOutputs(*(as_float_grad(got[k]) if k in got else None for k in HeadOutputs._fields))
+        if torch.compiler.is_compiling():
+            dh, dw = rl_op("linear_backward", temperature)(
+                hidden_states, weight, labels, gather_ids, lse, entropy, sum_pi_squared, *grads, need_dh, need_dw,
+                *head_op_params(ctx.params, temperature))
+            return dh if need_dh else None, dw if need_dw else None, None, None, None, None
+        raise_label_errors()  # a bad label reported by this call's (or an earlier) forward kernel
         saved = HeadOutputs(None, entropy, lse, sum_pi_squared)
         dh, dw = head_backward(hidden_states, weight, labels, saved, grads, ctx.params, need_dh, need_dw, gather_ids)
         return dh, dw, None, None, None, None
+
+
+def linear_head(hidden_states, weight, labels, params: HeadParams, gather_ids=None, temperature=None) -> HeadOutputs:
+    """:class:`LinearLogProbsFunction`'s outputs as a ``HeadOutputs`` record (None where not asked)."""
+    outs = dict(zip(asked_outputs(params, gather_ids is not None),
+                    LinearLogProbsFunction.apply(hidden_states, weight, labels, params, gather_ids, temperature)))
+    return HeadOutputs(*(outs.get(k) for k in HeadOutputs._fields))
 
 
 def gathered_logits(hidden_states, weight, ids, params: HeadParams) -> torch.Tensor:
@@ -192,26 +243,24 @@ def gathered_logits(hidden_states, weight, ids, params: HeadParams) -> torch.Ten
     return params.backend.family("linear").gathered_logits(hidden_states, weight, ids, params)
 
 
-# ------------------------------------------------------------------ torch.compile: custom ops
-# The same forward and backward as LinearLogProbsFunction, as torch.library custom ops: opaque to
-# torch.compile (no graph break; fake implementations give the output shapes, symbolic sizes
-# included) and differentiable through register_autograd. The parameter record travels as plain
-# values (a custom op takes no Python objects); the op's body rebuilds it. Label values are
-# checked in the body (in the Triton kernels without a host sync, else on the host), so the traced
-# public function holds no data-dependent Python. A temperature that Dynamo holds as a symbolic
-# float travels as the ops' last argument, a 0-d tensor (``autograd.common.op_temperature``: a
-# runtime value, so a temperature schedule runs one graph).
+# ------------------------------------------------------------------ the backend calls as custom ops
+# What torch.compile sees of the family: its forward and backward backend calls as torch.library
+# custom ops (opaque, so no graph break; fake implementations give the output shapes, symbolic sizes
+# included). Autograd is the Function's on both routes; the ops themselves are not differentiable
+# (called directly on inputs that require grad, their backward raises). The parameter record travels
+# as plain values (a custom op takes no Python objects); the op's body rebuilds it. A temperature
+# that Dynamo holds as a symbolic float travels as the ops' last argument, a 0-d tensor
+# (``autograd.common.op_temperature``: a runtime value, so a temperature schedule runs one graph).
 
 HEAD_OP_SCHEMA = ("str backend, float inv_temperature, int ignore_index, bool return_entropy, "
                   "bool return_sum_pi_squared, float? softcap, str name")
 
 
-def head_op_params(params: HeadParams, temperature=None) -> tuple:
-    """A HeadParams as the custom ops' trailing plain arguments (``HEAD_OP_SCHEMA``, then the
-    runtime temperature or None; also the vocab-parallel ops'). ``temperature``: the public
-    function's checked temperature (see ``autograd.common.op_temperature``)."""
-    inv_temperature, runtime_temperature = op_temperature(params.inv_temperature, temperature)
-    return (params.backend.name, inv_temperature, params.ignore_index, params.return_entropy,
+def head_op_params(params: HeadParams, runtime_temperature=None) -> tuple:
+    """A HeadParams as the custom ops' trailing plain arguments (``HEAD_OP_SCHEMA``, then
+    ``runtime_temperature``: None, or the 0-d tensor that then gives 1 / T instead of the float;
+    also the vocab-parallel ops')."""
+    return (params.backend.name, params.inv_temperature, params.ignore_index, params.return_entropy,
             params.return_sum_pi_squared, params.softcap, params.name, runtime_temperature)
 
 
@@ -230,18 +279,10 @@ def head_params_from_op(backend, inv_temperature, ignore_index, return_entropy, 
     schema="(Tensor hidden_states, Tensor weight, Tensor labels, Tensor? gather_ids, " + HEAD_OP_SCHEMA + ", "
            + RUNTIME_TEMPERATURE_SCHEMA + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 def _linear_forward_op(hidden_states, weight, labels, gather_ids, *params):
-    """-> (log_probs, entropy, lse, sum_pi_squared, gathered_logits), empty where not asked."""
-    raise_label_errors()  # a bad label that an earlier call's kernel reported
-    p = head_params_from_op(*params)
-    warn_fp16_temperature(hidden_states.dtype, 1.0 / p.inv_temperature)  # (not logged while tracing)
-    label_check, has_ignored = checked_labels(labels, weight.shape[0], p.ignore_index, p.name,
-                                              p.backend.checks_labels_in_kernel)
-    p = p._replace(may_have_ignored=has_ignored is not False)
-    out = head_forward(hidden_states, weight, labels, p, label_check)
-    if gather_ids is not None:
-        out = out._replace(gathered_logits=gathered_logits(hidden_states, weight, gather_ids, p))
-    raise_if_interpreted(label_check, hidden_states.device)
-    return or_empty(out, hidden_states)
+    """:func:`forward_body` -> (log_probs, entropy, lse, sum_pi_squared, gathered_logits), empty
+    where not asked."""
+    return or_empty(forward_body(hidden_states, weight, labels, head_params_from_op(*params), gather_ids)[0],
+                    hidden_states)
 
 
 @_linear_forward_op.register_fake
@@ -278,40 +319,3 @@ def _linear_backward_op(hidden_states, weight, labels, gather_ids, lse, entropy,
 def _(hidden_states, weight, labels, gather_ids, lse, entropy, sum_pi_squared, grad_log_probs, grad_entropy,
       grad_lse, grad_sum_pi_squared, grad_gathered_logits, need_dh, need_dw, *params):
     return fake_grads(hidden_states, weight, need_dh, need_dw)
-
-
-def _linear_setup_context(ctx, inputs, output):
-    hidden_states, weight, labels, gather_ids, *params = inputs
-    _, entropy, lse, sum_pi_squared, _ = output
-    ctx.params = params
-    return_entropy, return_sum_pi_squared = params[3], params[4]
-    ctx.save_for_backward(hidden_states, weight, labels, gather_ids, lse,
-                          if_asked(entropy, return_entropy), if_asked(sum_pi_squared, return_sum_pi_squared))
-
-
-def _linear_backward(ctx, grad_log_probs, grad_entropy, grad_lse, grad_sum_pi_squared, grad_gathered_logits):
-    hidden_states, weight, labels, gather_ids, lse, entropy, sum_pi_squared = ctx.saved_tensors
-    need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    none = (None,) * (4 + len(ctx.params))
-    if not (need_dh or need_dw):
-        return none
-    grads = float_grads((grad_log_probs, grad_entropy, grad_lse, grad_sum_pi_squared, grad_gathered_logits),
-                        (True, ctx.params[3], True, ctx.params[4], gather_ids is not None))
-    dh, dw = rl_op("linear_backward", ctx.params[-1])(hidden_states, weight, labels, gather_ids, lse, entropy,
-                                                      sum_pi_squared, *grads, need_dh, need_dw, *ctx.params)
-    return (dh if need_dh else None, dw if need_dw else None) + none[2:]
-
-
-_linear_forward_op.register_autograd(_linear_backward, setup_context=_linear_setup_context)
-refuse_double_backward(_linear_backward_op)
-
-
-def compiled_head(hidden_states, weight, labels, params: HeadParams, gather_ids=None, temperature=None) -> HeadOutputs:
-    """``LinearLogProbsFunction``'s outputs through the custom ops (``torch.compile``'s route; see
-    ``autograd.common.compiling``). Label values are checked in the op's body. ``temperature``: the
-    public function's checked temperature (a runtime value of the graph when Dynamo holds it
-    symbolically: ``autograd.common.op_temperature``)."""
-    op_params = head_op_params(params, temperature)
-    out = rl_op("linear_forward", op_params[-1])(hidden_states, weight, labels, gather_ids, *op_params)
-    return HeadOutputs(out[0], if_asked(out[1], params.return_entropy), out[2],
-                       if_asked(out[3], params.return_sum_pi_squared), if_asked(out[4], gather_ids is not None))

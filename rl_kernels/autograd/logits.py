@@ -22,8 +22,8 @@ from .._logging import log_once
 from ..backends import Backend, backend_by_name, implements
 from ..label_check import deferred_label_check, raise_if_interpreted, raise_label_errors
 from ..torch_ops.logits_stats import torch_logits_backward, torch_logits_forward
-from .common import (RUNTIME_TEMPERATURE_SCHEMA, as_float_grad, compiling, custom_op_pair, first_order_only,
-                     float_grads, if_asked, op_inv_temperature, op_temperature, or_empty, refuse_double_backward, rl_op)
+from .common import (RUNTIME_TEMPERATURE_SCHEMA, as_float_grad, custom_op_pair, first_order_only, op_inv_temperature,
+                     or_empty, rl_op)
 
 
 class LogitsParams(NamedTuple):
@@ -88,52 +88,104 @@ class TorchLogits:
 
 def logits_stats_forward(logits, labels, params: LogitsParams, label_check=None) -> dict:
     """The forward's per-row statistics (a dict of (N,) float32 tensors, as ``ops.logits_forward``:
-    ``row_max``, ``log_sum``, ``lse`` and the outputs asked), without autograd:
-    ``LogitsStatsFunction`` runs it, and so do calls that need no gradient (sparing the autograd
-    node's host cost)."""
+    ``row_max``, ``log_sum``, ``lse`` and the outputs asked) on the backend, no label check, no
+    autograd."""
     return params.backend.family("logits").forward(logits, labels, params, label_check)
 
 
+def forward_body(logits, labels, params: LogitsParams) -> dict:
+    """The family's forward as one backend call runs it: a bad label reported by an earlier call
+    raised, this call's label values checked (in the Triton kernel without a host sync, else on
+    the host), the statistics (:func:`logits_stats_forward`). Eagerly :func:`forward_call` runs it
+    directly; under torch.compile the ``rl_kernels::logits_forward`` custom op's body does."""
+    raise_label_errors()  # a bad label that an earlier call's kernel reported
+    label_check = None
+    if labels is not None:
+        label_check = deferred_label_check(labels, logits.shape[-1], params.ignore_index, params.name,
+                                           in_kernel=params.backend.checks_labels_in_kernel)
+    stats = logits_stats_forward(logits, labels, params, label_check)
+    raise_if_interpreted(label_check, logits.device)
+    return stats
+
+
+def forward_call(logits, labels, params: LogitsParams, temperature=None) -> dict:
+    """:func:`forward_body`, eagerly a plain call (no dispatcher on the host path), and while
+    torch.compile traces the ``rl_kernels::logits_forward`` custom op (opaque: no graph break, its
+    fake gives the shapes) with the same body: the same bits either way. ``temperature``: None, or
+    the runtime 0-d temperature of a compiled graph (``autograd.common.split_temperature``)."""
+    if not torch.compiler.is_compiling():
+        return forward_body(logits, labels, params)
+    out = rl_op("logits_forward", temperature)(logits, labels, *logits_op_params(params, temperature))
+    asked = (labels is not None, params.return_entropy, True, params.return_mean_log_p,
+             params.return_sum_pi_squared, True, True)
+    return {k: t for k, t, a in zip(_STAT_KEYS, out, asked) if a}
+
+
+def backward_call(logits, labels, stats: dict, grads: dict, params: LogitsParams, temperature=None):
+    """d loss / d logits from the forward's ``stats`` and the float32 upstream ``grads`` (both
+    dicts keyed as ``LogitsOutputs``' fields): eagerly on the backend directly (into the logits'
+    own storage with ``inplace_backward``, reported to autograd by a version bump), under
+    torch.compile through the ``rl_kernels::logits_backward`` custom op (a new tensor)."""
+    if torch.compiler.is_compiling():
+        return rl_op("logits_backward", temperature)(
+            logits, labels, stats["row_max"], stats["log_sum"], stats.get("entropy"), stats.get("sum_pi_squared"),
+            *(grads.get(k) for k in LogitsOutputs._fields), *logits_op_params(params, temperature))
+    raise_label_errors()  # a bad label reported by this call's (or an earlier) forward kernel
+    # documented: with inplace_backward the logits' storage receives their gradient
+    grad = logits if params.inplace_backward else torch.empty_like(logits, memory_format=torch.contiguous_format)
+    params.backend.family("logits").backward(logits, grad, labels, stats, grads, params)
+    if params.inplace_backward:
+        # the kernel wrote through a raw pointer: tell autograd the logits changed, so that any
+        # other saved use of them (a second consumer, retain_graph and a second backward)
+        # raises torch's "modified by an inplace operation" error instead of reading gradients
+        torch.autograd.graph.increment_version(logits)
+    return grad
+
+
+def asked_outputs(params: LogitsParams, has_labels: bool) -> tuple:
+    """The ``LogitsOutputs`` fields a call computes, in order (lse always): what
+    :class:`LogitsStatsFunction` returns, no None among them (torch.compile's tracing of a Function
+    handles tensors only)."""
+    asked = (has_labels, params.return_entropy, True, params.return_mean_log_p, params.return_sum_pi_squared)
+    return tuple([k for k, a in zip(LogitsOutputs._fields, asked) if a])
+
+
 class LogitsStatsFunction(torch.autograd.Function):
-    """2-D logits (N, V), labels (N,) or None, LogitsParams, optional label check -> the five
-    fields of ``LogitsOutputs``, float32 (N,) or None."""
+    """2-D logits (N, V), labels (N,) or None, LogitsParams, runtime temperature (None, or the
+    0-d tensor of a compiled graph) -> the asked outputs (:func:`asked_outputs`), float32 (N,)
+    each. The one route of the family, eager and under ``torch.compile(fullgraph=True)``: the
+    backend calls inside it are custom ops while the compiler traces (:func:`forward_call`,
+    :func:`backward_call`)."""
 
     @staticmethod
-    def forward(ctx, logits, labels, params: LogitsParams, label_check=None):
-        stats = logits_stats_forward(logits, labels, params, label_check)
+    def forward(ctx, logits, labels, params: LogitsParams, temperature=None):
+        stats = forward_call(logits, labels, params, temperature)
         ctx.save_for_backward(logits, labels, stats["row_max"], stats["log_sum"],
-                              stats.get("entropy"), stats.get("sum_pi_squared"))
+                              stats.get("entropy"), stats.get("sum_pi_squared"), temperature)
         ctx.params, ctx.fn_name = params, params.name
+        ctx.outputs = asked_outputs(params, labels is not None)
         ctx.set_materialize_grads(False)
-        return tuple(stats.get(k) for k in LogitsOutputs._fields)
+        return tuple([stats[k] for k in ctx.outputs])
 
     @staticmethod
     @first_order_only
     def backward(ctx, *output_grads):
-        raise_label_errors()  # a bad label reported by this call's (or an earlier) forward kernel
-        logits, labels, row_max, log_sum, entropy, sum_pi_squared = ctx.saved_tensors
-        params: LogitsParams = ctx.params
-        grads = {k: as_float_grad(g) for k, g in zip(LogitsOutputs._fields, output_grads) if g is not None}
+        logits, labels, row_max, log_sum, entropy, sum_pi_squared, temperature = ctx.saved_tensors
+        grads = {k: as_float_grad(g) for k, g in zip(ctx.outputs, output_grads) if g is not None}
         if not ctx.needs_input_grad[0] or not grads:
             return None, None, None, None
         stats = {"row_max": row_max, "log_sum": log_sum, "entropy": entropy, "sum_pi_squared": sum_pi_squared}
-        # documented: with inplace_backward the logits' storage receives their gradient
-        grad = logits if params.inplace_backward else torch.empty_like(
-            logits, memory_format=torch.contiguous_format)
-        params.backend.family("logits").backward(logits, grad, labels, stats, grads, params)
-        if params.inplace_backward:
-            # the kernel wrote through a raw pointer: tell autograd the logits changed, so that any
-            # other saved use of them (a second consumer, retain_graph and a second backward)
-            # raises torch's "modified by an inplace operation" error instead of reading gradients
-            torch.autograd.graph.increment_version(logits)
-        return grad, None, None, None
+        return backward_call(logits, labels, stats, grads, ctx.params, temperature), None, None, None
 
 
-# ------------------------------------------------------------------ torch.compile: custom ops
-# LogitsStatsFunction's forward and backward as torch.library custom ops (see the same section of
-# ``autograd/linear.py``). The forward op also returns the two saved statistics (row max, log-sum)
-# that its backward reads. ``inplace_backward`` is not offered on this route: a custom op cannot
-# return its input's storage as a new gradient (the public function says so once). The ops' last
+# ------------------------------------------------------------------ the backend calls as custom ops
+# What torch.compile sees of the family: its forward and backward backend calls as torch.library
+# custom ops (opaque, so no graph break; fake implementations give the shapes, symbolic sizes
+# included). Autograd is the Function's, on both routes; the ops themselves are not differentiable.
+# A custom op takes no Python objects, so the parameter record travels as plain values
+# (``LOGITS_OP_SCHEMA``) and the body rebuilds it. The forward op also returns the two saved
+# statistics (row max, log-sum). ``inplace_backward`` is not honoured by the backward op (a custom op
+# cannot return its input's storage as a new gradient; the forward op says so once). The ops' last
 # argument is the runtime temperature (``autograd.common.op_temperature``).
 
 LOGITS_OP_SCHEMA = ("str backend, float inv_temperature, int ignore_index, bool return_entropy, "
@@ -141,12 +193,10 @@ LOGITS_OP_SCHEMA = ("str backend, float inv_temperature, int ignore_index, bool 
 _STAT_KEYS = ("log_probs", "entropy", "lse", "mean_log_p", "sum_pi_squared", "row_max", "log_sum")
 
 
-def logits_op_params(params: LogitsParams, temperature=None) -> tuple:
-    """A LogitsParams as the custom ops' trailing plain arguments (``LOGITS_OP_SCHEMA``, then the
-    runtime temperature or None). ``temperature``: the public function's checked temperature (see
-    ``autograd.common.op_temperature``)."""
-    inv_temperature, runtime_temperature = op_temperature(params.inv_temperature, temperature)
-    return (params.backend.name, inv_temperature, params.ignore_index, params.return_entropy,
+def logits_op_params(params: LogitsParams, runtime_temperature=None) -> tuple:
+    """A LogitsParams as the custom ops' trailing plain arguments (``LOGITS_OP_SCHEMA``, then
+    ``runtime_temperature``: None, or the 0-d tensor that then gives 1 / T instead of the float)."""
+    return (params.backend.name, params.inv_temperature, params.ignore_index, params.return_entropy,
             params.return_mean_log_p, params.return_sum_pi_squared, params.inplace_backward, params.name,
             runtime_temperature)
 
@@ -169,19 +219,13 @@ def logits_params_from_op(backend, inv_temperature, ignore_index, return_entropy
     schema="(Tensor logits, Tensor? labels, " + LOGITS_OP_SCHEMA + ", " + RUNTIME_TEMPERATURE_SCHEMA
            + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 def _logits_forward_op(logits, labels, *params):
-    """-> (log_probs, entropy, lse, mean_log_p, sum_pi_squared, row_max, log_sum), empty where not
-    asked."""
-    raise_label_errors()  # a bad label that an earlier call's kernel reported
+    """:func:`forward_body` -> (log_probs, entropy, lse, mean_log_p, sum_pi_squared, row_max,
+    log_sum), empty where not asked."""
     p = logits_params_from_op(*params)
     if params[6]:  # inplace_backward asked: say once that this route does not honour it
         log_once(logging.WARNING, f"rl_kernels.{p.name}: inplace_backward=True is not honoured under "
                  f"torch.compile; the gradient is written to a new tensor (the same values)")
-    label_check = None
-    if labels is not None:  # in the kernel (no host sync), else on the host here
-        label_check = deferred_label_check(labels, logits.shape[-1], p.ignore_index, p.name,
-                                           in_kernel=p.backend.checks_labels_in_kernel)
-    stats = logits_stats_forward(logits, labels, p, label_check)
-    raise_if_interpreted(label_check, logits.device)
+    stats = forward_body(logits, labels, p)
     return or_empty((stats.get(k) for k in _STAT_KEYS), logits)
 
 
@@ -201,54 +245,15 @@ def _(logits, labels, backend, inv_temperature, ignore_index, return_entropy, re
 def _logits_backward_op(logits, labels, row_max, log_sum, entropy, sum_pi_squared, grad_log_probs, grad_entropy,
                         grad_lse, grad_mean_log_p, grad_sum_pi_squared, *params):
     """-> d loss / d logits, a new contiguous tensor in the logits' dtype."""
-    raise_label_errors()  # a bad label reported by this call's (or an earlier) forward kernel
-    p = logits_params_from_op(*params)
     grads = {k: g for k, g in zip(LogitsOutputs._fields, (grad_log_probs, grad_entropy, grad_lse, grad_mean_log_p,
                                                            grad_sum_pi_squared)) if g is not None}
     stats = {"row_max": row_max, "log_sum": log_sum, "entropy": entropy, "sum_pi_squared": sum_pi_squared}
-    grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
-    p.backend.family("logits").backward(logits, grad, labels, stats, grads, p)
-    return grad
+    return backward_call(logits, labels, stats, grads, logits_params_from_op(*params))
 
 
 @_logits_backward_op.register_fake
 def _(logits, *rest):
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
-
-
-def _logits_setup_context(ctx, inputs, output):
-    logits, labels, *params = inputs
-    _, entropy, _, _, sum_pi_squared, row_max, log_sum = output
-    ctx.params = params
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(logits, labels, row_max, log_sum, if_asked(entropy, params[3]),
-                          if_asked(sum_pi_squared, params[5]))
-
-
-def _logits_backward(ctx, *output_grads):
-    logits, labels, row_max, log_sum, entropy, sum_pi_squared = ctx.saved_tensors
-    none = (None,) * (2 + len(ctx.params))
-    asked = (labels is not None, ctx.params[3], True, ctx.params[4], ctx.params[5])
-    grads = float_grads(output_grads, asked)
-    if not ctx.needs_input_grad[0] or all(g is None for g in grads):
-        return none
-    grad = rl_op("logits_backward", ctx.params[-1])(logits, labels, row_max, log_sum, entropy, sum_pi_squared,
-                                                    *grads, *ctx.params)
-    return (grad,) + none[1:]
-
-
-_logits_forward_op.register_autograd(_logits_backward, setup_context=_logits_setup_context)
-refuse_double_backward(_logits_backward_op)
-
-
-def compiled_logits_stats(logits, labels, params: LogitsParams, temperature=None) -> LogitsOutputs:
-    """``LogitsStatsFunction``'s outputs through the custom ops (``torch.compile``'s route; see
-    ``autograd.common.compiling``). Label values are checked in the op's body. ``temperature``: the
-    public function's checked temperature (``autograd.common.op_temperature``)."""
-    op_params = logits_op_params(params, temperature)
-    out = rl_op("logits_forward", op_params[-1])(logits, labels, *op_params)
-    return LogitsOutputs(if_asked(out[0], labels is not None), if_asked(out[1], params.return_entropy), out[2],
-                         if_asked(out[3], params.return_mean_log_p), if_asked(out[4], params.return_sum_pi_squared))
 
 
 # ------------------------------------------------------------------ top-K log-probs of the logits
@@ -304,47 +309,62 @@ def topk_log_probs_backward(logits, grad, token_ids, labels, row_max, log_sum, l
     return grad
 
 
+def topk_forward_body(logits, token_ids, labels, params: LogitsParams) -> tuple:
+    """(log_probs (N, K), row_max, log_sum, lse), float32: the family's statistics (no label
+    check: ``labels`` only mark ignored rows here) and z[ids] - lse."""
+    stats = logits_stats_forward(logits, labels, params)
+    log_probs = gather_logits(logits, token_ids, params.inv_temperature) - stats["lse"][:, None]
+    return log_probs, stats["row_max"], stats["log_sum"], stats["lse"]
+
+
 class TopKLogProbsFunction(torch.autograd.Function):
     """2-D logits (N, V), token ids (N, K) int64 in [0, V), labels (N,) or None (rows whose label
     is ``params.ignore_index`` get exactly zero gradient when no gradient reaches them, even if
-    non-finite), LogitsParams -> float32 (N, K) log softmax(logits * inv_temperature) at the ids.
-    Saves O(N) statistics (and the inputs); its backward allocates one N x V tensor, the gradient."""
+    non-finite), LogitsParams, runtime temperature (None or a compiled graph's 0-d tensor) ->
+    float32 (N, K) log softmax(logits * inv_temperature) at the ids. Saves O(N) statistics (and
+    the inputs); its backward allocates one N x V tensor, the gradient. One route, eager and
+    compiled: the backend calls are the ``rl_kernels::topk_log_probs_forward`` / ``_backward``
+    custom ops while torch.compile traces, their bodies called directly otherwise."""
 
     @staticmethod
-    def forward(ctx, logits, token_ids, labels, params: LogitsParams):
-        stats = logits_stats_forward(logits, labels, params)
-        lse = stats["lse"]
-        ctx.save_for_backward(logits, token_ids, labels, stats["row_max"], stats["log_sum"], lse)
+    def forward(ctx, logits, token_ids, labels, params: LogitsParams, temperature=None):
+        if torch.compiler.is_compiling():
+            out = rl_op("topk_log_probs_forward", temperature)(logits, token_ids, labels,
+                                                               *logits_op_params(params, temperature))
+        else:
+            out = topk_forward_body(logits, token_ids, labels, params)
+        log_probs, row_max, log_sum, lse = out
+        ctx.save_for_backward(logits, token_ids, labels, row_max, log_sum, lse, temperature)
         ctx.params, ctx.fn_name = params, params.name
         ctx.set_materialize_grads(False)
-        return gather_logits(logits, token_ids, params.inv_temperature) - lse[:, None]
+        return log_probs
 
     @staticmethod
     @first_order_only
     def backward(ctx, grad_log_probs):
         if grad_log_probs is None or not ctx.needs_input_grad[0]:
-            return None, None, None, None
-        logits, token_ids, labels, row_max, log_sum, lse = ctx.saved_tensors
-        grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
-        topk_log_probs_backward(logits, grad, token_ids, labels, row_max, log_sum, lse,
-                                as_float_grad(grad_log_probs), ctx.params)
-        return grad, None, None, None
+            return None, None, None, None, None
+        logits, token_ids, labels, row_max, log_sum, lse, temperature = ctx.saved_tensors
+        grad_log_probs = as_float_grad(grad_log_probs)
+        if torch.compiler.is_compiling():
+            grad = rl_op("topk_log_probs_backward", temperature)(logits, token_ids, labels, row_max, log_sum, lse,
+                                                                 grad_log_probs, *logits_op_params(ctx.params,
+                                                                                                   temperature))
+        else:
+            grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+            topk_log_probs_backward(logits, grad, token_ids, labels, row_max, log_sum, lse, grad_log_probs,
+                                    ctx.params)
+        return grad, None, None, None, None
 
-
-# torch.compile's route: TopKLogProbsFunction's forward and backward bodies as custom ops (the
-# forward op also returns the three (N,) statistics its backward reads), so that compiled and eager
-# run the same code and give the same bits, with the same one N x V tensor in backward.
 
 @custom_op_pair(
     "rl_kernels::topk_log_probs_forward",
     schema="(Tensor logits, Tensor token_ids, Tensor? labels, " + LOGITS_OP_SCHEMA + ", " + RUNTIME_TEMPERATURE_SCHEMA
            + ") -> (Tensor, Tensor, Tensor, Tensor)")
 def _topk_forward_op(logits, token_ids, labels, *params):
-    """-> (log_probs (N, K), row_max, log_sum, lse), float32."""
-    p = logits_params_from_op(*params)
-    stats = logits_stats_forward(logits, labels, p)
-    log_probs = gather_logits(logits, token_ids, p.inv_temperature) - stats["lse"][:, None]
-    return (log_probs, *or_empty((stats["row_max"], stats["log_sum"], stats["lse"]), logits))
+    """:func:`topk_forward_body` -> (log_probs (N, K), row_max, log_sum, lse), float32."""
+    log_probs, *stats = topk_forward_body(logits, token_ids, labels, logits_params_from_op(*params))
+    return (log_probs, *or_empty(stats, logits))
 
 
 @_topk_forward_op.register_fake
@@ -370,41 +390,17 @@ def _(logits, *rest):
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
-def _topk_setup_context(ctx, inputs, output):
-    logits, token_ids, labels, *params = inputs
-    _, row_max, log_sum, lse = output
-    ctx.params = params
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(logits, token_ids, labels, row_max, log_sum, lse)
-
-
-def _topk_backward(ctx, grad_log_probs, *unused):
-    logits, token_ids, labels, row_max, log_sum, lse = ctx.saved_tensors
-    none = (None,) * (3 + len(ctx.params))
-    if grad_log_probs is None or not ctx.needs_input_grad[0]:
-        return none
-    grad = rl_op("topk_log_probs_backward", ctx.params[-1])(logits, token_ids, labels, row_max, log_sum, lse,
-                                                            as_float_grad(grad_log_probs), *ctx.params)
-    return (grad,) + none[1:]
-
-
-_topk_forward_op.register_autograd(_topk_backward, setup_context=_topk_setup_context)
-refuse_double_backward(_topk_backward_op)
-
-
 def topk_log_probs(logits, token_ids, labels, params: LogitsParams, temperature=None) -> torch.Tensor:
     """(N, K) float32 log-probs of 2-D ``logits`` at checked int64 ``token_ids`` (N, K): through
-    :class:`TopKLogProbsFunction` when a gradient is wanted, its forward alone otherwise, and under
-    ``torch.compile`` through the ``rl_kernels::topk_log_probs_forward`` / ``_backward`` custom ops
-    (the same bodies: the same bits; ``temperature``: the public function's checked temperature,
-    ``autograd.common.op_temperature``)."""
-    if compiling():
-        op_params = logits_op_params(params, temperature)
-        return rl_op("topk_log_probs_forward", op_params[-1])(logits, token_ids, labels, *op_params)[0]
+    :class:`TopKLogProbsFunction` when a gradient is wanted, its forward's body alone otherwise
+    (eager: no autograd node). ``temperature``: the runtime temperature of a compiled graph
+    (``autograd.common.split_temperature``) or None."""
     if torch.is_grad_enabled() and logits.requires_grad:
-        return TopKLogProbsFunction.apply(logits, token_ids, labels, params)
-    lse = logits_stats_forward(logits, labels, params)["lse"]
-    return gather_logits(logits, token_ids, params.inv_temperature) - lse[:, None]
+        return TopKLogProbsFunction.apply(logits, token_ids, labels, params, temperature)
+    if torch.compiler.is_compiling():
+        return rl_op("topk_log_probs_forward", temperature)(logits, token_ids, labels,
+                                                            *logits_op_params(params, temperature))[0]
+    return topk_forward_body(logits, token_ids, labels, params)[0]
 
 
 def check_token_id_values(token_ids, vocab_size: int, name: str) -> None:
@@ -435,7 +431,7 @@ def _(token_ids, vocab_size, name):
 def checked_token_ids(token_ids, vocab_size: int, name: str) -> torch.Tensor:
     """``token_ids`` as int64 after the value check (eager: on the host here; compiled: in the
     ``rl_kernels::checked_token_ids`` op's body)."""
-    if compiling():
+    if torch.compiler.is_compiling():
         return torch.ops.rl_kernels.checked_token_ids(token_ids, vocab_size, name)
     check_token_id_values(token_ids, vocab_size, name)
     return token_ids.long()

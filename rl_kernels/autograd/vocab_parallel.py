@@ -41,7 +41,7 @@ import torch
 from ..label_check import raise_label_errors
 from ..validation import check_label_values, check_vocab_parallel_args, warn_fp16_temperature
 from .common import (RUNTIME_TEMPERATURE_SCHEMA, compiling, custom_op_pair, fake_grads, first_order_only, float_grads,
-                     grads_or_empty, if_asked, or_empty, refuse_double_backward, rl_op)
+                     grads_or_empty, if_asked, op_temperature, or_empty, refuse_double_backward, rl_op)
 from .linear import (HEAD_OP_SCHEMA, HeadOutputs, HeadParams, gathered_logits, head_backward, head_forward,
                      head_op_params, head_params_from_op)
 from .logits import LOGITS_OP_SCHEMA, LogitsOutputs, LogitsParams, logits_op_params, logits_params_from_op
@@ -509,7 +509,7 @@ def compiled_vocab_parallel_head(hidden_states, weight, labels, params: HeadPara
                                  temperature=None) -> HeadOutputs:
     """``VocabParallelLinearFunction``'s outputs through the custom ops (``torch.compile``'s route;
     ``temperature``: the public function's checked temperature, ``autograd.common.op_temperature``)."""
-    op_params = head_op_params(params, temperature)
+    op_params = _head_op_args(params, temperature)
     out = rl_op("vocab_parallel_linear_forward", op_params[-1])(hidden_states, weight, labels, *op_params,
                                                                 *op_group(tp))
     return HeadOutputs(out[0], if_asked(out[1], params.return_entropy), out[2],
@@ -585,11 +585,49 @@ _vp_logits_forward_op.register_autograd(_vp_logits_backward, setup_context=_vp_l
 refuse_double_backward(_vp_logits_backward_op)
 
 
+def _head_op_args(params: HeadParams, temperature) -> tuple:
+    """The head's plain op arguments for the checked ``temperature`` (a symbolic one as the runtime
+    0-d tensor: ``autograd.common.op_temperature``)."""
+    inv_temperature, runtime_temperature = op_temperature(params.inv_temperature, temperature)
+    return head_op_params(params._replace(inv_temperature=inv_temperature), runtime_temperature)
+
+
+def vocab_parallel_head(hidden_states, weight, labels, params: HeadParams, tp: ParallelParams, temperature,
+                        lead_labels) -> HeadOutputs:
+    """The fused head over a vocab shard (2-D hidden states, labels (N,) global ids, the checked
+    ``temperature``; ``lead_labels``: the labels as the caller passed them, for the host check):
+    :class:`VocabParallelLinearFunction` eagerly (label values checked on the host when the
+    vocabulary size is known, which also sets ``may_have_ignored``), the custom ops under
+    torch.compile (:func:`compiled_vocab_parallel_head`)."""
+    if compiling():
+        return compiled_vocab_parallel_head(hidden_states, weight, labels, params, tp, temperature=temperature)
+    raise_label_errors()  # a bad label that an earlier call's kernel reported
+    warn_fp16_temperature(hidden_states.dtype, temperature)
+    if tp.vocab_size is not None:
+        has_ignored = check_label_values(lead_labels, tp.vocab_size, params.ignore_index, report_ignored=True)
+        params = params._replace(may_have_ignored=has_ignored is not False)
+    return HeadOutputs(*VocabParallelLinearFunction.apply(hidden_states, weight, labels, params, tp))
+
+
+def vocab_parallel_logits(logits, labels, params: LogitsParams, tp: ParallelParams, temperature) -> tuple:
+    """The from-logits statistics of a vocab shard (2-D ``logits``, labels (N,) or None, the checked
+    ``temperature``): :class:`VocabParallelLogitsFunction` eagerly (label values checked on the
+    host when the vocabulary size is known), the custom ops under torch.compile
+    (:func:`compiled_vocab_parallel_logits`). The five fields of ``LogitsOutputs``."""
+    if compiling():
+        return tuple(compiled_vocab_parallel_logits(logits, labels, params, tp, temperature=temperature))
+    raise_label_errors()  # a bad label that an earlier call's kernel reported
+    if labels is not None and tp.vocab_size is not None:
+        check_label_values(labels, tp.vocab_size, params.ignore_index)
+    return VocabParallelLogitsFunction.apply(logits, labels, params, tp)
+
+
 def compiled_vocab_parallel_logits(logits, labels, params: LogitsParams, tp: ParallelParams,
                                    temperature=None) -> LogitsOutputs:
     """``VocabParallelLogitsFunction``'s outputs through the custom ops (``torch.compile``'s route;
     ``temperature``: the public function's checked temperature, ``autograd.common.op_temperature``)."""
-    op_params = logits_op_params(params, temperature)
+    inv_temperature, runtime_temperature = op_temperature(params.inv_temperature, temperature)
+    op_params = logits_op_params(params._replace(inv_temperature=inv_temperature), runtime_temperature)
     out = rl_op("vocab_parallel_logits_forward", op_params[-1])(logits, labels, *op_params, *op_group(tp))
     return LogitsOutputs(if_asked(out[0], labels is not None), if_asked(out[1], params.return_entropy), out[2], None,
                          if_asked(out[3], params.return_sum_pi_squared))
@@ -658,7 +696,7 @@ def compiled_vocab_parallel_lse_gather(hidden_states, weight, valid, ids, params
                                        temperature=None):
     """``VocabParallelLseGatherFunction``'s (lse, z) through the custom ops (``torch.compile``'s route;
     ``temperature``: the public function's checked temperature, ``autograd.common.op_temperature``)."""
-    op_params = head_op_params(params, temperature)
+    op_params = _head_op_args(params, temperature)
     out = rl_op("vocab_parallel_lse_gather_forward", op_params[-1])(hidden_states, weight, valid, ids, *op_params,
                                                                     *op_group(tp))
     return out[0], out[1]
