@@ -1,7 +1,8 @@
 """Triton building blocks shared by the linear-head kernel families.
 
 * ``logits_tile``: one (BLOCK_M x BLOCK_N) tile of ``hidden @ weight.T / temperature`` with an
-  fp32 accumulator (the K-loop GEMM tile).
+  fp32 accumulator (the K-loop GEMM tile); ``logits_tile_log2`` the same tile times log2(e),
+  soft-capped on request, as the softmax kernels use it.
 * ``grouped_tile``: maps a 1-D program id to (pid_m, pid_n) in groups of GROUP_M row blocks, so
   that the programs resident at one time share a few hidden-state blocks and weight tiles in L2.
 * ``merge_stats``: the associative merge of two softmax partials (m, s, b), where
@@ -158,6 +159,33 @@ def logits_tile(
                 b = b.to(tl.float32)
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
     return acc * inv_temperature
+
+
+@triton.jit
+def logits_tile_log2(
+    h_ptr, w_ptr, rows, cols, row_mask, col_mask, H,
+    stride_hn, stride_hk, stride_wv, stride_wk,
+    logit_scale, softcap_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, row0, col0,
+    SOFTCAP: tl.constexpr, LIBDEVICE: tl.constexpr,
+):
+    """(z2, t): z2 = log2(e) z for the tile's logits z in base 2 (the exponents of the softmax
+    kernels are ``ex2`` of differences of z2: one instruction each), with z = (h . w) * logit_scale
+    or, with SOFTCAP, z = softcap_scale * tanh((h . w) * logit_scale) (``soft_cap``; the arguments
+    of ``softcap_args``). log2(e) rides on the last scale, so z2 costs no multiply of its own. ``t``:
+    the cap's tanh with SOFTCAP (the backward's chain factor 1 - t^2), else z2 (unused)."""
+    if SOFTCAP:
+        z = logits_tile(h_ptr, w_ptr, rows, cols, row_mask, col_mask, H,
+                        stride_hn, stride_hk, stride_wv, stride_wk, logit_scale,
+                        BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PRECISION, USE_TMA, row0, col0)
+        z2, t = soft_cap(z, softcap_scale * 1.4426950408889634, LIBDEVICE)
+    else:
+        z2 = logits_tile(h_ptr, w_ptr, rows, cols, row_mask, col_mask, H,
+                         stride_hn, stride_hk, stride_wv, stride_wk, logit_scale * 1.4426950408889634,
+                         BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PRECISION, USE_TMA, row0, col0)
+        t = z2
+    return z2, t
 
 
 def softcap_args(softcap: float | None, inv_temperature: float) -> dict:

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (TensorDescriptor, gemm_meta, logits_tile, persistent_programs, soft_cap, softcap_args,
+from .common import (TensorDescriptor, gemm_meta, logits_tile_log2, persistent_programs, softcap_args,
                      store_window, tma_ok, tma_operands, window_grid, window_tile)
 from .config import BwdTile, KernelConfig
 
@@ -54,17 +54,12 @@ def _linear_dlogits_kernel(
     for tile_id in tl.range(tl.program_id(0), num_tiles, num_programs, flatten=FLATTEN):
         local_rows, local_cols, rows, cols, row_mask, col_mask, row0, col0 = window_tile(
             row_start, n_rows, col_start, n_cols, BLOCK_M, BLOCK_N, GROUP_M, tile_id)
-        # z2 = log2(e) z: the tile's last scale carries log2(e), so log2 p = z2 - log2(e) lse is
-        # one multiply-add with the GEMM's scale and p = 2^(log2 p) one ex2 (flushing p < 2^-126)
-        if SOFTCAP:
-            z = logits_tile(h_ptr, w_ptr, rows, cols, row_mask, col_mask, H,
-                            stride_hn, stride_hk, stride_wv, stride_wk, logit_scale,
-                            BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PRECISION, USE_TMA, row0, col0)
-            z2, t = soft_cap(z, softcap_scale * 1.4426950408889634, LIBDEVICE)
-        else:
-            z2 = logits_tile(h_ptr, w_ptr, rows, cols, row_mask, col_mask, H,
-                             stride_hn, stride_hk, stride_wv, stride_wk, logit_scale * 1.4426950408889634,
-                             BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PRECISION, USE_TMA, row0, col0)
+        # z2 = log2(e) z, so log2 p = z2 - log2(e) lse is one multiply-add with the GEMM's scale
+        # and p = 2^(log2 p) one ex2 (flushing p < 2^-126); t: the cap's tanh with SOFTCAP
+        z2, t = logits_tile_log2(h_ptr, w_ptr, rows, cols, row_mask, col_mask, H,
+                                 stride_hn, stride_hk, stride_wv, stride_wk, logit_scale, softcap_scale,
+                                 BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PRECISION, USE_TMA, row0, col0,
+                                 SOFTCAP, LIBDEVICE)
         rows64 = rows.to(tl.int64)
         labels = tl.load(labels_ptr + rows64 * stride_lab, mask=row_mask, other=ignore_index)
         lse = tl.load(lse_ptr + rows64, mask=row_mask, other=0.0)

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import grouped_tile, logits_tile, merge_stats, merge_q, soft_cap, softcap_args, tma_operands
+from .common import grouped_tile, logits_tile_log2, merge_stats, merge_q, soft_cap, softcap_args, tma_operands
 from .config import KernelConfig, interpreting
 
 
@@ -62,15 +62,10 @@ def _linear_split_stats_kernel(
         # epilogue on the raw accumulator, max over h . w then one multiply-add, issues fewer
         # instructions but measured 1.6% slower at 4096 rows on an H100, 2026-11-26: probably the
         # accumulator's registers stay busy longer and the next tile's MMAs wait.)
-        if SOFTCAP:
-            z = logits_tile(h_ptr, w_ptr, rows, cols, row_mask, col_mask, H,
-                            stride_hn, stride_hk, stride_wv, stride_wk, logit_scale,
-                            BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PRECISION, USE_TMA, row0, v0)
-            z2, _ = soft_cap(z, softcap_scale * 1.4426950408889634, LIBDEVICE)
-        else:
-            z2 = logits_tile(h_ptr, w_ptr, rows, cols, row_mask, col_mask, H,
-                             stride_hn, stride_hk, stride_wv, stride_wk, logit_scale * 1.4426950408889634,
-                             BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PRECISION, USE_TMA, row0, v0)
+        z2, _ = logits_tile_log2(h_ptr, w_ptr, rows, cols, row_mask, col_mask, H,
+                                 stride_hn, stride_hk, stride_wv, stride_wk, logit_scale, softcap_scale,
+                                 BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PRECISION, USE_TMA, row0, v0,
+                                 SOFTCAP, LIBDEVICE)
         if not EVEN_V:  # V % BLOCK_N != 0: the last tile's padded columns carry no mass
             z2 = tl.where(col_mask[None, :], z2, float("-inf"))
         tile_m2 = tl.max(z2, axis=1)
