@@ -116,9 +116,8 @@ def forward_call(logits, labels, params: LogitsParams, temperature=None) -> dict
     if not torch.compiler.is_compiling():
         return forward_body(logits, labels, params)
     out = rl_op("logits_forward", temperature)(logits, labels, *logits_op_params(params, temperature))
-    asked = (labels is not None, params.return_entropy, True, params.return_mean_log_p,
-             params.return_sum_pi_squared, True, True)
-    return {k: t for k, t, a in zip(_STAT_KEYS, out, asked) if a}
+    keep = asked_outputs(params, labels is not None) + ("row_max", "log_sum")  # (the op's empties dropped)
+    return {k: t for k, t in zip(_STAT_KEYS, out) if k in keep}
 
 
 def backward_call(logits, labels, stats: dict, grads: dict, params: LogitsParams, temperature=None):
@@ -317,6 +316,15 @@ def topk_forward_body(logits, token_ids, labels, params: LogitsParams) -> tuple:
     return log_probs, stats["row_max"], stats["log_sum"], stats["lse"]
 
 
+def topk_forward_call(logits, token_ids, labels, params: LogitsParams, temperature=None) -> tuple:
+    """:func:`topk_forward_body`, eagerly a plain call, while torch.compile traces the
+    ``rl_kernels::topk_log_probs_forward`` custom op (as :func:`forward_call`)."""
+    if not torch.compiler.is_compiling():
+        return topk_forward_body(logits, token_ids, labels, params)
+    return rl_op("topk_log_probs_forward", temperature)(logits, token_ids, labels,
+                                                        *logits_op_params(params, temperature))
+
+
 class TopKLogProbsFunction(torch.autograd.Function):
     """2-D logits (N, V), token ids (N, K) int64 in [0, V), labels (N,) or None (rows whose label
     is ``params.ignore_index`` get exactly zero gradient when no gradient reaches them, even if
@@ -328,12 +336,7 @@ class TopKLogProbsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, token_ids, labels, params: LogitsParams, temperature=None):
-        if torch.compiler.is_compiling():
-            out = rl_op("topk_log_probs_forward", temperature)(logits, token_ids, labels,
-                                                               *logits_op_params(params, temperature))
-        else:
-            out = topk_forward_body(logits, token_ids, labels, params)
-        log_probs, row_max, log_sum, lse = out
+        log_probs, row_max, log_sum, lse = topk_forward_call(logits, token_ids, labels, params, temperature)
         ctx.save_for_backward(logits, token_ids, labels, row_max, log_sum, lse, temperature)
         ctx.params, ctx.fn_name = params, params.name
         ctx.set_materialize_grads(False)
@@ -397,10 +400,7 @@ def topk_log_probs(logits, token_ids, labels, params: LogitsParams, temperature=
     (``autograd.common.split_temperature``) or None."""
     if torch.is_grad_enabled() and logits.requires_grad:
         return TopKLogProbsFunction.apply(logits, token_ids, labels, params, temperature)
-    if torch.compiler.is_compiling():
-        return rl_op("topk_log_probs_forward", temperature)(logits, token_ids, labels,
-                                                            *logits_op_params(params, temperature))[0]
-    return topk_forward_body(logits, token_ids, labels, params)[0]
+    return topk_forward_call(logits, token_ids, labels, params, temperature)[0]
 
 
 def check_token_id_values(token_ids, vocab_size: int, name: str) -> None:
