@@ -128,16 +128,13 @@ def linear_log_probs(
     resolved = get_backend(backend, hidden_states.device)
     lead_shape = labels.shape
     h2, labels1 = hidden_states.reshape(-1, hidden_states.shape[-1]), labels.reshape(-1)
+    # (the vocab-parallel route takes the checked temperature itself: its own custom ops split it)
+    inv_temperature, runtime_temperature = split_temperature(temperature) if tp is None else (1.0 / temperature, None)
+    params = HeadParams(backend=resolved, inv_temperature=inv_temperature, ignore_index=int(ignore_index),
+                        return_entropy=return_entropy, return_sum_pi_squared=return_sum_pi_squared, softcap=softcap)
     if tp is not None:  # a vocab shard (``rl_kernels.autograd.vocab_parallel``)
-        params = HeadParams(backend=resolved, inv_temperature=1.0 / temperature, ignore_index=int(ignore_index),
-                            return_entropy=return_entropy, return_sum_pi_squared=return_sum_pi_squared,
-                            softcap=softcap)
         out = vocab_parallel_head(h2, weight, labels1, params, tp, temperature, labels)
     else:  # the family's one route (eager and compiled): label values are checked in its backend call
-        inv_temperature, runtime_temperature = split_temperature(temperature)
-        params = HeadParams(backend=resolved, inv_temperature=inv_temperature, ignore_index=int(ignore_index),
-                            return_entropy=return_entropy, return_sum_pi_squared=return_sum_pi_squared,
-                            softcap=softcap)
         out = linear_head(h2, weight, labels1, params, None, runtime_temperature)
     return LogProbsOutput(*(o if o is None else o.view(lead_shape)
                             for o in (out.log_probs, out.entropy, out.sum_pi_squared)))

@@ -76,17 +76,15 @@ def _run(logits, labels, temperature, ignore_index, return_entropy, return_mean_
     shape = logits.shape[:-1]
     logits2d = logits if logits.dim() == 2 else logits.reshape(-1, logits.shape[-1])
     labels1d = labels.reshape(-1) if labels is not None and labels.dim() != 1 else labels
-    if tp is not None:  # vocab-sharded logits (``rl_kernels.autograd.vocab_parallel``)
-        params = LogitsParams(backend=get_backend(backend, logits.device), inv_temperature=1.0 / temperature,
-                              ignore_index=int(ignore_index), return_entropy=return_entropy, name=fn_name,
-                              return_mean_log_p=return_mean_log_p, return_sum_pi_squared=return_sum_pi_squared)
-        outs = vocab_parallel_logits(logits2d, labels1d, params, tp, temperature)
-        return LogitsOutputs(*(o if o is None else o.view(shape) for o in outs))
-    inv_temperature, runtime_temperature = split_temperature(temperature)
+    # (the vocab-parallel route takes the checked temperature itself: its own custom ops split it)
+    inv_temperature, runtime_temperature = split_temperature(temperature) if tp is None else (1.0 / temperature, None)
     params = LogitsParams(backend=get_backend(backend, logits.device), inv_temperature=inv_temperature,
                           ignore_index=int(ignore_index), return_entropy=return_entropy, name=fn_name,
                           return_mean_log_p=return_mean_log_p, return_sum_pi_squared=return_sum_pi_squared,
-                          inplace_backward=inplace_backward)
+                          inplace_backward=inplace_backward)  # (False with a group: refused above)
+    if tp is not None:  # vocab-sharded logits (``rl_kernels.autograd.vocab_parallel``)
+        outs = vocab_parallel_logits(logits2d, labels1d, params, tp, temperature)
+        return LogitsOutputs(*(o if o is None else o.view(shape) for o in outs))
     if inplace_backward:
         _check_inplace_target(logits, logits2d)
     if torch.is_grad_enabled() and logits.requires_grad:

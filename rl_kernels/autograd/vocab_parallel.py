@@ -509,7 +509,7 @@ def compiled_vocab_parallel_head(hidden_states, weight, labels, params: HeadPara
                                  temperature=None) -> HeadOutputs:
     """``VocabParallelLinearFunction``'s outputs through the custom ops (``torch.compile``'s route;
     ``temperature``: the public function's checked temperature, ``autograd.common.op_temperature``)."""
-    op_params = _head_op_args(params, temperature)
+    op_params = _op_args(head_op_params, params, temperature)
     out = rl_op("vocab_parallel_linear_forward", op_params[-1])(hidden_states, weight, labels, *op_params,
                                                                 *op_group(tp))
     return HeadOutputs(out[0], if_asked(out[1], params.return_entropy), out[2],
@@ -585,11 +585,12 @@ _vp_logits_forward_op.register_autograd(_vp_logits_backward, setup_context=_vp_l
 refuse_double_backward(_vp_logits_backward_op)
 
 
-def _head_op_args(params: HeadParams, temperature) -> tuple:
-    """The head's plain op arguments for the checked ``temperature`` (a symbolic one as the runtime
-    0-d tensor: ``autograd.common.op_temperature``)."""
+def _op_args(pack, params, temperature) -> tuple:
+    """A family's plain op arguments (``pack``: ``head_op_params`` or ``logits_op_params``) for the
+    checked ``temperature`` (a symbolic one as the runtime 0-d tensor:
+    ``autograd.common.op_temperature``)."""
     inv_temperature, runtime_temperature = op_temperature(params.inv_temperature, temperature)
-    return head_op_params(params._replace(inv_temperature=inv_temperature), runtime_temperature)
+    return pack(params._replace(inv_temperature=inv_temperature), runtime_temperature)
 
 
 def vocab_parallel_head(hidden_states, weight, labels, params: HeadParams, tp: ParallelParams, temperature,
@@ -626,8 +627,7 @@ def compiled_vocab_parallel_logits(logits, labels, params: LogitsParams, tp: Par
                                    temperature=None) -> LogitsOutputs:
     """``VocabParallelLogitsFunction``'s outputs through the custom ops (``torch.compile``'s route;
     ``temperature``: the public function's checked temperature, ``autograd.common.op_temperature``)."""
-    inv_temperature, runtime_temperature = op_temperature(params.inv_temperature, temperature)
-    op_params = logits_op_params(params._replace(inv_temperature=inv_temperature), runtime_temperature)
+    op_params = _op_args(logits_op_params, params, temperature)
     out = rl_op("vocab_parallel_logits_forward", op_params[-1])(logits, labels, *op_params, *op_group(tp))
     return LogitsOutputs(if_asked(out[0], labels is not None), if_asked(out[1], params.return_entropy), out[2], None,
                          if_asked(out[3], params.return_sum_pi_squared))
@@ -696,7 +696,7 @@ def compiled_vocab_parallel_lse_gather(hidden_states, weight, valid, ids, params
                                        temperature=None):
     """``VocabParallelLseGatherFunction``'s (lse, z) through the custom ops (``torch.compile``'s route;
     ``temperature``: the public function's checked temperature, ``autograd.common.op_temperature``)."""
-    op_params = _head_op_args(params, temperature)
+    op_params = _op_args(head_op_params, params, temperature)
     out = rl_op("vocab_parallel_lse_gather_forward", op_params[-1])(hidden_states, weight, valid, ids, *op_params,
                                                                     *op_group(tp))
     return out[0], out[1]
