@@ -256,3 +256,36 @@ def test_bench_logits_implementations_on_cpu(monkeypatch):
         lp, ent = impls[name](x, y)
         torch.testing.assert_close(lp.double(), ref.log_probs, rtol=0, atol=1e-5)
         torch.testing.assert_close(ent.double(), ref.entropy, rtol=0, atol=1e-5)
+
+
+def test_bench_each_implementation_gets_its_record_or_its_failure():
+    """The one loop of every bench table: a record per implementation, started from ``first``
+    (empty by default); one that raises gets its failure record (after ``first``'s keys, an out of
+    memory named as such, a message cut at 100 characters) and the others still run; the progress bar advances once per
+    implementation."""
+    each = load_bench()._each_impl
+
+    def measure(fn, rec):
+        rec["value"] = fn()
+
+    def oom():
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    def broken():
+        raise ValueError("x" * 300)
+
+    class Progress:
+        steps = 0
+
+        def update(self, k):
+            self.steps += k
+
+    progress = Progress()
+    impls = {"ok": lambda: 3, "oom": oom, "broken": broken, "also ok": lambda: 4}
+    out = each(impls, measure, progress)
+    assert out == {"ok": {"value": 3}, "oom": {"error": "out of memory"},
+                   "broken": {"error": "ValueError: " + "x" * 100}, "also ok": {"value": 4}}
+    assert list(out) == list(impls) and progress.steps == 4
+    out = each(impls, measure, first=lambda name: {"ce_only": name == "oom"})
+    assert out["oom"] == {"ce_only": True, "error": "out of memory"}
+    assert out["ok"] == {"ce_only": False, "value": 3}

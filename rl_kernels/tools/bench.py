@@ -135,9 +135,11 @@ def peak_extra_gib(fn) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
-def _head_inputs(n: int, h: int, v: int, seed: int) -> tuple:
-    """The fused head's benchmark inputs on CUDA (module docstring): bf16 hidden (n, h) and weight
-    (v, h), labels (n,), float32 upstream gradients of log-probs and entropy (n,)."""
+def head_inputs(n: int, h: int, v: int, seed: int = 0) -> tuple:
+    """The fused head's benchmark inputs on CUDA, generated there (module docstring; also the
+    diagnostic scripts'): bf16 hidden ~ N(0, 1) (n, h) and weight ~ N(0, 0.02^2) (v, h), labels
+    uniform in [0, v) (n,), float32 upstream gradients ~ N(0, 1) of log-probs and entropy (n,):
+    (hidden, weight, labels, g_lp, g_ent)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     hidden = torch.randn(n, h, device="cuda", generator=g).bfloat16()
     weight = (0.02 * torch.randn(v, h, device="cuda", generator=g)).bfloat16()
@@ -165,45 +167,57 @@ def _failure(exc: BaseException) -> dict:
     return {"error": f"{type(exc).__name__}: {str(exc)[:100]}"}
 
 
+def _each_impl(impls: dict, measure, progress=None, first=lambda name: {}) -> dict:
+    """{name: record} of ``measure(fn, record)`` for every implementation, each starting from
+    ``first(name)`` (a fresh dict, empty by default): an implementation that raises gets its failure record
+    (``_failure``, after ``first(name)``'s keys) and the run goes on; the CUDA cache is emptied
+    after each (its tensors, local to ``measure``, are gone by then) and ``progress`` advanced."""
+    results = {}
+    for name, fn in impls.items():
+        rec = first(name)
+        try:
+            measure(fn, rec)
+        except Exception as exc:  # noqa: BLE001 - a peer's failure is a result
+            rec = {**first(name), **_failure(exc)}
+        torch.cuda.empty_cache()
+        results[name] = rec
+        if progress is not None:
+            progress.update(1)
+    return results
+
+
 def bench_shape(n: int, h: int, v: int, impls: dict[str, Impl], progress=None) -> dict:
     """Time every implementation on one shape; returns a JSON-ready dict."""
     from rl_kernels.reference import reference_linear_log_probs
 
     bench = _do_bench
-    hidden, weight, labels, g_lp, g_ent = _head_inputs(n, h, v, seed=0)
+    hidden, weight, labels, g_lp, g_ent = head_inputs(n, h, v, seed=0)
     rows = min(ERROR_ROWS, n)
     ref_out = reference_linear_log_probs(hidden[:rows], weight, labels[:rows])
     ref, ref_ent = ref_out.log_probs, ref_out.entropy
     t_mm = bench(lambda: hidden @ weight.T)
-    out = {"shape": [n, h, v], "cublas_ms": t_mm, "cublas_tflops": 2 * n * h * v / t_mm / 1e9, "impls": {}}
-    for name, fn in impls.items():
-        rec: dict = {}
-        try:
-            with torch.no_grad():
-                rec["fwd_ms"] = bench(lambda: fn(hidden, weight, labels))
-                rec["fwd_extra_gb"] = peak_extra_gib(lambda: fn(hidden, weight, labels))
-                lp, ent = fn(hidden[:rows], weight, labels[:rows])[:2]
-                rec["max_err"] = (lp.double() - ref).abs().max().item()
-                rec["max_ent_err"] = None if ent is None else (ent.double() - ref_ent).abs().max().item()
-                rec["entropy_dtype"] = None if ent is None else str(ent.dtype).replace("torch.", "")
-            hx, wx = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
 
-            def fwd_bwd():
-                _backward(fn(hx, wx, labels), g_lp, g_ent)
-                hx.grad = wx.grad = None
+    def measure(fn, rec):
+        with torch.no_grad():
+            rec["fwd_ms"] = bench(lambda: fn(hidden, weight, labels))
+            rec["fwd_extra_gb"] = peak_extra_gib(lambda: fn(hidden, weight, labels))
+            lp, ent = fn(hidden[:rows], weight, labels[:rows])[:2]
+            rec["max_err"] = (lp.double() - ref).abs().max().item()
+            rec["max_ent_err"] = None if ent is None else (ent.double() - ref_ent).abs().max().item()
+            rec["entropy_dtype"] = None if ent is None else str(ent.dtype).replace("torch.", "")
+        hx, wx = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
 
-            rec["fwd_bwd_ms"] = bench(fwd_bwd)
-            rec["fwd_bwd_extra_gb"] = peak_extra_gib(fwd_bwd)
-            hx = wx = None  # free the gradient copies before the next implementation
-            rec["fwd_x_mm"] = rec["fwd_ms"] / t_mm
-            rec["fwd_bwd_x_mm"] = rec["fwd_bwd_ms"] / t_mm
-        except Exception as exc:  # noqa: BLE001 - a peer's failure is a result
-            rec = _failure(exc)
-        torch.cuda.empty_cache()
-        out["impls"][name] = rec
-        if progress is not None:
-            progress.update(1)
-    return out
+        def fwd_bwd():
+            _backward(fn(hx, wx, labels), g_lp, g_ent)
+            hx.grad = wx.grad = None
+
+        rec["fwd_bwd_ms"] = bench(fwd_bwd)
+        rec["fwd_bwd_extra_gb"] = peak_extra_gib(fwd_bwd)
+        rec["fwd_x_mm"] = rec["fwd_ms"] / t_mm
+        rec["fwd_bwd_x_mm"] = rec["fwd_bwd_ms"] / t_mm
+
+    return {"shape": [n, h, v], "cublas_ms": t_mm, "cublas_tflops": 2 * n * h * v / t_mm / 1e9,
+            "impls": _each_impl(impls, measure, progress)}
 
 
 VARYING_N_COUNTS = (12288, 3000, 17001, 7919, 20000, 5000, 14321, 9876)
@@ -219,30 +233,23 @@ def bench_varying_n(h: int, v: int, impls: dict[str, Impl], counts=VARYING_N_COU
     else in the process has compiled, so the first pass is what a fresh training job sees."""
     import time
 
-    hidden, weight, labels, g_lp, g_ent = _head_inputs(max(counts), h, v, seed=1)
-    out = {"hidden": h, "vocab": v, "counts": list(counts), "impls": {}}
-    for name, fn in impls.items():
-        rec: dict = {"first_s": [], "second_s": []}
-        try:
-            wx = weight.clone().requires_grad_()
-            for key in ("first_s", "second_s"):
-                for n in counts:
-                    hx = hidden[:n].clone().requires_grad_()
-                    torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    _backward(fn(hx, wx, labels[:n]), g_lp[:n], g_ent[:n])
-                    torch.cuda.synchronize()
-                    rec[key].append(time.perf_counter() - t0)
-                    wx.grad = None
-                    del hx
-            wx = None
-        except Exception as exc:  # noqa: BLE001 - a peer's failure is a result
-            rec = _failure(exc)
-        torch.cuda.empty_cache()
-        out["impls"][name] = rec
-        if progress is not None:
-            progress.update(1)
-    return out
+    hidden, weight, labels, g_lp, g_ent = head_inputs(max(counts), h, v, seed=1)
+
+    def measure(fn, rec):
+        rec.update(first_s=[], second_s=[])
+        wx = weight.clone().requires_grad_()
+        for key in ("first_s", "second_s"):
+            for n in counts:
+                hx = hidden[:n].clone().requires_grad_()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                _backward(fn(hx, wx, labels[:n]), g_lp[:n], g_ent[:n])
+                torch.cuda.synchronize()
+                rec[key].append(time.perf_counter() - t0)
+                wx.grad = None
+                del hx
+
+    return {"hidden": h, "vocab": v, "counts": list(counts), "impls": _each_impl(impls, measure, progress)}
 
 
 def format_varying_n(case: dict) -> str:
@@ -531,33 +538,25 @@ def bench_logits_shape(n: int, v: int, impls: dict[str, LogitsImpl], ceilings: d
     g_ent = torch.randn(n, device="cuda", generator=g)
     rows = min(ERROR_ROWS, n)
     ref = reference_logits_stats(logits[:rows], labels[:rows]).log_probs
-    out = {"shape": [n, v], "impls": {}}
-    for name, fn in impls.items():
-        rec: dict = {"ce_only": "CE only" in name}
-        try:
-            with torch.no_grad():
-                rec["fwd_ms"] = _do_bench(lambda: fn(logits, labels))
-                rec["fwd_extra_gb"] = peak_extra_gib(lambda: fn(logits, labels))
-                lp = fn(logits[:rows], labels[:rows])[0]
-                rec["max_err"] = (lp.double() - ref).abs().max().item()
-            x = logits.clone().requires_grad_()
 
-            def fwd_bwd():
-                _backward(fn(x, labels), g_lp, g_ent)
-                x.grad = None
+    def measure(fn, rec):
+        with torch.no_grad():
+            rec["fwd_ms"] = _do_bench(lambda: fn(logits, labels))
+            rec["fwd_extra_gb"] = peak_extra_gib(lambda: fn(logits, labels))
+            lp = fn(logits[:rows], labels[:rows])[0]
+            rec["max_err"] = (lp.double() - ref).abs().max().item()
+        x = logits.clone().requires_grad_()
 
-            rec["fwd_bwd_ms"] = _do_bench(fwd_bwd)
-            rec["fwd_bwd_extra_gb"] = peak_extra_gib(fwd_bwd)
-            x = None  # free the copy before the next implementation
-            _bandwidths(rec, n, v, ceilings)
-        except Exception as exc:  # noqa: BLE001 - a peer's failure is a result
-            rec = {"ce_only": rec["ce_only"], **_failure(exc)}
-        x = None
-        torch.cuda.empty_cache()
-        out["impls"][name] = rec
-        if progress is not None:
-            progress.update(1)
-    return out
+        def fwd_bwd():
+            _backward(fn(x, labels), g_lp, g_ent)
+            x.grad = None
+
+        rec["fwd_bwd_ms"] = _do_bench(fwd_bwd)
+        rec["fwd_bwd_extra_gb"] = peak_extra_gib(fwd_bwd)
+        _bandwidths(rec, n, v, ceilings)
+
+    return {"shape": [n, v],
+            "impls": _each_impl(impls, measure, progress, first=lambda name: {"ce_only": "CE only" in name})}
 
 
 def _fmt(value, spec: str) -> str:
