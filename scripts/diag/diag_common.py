@@ -9,6 +9,8 @@ import time
 
 import torch
 
+from rl_kernels.tools.bench import head_inputs  # noqa: F401 - the bench's inputs, these scripts' too
+
 
 def require_cuda(script: str, hint: str = "") -> None:
     """Every script here measures on a CUDA GPU: without one, print one line, ``NAME: no CUDA
@@ -22,18 +24,27 @@ def require_cuda(script: str, hint: str = "") -> None:
         raise SystemExit(0)
 
 
-def head_inputs(n: int, h: int, v: int, seed: int = 0):
-    """Benchmark inputs of the fused head on CUDA, generated there (as ``rl_kernels.tools.bench``): bf16
-    hidden ~ N(0, 1) (N, H) and weight ~ N(0, 0.02^2) (V, H), labels uniform in [0, V), and float32
-    upstream gradients ~ N(0, 1) for log-probs and entropy; returns (hidden, weight, labels,
-    g_lp, g_ent)."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    hidden = torch.randn(n, h, device="cuda", generator=g).bfloat16()
-    weight = (0.02 * torch.randn(v, h, device="cuda", generator=g)).bfloat16()
-    labels = torch.randint(0, v, (n,), device="cuda", generator=g)
-    g_lp = torch.randn(n, device="cuda", generator=g)
-    g_ent = torch.randn(n, device="cuda", generator=g)
-    return hidden, weight, labels, g_lp, g_ent
+BENCH_SHAPES = ["4096,3584,152064", "16384,3584,152064", "32768,4096,128256"]  # N,H,V of the bench runs
+
+
+def head_shapes_cli(script: str, description: str | None = None):
+    """The command line of the A/B scripts that time the fused head: ``[N,H,V ...]`` (default
+    ``BENCH_SHAPES``) ``[--rounds R]`` (default 3). After parsing, :func:`require_cuda`; then
+    cuBLAS's reduced-precision bf16 reduction is turned off (the backward's own setting, for the
+    matmul baseline too) and the device, torch / Triton versions and date are printed. Returns the
+    parsed arguments."""
+    import argparse
+
+    import triton
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("shapes", nargs="*", default=BENCH_SHAPES)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    require_cuda(script)
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, time.strftime("%Y-%m-%d"))
+    return args
 
 
 def per_call_us(f, reps: int = 400, warmup: int = 20) -> float:

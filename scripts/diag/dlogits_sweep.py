@@ -9,20 +9,17 @@ column window (all N rows x ``WINDOW`` vocab columns, the one-recompute schedule
 against a cuBLAS matmul of that window's shape. Forward+backward rounds alternate the variants
 (median of the rounds' do_bench medians), upstream gradients random on both outputs.
 """
-import argparse
 import dataclasses
 import statistics
-import time
 
 import torch
-import triton
 import triton.testing
 
 import rl_kernels
 from rl_kernels import ops
 from rl_kernels.ops import config as ops_config
 
-from diag_common import head_inputs, head_params, require_cuda, saved_and_grads
+from diag_common import head_inputs, head_params, head_shapes_cli, saved_and_grads
 
 WINDOW = 4096
 VARIANTS = [  # every field set explicitly: the shipped config may have either
@@ -49,14 +46,7 @@ def variant_config(fields):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("shapes", nargs="*", default=["4096,3584,152064", "16384,3584,152064",
-                                                      "32768,4096,128256"])
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
-    require_cuda(__file__)
-    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-    print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, time.strftime("%Y-%m-%d"))
+    args = head_shapes_cli(__file__)
     for shape in args.shapes:
         n, h, v = (int(x) for x in shape.split(","))
         hid, w, lab, g_lp, g_ent = head_inputs(n, h, v)

@@ -11,31 +11,21 @@ peak extra memory of a step beyond inputs; whether the forward outputs are bitwi
 largest relative difference of dh / dW between the variants (their float32 dh sums are grouped
 differently, so bits may differ) and each variant's dh / dW error against float64 on 64 rows.
 """
-import argparse
 import statistics
-import time
 
 import torch
-import triton
 import triton.testing
 
 import rl_kernels
 import rl_kernels.autograd.backward_schedule as schedule
 
-from diag_common import head_inputs, require_cuda
+from diag_common import head_inputs, head_shapes_cli
 
 VARIANTS = (("tail (re-recompute)", 0.0), ("spare accumulator", 0.25))
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("shapes", nargs="*", default=["4096,3584,152064", "16384,3584,152064",
-                                                      "32768,4096,128256"])
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
-    require_cuda(__file__)
-    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-    print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, time.strftime("%Y-%m-%d"))
+    args = head_shapes_cli(__file__)
     for shape in args.shapes:
         n, h, v = (int(x) for x in shape.split(","))
         hid, w, lab, g_lp, g_ent = head_inputs(n, h, v)
