@@ -22,16 +22,15 @@ when only top-K log-probs are available; with K = V and a renormalized teacher i
 """
 from __future__ import annotations
 
-import math
 import numbers
 
 import torch
 
-from .autograd.common import compiling, split_temperature
+from .autograd.common import split_temperature
 from .autograd.jsd import JSDParams, LinearJSDFunction
 from .autograd.linear import HeadParams, linear_head
-from .autograd.vocab_parallel import (VocabParallelLseGatherFunction, compiled_vocab_parallel_lse_gather,
-                                      op_layout, parallel_params)
+from .autograd.positions import check_teacher_log_probs, checked_positions
+from .autograd.vocab_parallel import parallel_params
 from .backends import get_backend
 from .validation import (FLOAT_DTYPES, LABEL_DTYPES, check_bool_arg, check_choice, check_hidden_weight, check_labels,
                          check_mask, check_same_device, check_temperature, check_tensor_arg, describe, public_signature,
@@ -61,88 +60,7 @@ def _check_teacher(hidden_states, ids, teacher_log_probs, check_values: bool = T
     for name, t in (("teacher_token_ids", ids), ("teacher_log_probs", teacher_log_probs)):
         check_same_device(name, t, hidden_states, like_name)
     if check_values:
-        _check_teacher_log_probs(teacher_log_probs)
-
-
-def _check_teacher_log_probs(teacher_log_probs) -> None:
-    bad = torch.isnan(teacher_log_probs) | (teacher_log_probs == float("inf"))
-    if teacher_log_probs.numel() and bool(bad.any()):
-        first = bad.reshape(-1).nonzero()[0, 0].item()
-        raise ValueError(f"teacher_log_probs: {int(bad.sum())} entries are NaN or +inf (log-probs lie in "
-                         f"[-inf, 0]; -inf marks a zero-probability slot); first at flat position "
-                         f"{first}: {teacher_log_probs.reshape(-1)[first].item()}")
-
-
-def _check_teacher_ids(ids, vocab_size: int) -> None:
-    if ids.numel() and bool(((ids < 0) | (ids >= vocab_size)).any()):
-        raise ValueError(f"teacher_token_ids: values must lie in [0, vocab_size={vocab_size}); got min "
-                         f"{int(ids.min())}, max {int(ids.max())}")
-
-
-def counted_positions(hidden_states, labels, ignore_index, mask, vocab_size, check_values: bool,
-                      hidden_name: str = "hidden_states"):
-    """The one rule of the losses for which positions count: a position counts unless its label
-    is ``ignore_index`` (when ``labels`` is given) or its ``mask`` entry is 0 (when ``mask`` is
-    given); both may be given. Validates both (label values against ``vocab_size`` unless
-    ``check_values`` is False) and returns ((N,) bool, whether any position is excluded, or None
-    when unknown without a host sync)."""
-    lead = tuple(hidden_states.shape[:-1])
-    n = hidden_states.reshape(-1, hidden_states.shape[-1]).shape[0]
-    valid = torch.ones(n, dtype=torch.bool, device=hidden_states.device)
-    any_excluded = False
-    if labels is not None:
-        any_excluded = check_labels(labels, hidden_states, hidden_name, vocab_size, ignore_index,
-                                    check_values=check_values, report_ignored=True)
-        valid = labels.reshape(-1) != ignore_index
-    check_mask(mask, lead, hidden_states, hidden_name, check_values=check_values)
-    if mask is not None:
-        valid = valid & (mask.reshape(-1) != 0)
-        any_excluded = None
-    return valid, any_excluded
-
-
-@torch.library.custom_op(
-    "rl_kernels::counted_positions", mutates_args=(),
-    schema="(Tensor hidden_states, Tensor? labels, Tensor? mask, Tensor? teacher_token_ids, "
-           "Tensor? teacher_log_probs, SymInt vocab_size, int ignore_index, str hidden_name, str? group_name, "
-           "int? vocab_start_index) -> Tensor")
-def _counted_positions_op(hidden_states, labels, mask, teacher_token_ids, teacher_log_probs, vocab_size,
-                          ignore_index, hidden_name, group_name, vocab_start_index):
-    """torch.compile's route of the losses' value checks (labels, mask, teacher ids and log-probs:
-    ValueError as in eager, with the host reading the values inside this opaque op, so the traced
-    function holds no data-dependent Python) -> (N,) bool, the positions that count.
-    ``vocab_size``: the head's rows; with ``group_name`` (a vocab-sharded head) the whole
-    vocabulary is derived as in eager (unknown when ``vocab_start_index`` is given)."""
-    if group_name is not None:
-        vocab_size = op_layout(group_name, vocab_start_index, False, ignore_index, vocab_size,
-                               hidden_states.device).vocab_size
-    return _positions(hidden_states, labels, ignore_index, mask, vocab_size, None, hidden_name, teacher_token_ids,
-                      teacher_log_probs)[0]
-
-
-@_counted_positions_op.register_fake
-def _(hidden_states, *rest):
-    return hidden_states.new_empty(math.prod(hidden_states.shape[:-1]), dtype=torch.bool)
-
-
-def _positions(hidden_states, labels, ignore_index, mask, vocab_size, tp, hidden_name="hidden_states",
-               teacher_token_ids=None, teacher_log_probs=None):
-    """(valid (N,) bool, whether any position is excluded or None): eagerly with the checks on the
-    host; under torch.compile through ``rl_kernels::counted_positions`` (``vocab_size``: then the
-    head's own rows; the op derives the sharded vocabulary from ``tp``)."""
-    if compiling():
-        counted_positions(hidden_states, labels, ignore_index, mask, None, False, hidden_name)  # metadata
-        group = (None, None) if tp is None else (tp.process_group.group_name, tp.start)
-        return torch.ops.rl_kernels.counted_positions(
-            hidden_states, labels, mask, teacher_token_ids, teacher_log_probs, vocab_size, ignore_index,
-            hidden_name, *group), None
-    if teacher_log_probs is not None:
-        _check_teacher_log_probs(teacher_log_probs)
-    if teacher_token_ids is not None:
-        # (vocabulary unknown: vocab_start_index given without a collective; only >= 0 is checked)
-        _check_teacher_ids(teacher_token_ids, vocab_size if vocab_size is not None else torch.iinfo(torch.int64).max)
-    return counted_positions(hidden_states, labels, ignore_index, mask, vocab_size,
-                             check_values=vocab_size is not None, hidden_name=hidden_name)
+        check_teacher_log_probs(teacher_log_probs)
 
 
 @public_signature
@@ -228,9 +146,8 @@ def linear_topk_kl(
     tp = parallel_params(process_group, vocab_start_index, reduce_hidden_grad, ignore_index, weight.shape[0],
                          hidden_states.device)
     # ids and labels are global with a group: checked against the whole vocabulary when known
-    vocab_size = weight.shape[0] if tp is None or compiling() else tp.vocab_size
-    valid, any_excluded = _positions(hidden_states, labels, ignore_index, mask, vocab_size, tp,
-                                     teacher_token_ids=teacher_token_ids, teacher_log_probs=teacher_log_probs)
+    valid, any_excluded = checked_positions(hidden_states, labels, ignore_index, mask, weight.shape[0], tp,
+                                            teacher_token_ids=teacher_token_ids, teacher_log_probs=teacher_log_probs)
     backend = get_backend(backend, hidden_states.device)
     lead = hidden_states.shape[:-1]
     h2 = hidden_states.reshape(-1, hidden_states.shape[-1])
@@ -241,15 +158,11 @@ def linear_topk_kl(
     params = HeadParams(backend=backend, inv_temperature=1.0 / t, ignore_index=-100,
                         return_entropy=False, name="linear_topk_kl", may_have_ignored=any_excluded is not False,
                         labels_checked=True)  # (the row labels are checked teacher ids or ignore_index)
-    if tp is not None and compiling():  # torch.compile: the custom ops
-        lse, z_ids = compiled_vocab_parallel_lse_gather(h2, weight, valid, ids, params, tp, temperature=t)
-    elif tp is not None:
-        lse, z_ids = VocabParallelLseGatherFunction.apply(h2, weight, valid, ids, params, tp)
-    else:  # the fused head's one route, with the logits at the teacher's ids
-        inv_temperature, runtime_temperature = split_temperature(t)
-        head = linear_head(h2, weight, row_labels, params._replace(inv_temperature=inv_temperature), ids,
-                           runtime_temperature)
-        lse, z_ids = head.lse, head.gathered_logits
+    # the fused head's one route (a vocab shard with ``tp``), with the logits at the teacher's ids
+    inv_temperature, runtime_temperature = split_temperature(t)
+    head = linear_head(h2, weight, row_labels, params._replace(inv_temperature=inv_temperature), ids,
+                       runtime_temperature, tp)
+    lse, z_ids = head.lse, head.gathered_logits
     return topk_kl_loss(z_ids - lse[:, None], teacher_log_probs, valid, lead, temperature=t, kind=kind,
                         renormalize_teacher=renormalize_teacher, reduction=reduction)
 
@@ -390,10 +303,9 @@ def linear_jsd(
     lead = tuple(student_hidden.shape[:-1])
     tp = parallel_params(process_group, vocab_start_index, reduce_hidden_grad, ignore_index,
                          student_weight.shape[0], student_hidden.device)
-    vocab_size = student_weight.shape[0] if tp is None or compiling() else tp.vocab_size
     # (labels only select positions: with a group and vocab_start_index their values are not checked)
-    valid, any_excluded = _positions(student_hidden, labels, ignore_index, mask, vocab_size, tp,
-                                     hidden_name="student_hidden")
+    valid, any_excluded = checked_positions(student_hidden, labels, ignore_index, mask, student_weight.shape[0], tp,
+                                            hidden_name="student_hidden")
     backend = get_backend(backend, student_hidden.device)
     hs = student_hidden.reshape(-1, student_hidden.shape[-1])
     ht = teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1])

@@ -8,7 +8,7 @@ import torch
 
 from .autograd.common import split_temperature
 from .autograd.linear import HeadParams, linear_head
-from .autograd.vocab_parallel import parallel_params, vocab_parallel_head
+from .autograd.vocab_parallel import parallel_params
 from .backends import get_backend
 from .validation import (check_bool_arg, check_head_inputs, check_softcap, check_temperature, public_signature,
                          raise_extra_positional)
@@ -128,13 +128,11 @@ def linear_log_probs(
     resolved = get_backend(backend, hidden_states.device)
     lead_shape = labels.shape
     h2, labels1 = hidden_states.reshape(-1, hidden_states.shape[-1]), labels.reshape(-1)
-    # (the vocab-parallel route takes the checked temperature itself: its own custom ops split it)
-    inv_temperature, runtime_temperature = split_temperature(temperature) if tp is None else (1.0 / temperature, None)
+    inv_temperature, runtime_temperature = split_temperature(temperature)
     params = HeadParams(backend=resolved, inv_temperature=inv_temperature, ignore_index=int(ignore_index),
                         return_entropy=return_entropy, return_sum_pi_squared=return_sum_pi_squared, softcap=softcap)
-    if tp is not None:  # a vocab shard (``rl_kernels.autograd.vocab_parallel``)
-        out = vocab_parallel_head(h2, weight, labels1, params, tp, temperature, labels)
-    else:  # the family's one route (eager and compiled): label values are checked in its backend call
-        out = linear_head(h2, weight, labels1, params, None, runtime_temperature)
+    # the family's one route (eager and compiled, a vocab shard with ``tp``): label values are
+    # checked in its backend call
+    out = linear_head(h2, weight, labels1, params, None, runtime_temperature, tp)
     return LogProbsOutput(*(o if o is None else o.view(lead_shape)
                             for o in (out.log_probs, out.entropy, out.sum_pi_squared)))

@@ -35,9 +35,10 @@ import torch
 from .autograd.common import split_temperature
 from .autograd.logits import (LogitsOutputs, LogitsParams, LogitsStatsFunction, asked_outputs, checked_token_ids,
                               forward_call, topk_log_probs)
-from .autograd.vocab_parallel import parallel_params, vocab_parallel_logits
+from .autograd.vocab_parallel import parallel_params
 from .backends import get_backend
-from .distill import KINDS, REDUCTIONS as LOSS_REDUCTIONS, _check_teacher, _positions, topk_kl_loss
+from .autograd.positions import checked_positions
+from .distill import KINDS, REDUCTIONS as LOSS_REDUCTIONS, _check_teacher, topk_kl_loss
 from .validation import (LABEL_DTYPES, check_bool_arg, check_choice, check_labels, check_logits,
                          check_same_device, check_temperature, check_tensor_arg, describe, public_signature,
                          raise_extra_positional)
@@ -76,22 +77,19 @@ def _run(logits, labels, temperature, ignore_index, return_entropy, return_mean_
     shape = logits.shape[:-1]
     logits2d = logits if logits.dim() == 2 else logits.reshape(-1, logits.shape[-1])
     labels1d = labels.reshape(-1) if labels is not None and labels.dim() != 1 else labels
-    # (the vocab-parallel route takes the checked temperature itself: its own custom ops split it)
-    inv_temperature, runtime_temperature = split_temperature(temperature) if tp is None else (1.0 / temperature, None)
+    inv_temperature, runtime_temperature = split_temperature(temperature)
     params = LogitsParams(backend=get_backend(backend, logits.device), inv_temperature=inv_temperature,
                           ignore_index=int(ignore_index), return_entropy=return_entropy, name=fn_name,
                           return_mean_log_p=return_mean_log_p, return_sum_pi_squared=return_sum_pi_squared,
                           inplace_backward=inplace_backward)  # (False with a group: refused above)
-    if tp is not None:  # vocab-sharded logits (``rl_kernels.autograd.vocab_parallel``)
-        outs = vocab_parallel_logits(logits2d, labels1d, params, tp, temperature)
-        return LogitsOutputs(*(o if o is None else o.view(shape) for o in outs))
     if inplace_backward:
         _check_inplace_target(logits, logits2d)
+    # the family's one route (eager and compiled, vocab-sharded logits with ``tp``)
     if torch.is_grad_enabled() and logits.requires_grad:
         stats = dict(zip(asked_outputs(params, labels is not None),
-                         LogitsStatsFunction.apply(logits2d, labels1d, params, runtime_temperature)))
+                         LogitsStatsFunction.apply(logits2d, labels1d, params, runtime_temperature, tp)))
     else:  # no gradient wanted: the same forward without an autograd node (host cost at small N)
-        stats = forward_call(logits2d, labels1d, params, runtime_temperature)
+        stats = forward_call(logits2d, labels1d, params, runtime_temperature, tp)
     outs = (stats.get("log_probs"), stats.get("entropy"), stats["lse"], stats.get("mean_log_p"),
             stats.get("sum_pi_squared"))  # (LogitsOutputs' fields)
     if logits2d is logits:  # 2-D logits: the (N,) outputs as they are (host time at small N)
@@ -490,8 +488,8 @@ def topk_kl_from_logits(
                          f"(N, vocab_size)), got {describe(logits)}")
     _check_teacher(logits, teacher_token_ids, teacher_log_probs, check_values=False, like_name="logits")
     vocab_size, k = logits.shape[-1], teacher_token_ids.shape[-1]
-    valid, any_excluded = _positions(logits, labels, ignore_index, mask, vocab_size, None, hidden_name="logits",
-                                     teacher_token_ids=teacher_token_ids, teacher_log_probs=teacher_log_probs)
+    valid, any_excluded = checked_positions(logits, labels, ignore_index, mask, vocab_size, None, hidden_name="logits",
+                                            teacher_token_ids=teacher_token_ids, teacher_log_probs=teacher_log_probs)
     inv_temperature, runtime_temperature = split_temperature(t)
     params = LogitsParams(backend=get_backend(backend, logits.device), inv_temperature=inv_temperature,
                           ignore_index=-100, return_entropy=False, name="topk_kl_from_logits")

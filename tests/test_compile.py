@@ -19,6 +19,7 @@ import rl_kernels
 BACKENDS = ["torch", "triton"]
 N, H, V = 9, 16, 37  # small odd shapes: each Triton interpreter launch costs ~0.3 s
 T = 0.7
+NO_GROUP = (None, None, False)  # the ops' vocab-parallel layout values without a group (GROUP_SCHEMA)
 
 
 def _inputs(n=N, seed=0):
@@ -384,10 +385,10 @@ def test_backend_call_ops_are_not_differentiable_by_themselves(op):
     hidden, weight, logits, labels = _inputs()
     if op == "linear_forward":
         out = torch.ops.rl_kernels.linear_forward(hidden, weight, labels, None, "torch", 1.0, -100, True, False,
-                                                  None, "linear_log_probs")
+                                                  None, "linear_log_probs", *NO_GROUP)
     else:
         out = torch.ops.rl_kernels.logits_forward(logits, labels, "torch", 1.0, -100, True, False, False, False,
-                                                  "logits_stats")
+                                                  "logits_stats", *NO_GROUP)
     with pytest.raises(RuntimeError, match="no autograd formula"):
         out[0].sum().backward()
 
@@ -427,10 +428,11 @@ def test_custom_ops_pass_opcheck(op):
     valid = labels != -100
     args = {
         "linear_forward": (hidden.detach(), weight.detach(), labels, None, "torch", inv, -100, True, True, None,
-                           "linear_log_probs"),
+                           "linear_log_probs", *NO_GROUP),
         "linear_forward_gather": (hidden.detach(), weight.detach(), labels, ids, "torch", inv, -100, False, False,
-                                  None, "linear_topk_kl"),
-        "logits_forward": (logits.detach(), labels, "torch", inv, -100, True, False, True, False, "logits_stats"),
+                                  None, "linear_topk_kl", *NO_GROUP),
+        "logits_forward": (logits.detach(), labels, "torch", inv, -100, True, False, True, False, "logits_stats",
+                           *NO_GROUP),
         "jsd_forward": (hidden.detach(), weight.detach(), torch.sin(hidden.detach()), weight.detach().flip(0), valid,
                         "torch", inv, 0.3, True, None, None, False, "linear_jsd"),
         "counted_positions": (hidden, labels, None, ids, teacher, V, -100, "hidden_states", None, None),

@@ -12,6 +12,7 @@ So the kernels import nothing above them, the library neither its integrations n
 and the integrations not the tooling."""
 import ast
 import os
+import pathlib
 
 import pytest
 
@@ -51,7 +52,7 @@ def imports(module: str, path: str, known: dict) -> set[str]:
     package counts as its submodule where one exists)."""
     package = module if path.endswith("__init__.py") else module.rsplit(".", 1)[0]
     out = set()
-    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+    for node in ast.walk(ast.parse(pathlib.Path(path).read_text(encoding="utf-8"))):
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 parts = package.split(".")

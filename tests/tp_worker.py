@@ -120,6 +120,35 @@ def run(rank, world, init_file, backend):
         torch.testing.assert_close(wx.grad.double(), w64.grad[lo:hi], **tol)
         _check_dh(hx.grad, h64.grad, reduce_dh, tol)
 
+    # the fused head's Function on a shard with logits at given ids (the route of linear_topk_kl),
+    # with gradients reaching all three outputs (log-probs, lse, the ids' logits) against float64
+    from rl_kernels.autograd.linear import HeadParams, linear_head
+    from rl_kernels.autograd.vocab_parallel import parallel_params
+    from rl_kernels.backends import get_backend
+
+    g_lse, g_z = torch.randn(N, generator=g), torch.randn(N, k, generator=g)
+    params = HeadParams(backend=get_backend(backend, hidden.device), inv_temperature=1 / 0.8, ignore_index=-100,
+                        return_entropy=False, name="linear_head")
+    for reduce_dh in (True, False):
+        hx = hidden.clone().requires_grad_()
+        wx = weight[lo:hi].clone().requires_grad_()
+        tp = parallel_params(group, None, reduce_dh, -100, hi - lo, hidden.device)
+        out = linear_head(hx, wx, labels, params, ids, None, tp)
+        (out.log_probs * g_lp + out.lse * g_lse + (out.gathered_logits * g_z).sum(-1)).sum().backward()
+        h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+        z = h64 @ w64.T / 0.8
+        lse = torch.logsumexp(z, -1)
+        valid = labels != -100
+        lp = torch.where(valid, z.gather(1, labels.clamp_min(0)[:, None])[:, 0] - lse, 0.0)
+        # (a row whose label is ignore_index gets no gradient from any output: the package's rule)
+        (lp * g_lp.double() + torch.where(valid, lse * g_lse.double() + (z.gather(1, ids) * g_z.double()).sum(-1),
+                                          0.0)).sum().backward()
+        for got, ref in ((out.log_probs, lp), (out.lse, lse), (out.gathered_logits, z.gather(1, ids))):
+            torch.testing.assert_close(got.double(), ref.detach(), **tol)
+            assert _same_on_all_ranks(got.detach())
+        torch.testing.assert_close(wx.grad.double(), w64.grad[lo:hi], **tol)
+        _check_dh(hx.grad, h64.grad, reduce_dh, tol)
+
     # JSD between two sharded heads (teacher of another hidden size), beta 0.3 and 1
     from rl_kernels import linear_jsd
 

@@ -1,14 +1,16 @@
 """Autograd Functions, one file per kernel family (forward, backward, and which kernel or torch
-twin each calls). A family's Function is its one route, eager and under torch.compile: its backend
-calls are ``torch.library`` custom ops while the compiler traces and plain calls otherwise (the
-vocab-parallel Functions still have a compile-only twin of custom ops with their own autograd):
+twin each calls). A family's Function is its one route, eager and under torch.compile, sharded
+over a vocab-parallel group or not: its backend calls are ``torch.library`` custom ops while the
+compiler traces and plain calls otherwise:
 
-* ``linear``: the fused linear head (``LinearLogProbsFunction``; ``head_forward`` /
-  ``head_backward`` are also the building blocks of the others);
-* ``logits``: statistics of materialized logits (``LogitsStatsFunction``);
+* ``linear``: the fused linear head (``LinearLogProbsFunction``, with the logits at given ids for
+  the distillation losses; ``head_forward`` / ``head_backward`` are also the JSD's building blocks);
+* ``logits``: statistics of materialized logits (``LogitsStatsFunction``) and their top-K
+  log-probs (``TopKLogProbsFunction``);
 * ``jsd``: the two-head Jensen-Shannon divergence (``LinearJSDFunction``);
-* ``vocab_parallel``: the vocab-sharded forms of the three (``VocabParallelLinearFunction``,
-  ``VocabParallelLogitsFunction``, ``VocabParallelLseGatherFunction``) and the shard merges;
+* ``vocab_parallel``: what the families share for a vocab shard: the layout, the collectives and
+  the merge of the shards' statistics (no Function of its own);
+* ``positions``: the losses' rule for which positions count, and its value checks;
 * ``backward_schedule``: how dh and dW are made from recomputed dlogits windows (shared);
-* ``common``: first-order-only backward and the ignored-row selection (shared).
+* ``common``: first-order-only backward, the custom-op helpers, the ignored-row selection (shared).
 """

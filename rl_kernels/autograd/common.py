@@ -221,10 +221,18 @@ def fake_grads(hidden_states: torch.Tensor, weight: torch.Tensor, need_dh: bool,
 
 def or_empty(outputs, like: torch.Tensor) -> tuple:
     """A custom op's outputs: each tensor as it is, a view (e.g. a row of the from-logits
-    forward's one output block) as a copy, each None as a new empty float32 tensor on ``like``'s
-    device (outputs may alias neither each other nor the inputs)."""
-    return tuple(like.new_empty(0, dtype=torch.float32) if t is None else t.clone() if _shares_storage(t) else t
-                 for t in outputs)
+    forward's one output block) or a tensor already among the outputs as a copy, each None as a
+    new empty float32 tensor on ``like``'s device (outputs may alias neither each other nor the
+    inputs)."""
+    out, seen = [], set()
+    for t in outputs:
+        if t is None:
+            t = like.new_empty(0, dtype=torch.float32)
+        elif id(t) in seen or _shares_storage(t):
+            t = t.clone()
+        seen.add(id(t))
+        out.append(t)
+    return tuple(out)
 
 
 def _shares_storage(t: torch.Tensor) -> bool:

@@ -19,8 +19,7 @@ from .backward_schedule import chunked_backward, full_precision_reduction
 from .common import (RUNTIME_TEMPERATURE_SCHEMA, custom_op_pair, fake_grads, first_order_only, grads_or_empty,
                      hidden_for_weight_grad, op_inv_temperature, rl_op)
 from .linear import HeadParams, head_forward
-from .vocab_parallel import (all_gather_rows, finish_hidden_grad, merge_lse, op_backward_layout, op_group,
-                             op_layout)
+from .vocab_parallel import GROUP_SCHEMA, all_gather_rows, finish_hidden_grad, group_from_op, merge_lse, op_group
 
 
 class JSDParams(NamedTuple):
@@ -168,20 +167,17 @@ class LinearJSDFunction(torch.autograd.Function):
 # the autograd); a process group travels by name, as in ``autograd/vocab_parallel.py``; the last
 # argument is the runtime temperature (``autograd.common.op_temperature``).
 
-_PARAMS_SCHEMA = ("str backend, float inv_temperature, float beta, bool may_have_ignored, str? group_name, "
-                  "int? vocab_start_index, bool reduce_hidden_grad, str name, " + RUNTIME_TEMPERATURE_SCHEMA)
+_PARAMS_SCHEMA = ("str backend, float inv_temperature, float beta, bool may_have_ignored, " + GROUP_SCHEMA
+                  + ", str name, " + RUNTIME_TEMPERATURE_SCHEMA)
 
 
 def _params_from_op(backend, inv_temperature, beta, may_have_ignored, group_name, vocab_start_index,
                     reduce_hidden_grad, name, temperature=None, local_vocab=None, device=None) -> JSDParams:
     """The record back from the plain values (1 / T from ``temperature`` when given); with
-    ``group_name`` the layout is derived again (``local_vocab`` and ``device`` given: the forward,
-    with its all_gather when ``vocab_start_index`` is None) or only what the backward reads (the
-    group, the dh reduction)."""
-    tp = None
-    if group_name is not None:
-        tp = (op_layout(group_name, vocab_start_index, reduce_hidden_grad, -100, local_vocab, device)
-              if local_vocab is not None else op_backward_layout(group_name, reduce_hidden_grad))
+    ``group_name`` the layout is derived again (``autograd.vocab_parallel.group_from_op``:
+    ``local_vocab`` and ``device`` given for the forward, with its all_gather when
+    ``vocab_start_index`` is None)."""
+    tp = group_from_op(group_name, vocab_start_index, reduce_hidden_grad, -100, local_vocab, device)
     return JSDParams(backend_by_name(backend), op_inv_temperature(inv_temperature, temperature), beta, tp,
                      may_have_ignored)
 
@@ -189,9 +185,8 @@ def _params_from_op(backend, inv_temperature, beta, may_have_ignored, group_name
 def _op_params(params: JSDParams, runtime_temperature=None) -> tuple:
     """A JSDParams as the ops' trailing plain values (``_PARAMS_SCHEMA``; ``runtime_temperature``:
     None, or the 0-d tensor that then gives 1 / T instead of the float)."""
-    group = (None, None, False) if params.tp is None else op_group(params.tp)
-    return (params.backend.name, params.inv_temperature, params.beta, params.may_have_ignored, *group, "linear_jsd",
-            runtime_temperature)
+    return (params.backend.name, params.inv_temperature, params.beta, params.may_have_ignored, *op_group(params.tp),
+            "linear_jsd", runtime_temperature)
 
 
 @custom_op_pair(

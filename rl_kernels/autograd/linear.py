@@ -16,11 +16,13 @@ import torch
 
 from ..backends import Backend, backend_by_name, implements
 from ..label_check import checked_labels, raise_if_interpreted, raise_label_errors
-from ..validation import warn_fp16_temperature
+from ..validation import check_label_values, warn_fp16_temperature
 from ..torch_ops.linear import torch_dlogits, torch_forward, torch_gathered_logits
 from .backward_schedule import chunked_backward, full_precision_reduction
 from .common import (RUNTIME_TEMPERATURE_SCHEMA, as_float_grad, custom_op_pair, fake_grads, first_order_only,
                      grads_or_empty, hidden_for_weight_grad, op_inv_temperature, or_empty, rl_op)
+from .vocab_parallel import (GROUP_SCHEMA, all_gather_rows, finish_hidden_grad, group_from_op, local_labels,
+                             merge_lse, merge_shards, op_group)
 
 
 class HeadParams(NamedTuple):
@@ -157,16 +159,21 @@ def _with_gathered(dlogits, ids, grad, valid, inv_temperature):
     return wrapped
 
 
-def forward_body(hidden_states, weight, labels, params: HeadParams, gather_ids=None) -> tuple:
+
+def forward_body(hidden_states, weight, labels, params: HeadParams, gather_ids=None, tp=None) -> tuple:
     """The family's forward as one backend call runs it -> (HeadOutputs, the params the backward
-    uses): a bad label reported by an earlier call raised, the fp16 temperature warning, this call's
-    label values checked unless ``params.labels_checked`` (in the Triton kernels without a host sync,
-    else on the host, which also tells whether any label is ignore_index: ``may_have_ignored``),
-    the statistics (:func:`head_forward`) and, with ``gather_ids`` (N, K), the logits at those ids.
-    Eagerly :class:`LinearLogProbsFunction` calls it directly; under torch.compile the
+    uses, the labels and ids the backward reads): a bad label reported by an earlier call raised,
+    the fp16 temperature warning, this call's label values checked unless ``params.labels_checked``
+    (in the Triton kernels without a host sync, else on the host, which also tells whether any
+    label is ignore_index: ``may_have_ignored``), the statistics (:func:`head_forward`) and, with
+    ``gather_ids`` (N, K), the logits at those ids. With ``tp`` (a vocab shard) the shard's
+    statistics merged over the group (:func:`vp_forward`), labels and ids then global. Eagerly
+    :class:`LinearLogProbsFunction` calls it directly; under torch.compile the
     ``rl_kernels::linear_forward`` custom op's body does."""
     raise_label_errors()  # a bad label that an earlier call's kernel reported
     warn_fp16_temperature(hidden_states.dtype, 1.0 / params.inv_temperature)
+    if tp is not None:
+        return vp_forward(hidden_states, weight, labels, params, gather_ids, tp)
     label_check = None
     if not params.labels_checked:
         label_check, has_ignored = checked_labels(labels, weight.shape[0], params.ignore_index, params.name,
@@ -176,7 +183,21 @@ def forward_body(hidden_states, weight, labels, params: HeadParams, gather_ids=N
     if gather_ids is not None:
         out = out._replace(gathered_logits=gathered_logits(hidden_states, weight, gather_ids, params))
     raise_if_interpreted(label_check, hidden_states.device)
-    return out, params
+    return out, params, labels, gather_ids
+
+
+def backward_body(hidden_states, weight, labels, gather_ids, saved: HeadOutputs, grads: HeadOutputs,
+                  params: HeadParams, tp, need_dh: bool, need_dw: bool) -> tuple:
+    """(dh or None, dW or None) in the input dtypes from the forward's ``saved`` statistics and the
+    float32 upstream ``grads``; ``labels`` / ``gather_ids``: what :func:`forward_body` returned for
+    the backward (a shard's own with ``tp``, whose partial dh is then summed over the group when
+    ``tp.reduce_hidden_grad``, in float32 and rounded once: as accurate as the unsharded head)."""
+    if tp is not None and gather_ids is not None:
+        grads, gather_ids = vp_gather_grads(labels, gather_ids, grads, params.ignore_index)
+    reduce_dh = tp is not None and tp.reduce_hidden_grad
+    dh, dw = head_backward(hidden_states, weight, labels, saved, grads, params, need_dh, need_dw, gather_ids,
+                           dh_float32=reduce_dh)
+    return (finish_hidden_grad(dh, tp, hidden_states.dtype) if reduce_dh else dh), dw
 
 
 def asked_outputs(params: HeadParams, gather: bool) -> tuple:
@@ -187,25 +208,31 @@ def asked_outputs(params: HeadParams, gather: bool) -> tuple:
 
 
 class LinearLogProbsFunction(torch.autograd.Function):
-    """Inputs: hidden_states (N, H), weight (V, H), labels (N,), HeadParams, optional ids (N, K)
-    (the logits at those ids are returned too: distillation), runtime temperature (None, or the
-    0-d tensor of a compiled graph). Outputs: the asked fields of ``HeadOutputs``
-    (:func:`asked_outputs`). The one route of the family, eager and under
-    ``torch.compile(fullgraph=True)``: its backend calls are the ``rl_kernels::linear_forward`` /
-    ``linear_backward`` custom ops while the compiler traces, their bodies called directly
-    otherwise (the same code, the same bits)."""
+    """Inputs: hidden_states (N, H), weight (V, H) (a vocab shard (V_r, H) with ``tp``), labels
+    (N,), HeadParams, optional ids (N, K) (the logits at those ids are returned too:
+    distillation), runtime temperature (None, or the 0-d tensor of a compiled graph), the
+    vocab-parallel layout (``autograd.vocab_parallel.ParallelParams``) or None. Outputs: the asked
+    fields of ``HeadOutputs`` (:func:`asked_outputs`), identical on every rank of a group. The one
+    route of the family, eager and under ``torch.compile(fullgraph=True)``, sharded or not: its
+    backend calls are the ``rl_kernels::linear_forward`` / ``linear_backward`` custom ops while the
+    compiler traces (a group travels by name), their bodies (:func:`forward_body`,
+    :func:`backward_body`) called directly otherwise (the same code, the same bits)."""
 
     @staticmethod
-    def forward(ctx, hidden_states, weight, labels, params: HeadParams, gather_ids=None, temperature=None):
+    def forward(ctx, hidden_states, weight, labels, params: HeadParams, gather_ids=None, temperature=None, tp=None):
         if torch.compiler.is_compiling():
-            op_params = head_op_params(params, temperature)
-            out = rl_op("linear_forward", temperature)(hidden_states, weight, labels, gather_ids, *op_params)
+            *out, shard_labels, shard_ids = rl_op("linear_forward", temperature)(
+                hidden_states, weight, labels, gather_ids, *head_op_values(params), *op_group(tp), temperature)
             out = HeadOutputs(*out)
+            if tp is None:  # (the op returns a shard's own labels and ids only)
+                shard_labels, shard_ids = labels, gather_ids
         else:
-            out, params = forward_body(hidden_states, weight, labels, params, gather_ids)
-        ctx.save_for_backward(hidden_states, weight, labels, out.lse, out.entropy if params.return_entropy else None,
-                              out.sum_pi_squared if params.return_sum_pi_squared else None, gather_ids, temperature)
-        ctx.params, ctx.fn_name = params, params.name
+            out, params, shard_labels, shard_ids = forward_body(hidden_states, weight, labels, params, gather_ids, tp)
+        ctx.save_for_backward(hidden_states, weight, shard_labels, out.lse,
+                              out.entropy if params.return_entropy else None,
+                              out.sum_pi_squared if params.return_sum_pi_squared else None,
+                              shard_ids if gather_ids is not None else None, temperature)
+        ctx.params, ctx.tp, ctx.fn_name = params, tp, params.name
         ctx.outputs = asked_outputs(params, gather_ids is not None)
         ctx.set_materialize_grads(False)
         return tuple([getattr(out, k) for k in ctx.outputs])
@@ -216,24 +243,26 @@ class LinearLogProbsFunction(torch.autograd.Function):
         hidden_states, weight, labels, lse, entropy, sum_pi_squared, gather_ids, temperature = ctx.saved_tensors
         got = {k: g for k, g in zip(ctx.outputs, output_grads) if g is not None}
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        none = (None,) * 5
         if not got or not (need_dh or need_dw):
-            return None, None, None, None, None, None
+            return (None, None) + none
         grads = HeadOutputs(*(as_float_grad(got[k]) if k in got else None for k in HeadOutputs._fields))
         if torch.compiler.is_compiling():
             dh, dw = rl_op("linear_backward", temperature)(
                 hidden_states, weight, labels, gather_ids, lse, entropy, sum_pi_squared, *grads, need_dh, need_dw,
-                *head_op_params(ctx.params, temperature))
-            return dh if need_dh else None, dw if need_dw else None, None, None, None, None
+                *head_op_values(ctx.params), *op_group(ctx.tp), temperature)
+            return (dh if need_dh else None, dw if need_dw else None) + none
         raise_label_errors()  # a bad label reported by this call's (or an earlier) forward kernel
         saved = HeadOutputs(None, entropy, lse, sum_pi_squared)
-        dh, dw = head_backward(hidden_states, weight, labels, saved, grads, ctx.params, need_dh, need_dw, gather_ids)
-        return dh, dw, None, None, None, None
+        return backward_body(hidden_states, weight, labels, gather_ids, saved, grads, ctx.params, ctx.tp, need_dh,
+                             need_dw) + none
 
 
-def linear_head(hidden_states, weight, labels, params: HeadParams, gather_ids=None, temperature=None) -> HeadOutputs:
+def linear_head(hidden_states, weight, labels, params: HeadParams, gather_ids=None, temperature=None,
+                tp=None) -> HeadOutputs:
     """:class:`LinearLogProbsFunction`'s outputs as a ``HeadOutputs`` record (None where not asked)."""
     outs = dict(zip(asked_outputs(params, gather_ids is not None),
-                    LinearLogProbsFunction.apply(hidden_states, weight, labels, params, gather_ids, temperature)))
+                    LinearLogProbsFunction.apply(hidden_states, weight, labels, params, gather_ids, temperature, tp)))
     return HeadOutputs(*(outs.get(k) for k in HeadOutputs._fields))
 
 
@@ -243,25 +272,100 @@ def gathered_logits(hidden_states, weight, ids, params: HeadParams) -> torch.Ten
     return params.backend.family("linear").gathered_logits(hidden_states, weight, ids, params)
 
 
+
+
+# ------------------------------------------------------------------ a vocab shard (tensor parallelism)
+# The head over a shard of the vocabulary (``autograd.vocab_parallel``: layout, collectives, the
+# merge of the shards' statistics and its formulas).
+
+def vp_forward(hidden_states, weight, labels, params: HeadParams, gather_ids, tp) -> tuple:
+    """:func:`forward_body` on a vocab shard: global ``labels`` (their values checked on the host
+    against the whole vocabulary when it is known, unless ``params.labels_checked``) -> (HeadOutputs
+    merged over the group, params, the labels and ids of this shard that the backward reads)."""
+    if not params.labels_checked and tp.vocab_size is not None:
+        has_ignored = check_label_values(labels, tp.vocab_size, params.ignore_index, report_ignored=True)
+        params = params._replace(may_have_ignored=has_ignored is not False)
+    if gather_ids is not None:
+        out, shard_labels, shard_ids = vp_gather_forward(hidden_states, weight, labels, gather_ids, params, tp)
+        return out, params, shard_labels, shard_ids
+    v_r = weight.shape[0]
+    local, owned = local_labels(labels, tp.start, v_r, params.ignore_index)
+    shard = head_forward(hidden_states, weight, local, params)
+    z_y = gathered_logits(hidden_states, weight, torch.where(owned, local, 0)[:, None], params)[:, 0]
+    log_probs, entropy, lse, sum_pi_squared = merge_shards(
+        tp.process_group, shard.lse, shard.entropy, z_y, owned, labels, params.ignore_index, tp.vocab_size,
+        shard.sum_pi_squared)
+    # the merged entropy of ignored rows is 0 here; the backward masks those rows anyway
+    return HeadOutputs(log_probs, entropy, lse, sum_pi_squared), params, local, None
+
+
+def vp_gather_forward(hidden_states, weight, labels, ids, params: HeadParams, tp) -> tuple:
+    """The shard forward with the logits at global ``ids`` (N, K) (distillation) -> (HeadOutputs
+    with log_probs, lse and gathered_logits merged over the group, this shard's row labels (no
+    label column on any shard: the label's logit is gathered as the ids' are), this shard's ids
+    (N, 1 + K): the label's, then ``ids``, -1 where another shard holds the id). One all_gather of
+    (N, 2 + 2 (K + 1)) float32: each shard's lse, its logits at the ids it holds, and which it
+    holds. Raises ValueError for an id (or a label) held by no shard or by several."""
+    if params.return_entropy or params.return_sum_pi_squared:
+        raise NotImplementedError("entropy / sum_pi_squared with gathered logits on a vocab shard")
+    v_r = weight.shape[0]
+    valid = labels != params.ignore_index
+    shard_labels = torch.where(valid, v_r, params.ignore_index)  # matches no column of the shard
+    lse_r = head_forward(hidden_states, weight, shard_labels, params).lse
+    every = torch.cat([torch.where(valid, labels, 0)[:, None].to(ids.dtype), ids], 1)  # (N, 1 + K)
+    owned = (every >= tp.start) & (every < tp.start + v_r)
+    shard_ids = torch.where(owned, every - tp.start, -1)
+    z_r = gathered_logits(hidden_states, weight, shard_ids.clamp_min(0), params)
+    zero = torch.zeros((), device=z_r.device)
+    part = torch.cat([lse_r.float()[:, None], torch.where(owned, z_r, zero), owned.float()], 1)
+    k = every.shape[1]
+    gathered = all_gather_rows(tp.process_group, part)  # (W, N, 1 + 2 (1 + K))
+    lse, _ = merge_lse(gathered[:, :, 0])
+    count = gathered[:, :, 1 + k:].sum(0)
+    for cols, name in ((slice(1, k), "teacher_token_ids"), (slice(0, 1), "labels")):
+        bad = count[:, cols] != 1
+        if bool(bad.any()):
+            i, j = (int(x) for x in bad.nonzero()[0])
+            raise ValueError(f"{name}: id {int(every[i, cols][j])} at (token {i}, k {j}) is held by "
+                             f"{int(count[i, cols][j])} shards, expected one (check vocab_start_index)")
+    z = gathered[:, :, 1:1 + k].sum(0)
+    log_probs = torch.where(valid, (z[:, 0] - lse).clamp_max(0.0), zero)
+    return HeadOutputs(log_probs, None, lse, None, z[:, 1:]), shard_labels, shard_ids
+
+
+def vp_gather_grads(shard_labels, shard_ids, grads: HeadOutputs, ignore_index: int) -> tuple:
+    """(grads, ids) for :func:`head_backward` on a shard of :func:`vp_gather_forward`: the ids'
+    columns only, or, with a log-prob gradient g, the label's column too, whose logit gets g as a
+    sparse entry (d log p_y / dz = onehot(y) - p: the -p g part comes from the kernels as for any
+    row, whose label matches no column of the shard)."""
+    if grads.log_probs is None:
+        return grads, shard_ids[:, 1:]
+    g = torch.where(shard_labels != ignore_index, grads.log_probs, torch.zeros((), device=grads.log_probs.device))
+    rest = grads.gathered_logits
+    if rest is None:
+        rest = g.new_zeros(shard_ids.shape[0], shard_ids.shape[1] - 1)
+    return grads._replace(gathered_logits=torch.cat([g[:, None], rest], 1)), shard_ids
+
+
 # ------------------------------------------------------------------ the backend calls as custom ops
 # What torch.compile sees of the family: its forward and backward backend calls as torch.library
 # custom ops (opaque, so no graph break; fake implementations give the output shapes, symbolic sizes
 # included). Autograd is the Function's on both routes; the ops themselves are not differentiable
 # (called directly on inputs that require grad, their backward raises). The parameter record travels
-# as plain values (a custom op takes no Python objects); the op's body rebuilds it. A temperature
+# as plain values (``HEAD_OP_SCHEMA``; a custom op takes no Python objects), then the vocab-parallel
+# layout (``autograd.vocab_parallel.GROUP_SCHEMA``); the op's body rebuilds both. A temperature
 # that Dynamo holds as a symbolic float travels as the ops' last argument, a 0-d tensor
 # (``autograd.common.op_temperature``: a runtime value, so a temperature schedule runs one graph).
 
 HEAD_OP_SCHEMA = ("str backend, float inv_temperature, int ignore_index, bool return_entropy, "
                   "bool return_sum_pi_squared, float? softcap, str name")
+_TRAILING_SCHEMA = HEAD_OP_SCHEMA + ", " + GROUP_SCHEMA + ", " + RUNTIME_TEMPERATURE_SCHEMA
 
 
-def head_op_params(params: HeadParams, runtime_temperature=None) -> tuple:
-    """A HeadParams as the custom ops' trailing plain arguments (``HEAD_OP_SCHEMA``, then
-    ``runtime_temperature``: None, or the 0-d tensor that then gives 1 / T instead of the float;
-    also the vocab-parallel ops')."""
+def head_op_values(params: HeadParams) -> tuple:
+    """A HeadParams as the custom ops' plain values (``HEAD_OP_SCHEMA``)."""
     return (params.backend.name, params.inv_temperature, params.ignore_index, params.return_entropy,
-            params.return_sum_pi_squared, params.softcap, params.name, runtime_temperature)
+            params.return_sum_pi_squared, params.softcap, params.name)
 
 
 def head_params_from_op(backend, inv_temperature, ignore_index, return_entropy, return_sum_pi_squared, softcap,
@@ -276,25 +380,37 @@ def head_params_from_op(backend, inv_temperature, ignore_index, return_entropy, 
 
 @custom_op_pair(
     "rl_kernels::linear_forward",
-    schema="(Tensor hidden_states, Tensor weight, Tensor labels, Tensor? gather_ids, " + HEAD_OP_SCHEMA + ", "
-           + RUNTIME_TEMPERATURE_SCHEMA + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
-def _linear_forward_op(hidden_states, weight, labels, gather_ids, *params):
-    """:func:`forward_body` -> (log_probs, entropy, lse, sum_pi_squared, gathered_logits), empty
-    where not asked."""
-    return or_empty(forward_body(hidden_states, weight, labels, head_params_from_op(*params), gather_ids)[0],
-                    hidden_states)
+    schema="(Tensor hidden_states, Tensor weight, Tensor labels, Tensor? gather_ids, " + _TRAILING_SCHEMA
+           + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+def _linear_forward_op(hidden_states, weight, labels, gather_ids, backend, inv_temperature, ignore_index,
+                       return_entropy, return_sum_pi_squared, softcap, name, group_name, vocab_start_index,
+                       reduce_hidden_grad, temperature=None):
+    """:func:`forward_body` -> (log_probs, entropy, lse, sum_pi_squared, gathered_logits, the shard's
+    labels, the shard's ids), empty where not asked (the last two: with a group only)."""
+    params = head_params_from_op(backend, inv_temperature, ignore_index, return_entropy, return_sum_pi_squared,
+                                 softcap, name, temperature)
+    tp = group_from_op(group_name, vocab_start_index, reduce_hidden_grad, ignore_index, weight.shape[0],
+                       hidden_states.device)
+    out, _, shard_labels, shard_ids = forward_body(hidden_states, weight, labels, params, gather_ids, tp)
+    shard = (shard_labels, shard_ids) if tp is not None else (None, None)
+    return or_empty(tuple(out) + shard, hidden_states)
 
 
 @_linear_forward_op.register_fake
 def _(hidden_states, weight, labels, gather_ids, backend, inv_temperature, ignore_index, return_entropy,
-      return_sum_pi_squared, softcap, name, temperature=None):
+      return_sum_pi_squared, softcap, name, group_name, vocab_start_index, reduce_hidden_grad, temperature=None):
     n = hidden_states.shape[0]
 
     def rows(asked):
         return hidden_states.new_empty(n if asked else 0, dtype=torch.float32)
     gathered = hidden_states.new_empty((n, gather_ids.shape[1]) if gather_ids is not None else (0,),
                                        dtype=torch.float32)
-    return rows(True), rows(return_entropy), rows(True), rows(return_sum_pi_squared), gathered
+    sharded = group_name is not None
+    shard_labels = torch.empty_like(labels) if sharded else hidden_states.new_empty(0, dtype=torch.float32)
+    shard_ids = (gather_ids.new_empty(n, 1 + gather_ids.shape[1]) if sharded and gather_ids is not None
+                 else hidden_states.new_empty(0, dtype=torch.float32))
+    return (rows(True), rows(return_entropy), rows(True), rows(return_sum_pi_squared), gathered, shard_labels,
+            shard_ids)
 
 
 @custom_op_pair(
@@ -302,16 +418,19 @@ def _(hidden_states, weight, labels, gather_ids, backend, inv_temperature, ignor
     schema="(Tensor hidden_states, Tensor weight, Tensor labels, Tensor? gather_ids, Tensor lse, Tensor? entropy, "
            "Tensor? sum_pi_squared, Tensor? grad_log_probs, Tensor? grad_entropy, Tensor? grad_lse, "
            "Tensor? grad_sum_pi_squared, Tensor? grad_gathered_logits, bool need_dh, bool need_dw, "
-           + HEAD_OP_SCHEMA + ", " + RUNTIME_TEMPERATURE_SCHEMA + ") -> (Tensor, Tensor)")
+           + _TRAILING_SCHEMA + ") -> (Tensor, Tensor)")
 def _linear_backward_op(hidden_states, weight, labels, gather_ids, lse, entropy, sum_pi_squared, grad_log_probs,
                         grad_entropy, grad_lse, grad_sum_pi_squared, grad_gathered_logits, need_dh, need_dw,
-                        *params):
-    """-> (dh, dW) in the input dtypes, empty where not needed."""
+                        backend, inv_temperature, ignore_index, return_entropy, return_sum_pi_squared, softcap, name,
+                        group_name, vocab_start_index, reduce_hidden_grad, temperature=None):
+    """:func:`backward_body` -> (dh, dW) in the input dtypes, empty where not needed."""
     raise_label_errors()  # a bad label reported by this call's (or an earlier) forward kernel
-    p = head_params_from_op(*params)
+    params = head_params_from_op(backend, inv_temperature, ignore_index, return_entropy, return_sum_pi_squared,
+                                 softcap, name, temperature)
     grads = HeadOutputs(grad_log_probs, grad_entropy, grad_lse, grad_sum_pi_squared, grad_gathered_logits)
     saved = HeadOutputs(None, entropy, lse, sum_pi_squared)
-    dh, dw = head_backward(hidden_states, weight, labels, saved, grads, p, need_dh, need_dw, gather_ids)
+    dh, dw = backward_body(hidden_states, weight, labels, gather_ids, saved, grads, params,
+                           group_from_op(group_name, vocab_start_index, reduce_hidden_grad), need_dh, need_dw)
     return grads_or_empty(dh, dw, hidden_states, weight)
 
 

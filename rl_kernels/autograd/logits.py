@@ -22,8 +22,10 @@ from .._logging import log_once
 from ..backends import Backend, backend_by_name, implements
 from ..label_check import deferred_label_check, raise_if_interpreted, raise_label_errors
 from ..torch_ops.logits_stats import torch_logits_backward, torch_logits_forward
+from ..validation import check_label_values
 from .common import (RUNTIME_TEMPERATURE_SCHEMA, as_float_grad, custom_op_pair, first_order_only, op_inv_temperature,
                      or_empty, rl_op)
+from .vocab_parallel import GROUP_SCHEMA, group_from_op, local_labels, merge_shards, op_group
 
 
 class LogitsParams(NamedTuple):
@@ -93,12 +95,18 @@ def logits_stats_forward(logits, labels, params: LogitsParams, label_check=None)
     return params.backend.family("logits").forward(logits, labels, params, label_check)
 
 
-def forward_body(logits, labels, params: LogitsParams) -> dict:
+def forward_body(logits, labels, params: LogitsParams, tp=None) -> dict:
     """The family's forward as one backend call runs it: a bad label reported by an earlier call
     raised, this call's label values checked (in the Triton kernel without a host sync, else on
-    the host), the statistics (:func:`logits_stats_forward`). Eagerly :func:`forward_call` runs it
+    the host), the statistics (:func:`logits_stats_forward`). With ``tp`` (a vocab shard, global
+    labels checked on the host against the whole vocabulary when it is known) the shard's
+    statistics merged over the group (:func:`vp_forward`). Eagerly :func:`forward_call` runs it
     directly; under torch.compile the ``rl_kernels::logits_forward`` custom op's body does."""
     raise_label_errors()  # a bad label that an earlier call's kernel reported
+    if tp is not None:
+        if labels is not None and tp.vocab_size is not None:
+            check_label_values(labels, tp.vocab_size, params.ignore_index)
+        return vp_forward(logits, labels, params, tp)
     label_check = None
     if labels is not None:
         label_check = deferred_label_check(labels, logits.shape[-1], params.ignore_index, params.name,
@@ -108,28 +116,35 @@ def forward_body(logits, labels, params: LogitsParams) -> dict:
     return stats
 
 
-def forward_call(logits, labels, params: LogitsParams, temperature=None) -> dict:
+def forward_call(logits, labels, params: LogitsParams, temperature=None, tp=None) -> dict:
     """:func:`forward_body`, eagerly a plain call (no dispatcher on the host path), and while
     torch.compile traces the ``rl_kernels::logits_forward`` custom op (opaque: no graph break, its
     fake gives the shapes) with the same body: the same bits either way. ``temperature``: None, or
-    the runtime 0-d temperature of a compiled graph (``autograd.common.split_temperature``)."""
+    the runtime 0-d temperature of a compiled graph (``autograd.common.split_temperature``);
+    ``tp``: the vocab-parallel layout or None."""
     if not torch.compiler.is_compiling():
-        return forward_body(logits, labels, params)
-    out = rl_op("logits_forward", temperature)(logits, labels, *logits_op_params(params, temperature))
+        return forward_body(logits, labels, params, tp)
+    out = rl_op("logits_forward", temperature)(logits, labels, *logits_op_values(params), *op_group(tp), temperature)
     keep = asked_outputs(params, labels is not None) + ("row_max", "log_sum")  # (the op's empties dropped)
+    if tp is not None and labels is not None:
+        keep += ("shard_labels",)
     return {k: t for k, t in zip(_STAT_KEYS, out) if k in keep}
 
 
-def backward_call(logits, labels, stats: dict, grads: dict, params: LogitsParams, temperature=None):
+def backward_call(logits, labels, stats: dict, grads: dict, params: LogitsParams, temperature=None, tp=None):
     """d loss / d logits from the forward's ``stats`` and the float32 upstream ``grads`` (both
     dicts keyed as ``LogitsOutputs``' fields): eagerly on the backend directly (into the logits'
-    own storage with ``inplace_backward``, reported to autograd by a version bump), under
-    torch.compile through the ``rl_kernels::logits_backward`` custom op (a new tensor)."""
+    own storage with ``inplace_backward``, reported to autograd by a version bump; a vocab shard's
+    by :func:`vp_backward`), under torch.compile through the ``rl_kernels::logits_backward``
+    custom op (a new tensor). ``labels``: a shard's own (``stats["shard_labels"]``) with ``tp``."""
     if torch.compiler.is_compiling():
         return rl_op("logits_backward", temperature)(
             logits, labels, stats["row_max"], stats["log_sum"], stats.get("entropy"), stats.get("sum_pi_squared"),
-            *(grads.get(k) for k in LogitsOutputs._fields), *logits_op_params(params, temperature))
+            *(grads.get(k) for k in LogitsOutputs._fields), *logits_op_values(params), *op_group(tp), temperature)
     raise_label_errors()  # a bad label reported by this call's (or an earlier) forward kernel
+    if tp is not None:
+        return vp_backward(logits, labels, stats, LogitsOutputs(*(grads.get(k) for k in LogitsOutputs._fields)),
+                           params)
     # documented: with inplace_backward the logits' storage receives their gradient
     grad = logits if params.inplace_backward else torch.empty_like(logits, memory_format=torch.contiguous_format)
     params.backend.family("logits").backward(logits, grad, labels, stats, grads, params)
@@ -150,18 +165,20 @@ def asked_outputs(params: LogitsParams, has_labels: bool) -> tuple:
 
 
 class LogitsStatsFunction(torch.autograd.Function):
-    """2-D logits (N, V), labels (N,) or None, LogitsParams, runtime temperature (None, or the
-    0-d tensor of a compiled graph) -> the asked outputs (:func:`asked_outputs`), float32 (N,)
-    each. The one route of the family, eager and under ``torch.compile(fullgraph=True)``: the
-    backend calls inside it are custom ops while the compiler traces (:func:`forward_call`,
+    """2-D logits (N, V) (a vocab shard (N, V_r) with ``tp``), labels (N,) or None, LogitsParams,
+    runtime temperature (None, or the 0-d tensor of a compiled graph), the vocab-parallel layout
+    (``autograd.vocab_parallel.ParallelParams``) or None -> the asked outputs
+    (:func:`asked_outputs`), float32 (N,) each, identical on every rank of a group. The one route
+    of the family, eager and under ``torch.compile(fullgraph=True)``, sharded or not: the backend
+    calls inside it are custom ops while the compiler traces (:func:`forward_call`,
     :func:`backward_call`)."""
 
     @staticmethod
-    def forward(ctx, logits, labels, params: LogitsParams, temperature=None):
-        stats = forward_call(logits, labels, params, temperature)
-        ctx.save_for_backward(logits, labels, stats["row_max"], stats["log_sum"],
+    def forward(ctx, logits, labels, params: LogitsParams, temperature=None, tp=None):
+        stats = forward_call(logits, labels, params, temperature, tp)
+        ctx.save_for_backward(logits, stats.get("shard_labels", labels), stats["row_max"], stats["log_sum"],
                               stats.get("entropy"), stats.get("sum_pi_squared"), temperature)
-        ctx.params, ctx.fn_name = params, params.name
+        ctx.params, ctx.tp, ctx.fn_name = params, tp, params.name
         ctx.outputs = asked_outputs(params, labels is not None)
         ctx.set_materialize_grads(False)
         return tuple([stats[k] for k in ctx.outputs])
@@ -172,9 +189,78 @@ class LogitsStatsFunction(torch.autograd.Function):
         logits, labels, row_max, log_sum, entropy, sum_pi_squared, temperature = ctx.saved_tensors
         grads = {k: as_float_grad(g) for k, g in zip(ctx.outputs, output_grads) if g is not None}
         if not ctx.needs_input_grad[0] or not grads:
-            return None, None, None, None
+            return None, None, None, None, None
         stats = {"row_max": row_max, "log_sum": log_sum, "entropy": entropy, "sum_pi_squared": sum_pi_squared}
-        return backward_call(logits, labels, stats, grads, ctx.params, temperature), None, None, None
+        return backward_call(logits, labels, stats, grads, ctx.params, temperature, ctx.tp), None, None, None, None
+
+
+# ------------------------------------------------------------------ a vocab shard (tensor parallelism)
+# The statistics of logits sharded over the vocabulary (``autograd.vocab_parallel``: layout,
+# collectives, the merge of the shards' statistics and its formulas). The forward's stats hold the
+# merged lse as ``row_max`` with a zero ``log_sum`` (lse = row_max + log_sum, as the kernels read
+# them), so that the backward's softmax is the global one on every shard.
+
+def vp_forward(logits, labels, params: LogitsParams, tp) -> dict:
+    """The vocab-parallel forward without autograd: the stats dict of :func:`forward_body` merged
+    over the group (log_probs with labels, entropy and sum_pi_squared when asked, lse, row_max,
+    log_sum) and, with labels, ``shard_labels``: the labels shifted into this shard
+    (``local_labels``), which the backward reads. ``return_mean_log_p`` is not served here."""
+    if params.return_mean_log_p:
+        raise NotImplementedError("mean_log_p over a vocab shard")
+    v_r = logits.shape[1]
+    stats = params.backend.family("logits").forward(logits, None, params)
+    if labels is not None:
+        local, owned = local_labels(labels, tp.start, v_r, params.ignore_index)
+        z_y = logits.gather(1, torch.where(owned, local, 0).long()[:, None])[:, 0].float() * params.inv_temperature
+    else:
+        owned = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+        z_y = torch.zeros(logits.shape[0], device=logits.device)
+    log_probs, entropy, lse, sum_pi_squared = merge_shards(
+        tp.process_group, stats["lse"], stats.get("entropy"), z_y, owned, labels, params.ignore_index,
+        tp.vocab_size, stats.get("sum_pi_squared"))
+    out = {"log_probs": log_probs, "entropy": entropy, "lse": lse, "sum_pi_squared": sum_pi_squared,
+           "row_max": lse, "log_sum": torch.zeros_like(lse)}
+    if labels is not None:
+        out["shard_labels"] = local
+    return {k: t for k, t in out.items() if t is not None}
+
+
+def vp_backward(logits, local, stats: dict, g: LogitsOutputs, params: LogitsParams) -> torch.Tensor:
+    """d loss / d logits of the shard (a new tensor in the logits' dtype) from the merged
+    statistics (:func:`vp_forward`'s) and the upstream gradients ``g``; ``local``: the forward's
+    shard labels or None."""
+    zero = torch.zeros((), device=logits.device)
+    valid = (local != params.ignore_index) if local is not None else None
+    lse = stats["row_max"]
+    # onehot(y) - p on the shard: the -p part folds into the lse coefficient on every rank, the
+    # onehot part is added below on the owner's column only
+    coef = g.lse.float() if g.lse is not None else torch.zeros(lse.shape, device=lse.device)
+    grad_log_probs = None
+    if g.log_probs is not None:
+        grad_log_probs = torch.where(valid, g.log_probs.float(), zero)
+        coef = coef - grad_log_probs
+    grads = {"lse": coef.contiguous()}
+    if g.entropy is not None:
+        grads["entropy"] = (torch.where(valid, g.entropy.float(), zero) if valid is not None
+                            else g.entropy.float()).contiguous()
+    shard_stats = {"row_max": lse, "log_sum": stats["log_sum"]}
+    if stats.get("entropy") is not None:
+        shard_stats["entropy"] = stats["entropy"]
+    if g.sum_pi_squared is not None:  # global p = exp(z - lse) and global S on every shard
+        shard_stats["sum_pi_squared"] = stats["sum_pi_squared"]
+        grads["sum_pi_squared"] = g.sum_pi_squared.float().contiguous()
+    grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    # labels for the shard kernel: only the ignored / kept mask (id -1 ... matches no column,
+    # and no log-prob gradient is passed: the onehot part is added below)
+    row_labels = None if local is None else torch.where(valid, -1 if params.ignore_index != -1 else -2,
+                                                        params.ignore_index)
+    params.backend.family("logits").backward(logits, grad, row_labels, shard_stats, grads, params)
+    if grad_log_probs is not None:
+        owned = valid & (local >= 0) & (local < logits.shape[1])  # (ignore_index is negative here)
+        rows = owned.nonzero()[:, 0]
+        cols = local[rows].long()
+        grad[rows, cols] += (grad_log_probs[rows] * params.inv_temperature).to(grad.dtype)
+    return grad
 
 
 # ------------------------------------------------------------------ the backend calls as custom ops
@@ -182,22 +268,21 @@ class LogitsStatsFunction(torch.autograd.Function):
 # custom ops (opaque, so no graph break; fake implementations give the shapes, symbolic sizes
 # included). Autograd is the Function's, on both routes; the ops themselves are not differentiable.
 # A custom op takes no Python objects, so the parameter record travels as plain values
-# (``LOGITS_OP_SCHEMA``) and the body rebuilds it. The forward op also returns the two saved
-# statistics (row max, log-sum). ``inplace_backward`` is not honoured by the backward op (a custom op
-# cannot return its input's storage as a new gradient; the forward op says so once). The ops' last
-# argument is the runtime temperature (``autograd.common.op_temperature``).
+# (``LOGITS_OP_SCHEMA``), the vocab-parallel layout as ``autograd.vocab_parallel.GROUP_SCHEMA``'s,
+# and the body rebuilds both. The forward op also returns the two saved statistics (row max,
+# log-sum) and a shard's own labels. ``inplace_backward`` is not honoured by the backward op (a
+# custom op cannot return its input's storage as a new gradient; the forward op says so once). The
+# ops' last argument is the runtime temperature (``autograd.common.op_temperature``).
 
 LOGITS_OP_SCHEMA = ("str backend, float inv_temperature, int ignore_index, bool return_entropy, "
                     "bool return_mean_log_p, bool return_sum_pi_squared, bool inplace_backward, str name")
-_STAT_KEYS = ("log_probs", "entropy", "lse", "mean_log_p", "sum_pi_squared", "row_max", "log_sum")
+_STAT_KEYS = ("log_probs", "entropy", "lse", "mean_log_p", "sum_pi_squared", "row_max", "log_sum", "shard_labels")
 
 
-def logits_op_params(params: LogitsParams, runtime_temperature=None) -> tuple:
-    """A LogitsParams as the custom ops' trailing plain arguments (``LOGITS_OP_SCHEMA``, then
-    ``runtime_temperature``: None, or the 0-d tensor that then gives 1 / T instead of the float)."""
+def logits_op_values(params: LogitsParams) -> tuple:
+    """A LogitsParams as the custom ops' plain values (``LOGITS_OP_SCHEMA``)."""
     return (params.backend.name, params.inv_temperature, params.ignore_index, params.return_entropy,
-            params.return_mean_log_p, params.return_sum_pi_squared, params.inplace_backward, params.name,
-            runtime_temperature)
+            params.return_mean_log_p, params.return_sum_pi_squared, params.inplace_backward, params.name)
 
 
 def logits_params_from_op(backend, inv_temperature, ignore_index, return_entropy, return_mean_log_p,
@@ -213,41 +298,57 @@ def logits_params_from_op(backend, inv_temperature, ignore_index, return_entropy
                         combine_in_one_launch=False)
 
 
+_TRAILING_SCHEMA = LOGITS_OP_SCHEMA + ", " + GROUP_SCHEMA + ", " + RUNTIME_TEMPERATURE_SCHEMA
+
+
 @custom_op_pair(
     "rl_kernels::logits_forward",
-    schema="(Tensor logits, Tensor? labels, " + LOGITS_OP_SCHEMA + ", " + RUNTIME_TEMPERATURE_SCHEMA
-           + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
-def _logits_forward_op(logits, labels, *params):
+    schema="(Tensor logits, Tensor? labels, " + _TRAILING_SCHEMA
+           + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+def _logits_forward_op(logits, labels, backend, inv_temperature, ignore_index, return_entropy, return_mean_log_p,
+                       return_sum_pi_squared, inplace_backward, name, group_name, vocab_start_index,
+                       reduce_hidden_grad, temperature=None):
     """:func:`forward_body` -> (log_probs, entropy, lse, mean_log_p, sum_pi_squared, row_max,
-    log_sum), empty where not asked."""
-    p = logits_params_from_op(*params)
-    if params[6]:  # inplace_backward asked: say once that this route does not honour it
+    log_sum, a shard's labels), empty where not asked."""
+    p = logits_params_from_op(backend, inv_temperature, ignore_index, return_entropy, return_mean_log_p,
+                              return_sum_pi_squared, inplace_backward, name, temperature)
+    if inplace_backward:  # asked: say once that this route does not honour it
         log_once(logging.WARNING, f"rl_kernels.{p.name}: inplace_backward=True is not honoured under "
                  f"torch.compile; the gradient is written to a new tensor (the same values)")
-    stats = forward_body(logits, labels, p)
+    tp = group_from_op(group_name, vocab_start_index, reduce_hidden_grad, ignore_index, logits.shape[1],
+                       logits.device, allow_reduce_hidden_grad=False)
+    stats = forward_body(logits, labels, p, tp)
     return or_empty((stats.get(k) for k in _STAT_KEYS), logits)
 
 
 @_logits_forward_op.register_fake
 def _(logits, labels, backend, inv_temperature, ignore_index, return_entropy, return_mean_log_p,
-      return_sum_pi_squared, inplace_backward, name, temperature=None):
+      return_sum_pi_squared, inplace_backward, name, group_name, vocab_start_index, reduce_hidden_grad,
+      temperature=None):
     n = logits.shape[0]
     asked = (labels is not None, return_entropy, True, return_mean_log_p, return_sum_pi_squared, True, True)
-    return tuple(logits.new_empty(n if a else 0, dtype=torch.float32) for a in asked)
+    shard_labels = (torch.empty_like(labels) if group_name is not None and labels is not None
+                    else logits.new_empty(0, dtype=torch.float32))
+    return tuple(logits.new_empty(n if a else 0, dtype=torch.float32) for a in asked) + (shard_labels,)
 
 
 @custom_op_pair(
     "rl_kernels::logits_backward",
     schema="(Tensor logits, Tensor? labels, Tensor row_max, Tensor log_sum, Tensor? entropy, Tensor? sum_pi_squared, "
            "Tensor? grad_log_probs, Tensor? grad_entropy, Tensor? grad_lse, Tensor? grad_mean_log_p, "
-           "Tensor? grad_sum_pi_squared, " + LOGITS_OP_SCHEMA + ", " + RUNTIME_TEMPERATURE_SCHEMA + ") -> Tensor")
+           "Tensor? grad_sum_pi_squared, " + _TRAILING_SCHEMA + ") -> Tensor")
 def _logits_backward_op(logits, labels, row_max, log_sum, entropy, sum_pi_squared, grad_log_probs, grad_entropy,
-                        grad_lse, grad_mean_log_p, grad_sum_pi_squared, *params):
-    """-> d loss / d logits, a new contiguous tensor in the logits' dtype."""
+                        grad_lse, grad_mean_log_p, grad_sum_pi_squared, backend, inv_temperature, ignore_index,
+                        return_entropy, return_mean_log_p, return_sum_pi_squared, inplace_backward, name, group_name,
+                        vocab_start_index, reduce_hidden_grad, temperature=None):
+    """:func:`backward_call` -> d loss / d logits, a new contiguous tensor in the logits' dtype."""
     grads = {k: g for k, g in zip(LogitsOutputs._fields, (grad_log_probs, grad_entropy, grad_lse, grad_mean_log_p,
                                                            grad_sum_pi_squared)) if g is not None}
     stats = {"row_max": row_max, "log_sum": log_sum, "entropy": entropy, "sum_pi_squared": sum_pi_squared}
-    return backward_call(logits, labels, stats, grads, logits_params_from_op(*params))
+    params = logits_params_from_op(backend, inv_temperature, ignore_index, return_entropy, return_mean_log_p,
+                                   return_sum_pi_squared, inplace_backward, name, temperature)
+    return backward_call(logits, labels, stats, grads, params,
+                         tp=group_from_op(group_name, vocab_start_index, reduce_hidden_grad))
 
 
 @_logits_backward_op.register_fake
@@ -322,7 +423,7 @@ def topk_forward_call(logits, token_ids, labels, params: LogitsParams, temperatu
     if not torch.compiler.is_compiling():
         return topk_forward_body(logits, token_ids, labels, params)
     return rl_op("topk_log_probs_forward", temperature)(logits, token_ids, labels,
-                                                        *logits_op_params(params, temperature))
+                                                        *logits_op_values(params), temperature)
 
 
 class TopKLogProbsFunction(torch.autograd.Function):
@@ -351,8 +452,8 @@ class TopKLogProbsFunction(torch.autograd.Function):
         grad_log_probs = as_float_grad(grad_log_probs)
         if torch.compiler.is_compiling():
             grad = rl_op("topk_log_probs_backward", temperature)(logits, token_ids, labels, row_max, log_sum, lse,
-                                                                 grad_log_probs, *logits_op_params(ctx.params,
-                                                                                                   temperature))
+                                                                 grad_log_probs, *logits_op_values(ctx.params),
+                                                                 temperature)
         else:
             grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
             topk_log_probs_backward(logits, grad, token_ids, labels, row_max, log_sum, lse, grad_log_probs,

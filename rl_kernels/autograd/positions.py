@@ -1,0 +1,104 @@
+"""The losses' rule for which positions count, and its value checks, on both routes.
+
+A position counts unless its label is ``ignore_index`` (when ``labels`` is given) or its ``mask``
+entry is 0 (when ``mask`` is given). The checks read values on the host (labels, mask, the top-K
+teacher's ids and log-probs): eagerly here, under torch.compile inside the
+``rl_kernels::counted_positions`` custom op (opaque, so the traced function holds no data-dependent
+Python), with the same messages. Used by ``rl_kernels.distill`` and the from-logits top-K KL.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..validation import check_labels, check_mask
+from .vocab_parallel import group_from_op
+
+
+def check_teacher_log_probs(teacher_log_probs) -> None:
+    """ValueError naming ``teacher_log_probs`` for NaN or +inf entries (one host read)."""
+    bad = torch.isnan(teacher_log_probs) | (teacher_log_probs == float("inf"))
+    if teacher_log_probs.numel() and bool(bad.any()):
+        first = bad.reshape(-1).nonzero()[0, 0].item()
+        raise ValueError(f"teacher_log_probs: {int(bad.sum())} entries are NaN or +inf (log-probs lie in "
+                         f"[-inf, 0]; -inf marks a zero-probability slot); first at flat position "
+                         f"{first}: {teacher_log_probs.reshape(-1)[first].item()}")
+
+
+def check_teacher_ids(ids, vocab_size: int) -> None:
+    """ValueError naming ``teacher_token_ids`` for an id outside [0, vocab_size) (one host read)."""
+    if ids.numel() and bool(((ids < 0) | (ids >= vocab_size)).any()):
+        raise ValueError(f"teacher_token_ids: values must lie in [0, vocab_size={vocab_size}); got min "
+                         f"{int(ids.min())}, max {int(ids.max())}")
+
+
+def counted_positions(hidden_states, labels, ignore_index, mask, vocab_size, check_values: bool,
+                      hidden_name: str = "hidden_states"):
+    """The one rule of the losses for which positions count: a position counts unless its label
+    is ``ignore_index`` (when ``labels`` is given) or its ``mask`` entry is 0 (when ``mask`` is
+    given); both may be given. Validates both (label values against ``vocab_size`` unless
+    ``check_values`` is False) and returns ((N,) bool, whether any position is excluded, or None
+    when unknown without a host sync)."""
+    lead = tuple(hidden_states.shape[:-1])
+    n = hidden_states.reshape(-1, hidden_states.shape[-1]).shape[0]
+    valid = torch.ones(n, dtype=torch.bool, device=hidden_states.device)
+    any_excluded = False
+    if labels is not None:
+        any_excluded = check_labels(labels, hidden_states, hidden_name, vocab_size, ignore_index,
+                                    check_values=check_values, report_ignored=True)
+        valid = labels.reshape(-1) != ignore_index
+    check_mask(mask, lead, hidden_states, hidden_name, check_values=check_values)
+    if mask is not None:
+        valid = valid & (mask.reshape(-1) != 0)
+        any_excluded = None
+    return valid, any_excluded
+
+
+@torch.library.custom_op(
+    "rl_kernels::counted_positions", mutates_args=(),
+    schema="(Tensor hidden_states, Tensor? labels, Tensor? mask, Tensor? teacher_token_ids, "
+           "Tensor? teacher_log_probs, SymInt vocab_size, int ignore_index, str hidden_name, str? group_name, "
+           "int? vocab_start_index) -> Tensor")
+def _counted_positions_op(hidden_states, labels, mask, teacher_token_ids, teacher_log_probs, vocab_size,
+                          ignore_index, hidden_name, group_name, vocab_start_index):
+    """torch.compile's route of :func:`checked_positions` (ValueError as in eager) -> (N,) bool,
+    the positions that count. ``vocab_size``: the head's rows; with ``group_name`` (a vocab-sharded
+    head) the whole vocabulary is derived as in eager (unknown when ``vocab_start_index`` is
+    given)."""
+    tp = group_from_op(group_name, vocab_start_index, False, ignore_index, vocab_size, hidden_states.device)
+    return eager_positions(hidden_states, labels, ignore_index, mask, vocab_size if tp is None else tp.vocab_size,
+                           hidden_name, teacher_token_ids, teacher_log_probs)[0]
+
+
+@_counted_positions_op.register_fake
+def _(hidden_states, *rest):
+    return hidden_states.new_empty(math.prod(hidden_states.shape[:-1]), dtype=torch.bool)
+
+
+def eager_positions(hidden_states, labels, ignore_index, mask, vocab_size, hidden_name="hidden_states",
+                    teacher_token_ids=None, teacher_log_probs=None):
+    """:func:`checked_positions`' checks on the host against ``vocab_size`` (the whole vocabulary;
+    None when unknown: label values then unchecked, teacher ids checked >= 0 only)."""
+    if teacher_log_probs is not None:
+        check_teacher_log_probs(teacher_log_probs)
+    if teacher_token_ids is not None:
+        check_teacher_ids(teacher_token_ids, vocab_size if vocab_size is not None else torch.iinfo(torch.int64).max)
+    return counted_positions(hidden_states, labels, ignore_index, mask, vocab_size,
+                             check_values=vocab_size is not None, hidden_name=hidden_name)
+
+
+def checked_positions(hidden_states, labels, ignore_index, mask, local_vocab: int, tp, hidden_name="hidden_states",
+                      teacher_token_ids=None, teacher_log_probs=None):
+    """(valid (N,) bool, whether any position is excluded, or None when unknown) after the values
+    of ``labels``, ``mask`` and the teacher's ids / log-probs are checked (ValueError naming the
+    argument). ``local_vocab``: the head's rows (the logits' columns); with ``tp`` (a vocab shard)
+    labels and ids are global and checked against the whole vocabulary when it is known. Eagerly
+    on the host here; while torch.compile traces through ``rl_kernels::counted_positions``."""
+    if not torch.compiler.is_compiling():
+        return eager_positions(hidden_states, labels, ignore_index, mask, local_vocab if tp is None else tp.vocab_size,
+                               hidden_name, teacher_token_ids, teacher_log_probs)
+    counted_positions(hidden_states, labels, ignore_index, mask, None, False, hidden_name)  # metadata
+    group = (None, None) if tp is None else (tp.process_group.group_name, tp.start)
+    return torch.ops.rl_kernels.counted_positions(hidden_states, labels, mask, teacher_token_ids, teacher_log_probs,
+                                                  local_vocab, ignore_index, hidden_name, *group), None
