@@ -74,17 +74,6 @@ def hidden_for_weight_grad(hidden_states: torch.Tensor, ignored: torch.Tensor,
     return resolve
 
 
-def compiling() -> bool:
-    """Whether ``torch.compile`` (Dynamo) is tracing the caller. The vocab-parallel paths (and the
-    distillation losses' value checks) then call their ``torch.library`` custom ops
-    (``torch.ops.rl_kernels.*``: opaque to the compiler, so no graph break, and carrying fake-tensor
-    shapes) instead of their autograd Function, and leave the data-dependent checks to the ops'
-    bodies, which run eagerly; both routes call the same backend implementations, so they give the
-    same bits. (The fused head, the from-logits and the JSD families need no such branch: their
-    one Function calls its custom ops itself while traced; see ``split_temperature``.)"""
-    return torch.compiler.is_compiling()
-
-
 # The temperature on torch.compile's route. A custom op's ``float`` argument is a constant of the
 # graph: Dynamo holds a temperature that changed between calls as a symbolic float, and passing it
 # (or 1 / T) to a ``float`` argument specializes it again (a recompilation per temperature, and a
@@ -108,7 +97,7 @@ _CUDAGRAPH_UNSAFE = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagra
 class CustomOpPair:
     """A ``torch.library`` custom op ``rl_kernels::<name>`` and its cudagraph-unsafe twin
     ``rl_kernels::<name>_runtime_temperature`` (same schema, body, fake implementation and
-    autograd): ``register_fake`` / ``register_autograd`` register on both."""
+    autograd: none, the family's Function is the autograd): ``register_fake`` registers on both."""
 
     def __init__(self, qualname: str, schema: str, fn):
         self.ops = (torch.library.custom_op(qualname, fn, mutates_args=(), schema=schema),
@@ -119,10 +108,6 @@ class CustomOpPair:
         for op in self.ops:
             op.register_fake(fn)
         return fn
-
-    def register_autograd(self, backward, setup_context=None) -> None:
-        for op in self.ops:
-            op.register_autograd(backward, setup_context=setup_context)
 
 
 def custom_op_pair(qualname: str, schema: str):
@@ -170,35 +155,6 @@ def has_static_value(value) -> bool:
     from torch.fx.experimental.symbolic_shapes import has_static_value as static
 
     return static(value)
-
-
-def refuse_double_backward(backward_op) -> None:
-    """Register, as the autograd of a family's backward custom op (whose last ``str`` argument is
-    the public function's name, followed by the runtime temperature), a node that raises "double
-    backward is not supported by rl_kernels.<name>" when the gradients are differentiated again
-    (the compiled route's :func:`first_order_only`)."""
-
-    def setup_context(ctx, inputs, output):
-        ctx.fn_name = next(a for a in reversed(inputs) if isinstance(a, str))
-
-    def backward(ctx, *grads):
-        raise RuntimeError(f"double backward is not supported by rl_kernels.{ctx.fn_name}: its backward "
-                           f"computes first derivatives only")
-
-    backward_op.register_autograd(backward, setup_context=setup_context)
-
-
-def if_asked(t: torch.Tensor, asked: bool) -> torch.Tensor | None:
-    """A custom op's output or gradient as the output record holds it: None unless ``asked`` (a
-    custom op returns an empty tensor for an output that was not asked, as it cannot return
-    None; and autograd hands its backward zeros, not None, for an output that was not used)."""
-    return t if asked else None
-
-
-def float_grads(grads, asked) -> list:
-    """The upstream gradients a backward op takes: float32 contiguous for the outputs that were
-    asked, None for the others (and for those autograd left None)."""
-    return [as_float_grad(g) if a and g is not None else None for g, a in zip(grads, asked)]
 
 
 def as_float_grad(g: torch.Tensor) -> torch.Tensor:

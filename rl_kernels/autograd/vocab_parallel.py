@@ -42,7 +42,6 @@ import dataclasses
 import torch
 
 from ..validation import check_vocab_parallel_args
-from .common import compiling
 
 
 def _dist():
@@ -116,7 +115,7 @@ def parallel_params(process_group, vocab_start_index, reduce_hidden_grad, ignore
                               allow_reduce_hidden_grad)
     if process_group is None:
         return None
-    if compiling():  # traced: the custom ops' bodies derive the layout (and run its all_gather)
+    if torch.compiler.is_compiling():  # traced: the custom ops' bodies derive the layout (and its all_gather)
         return ParallelParams(process_group, vocab_start_index, None, reduce_hidden_grad)
     if vocab_start_index is not None:
         return ParallelParams(process_group, int(vocab_start_index), None, reduce_hidden_grad)
