@@ -69,7 +69,7 @@ class Backend:
         self.checks_labels_in_kernel = checks_labels_in_kernel
 
     def family(self, family: str):
-        """The implementation of head family ``family`` ("linear", "logits", "jsd", ...) on this
+        """The implementation of head family ``family`` ("linear", "logits", "linear_jsd", ...) on this
         backend: an object with that family's methods (see the family's autograd module)."""
         try:
             return _FAMILIES[family][self.name]

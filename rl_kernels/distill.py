@@ -14,7 +14,7 @@ to the teacher's K ids:
 
 The logsumexp comes from the fused split-vocab kernels (``rl_kernels.linear_log_probs``' forward
 and backward with an lse gradient, d lse / dz = softmax(z)); the K logits z_{id_k} are K dot
-products per token (``ops.linear_forward.label_logits``) whose gradients are added as sparse
+products per token (``ops.linear.label_logits``) whose gradients are added as sparse
 entries to the same recomputed dlogits windows, so dh and dW come from the head's own matmuls. The T^2 factor keeps gradient magnitudes comparable
 across temperatures (Hinton, Vinyals, Dean 2015, "Distilling the Knowledge in a Neural Network",
 sec. 2). Restricting the sums to the teacher's K ids is the usual sparse-teacher approximation
@@ -27,7 +27,7 @@ import numbers
 import torch
 
 from .autograd.common import split_temperature
-from .autograd.jsd import JSDParams, LinearJSDFunction
+from .autograd.linear_jsd import JSDParams, LinearJSDFunction
 from .autograd.linear import HeadParams, linear_head
 from .autograd.positions import check_teacher_log_probs, checked_positions
 from .autograd.vocab_parallel import parallel_params

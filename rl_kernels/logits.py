@@ -4,10 +4,10 @@ Two backends compute the same per-row statistics from one read of the logits and
 state for backward, which reads the logits once more and writes the gradient once, in the logits
 dtype (optionally into the logits' own storage):
 
-* ``triton`` (CUDA, or Triton's CPU interpreter): ``rl_kernels.ops.logits_stats``, a one-level
+* ``triton`` (CUDA, or Triton's CPU interpreter): ``rl_kernels.ops.logits``, a one-level
   online-softmax kernel for many rows and a two-level split (per-split partials, then a combine)
   for few rows, chosen automatically and bitwise identical to each other;
-* ``torch`` (any device): ``rl_kernels.torch_ops.logits_stats``, float32 row chunks.
+* ``torch`` (any device): ``rl_kernels.torch_ops.logits``, float32 row chunks.
 
 Torch eager (verl's ``logprobs_from_logits`` + ``entropy_from_logits``) instead keeps several
 N x V copies (softmax, ``softmax * logits``, per-row log-softmax outputs) alive until backward.

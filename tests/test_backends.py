@@ -21,7 +21,7 @@ def test_get_backend_resolves_once_to_one_object_per_backend():
     assert triton_backend.name == "triton" and triton_backend.checks_labels_in_kernel
     with pytest.raises(ValueError, match="backend: expected one of"):
         backends.get_backend("cuda", cpu)
-    for family in ("linear", "logits", "jsd"):  # every family of the package has both
+    for family in ("linear", "logits", "linear_jsd"):  # every family of the package has both
         assert torch_backend.family(family) is not triton_backend.family(family)
     with pytest.raises(NotImplementedError, match="head family 'nope' has no 'torch' backend"):
         torch_backend.family("nope")

@@ -256,7 +256,7 @@ def test_sum_pi_squared_bf16_against_float64():
     """sum_j p_j^2 from the fused head (mainloop accumulator) and from logits (both launch
     shapes, bitwise equal), with its gradient, at the Qwen head shape."""
     from rl_kernels import sum_pi_squared_from_logits
-    from rl_kernels.ops import logits_stats as kernels
+    from rl_kernels.ops import logits as kernels
 
     n, h, v = 1024, 3584, 152064
     hidden, weight, labels = _inputs(n, h, v, seed=5)

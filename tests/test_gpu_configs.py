@@ -21,7 +21,7 @@ from rl_kernels.ops import config as config_mod
 from rl_kernels.ops.launch import TRITON_LAUNCH_ENV
 import importlib
 
-kernels_mod = importlib.import_module("rl_kernels.ops.logits_stats")
+kernels_mod = importlib.import_module("rl_kernels.ops.logits")
 from rl_kernels.reference import make_inputs, reference_linear_grads, reference_linear_log_probs, rel_err
 
 
@@ -39,16 +39,12 @@ def compile_only_for(arch: int, compiled: list):
 
     import importlib
 
-    linear_backward, linear_forward, linear_jsd, logits_stats, split_combine = (
-        importlib.import_module(f"rl_kernels.ops.{m}")
-        for m in ("linear_backward", "linear_forward", "linear_jsd", "logits_stats", "split_combine"))
+    linear, linear_jsd, logits = (importlib.import_module(f"rl_kernels.ops.{m}") for m in ("linear", "linear_jsd", "logits"))
 
     driver = triton.runtime.driver.active
     saved_target = driver.get_current_target
-    kernels = [linear_forward._linear_split_stats_kernel, linear_forward._label_logits_kernel,
-               split_combine._split_combine_kernel, linear_backward._linear_dlogits_kernel]
-    kernels += [v for mod in (linear_jsd, logits_stats) for v in vars(mod).values()
-                if isinstance(v, triton.runtime.jit.JITFunction) and v.__name__.endswith("_kernel")]
+    kernels = [v for mod in (linear, linear_jsd, logits) for v in vars(mod).values()
+               if isinstance(v, triton.runtime.jit.JITFunction) and v.__name__.endswith("_kernel")]
     saved_runs = [k.run for k in kernels]
 
     def make_run(orig):

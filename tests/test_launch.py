@@ -144,7 +144,7 @@ def test_direct_launch_equals_tritons_path_on_misaligned_views():
 @cuda
 def test_from_logits_direct_launch_is_bitwise_tritons(monkeypatch):
     import rl_kernels
-    from rl_kernels.ops import logits_stats as ls
+    from rl_kernels.ops import logits as ls
 
     g = torch.Generator(device="cuda").manual_seed(1)
     logits = (3 * torch.randn(300, 5000, device="cuda", generator=g)).bfloat16()
@@ -205,7 +205,7 @@ def test_one_launch_combine_is_race_free():
     from rl_kernels.autograd.logits import LogitsParams
     from rl_kernels.backends import get_backend
     from rl_kernels.ops import logits_config, logits_forward
-    from rl_kernels.ops import logits_stats as ls
+    from rl_kernels.ops import logits as ls
 
     g = torch.Generator(device="cuda").manual_seed(7)
     x = (3 * torch.randn(512, 152064, device="cuda", generator=g)).bfloat16()

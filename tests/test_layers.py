@@ -72,9 +72,9 @@ def imports(module: str, path: str, known: dict) -> set[str]:
 def test_the_graph_is_read():
     """The reader finds what is known to be there (a test of the test)."""
     known = modules()
-    assert {"rl_kernels.ops.logits_stats", "rl_kernels.tools.cli", "rl_kernels.integrations.verl_patch",
+    assert {"rl_kernels.ops.logits", "rl_kernels.tools.cli", "rl_kernels.integrations.verl_patch",
             "rl_kernels.label_flag"} <= set(known)
-    assert "rl_kernels.ops.common" in imports("rl_kernels.ops.logits_stats", known["rl_kernels.ops.logits_stats"], known)
+    assert "rl_kernels.ops.common" in imports("rl_kernels.ops.logits", known["rl_kernels.ops.logits"], known)
     assert "rl_kernels.tools.bench" in imports("rl_kernels.tools.cli", known["rl_kernels.tools.cli"], known)
     assert layer("rl_kernels.tools.cli") > layer("rl_kernels.integrations.verl_patch") > layer("rl_kernels.linear") \
         > layer("rl_kernels.ops.config") > layer("rl_kernels._logging")

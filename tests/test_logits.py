@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import rl_kernels.torch_ops.logits_stats as logits_mod
+import rl_kernels.torch_ops.logits as logits_mod
 from rl_kernels import (cross_entropy, entropy_from_logits, log_probs_from_logits, logits_stats,
                         logsumexp)
 
@@ -27,7 +27,7 @@ def small_chunks(monkeypatch):
 
 def _force(monkeypatch, two_level):
     if two_level is not None:
-        from rl_kernels.ops import logits_stats as kernels
+        from rl_kernels.ops import logits as kernels
 
         monkeypatch.setattr(kernels, "use_two_level", lambda *a: two_level)
 

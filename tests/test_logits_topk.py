@@ -17,7 +17,7 @@ import torch._dynamo.testing
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import rl_kernels
-import rl_kernels.torch_ops.logits_stats as torch_logits
+import rl_kernels.torch_ops.logits as torch_logits
 from rl_kernels import linear_topk_kl, topk_kl_from_logits, topk_log_probs_from_logits
 
 BACKENDS = ["torch", "triton"]

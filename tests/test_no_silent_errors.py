@@ -15,7 +15,7 @@ import rl_kernels
 from rl_kernels import (cross_entropy, entropy_from_logits, linear_jsd, linear_log_probs, linear_topk_kl,
                         log_probs_from_logits, logits_stats, logsumexp, topk_kl_from_logits,
                         topk_log_probs_from_logits)
-from rl_kernels.ops import logits_stats as kernels
+from rl_kernels.ops import logits as kernels
 
 from rl_kernels.reference import dense_linear_log_probs, make_inputs
 

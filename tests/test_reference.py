@@ -17,7 +17,7 @@ import rl_kernels.reference as reference
 from rl_kernels.logits import logits_stats
 from rl_kernels.reference import (dense_linear_log_probs, reference_jsd, reference_linear_grads,
                                   reference_linear_log_probs, reference_logits_stats)
-from rl_kernels.autograd.jsd import JSDParams
+from rl_kernels.autograd.linear_jsd import JSDParams
 from rl_kernels.autograd.linear import HeadOutputs, HeadParams
 from rl_kernels.backends import get_backend
 from rl_kernels.torch_ops.linear import torch_dlogits, torch_forward

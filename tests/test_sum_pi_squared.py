@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from rl_kernels import linear_log_probs, logits_stats, sum_pi_squared_from_logits
-from rl_kernels.ops import logits_stats as kernels
+from rl_kernels.ops import logits as kernels
 
 from rl_kernels.reference import make_inputs
 

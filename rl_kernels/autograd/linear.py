@@ -2,7 +2,7 @@
 
 The head family "linear": its parameter record (``HeadParams``), its output record
 (``HeadOutputs``), its two backend implementations (``TritonHead``: the split-vocab kernels
-``ops.linear_forward`` + ``ops.split_combine`` and ``ops.linear_backward``; ``TorchHead``: the
+``ops.linear`` + ``ops.linear`` and ``ops.linear``; ``TorchHead``: the
 twin ``torch_ops.linear``) and its autograd Function. Forward: per-row log-prob, entropy, lse
 (and sum_pi_squared); saved state is O(N). Backward: ``head_backward`` recomputes d loss / d
 logits windows on the backend and hands them to the shared schedule
@@ -60,8 +60,8 @@ class HeadOutputs(NamedTuple):
 
 @implements("linear", "triton")
 class TritonHead:
-    """The fused head on the Triton kernels (``ops.linear_forward``, ``ops.split_combine``,
-    ``ops.linear_backward``)."""
+    """The fused head on the Triton kernels (``ops.linear``, ``ops.linear``,
+    ``ops.linear``)."""
 
     @staticmethod
     def forward(hidden_states, weight, labels, params: HeadParams, label_check) -> HeadOutputs:
@@ -90,7 +90,7 @@ class TritonHead:
 
     @staticmethod
     def gathered_logits(hidden_states, weight, ids, params: HeadParams) -> torch.Tensor:
-        from ..ops.linear_forward import label_logits
+        from ..ops.linear import label_logits
 
         return label_logits(hidden_states, weight, ids, params)
 

@@ -3,7 +3,7 @@
 The head family "logits": its parameter record (``LogitsParams``), output record
 (``LogitsOutputs``), two backend implementations (``TritonLogits``, ``TorchLogits``) and Function.
 Forward: one read of the logits (Triton ``ops.logits_forward`` or its torch twin
-``torch_ops.logits_stats``) gives per-row float32 statistics; only O(N) of them are saved.
+``torch_ops.logits``) gives per-row float32 statistics; only O(N) of them are saved.
 Backward: one more read of the logits writes d loss / d logits once, in the logits' dtype (into
 the logits' own storage with ``inplace_backward``, reported to autograd by a version bump).
 
@@ -21,7 +21,7 @@ import torch
 from .._logging import log_once
 from ..backends import Backend, backend_by_name, implements
 from ..label_check import deferred_label_check, raise_if_interpreted, raise_label_errors
-from ..torch_ops.logits_stats import torch_logits_backward, torch_logits_forward
+from ..torch_ops.logits import torch_logits_backward, torch_logits_forward
 from ..validation import check_label_values
 from .common import (RUNTIME_TEMPERATURE_SCHEMA, as_float_grad, custom_op_pair, first_order_only, op_inv_temperature,
                      or_empty, rl_op)
@@ -41,7 +41,7 @@ class LogitsParams(NamedTuple):
     return_sum_pi_squared: bool = False
     inplace_backward: bool = False  # the gradient is written into the logits' own storage
     # two-level forward: the row's last split merges it in the same launch, with row counters kept
-    # across calls (ops.logits_stats.row_counters); off in the custom ops' bodies (torch.compile),
+    # across calls (ops.logits.row_counters); off in the custom ops' bodies (torch.compile),
     # where inductor's CUDA-graph trees warm up in a private memory pool that no tensor may outlive
     combine_in_one_launch: bool = True
 
@@ -59,7 +59,7 @@ class LogitsOutputs(NamedTuple):
 
 @implements("logits", "triton")
 class TritonLogits:
-    """The from-logits statistics on the Triton kernels (``ops.logits_stats``)."""
+    """The from-logits statistics on the Triton kernels (``ops.logits``)."""
 
     @staticmethod
     def forward(logits, labels, params: LogitsParams, label_check=None) -> dict:
@@ -77,7 +77,7 @@ class TritonLogits:
 
 @implements("logits", "torch")
 class TorchLogits:
-    """The from-logits statistics' torch twin (``torch_ops.logits_stats``): float32 row chunks."""
+    """The from-logits statistics' torch twin (``torch_ops.logits``): float32 row chunks."""
 
     @staticmethod
     def forward(logits, labels, params: LogitsParams, label_check=None) -> dict:

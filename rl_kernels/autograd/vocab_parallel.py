@@ -2,7 +2,7 @@
 (the convention of every public function's ``process_group`` argument). This module holds what the
 families share: the layout (``parallel_params``), the collectives and the merge of the shards'
 statistics; each family's own Function runs its shard (``autograd.linear.vp_forward``,
-``autograd.logits.vp_forward``, the JSD's sums in ``autograd.jsd``).
+``autograd.logits.vp_forward``, the JSD's sums in ``autograd.linear_jsd``).
 
 Rank r of the group holds the contiguous vocab rows [start_r, start_r + V_r) of the head (or of
 the logits); shards may differ in size and are ordered by group rank. Every rank runs the

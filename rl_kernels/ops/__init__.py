@@ -2,10 +2,8 @@
 from .config import (CLASSES, CONFIG_CLASS_ENV, CUDA_CONFIG, INTERPRETER, INTERPRETER_CONFIG, BwdTile, ConfigClass,
                      KernelConfig, LogitsConfig, config_class, default_config, device_class, forced_config, interpreting,
                      logits_config)
-from .linear_backward import linear_dlogits
-from .linear_forward import linear_split_stats
-from .logits_stats import logits_backward, logits_forward, use_two_level
-from .split_combine import split_combine
+from .linear import linear_dlogits, linear_split_stats, split_combine
+from .logits import logits_backward, logits_forward, use_two_level
 
 __all__ = ["CLASSES", "CONFIG_CLASS_ENV", "CUDA_CONFIG", "INTERPRETER", "INTERPRETER_CONFIG", "BwdTile", "ConfigClass",
            "KernelConfig", "LogitsConfig", "config_class", "default_config", "device_class", "forced_config",

@@ -14,13 +14,13 @@
 * ``soft_cap``: the logit soft-capping of Gemma-2-style heads, z = (c / T) * tanh(x) for
   x = (h . w) / c, with an infinite x made NaN (a non-finite hidden row stays non-finite).
 * ``log_sum_lse`` / ``stats_entropy``: log s and lse = m + log s, and the entropy log s - b / s,
-  of merged statistics, clamped as the finalizers of ``split_combine`` and ``logits_stats`` need.
+  of merged statistics, clamped as the finalizers of the head's combine and of ``logits`` need.
 * ``window_tile`` / ``store_window``: the prologue and epilogue of the dlogits kernels
-  (``linear_backward``, ``linear_jsd``): this program's tile of a (rows x cols) window of the
+  (``linear``'s backward, ``linear_jsd``): this program's tile of a (rows x cols) window of the
   logits, and the store of its gradient tile into the window-shaped output.
 
-These are ``@triton.jit`` helpers, inlined into the kernels of ``linear_forward``,
-``split_combine``, ``linear_backward``, ``linear_jsd`` and ``logits_stats``. The host-side helpers
+These are ``@triton.jit`` helpers, inlined into the kernels of ``linear``, ``linear_jsd`` and
+``logits``. The host-side helpers
 ``tma_ok`` / ``tma_operands`` (tensor descriptors or plain tensors for the GEMM operands),
 ``gemm_meta`` (the GEMM kernels' launch meta-parameters) and ``window_grid`` (the grid of a
 dlogits window) serve their launchers.

@@ -1,5 +1,5 @@
-"""Torch twin of the fused linear head (``rl_kernels.ops.linear_forward``, ``split_combine``,
-``linear_backward``): the CPU / no-Triton backend, and in float64 the oracle of the tests.
+"""Torch twin of the fused linear head (``rl_kernels.ops.linear``): the CPU / no-Triton backend,
+and in float64 the oracle of the tests.
 
 Same math as the Triton kernels, computed in ``compute_dtype``
 (float32 for the backend, float64 for the reference) over chunks of token rows, so that at most

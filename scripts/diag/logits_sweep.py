@@ -15,7 +15,7 @@ import triton.testing
 import rl_kernels
 from rl_kernels import ops
 from rl_kernels.ops import config as ops_config
-from rl_kernels.ops import logits_stats as kernels
+from rl_kernels.ops import logits as kernels
 
 from diag_common import logits_params, require_cuda  # noqa: E402 - this script's folder is on sys.path
 

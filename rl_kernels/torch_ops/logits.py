@@ -1,4 +1,4 @@
-"""Torch twin of the from-logits kernels (``rl_kernels.ops.logits_stats``): the same per-row
+"""Torch twin of the from-logits kernels (``rl_kernels.ops.logits``): the same per-row
 statistics (row max, log-sum, log-probs, entropy, mean log p, sum of squared probabilities) and
 the same backward, in float32 row chunks, on any device. Formulas: ``rl_kernels.logits``."""
 from __future__ import annotations
