@@ -15,11 +15,26 @@ import torch
 import torch._dynamo.testing
 
 import rl_kernels
+import rl_kernels.autograd.linear as linear_autograd
+import rl_kernels.autograd.linear_jsd as jsd_autograd
+import rl_kernels.autograd.logits as logits_autograd
+from rl_kernels.backends import get_backend
 
 BACKENDS = ["torch", "triton"]
 N, H, V = 9, 16, 37  # small odd shapes: each Triton interpreter launch costs ~0.3 s
 T = 0.7
-NO_GROUP = (None, None, False)  # the ops' vocab-parallel layout values without a group (GROUP_SCHEMA)
+TORCH = get_backend("torch", torch.device("cpu"))
+
+
+def _head_args(return_entropy, name, inv_temperature=1.0, **fields):
+    """The fused head's ops' trailing arguments (``OP_ARGS.pack``: record, no group, no runtime T)."""
+    params = linear_autograd.HeadParams(TORCH, inv_temperature, -100, return_entropy, name, **fields)
+    return linear_autograd.OP_ARGS.pack(params, None)
+
+
+def _logits_args(inv_temperature, **fields):
+    params = logits_autograd.LogitsParams(TORCH, inv_temperature, -100, True, "logits_stats", **fields)
+    return logits_autograd.OP_ARGS.pack(params, None)
 
 
 def _inputs(n=N, seed=0):
@@ -384,11 +399,9 @@ def test_backend_call_ops_are_not_differentiable_by_themselves(op):
     no autograd formula), never a silently missing gradient."""
     hidden, weight, logits, labels = _inputs()
     if op == "linear_forward":
-        out = torch.ops.rl_kernels.linear_forward(hidden, weight, labels, None, "torch", 1.0, -100, True, False,
-                                                  None, "linear_log_probs", *NO_GROUP)
+        out = torch.ops.rl_kernels.linear_forward(hidden, weight, labels, None, *_head_args(True, "linear_log_probs"))
     else:
-        out = torch.ops.rl_kernels.logits_forward(logits, labels, "torch", 1.0, -100, True, False, False, False,
-                                                  "logits_stats", *NO_GROUP)
+        out = torch.ops.rl_kernels.logits_forward(logits, labels, *_logits_args(1.0))
     with pytest.raises(RuntimeError, match="no autograd formula"):
         out[0].sum().backward()
 
@@ -427,20 +440,18 @@ def test_custom_ops_pass_opcheck(op):
     ids, teacher = _teacher(N)
     valid = labels != -100
     args = {
-        "linear_forward": (hidden.detach(), weight.detach(), labels, None, "torch", inv, -100, True, True, None,
-                           "linear_log_probs", *NO_GROUP),
-        "linear_forward_gather": (hidden.detach(), weight.detach(), labels, ids, "torch", inv, -100, False, False,
-                                  None, "linear_topk_kl", *NO_GROUP),
-        "logits_forward": (logits.detach(), labels, "torch", inv, -100, True, False, True, False, "logits_stats",
-                           *NO_GROUP),
+        "linear_forward": (hidden.detach(), weight.detach(), labels, None,
+                           *_head_args(True, "linear_log_probs", inv, return_sum_pi_squared=True)),
+        "linear_forward_gather": (hidden.detach(), weight.detach(), labels, ids, *_head_args(False, "linear_topk_kl", inv)),
+        "logits_forward": (logits.detach(), labels, *_logits_args(inv, return_sum_pi_squared=True)),
         "jsd_forward": (hidden.detach(), weight.detach(), torch.sin(hidden.detach()), weight.detach().flip(0), valid,
-                        "torch", inv, 0.3, True, None, None, False, "linear_jsd"),
+                        *jsd_autograd.OP_ARGS.pack(jsd_autograd.JSDParams(TORCH, inv, 0.3), None)),
         "counted_positions": (hidden, labels, None, ids, teacher, V, -100, "hidden_states", None, None),
-        "topk_log_probs_forward": (logits.detach(), ids, labels, "torch", inv, -100, False, False, False, False,
-                                   "topk_log_probs_from_logits"),
+        "topk_log_probs_forward": (logits.detach(), ids, labels, *logits_autograd.TOPK_OP_ARGS.pack(
+            logits_autograd.LogitsParams(TORCH, inv, -100, False, "topk_log_probs_from_logits"), None)),
     }[op]
-    if runtime:
-        args += (torch.tensor(T, dtype=torch.float64),)
+    if runtime:  # (the packed arguments end with the runtime temperature, None: replaced)
+        args = (args[:-1] if op != "counted_positions" else args) + (torch.tensor(T, dtype=torch.float64),)
     name = "linear_forward" if op == "linear_forward_gather" else op
     if runtime:  # the compiled route's twin, tagged cudagraph-unsafe (autograd.common.CustomOpPair)
         name += "_runtime_temperature"
@@ -448,8 +459,27 @@ def test_custom_ops_pass_opcheck(op):
     torch.library.opcheck(getattr(torch.ops.rl_kernels, name).default, args)
     if runtime:  # the tensor, not the float, gives the temperature
         f = getattr(torch.ops.rl_kernels, name)
-        float_args = tuple(1 / T if a is inv else a for a in args[:-1])
+        float_args = tuple(1 / T if a is inv else a for a in args[:-1]) + (None,)
         assert all(torch.equal(a, b) for a, b in zip(f(*args), f(*float_args)))
+
+
+def test_op_arguments_carry_every_field_of_each_record():
+    """``OpArgs`` derives the ops' trailing arguments from the records' fields: each field is in
+    the schema with its type, and a record with non-default values comes back whole (1 / T from the
+    runtime temperature when one is passed)."""
+    head = linear_autograd.HeadParams(TORCH, 0.5, -7, True, "n", may_have_ignored=False,
+                                      return_sum_pi_squared=True, softcap=30.0, labels_checked=True)
+    logits = logits_autograd.LogitsParams(TORCH, 0.5, -7, True, "n", return_mean_log_p=True,
+                                          return_sum_pi_squared=True, inplace_backward=True,
+                                          combine_in_one_launch=False)
+    jsd = jsd_autograd.JSDParams(TORCH, 0.5, 0.25, None, False)
+    for op_args, record in ((linear_autograd.OP_ARGS, head), (logits_autograd.OP_ARGS, logits),
+                            (logits_autograd.TOPK_OP_ARGS, logits), (jsd_autograd.OP_ARGS, jsd)):
+        assert all(f in op_args.schema for f in record._fields if f != "tp"), op_args.schema
+        assert op_args.unpack(op_args.pack(record, None))[0] == record
+        runtime = op_args.pack(record, torch.tensor(4.0, dtype=torch.float64))
+        assert op_args.unpack(runtime)[0] == record._replace(inv_temperature=0.25)
+    assert "float? softcap" in linear_autograd.OP_ARGS.schema and "str backend" in linear_autograd.OP_ARGS.schema
 
 
 @pytest.mark.parametrize("fullgraph", [False, True])

@@ -18,6 +18,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import rl_kernels
 import rl_kernels.torch_ops.logits as torch_logits
+from rl_kernels.autograd.logits import TOPK_OP_ARGS, LogitsParams
+from rl_kernels.backends import get_backend
 from rl_kernels import linear_topk_kl, topk_kl_from_logits, topk_log_probs_from_logits
 
 BACKENDS = ["torch", "triton"]
@@ -281,11 +283,15 @@ def test_custom_ops_pass_opcheck(op):
     call inside ``TopKLogProbsFunction`` (which does the autograd), so its inputs need no grad."""
     x, ids, _, mask = _compile_inputs(5, 10)
     x = x.detach()
-    params = ("torch", 1 / 0.7, -100, False, False, False, False, "topk_log_probs_from_logits")
+    params = TOPK_OP_ARGS.pack(LogitsParams(get_backend("torch", x.device), 1 / 0.7, -100, False,
+                                            "topk_log_probs_from_logits"), None)
     args = {"checked_token_ids": (ids, 37, "token_ids"),
             "topk_log_probs_forward": (x, ids, None, *params),
             "topk_log_probs_forward-labels": (x, ids, torch.where(mask, ids[:, 0], -100), *params)}[op]
     torch.library.opcheck(getattr(torch.ops.rl_kernels, op.split("-")[0]).default, args)
+    if op != "checked_token_ids":  # the packed record comes back whole
+        assert TOPK_OP_ARGS.unpack(params)[0] == LogitsParams(get_backend("torch", x.device), 1 / 0.7, -100, False,
+                                                              "topk_log_probs_from_logits")
 
 
 # ----------------------------------------------------------------------------- bad inputs

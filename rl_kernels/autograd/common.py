@@ -1,10 +1,16 @@
 """What every autograd Function of rl_kernels shares: first-order-only backward (double backward
-raises) and the selection of ignored non-finite rows out of the weight gradient."""
+raises), the selection of ignored non-finite rows out of the weight gradient, and the custom ops'
+conventions (the runtime temperature, a parameter record as plain arguments: ``OpArgs``)."""
 from __future__ import annotations
 
 import functools
+import types
+import typing
 
 import torch
+
+from ..backends import Backend, backend_by_name
+from .vocab_parallel import GROUP_SCHEMA, op_group
 
 
 def first_order_only(backward):
@@ -108,6 +114,51 @@ class CustomOpPair:
         for op in self.ops:
             op.register_fake(fn)
         return fn
+
+
+_SCHEMA_TYPES = {bool: "bool", int: "int", float: "float", str: "str", Backend: "str"}
+
+
+def _schema_type(hint) -> str:
+    if isinstance(hint, types.UnionType) and type(None) in hint.__args__:  # X | None
+        (inner,) = [a for a in hint.__args__ if a is not type(None)]
+        return _SCHEMA_TYPES[inner] + "?"
+    return _SCHEMA_TYPES[hint]
+
+
+class OpArgs:
+    """A family's parameter record (a NamedTuple) as its custom ops' trailing plain arguments, read
+    from the record's own fields and type hints (a custom op takes no Python objects): the fields in
+    order (``skip``: fields that do not travel; a ``Backend`` as its name), then, with ``group``,
+    the vocab-parallel layout (``autograd.vocab_parallel.GROUP_SCHEMA``), then the runtime
+    temperature (``RUNTIME_TEMPERATURE_SCHEMA``). ``schema`` is that part of the ops' schema,
+    :meth:`pack` the values in the traced code, :meth:`unpack` the record back in an op's body. A
+    new field of the record travels with no edit here or in the ops."""
+
+    def __init__(self, record_type, skip: tuple = (), group: bool = True):
+        hints = typing.get_type_hints(record_type)
+        self.record_type, self.group = record_type, group
+        self.fields = tuple(f for f in record_type._fields if f not in skip)
+        parts = [f"{_schema_type(hints[f])} {f}" for f in self.fields] + ([GROUP_SCHEMA] if group else [])
+        self.schema = ", ".join(parts + [RUNTIME_TEMPERATURE_SCHEMA])
+
+    def pack(self, params, temperature, tp=None) -> tuple:
+        """The plain values of ``params`` (and of the layout ``tp``), then ``temperature`` (None,
+        or the 0-d runtime temperature of a compiled graph)."""
+        values = tuple(v.name if isinstance(v, Backend) else v for v in (getattr(params, f) for f in self.fields))
+        return values + (op_group(tp) if self.group else ()) + (temperature,)
+
+    def unpack(self, args, read_temperature: bool = True) -> tuple:
+        """(the record, the layout's values (group name, vocab_start_index, reduce_hidden_grad) or
+        None without ``group``) from an op's trailing arguments; 1 / T from the runtime temperature
+        when there is one (the dispatcher leaves out a trailing None). A fake implementation passes
+        ``read_temperature=False``: reading the tensor there would make an unbacked symbol."""
+        n, g = len(self.fields), 3 if self.group else 0
+        temperature = args[n + g] if len(args) > n + g and read_temperature else None
+        values = dict(zip(self.fields, args[:n]))
+        values["backend"] = backend_by_name(values["backend"])
+        values["inv_temperature"] = op_inv_temperature(values["inv_temperature"], temperature)
+        return self.record_type(**values), (tuple(args[n:n + g]) if self.group else None)
 
 
 def custom_op_pair(qualname: str, schema: str):

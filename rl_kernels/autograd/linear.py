@@ -14,15 +14,15 @@ from typing import NamedTuple
 
 import torch
 
-from ..backends import Backend, backend_by_name, implements
+from ..backends import Backend, implements
 from ..label_check import checked_labels, raise_if_interpreted, raise_label_errors
 from ..validation import check_label_values, warn_fp16_temperature
 from ..torch_ops.linear import torch_dlogits, torch_forward, torch_gathered_logits
 from .backward_schedule import chunked_backward, full_precision_reduction
-from .common import (RUNTIME_TEMPERATURE_SCHEMA, as_float_grad, custom_op_pair, fake_grads, first_order_only,
-                     grads_or_empty, hidden_for_weight_grad, op_inv_temperature, or_empty, rl_op)
-from .vocab_parallel import (GROUP_SCHEMA, all_gather_rows, finish_hidden_grad, group_from_op, local_labels,
-                             merge_lse, merge_shards, op_group)
+from .common import (OpArgs, as_float_grad, custom_op_pair, fake_grads, first_order_only, grads_or_empty,
+                     hidden_for_weight_grad, or_empty, rl_op)
+from .vocab_parallel import (all_gather_rows, finish_hidden_grad, group_from_op, local_labels, merge_lse,
+                             merge_shards)
 
 
 class HeadParams(NamedTuple):
@@ -222,7 +222,7 @@ class LinearLogProbsFunction(torch.autograd.Function):
     def forward(ctx, hidden_states, weight, labels, params: HeadParams, gather_ids=None, temperature=None, tp=None):
         if torch.compiler.is_compiling():
             *out, shard_labels, shard_ids = rl_op("linear_forward", temperature)(
-                hidden_states, weight, labels, gather_ids, *head_op_values(params), *op_group(tp), temperature)
+                hidden_states, weight, labels, gather_ids, *OP_ARGS.pack(params, temperature, tp))
             out = HeadOutputs(*out)
             if tp is None:  # (the op returns a shard's own labels and ids only)
                 shard_labels, shard_ids = labels, gather_ids
@@ -250,7 +250,7 @@ class LinearLogProbsFunction(torch.autograd.Function):
         if torch.compiler.is_compiling():
             dh, dw = rl_op("linear_backward", temperature)(
                 hidden_states, weight, labels, gather_ids, lse, entropy, sum_pi_squared, *grads, need_dh, need_dw,
-                *head_op_values(ctx.params), *op_group(ctx.tp), temperature)
+                *OP_ARGS.pack(ctx.params, temperature, ctx.tp))
             return (dh if need_dh else None, dw if need_dw else None) + none
         raise_label_errors()  # a bad label reported by this call's (or an earlier) forward kernel
         saved = HeadOutputs(None, entropy, lse, sum_pi_squared)
@@ -351,54 +351,31 @@ def vp_gather_grads(shard_labels, shard_ids, grads: HeadOutputs, ignore_index: i
 # What torch.compile sees of the family: its forward and backward backend calls as torch.library
 # custom ops (opaque, so no graph break; fake implementations give the output shapes, symbolic sizes
 # included). Autograd is the Function's on both routes; the ops themselves are not differentiable
-# (called directly on inputs that require grad, their backward raises). The parameter record travels
-# as plain values (``HEAD_OP_SCHEMA``; a custom op takes no Python objects), then the vocab-parallel
-# layout (``autograd.vocab_parallel.GROUP_SCHEMA``); the op's body rebuilds both. A temperature
-# that Dynamo holds as a symbolic float travels as the ops' last argument, a 0-d tensor
-# (``autograd.common.op_temperature``: a runtime value, so a temperature schedule runs one graph).
+# (called directly on inputs that require grad, their backward raises). Their trailing arguments are
+# the parameter record, the vocab-parallel layout and the runtime temperature (``OP_ARGS``,
+# ``autograd.common.OpArgs``: a temperature that Dynamo holds as a symbolic float travels as a 0-d
+# tensor, a runtime value, so a temperature schedule runs one graph).
 
-HEAD_OP_SCHEMA = ("str backend, float inv_temperature, int ignore_index, bool return_entropy, "
-                  "bool return_sum_pi_squared, float? softcap, str name")
-_TRAILING_SCHEMA = HEAD_OP_SCHEMA + ", " + GROUP_SCHEMA + ", " + RUNTIME_TEMPERATURE_SCHEMA
-
-
-def head_op_values(params: HeadParams) -> tuple:
-    """A HeadParams as the custom ops' plain values (``HEAD_OP_SCHEMA``)."""
-    return (params.backend.name, params.inv_temperature, params.ignore_index, params.return_entropy,
-            params.return_sum_pi_squared, params.softcap, params.name)
-
-
-def head_params_from_op(backend, inv_temperature, ignore_index, return_entropy, return_sum_pi_squared, softcap,
-                        name, temperature=None) -> HeadParams:
-    """The record back from the plain values (``may_have_ignored`` left True: the forward op sets
-    it from its own label check; 1 / T from ``temperature`` when given)."""
-    return HeadParams(backend=backend_by_name(backend),
-                      inv_temperature=op_inv_temperature(inv_temperature, temperature), ignore_index=ignore_index,
-                      return_entropy=return_entropy, name=name, return_sum_pi_squared=return_sum_pi_squared,
-                      softcap=softcap)
+OP_ARGS = OpArgs(HeadParams)
 
 
 @custom_op_pair(
     "rl_kernels::linear_forward",
-    schema="(Tensor hidden_states, Tensor weight, Tensor labels, Tensor? gather_ids, " + _TRAILING_SCHEMA
+    schema="(Tensor hidden_states, Tensor weight, Tensor labels, Tensor? gather_ids, " + OP_ARGS.schema
            + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
-def _linear_forward_op(hidden_states, weight, labels, gather_ids, backend, inv_temperature, ignore_index,
-                       return_entropy, return_sum_pi_squared, softcap, name, group_name, vocab_start_index,
-                       reduce_hidden_grad, temperature=None):
+def _linear_forward_op(hidden_states, weight, labels, gather_ids, *args):
     """:func:`forward_body` -> (log_probs, entropy, lse, sum_pi_squared, gathered_logits, the shard's
     labels, the shard's ids), empty where not asked (the last two: with a group only)."""
-    params = head_params_from_op(backend, inv_temperature, ignore_index, return_entropy, return_sum_pi_squared,
-                                 softcap, name, temperature)
-    tp = group_from_op(group_name, vocab_start_index, reduce_hidden_grad, ignore_index, weight.shape[0],
-                       hidden_states.device)
+    params, group = OP_ARGS.unpack(args)
+    tp = group_from_op(*group, params.ignore_index, weight.shape[0], hidden_states.device)
     out, _, shard_labels, shard_ids = forward_body(hidden_states, weight, labels, params, gather_ids, tp)
     shard = (shard_labels, shard_ids) if tp is not None else (None, None)
     return or_empty(tuple(out) + shard, hidden_states)
 
 
 @_linear_forward_op.register_fake
-def _(hidden_states, weight, labels, gather_ids, backend, inv_temperature, ignore_index, return_entropy,
-      return_sum_pi_squared, softcap, name, group_name, vocab_start_index, reduce_hidden_grad, temperature=None):
+def _(hidden_states, weight, labels, gather_ids, *args):
+    params, (group_name, _, _) = OP_ARGS.unpack(args, read_temperature=False)
     n = hidden_states.shape[0]
 
     def rows(asked):
@@ -409,8 +386,8 @@ def _(hidden_states, weight, labels, gather_ids, backend, inv_temperature, ignor
     shard_labels = torch.empty_like(labels) if sharded else hidden_states.new_empty(0, dtype=torch.float32)
     shard_ids = (gather_ids.new_empty(n, 1 + gather_ids.shape[1]) if sharded and gather_ids is not None
                  else hidden_states.new_empty(0, dtype=torch.float32))
-    return (rows(True), rows(return_entropy), rows(True), rows(return_sum_pi_squared), gathered, shard_labels,
-            shard_ids)
+    return (rows(True), rows(params.return_entropy), rows(True), rows(params.return_sum_pi_squared), gathered,
+            shard_labels, shard_ids)
 
 
 @custom_op_pair(
@@ -418,23 +395,20 @@ def _(hidden_states, weight, labels, gather_ids, backend, inv_temperature, ignor
     schema="(Tensor hidden_states, Tensor weight, Tensor labels, Tensor? gather_ids, Tensor lse, Tensor? entropy, "
            "Tensor? sum_pi_squared, Tensor? grad_log_probs, Tensor? grad_entropy, Tensor? grad_lse, "
            "Tensor? grad_sum_pi_squared, Tensor? grad_gathered_logits, bool need_dh, bool need_dw, "
-           + _TRAILING_SCHEMA + ") -> (Tensor, Tensor)")
+           + OP_ARGS.schema + ") -> (Tensor, Tensor)")
 def _linear_backward_op(hidden_states, weight, labels, gather_ids, lse, entropy, sum_pi_squared, grad_log_probs,
-                        grad_entropy, grad_lse, grad_sum_pi_squared, grad_gathered_logits, need_dh, need_dw,
-                        backend, inv_temperature, ignore_index, return_entropy, return_sum_pi_squared, softcap, name,
-                        group_name, vocab_start_index, reduce_hidden_grad, temperature=None):
+                        grad_entropy, grad_lse, grad_sum_pi_squared, grad_gathered_logits, need_dh, need_dw, *args):
     """:func:`backward_body` -> (dh, dW) in the input dtypes, empty where not needed."""
     raise_label_errors()  # a bad label reported by this call's (or an earlier) forward kernel
-    params = head_params_from_op(backend, inv_temperature, ignore_index, return_entropy, return_sum_pi_squared,
-                                 softcap, name, temperature)
+    params, group = OP_ARGS.unpack(args)
     grads = HeadOutputs(grad_log_probs, grad_entropy, grad_lse, grad_sum_pi_squared, grad_gathered_logits)
     saved = HeadOutputs(None, entropy, lse, sum_pi_squared)
-    dh, dw = backward_body(hidden_states, weight, labels, gather_ids, saved, grads, params,
-                           group_from_op(group_name, vocab_start_index, reduce_hidden_grad), need_dh, need_dw)
+    dh, dw = backward_body(hidden_states, weight, labels, gather_ids, saved, grads, params, group_from_op(*group),
+                           need_dh, need_dw)
     return grads_or_empty(dh, dw, hidden_states, weight)
 
 
 @_linear_backward_op.register_fake
 def _(hidden_states, weight, labels, gather_ids, lse, entropy, sum_pi_squared, grad_log_probs, grad_entropy,
-      grad_lse, grad_sum_pi_squared, grad_gathered_logits, need_dh, need_dw, *params):
+      grad_lse, grad_sum_pi_squared, grad_gathered_logits, need_dh, need_dw, *args):
     return fake_grads(hidden_states, weight, need_dh, need_dw)

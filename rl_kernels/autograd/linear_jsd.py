@@ -13,13 +13,13 @@ from typing import NamedTuple
 
 import torch
 
-from ..backends import Backend, backend_by_name, implements
+from ..backends import Backend, implements
 from ..torch_ops.linear_jsd import torch_jsd_dlogits, torch_jsd_sums
 from .backward_schedule import chunked_backward, full_precision_reduction
-from .common import (RUNTIME_TEMPERATURE_SCHEMA, custom_op_pair, fake_grads, first_order_only, grads_or_empty,
-                     hidden_for_weight_grad, op_inv_temperature, rl_op)
+from .common import (OpArgs, custom_op_pair, fake_grads, first_order_only, grads_or_empty, hidden_for_weight_grad,
+                     rl_op)
 from .linear import HeadParams, head_forward
-from .vocab_parallel import GROUP_SCHEMA, all_gather_rows, finish_hidden_grad, group_from_op, merge_lse, op_group
+from .vocab_parallel import all_gather_rows, finish_hidden_grad, group_from_op, merge_lse
 
 
 class JSDParams(NamedTuple):
@@ -137,7 +137,7 @@ class LinearJSDFunction(torch.autograd.Function):
     def forward(ctx, student_hidden, student_weight, teacher_hidden, teacher_weight, valid, params, temperature=None):
         if torch.compiler.is_compiling():
             out = rl_op("jsd_forward", temperature)(student_hidden, student_weight, teacher_hidden, teacher_weight,
-                                                    valid, *_op_params(params, temperature))
+                                                    valid, *OP_ARGS.pack(params, temperature, params.tp))
         else:
             out = jsd_forward(student_hidden, student_weight, teacher_hidden, teacher_weight, valid, params)
         per_token, lse_s, lse_t, g_sum = out
@@ -155,7 +155,7 @@ class LinearJSDFunction(torch.autograd.Function):
         *saved, temperature = ctx.saved_tensors
         if torch.compiler.is_compiling():
             dh, dw = rl_op("jsd_backward", temperature)(*saved, grad.float().contiguous(), need_dh, need_dw,
-                                                        *_op_params(ctx.params, temperature))
+                                                        *OP_ARGS.pack(ctx.params, temperature, ctx.params.tp))
             return dh if need_dh else None, dw if need_dw else None, None, None, None, None, None
         dh, dw = jsd_backward(*saved, grad, ctx.params, need_dh, need_dw)
         return dh, dw, None, None, None, None, None
@@ -164,39 +164,27 @@ class LinearJSDFunction(torch.autograd.Function):
 # ------------------------------------------------------------------ the backend calls as custom ops
 # What torch.compile sees of the family (see the same section of ``autograd/linear.py``): its
 # forward and backward as torch.library custom ops, not differentiable themselves (the Function is
-# the autograd); a process group travels by name, as in ``autograd/vocab_parallel.py``; the last
-# argument is the runtime temperature (``autograd.common.op_temperature``).
+# the autograd); their trailing arguments are the parameter record, the vocab-parallel layout (a
+# process group travels by name) and the runtime temperature (``OP_ARGS``, ``autograd.common.OpArgs``).
 
-_PARAMS_SCHEMA = ("str backend, float inv_temperature, float beta, bool may_have_ignored, " + GROUP_SCHEMA
-                  + ", str name, " + RUNTIME_TEMPERATURE_SCHEMA)
-
-
-def _params_from_op(backend, inv_temperature, beta, may_have_ignored, group_name, vocab_start_index,
-                    reduce_hidden_grad, name, temperature=None, local_vocab=None, device=None) -> JSDParams:
-    """The record back from the plain values (1 / T from ``temperature`` when given); with
-    ``group_name`` the layout is derived again (``autograd.vocab_parallel.group_from_op``:
-    ``local_vocab`` and ``device`` given for the forward, with its all_gather when
-    ``vocab_start_index`` is None)."""
-    tp = group_from_op(group_name, vocab_start_index, reduce_hidden_grad, -100, local_vocab, device)
-    return JSDParams(backend_by_name(backend), op_inv_temperature(inv_temperature, temperature), beta, tp,
-                     may_have_ignored)
+OP_ARGS = OpArgs(JSDParams, skip=("tp",))  # (the layout travels as the group's values)
 
 
-def _op_params(params: JSDParams, runtime_temperature=None) -> tuple:
-    """A JSDParams as the ops' trailing plain values (``_PARAMS_SCHEMA``; ``runtime_temperature``:
-    None, or the 0-d tensor that then gives 1 / T instead of the float)."""
-    return (params.backend.name, params.inv_temperature, params.beta, params.may_have_ignored, *op_group(params.tp),
-            "linear_jsd", runtime_temperature)
+def _unpacked(args, local_vocab=None, device=None) -> JSDParams:
+    """The record back from an op's trailing arguments, its layout derived again
+    (``autograd.vocab_parallel.group_from_op``: ``local_vocab`` and ``device`` given for the
+    forward, with its all_gather when ``vocab_start_index`` is None)."""
+    params, group = OP_ARGS.unpack(args)
+    return params._replace(tp=group_from_op(*group, -100, local_vocab, device))
 
 
 @custom_op_pair(
     "rl_kernels::jsd_forward",
     schema="(Tensor student_hidden, Tensor student_weight, Tensor teacher_hidden, Tensor teacher_weight, "
-           "Tensor valid, " + _PARAMS_SCHEMA + ") -> (Tensor, Tensor, Tensor, Tensor)")
-def _jsd_forward_op(hs, ws, ht, wt, valid, *params):
+           "Tensor valid, " + OP_ARGS.schema + ") -> (Tensor, Tensor, Tensor, Tensor)")
+def _jsd_forward_op(hs, ws, ht, wt, valid, *args):
     """-> (per-token divergence x T^2, student lse, teacher lse, g sum), (N,) float32 each."""
-    p = _params_from_op(*params, local_vocab=ws.shape[0], device=hs.device)
-    per_token, lse_s, lse_t, g_sum = jsd_forward(hs, ws, ht, wt, valid, p)
+    per_token, lse_s, lse_t, g_sum = jsd_forward(hs, ws, ht, wt, valid, _unpacked(args, ws.shape[0], hs.device))
     return per_token, lse_s, lse_t, g_sum.clone() if g_sum is lse_s else g_sum
 
 
@@ -209,11 +197,10 @@ def _(hs, *rest):
     "rl_kernels::jsd_backward",
     schema="(Tensor student_hidden, Tensor student_weight, Tensor teacher_hidden, Tensor teacher_weight, "
            "Tensor lse_s, Tensor lse_t, Tensor g_sum, Tensor valid, Tensor grad, bool need_dh, bool need_dw, "
-           + _PARAMS_SCHEMA + ") -> (Tensor, Tensor)")
-def _jsd_backward_op(hs, ws, ht, wt, lse_s, lse_t, g_sum, valid, grad, need_dh, need_dw, *params):
+           + OP_ARGS.schema + ") -> (Tensor, Tensor)")
+def _jsd_backward_op(hs, ws, ht, wt, lse_s, lse_t, g_sum, valid, grad, need_dh, need_dw, *args):
     """-> (dh, dW) of the student in the input dtypes, empty where not needed."""
-    p = _params_from_op(*params)
-    dh, dw = jsd_backward(hs, ws, ht, wt, lse_s, lse_t, g_sum, valid, grad, p, need_dh, need_dw)
+    dh, dw = jsd_backward(hs, ws, ht, wt, lse_s, lse_t, g_sum, valid, grad, _unpacked(args), need_dh, need_dw)
     return grads_or_empty(dh, dw, hs, ws)
 
 

@@ -19,13 +19,12 @@ from typing import NamedTuple
 import torch
 
 from .._logging import log_once
-from ..backends import Backend, backend_by_name, implements
+from ..backends import Backend, implements
 from ..label_check import deferred_label_check, raise_if_interpreted, raise_label_errors
 from ..torch_ops.logits import torch_logits_backward, torch_logits_forward
 from ..validation import check_label_values
-from .common import (RUNTIME_TEMPERATURE_SCHEMA, as_float_grad, custom_op_pair, first_order_only, op_inv_temperature,
-                     or_empty, rl_op)
-from .vocab_parallel import GROUP_SCHEMA, group_from_op, local_labels, merge_shards, op_group
+from .common import OpArgs, as_float_grad, custom_op_pair, first_order_only, or_empty, rl_op
+from .vocab_parallel import group_from_op, local_labels, merge_shards
 
 
 class LogitsParams(NamedTuple):
@@ -124,7 +123,7 @@ def forward_call(logits, labels, params: LogitsParams, temperature=None, tp=None
     ``tp``: the vocab-parallel layout or None."""
     if not torch.compiler.is_compiling():
         return forward_body(logits, labels, params, tp)
-    out = rl_op("logits_forward", temperature)(logits, labels, *logits_op_values(params), *op_group(tp), temperature)
+    out = rl_op("logits_forward", temperature)(logits, labels, *OP_ARGS.pack(params, temperature, tp))
     keep = asked_outputs(params, labels is not None) + ("row_max", "log_sum")  # (the op's empties dropped)
     if tp is not None and labels is not None:
         keep += ("shard_labels",)
@@ -140,7 +139,7 @@ def backward_call(logits, labels, stats: dict, grads: dict, params: LogitsParams
     if torch.compiler.is_compiling():
         return rl_op("logits_backward", temperature)(
             logits, labels, stats["row_max"], stats["log_sum"], stats.get("entropy"), stats.get("sum_pi_squared"),
-            *(grads.get(k) for k in LogitsOutputs._fields), *logits_op_values(params), *op_group(tp), temperature)
+            *(grads.get(k) for k in LogitsOutputs._fields), *OP_ARGS.pack(params, temperature, tp))
     raise_label_errors()  # a bad label reported by this call's (or an earlier) forward kernel
     if tp is not None:
         return vp_backward(logits, labels, stats, LogitsOutputs(*(grads.get(k) for k in LogitsOutputs._fields)),
@@ -267,66 +266,49 @@ def vp_backward(logits, local, stats: dict, g: LogitsOutputs, params: LogitsPara
 # What torch.compile sees of the family: its forward and backward backend calls as torch.library
 # custom ops (opaque, so no graph break; fake implementations give the shapes, symbolic sizes
 # included). Autograd is the Function's, on both routes; the ops themselves are not differentiable.
-# A custom op takes no Python objects, so the parameter record travels as plain values
-# (``LOGITS_OP_SCHEMA``), the vocab-parallel layout as ``autograd.vocab_parallel.GROUP_SCHEMA``'s,
-# and the body rebuilds both. The forward op also returns the two saved statistics (row max,
+# A custom op takes no Python objects: the parameter record, the vocab-parallel layout and the
+# runtime temperature travel as plain values (``OP_ARGS``, ``autograd.common.OpArgs``), and the
+# body rebuilds them. The forward op also returns the two saved statistics (row max,
 # log-sum) and a shard's own labels. ``inplace_backward`` is not honoured by the backward op (a
 # custom op cannot return its input's storage as a new gradient; the forward op says so once). The
 # ops' last argument is the runtime temperature (``autograd.common.op_temperature``).
 
-LOGITS_OP_SCHEMA = ("str backend, float inv_temperature, int ignore_index, bool return_entropy, "
-                    "bool return_mean_log_p, bool return_sum_pi_squared, bool inplace_backward, str name")
 _STAT_KEYS = ("log_probs", "entropy", "lse", "mean_log_p", "sum_pi_squared", "row_max", "log_sum", "shard_labels")
+OP_ARGS = OpArgs(LogitsParams)
+TOPK_OP_ARGS = OpArgs(LogitsParams, group=False)
 
 
-def logits_op_values(params: LogitsParams) -> tuple:
-    """A LogitsParams as the custom ops' plain values (``LOGITS_OP_SCHEMA``)."""
-    return (params.backend.name, params.inv_temperature, params.ignore_index, params.return_entropy,
-            params.return_mean_log_p, params.return_sum_pi_squared, params.inplace_backward, params.name)
-
-
-def logits_params_from_op(backend, inv_temperature, ignore_index, return_entropy, return_mean_log_p,
-                          return_sum_pi_squared, inplace_backward, name, temperature=None) -> LogitsParams:
-    """The record back from the plain values; ``inplace_backward`` (asked by the caller) is
-    reported, not honoured: this route's gradient is a new tensor. The two-level forward combines
-    in a second launch here (no state kept across calls: see ``combine_in_one_launch``). 1 / T
-    from ``temperature`` when given."""
-    return LogitsParams(backend=backend_by_name(backend), ignore_index=ignore_index,
-                        inv_temperature=op_inv_temperature(inv_temperature, temperature),
-                        return_entropy=return_entropy, name=name, return_mean_log_p=return_mean_log_p,
-                        return_sum_pi_squared=return_sum_pi_squared, inplace_backward=False,
-                        combine_in_one_launch=False)
-
-
-_TRAILING_SCHEMA = LOGITS_OP_SCHEMA + ", " + GROUP_SCHEMA + ", " + RUNTIME_TEMPERATURE_SCHEMA
+def unpacked(op_args: OpArgs, args) -> tuple:
+    """(LogitsParams, layout values) of an op's trailing arguments, as an op's body runs: with
+    ``inplace_backward`` off (asked by the caller, it is reported by the forward op, not honoured:
+    this route's gradient is a new tensor) and the two-level forward combining in a second launch
+    (no state kept across calls: see ``combine_in_one_launch``)."""
+    params, group = op_args.unpack(args)
+    return params._replace(inplace_backward=False, combine_in_one_launch=False), group
 
 
 @custom_op_pair(
     "rl_kernels::logits_forward",
-    schema="(Tensor logits, Tensor? labels, " + _TRAILING_SCHEMA
+    schema="(Tensor logits, Tensor? labels, " + OP_ARGS.schema
            + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
-def _logits_forward_op(logits, labels, backend, inv_temperature, ignore_index, return_entropy, return_mean_log_p,
-                       return_sum_pi_squared, inplace_backward, name, group_name, vocab_start_index,
-                       reduce_hidden_grad, temperature=None):
+def _logits_forward_op(logits, labels, *args):
     """:func:`forward_body` -> (log_probs, entropy, lse, mean_log_p, sum_pi_squared, row_max,
     log_sum, a shard's labels), empty where not asked."""
-    p = logits_params_from_op(backend, inv_temperature, ignore_index, return_entropy, return_mean_log_p,
-                              return_sum_pi_squared, inplace_backward, name, temperature)
-    if inplace_backward:  # asked: say once that this route does not honour it
-        log_once(logging.WARNING, f"rl_kernels.{p.name}: inplace_backward=True is not honoured under "
+    params, group = unpacked(OP_ARGS, args)
+    if OP_ARGS.unpack(args, read_temperature=False)[0].inplace_backward:  # asked: said once, not honoured
+        log_once(logging.WARNING, f"rl_kernels.{params.name}: inplace_backward=True is not honoured under "
                  f"torch.compile; the gradient is written to a new tensor (the same values)")
-    tp = group_from_op(group_name, vocab_start_index, reduce_hidden_grad, ignore_index, logits.shape[1],
-                       logits.device, allow_reduce_hidden_grad=False)
-    stats = forward_body(logits, labels, p, tp)
+    tp = group_from_op(*group, params.ignore_index, logits.shape[1], logits.device, allow_reduce_hidden_grad=False)
+    stats = forward_body(logits, labels, params, tp)
     return or_empty((stats.get(k) for k in _STAT_KEYS), logits)
 
 
 @_logits_forward_op.register_fake
-def _(logits, labels, backend, inv_temperature, ignore_index, return_entropy, return_mean_log_p,
-      return_sum_pi_squared, inplace_backward, name, group_name, vocab_start_index, reduce_hidden_grad,
-      temperature=None):
+def _(logits, labels, *args):
+    params, (group_name, _, _) = OP_ARGS.unpack(args, read_temperature=False)
     n = logits.shape[0]
-    asked = (labels is not None, return_entropy, True, return_mean_log_p, return_sum_pi_squared, True, True)
+    asked = (labels is not None, params.return_entropy, True, params.return_mean_log_p, params.return_sum_pi_squared,
+             True, True)
     shard_labels = (torch.empty_like(labels) if group_name is not None and labels is not None
                     else logits.new_empty(0, dtype=torch.float32))
     return tuple(logits.new_empty(n if a else 0, dtype=torch.float32) for a in asked) + (shard_labels,)
@@ -336,19 +318,15 @@ def _(logits, labels, backend, inv_temperature, ignore_index, return_entropy, re
     "rl_kernels::logits_backward",
     schema="(Tensor logits, Tensor? labels, Tensor row_max, Tensor log_sum, Tensor? entropy, Tensor? sum_pi_squared, "
            "Tensor? grad_log_probs, Tensor? grad_entropy, Tensor? grad_lse, Tensor? grad_mean_log_p, "
-           "Tensor? grad_sum_pi_squared, " + _TRAILING_SCHEMA + ") -> Tensor")
+           "Tensor? grad_sum_pi_squared, " + OP_ARGS.schema + ") -> Tensor")
 def _logits_backward_op(logits, labels, row_max, log_sum, entropy, sum_pi_squared, grad_log_probs, grad_entropy,
-                        grad_lse, grad_mean_log_p, grad_sum_pi_squared, backend, inv_temperature, ignore_index,
-                        return_entropy, return_mean_log_p, return_sum_pi_squared, inplace_backward, name, group_name,
-                        vocab_start_index, reduce_hidden_grad, temperature=None):
+                        grad_lse, grad_mean_log_p, grad_sum_pi_squared, *args):
     """:func:`backward_call` -> d loss / d logits, a new contiguous tensor in the logits' dtype."""
     grads = {k: g for k, g in zip(LogitsOutputs._fields, (grad_log_probs, grad_entropy, grad_lse, grad_mean_log_p,
                                                            grad_sum_pi_squared)) if g is not None}
     stats = {"row_max": row_max, "log_sum": log_sum, "entropy": entropy, "sum_pi_squared": sum_pi_squared}
-    params = logits_params_from_op(backend, inv_temperature, ignore_index, return_entropy, return_mean_log_p,
-                                   return_sum_pi_squared, inplace_backward, name, temperature)
-    return backward_call(logits, labels, stats, grads, params,
-                         tp=group_from_op(group_name, vocab_start_index, reduce_hidden_grad))
+    params, group = unpacked(OP_ARGS, args)
+    return backward_call(logits, labels, stats, grads, params, tp=group_from_op(*group))
 
 
 @_logits_backward_op.register_fake
@@ -423,7 +401,7 @@ def topk_forward_call(logits, token_ids, labels, params: LogitsParams, temperatu
     if not torch.compiler.is_compiling():
         return topk_forward_body(logits, token_ids, labels, params)
     return rl_op("topk_log_probs_forward", temperature)(logits, token_ids, labels,
-                                                        *logits_op_values(params), temperature)
+                                                        *TOPK_OP_ARGS.pack(params, temperature))
 
 
 class TopKLogProbsFunction(torch.autograd.Function):
@@ -452,8 +430,8 @@ class TopKLogProbsFunction(torch.autograd.Function):
         grad_log_probs = as_float_grad(grad_log_probs)
         if torch.compiler.is_compiling():
             grad = rl_op("topk_log_probs_backward", temperature)(logits, token_ids, labels, row_max, log_sum, lse,
-                                                                 grad_log_probs, *logits_op_values(ctx.params),
-                                                                 temperature)
+                                                                 grad_log_probs,
+                                                                 *TOPK_OP_ARGS.pack(ctx.params, temperature))
         else:
             grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
             topk_log_probs_backward(logits, grad, token_ids, labels, row_max, log_sum, lse, grad_log_probs,
@@ -463,11 +441,11 @@ class TopKLogProbsFunction(torch.autograd.Function):
 
 @custom_op_pair(
     "rl_kernels::topk_log_probs_forward",
-    schema="(Tensor logits, Tensor token_ids, Tensor? labels, " + LOGITS_OP_SCHEMA + ", " + RUNTIME_TEMPERATURE_SCHEMA
+    schema="(Tensor logits, Tensor token_ids, Tensor? labels, " + TOPK_OP_ARGS.schema
            + ") -> (Tensor, Tensor, Tensor, Tensor)")
 def _topk_forward_op(logits, token_ids, labels, *params):
     """:func:`topk_forward_body` -> (log_probs (N, K), row_max, log_sum, lse), float32."""
-    log_probs, *stats = topk_forward_body(logits, token_ids, labels, logits_params_from_op(*params))
+    log_probs, *stats = topk_forward_body(logits, token_ids, labels, unpacked(TOPK_OP_ARGS, params)[0])
     return (log_probs, *or_empty(stats, logits))
 
 
@@ -481,12 +459,12 @@ def _(logits, token_ids, labels, *params):
 @custom_op_pair(
     "rl_kernels::topk_log_probs_backward",
     schema="(Tensor logits, Tensor token_ids, Tensor? labels, Tensor row_max, Tensor log_sum, Tensor lse, "
-           "Tensor grad_log_probs, " + LOGITS_OP_SCHEMA + ", " + RUNTIME_TEMPERATURE_SCHEMA + ") -> Tensor")
+           "Tensor grad_log_probs, " + TOPK_OP_ARGS.schema + ") -> Tensor")
 def _topk_backward_op(logits, token_ids, labels, row_max, log_sum, lse, grad_log_probs, *params):
     """-> d loss / d logits, a new contiguous tensor in the logits' dtype."""
     grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
     return topk_log_probs_backward(logits, grad, token_ids, labels, row_max, log_sum, lse, grad_log_probs,
-                                   logits_params_from_op(*params))
+                                   unpacked(TOPK_OP_ARGS, params)[0])
 
 
 @_topk_backward_op.register_fake
