@@ -84,7 +84,7 @@ class TritonHead:
         cfg = ops.default_config(hidden_states.device, hidden_states.dtype)
 
         def window(rows, cols, out):
-            tile = cfg.bwd_rows if cols.stop - cols.start == weight.shape[0] else cfg.bwd_cols
+            tile = cfg.dlogits_tile(cols.stop - cols.start, weight.shape[0])
             return ops.linear_dlogits(hidden_states, weight, labels, saved, grads, rows, cols, out, params, cfg, tile)
         return window, hidden_states.dtype, cfg.bwd_cols.block_n
 

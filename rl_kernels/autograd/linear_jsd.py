@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 
 from ..backends import Backend, implements
+from ..label_check import raise_label_errors
 from ..torch_ops.linear_jsd import torch_jsd_dlogits, torch_jsd_sums
 from .backward_schedule import chunked_backward, full_precision_reduction
 from .common import (OpArgs, custom_op_pair, fake_grads, first_order_only, grads_or_empty, hidden_for_weight_grad,
@@ -80,6 +81,7 @@ def jsd_forward(student_hidden, student_weight, teacher_hidden, teacher_weight, 
     """The forward without autograd: (per-token divergence x T^2 (N,) float32, 0 where not valid;
     the student's lse, the teacher's lse and the g sum (the student's lse when there is none),
     which the backward reads)."""
+    raise_label_errors()  # a bad label that an earlier call's kernel reported (every backend call)
     n = student_hidden.shape[0]
     zeros = torch.zeros(n, dtype=torch.long, device=student_hidden.device)
     head = HeadParams(backend=params.backend, inv_temperature=params.inv_temperature,

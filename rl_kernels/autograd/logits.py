@@ -390,6 +390,7 @@ def topk_log_probs_backward(logits, grad, token_ids, labels, row_max, log_sum, l
 def topk_forward_body(logits, token_ids, labels, params: LogitsParams) -> tuple:
     """(log_probs (N, K), row_max, log_sum, lse), float32: the family's statistics (no label
     check: ``labels`` only mark ignored rows here) and z[ids] - lse."""
+    raise_label_errors()  # a bad label that an earlier call's kernel reported (every backend call)
     stats = logits_stats_forward(logits, labels, params)
     log_probs = gather_logits(logits, token_ids, params.inv_temperature) - stats["lse"][:, None]
     return log_probs, stats["row_max"], stats["log_sum"], stats["lse"]

@@ -56,6 +56,11 @@ class KernelConfig:
     flatten: bool = False  # one software pipeline across the split's tiles (tl.range flatten)
     warp_specialize: bool = False  # producer/consumer warps (tl.range warp_specialize)
 
+    def dlogits_tile(self, window_cols: int, vocab_size: int) -> BwdTile:
+        """The dlogits tile of a backward window: ``bwd_rows`` for a window of every vocab column
+        (a row chunk: the dh pass), ``bwd_cols`` for a vocab chunk (all rows: the dW pass)."""
+        return self.bwd_rows if window_cols == vocab_size else self.bwd_cols
+
     def upcast(self, dtype: torch.dtype) -> bool:
         return interpreting() and dtype == torch.bfloat16
 
