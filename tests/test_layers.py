@@ -6,7 +6,8 @@ or inside a function) goes to the importer's own layer or a lower one.
     2 library       the public API and what it is built of (rl_kernels, linear, logits, distill,
                     validation, label_check, reference, samples, autograd.*)
     3 integrations  rl_kernels.integrations.* (the verl integration, anomaly capture)
-    4 tooling       rl_kernels.tools.* (command line, bench, repro, bundled samples), __main__
+    4 tooling       rl_kernels.tools.* (command line, bench, repro, bundled samples, verl's kernels as
+                    comparison points, verl-check), __main__
 
 So the kernels import nothing above them, the library neither its integrations nor its tooling,
 and the integrations not the tooling."""

@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("verl", reason="verl is not installed (pip install -e '.[verl]')")
 
 from rl_kernels.tools.cli import main
-from rl_kernels.integrations.verl_check import diagnose
+from rl_kernels.tools.verl_check import diagnose
 
 pytestmark = pytest.mark.verl_matrix
 
