@@ -17,15 +17,11 @@ import sys
 import torch
 
 from .._logging import logger
+from .verl_schema import VerlIntegrationError
 
 SUMMARY_AFTER_CALLS = 8
 """After this many calls served in a process, one INFO line says how many tokens rl-kernels
 served and by which path (so the training log shows that it is on)."""
-
-
-class VerlIntegrationError(RuntimeError):
-    """verl is missing or older than 0.7.0, or a verl function the patch touches is missing or has
-    parameters it does not handle."""
 
 
 def verl_version() -> str:

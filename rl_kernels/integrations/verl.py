@@ -69,15 +69,15 @@ from __future__ import annotations
 import logging
 
 from .._logging import logger
-from ._verl_common import (SUMMARY_AFTER_CALLS, VerlIntegrationError, call_counts,  # noqa: F401
-                           entropy_on_request, entropy_wanted, verl_version)
+from ._verl_common import (SUMMARY_AFTER_CALLS, call_counts, entropy_on_request, entropy_wanted,  # noqa: F401
+                           verl_version)
 from ._verl_common import signature as _signature  # noqa: F401
 from .verl_fsdp_fused import fused_log_probs_entropy, micro_batch_flag  # noqa: F401
 from .verl_logits import (LOGITS_FUNCTIONS, SUM_PI_SQUARED_FUNCTION, calculate_sum_pi_squared_from_logits,  # noqa: F401
                           entropy_from_logits, entropy_from_logits_with_chunking, logprobs_from_logits)
-from .verl_options import (BACKEND_NAME, VerlOptions, configure, configure_from_model_config,  # noqa: F401
-                           options)
+from .verl_options import configure, configure_from_model_config, options  # noqa: F401
 from .verl_patch import SERVED_ENGINES, apply_model_config, is_patched, patch, report, unpatch  # noqa: F401
+from .verl_schema import BACKEND_NAME, VerlIntegrationError, VerlOptions  # noqa: F401
 from .verl_signatures import DP_ACTOR_MODULE, MIN_VERL, SIGNATURES, VerlFeatures, verl_features  # noqa: F401
 from . import verl_options as _verl_options
 from . import verl_patch as _verl_patch

@@ -1,7 +1,7 @@
 """The FSDP fused path (``use_fused_kernels=True``, ``impl_backend=rl_kernels``) of the verl patch.
 
 ``verl.models.transformers.monkey_patch.patch_forward_with_backends`` is wrapped to accept the
-backend name :data:`~.verl_options.BACKEND_NAME`: it installs verl's own torch-backend fused
+backend name :data:`~.verl_schema.BACKEND_NAME`: it installs verl's own torch-backend fused
 forward for the model class (label rolling, ``shift_labels``, ``temperature``, rmpad shapes and
 ``CausalLMOutputForPPO`` stay verl's), marks the model (``_rl_kernels_fused``, with its
 :class:`~.lm_heads.HeadTransform`) and wraps the class forward (:func:`serving_forward`). Inside a
@@ -28,7 +28,7 @@ from ._verl_common import (VerlIntegrationError, entropy_on_request, entropy_pla
                            set_attr)
 from .lm_heads import HeadTransform, head_transform
 from .verl_label_check import refuse_rolled_shard_labels
-from .verl_options import BACKEND_NAME
+from .verl_schema import BACKEND_NAME, names_rl_kernels
 from .verl_signatures import verl_features
 
 _model_names: list[str] = []  # the models patched for rl-kernels in this process (anomaly samples name the last)
@@ -39,12 +39,6 @@ _head = contextvars.ContextVar("rl_kernels_head", default=None)
 """The :class:`~rl_kernels.integrations.lm_heads.HeadTransform` of the model whose forward runs."""
 _UNSET = object()
 
-
-
-def names_rl_kernels(name) -> bool:
-    """Whether verl's ``impl_backend`` / ``fused_kernels_backend`` value is the name this
-    integration registers (verl's own kernel choice, not one of rl-kernels' backends)."""
-    return name == BACKEND_NAME
 
 def full_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The full lm_head weight in the compute dtype ``dtype``.

@@ -27,8 +27,7 @@ import re
 import sys
 from typing import NamedTuple
 
-from ..integrations.verl_fsdp_fused import names_rl_kernels
-from ..integrations.verl_options import BACKEND_NAME, VerlOptions, validated_options
+from ..integrations.verl_schema import BACKEND_NAME, VerlOptions, names_rl_kernels, validated_options
 
 GROUP = "rl_kernels"
 """The Hydra group (``+rl_kernels=fused``) and its package on the search path."""
