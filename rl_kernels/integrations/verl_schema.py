@@ -3,8 +3,9 @@ verl config (the backend name :data:`BACKEND_NAME`, the options :class:`VerlOpti
 validation :func:`validated_options`) and the integration's error type
 (:class:`VerlIntegrationError`).
 
-Importing the integration itself (:mod:`rl_kernels.integrations.verl`) patches verl. What must not
-patch imports this module instead: ``rl-kernels verl-check`` (:mod:`rl_kernels.tools.verl_check`, which
+The integration itself is the package :mod:`rl_kernels.integrations.verl`, and importing it or any
+module of it (Python runs a package's ``__init__`` first) patches verl. What must not patch
+imports this module instead: ``rl-kernels verl-check`` (:mod:`rl_kernels.tools.verl_check`, which
 validates a composed config's options in the driver), :mod:`rl_kernels.integrations.lm_heads`, and
 a process that unpickles a :class:`VerlIntegrationError` raised in a Ray worker (verl's driver).
 """

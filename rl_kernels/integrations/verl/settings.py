@@ -4,7 +4,7 @@ options are (:class:`VerlOptions`, :data:`BACKEND_NAME`, :func:`validated_option
 :mod:`rl_kernels.integrations.verl_schema`, which patches nothing on import.
 
 The options in force and the anomaly capture built from them are process-wide state, read per
-call by the fused paths (``backend``, the capture) and at :func:`~.verl_patch.patch` time by the
+call by the fused paths (``backend``, the capture) and at :func:`~.patching.patch` time by the
 patch (``patch_logits_path``, ``patch_megatron_fused``).
 """
 from __future__ import annotations
@@ -12,16 +12,16 @@ from __future__ import annotations
 import dataclasses
 import threading
 
-from .._logging import logger
-from .anomaly import AnomalyCapture
-from ._verl_common import verl_version
-from .verl_schema import BACKEND_NAME, VerlOptions, validated_options
+from ..._logging import logger
+from ..anomaly import AnomalyCapture
+from ..verl_schema import BACKEND_NAME, VerlOptions, validated_options
+from .common import verl_version
 
 PATCH_TIME_OPTIONS = ("patch_logits_path", "patch_megatron_fused")
-"""Options that decide what :func:`~.verl_patch.patch` replaces (the others are read per call)."""
+"""Options that decide what :func:`~.patching.patch` replaces (the others are read per call)."""
 
 lock = threading.RLock()
-"""Guards the options and the patch state (:mod:`.verl_patch` takes it too)."""
+"""Guards the options and the patch state (:mod:`.patching` takes it too)."""
 _options = VerlOptions()
 _capture: AnomalyCapture | None = None
 _patched_with: VerlOptions | None = None  # the options verl.patch() applied; None while unpatched
@@ -38,7 +38,7 @@ def capture() -> AnomalyCapture | None:
 
 
 def mark_patched(applied: VerlOptions | None) -> None:
-    """Called by :mod:`.verl_patch`: the options a patch was applied with (None: unpatched)."""
+    """Called by :mod:`.patching`: the options a patch was applied with (None: unpatched)."""
     global _patched_with
     _patched_with = applied
 
