@@ -1,6 +1,6 @@
 """verl's top-K distillation loss (``compute_forward_kl_topk`` of
 ``verl.trainer.distillation.fsdp.losses``) against rl-kernels' replacement
-(``rl_kernels.integrations.verl_distill``) on one GPU: forward+backward time, peak extra memory and
+(``rl_kernels.integrations.verl.distill``) on one GPU: forward+backward time, peak extra memory and
 accuracy against float64.
 
 Variants, the same inputs:
@@ -97,6 +97,23 @@ def config(chunked, clamp):
         log_prob_min_clamp=clamp, use_chunked_topk=chunked, chunked_topk_chunk_size=4096))
 
 
+def load_replacement_module():
+    """rl-kernels' ``rl_kernels.integrations.verl.distill``, loaded without running its package's
+    ``__init__``: that patches verl on import (which the bench must not: it calls verl's function
+    and the replacement itself), and on the stubbed verl of a machine without Ray it cannot. The
+    modules the replacement needs (``distill``, ``common``, ``settings``, ``signatures``) patch
+    nothing; the package entry is dropped again, so a later import runs the real ``__init__``."""
+    name = "rl_kernels.integrations.verl"
+    spec = importlib.util.find_spec(name)
+    package = types.ModuleType(name)
+    package.__path__, package.__package__ = list(spec.submodule_search_locations), name
+    sys.modules[name] = package
+    try:
+        return importlib.import_module(f"{name}.distill")
+    finally:
+        del sys.modules[name]
+
+
 def reference(logits, log_probs, ids, clamp, chunk=256):
     """float64 distillation_losses (n,) and d sum(losses) / d logits (n, v), in row chunks."""
     x = logits.detach()[0]
@@ -118,11 +135,10 @@ def reference(logits, log_probs, ids, clamp, chunk=256):
 
 def run(args, device):
     import rl_kernels
-    from rl_kernels.integrations import verl_distill
 
     verl, how = load_verl_losses()
     original = verl.compute_forward_kl_topk
-    ours = verl_distill._replacement(verl, original)
+    ours = load_replacement_module()._replacement(verl, original)
     logits, t_lp, t_ids, lengths = make_inputs(args.n, args.vocab, args.topk, args.seqs, device)
     variants = {"verl": (original, config(False, args.clamp)), "verl chunked": (original, config(True, args.clamp)),
                 "rl_kernels": (ours, config(False, args.clamp))}

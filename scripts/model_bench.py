@@ -38,7 +38,7 @@ The largest micro-batch: sequences of ``--seq`` tokens, doubling the count until
 no longer run without running out of memory, then bisecting (OOM caught and freed). The head's share: the head alone (last hidden state
 and lm_head weight in, loss and their gradients out) timed at the same tokens, over the step time.
 verl is imported as on the GPU machine without a package index
-(``rl_kernels.integrations.verl_kernels.import_verl_modules(stub=True)``).
+(``rl_kernels.tools.verl_kernels.import_verl_modules(stub=True)``).
 """
 from __future__ import annotations
 
@@ -305,7 +305,7 @@ class Bench:
 
 
 def import_verl():
-    from rl_kernels.integrations.verl_kernels import import_verl_modules
+    from rl_kernels.tools.verl_kernels import import_verl_modules
 
     how = import_verl_modules(stub=True)
     import rl_kernels.integrations.verl as rkv

@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from rl_kernels.integrations.verl_kernels import import_verl_modules
+from rl_kernels.tools.verl_kernels import import_verl_modules
 
 
 def qwen2_half_b(device):

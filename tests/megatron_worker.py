@@ -109,7 +109,7 @@ def run(rank, world, init_file):
     records = _Records()
     logging.getLogger("rl_kernels").addHandler(records)
     import rl_kernels.integrations.verl as rkv  # the import patches verl
-    import rl_kernels.integrations.verl_megatron as rkm
+    import rl_kernels.integrations.verl.megatron as rkm
 
     try:
         _check_patched(rkv, rkm, vtp, mti, fused, overlap, verl_F, mcore_tp)

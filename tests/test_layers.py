@@ -6,7 +6,8 @@ or inside a function) goes to the importer's own layer or a lower one.
     2 library       the public API and what it is built of (rl_kernels, linear, logits, distill,
                     validation, label_check, reference, samples, autograd.*)
     3 integrations  rl_kernels.integrations.* (the verl integration, anomaly capture)
-    4 tooling       rl_kernels.tools.* (command line, bench, repro, bundled samples), __main__
+    4 tooling       rl_kernels.tools.* (command line, bench, repro, bundled samples, verl's kernels as
+                    comparison points, verl-check), __main__
 
 So the kernels import nothing above them, the library neither its integrations nor its tooling,
 and the integrations not the tooling."""
@@ -72,11 +73,11 @@ def imports(module: str, path: str, known: dict) -> set[str]:
 def test_the_graph_is_read():
     """The reader finds what is known to be there (a test of the test)."""
     known = modules()
-    assert {"rl_kernels.ops.logits", "rl_kernels.tools.cli", "rl_kernels.integrations.verl_patch",
+    assert {"rl_kernels.ops.logits", "rl_kernels.tools.cli", "rl_kernels.integrations.verl.patching",
             "rl_kernels.label_flag"} <= set(known)
     assert "rl_kernels.ops.common" in imports("rl_kernels.ops.logits", known["rl_kernels.ops.logits"], known)
     assert "rl_kernels.tools.bench" in imports("rl_kernels.tools.cli", known["rl_kernels.tools.cli"], known)
-    assert layer("rl_kernels.tools.cli") > layer("rl_kernels.integrations.verl_patch") > layer("rl_kernels.linear") \
+    assert layer("rl_kernels.tools.cli") > layer("rl_kernels.integrations.verl.patching") > layer("rl_kernels.linear") \
         > layer("rl_kernels.ops.config") > layer("rl_kernels._logging")
 
 
@@ -96,3 +97,40 @@ def test_library_tooling_and_integrations_are_separate_folders():
         if layer(name) == 3:
             assert known[name].startswith(os.path.join(ROOT, "integrations")), name
     assert not {"rl_kernels.cli", "rl_kernels.bench", "rl_kernels.repro", "rl_kernels.anomaly"} & set(known)
+
+
+PATCHING = "rl_kernels.integrations.verl"
+"""The verl integration: importing it, or any module of it (Python runs the package's __init__
+first), patches verl."""
+
+
+def _in_patching_package(module: str) -> bool:
+    return module == PATCHING or module.startswith(PATCHING + ".")
+
+
+def test_no_module_outside_the_verl_package_imports_it():
+    """The library, the tooling (rl-kernels verl-check, bench, repro) and the other integrations
+    (lm_heads, verl_schema) leave verl unpatched: none of them imports the package."""
+    known = modules()
+    assert {PATCHING, f"{PATCHING}.patching", "rl_kernels.integrations.verl_schema"} <= set(known)
+    assert not _in_patching_package("rl_kernels.integrations.verl_schema")  # a test of the test
+    assert f"{PATCHING}.common" in imports(f"{PATCHING}.patching", known[f"{PATCHING}.patching"], known)
+    offenders = sorted(f"{name} imports {dep}" for name, path in known.items() if not _in_patching_package(name)
+                       for dep in imports(name, path, known) if _in_patching_package(dep))
+    assert not offenders, offenders
+
+
+def test_no_module_of_the_verl_package_is_shadowed_by_an_exported_name():
+    """A module of the package named after a name its __init__ binds (``patch``, ``options``, ...)
+    would be hidden by it: ``import rl_kernels.integrations.verl.patch as m`` would give the
+    function. The names __init__ binds (``from .x import name``, its functions and classes) are
+    read from its source."""
+    known = modules()
+    submodules = {name.rsplit(".", 1)[1] for name in known if name.startswith(PATCHING + ".")}
+    with open(known[PATCHING], encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    bound = {alias.asname or alias.name for node in tree.body if isinstance(node, ast.ImportFrom) and node.module
+             for alias in node.names}
+    bound |= {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+    assert {"patch", "options", "configure"} <= bound and "patching" in submodules  # a test of the test
+    assert not submodules & bound, f"modules of {PATCHING} hidden by names its __init__ binds: {sorted(submodules & bound)}"

@@ -4,12 +4,17 @@ config (``main_ppo --cfg job``, in process), as the run would.
 
 Marked ``verl_matrix``: the same overrides on verl 0.7.1 and 0.8.0 (.ci/run).
 """
+import os
+import subprocess
+import sys
+
 import pytest
 
 pytest.importorskip("verl", reason="verl is not installed (pip install -e '.[verl]')")
 
+import rl_kernels
 from rl_kernels.tools.cli import main
-from rl_kernels.integrations.verl_check import diagnose
+from rl_kernels.tools.verl_check import diagnose
 
 pytestmark = pytest.mark.verl_matrix
 
@@ -80,3 +85,21 @@ def test_a_bad_entry_is_a_one_line_usage_error(capsys):
     assert err.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "--entry: no module named 'no.such.module'" in lines[0], lines
+
+
+def test_the_check_leaves_verl_unpatched():
+    """verl-check composes verl's config in the CLI process and must leave verl as installed: it
+    never imports the integration package (importing it, or any module of it, patches verl)."""
+    code = ("import sys\n"
+            "from rl_kernels.tools.cli import main\n"
+            f"code = main(['verl-check', {SEARCH!r}, '+rl_kernels=fused'])\n"
+            "loaded = sorted(m for m in sys.modules if m.split('.')[:3] == ['rl_kernels', 'integrations', 'verl'])\n"
+            "print('integration modules loaded:', loaded)\n"
+            "sys.exit(code)\n")
+    env = dict(os.environ)  # the subprocess imports the rl_kernels this test imports
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(rl_kernels.__file__)),
+                                         env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "rl-kernels is ON: fused path" in proc.stdout, proc.stdout
+    assert "integration modules loaded: []" in proc.stdout, proc.stdout

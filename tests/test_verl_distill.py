@@ -1,4 +1,4 @@
-"""rl_kernels.integrations.verl_distill: verl's top-K distillation loss (``compute_forward_kl_topk``
+"""rl_kernels.integrations.verl.distill: verl's top-K distillation loss (``compute_forward_kl_topk``
 of ``verl.trainer.distillation.fsdp.losses``, FSDP / VeOmni) with rl-kernels' student log-probs.
 
 Marked ``verl_matrix``: on verl 0.7.x, which has no distillation module, the tests that
@@ -21,8 +21,8 @@ pytest.importorskip("verl", reason="verl is not installed (pip install -e '.[ver
 import torch
 
 import rl_kernels.integrations.verl as rkv
-from rl_kernels.integrations import _verl_common, verl_distill
-from rl_kernels.integrations._verl_common import VerlIntegrationError
+from rl_kernels.integrations.verl import common, distill
+from rl_kernels.integrations.verl_schema import VerlIntegrationError
 from verl_helpers import verl_unpatched
 
 pytestmark = pytest.mark.verl_matrix
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.verl_matrix
 
 def _has_distillation() -> bool:
     try:
-        return importlib.util.find_spec(verl_distill.FSDP_MODULE) is not None
+        return importlib.util.find_spec(distill.FSDP_MODULE) is not None
     except ImportError:
         return False
 
@@ -47,14 +47,14 @@ def patched():
     """verl as installed plus patch_distillation() alone: (verl's loss module, verl's original
     function, the report); restore() afterwards must leave the original in place."""
     with verl_unpatched():
-        fsdp = importlib.import_module(verl_distill.FSDP_MODULE)
+        fsdp = importlib.import_module(distill.FSDP_MODULE)
         original = fsdp.compute_forward_kl_topk
         assert not hasattr(original, "_rl_kernels_original")
-        report = verl_distill.patch_distillation()
+        report = distill.patch_distillation()
         try:
             yield fsdp, original, report
         finally:
-            _verl_common.restore()
+            common.restore()
         assert fsdp.compute_forward_kl_topk is original
 
 
@@ -171,14 +171,14 @@ def test_ulysses_slicing_goes_through_verls_helpers(patched, monkeypatch):
 @needs_distillation
 def test_report_idempotence_restore_and_inputs_left_to_verl(patched):
     fsdp, original, report = patched
-    replaced, what = report[verl_distill.FSDP_PART]
+    replaced, what = report[distill.FSDP_PART]
     assert replaced and "topk_log_probs_from_logits" in what, report
-    replaced, why = report[verl_distill.MEGATRON_PART]
+    replaced, why = report[distill.MEGATRON_PART]
     assert not replaced and why.startswith("not replaced: ") and "vocab-parallel" in why, why
     ours = fsdp.compute_forward_kl_topk
     assert ours._rl_kernels_original is original
-    assert _verl_common.signature(ours) == verl_distill.PARAMETERS
-    assert verl_distill.patch_distillation() == report and fsdp.compute_forward_kl_topk is ours  # idempotent
+    assert common.signature(ours) == distill.PARAMETERS
+    assert distill.patch_distillation() == report and fsdp.compute_forward_kl_topk is ours  # idempotent
     # teacher tensors that are not nested: verl's own function runs (and asserts, as verl does)
     student, t_lp, t_ids, _ = _inputs(seed=3)
     before = rkv.call_counts()["distillation_calls"]
@@ -190,7 +190,7 @@ def test_report_idempotence_restore_and_inputs_left_to_verl(patched):
 @needs_distillation
 def test_changed_signature_raises_and_patches_nothing(monkeypatch):
     with verl_unpatched(), monkeypatch.context() as patcher:  # (undone before verl is patched again)
-        fsdp = importlib.import_module(verl_distill.FSDP_MODULE)
+        fsdp = importlib.import_module(distill.FSDP_MODULE)
 
         def compute_forward_kl_topk(student_logits, teacher_topk_log_probs, teacher_topk_ids, config):
             raise AssertionError("not called")
@@ -198,19 +198,19 @@ def test_changed_signature_raises_and_patches_nothing(monkeypatch):
         patcher.setattr(fsdp, "compute_forward_kl_topk", compute_forward_kl_topk)
         with pytest.raises(VerlIntegrationError, match=r"changed verl\.trainer\.distillation\.fsdp\.losses\."
                                                         r"compute_forward_kl_topk: expected parameters"):
-            verl_distill.patch_distillation()
+            distill.patch_distillation()
         assert fsdp.compute_forward_kl_topk is compute_forward_kl_topk
-        assert not _verl_common._undo
+        assert not common._undo
 
 
 def test_verl_without_distillation_reports_not_in_this_verl(monkeypatch):
     """verl 0.7.x (simulated here on any verl: the modules made unimportable)."""
-    monkeypatch.setitem(sys.modules, verl_distill.FSDP_MODULE, None)
-    monkeypatch.setitem(sys.modules, verl_distill.MEGATRON_MODULE, None)
-    report = verl_distill.patch_distillation()
-    assert report == {verl_distill.FSDP_PART: (False, verl_distill.NOT_IN_THIS_VERL),
-                      verl_distill.MEGATRON_PART: (False, verl_distill.NOT_IN_THIS_VERL)}
-    assert report[verl_distill.FSDP_PART][1].startswith("not in this verl")
+    monkeypatch.setitem(sys.modules, distill.FSDP_MODULE, None)
+    monkeypatch.setitem(sys.modules, distill.MEGATRON_MODULE, None)
+    report = distill.patch_distillation()
+    assert report == {distill.FSDP_PART: (False, distill.NOT_IN_THIS_VERL),
+                      distill.MEGATRON_PART: (False, distill.NOT_IN_THIS_VERL)}
+    assert report[distill.FSDP_PART][1].startswith("not in this verl")
 
 
 @needs_distillation
@@ -218,7 +218,7 @@ def test_megatron_distillation_stays_verls_and_says_so_at_its_first_call(monkeyp
     """verl's Megatron top-K loss is not replaced: where it imports, a wrapper logs one WARNING at
     its first call and runs verl's function with the same arguments and result."""
     pytest.importorskip("megatron.core")
-    megatron_losses = importlib.import_module(verl_distill.MEGATRON_MODULE)
+    megatron_losses = importlib.import_module(distill.MEGATRON_MODULE)
     calls = []
 
     def compute_forward_kl_topk(*args, **kwargs):  # stands for verl's (which needs a TP group)
@@ -227,10 +227,10 @@ def test_megatron_distillation_stays_verls_and_says_so_at_its_first_call(monkeyp
 
     with verl_unpatched(), monkeypatch.context() as patcher:
         patcher.setattr(megatron_losses, "compute_forward_kl_topk", compute_forward_kl_topk)
-        report = verl_distill.patch_distillation()
+        report = distill.patch_distillation()
         try:
-            assert not report[verl_distill.MEGATRON_PART][0]
-            assert "a WARNING at its first call" in report[verl_distill.MEGATRON_PART][1]
+            assert not report[distill.MEGATRON_PART][0]
+            assert "a WARNING at its first call" in report[distill.MEGATRON_PART][1]
             wrapped = megatron_losses.compute_forward_kl_topk
             assert wrapped is not compute_forward_kl_topk and wrapped._rl_kernels_original is compute_forward_kl_topk
             with caplog.at_level("WARNING", logger="rl_kernels"):
@@ -240,5 +240,5 @@ def test_megatron_distillation_stays_verls_and_says_so_at_its_first_call(monkeyp
             said = [m for m in caplog.messages if "Megatron top-K distillation loss is not served" in m]
             assert len(said) <= 1  # once per process (an earlier test may have logged it)
         finally:
-            _verl_common.restore()
+            common.restore()
         assert megatron_losses.compute_forward_kl_topk is compute_forward_kl_topk

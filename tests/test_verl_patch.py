@@ -27,7 +27,7 @@ from transformers import Qwen2ForCausalLM
 from verl.models.transformers.monkey_patch import apply_monkey_patch
 
 import rl_kernels.integrations.verl as rkv
-import rl_kernels.integrations.verl_megatron as rkm
+import rl_kernels.integrations.verl.megatron as rkm
 from rl_kernels.samples import load_sample
 from verl_helpers import VOCAB, tiny_qwen2, verl_logits_path, verl_unpatched
 
@@ -455,7 +455,7 @@ def test_signature_table_matches_installed_verl():
             assert rkv._signature(fn) in rkv.SIGNATURES[label], label
             assert inspect.isfunction(fn)
         assert set(fns) == set(rkv.SIGNATURES) - ({"DataParallelPPOActor.__init__"} - set(fns))
-        # the Megatron part (rl_kernels.integrations.verl_megatron), when megatron-core is installed
+        # the Megatron part (rl_kernels.integrations.verl.megatron), when megatron-core is installed
         if importlib.util.find_spec("megatron.core") is not None and not rkm._engine_functions()[1]:
             import megatron.core.tensor_parallel as mcore_tp
             import verl.utils.megatron.tensor_parallel as vtp
@@ -555,7 +555,7 @@ def test_options_from_the_legacy_worker_config():
     method init_model calls next (``_build_model_optimizer``) hands ``self.config.model`` over."""
     from omegaconf import OmegaConf
 
-    from rl_kernels.integrations import verl_hooks
+    from rl_kernels.integrations.verl import hooks
 
     class ActorRolloutRefWorker:  # stands for verl.workers.fsdp_workers.ActorRolloutRefWorker
         def __init__(self):
@@ -578,7 +578,7 @@ def test_options_from_the_legacy_worker_config():
         rkv.patch()  # wraps the legacy workers that are loaded
         assert ActorRolloutRefWorker()._build_model_optimizer("p") == ("p", "triton")
         assert rkv.options().backend == "triton"
-        assert verl_hooks.LEGACY_WORKERS[module.__name__]["ActorRolloutRefWorker"] == "_build_model_optimizer"
+        assert hooks.LEGACY_WORKERS[module.__name__]["ActorRolloutRefWorker"] == "_build_model_optimizer"
     finally:
         rkv.unpatch()
         if saved is None:
@@ -593,7 +593,7 @@ def test_options_of_the_importing_config_repatch_before_use():
     """The first model config verl hands over after the import is the one that imported the
     module; options in it that change what patch() replaces re-apply the patch (no warning), a
     later config's only warn (they take effect at the next patch())."""
-    from rl_kernels.integrations import verl_patch
+    from rl_kernels.integrations.verl import patching
 
     class HFModelConfig:
         fused_kernel_options = {"impl_backend": "rl_kernels", "rl_kernels": {"patch_logits_path": False}}
@@ -601,7 +601,7 @@ def test_options_of_the_importing_config_repatch_before_use():
     previous = rkv.options()
     try:
         assert verl_F.logprobs_from_logits is rkv.logprobs_from_logits
-        verl_patch.expect_import_config()
+        patching.expect_import_config()
         rkv.apply_model_config(HFModelConfig())
         assert rkv.is_patched() and not rkv.options().patch_logits_path
         assert verl_F.logprobs_from_logits is not rkv.logprobs_from_logits  # verl's own again
@@ -723,11 +723,11 @@ def test_optional_parts_follow_the_installed_functions():
 
 
 def _engine_lines(caplog, engine_cls, backend):
-    import rl_kernels.integrations.verl_patch as verl_patch
+    import rl_kernels.integrations.verl.patching as patching
 
     caplog.clear()
     with caplog.at_level("INFO", logger="rl_kernels"):
-        verl_patch._report_engine("language_model", backend, engine_cls)
+        patching._report_engine("language_model", backend, engine_cls)
     return [(r.levelname, r.getMessage()) for r in caplog.records if f"'{backend}'" in r.getMessage()]
 
 

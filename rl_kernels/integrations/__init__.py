@@ -1,7 +1,8 @@
 """Framework integrations. Kernels know nothing of frameworks; each module here knows one.
 
-``rl_kernels.integrations.verl``: importing it patches verl (name it in
-``actor_rollout_ref.model.external_lib``). Its parts, one job each: ``verl_patch`` (patch, unpatch,
-report), ``verl_options``, ``verl_signatures``, ``verl_fsdp_fused``, ``verl_logits``, ``verl_hooks``,
-``verl_label_check``, ``verl_megatron`` (the Megatron engine) and ``_verl_common``.
+``rl_kernels.integrations.verl``, a package: importing it, or any module of it, patches verl (name
+it in ``actor_rollout_ref.model.external_lib``); its ``__init__`` lists its parts.
+``verl_schema`` holds what must be importable without patching (the verl options' schema and
+the error type), ``lm_heads`` each model type's head transform, ``anomaly`` the opt-in anomaly
+capture.
 """

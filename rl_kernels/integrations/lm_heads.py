@@ -39,7 +39,7 @@ import numbers
 
 import torch
 
-from ._verl_common import VerlIntegrationError
+from .verl_schema import VerlIntegrationError
 
 PLAIN, SOFTCAPPED, SCALED, REFUSED = "plain", "soft-capped", "scaled", "refused"
 

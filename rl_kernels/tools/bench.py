@@ -69,7 +69,7 @@ def implementations(stub_verl: bool = False) -> tuple[dict[str, Impl], dict[str,
     }
     absent: dict[str, str] = {}
     try:
-        from rl_kernels.integrations.verl_kernels import verl_linear_kernels
+        from rl_kernels.tools.verl_kernels import verl_linear_kernels
 
         for name, fn in verl_linear_kernels(stub_verl).items():
             impls[name] = lambda h, w, y, fn=fn: fn(h, w, y, 1.0)

@@ -397,7 +397,7 @@ def _verl_check(args: argparse.Namespace) -> int:
         found = False
     if not found:
         raise UsageError(f"--entry: no module named {args.entry!r}")
-    from ..integrations.verl_check import check
+    from .verl_check import check
 
     verdict = check(list(args.overrides), args.entry)
     print(verdict.line)

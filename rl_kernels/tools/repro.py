@@ -75,7 +75,7 @@ def _torch_eager(s: Sample):
 def _verl_backends() -> dict[str, Backend]:
     """verl's fused Triton head, when verl is importable (it needs CUDA)."""
     try:
-        from ..integrations.verl_kernels import verl_linear_kernels
+        from .verl_kernels import verl_linear_kernels
 
         head = verl_linear_kernels()["verl triton"]
     except Exception:  # noqa: BLE001 - any import failure means "not available here"

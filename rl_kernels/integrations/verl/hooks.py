@@ -1,5 +1,5 @@
 """Hooks in verl's workers, engines and legacy actor: where verl hands over its model config
-(the integration's options, :mod:`.verl_options`), and verl 0.7.x's legacy ``DataParallelPPOActor``.
+(the integration's options, :mod:`.settings`), and verl 0.7.x's legacy ``DataParallelPPOActor``.
 
 **Where the options come from.** verl imports ``external_lib`` from inside a call that holds
 the model config: ``HFModelConfig.__post_init__`` (verl 0.8+, and 0.7.x's engine workers), or a
@@ -14,19 +14,19 @@ config on, before anything consumes the patch:
   the ``_build_model_optimizer`` / ``_build_critic_model_optimizer`` that ``init_model`` calls right
   after the import (:func:`wrap_legacy_workers`).
 
-Each hook calls ``on_config(model_config)`` (:func:`rl_kernels.integrations.verl_patch.apply_model_config`).
+Each hook calls ``on_config(model_config)`` (:func:`rl_kernels.integrations.verl.patching.apply_model_config`).
 """
 from __future__ import annotations
 
 import functools
 import sys
 
-from ._verl_common import VerlIntegrationError, set_attr, verl_version
-from .verl_label_check import refuse_rolled_shard_labels
-from .verl_logits import SUM_PI_SQUARED_FUNCTION, calculate_sum_pi_squared_from_logits, entropy_from_logits
-from .verl_logits import entropy_from_logits_with_chunking
-from .verl_options import config_value
-from .verl_signatures import DP_ACTOR_MODULE, check_verl_signature
+from .common import VerlIntegrationError, set_attr, verl_version
+from .label_check import refuse_rolled_shard_labels
+from .logits import SUM_PI_SQUARED_FUNCTION, calculate_sum_pi_squared_from_logits, entropy_from_logits
+from .logits import entropy_from_logits_with_chunking
+from .settings import config_value
+from .signatures import DP_ACTOR_MODULE, check_verl_signature
 
 LEGACY_WORKERS = {
     "verl.workers.fsdp_workers": {"ActorRolloutRefWorker": "_build_model_optimizer",
@@ -42,7 +42,7 @@ def wrap_dp_actor(dp_actor, logits_path: bool, sum_pi_squared: bool) -> str:
     """Wrap ``DataParallelPPOActor.__init__`` (``dp_actor``: verl 0.7.x's ``verl.workers.actor.dp_actor``
     module): the compiled from-logits caches it builds (after verl imported ``external_lib``) are
     replaced by rl-kernels' functions, and fused kernels with Ulysses SP are refused at
-    construction (see :mod:`.verl_label_check`). Returns the report text."""
+    construction (see :mod:`.label_check`). Returns the report text."""
     cls = dp_actor.DataParallelPPOActor
     original = cls.__init__
     check_verl_signature("DataParallelPPOActor.__init__", original)
@@ -80,7 +80,7 @@ def wrap_model_config(model_config_module, on_config) -> None:
 
 def registry_classmethod(registry, name: str):
     """The function behind verl's ``EngineRegistry.<name>`` classmethod, its signature checked
-    against :data:`verl_signatures.SIGNATURES`; VerlIntegrationError when verl changed it."""
+    against :data:`signatures.SIGNATURES`; VerlIntegrationError when verl changed it."""
     original = vars(registry)[name]
     if not isinstance(original, classmethod):
         raise VerlIntegrationError(f"rl_kernels.integrations.verl: verl {verl_version()} changed "

@@ -2,7 +2,7 @@
 
 * :data:`SIGNATURES`: every verl function the FSDP patches replace or wrap, with the parameter
   lists rl-kernels handles (one per variant met in a verl release). :func:`check_verl_signature`
-  raises :class:`~._verl_common.VerlIntegrationError` naming the function, the accepted and the
+  raises :class:`~.common.VerlIntegrationError` naming the function, the accepted and the
   found parameters when the installed verl has none of them; the patch then rolls back.
 * :func:`verl_features`: the optional parts of verl the patches serve where they exist (verl 0.7.x's
   legacy ``DataParallelPPOActor``; ``impl_backend`` on ``FusedLinearForPPO``; the Megatron
@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 from packaging.version import InvalidVersion, Version
 
-from ._verl_common import VerlIntegrationError, check_signature, verl_version
+from .common import VerlIntegrationError, check_signature, verl_version
 
 MIN_VERL = Version("0.7.0")
 """The oldest verl the patches handle (its ``external_lib`` hook, fused forwards and engines)."""

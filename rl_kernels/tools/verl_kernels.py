@@ -2,7 +2,8 @@
 
 Everything that knows verl's module layout for that purpose lives here: where its fused Triton
 ``linear_cross_entropy`` and its ``FusedLinearForPPO`` torch path are, and how to import them on
-a machine without verl's Ray / tensordict stack (``import_verl_modules(stub=True)``).
+a machine without verl's Ray / tensordict stack (``import_verl_modules(stub=True)``). It is
+tooling, not the integration: it imports verl's kernels unpatched and patches nothing.
 """
 from __future__ import annotations
 

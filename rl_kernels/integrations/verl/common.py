@@ -1,10 +1,11 @@
-"""State shared by the verl patches (``verl.py``: FSDP and the entry point, ``verl_megatron.py``).
+"""State shared by the verl patches (the FSDP parts, :mod:`.patching` and :mod:`.megatron`).
 
 * the undo log of every attribute the patches set (:func:`set_attr`, :func:`restore`), including
   the functions replaced wherever they were imported by name (:func:`replace_by_name`);
 * the per-consumer call counters (:func:`record`, :func:`call_counts`) and the one-time
   "served N calls" INFO line;
-* signature checks and the error type.
+* signature checks (the error type, :class:`VerlIntegrationError`, is defined in
+  :mod:`rl_kernels.integrations.verl_schema`, which patches nothing on import).
 """
 from __future__ import annotations
 
@@ -16,16 +17,12 @@ import sys
 
 import torch
 
-from .._logging import logger
+from ..._logging import logger
+from ..verl_schema import VerlIntegrationError
 
 SUMMARY_AFTER_CALLS = 8
 """After this many calls served in a process, one INFO line says how many tokens rl-kernels
 served and by which path (so the training log shows that it is on)."""
-
-
-class VerlIntegrationError(RuntimeError):
-    """verl is missing or older than 0.7.0, or a verl function the patch touches is missing or has
-    parameters it does not handle."""
 
 
 def verl_version() -> str:

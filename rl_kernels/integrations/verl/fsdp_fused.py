@@ -1,14 +1,15 @@
 """The FSDP fused path (``use_fused_kernels=True``, ``impl_backend=rl_kernels``) of the verl patch.
 
 ``verl.models.transformers.monkey_patch.patch_forward_with_backends`` is wrapped to accept the
-backend name :data:`~.verl_options.BACKEND_NAME`: it installs verl's own torch-backend fused
-forward for the model class (label rolling, ``shift_labels``, ``temperature``, rmpad shapes and
-``CausalLMOutputForPPO`` stay verl's), marks the model (``_rl_kernels_fused``, with its
-:class:`~.lm_heads.HeadTransform`) and wraps the class forward (:func:`serving_forward`). Inside a
-marked model's forward, the ``FusedLinearForPPO`` that verl's forward builds (bare on verl 0.7.x /
-0.8.0, with ``impl_backend`` on 0.9.x) is this module's subclass, which computes the log-probs
-and entropy with :func:`rl_kernels.linear_log_probs` (:func:`fused_log_probs_entropy`). The
-entropy is computed only when verl's ``calculate_entropy`` asks (:func:`wrap_entropy_requests`).
+backend name :data:`~rl_kernels.integrations.verl_schema.BACKEND_NAME`: it installs verl's own
+torch-backend fused forward for the model class (label rolling, ``shift_labels``, ``temperature``,
+rmpad shapes and ``CausalLMOutputForPPO`` stay verl's), marks the model (``_rl_kernels_fused``,
+with its :class:`~rl_kernels.integrations.lm_heads.HeadTransform`) and wraps the class forward
+(:func:`serving_forward`). Inside a marked model's forward, the ``FusedLinearForPPO`` that verl's
+forward builds (bare on verl 0.7.x / 0.8.0, with ``impl_backend`` on 0.9.x) is this module's
+subclass, which computes the log-probs and entropy with :func:`rl_kernels.linear_log_probs`
+(:func:`fused_log_probs_entropy`). The entropy is computed only when verl's ``calculate_entropy``
+asks (:func:`wrap_entropy_requests`).
 """
 from __future__ import annotations
 
@@ -20,16 +21,16 @@ import logging
 
 import torch
 
-from .._logging import log_once, logger
-from ..linear import linear_log_probs
-from ..validation import check_temperature
-from . import verl_options
-from ._verl_common import (VerlIntegrationError, entropy_on_request, entropy_placeholder, entropy_wanted, record,
-                           set_attr)
-from .lm_heads import HeadTransform, head_transform
-from .verl_label_check import refuse_rolled_shard_labels
-from .verl_options import BACKEND_NAME
-from .verl_signatures import verl_features
+from ..._logging import log_once, logger
+from ...linear import linear_log_probs
+from ...validation import check_temperature
+from ..lm_heads import HeadTransform, head_transform
+from ..verl_schema import BACKEND_NAME, names_rl_kernels
+from . import settings
+from .common import (VerlIntegrationError, entropy_on_request, entropy_placeholder, entropy_wanted, record,
+                     set_attr)
+from .label_check import refuse_rolled_shard_labels
+from .signatures import verl_features
 
 _model_names: list[str] = []  # the models patched for rl-kernels in this process (anomaly samples name the last)
 
@@ -39,12 +40,6 @@ _head = contextvars.ContextVar("rl_kernels_head", default=None)
 """The :class:`~rl_kernels.integrations.lm_heads.HeadTransform` of the model whose forward runs."""
 _UNSET = object()
 
-
-
-def names_rl_kernels(name) -> bool:
-    """Whether verl's ``impl_backend`` / ``fused_kernels_backend`` value is the name this
-    integration registers (verl's own kernel choice, not one of rl-kernels' backends)."""
-    return name == BACKEND_NAME
 
 def full_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The full lm_head weight in the compute dtype ``dtype``.
@@ -94,7 +89,8 @@ def fused_log_probs_entropy(hidden_states: torch.Tensor, weight: torch.Tensor, l
     DTensor is gathered, a float32 one under mixed precision cast to ``hidden_states.dtype``, see
     :func:`full_weight`); labels: int64 ``(...)`` (verl's ``input_ids`` rolled, or its ``shift_labels``);
     temperature: a float or a one-element tensor, with the model's own logit transform (soft-cap,
-    multiplier) applied from the :class:`~.lm_heads.HeadTransform` of the model whose forward runs.
+    multiplier) applied from the :class:`~rl_kernels.integrations.lm_heads.HeadTransform` of the
+    model whose forward runs.
     The entropy is a NaN placeholder when verl's ``calculate_entropy`` did not ask for it.
     Raises ValueError / TypeError as :func:`rl_kernels.linear_log_probs`, and VerlIntegrationError when
     the effective temperature is unusable.
@@ -105,12 +101,12 @@ def fused_log_probs_entropy(hidden_states: torch.Tensor, weight: torch.Tensor, l
     temperature = _head_temperature(temperature, head)
     weight = full_weight(weight, hidden_states.dtype)
     return_entropy = entropy_wanted.get()
-    options = verl_options.options()
+    options = settings.options()
     out = linear_log_probs(hidden_states, weight, labels, temperature=temperature,
                            softcap=head.softcap, return_entropy=return_entropy, backend=options.backend)
     record("fused_fsdp_calls", "fused fsdp", labels.numel())
     entropy = out.entropy if return_entropy else entropy_placeholder(out.log_probs)
-    capture = verl_options.capture()
+    capture = settings.capture()
     if capture is not None:
         capture.check(hidden_states, weight, labels, temperature=float(temperature),
                       softcap=head.softcap, ignore_index=-100, log_probs=out.log_probs, entropy=out.entropy,
@@ -126,7 +122,7 @@ def micro_batch_flag(arguments) -> bool:
 
 
 def wrap_entropy_requests(dp_actor) -> str:
-    """Install :func:`~._verl_common.entropy_on_request` where this verl decides
+    """Install :func:`~.common.entropy_on_request` where this verl decides
     ``calculate_entropy`` (the FSDP engine's ``forward_step``; ``dp_actor``, verl 0.7.x's
     ``verl.workers.actor.dp_actor`` module or None, its ``_forward_micro_batch``); returns what
     was wrapped (for the report) or why nothing was."""
@@ -261,7 +257,7 @@ def make_patch_forward_with_backends(original):
             return original(model, use_fused_kernels=use_fused_kernels,
                             fused_kernels_backend=fused_kernels_backend)
         cls = model.__class__.__name__
-        options = verl_options.options()
+        options = settings.options()
         if not use_fused_kernels:
             log_once(logging.INFO, f"rl_kernels: impl_backend='rl_kernels' with use_fused_kernels=False: "
                      f"{cls} keeps its logits forward; log-probs/entropy come from rl-kernels' from-logits "

@@ -75,10 +75,10 @@ import torch
 
 import rl_kernels
 
-from .._logging import log_once, logger
-from ._verl_common import (VerlIntegrationError, check_signature, entropy_on_request, entropy_placeholder,
-                           entropy_wanted, record, replace_by_name, set_attr, verl_version)
-from .verl_options import options
+from ..._logging import log_once, logger
+from .common import (VerlIntegrationError, check_signature, entropy_on_request, entropy_placeholder,
+                     entropy_wanted, record, replace_by_name, set_attr, verl_version)
+from .settings import options
 
 LOGITS_FUNCTIONS = ("vocab_parallel_log_probs_from_logits", "vocab_parallel_entropy",
                     "vocab_parallel_entropy_with_chunking")

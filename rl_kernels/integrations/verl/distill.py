@@ -26,11 +26,11 @@ import logging
 
 import torch
 
-from .._logging import log_once
-from ..logits import topk_log_probs_from_logits
-from ._verl_common import check_signature, record, replace_by_name, set_attr
-from .verl_options import options
-from .verl_signatures import has_module
+from ..._logging import log_once
+from ...logits import topk_log_probs_from_logits
+from .common import check_signature, record, replace_by_name, set_attr
+from .settings import options
+from .signatures import has_module
 
 FSDP_MODULE = "verl.trainer.distillation.fsdp.losses"
 MEGATRON_MODULE = "verl.trainer.distillation.megatron.losses"
@@ -90,8 +90,8 @@ def _said_once(original):
 
 def patch_distillation() -> dict[str, tuple[bool, str]]:
     """Replace verl's ``compute_forward_kl_topk`` of the FSDP / VeOmni distillation losses by
-    :func:`compute_forward_kl_topk` (through :func:`~._verl_common.replace_by_name`, so
-    :func:`~._verl_common.restore` undoes it). Returns the report entries ``{FSDP_PART:
+    :func:`compute_forward_kl_topk` (through :func:`~.common.replace_by_name`, so
+    :func:`~.common.restore` undoes it). Returns the report entries ``{FSDP_PART:
     (replaced?, what), MEGATRON_PART: (False, why)}``; a verl without distillation (0.7.x)
     gets ``(False, "not in this verl ...")`` for both, one whose module lacks the function
     ``(False, "not replaced ...")``. Raises VerlIntegrationError when the function has other
@@ -134,7 +134,7 @@ def _replacement(fsdp, original):
     @torch.compiler.disable
     def compute_forward_kl_topk(student_logits, teacher_topk_log_probs, teacher_topk_ids, config, data_format):
         """rl-kernels replacement for verl's ``compute_forward_kl_topk`` (FSDP / VeOmni): the same
-        arguments and outputs (see :mod:`rl_kernels.integrations.verl_distill`)."""
+        arguments and outputs (see :mod:`rl_kernels.integrations.verl.distill`)."""
         out = _forward_kl_topk(fsdp, student_logits, teacher_topk_log_probs, teacher_topk_ids, config)
         if out is None:  # not a layout this path serves: verl's own function (and its checks)
             log_once(logging.WARNING, "rl_kernels: verl's compute_forward_kl_topk got inputs rl-kernels does not "

@@ -2,7 +2,7 @@
 sum of squared probabilities, Megatron engine, the hooks), rolls all of them back when one does
 not fit, and reports what it replaced (:func:`report`, the INFO lines, and the line naming the
 engine verl builds: :func:`_report_engine`). :func:`apply_model_config` takes the options of the
-model configs verl hands over (:mod:`.verl_hooks`).
+model configs verl hands over (:mod:`.hooks`).
 """
 from __future__ import annotations
 
@@ -12,19 +12,20 @@ import importlib
 import logging
 import sys
 
-from .._logging import log_once, logger
-from . import verl_megatron, verl_options
-from ._verl_common import VerlIntegrationError, restore, set_attr, verl_version
-from .verl_distill import FSDP_PART as DISTILLATION_FSDP
-from .verl_distill import MEGATRON_PART as DISTILLATION_MEGATRON
-from .verl_distill import patch_distillation
-from .verl_fsdp_fused import patch_fused_path
-from .verl_hooks import (registry_classmethod, wrap_dp_actor, wrap_engine_new, wrap_legacy_workers,
-                         wrap_model_config)
-from .verl_logits import (LOGITS_FUNCTIONS, REPLACEMENTS, SUM_PI_SQUARED_FUNCTION, patch_logits_path,
-                          patch_sum_pi_squared, sum_pi_squared_available)
-from .verl_options import PATCH_TIME_OPTIONS, lock, mark_patched, model_config_options, options
-from .verl_signatures import DP_ACTOR_MODULE, check_verl_signature, check_verl_version, verl_features
+from ..._logging import log_once, logger
+from . import settings
+from .common import VerlIntegrationError, restore, set_attr, verl_version
+from .distill import FSDP_PART as DISTILLATION_FSDP
+from .distill import MEGATRON_PART as DISTILLATION_MEGATRON
+from .distill import patch_distillation
+from .fsdp_fused import patch_fused_path
+from .hooks import (registry_classmethod, wrap_dp_actor, wrap_engine_new, wrap_legacy_workers,
+                    wrap_model_config)
+from .logits import (LOGITS_FUNCTIONS, REPLACEMENTS, SUM_PI_SQUARED_FUNCTION, patch_logits_path,
+                     patch_sum_pi_squared, sum_pi_squared_available)
+from .megatron import patch as patch_megatron
+from .settings import PATCH_TIME_OPTIONS, lock, mark_patched, model_config_options, options
+from .signatures import DP_ACTOR_MODULE, check_verl_signature, check_verl_version, verl_features
 
 SERVED_ENGINES = {"verl.workers.engine.fsdp.transformer_impl": "FSDP",
                   "verl.workers.engine.megatron.transformer_impl": "Megatron"}
@@ -169,8 +170,8 @@ def _patch_all(monkey_patch, experimental_tf, torch_functional) -> dict:
         what = wrap_dp_actor(dp_actor, logits_path, sum_pi_squared)
         if logits_path:
             report["FSDP logits path"] = (True, report["FSDP logits path"][1] + "; " + what)
-    megatron = verl_megatron.patch(logits_path=logits_path, fused_path=current.patch_megatron_fused,
-                                   sum_pi_squared=sum_pi_squared)
+    megatron = patch_megatron(logits_path=logits_path, fused_path=current.patch_megatron_fused,
+                              sum_pi_squared=sum_pi_squared)
     off = {"Megatron logits path": (logits_path, "not replaced (patch_logits_path=False)"),
            "Megatron fused path": (current.patch_megatron_fused, "not replaced (patch_megatron_fused=False)"),
            "sum_pi_squared (Megatron)": (sum_pi_squared, report["sum_pi_squared (FSDP)"][1])}
@@ -199,9 +200,9 @@ def _patch_all(monkey_patch, experimental_tf, torch_functional) -> dict:
 
 def patch() -> None:
     """Patch verl (idempotent). Raises VerlIntegrationError when verl is missing or older than
-    :data:`~.verl_signatures.MIN_VERL`, or when a function it replaces is missing or has none of
-    the parameter lists of :data:`~.verl_signatures.SIGNATURES` (nothing stays patched then). Which
-    optional parts are patched follows what the installed verl has (:func:`~.verl_signatures.verl_features`),
+    :data:`~.signatures.MIN_VERL`, or when a function it replaces is missing or has none of
+    the parameter lists of :data:`~.signatures.SIGNATURES` (nothing stays patched then). Which
+    optional parts are patched follows what the installed verl has (:func:`~.signatures.verl_features`),
     never its version string."""
     global _patched, _report
     with lock:
@@ -263,7 +264,7 @@ def expect_import_config() -> None:
 def apply_model_config(model_config) -> None:
     """Options of a model config verl hands over (a verl ``HFModelConfig``, or the ``model``
     section of a verl 0.7.x legacy worker's config): its ``fused_kernel_options.rl_kernels``
-    section is applied with :func:`~.verl_options.configure` (errors as configure's).
+    section is applied with :func:`~.settings.configure` (errors as configure's).
 
     The first config after verl imported the integration is the one that imported it (verl's
     import carries no config), and the patch was applied with the options in force before it. When
@@ -287,8 +288,8 @@ def apply_model_config(model_config) -> None:
                                 f"{f}={getattr(new, f)}" for f in changed))
                 unpatch()
                 try:
-                    verl_options.configure(**section)
+                    settings.configure(**section)
                 finally:
                     patch()
                 return
-        verl_options.configure(**section)
+        settings.configure(**section)

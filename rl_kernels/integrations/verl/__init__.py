@@ -1,4 +1,4 @@
-"""verl integration: importing this module patches verl to compute log-probs and entropy with rl-kernels.
+"""verl integration: importing this package patches verl to compute log-probs and entropy with rl-kernels.
 
 Turn it on in a verl run with overrides only (see ``integrations/verl/README.md`` and the Hydra group in the repository's ``conf/``, shipped as ``rl_kernels.integrations.conf``)::
 
@@ -13,7 +13,7 @@ on 0.7.1, 0.8.0, 0.9.1 and verl's main branch (0.10.0.dev0), see the table in
 ``HFModelConfig.__post_init__``, verl 0.7.x's legacy workers (``fsdp_workers``) in ``init_model``:
 in the actor / rollout / reference workers, before they build the model (a config built in the
 driver and pickled, as the critic's ``HFModelConfig`` and ``sft_trainer_ray``'s are, imports it
-in the driver only: the critic computes no log-probs; for SFT, import this module in the workers
+in the driver only: the critic computes no log-probs; for SFT, import this package in the workers
 yourself). The import calls :func:`patch`, which
 
 * **FSDP fused path** (``use_fused_kernels=True``): registers a new ``impl_backend`` name,
@@ -32,7 +32,7 @@ yourself). The import calls :func:`patch`, which
   sequence parallelism is refused with :class:`VerlIntegrationError` (labels rolled per shard,
   verl #3512, #3723), at ``DataParallelPPOActor`` construction and at the forward. verl's ``triton``, ``torch`` and ``liger`` backends
   are left untouched, so they stay available for comparison. verl prints "Using Torch backend"
-  for such a model (its torch-backend forward is reused); this module then logs the real backend.
+  for such a model (its torch-backend forward is reused); this package then logs the real backend.
 * **FSDP logits path** (``use_fused_kernels=False``): replaces ``logprobs_from_logits``,
   ``entropy_from_logits`` and ``entropy_from_logits_with_chunking`` in
   ``verl.utils.torch_functional`` and in every loaded module that imported them by name, with
@@ -45,7 +45,7 @@ yourself). The import calls :func:`patch`, which
   ``DataParallelPPOActor``, imports ``logprobs_from_logits`` by name (patched) and caches
   ``torch.compile`` of the entropy / Σπ² functions in ``__init__``: the wrapped ``__init__``
   replaces those caches by rl-kernels' functions.
-* **Megatron engine** (:mod:`rl_kernels.integrations.verl_megatron`, where verl has every function
+* **Megatron engine** (:mod:`rl_kernels.integrations.verl.megatron`, where verl has every function
   replaced there: 0.9.x and main, not 0.7.x / 0.8.x; when ``megatron.core`` is importable): verl's vocab-parallel from-logits functions (logits path) and the
   ``linear_cross_entropy`` of its Megatron fused forwards (fused path), on the tensor-parallel
   group, with the hidden-state gradient summed exactly once over that group.
@@ -56,37 +56,51 @@ torchtitan, Automodel, ...). :func:`call_counts` counts the calls per consumer, 
 first :data:`SUMMARY_AFTER_CALLS` calls one INFO line says how many tokens went through which path.
 
 Options come from ``actor_rollout_ref.model.fused_kernel_options.rl_kernels`` (a dict; keys in
-:class:`VerlOptions`) of the model config that imports this module (the ``HFModelConfig``, or the
+:class:`VerlOptions`) of the model config that imports this package (the ``HFModelConfig``, or the
 verl 0.7.x legacy worker's ``self.config.model``: read where verl next hands that config on, before
-it builds the model or engine; see :mod:`rl_kernels.integrations.verl_hooks`) and of every later
+it builds the model or engine; see :mod:`rl_kernels.integrations.verl.hooks`) and of every later
 ``HFModelConfig``, or from :func:`configure`. The patch is idempotent, :func:`unpatch` undoes it, it logs once what
 it patched with the verl version, and it raises :class:`VerlIntegrationError`, naming the function
 and its expected and found parameters, when a verl function it replaces is missing or has none of
 the parameter lists of its table (:data:`SIGNATURES`).
+
+Layout, and what patches on import. The package's modules, one job each: :mod:`.patching`
+(:func:`patch`, :func:`unpatch`, :func:`report`), :mod:`.settings` (the options in force),
+:mod:`.signatures`, :mod:`.fsdp_fused`, :mod:`.logits`, :mod:`.hooks`, :mod:`.label_check`,
+:mod:`.megatron` (the Megatron engine), :mod:`.distill` and :mod:`.common`. This ``__init__`` is
+the only module that patches, but Python runs it before any module of the package is imported, so
+importing any of them patches verl too. What must not patch lives outside the package:
+:mod:`rl_kernels.integrations.verl_schema` (the options' schema, :data:`BACKEND_NAME`,
+:class:`VerlIntegrationError`; imported by ``rl-kernels verl-check`` and ``lm_heads``, and by a
+driver that unpickles a worker's error), and the tooling: ``rl-kernels verl-check``
+(:mod:`rl_kernels.tools.verl_check`, which composes verl's config in the CLI process and must
+leave verl there untouched) and verl's own kernels as comparison points
+(:mod:`rl_kernels.tools.verl_kernels`). ``tests/test_layers.py`` checks that no module outside the
+package imports it.
 """
 from __future__ import annotations
 
 import logging
 
-from .._logging import logger
-from ._verl_common import (SUMMARY_AFTER_CALLS, VerlIntegrationError, call_counts,  # noqa: F401
-                           entropy_on_request, entropy_wanted, verl_version)
-from ._verl_common import signature as _signature  # noqa: F401
-from .verl_fsdp_fused import fused_log_probs_entropy, micro_batch_flag  # noqa: F401
-from .verl_logits import (LOGITS_FUNCTIONS, SUM_PI_SQUARED_FUNCTION, calculate_sum_pi_squared_from_logits,  # noqa: F401
-                          entropy_from_logits, entropy_from_logits_with_chunking, logprobs_from_logits)
-from .verl_options import (BACKEND_NAME, VerlOptions, configure, configure_from_model_config,  # noqa: F401
-                           options)
-from .verl_patch import SERVED_ENGINES, apply_model_config, is_patched, patch, report, unpatch  # noqa: F401
-from .verl_signatures import DP_ACTOR_MODULE, MIN_VERL, SIGNATURES, VerlFeatures, verl_features  # noqa: F401
-from . import verl_options as _verl_options
-from . import verl_patch as _verl_patch
+from ..._logging import logger
+from ..verl_schema import BACKEND_NAME, VerlIntegrationError, VerlOptions  # noqa: F401
+from . import patching as _patching
+from . import settings as _settings
+from .common import (SUMMARY_AFTER_CALLS, call_counts, entropy_on_request, entropy_wanted,  # noqa: F401
+                     verl_version)
+from .common import signature as _signature  # noqa: F401
+from .fsdp_fused import fused_log_probs_entropy, micro_batch_flag  # noqa: F401
+from .logits import (LOGITS_FUNCTIONS, SUM_PI_SQUARED_FUNCTION, calculate_sum_pi_squared_from_logits,  # noqa: F401
+                     entropy_from_logits, entropy_from_logits_with_chunking, logprobs_from_logits)
+from .patching import SERVED_ENGINES, apply_model_config, is_patched, patch, report, unpatch  # noqa: F401
+from .settings import configure, configure_from_model_config, options  # noqa: F401
+from .signatures import DP_ACTOR_MODULE, MIN_VERL, SIGNATURES, VerlFeatures, verl_features  # noqa: F401
 
 
 def __getattr__(name):
-    """``_capture``: the anomaly capture in force (live; :func:`rl_kernels.integrations.verl_options.capture`)."""
+    """``_capture``: the anomaly capture in force (live; :func:`rl_kernels.integrations.verl.settings.capture`)."""
     if name == "_capture":
-        return _verl_options.capture()
+        return _settings.capture()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -109,7 +123,7 @@ def _on_import() -> None:
     if logger.level == logging.NOTSET:
         logger.setLevel(logging.INFO)
     patch()
-    _verl_patch.expect_import_config()
+    _patching.expect_import_config()
 
 
 _on_import()

@@ -17,6 +17,7 @@ the likely fix. Hydra composes several mistakes without an error, each leaving r
 
 verl offers no hook in the driver before Ray starts its workers that could run rl-kernels' checks
 (its ``external_lib`` is imported in the workers), so this command is the check before launch.
+It is tooling: it reads the composed config and patches nothing in this process.
 """
 from __future__ import annotations
 
@@ -26,8 +27,7 @@ import re
 import sys
 from typing import NamedTuple
 
-from .verl_fsdp_fused import names_rl_kernels
-from .verl_options import BACKEND_NAME, VerlOptions, validated_options
+from ..integrations.verl_schema import BACKEND_NAME, VerlOptions, names_rl_kernels, validated_options
 
 GROUP = "rl_kernels"
 """The Hydra group (``+rl_kernels=fused``) and its package on the search path."""

@@ -3,9 +3,9 @@ functions in place of verl's ``logprobs_from_logits``, ``entropy_from_logits``,
 ``entropy_from_logits_with_chunking`` and ``calculate_sum_pi_squared_from_logits``.
 
 They replace verl's in ``verl.utils.torch_functional`` and in every loaded module that imported
-them by name (:func:`~._verl_common.replace_by_name`); modules imported later take them from
+them by name (:func:`~.common.replace_by_name`); modules imported later take them from
 ``verl.utils.torch_functional``. Each is float32 (verl's non-flash-attn path returns the logits
-dtype), chunked, with O(N) saved state, and counted in :func:`~._verl_common.call_counts`.
+dtype), chunked, with O(N) saved state, and counted in :func:`~.common.call_counts`.
 """
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ import torch
 
 import rl_kernels
 
-from .._logging import log_once
-from ..logits import entropy_from_logits as _rk_entropy_from_logits
-from ..logits import log_probs_from_logits as _rk_log_probs_from_logits
-from ._verl_common import VerlIntegrationError, record, replace_by_name, verl_version
-from .verl_signatures import check_verl_signature
+from ..._logging import log_once
+from ...logits import entropy_from_logits as _rk_entropy_from_logits
+from ...logits import log_probs_from_logits as _rk_log_probs_from_logits
+from .common import VerlIntegrationError, record, replace_by_name, verl_version
+from .signatures import check_verl_signature
 
 LOGITS_FUNCTIONS = ("logprobs_from_logits", "entropy_from_logits", "entropy_from_logits_with_chunking")
 SUM_PI_SQUARED_FUNCTION = "calculate_sum_pi_squared_from_logits"

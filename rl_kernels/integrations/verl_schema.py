@@ -1,0 +1,99 @@
+"""The parts of the verl integration that patch nothing when imported: what rl-kernels reads from a
+verl config (the backend name :data:`BACKEND_NAME`, the options :class:`VerlOptions` and their
+validation :func:`validated_options`) and the integration's error type
+(:class:`VerlIntegrationError`).
+
+The integration itself is the package :mod:`rl_kernels.integrations.verl`, and importing it or any
+module of it (Python runs a package's ``__init__`` first) patches verl. What must not patch
+imports this module instead: ``rl-kernels verl-check`` (:mod:`rl_kernels.tools.verl_check`, which
+validates a composed config's options in the driver), :mod:`rl_kernels.integrations.lm_heads`, and
+a process that unpickles a :class:`VerlIntegrationError` raised in a Ray worker (verl's driver).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+
+from ..backends import BACKENDS
+from ..validation import check_bool_arg, check_choice, check_float_arg, check_int_arg, check_path_arg
+from .anomaly import AnomalyCapture
+
+BACKEND_NAME = "rl_kernels"
+"""The ``fused_kernel_options.impl_backend`` value that selects rl-kernels (and the key of its
+options section, ``fused_kernel_options.rl_kernels``)."""
+
+
+class VerlIntegrationError(RuntimeError):
+    """verl is missing or older than 0.7.0, or a verl function the patch touches is missing or has
+    parameters it does not handle."""
+
+
+def names_rl_kernels(name) -> bool:
+    """Whether verl's ``impl_backend`` / ``fused_kernels_backend`` value is the name this
+    integration registers (verl's own kernel choice, not one of rl-kernels' backends)."""
+    return name == BACKEND_NAME
+
+
+_CAPTURE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(AnomalyCapture)}
+
+
+@dataclasses.dataclass
+class VerlOptions:
+    """Options under ``fused_kernel_options.rl_kernels`` (all optional).
+
+    backend: ``auto`` (Triton on CUDA, torch otherwise), ``triton`` or ``torch``, passed to
+        :func:`rl_kernels.linear_log_probs` on the fused paths (FSDP and Megatron).
+    patch_logits_path: replace verl's from-logits functions (``use_fused_kernels=False`` path:
+        FSDP and Megatron engines, and the sum-of-squared-probabilities functions).
+    patch_megatron_fused: replace ``linear_cross_entropy`` in verl's Megatron fused forwards
+        (``use_fused_kernels=True`` with the Megatron engine); False keeps verl's kernel there.
+    anomaly_dir: turn on anomaly capture (:mod:`rl_kernels.integrations.anomaly`), writing samples here.
+    anomaly_max_count, anomaly_max_bytes: per-process bounds on what capture writes.
+    anomaly_max_log_prob: a log-prob above this is an anomaly.
+    anomaly_recheck_every: every k-th fused call re-checks sampled rows in float32 (0 = never).
+    anomaly_recheck_rows, anomaly_recheck_tolerance: rows per re-check and allowed difference (nats).
+    """
+
+    backend: str = "auto"
+    patch_logits_path: bool = True
+    patch_megatron_fused: bool = True
+    anomaly_dir: str | None = None
+    # the capture settings' defaults are AnomalyCapture's own (one place)
+    anomaly_max_count: int = _CAPTURE_DEFAULTS["max_count"]
+    anomaly_max_bytes: int = _CAPTURE_DEFAULTS["max_bytes"]
+    anomaly_max_log_prob: float = _CAPTURE_DEFAULTS["max_log_prob"]
+    anomaly_recheck_every: int = _CAPTURE_DEFAULTS["recheck_every"]
+    anomaly_recheck_rows: int = _CAPTURE_DEFAULTS["recheck_rows"]
+    anomaly_recheck_tolerance: float = _CAPTURE_DEFAULTS["recheck_tolerance"]
+
+    def __post_init__(self):
+        """Validate every option (type, range, NaN): TypeError / ValueError naming it."""
+        def name(field: str) -> str:
+            return f"fused_kernel_options.rl_kernels.{field}"
+
+        check_choice(name("backend"), self.backend, BACKENDS)
+        check_bool_arg(name("patch_logits_path"), self.patch_logits_path)
+        check_bool_arg(name("patch_megatron_fused"), self.patch_megatron_fused)
+        if self.anomaly_dir is not None:  # None: no capture
+            check_path_arg(name("anomaly_dir"), self.anomaly_dir)
+        for field in ("anomaly_max_count", "anomaly_max_bytes", "anomaly_recheck_every",
+                      "anomaly_recheck_rows"):
+            check_int_arg(name(field), getattr(self, field))
+        # log-probs are <= 0: a negative bound would flag every call
+        check_float_arg(name("anomaly_max_log_prob"), self.anomaly_max_log_prob)
+        check_float_arg(name("anomaly_recheck_tolerance"), self.anomaly_recheck_tolerance,
+                        inclusive=False)
+
+
+def validated_options(section: dict, base: VerlOptions | None = None) -> VerlOptions:
+    """``base`` (default: the defaults) with the options of ``section`` (keys of :class:`VerlOptions`),
+    every value validated; changes nothing. Unknown keys raise ValueError naming them (with the
+    closest known one); bad values TypeError / ValueError naming the option."""
+    fields = [f.name for f in dataclasses.fields(VerlOptions)]
+    unknown = sorted(set(section) - set(fields))
+    if unknown:
+        near = {k: difflib.get_close_matches(str(k), fields, n=1) for k in unknown}
+        hints = "".join(f"; did you mean {m[0]!r} for {k!r}?" for k, m in near.items() if m)
+        raise ValueError(f"fused_kernel_options.rl_kernels: unknown option(s) {unknown}; "
+                         f"expected some of {sorted(fields)}{hints}")
+    return dataclasses.replace(base or VerlOptions(), **section)  # validates (VerlOptions.__post_init__)
