@@ -1,5 +1,5 @@
-"""torch.compile: every public function (the fused head, the from-logits family, the two
-distillation losses; no process group) traces with
+"""torch.compile: every public function (tests/heads.py's registry: the fused head, the
+from-logits family, the two distillation losses; no process group) traces with
 ``fullgraph=True`` and no graph break (through the ``torch.ops.rl_kernels`` custom ops), gives the
 same bits as eager (values and gradients), stays within a float64 reference's tolerance, and keeps
 the promises of the eager path: bad labels raise ValueError naming ``labels``, double backward
@@ -14,15 +14,15 @@ import pytest
 import torch
 import torch._dynamo.testing
 
+import heads
 import rl_kernels
 import rl_kernels.autograd.linear as linear_autograd
 import rl_kernels.autograd.linear_jsd as jsd_autograd
 import rl_kernels.autograd.logits as logits_autograd
+from heads import HEADS, N, T, V
 from rl_kernels.backends import get_backend
 
 BACKENDS = ["torch", "triton"]
-N, H, V = 9, 16, 37  # small odd shapes: each Triton interpreter launch costs ~0.3 s
-T = 0.7
 TORCH = get_backend("torch", torch.device("cpu"))
 
 
@@ -38,136 +38,23 @@ def _logits_args(inv_temperature, **fields):
 
 
 def _inputs(n=N, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(n, H, generator=g).requires_grad_()
-    weight = (0.5 * torch.randn(V, H, generator=g)).requires_grad_()
-    logits = (2 * torch.randn(n, V, generator=g)).requires_grad_()
-    labels = torch.randint(0, V, (n,), generator=g)
-    labels[2] = -100  # an ignored position
-    return hidden, weight, logits, labels
-
-
-# each case's function takes the temperature as an optional last argument (T when left out: a
-# constant of the graph; passed, a Python float that Dynamo may hold symbolically)
-def _head(backend):
-    def f(hidden, weight, logits, labels, temperature=T):
-        o = rl_kernels.linear_log_probs(hidden, weight, labels, temperature=temperature, return_sum_pi_squared=True,
-                                        backend=backend)
-        return o.log_probs, o.entropy, o.sum_pi_squared
-    return f
-
-
-def _logits_stats(backend):
-    def f(hidden, weight, logits, labels, temperature=T):
-        o = rl_kernels.logits_stats(logits, labels, temperature=temperature, return_sum_pi_squared=True,
-                                    backend=backend)
-        return o.log_probs, o.entropy, o.lse, o.sum_pi_squared
-    return f
-
-
-def _one(name, **kw):
-    def build(backend):
-        def f(hidden, weight, logits, labels, temperature=T):
-            fn = getattr(rl_kernels, name)
-            args = (logits, labels) if name in ("log_probs_from_logits", "cross_entropy") else (logits,)
-            return (fn(*args, backend=backend, **({**kw, "temperature": temperature} if "temperature" in kw else kw)),)
-        return f
-    return build
-
-
-K = 3
+    return heads.inputs(n, seed)
 
 
 def _teacher(n):
-    """K distinct ids per row and their log-probs, made from n without a Python loop (so the
-    traced function stays shape-generic)."""
-    ids = (torch.arange(n)[:, None] * 7 + torch.arange(K)[None, :] * 5) % V
-    return ids, torch.log_softmax(torch.sin(torch.arange(n * K, dtype=torch.float32)).reshape(n, K) * 3, -1)
+    return heads.teacher(n, V)
 
 
-def _topk_kl(backend, reduction="none"):
-    def f(hidden, weight, logits, labels, temperature=T):
-        ids, teacher = _teacher(hidden.shape[0])
-        mask = torch.ones(hidden.shape[0], dtype=torch.long)
-        return (rl_kernels.linear_topk_kl(hidden, weight, ids, teacher, temperature=temperature, labels=labels,
-                                          mask=mask, reduction=reduction, backend=backend),)
-    return f
-
-
-def _jsd(backend):
-    def f(hidden, weight, logits, labels, temperature=T):
-        teacher_hidden = torch.sin(3 * hidden.detach() + 1)
-        return (rl_kernels.linear_jsd(hidden, weight, teacher_hidden, weight.detach().flip(0), temperature=temperature,
-                                      labels=labels, beta=0.3, reduction="sum", backend=backend),)
-    return f
-
-
-def _topk_log_probs(backend):
-    def f(hidden, weight, logits, labels, temperature=T):
-        return (rl_kernels.topk_log_probs_from_logits(logits, _teacher(logits.shape[0])[0], temperature=temperature,
-                                                      backend=backend),)
-    return f
-
-
-def _topk_kl_from_logits(backend):
-    def f(hidden, weight, logits, labels, temperature=T):
-        ids, teacher = _teacher(logits.shape[0])
-        return (rl_kernels.topk_kl_from_logits(logits, ids, teacher, temperature=temperature, labels=labels,
-                                               reduction="none", backend=backend),)
-    return f
-
-
-CASES = {
-    "linear_topk_kl": _topk_kl,
-    "linear_jsd": _jsd,
-    "linear_log_probs": _head,
-    "logits_stats": _logits_stats,
-    "log_probs_from_logits": _one("log_probs_from_logits", temperature=T),
-    "entropy_from_logits": _one("entropy_from_logits", temperature=T),
-    "logsumexp": _one("logsumexp", temperature=T),
-    "sum_pi_squared_from_logits": _one("sum_pi_squared_from_logits", temperature=T),
-    "cross_entropy": _one("cross_entropy", label_smoothing=0.1),
-}
+# every public head (tests/heads.py): each case's function takes the temperature as an optional
+# last argument (T when left out: a constant of the graph; passed, a Python float that Dynamo may
+# hold symbolically)
+CASES = {name: head.call for name, head in HEADS.items()}
 
 
 def _reference(name, hidden, weight, logits, labels, temperature=T):
     """float64, from the definitions: the outputs of CASES[name] (ignored rows 0; differentiable
     w.r.t. float64 hidden, weight and logits, the teacher's side excepted)."""
-    keep = labels != -100
-    safe = torch.where(keep, labels, 0)
-    if name in ("linear_topk_kl", "linear_jsd", "topk_log_probs_from_logits", "topk_kl_from_logits"):
-        z = (hidden.double() @ weight.double().T if name.startswith("linear") else logits.double()) / temperature
-        log_q = torch.log_softmax(z, -1)
-        ids, teacher = _teacher(z.shape[0])
-        if name == "topk_log_probs_from_logits":
-            return (log_q.gather(1, ids),)
-        if name != "linear_jsd":  # forward KL over the teacher's K ids, x T^2
-            kl = (teacher.double().exp() * (teacher.double() - log_q.gather(1, ids))).sum(-1) * temperature ** 2
-            return (torch.where(keep, kl, 0.0),)
-        teacher_hidden = torch.sin(3 * hidden.detach().double() + 1)
-        log_p = torch.log_softmax(teacher_hidden @ weight.detach().double().flip(0).T / temperature, -1)
-        m = (0.3 * log_p.exp() + 0.7 * log_q.exp()).log()
-        jsd = 0.3 * (log_p.exp() * (log_p - m)).sum(-1) + 0.7 * (log_q.exp() * (log_q - m)).sum(-1)
-        return (torch.where(keep, jsd * temperature ** 2, 0.0).sum(),)
-    if name == "linear_log_probs":
-        z = (hidden.double() @ weight.double().T) / temperature
-    elif name == "cross_entropy":
-        z = logits.double()
-    else:
-        z = logits.double() / temperature
-    log_p = torch.log_softmax(z, -1)
-    p = log_p.exp()
-    lp = torch.where(keep, log_p.gather(1, safe[:, None])[:, 0], 0.0)
-    ent, sps, lse = -(p * log_p).sum(-1), (p * p).sum(-1), torch.logsumexp(z, -1)
-    if name == "linear_log_probs":
-        return lp, torch.where(keep, ent, 0.0), torch.where(keep, sps, 0.0)
-    if name == "logits_stats":
-        return lp, torch.where(keep, ent, 0.0), lse, torch.where(keep, sps, 0.0)
-    if name == "cross_entropy":
-        nll = -(0.9 * lp + 0.1 * log_p.mean(-1))
-        return ((torch.where(keep, nll, 0.0).sum() / keep.sum()),)
-    return ({"log_probs_from_logits": lp, "entropy_from_logits": ent, "logsumexp": lse,
-             "sum_pi_squared_from_logits": sps}[name],)
+    return HEADS[name].reference(hidden, weight, logits, labels, temperature)
 
 
 def _run(f, inputs, weights, *temperature):
@@ -192,8 +79,7 @@ def test_fullgraph_compile_equals_eager(name, backend):
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(f, backend=counter, fullgraph=True, dynamic=True)
     g = torch.Generator().manual_seed(1)
-    weights = [torch.randn(N, generator=g) if o.dim() else torch.randn((), generator=g)
-               for o in f(*inputs)]
+    weights = [torch.randn(o.shape, generator=g) for o in f(*inputs)]
     eager_out, eager_grads = _run(f, inputs, weights)
     comp_out, comp_grads = _run(compiled, inputs, weights)
     frames = counter.frame_count
@@ -207,7 +93,7 @@ def test_fullgraph_compile_equals_eager(name, backend):
 
     # another batch size runs the same graph (dynamic shapes), and still equals eager
     other = _inputs(n=13, seed=2)
-    weights13 = [torch.randn(13, generator=g) if w.dim() else w for w in weights]
+    weights13 = [torch.randn((13, *w.shape[1:]), generator=g) if w.dim() else w for w in weights]
     e13, _ = _run(f, other, weights13)
     c13, _ = _run(compiled, other, weights13)
     assert all(torch.equal(a, b) for a, b in zip(e13, c13))
@@ -219,8 +105,7 @@ def test_fullgraph_compile_equals_eager(name, backend):
 # more temperatures than Dynamo's recompile limit (8), values and gradients against float64 at
 # each. The torch backend: the ops' bodies are the backends' shared code; the temperature's way
 # into them is what is tested (the Triton path would add ~0.3 s per launch and nothing here).
-TEMPERATURE_CASES = {**{name: build for name, build in CASES.items() if name != "cross_entropy"},
-                     "topk_log_probs_from_logits": _topk_log_probs, "topk_kl_from_logits": _topk_kl_from_logits}
+TEMPERATURE_CASES = {name: head.call for name, head in HEADS.items() if head.takes_temperature}
 SCHEDULE = (0.5, 0.7, 1.3, 2.0, 0.9, 1.1, 3.0, 0.4, 1.7, 0.6)
 needs_cxx = pytest.mark.skipif(not any(shutil.which(c) for c in (os.environ.get("CXX"), "g++", "clang++", "c++") if c),
                                reason="inductor on CPU needs a C++ compiler")
@@ -274,7 +159,7 @@ def test_inductor_caches_do_not_serve_an_earlier_temperature():
     of 9.14), its gradients likewise. Now: two compilations (the constant, then the runtime value),
     and each temperature's own loss and gradients."""
     torch._dynamo.reset()
-    f = _topk_kl("torch", reduction="mean")
+    f = HEADS["linear_topk_kl"].call("torch", reduction="mean")
     counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
     inputs = _inputs()
     weights = [torch.ones(())]
@@ -285,8 +170,7 @@ def test_inductor_caches_do_not_serve_an_earlier_temperature():
         for temperature in (0.5, 0.7, 1.3, 2.0):
             outs, grads = _run(compiled, inputs, weights, temperature)
             losses[temperature] = outs[0].item()
-            ref = _reference("linear_topk_kl", *inputs, temperature=temperature)[0]
-            ref_mean = ref.sum() / (inputs[3] != -100).sum()
+            ref_mean = HEADS["linear_topk_kl"].reference(*inputs, temperature=temperature, reduction="mean")[0]
             torch.testing.assert_close(outs[0].double(), ref_mean, rtol=1e-5, atol=1e-5,
                                        msg=lambda m: f"T = {temperature}: {m}")
             eager_grads = _run(f, inputs, weights, temperature)[1]
