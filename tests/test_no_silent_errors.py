@@ -5,6 +5,8 @@ dW / dh, -inf teacher log-probs follow 0 log 0 = 0, and edge values get clear er
 
 Every check compares against a float64 oracle on fresh random inputs; each class failed on the
 code before the fix (NaN hidden by a NaN-dropping clamp, NaN * 0 in dW, 0 * -inf in the KL, ...).
+The non-finite-row rule and the double-backward error are also checked for every head of the
+registry (tests/heads.py), against its float64 reference; the other tests check specific rules.
 """
 import math
 
@@ -18,6 +20,9 @@ from rl_kernels import (cross_entropy, entropy_from_logits, linear_jsd, linear_l
 from rl_kernels.ops import logits as kernels
 
 from rl_kernels.reference import dense_linear_log_probs, make_inputs
+
+import heads
+from heads import HEADS
 
 PATHS = [("torch", None), ("triton", False), ("triton", True)]  # (backend, two_level)
 PATH_IDS = ["torch", "triton-1level", "triton-2level"]
@@ -152,6 +157,41 @@ def test_masked_non_finite_logits_row_of_topk_kl_from_logits_gets_exactly_zero_g
         torch.testing.assert_close(xg.grad, ref.grad, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", sorted(HEADS))
+def test_every_head_non_finite_row_stays_in_that_row(name, backend, bad):
+    """Every head (tests/heads.py), every output per row (reduction 'none'): one NaN or inf in one
+    row of its per-row input (hidden for the linear families, logits for the logits family; not
+    the row's label or teacher-id column) makes that row of every output non-finite and its input
+    gradient non-finite; the other rows' outputs and input gradients are float64's."""
+    head = HEADS[name]
+    args = heads.inputs(seed=30)
+    hidden, weight, logits, labels = args
+    row = 4  # (not heads.IGNORED_ROW)
+    x = args[head.row_input]
+    taken = {int(labels[row]), *heads.teacher(heads.N, heads.V)[0][row].tolist()}
+    col = min(set(range(x.shape[1])) - taken)
+    with torch.no_grad():
+        x[row, col] = bad
+    outs = head.per_row(backend)(*args)
+    g = torch.Generator().manual_seed(31)
+    weights = [torch.randn(o.shape, generator=g) for o in outs]
+    sum((o * w).sum() for o, w in zip(outs, weights)).backward()
+
+    leaves = [t.detach().double().requires_grad_() for t in (hidden, weight, logits)]
+    refs = head.reference(*leaves, labels, reduction="none")
+    ok = torch.arange(heads.N) != row
+    assert len(outs) == len(refs)
+    for i, (o, r) in enumerate(zip(outs, refs)):
+        assert o.shape[0] == heads.N, (i, o.shape)
+        assert not torch.isfinite(o[row]).any(), (i, o[row])
+        torch.testing.assert_close(o[ok].double(), r[ok].detach(), **TOL, msg=lambda m: f"output {i}: {m}")
+    sum((r[ok] * w[ok].double()).sum() for r, w in zip(refs, weights)).backward()
+    assert not torch.isfinite(x.grad[row]).all(), x.grad[row]
+    torch.testing.assert_close(x.grad[ok].double(), leaves[head.row_input].grad[ok], **TOL)
+
+
 # ----------------------------------------------------------------------------- 4. ignored rows
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
@@ -247,38 +287,37 @@ def test_inplace_backward_refuses_overlapping_logits_before_writing(backend):
 
 # ----------------------------------------------------------------------------- 3. double backward
 
-def _double_backward_cases(backend):
-    hidden, weight, labels = make_inputs(4, 8, 30, torch.float32, seed=11)
-    x, lab = _logits(4, 30, seed=12)
-    g = torch.Generator().manual_seed(13)
-    ids = torch.stack([torch.randperm(30, generator=g)[:3] for _ in range(4)])
-    t_lp = torch.log_softmax(torch.randn(4, 3, generator=g), -1)
-    th, tw, _ = make_inputs(4, 8, 30, torch.float32, seed=14)
-    return {
-        "linear_log_probs": (hidden, lambda h: linear_log_probs(h, weight, labels, backend=backend).log_probs.sum()),
-        "logits_stats": (x, lambda z: logits_stats(z, lab, backend=backend).entropy.sum()),
-        "log_probs_from_logits": (x, lambda z: log_probs_from_logits(z, lab, backend=backend).sum()),
-        "entropy_from_logits": (x, lambda z: entropy_from_logits(z, backend=backend).sum()),
-        "logsumexp": (x, lambda z: logsumexp(z, backend=backend).sum()),
-        "cross_entropy": (x, lambda z: cross_entropy(z, lab, backend=backend)),
-        "linear_topk_kl": (hidden, lambda h: linear_topk_kl(h, weight, ids, t_lp, backend=backend)),
-        "linear_jsd": (hidden, lambda h: linear_jsd(h, weight, th, tw, backend=backend)),
-        "topk_log_probs_from_logits": (x, lambda z: topk_log_probs_from_logits(z, ids, backend=backend).sum()),
-        "topk_kl_from_logits": (x, lambda z: topk_kl_from_logits(z, ids, t_lp, backend=backend)),
-    }
+def _with_row_input(head, args, x):
+    """(hidden, weight, logits, labels) with the head's per-row input replaced by ``x``."""
+    args = list(args)
+    args[head.row_input] = x
+    return args
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_double_backward_raises_one_clear_error(backend):
-    for name, (inp, fn) in _double_backward_cases(backend).items():
-        xg = inp.clone().requires_grad_()
-        (g1,) = torch.autograd.grad(fn(xg), xg, create_graph=True)
-        # the first derivative is the one a plain backward gives
-        xc = inp.clone().requires_grad_()
-        (g_ref,) = torch.autograd.grad(fn(xc), xc)
-        torch.testing.assert_close(g1.detach(), g_ref, atol=1e-6, rtol=1e-6)
-        with pytest.raises(RuntimeError, match=f"double backward is not supported by rl_kernels.{name}"):
-            torch.autograd.grad((g1 * torch.randn_like(g1)).sum(), xg)
+@pytest.mark.parametrize("name", sorted(HEADS))
+def test_double_backward_raises_one_clear_error(name, backend):
+    """Every head (tests/heads.py): the first derivative w.r.t. its per-row input (hidden or
+    logits), taken with create_graph=True, is the one a plain backward gives; differentiating it
+    again raises, naming the function."""
+    head = HEADS[name]
+    args = heads.inputs(seed=11)
+    f = head.call(backend)
+    g = torch.Generator().manual_seed(13)
+    weights = [torch.randn(o.shape, generator=g) for o in f(*args)]
+
+    def fn(x):
+        return sum((o * w).sum() for o, w in zip(f(*_with_row_input(head, args, x)), weights))
+
+    inp = args[head.row_input].detach()
+    xg = inp.clone().requires_grad_()
+    (g1,) = torch.autograd.grad(fn(xg), xg, create_graph=True)
+    # the first derivative is the one a plain backward gives
+    xc = inp.clone().requires_grad_()
+    (g_ref,) = torch.autograd.grad(fn(xc), xc)
+    torch.testing.assert_close(g1.detach(), g_ref, atol=1e-6, rtol=1e-6)
+    with pytest.raises(RuntimeError, match=f"double backward is not supported by rl_kernels.{name}"):
+        torch.autograd.grad((g1 * torch.randn_like(g1)).sum(), xg)
 
 
 # ----------------------------------------------------------------------------- 5. -inf teacher
