@@ -132,6 +132,41 @@ class Head:
         return 5e-5, (2e-3 if self.loss else 0.0), self.grad_rel_16bit
 
 
+def check_against_float64(head, *, n, h, v, dtype, device="cuda", backend="triton", seed=0):
+    """The GPU tests' check of one head: on fresh ``inputs(n, seed, device, dtype, h, v)``, every
+    output per row (``head.per_row``) and the gradients of sum_k weights_k . outputs_k (random
+    weights) w.r.t. hidden, weight and logits, against ``head.reference`` from the same (possibly
+    16-bit) values in float64, within ``head.tolerances(dtype)``. Returns a one-line summary."""
+    from rl_kernels.reference import rel_err
+
+    args = inputs(n, seed, device, dtype, h, v)
+    outs = head.per_row(backend)(*args)
+    g = torch.Generator(device=device).manual_seed(seed + 1)
+    weights = [torch.randn(o.shape, device=device, generator=g) for o in outs]
+    sum((o.float() * w).sum() for o, w in zip(outs, weights)).backward()
+    leaves = [t.detach().double().requires_grad_() for t in args[:3]]
+    refs = head.reference(*leaves, args[3], reduction="none")
+    sum((r * w.double()).sum() for r, w in zip(refs, weights)).backward()
+    atol, rtol, grad_rel = head.tolerances(dtype)
+    line = [f"{head.name} {n}x{h}x{v} {dtype}:"]
+    for i, (o, r) in enumerate(zip(outs, refs)):
+        r = r.detach()
+        assert o.shape == r.shape, (head.name, i, o.shape, r.shape)
+        # an output in a 16-bit dtype (cross_entropy's, as torch's) also gets its rounding: eps / 2
+        rounding = torch.finfo(o.dtype).eps / 2 if o.dtype != torch.float32 else 0.0
+        err = (o.double() - r).abs()
+        line.append(f"output {i} max|err| {err.max().item():.1e}")
+        assert (err <= atol + (rtol + rounding) * r.abs()).all(), \
+            f"{head.name} output {i}: max |error| {err.max().item():.2e} > {atol} + {rtol + rounding:.1e} |reference|"
+    for which, t, ref in zip(("hidden", "weight", "logits"), args[:3], leaves):
+        assert (t.grad is None) == (ref.grad is None), (head.name, which)
+        if ref.grad is not None:
+            e = rel_err(t.grad, ref.grad)
+            line.append(f"d{which} {e:.1e}")
+            assert e <= grad_rel, f"{head.name} d{which}: relative error {e:.2e} > {grad_rel}"
+    return " ".join(line)
+
+
 # ----------------------------------------------------------------------------- float64 definitions
 
 def _linear_z(hidden, weight, temperature):

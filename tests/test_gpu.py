@@ -8,6 +8,8 @@ memory; forward + backward extra memory <= the two gradients + 10%.
 import pytest
 import torch
 
+import heads
+from heads import HEADS
 from rl_kernels import linear_log_probs
 from rl_kernels.reference import make_inputs, reference_jsd, reference_linear_grads, reference_linear_log_probs, rel_err
 
@@ -45,6 +47,16 @@ def test_bf16_values_and_gradients(n, h, v, temperature):
           f"rel dh {err_dh:.2e} rel dW {err_dw:.2e}")
     assert err_lp <= 5e-5 and err_ent <= 5e-5
     assert err_dh <= 2.5e-3 and err_dw <= 2.5e-3
+
+
+@pytest.mark.parametrize("name", sorted(HEADS))
+def test_every_head_bf16_against_float64(name):
+    """Every head of the registry (tests/heads.py), Triton backend, bf16 inputs at an odd moderate
+    shape (257 rows, H 256, V 4099: one column past a power of two; an ignored row): every output
+    per row and the gradients against float64 from the same bf16 values, with the bf16 tolerances
+    of the tests below (Head.tolerances: values 5e-5 absolute, the KL / JSD also 2e-3 relative;
+    gradients 2.5e-3 the head's, 5e-3 the logits', 1e-2 the top-K's and the JSD's)."""
+    print("\n" + heads.check_against_float64(HEADS[name], n=257, h=256, v=4099, dtype=torch.bfloat16, seed=21))
 
 
 def test_bf16_batch_invariance_and_run_to_run_identity():

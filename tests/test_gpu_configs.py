@@ -8,7 +8,7 @@
 * Numerics: each class runs on this GPU (non-TMA classes take the pointer path) for bf16, fp16
   and fp32: log-probs / entropy vs float64 (fp32: within twice torch's own float32 eager error and
   <= 2e-5; 16-bit: <= 5e-5), dh / dW, batch invariance and run-to-run identity, at an odd
-  vocabulary.
+  vocabulary; and every head of the registry (tests/heads.py), values and gradients vs float64.
 """
 import contextlib
 import os
@@ -23,6 +23,9 @@ import importlib
 
 kernels_mod = importlib.import_module("rl_kernels.ops.logits")
 from rl_kernels.reference import make_inputs, reference_linear_grads, reference_linear_log_probs, rel_err
+
+import heads
+from heads import HEADS
 
 
 pytestmark = pytest.mark.gpu
@@ -162,6 +165,18 @@ def test_every_class_numerics_invariance_identity_on_this_gpu(monkeypatch, name,
     ref_j = reference_jsd(hidden[:256].double(), weight.double(), th.double(), tw.double(),
                           labels[:256], 0.5, 1.0, "mean")
     assert abs(loss.item() - ref_j.item()) <= 1e-4 * max(1.0, abs(ref_j.item()))
+
+
+@pytest.mark.parametrize("head", sorted(HEADS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("name", sorted(config_mod.CLASSES))
+def test_every_class_every_head_against_float64(monkeypatch, name, dtype, head):
+    """Every head of the registry (tests/heads.py) on each class (as the test above: non-TMA classes
+    take the pointer path) and dtype: every output per row and the gradients against float64 from
+    the same values, at an odd vocabulary (257 rows, H 512, V 50257), within Head.tolerances
+    (16-bit: values 5e-5, gradients the head's tolerance of tests/test_gpu.py; fp32: 2e-5, 1e-4)."""
+    monkeypatch.setenv(config_mod.CONFIG_CLASS_ENV, name)
+    print("\n" + name + ": " + heads.check_against_float64(HEADS[head], n=257, h=512, v=50257, dtype=dtype, seed=9))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16", "fp32"])
