@@ -32,8 +32,9 @@ Then, with no other edit, the head is covered by:
     "double backward is not supported by rl_kernels.<name>" (both backends);
   * tests/test_gpu.py (CUDA): bf16 outputs and gradients against float64 at an odd moderate shape;
   * tests/test_gpu_configs.py (CUDA): the same on every configuration class, in bf16, fp16, fp32.
-Tests of a head's own options (soft cap, kinds, masks, in-place backward, vocab parallelism, ...)
-stay in its own test file.
+A public function without an entry fails tests/test_public_api.py (its FUNCTIONS must be
+``rl_kernels.__all__``'s functions). Tests of a head's own options (soft cap, kinds, masks,
+in-place backward, vocab parallelism, ...) stay in its own test file.
 """
 from __future__ import annotations
 
