@@ -524,3 +524,21 @@ def test_inplace_backward_accepts_non_overlapping_views(backend):
         y = leaf * 1.0
         log_probs_from_logits(view(y), labels, inplace_backward=True, backend=backend).sum().backward()
         torch.testing.assert_close(view(leaf.grad), ref_in.grad, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(HEADS))
+def test_every_head_raises_a_bad_label_that_an_earlier_kernel_reported(name):
+    """On the GPU a kernel reports a bad label after its call returned, by writing the call's id
+    into the flag word; the next rl_kernels call raises it, whichever head that is (labels or not).
+    Written here as a kernel writes it; the flag is cleared by the raise, so the call after runs."""
+    from rl_kernels.label_flag import label_flag, label_word
+
+    hidden, weight, logits, labels = heads.inputs()
+    f = HEADS[name].call("torch")
+    label_flag(torch.device("cpu"))
+    label_word()[0] = 987654  # the id of no registered call: reported as "an earlier call"
+    with pytest.raises(ValueError, match=r"labels: a value outside \[0, vocab_size"):
+        f(hidden, weight, logits, labels)
+    assert label_word()[0] == 0
+    outs = f(hidden, weight, logits, labels)
+    assert all(torch.isfinite(o[labels != heads.IGNORE] if o.dim() else o).all() for o in outs)
