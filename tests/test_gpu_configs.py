@@ -41,12 +41,16 @@ def compile_only_for(arch: int, compiled: list):
     from triton.backends.compiler import GPUTarget
 
     import importlib
+    import pkgutil
 
-    linear, linear_jsd, logits = (importlib.import_module(f"rl_kernels.ops.{m}") for m in ("linear", "linear_jsd", "logits"))
+    import rl_kernels.ops
+
+    # every kernel of every family's file in rl_kernels/ops (a new family's kernels included)
+    modules = [importlib.import_module(f"rl_kernels.ops.{m.name}") for m in pkgutil.iter_modules(rl_kernels.ops.__path__)]
 
     driver = triton.runtime.driver.active
     saved_target = driver.get_current_target
-    kernels = [v for mod in (linear, linear_jsd, logits) for v in vars(mod).values()
+    kernels = [v for mod in modules for v in vars(mod).values()
                if isinstance(v, triton.runtime.jit.JITFunction) and v.__name__.endswith("_kernel")]
     saved_runs = [k.run for k in kernels]
 
