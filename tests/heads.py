@@ -3,9 +3,10 @@ the tests that every head must pass.
 
 Adding a head: write its kernels and torch twin (``rl_kernels/ops/<family>.py``,
 ``rl_kernels/torch_ops/<family>.py``, ``rl_kernels/autograd/<family>.py``), export its public
-function in ``rl_kernels.__all__``, then add ONE ``Head`` to ``HEADS`` below:
+function (in its public module's ``__all__``), then add ONE ``Head`` to ``HEADS`` below:
 
   * ``name``: the public function's name; ``family``: the stem of its ``<family>.py`` files;
+    ``reads``: its per-row input, "hidden" (``hidden``, ``weight``) or "logits";
   * ``build(backend, reduction) -> f(hidden, weight, logits, labels, temperature=T)``: calls the
     function on the shared inputs (``inputs``; a head reads ``hidden`` and ``weight``, or
     ``logits``, and takes ``labels`` where it has them; the teacher's side comes from ``teacher``
@@ -84,7 +85,8 @@ def jsd_teacher(hidden, weight):
 @dataclass(frozen=True)
 class Head:
     name: str
-    family: str  # "linear", "logits" or "linear_jsd": rl_kernels/{ops,torch_ops,autograd}/<family>.py
+    family: str  # the stem of rl_kernels/{ops,torch_ops,autograd}/<family>.py ("linear", "logits", ...)
+    reads: str  # the per-row input of the function: "hidden" (hidden_states, weight) or "logits"
     build: Callable  # (backend, reduction) -> f(hidden, weight, logits, labels, temperature=T) -> tuple
     per_row_reference: Callable  # (hidden, weight, logits, labels, temperature) -> tuple of float64
     takes_temperature: bool = True
@@ -99,7 +101,7 @@ class Head:
     @property
     def row_input(self) -> int:
         """Where the per-row input is among (hidden, weight, logits, labels): 0 or 2."""
-        return 2 if self.family == "logits" else 0
+        return {"hidden": 0, "logits": 2}[self.reads]
 
     def call(self, backend, reduction=None):
         """f(hidden, weight, logits, labels, temperature=T) -> tuple of outputs, with ``reduction``
@@ -304,22 +306,26 @@ def _linear_jsd_ref(hidden, weight, logits, labels, temperature):
 
 
 HEADS = {h.name: h for h in [
-    Head("linear_log_probs", "linear", _linear_log_probs, _linear_log_probs_ref, grad_rel_16bit=2.5e-3),
-    Head("logits_stats", "logits", _logits_stats, _logits_stats_ref),
-    Head("log_probs_from_logits", "logits", _one("log_probs_from_logits", True), _stat_ref("log_probs")),
-    Head("entropy_from_logits", "logits", _one("entropy_from_logits", False), _stat_ref("entropy")),
-    Head("logsumexp", "logits", _one("logsumexp", False), _stat_ref("lse")),
-    Head("sum_pi_squared_from_logits", "logits", _one("sum_pi_squared_from_logits", False),
+    Head("linear_log_probs", "linear", "hidden", _linear_log_probs, _linear_log_probs_ref,
+         grad_rel_16bit=2.5e-3),
+    Head("logits_stats", "logits", "logits", _logits_stats, _logits_stats_ref),
+    Head("log_probs_from_logits", "logits", "logits", _one("log_probs_from_logits", True), _stat_ref("log_probs")),
+    Head("entropy_from_logits", "logits", "logits", _one("entropy_from_logits", False), _stat_ref("entropy")),
+    Head("logsumexp", "logits", "logits", _one("logsumexp", False), _stat_ref("lse")),
+    Head("sum_pi_squared_from_logits", "logits", "logits", _one("sum_pi_squared_from_logits", False),
          _stat_ref("sum_pi_squared")),
-    Head("cross_entropy", "logits", _cross_entropy, _cross_entropy_ref, takes_temperature=False, reduction="mean"),
-    Head("topk_log_probs_from_logits", "logits", _topk_log_probs, _topk_log_probs_ref, grad_rel_16bit=1e-2),
-    Head("topk_kl_from_logits", "logits", _topk_kl_from_logits,
+    Head("cross_entropy", "logits", "logits", _cross_entropy, _cross_entropy_ref, takes_temperature=False,
+         reduction="mean"),
+    Head("topk_log_probs_from_logits", "logits", "logits", _topk_log_probs, _topk_log_probs_ref,
+         grad_rel_16bit=1e-2),
+    Head("topk_kl_from_logits", "logits", "logits", _topk_kl_from_logits,
          lambda hidden, weight, logits, labels, temperature: _forward_kl(logits.double() / temperature, labels,
                                                                          temperature),
          reduction="none", loss=True, grad_rel_16bit=1e-2),
-    Head("linear_topk_kl", "linear", _linear_topk_kl,
+    Head("linear_topk_kl", "linear", "hidden", _linear_topk_kl,
          lambda hidden, weight, logits, labels, temperature: _forward_kl(_linear_z(hidden, weight, temperature),
                                                                          labels, temperature),
          reduction="none", loss=True, grad_rel_16bit=1e-2),
-    Head("linear_jsd", "linear_jsd", _linear_jsd, _linear_jsd_ref, reduction="sum", loss=True, grad_rel_16bit=1e-2),
+    Head("linear_jsd", "linear_jsd", "hidden", _linear_jsd, _linear_jsd_ref, reduction="sum", loss=True,
+         grad_rel_16bit=1e-2),
 ]}

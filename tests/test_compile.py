@@ -326,7 +326,8 @@ def test_custom_ops_pass_opcheck(op):
     args = {
         "linear_forward": (hidden.detach(), weight.detach(), labels, None,
                            *_head_args(True, "linear_log_probs", inv, return_sum_pi_squared=True)),
-        "linear_forward_gather": (hidden.detach(), weight.detach(), labels, ids, *_head_args(False, "linear_topk_kl", inv)),
+        "linear_forward_gather": (hidden.detach(), weight.detach(), labels, ids,
+                                  *_head_args(False, "linear_topk_kl", inv)),
         "logits_forward": (logits.detach(), labels, *_logits_args(inv, return_sum_pi_squared=True)),
         "jsd_forward": (hidden.detach(), weight.detach(), torch.sin(hidden.detach()), weight.detach().flip(0), valid,
                         *jsd_autograd.OP_ARGS.pack(jsd_autograd.JSDParams(TORCH, inv, 0.3), None)),
@@ -347,22 +348,52 @@ def test_custom_ops_pass_opcheck(op):
         assert all(torch.equal(a, b) for a, b in zip(f(*args), f(*float_args)))
 
 
+def _every_op_args():
+    """(module name, OpArgs) of every autograd module (a new family's included)."""
+    import importlib
+    import pkgutil
+
+    import rl_kernels.autograd
+    from rl_kernels.autograd.common import OpArgs
+
+    found = []
+    for m in pkgutil.iter_modules(rl_kernels.autograd.__path__):
+        mod = importlib.import_module(f"rl_kernels.autograd.{m.name}")
+        found += [(f"{m.name}.{k}", v) for k, v in vars(mod).items() if isinstance(v, OpArgs)]
+    return found
+
+
+def _unusual_record(op_args):
+    """A record of ``op_args``' type with a non-default value in every field that travels."""
+    import typing
+
+    from rl_kernels.backends import Backend
+
+    hints = typing.get_type_hints(op_args.record_type)
+    unusual = {bool: lambda d: not d, int: lambda d: -7, float: lambda d: 0.5, str: lambda d: "n",
+               Backend: lambda d: TORCH}
+    values = {}
+    for f in op_args.fields:
+        hint = hints[f]
+        base = next((a for a in getattr(hint, "__args__", ()) if a is not type(None)), hint)
+        default = op_args.record_type._field_defaults.get(f, None)
+        values[f] = 30.0 if base is float and default is None and hint is not float else unusual[base](default)
+    return op_args.record_type(**values)
+
+
 def test_op_arguments_carry_every_field_of_each_record():
     """``OpArgs`` derives the ops' trailing arguments from the records' fields: each field is in
-    the schema with its type, and a record with non-default values comes back whole (1 / T from the
-    runtime temperature when one is passed)."""
-    head = linear_autograd.HeadParams(TORCH, 0.5, -7, True, "n", may_have_ignored=False,
-                                      return_sum_pi_squared=True, softcap=30.0, labels_checked=True)
-    logits = logits_autograd.LogitsParams(TORCH, 0.5, -7, True, "n", return_mean_log_p=True,
-                                          return_sum_pi_squared=True, inplace_backward=True,
-                                          combine_in_one_launch=False)
-    jsd = jsd_autograd.JSDParams(TORCH, 0.5, 0.25, None, False)
-    for op_args, record in ((linear_autograd.OP_ARGS, head), (logits_autograd.OP_ARGS, logits),
-                            (logits_autograd.TOPK_OP_ARGS, logits), (jsd_autograd.OP_ARGS, jsd)):
-        assert all(f in op_args.schema for f in record._fields if f != "tp"), op_args.schema
-        assert op_args.unpack(op_args.pack(record, None))[0] == record
+    the schema with its type, and a record with a non-default value in every field comes back whole
+    (1 / T from the runtime temperature when one is passed). Every family's ``OpArgs`` is found by
+    itself."""
+    found = _every_op_args()
+    assert {"linear.OP_ARGS", "logits.OP_ARGS", "logits.TOPK_OP_ARGS", "linear_jsd.OP_ARGS"} <= {n for n, _ in found}
+    for name, op_args in found:
+        record = _unusual_record(op_args)
+        assert all(f" {f}" in op_args.schema for f in op_args.fields), (name, op_args.schema)
+        assert op_args.unpack(op_args.pack(record, None))[0] == record, name
         runtime = op_args.pack(record, torch.tensor(4.0, dtype=torch.float64))
-        assert op_args.unpack(runtime)[0] == record._replace(inv_temperature=0.25)
+        assert op_args.unpack(runtime)[0] == record._replace(inv_temperature=0.25), name
     assert "float? softcap" in linear_autograd.OP_ARGS.schema and "str backend" in linear_autograd.OP_ARGS.schema
 
 

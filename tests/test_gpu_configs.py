@@ -46,7 +46,8 @@ def compile_only_for(arch: int, compiled: list):
     import rl_kernels.ops
 
     # every kernel of every family's file in rl_kernels/ops (a new family's kernels included)
-    modules = [importlib.import_module(f"rl_kernels.ops.{m.name}") for m in pkgutil.iter_modules(rl_kernels.ops.__path__)]
+    modules = [importlib.import_module(f"rl_kernels.ops.{m.name}")
+               for m in pkgutil.iter_modules(rl_kernels.ops.__path__)]
 
     driver = triton.runtime.driver.active
     saved_target = driver.get_current_target

@@ -110,6 +110,7 @@ def jsd_forward(student_hidden, student_weight, teacher_hidden, teacher_weight, 
 def jsd_backward(hs, ws, ht, wt, lse_s, lse_t, g_sum, valid, grad, params: JSDParams, need_dh, need_dw):
     """(dh or None, dW or None) of the student from the forward's saved statistics
     (:func:`jsd_forward`) and the per-token upstream gradient ``grad`` (N,)."""
+    raise_label_errors()  # as every backend call's body, backward too
     scale = torch.where(valid, grad.float() / params.inv_temperature ** 2,
                         torch.zeros((), device=grad.device)).contiguous()
     g_sum = None if params.beta == 0.0 else g_sum

@@ -375,6 +375,7 @@ def topk_log_probs_backward(logits, grad, token_ids, labels, row_max, log_sum, l
     g_lse = -sum_k g_k, then the K columns of each row overwritten (see the section comment).
     ``labels``: None, or (N,) whose ``ignore_index`` rows get exactly 0 unless g_lse != 0 there
     (as the family's backward selects them)."""
+    raise_label_errors()  # as every backend call's body, backward too
     grad_lse = -grad_log_probs.sum(1)
     stats = {"row_max": row_max, "log_sum": log_sum}
     params.backend.family("logits").backward(logits, grad, labels, stats, {"lse": grad_lse}, params)
