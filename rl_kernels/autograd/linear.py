@@ -1,10 +1,11 @@
 """Autograd of the fused linear head (``linear_log_probs``; the distillation losses reuse it).
 
 The head family "linear": its parameter record (``HeadParams``), its output record
-(``HeadOutputs``), its two backend implementations (``TritonHead``: the split-vocab kernels
-``ops.linear`` + ``ops.linear`` and ``ops.linear``; ``TorchHead``: the
-twin ``torch_ops.linear``) and its autograd Function. Forward: per-row log-prob, entropy, lse
-(and sum_pi_squared); saved state is O(N). Backward: ``head_backward`` recomputes d loss / d
+(``HeadOutputs``), its two backend implementations (``TritonHead``: the split-vocab kernels of
+``ops.linear``, forward split statistics, their combine and the dlogits windows; ``TorchHead``: the
+twin ``torch_ops.linear``) and its one autograd Function, eager and compiled, sharded over a
+vocab-parallel group or not (``vp_forward``). Forward: per-row log-prob, entropy, lse (and
+sum_pi_squared; and the logits at given ids); saved state is O(N). Backward: ``head_backward`` recomputes d loss / d
 logits windows on the backend and hands them to the shared schedule
 (``autograd.backward_schedule``), which turns them into dh and dW without an N x V buffer.
 """
@@ -60,8 +61,7 @@ class HeadOutputs(NamedTuple):
 
 @implements("linear", "triton")
 class TritonHead:
-    """The fused head on the Triton kernels (``ops.linear``, ``ops.linear``,
-    ``ops.linear``)."""
+    """The fused head on the Triton kernels (``ops.linear``: split statistics, combine, dlogits)."""
 
     @staticmethod
     def forward(hidden_states, weight, labels, params: HeadParams, label_check) -> HeadOutputs:
