@@ -278,12 +278,15 @@ OP_ARGS = OpArgs(LogitsParams)
 TOPK_OP_ARGS = OpArgs(LogitsParams, group=False)
 
 
-def unpacked(op_args: OpArgs, args) -> tuple:
+def unpacked(op_args: OpArgs, args, warn_inplace: bool = False) -> tuple:
     """(LogitsParams, layout values) of an op's trailing arguments, as an op's body runs: with
-    ``inplace_backward`` off (asked by the caller, it is reported by the forward op, not honoured:
-    this route's gradient is a new tensor) and the two-level forward combining in a second launch
-    (no state kept across calls: see ``combine_in_one_launch``)."""
+    ``inplace_backward`` off (asked by the caller, it is reported once with ``warn_inplace``, the
+    forward op's, and not honoured: this route's gradient is a new tensor) and the two-level forward
+    combining in a second launch (no state kept across calls: see ``combine_in_one_launch``)."""
     params, group = op_args.unpack(args)
+    if warn_inplace and params.inplace_backward:
+        log_once(logging.WARNING, f"rl_kernels.{params.name}: inplace_backward=True is not honoured under "
+                 f"torch.compile; the gradient is written to a new tensor (the same values)")
     return params._replace(inplace_backward=False, combine_in_one_launch=False), group
 
 
@@ -294,10 +297,7 @@ def unpacked(op_args: OpArgs, args) -> tuple:
 def _logits_forward_op(logits, labels, *args):
     """:func:`forward_body` -> (log_probs, entropy, lse, mean_log_p, sum_pi_squared, row_max,
     log_sum, a shard's labels), empty where not asked."""
-    params, group = unpacked(OP_ARGS, args)
-    if OP_ARGS.unpack(args, read_temperature=False)[0].inplace_backward:  # asked: said once, not honoured
-        log_once(logging.WARNING, f"rl_kernels.{params.name}: inplace_backward=True is not honoured under "
-                 f"torch.compile; the gradient is written to a new tensor (the same values)")
+    params, group = unpacked(OP_ARGS, args, warn_inplace=True)
     tp = group_from_op(*group, params.ignore_index, logits.shape[1], logits.device, allow_reduce_hidden_grad=False)
     stats = forward_body(logits, labels, params, tp)
     return or_empty((stats.get(k) for k in _STAT_KEYS), logits)
