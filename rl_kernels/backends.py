@@ -38,17 +38,12 @@ def interpreting() -> bool:
 
 def resolve_backend(backend: str, device: torch.device) -> str:
     """Map 'auto' | 'triton' | 'torch' to the backend that runs on ``device``: 'auto' is Triton on
-    CUDA when installed, torch elsewhere (the choice is logged once). Raises ValueError for an
-    unknown name and RuntimeError when 'triton' cannot run (not installed, or CPU tensors without
-    TRITON_INTERPRET=1)."""
+    CUDA when installed, torch elsewhere. Raises ValueError for an unknown name and RuntimeError
+    when 'triton' cannot run (not installed, or CPU tensors without TRITON_INTERPRET=1)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        chosen = "triton" if device.type == "cuda" and triton_available() else "torch"
-        log_once(logging.INFO, lambda: f"rl_kernels: backend='auto' runs '{chosen}' for {device.type} tensors"
-                 + ("" if chosen == "triton" or device.type != "cuda" else " (Triton is not installed)"),
-                 key=("backend='auto'", chosen, device.type))  # (the text is built only when logged)
-        return chosen
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
     if backend == "triton":
         if not triton_available():
             raise RuntimeError("backend='triton': the triton package is not installed")
@@ -62,22 +57,35 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 class Backend:
     """One backend, resolved for a call: ``name`` ("triton" or "torch"),
     ``checks_labels_in_kernel`` (the kernels find a label outside [0, V) without a host sync), and
-    per head family the implementation registered for it (:meth:`family`)."""
+    per head family the implementation registered for it (:meth:`family`). ``auto_for``: the
+    device type for which ``backend='auto'`` chose it (None when it was named): that choice is
+    logged once, by :meth:`family` as a backend call's body runs (always eagerly: under
+    torch.compile inside a custom op), so that no logging is on a path that Dynamo traces."""
 
-    def __init__(self, name: str, checks_labels_in_kernel: bool):
+    def __init__(self, name: str, checks_labels_in_kernel: bool, auto_for: str | None = None):
         self.name = name
         self.checks_labels_in_kernel = checks_labels_in_kernel
+        self.auto_for = auto_for
+        # what a custom op carries (it takes no Python objects): the name, and the 'auto' mark
+        self.op_name = name if auto_for is None else f"{name}@auto:{auto_for}"
 
     def family(self, family: str):
         """The implementation of head family ``family`` ("linear", "logits", "linear_jsd", ...) on this
         backend: an object with that family's methods (see the family's autograd module)."""
+        if self.auto_for is not None:
+            log_once(logging.INFO, self._auto_message, key=("backend='auto'", self.name, self.auto_for))
         try:
             return _FAMILIES[family][self.name]
         except KeyError:
             raise NotImplementedError(f"rl_kernels: head family {family!r} has no {self.name!r} backend") from None
 
+    def _auto_message(self) -> str:
+        why = " (Triton is not installed)" if self.auto_for == "cuda" and self.name != "triton" else ""
+        return f"rl_kernels: backend='auto' runs '{self.name}' for {self.auto_for} tensors{why}"
+
     def __repr__(self) -> str:
-        return f"Backend({self.name!r})"
+        auto = "" if self.auto_for is None else f", auto_for={self.auto_for!r}"
+        return f"Backend({self.name!r}{auto})"
 
 
 _FAMILIES: dict[str, dict[str, object]] = {}
@@ -97,14 +105,34 @@ def implements(family: str, backend: str):
     return register
 
 
-def backend_by_name(name: str) -> Backend:
-    """The resolved :class:`Backend` called ``name`` ("triton" or "torch"): the custom ops of
-    ``torch.compile`` (whose arguments are plain values) carry the name of the backend that the
-    public function resolved, and look the object up here."""
-    return _BACKENDS[name]
+def backend_by_name(op_name: str) -> Backend:
+    """The resolved :class:`Backend` whose ``op_name`` this is ("triton", "torch", or such a name
+    marked as the choice of ``backend='auto'``): the custom ops of ``torch.compile`` (whose
+    arguments are plain values) carry that of the backend the public function resolved, and look
+    the object up here."""
+    name, _, auto_for = op_name.partition("@auto:")
+    if not auto_for:
+        return _BACKENDS[name]
+    return _auto_backend(name, auto_for)
+
+
+def _auto_backend(name: str, device_type: str) -> Backend:
+    chosen = _AUTO.get((name, device_type))
+    if chosen is None:
+        chosen = Backend(name, _BACKENDS[name].checks_labels_in_kernel, auto_for=device_type)
+        _AUTO[name, device_type] = chosen
+    return chosen
 
 
 def get_backend(backend: str, device: torch.device) -> Backend:
     """The :class:`Backend` that runs on ``device`` for the public ``backend`` argument ('auto' |
-    'triton' | 'torch'); raises as :func:`resolve_backend`."""
-    return _BACKENDS[resolve_backend(backend, device)]
+    'triton' | 'torch'); raises as :func:`resolve_backend`. For 'auto', the chosen backend's
+    object marked with the device type (one object per pair, kept)."""
+    name = resolve_backend(backend, device)
+    return _BACKENDS[name] if backend != "auto" else _auto_backend(name, device.type)
+
+
+# (name, device type) -> the Backend 'auto' chose; made here for the common device types, so that
+# a call that torch.compile traces finds its object (a new one is made only for another type)
+_AUTO: dict[tuple, Backend] = {(name, device): Backend(name, backend.checks_labels_in_kernel, auto_for=device)
+                               for name, backend in _BACKENDS.items() for device in ("cpu", "cuda", "meta")}

@@ -15,7 +15,11 @@ from rl_kernels import backends
 def test_get_backend_resolves_once_to_one_object_per_backend():
     cpu = torch.device("cpu")
     torch_backend = backends.get_backend("torch", cpu)
-    assert torch_backend is backends.get_backend("auto", cpu)  # auto on CPU: torch, the same object
+    auto = backends.get_backend("auto", cpu)  # auto on CPU: torch, marked as auto's choice for cpu
+    assert auto is backends.get_backend("auto", cpu) and auto.auto_for == "cpu" and torch_backend.auto_for is None
+    assert auto.name == "torch" and auto.family("logits") is torch_backend.family("logits")
+    for b in (torch_backend, auto):  # what a custom op carries brings the same object back
+        assert backends.backend_by_name(b.op_name) is b
     assert torch_backend.name == "torch" and not torch_backend.checks_labels_in_kernel
     triton_backend = backends.get_backend("triton", cpu)  # the interpreter (TRITON_INTERPRET=1 in conftest)
     assert triton_backend.name == "triton" and triton_backend.checks_labels_in_kernel

@@ -306,6 +306,25 @@ def test_compiled_inplace_backward_is_out_of_place_and_says_so(caplog):
     assert torch.equal(grad, logits.grad)
 
 
+def test_compiled_auto_backend_logs_its_choice_at_run_time(caplog):
+    """The library's traced code does not log (a logger call would break the graph): with a fresh
+    log, a fullgraph compile of ``backend='auto'`` compiles, and the choice is logged once, when
+    the custom op's body runs (the op carries the 'auto' mark with the backend's name)."""
+    import rl_kernels._logging as rl_logging
+
+    def f(logits, labels):
+        return rl_kernels.log_probs_from_logits(logits, labels, temperature=T)
+    _, _, logits, labels = _inputs()
+    rl_logging._seen.clear()
+    torch._dynamo.reset()
+    with caplog.at_level("INFO", logger="rl_kernels"):
+        compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+        compiled(logits, labels).sum().backward()
+        compiled(logits, labels).sum().backward()
+    said = [r.getMessage() for r in caplog.records if "backend='auto'" in r.getMessage()]
+    assert said == ["rl_kernels: backend='auto' runs 'torch' for cpu tensors"], said
+
+
 @pytest.mark.parametrize("op", ["linear_forward", "linear_forward_gather", "logits_forward", "jsd_forward",
                                 "counted_positions", "linear_forward-runtime_temperature",
                                 "linear_forward_gather-runtime_temperature", "logits_forward-runtime_temperature",

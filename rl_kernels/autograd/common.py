@@ -129,7 +129,7 @@ def _schema_type(hint) -> str:
 class OpArgs:
     """A family's parameter record (a NamedTuple) as its custom ops' trailing plain arguments, read
     from the record's own fields and type hints (a custom op takes no Python objects): the fields in
-    order (``skip``: fields that do not travel; a ``Backend`` as its name), then, with ``group``,
+    order (``skip``: fields that do not travel; a ``Backend`` as its ``op_name``), then, with ``group``,
     the vocab-parallel layout (``autograd.vocab_parallel.GROUP_SCHEMA``), then the runtime
     temperature (``RUNTIME_TEMPERATURE_SCHEMA``). ``schema`` is that part of the ops' schema,
     :meth:`pack` the values in the traced code, :meth:`unpack` the record back in an op's body. A
@@ -145,7 +145,7 @@ class OpArgs:
     def pack(self, params, temperature, tp=None) -> tuple:
         """The plain values of ``params`` (and of the layout ``tp``), then ``temperature`` (None,
         or the 0-d runtime temperature of a compiled graph)."""
-        values = tuple(v.name if isinstance(v, Backend) else v for v in (getattr(params, f) for f in self.fields))
+        values = tuple(v.op_name if isinstance(v, Backend) else v for v in (getattr(params, f) for f in self.fields))
         return values + (op_group(tp) if self.group else ()) + (temperature,)
 
     def unpack(self, args, read_temperature: bool = True) -> tuple:
