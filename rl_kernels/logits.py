@@ -396,8 +396,8 @@ def topk_log_probs_from_logits(
     allocates: softmax times g_lse = -sum_k g_k from the same kernels, then the K columns of each
     row overwritten with p g_lse + (sum of g over the slots with that id), computed in float32 and
     rounded once (no atomic add into the gradient). Under
-    ``torch.compile`` the same code runs inside the ``rl_kernels::topk_log_probs_forward`` /
-    ``_backward`` custom ops.
+    ``torch.compile`` the same code runs inside the from-logits family's
+    ``rl_kernels::logits_forward`` / ``logits_backward`` custom ops.
 
     Formula: log p_k = z_{{id_k}} - logsumexp(z), z = logits / T; d log p_k / dz_j = [j == id_k] - p_j
     (the softmax derivative, module docstring), times 1 / T for the logits.

@@ -285,7 +285,7 @@ def test_backend_call_ops_are_not_differentiable_by_themselves(op):
     if op == "linear_forward":
         out = torch.ops.rl_kernels.linear_forward(hidden, weight, labels, None, *_head_args(True, "linear_log_probs"))
     else:
-        out = torch.ops.rl_kernels.logits_forward(logits, labels, *_logits_args(1.0))
+        out = torch.ops.rl_kernels.logits_forward(logits, labels, None, *_logits_args(1.0))
     with pytest.raises(RuntimeError, match="no autograd formula"):
         out[0].sum().backward()
 
@@ -328,7 +328,7 @@ def test_compiled_auto_backend_logs_its_choice_at_run_time(caplog):
 @pytest.mark.parametrize("op", ["linear_forward", "linear_forward_gather", "logits_forward", "jsd_forward",
                                 "counted_positions", "linear_forward-runtime_temperature",
                                 "linear_forward_gather-runtime_temperature", "logits_forward-runtime_temperature",
-                                "jsd_forward-runtime_temperature", "topk_log_probs_forward-runtime_temperature"])
+                                "jsd_forward-runtime_temperature", "logits_forward_topk-runtime_temperature"])
 def test_custom_ops_pass_opcheck(op):
     """torch.library.opcheck: schema (no hidden mutation or aliasing), fake implementation,
     autograd registration (the ops that carry their own autograd; the fused head's, the JSD's and
@@ -347,16 +347,15 @@ def test_custom_ops_pass_opcheck(op):
                            *_head_args(True, "linear_log_probs", inv, return_sum_pi_squared=True)),
         "linear_forward_gather": (hidden.detach(), weight.detach(), labels, ids,
                                   *_head_args(False, "linear_topk_kl", inv)),
-        "logits_forward": (logits.detach(), labels, *_logits_args(inv, return_sum_pi_squared=True)),
+        "logits_forward": (logits.detach(), labels, None, *_logits_args(inv, return_sum_pi_squared=True)),
         "jsd_forward": (hidden.detach(), weight.detach(), torch.sin(hidden.detach()), weight.detach().flip(0), valid,
                         *jsd_autograd.OP_ARGS.pack(jsd_autograd.JSDParams(TORCH, inv, 0.3), None)),
         "counted_positions": (hidden, labels, None, ids, teacher, V, -100, "hidden_states", None, None),
-        "topk_log_probs_forward": (logits.detach(), ids, labels, *logits_autograd.TOPK_OP_ARGS.pack(
-            logits_autograd.LogitsParams(TORCH, inv, -100, False, "topk_log_probs_from_logits"), None)),
+        "logits_forward_topk": (logits.detach(), labels, ids, *_logits_args(inv)),
     }[op]
     if runtime:  # (the packed arguments end with the runtime temperature, None: replaced)
         args = (args[:-1] if op != "counted_positions" else args) + (torch.tensor(T, dtype=torch.float64),)
-    name = "linear_forward" if op == "linear_forward_gather" else op
+    name = {"linear_forward_gather": "linear_forward", "logits_forward_topk": "logits_forward"}.get(op, op)
     if runtime:  # the compiled route's twin, tagged cudagraph-unsafe (autograd.common.CustomOpPair)
         name += "_runtime_temperature"
         assert torch.Tag.cudagraph_unsafe in getattr(torch.ops.rl_kernels, name).default.tags
@@ -405,8 +404,11 @@ def test_op_arguments_carry_every_field_of_each_record():
     the schema with its type, and a record with a non-default value in every field comes back whole
     (1 / T from the runtime temperature when one is passed). Every family's ``OpArgs`` is found by
     itself."""
+    from rl_kernels.autograd.common import OpArgs
+
     found = _every_op_args()
-    assert {"linear.OP_ARGS", "logits.OP_ARGS", "logits.TOPK_OP_ARGS", "linear_jsd.OP_ARGS"} <= {n for n, _ in found}
+    assert {"linear.OP_ARGS", "logits.OP_ARGS", "linear_jsd.OP_ARGS"} <= {n for n, _ in found}
+    found.append(("no group", OpArgs(logits_autograd.LogitsParams, group=False)))  # a head without a shard form
     for name, op_args in found:
         record = _unusual_record(op_args)
         assert all(f" {f}" in op_args.schema for f in op_args.fields), (name, op_args.schema)

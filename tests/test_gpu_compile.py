@@ -1,7 +1,7 @@
 """GPU: the Triton backend under torch.compile (inductor, fullgraph) and inside CUDA graphs.
 
-* compiled = eager, bitwise, for the fused head and the from-logits statistics (values and
-  gradients): the compiled route calls the same kernels through the rl_kernels custom ops;
+* compiled = eager, bitwise, for the fused head, the from-logits statistics and the top-K
+  from-logits functions (values and gradients): the compiled route calls the same kernels through the rl_kernels custom ops;
 * a training step that uses the fused head (a linear layer before it, the head's log-probs and
   entropy in the loss, backward) is captured in a CUDA graph and replayed with new inputs: the loss
   and every gradient equal an eager step on the same inputs, bitwise; the same for the from-logits
@@ -67,8 +67,18 @@ def test_compiled_equals_eager_bitwise():
         o = rl_kernels.logits_stats(z, y, temperature=0.9)
         return o.log_probs, o.entropy, o.lse
 
+    g = torch.Generator(device="cuda").manual_seed(2)
+    ids = torch.randint(0, V, (N, 5), device="cuda", generator=g)
+    ids[::5, 1] = ids[::5, 0]  # duplicate ids
+    teacher = torch.log_softmax(torch.randn(N, 5, device="cuda", generator=g), -1)
+
+    def topk_fn(z, y):
+        return (rl_kernels.topk_log_probs_from_logits(z, ids, temperature=0.9),
+                rl_kernels.topk_kl_from_logits(z, ids, teacher, temperature=0.9, labels=y, reduction="none"))
+
     h = body(x).detach()
-    for fn, inputs, diff in ((head_fn, (h, head.detach(), labels), (0, 1)), (logits_fn, (logits, labels), (0,))):
+    for fn, inputs, diff in ((head_fn, (h, head.detach(), labels), (0, 1)), (logits_fn, (logits, labels), (0,)),
+                             (topk_fn, (logits, torch.where(labels == -100, -100, ids[:, 2])), (0,))):
         results = []
         for f in (fn, torch.compile(fn, fullgraph=True, dynamic=True)):
             leaves = [t.clone().requires_grad_() if i in diff else t for i, t in enumerate(inputs)]

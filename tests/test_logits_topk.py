@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import rl_kernels
 import rl_kernels.torch_ops.logits as torch_logits
-from rl_kernels.autograd.logits import TOPK_OP_ARGS, LogitsParams
+from rl_kernels.autograd.logits import OP_ARGS, LogitsParams
 from rl_kernels.backends import get_backend
 from rl_kernels import linear_topk_kl, topk_kl_from_logits, topk_log_probs_from_logits
 
@@ -79,6 +79,48 @@ def test_values_and_gradients(poison, backend, case):
     else:  # each element rounded once to bfloat16 (8 significant bits): within one ulp, 2^-7
         err = (x.grad.double() - x64.grad).abs()  # relative (the interpreter's conversion truncates)
         assert bool((err <= x64.grad.abs() * 2.0 ** -7 + 1e-7).all()), err.max()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("others", ["lse", "entropy", "entropy+lse"])
+def test_token_ids_with_other_statistics_in_one_function(poison, backend, others):
+    """The family's one Function with token ids and other statistics asked: gradients of the
+    top-K log-probs with those of the lse and / or the entropy, duplicate ids and ignored rows (their
+    labels mark them: the top-K terms leave them), against float64. The lse's gradient alone
+    keeps the K columns rounded once; with the entropy's the sparse term is added to the family's
+    float32 dense gradient (rounded twice)."""
+    from rl_kernels.autograd.logits import LogitsStatsFunction, asked_outputs
+
+    g = torch.Generator().manual_seed(len(others) + len(backend))
+    n, v, k, temperature = 7, 203, 5, 0.8
+    base = 2 * torch.randn(n, v, generator=g)
+    ids = _ids((n,), v, k, g, duplicates=True)
+    rows = torch.where(torch.arange(n) % 3 == 1, -100, ids[:, 0])  # rows 1 and 4: ignored
+    weights = {name: torch.randn(n, generator=g) for name in ("entropy", "lse")}
+    keep = rows != -100
+    up = torch.randn(n, k, generator=g) * keep[:, None]  # (ignored rows: no top-K gradient reaches them)
+    params = LogitsParams(get_backend(backend, base.device), 1 / temperature, -100, "entropy" in others,
+                          "topk_log_probs_from_logits")
+    x = base.clone().requires_grad_()
+    outs = dict(zip(asked_outputs(params, True, True),
+                    LogitsStatsFunction.apply(x, rows, params, None, None, ids)))
+    assert list(outs) == (["entropy"] if "entropy" in others else []) + ["lse", "topk_log_probs"]
+    loss = (outs["topk_log_probs"] * up).sum()
+    for name in others.split("+"):
+        loss = loss + (outs[name] * weights[name]).sum()
+    loss.backward()
+    x64 = base.double().requires_grad_()
+    z = x64 / temperature
+    log_p = torch.log_softmax(z, -1)
+    want = {"lse": torch.logsumexp(z, -1), "entropy": -(log_p.exp() * log_p).sum(-1),
+            "topk_log_probs": log_p.gather(1, ids)}
+    ref = (want["topk_log_probs"] * up.double()).sum()
+    for name in others.split("+"):  # (the family's rule: ignored rows take the lse's gradient only)
+        ref = ref + (want[name] * weights[name].double() * (keep if name == "entropy" else 1)).sum()
+    ref.backward()
+    for name, out in outs.items():
+        torch.testing.assert_close(out.double()[keep], want[name].detach()[keep], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(x.grad.double(), x64.grad, atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -277,21 +319,26 @@ def test_fullgraph_compile_matches_eager(name, backend):
         compiled(x, ids, t_lp, mask)
 
 
-@pytest.mark.parametrize("op", ["checked_token_ids", "topk_log_probs_forward", "topk_log_probs_forward-labels"])
+@pytest.mark.parametrize("op", ["checked_token_ids", "logits_forward", "logits_forward-labels", "logits_backward"])
 def test_custom_ops_pass_opcheck(op):
-    """torch.library.opcheck: schema, fake implementation, AOT dispatch. The forward op is a backend
-    call inside ``TopKLogProbsFunction`` (which does the autograd), so its inputs need no grad."""
+    """torch.library.opcheck: schema, fake implementation, AOT dispatch of the family's ops with
+    token ids (top-K). They are backend calls inside ``LogitsStatsFunction`` (which does the
+    autograd), so their inputs need no grad."""
     x, ids, _, mask = _compile_inputs(5, 10)
     x = x.detach()
-    params = TOPK_OP_ARGS.pack(LogitsParams(get_backend("torch", x.device), 1 / 0.7, -100, False,
-                                            "topk_log_probs_from_logits"), None)
+    record = LogitsParams(get_backend("torch", x.device), 1 / 0.7, -100, False, "topk_log_probs_from_logits")
+    params = OP_ARGS.pack(record, None)
+    rows = torch.where(mask, ids[:, 0], -100)
+    n, k = ids.shape
+    stats = [torch.randn(n) for _ in range(3)]  # row_max, log_sum, lse (their values do not matter here)
     args = {"checked_token_ids": (ids, 37, "token_ids"),
-            "topk_log_probs_forward": (x, ids, None, *params),
-            "topk_log_probs_forward-labels": (x, ids, torch.where(mask, ids[:, 0], -100), *params)}[op]
+            "logits_forward": (x, None, ids, *params),
+            "logits_forward-labels": (x, rows, ids, *params),
+            "logits_backward": (x, rows, ids, *stats, None, None, None, None, torch.randn(n), None, None,
+                                torch.randn(n, k), *params)}[op]
     torch.library.opcheck(getattr(torch.ops.rl_kernels, op.split("-")[0]).default, args)
     if op != "checked_token_ids":  # the packed record comes back whole
-        assert TOPK_OP_ARGS.unpack(params)[0] == LogitsParams(get_backend("torch", x.device), 1 / 0.7, -100, False,
-                                                              "topk_log_probs_from_logits")
+        assert OP_ARGS.unpack(params)[0] == record
 
 
 # ----------------------------------------------------------------------------- bad inputs

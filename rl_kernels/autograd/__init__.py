@@ -5,9 +5,9 @@ compiler traces and plain calls otherwise:
 
 * ``linear``: the fused linear head (``LinearLogProbsFunction``, with the logits at given ids for
   the distillation losses; ``head_forward`` / ``head_backward`` are also the JSD's building blocks);
-* ``logits``: statistics of materialized logits (``LogitsStatsFunction``) and their top-K
-  log-probs (``TopKLogProbsFunction``);
-* ``jsd``: the two-head Jensen-Shannon divergence (``LinearJSDFunction``);
+* ``logits``: statistics of materialized logits and their log-probs at given token ids (the
+  top-K losses) (``LogitsStatsFunction``);
+* ``linear_jsd``: the two-head Jensen-Shannon divergence (``LinearJSDFunction``);
 * ``vocab_parallel``: what the families share for a vocab shard: the layout, the collectives and
   the merge of the shards' statistics (no Function of its own);
 * ``positions``: the losses' rule for which positions count, and its value checks;

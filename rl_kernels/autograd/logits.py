@@ -1,16 +1,17 @@
 """Autograd of the from-logits statistics: one Function for every public from-logits function.
 
 The head family "logits": its parameter record (``LogitsParams``), output record
-(``LogitsOutputs``), two backend implementations (``TritonLogits``, ``TorchLogits``) and Function.
+(``LogitsOutputs``), two backend implementations (``TritonLogits``, ``TorchLogits``) and its one
+Function, ``LogitsStatsFunction``.
 Forward: one read of the logits (Triton ``ops.logits_forward`` or its torch twin
 ``torch_ops.logits``) gives per-row float32 statistics; only O(N) of them are saved.
 Backward: one more read of the logits writes d loss / d logits once, in the logits' dtype (into
 the logits' own storage with ``inplace_backward``, reported to autograd by a version bump).
 
-Also the top-K log-probs of ``rl_kernels.topk_log_probs_from_logits`` / ``topk_kl_from_logits``
-(``TopKLogProbsFunction`` and its custom ops): the same forward's lse with K gathered logits, and a
-backward that writes one N x V gradient (the family's backward for the lse, then the K columns per
-row)."""
+The top-K log-probs of ``rl_kernels.topk_log_probs_from_logits`` / ``topk_kl_from_logits`` are
+the same Function with token ids: the forward's lse with K gathered logits, and a backward that
+writes one N x V gradient (the family's backward with the lse's share, then the K columns of each
+row: see "top-K log-probs" below)."""
 from __future__ import annotations
 
 import logging
@@ -46,14 +47,15 @@ class LogitsParams(NamedTuple):
 
 
 class LogitsOutputs(NamedTuple):
-    """Per-row float32 (N,) outputs of the from-logits Function, the same fields for its
-    gradients; None where not asked (lse always)."""
+    """Per-row float32 outputs of the from-logits Function, (N,) each but ``topk_log_probs``
+    (N, K), the same fields for its gradients; None where not asked (lse always)."""
 
     log_probs: torch.Tensor | None
     entropy: torch.Tensor | None
     lse: torch.Tensor | None
     mean_log_p: torch.Tensor | None = None
     sum_pi_squared: torch.Tensor | None = None
+    topk_log_probs: torch.Tensor | None = None  # at the K token ids per row given to the Function
 
 
 @implements("logits", "triton")
@@ -94,59 +96,86 @@ def logits_stats_forward(logits, labels, params: LogitsParams, label_check=None)
     return params.backend.family("logits").forward(logits, labels, params, label_check)
 
 
-def forward_body(logits, labels, params: LogitsParams, tp=None) -> dict:
+def forward_body(logits, labels, params: LogitsParams, tp=None, token_ids=None) -> dict:
     """The family's forward as one backend call runs it: a bad label reported by an earlier call
     raised, this call's label values checked (in the Triton kernel without a host sync, else on
     the host), the statistics (:func:`logits_stats_forward`). With ``tp`` (a vocab shard, global
     labels checked on the host against the whole vocabulary when it is known) the shard's
-    statistics merged over the group (:func:`vp_forward`). Eagerly :func:`forward_call` runs it
-    directly; under torch.compile the ``rl_kernels::logits_forward`` custom op's body does."""
+    statistics merged over the group (:func:`vp_forward`). With ``token_ids`` (N, K) int64 (checked
+    by the caller) also ``topk_log_probs``, z[ids] - lse; ``labels`` then only mark the rows to
+    ignore (not checked here: the callers pass checked ids or ``ignore_index``). Eagerly
+    :func:`forward_call` runs it directly; under torch.compile the ``rl_kernels::logits_forward``
+    custom op's body does."""
     raise_label_errors()  # a bad label that an earlier call's kernel reported
+    if token_ids is not None and (tp is not None or params.inplace_backward):
+        raise NotImplementedError(f"rl_kernels.{params.name}: token ids with "
+                                  f"{'a vocab shard' if tp is not None else 'inplace_backward'}")
     if tp is not None:
         if labels is not None and tp.vocab_size is not None:
             check_label_values(labels, tp.vocab_size, params.ignore_index)
         return vp_forward(logits, labels, params, tp)
     label_check = None
-    if labels is not None:
+    if labels is not None and token_ids is None:
         label_check = deferred_label_check(labels, logits.shape[-1], params.ignore_index, params.name,
                                            in_kernel=params.backend.checks_labels_in_kernel)
     stats = logits_stats_forward(logits, labels, params, label_check)
     raise_if_interpreted(label_check, logits.device)
+    if token_ids is not None:  # (the labels only mark rows: their log-probs are not an output)
+        stats.pop("log_probs", None)
+        stats["topk_log_probs"] = gather_logits(logits, token_ids, params.inv_temperature) - stats["lse"][:, None]
     return stats
 
 
-def forward_call(logits, labels, params: LogitsParams, temperature=None, tp=None) -> dict:
+def forward_call(logits, labels, params: LogitsParams, temperature=None, tp=None, token_ids=None) -> dict:
     """:func:`forward_body`, eagerly a plain call (no dispatcher on the host path), and while
     torch.compile traces the ``rl_kernels::logits_forward`` custom op (opaque: no graph break, its
     fake gives the shapes) with the same body: the same bits either way. ``temperature``: None, or
     the runtime 0-d temperature of a compiled graph (``autograd.common.split_temperature``);
-    ``tp``: the vocab-parallel layout or None."""
+    ``tp``: the vocab-parallel layout or None; ``token_ids``: (N, K) int64 or None."""
     if not torch.compiler.is_compiling():
-        return forward_body(logits, labels, params, tp)
-    out = rl_op("logits_forward", temperature)(logits, labels, *OP_ARGS.pack(params, temperature, tp))
-    keep = asked_outputs(params, labels is not None) + ("row_max", "log_sum")  # (the op's empties dropped)
+        return forward_body(logits, labels, params, tp, token_ids)
+    out = rl_op("logits_forward", temperature)(logits, labels, token_ids, *OP_ARGS.pack(params, temperature, tp))
+    # (the op's empties dropped)
+    keep = asked_outputs(params, labels is not None, token_ids is not None) + ("row_max", "log_sum")
     if tp is not None and labels is not None:
         keep += ("shard_labels",)
     return {k: t for k, t in zip(_STAT_KEYS, out) if k in keep}
 
 
-def backward_call(logits, labels, stats: dict, grads: dict, params: LogitsParams, temperature=None, tp=None):
+def backward_call(logits, labels, stats: dict, grads: dict, params: LogitsParams, temperature=None, tp=None,
+                  token_ids=None):
     """d loss / d logits from the forward's ``stats`` and the float32 upstream ``grads`` (both
-    dicts keyed as ``LogitsOutputs``' fields): eagerly on the backend directly (into the logits'
-    own storage with ``inplace_backward``, reported to autograd by a version bump; a vocab shard's
-    by :func:`vp_backward`), under torch.compile through the ``rl_kernels::logits_backward``
-    custom op (a new tensor). ``labels``: a shard's own (``stats["shard_labels"]``) with ``tp``."""
+    dicts keyed as ``LogitsOutputs``' fields; ``stats["lse"]`` with ``token_ids``): eagerly
+    :func:`backward_body` directly, under torch.compile through the ``rl_kernels::logits_backward``
+    custom op (a new tensor) with the same body. ``labels``: a shard's own
+    (``stats["shard_labels"]``) with ``tp``."""
     if torch.compiler.is_compiling():
         return rl_op("logits_backward", temperature)(
-            logits, labels, stats["row_max"], stats["log_sum"], stats.get("entropy"), stats.get("sum_pi_squared"),
-            *(grads.get(k) for k in LogitsOutputs._fields), *OP_ARGS.pack(params, temperature, tp))
+            logits, labels, token_ids, stats["row_max"], stats["log_sum"], stats.get("lse"), stats.get("entropy"),
+            stats.get("sum_pi_squared"), *(grads.get(k) for k in LogitsOutputs._fields),
+            *OP_ARGS.pack(params, temperature, tp))
+    return backward_body(logits, labels, stats, grads, params, tp, token_ids)
+
+
+def backward_body(logits, labels, stats: dict, grads: dict, params: LogitsParams, tp=None, token_ids=None):
+    """The family's backward as one backend call runs it (:func:`backward_call`'s arguments): into
+    the logits' own storage with ``inplace_backward`` (reported to autograd by a version bump),
+    else a new tensor in the logits' dtype; a vocab shard's by :func:`vp_backward`; with a
+    gradient of ``topk_log_probs`` the K columns of each row by :func:`topk_columns`."""
     raise_label_errors()  # a bad label reported by this call's (or an earlier) forward kernel
     if tp is not None:
         return vp_backward(logits, labels, stats, LogitsOutputs(*(grads.get(k) for k in LogitsOutputs._fields)),
                            params)
+    grads = dict(grads)
+    grad_topk = grads.pop("topk_log_probs", None)
+    if grad_topk is not None:  # d lse / dz = p: the K log-probs' share of the softmax term
+        grad_lse = -grad_topk.sum(1)
+        grads["lse"] = grad_lse if grads.get("lse") is None else grads["lse"] + grad_lse
     # documented: with inplace_backward the logits' storage receives their gradient
     grad = logits if params.inplace_backward else torch.empty_like(logits, memory_format=torch.contiguous_format)
     params.backend.family("logits").backward(logits, grad, labels, stats, grads, params)
+    if grad_topk is not None:
+        topk_columns(grad, logits, token_ids, labels, stats["lse"], grad_topk, grads, params)
     if params.inplace_backward:
         # the kernel wrote through a raw pointer: tell autograd the logits changed, so that any
         # other saved use of them (a second consumer, retain_graph and a second backward)
@@ -155,42 +184,49 @@ def backward_call(logits, labels, stats: dict, grads: dict, params: LogitsParams
     return grad
 
 
-def asked_outputs(params: LogitsParams, has_labels: bool) -> tuple:
-    """The ``LogitsOutputs`` fields a call computes, in order (lse always): what
+def asked_outputs(params: LogitsParams, has_labels: bool, has_token_ids: bool = False) -> tuple:
+    """The ``LogitsOutputs`` fields a call computes, in order (lse always; with token ids their
+    log-probs, last, and no log-probs at the labels, which then only mark ignored rows): what
     :class:`LogitsStatsFunction` returns, no None among them (torch.compile's tracing of a Function
     handles tensors only)."""
-    asked = (has_labels, params.return_entropy, True, params.return_mean_log_p, params.return_sum_pi_squared)
+    asked = (has_labels and not has_token_ids, params.return_entropy, True, params.return_mean_log_p,
+             params.return_sum_pi_squared, has_token_ids)
     return tuple([k for k, a in zip(LogitsOutputs._fields, asked) if a])
 
 
 class LogitsStatsFunction(torch.autograd.Function):
     """2-D logits (N, V) (a vocab shard (N, V_r) with ``tp``), labels (N,) or None, LogitsParams,
     runtime temperature (None, or the 0-d tensor of a compiled graph), the vocab-parallel layout
-    (``autograd.vocab_parallel.ParallelParams``) or None -> the asked outputs
-    (:func:`asked_outputs`), float32 (N,) each, identical on every rank of a group. The one route
-    of the family, eager and under ``torch.compile(fullgraph=True)``, sharded or not: the backend
-    calls inside it are custom ops while the compiler traces (:func:`forward_call`,
-    :func:`backward_call`)."""
+    (``autograd.vocab_parallel.ParallelParams``) or None, token ids (N, K) int64 in [0, V) or None
+    -> the asked outputs (:func:`asked_outputs`), float32, (N,) each and (N, K) at the token ids,
+    identical on every rank of a group. With token ids, rows whose label is ``ignore_index`` get
+    exactly zero gradient when no gradient reaches them (even if non-finite). The one route of the
+    family, eager and under ``torch.compile(fullgraph=True)``, sharded or not: the backend calls
+    inside it are custom ops while the compiler traces (:func:`forward_call`,
+    :func:`backward_call`). Saves O(N) statistics (and the inputs)."""
 
     @staticmethod
-    def forward(ctx, logits, labels, params: LogitsParams, temperature=None, tp=None):
-        stats = forward_call(logits, labels, params, temperature, tp)
-        ctx.save_for_backward(logits, stats.get("shard_labels", labels), stats["row_max"], stats["log_sum"],
-                              stats.get("entropy"), stats.get("sum_pi_squared"), temperature)
+    def forward(ctx, logits, labels, params: LogitsParams, temperature=None, tp=None, token_ids=None):
+        stats = forward_call(logits, labels, params, temperature, tp, token_ids)
+        lse = stats["lse"] if token_ids is not None else None  # (the K columns' softmax in the backward)
+        ctx.save_for_backward(logits, stats.get("shard_labels", labels), token_ids, stats["row_max"],
+                              stats["log_sum"], lse, stats.get("entropy"), stats.get("sum_pi_squared"), temperature)
         ctx.params, ctx.tp, ctx.fn_name = params, tp, params.name
-        ctx.outputs = asked_outputs(params, labels is not None)
+        ctx.outputs = asked_outputs(params, labels is not None, token_ids is not None)
         ctx.set_materialize_grads(False)
         return tuple([stats[k] for k in ctx.outputs])
 
     @staticmethod
     @first_order_only
     def backward(ctx, *output_grads):
-        logits, labels, row_max, log_sum, entropy, sum_pi_squared, temperature = ctx.saved_tensors
+        logits, labels, token_ids, row_max, log_sum, lse, entropy, sum_pi_squared, temperature = ctx.saved_tensors
         grads = {k: as_float_grad(g) for k, g in zip(ctx.outputs, output_grads) if g is not None}
+        none = (None,) * 5
         if not ctx.needs_input_grad[0] or not grads:
-            return None, None, None, None, None
-        stats = {"row_max": row_max, "log_sum": log_sum, "entropy": entropy, "sum_pi_squared": sum_pi_squared}
-        return backward_call(logits, labels, stats, grads, ctx.params, temperature, ctx.tp), None, None, None, None
+            return (None,) + none
+        stats = {"row_max": row_max, "log_sum": log_sum, "lse": lse, "entropy": entropy,
+                 "sum_pi_squared": sum_pi_squared}
+        return (backward_call(logits, labels, stats, grads, ctx.params, temperature, ctx.tp, token_ids),) + none
 
 
 # ------------------------------------------------------------------ a vocab shard (tensor parallelism)
@@ -273,9 +309,9 @@ def vp_backward(logits, local, stats: dict, g: LogitsOutputs, params: LogitsPara
 # custom op cannot return its input's storage as a new gradient; the forward op says so once). The
 # ops' last argument is the runtime temperature (``autograd.common.op_temperature``).
 
-_STAT_KEYS = ("log_probs", "entropy", "lse", "mean_log_p", "sum_pi_squared", "row_max", "log_sum", "shard_labels")
+_STAT_KEYS = ("log_probs", "entropy", "lse", "mean_log_p", "sum_pi_squared", "topk_log_probs", "row_max", "log_sum",
+              "shard_labels")
 OP_ARGS = OpArgs(LogitsParams)
-TOPK_OP_ARGS = OpArgs(LogitsParams, group=False)
 
 
 def unpacked(op_args: OpArgs, args, warn_inplace: bool = False) -> tuple:
@@ -292,41 +328,46 @@ def unpacked(op_args: OpArgs, args, warn_inplace: bool = False) -> tuple:
 
 @custom_op_pair(
     "rl_kernels::logits_forward",
-    schema="(Tensor logits, Tensor? labels, " + OP_ARGS.schema
-           + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
-def _logits_forward_op(logits, labels, *args):
-    """:func:`forward_body` -> (log_probs, entropy, lse, mean_log_p, sum_pi_squared, row_max,
-    log_sum, a shard's labels), empty where not asked."""
+    schema="(Tensor logits, Tensor? labels, Tensor? token_ids, " + OP_ARGS.schema
+           + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+def _logits_forward_op(logits, labels, token_ids, *args):
+    """:func:`forward_body` -> (log_probs, entropy, lse, mean_log_p, sum_pi_squared,
+    topk_log_probs, row_max, log_sum, a shard's labels), empty where not asked."""
     params, group = unpacked(OP_ARGS, args, warn_inplace=True)
     tp = group_from_op(*group, params.ignore_index, logits.shape[1], logits.device, allow_reduce_hidden_grad=False)
-    stats = forward_body(logits, labels, params, tp)
+    stats = forward_body(logits, labels, params, tp, token_ids)
     return or_empty((stats.get(k) for k in _STAT_KEYS), logits)
 
 
 @_logits_forward_op.register_fake
-def _(logits, labels, *args):
+def _(logits, labels, token_ids, *args):
     params, (group_name, _, _) = OP_ARGS.unpack(args, read_temperature=False)
     n = logits.shape[0]
-    asked = (labels is not None, params.return_entropy, True, params.return_mean_log_p, params.return_sum_pi_squared,
-             True, True)
+    asked = (labels is not None and token_ids is None, params.return_entropy, True, params.return_mean_log_p,
+             params.return_sum_pi_squared)
+    topk = (logits.new_empty(token_ids.shape, dtype=torch.float32) if token_ids is not None
+            else logits.new_empty(0, dtype=torch.float32))
     shard_labels = (torch.empty_like(labels) if group_name is not None and labels is not None
                     else logits.new_empty(0, dtype=torch.float32))
-    return tuple(logits.new_empty(n if a else 0, dtype=torch.float32) for a in asked) + (shard_labels,)
+    return (*(logits.new_empty(n if a else 0, dtype=torch.float32) for a in asked), topk,
+            logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32), shard_labels)
 
 
 @custom_op_pair(
     "rl_kernels::logits_backward",
-    schema="(Tensor logits, Tensor? labels, Tensor row_max, Tensor log_sum, Tensor? entropy, Tensor? sum_pi_squared, "
-           "Tensor? grad_log_probs, Tensor? grad_entropy, Tensor? grad_lse, Tensor? grad_mean_log_p, "
-           "Tensor? grad_sum_pi_squared, " + OP_ARGS.schema + ") -> Tensor")
-def _logits_backward_op(logits, labels, row_max, log_sum, entropy, sum_pi_squared, grad_log_probs, grad_entropy,
-                        grad_lse, grad_mean_log_p, grad_sum_pi_squared, *args):
-    """:func:`backward_call` -> d loss / d logits, a new contiguous tensor in the logits' dtype."""
+    schema="(Tensor logits, Tensor? labels, Tensor? token_ids, Tensor row_max, Tensor log_sum, Tensor? lse, "
+           "Tensor? entropy, Tensor? sum_pi_squared, Tensor? grad_log_probs, Tensor? grad_entropy, Tensor? grad_lse, "
+           "Tensor? grad_mean_log_p, Tensor? grad_sum_pi_squared, Tensor? grad_topk_log_probs, "
+           + OP_ARGS.schema + ") -> Tensor")
+def _logits_backward_op(logits, labels, token_ids, row_max, log_sum, lse, entropy, sum_pi_squared, grad_log_probs,
+                        grad_entropy, grad_lse, grad_mean_log_p, grad_sum_pi_squared, grad_topk_log_probs, *args):
+    """:func:`backward_body` -> d loss / d logits, a new contiguous tensor in the logits' dtype."""
     grads = {k: g for k, g in zip(LogitsOutputs._fields, (grad_log_probs, grad_entropy, grad_lse, grad_mean_log_p,
-                                                           grad_sum_pi_squared)) if g is not None}
-    stats = {"row_max": row_max, "log_sum": log_sum, "entropy": entropy, "sum_pi_squared": sum_pi_squared}
+                                                           grad_sum_pi_squared, grad_topk_log_probs))
+             if g is not None}
+    stats = {"row_max": row_max, "log_sum": log_sum, "lse": lse, "entropy": entropy, "sum_pi_squared": sum_pi_squared}
     params, group = unpacked(OP_ARGS, args)
-    return backward_call(logits, labels, stats, grads, params, tp=group_from_op(*group))
+    return backward_body(logits, labels, stats, grads, params, group_from_op(*group), token_ids)
 
 
 @_logits_backward_op.register_fake
@@ -335,15 +376,17 @@ def _(logits, *rest):
 
 
 # ------------------------------------------------------------------ top-K log-probs of the logits
-# log softmax(z)[ids] with z = logits * inv_temperature, for K given ids per row: the lse comes from
-# the family's forward (one read of the logits, O(N) saved); the K values are z[ids] - lse.
-# Backward, from the softmax derivative (d lse / dz = p): with g the (N, K) upstream gradient,
+# log softmax(z)[ids] with z = logits * inv_temperature, for K given ids per row (the Function's
+# ``token_ids``): the lse comes from the family's forward (one read of the logits, O(N) saved); the
+# K values are z[ids] - lse. Backward, from the softmax derivative (d lse / dz = p): with g the
+# (N, K) upstream gradient,
 #     d/dz_j = p_j g_lse + sum_{k: ids_k = j} g_k,    g_lse = -sum_k g_k,
-# so the family's backward writes p_j g_lse (times inv_temperature) into the one N x V gradient, and
-# the K columns of each row are then overwritten with their full value, computed in float32 and
-# rounded once: duplicate ids are summed first (in float64, over the row's K slots), so every slot
-# of an id writes the same value (no atomic add into the gradient; float64 sums of a few float32
-# values round to the same float32 whatever their order, but for a double-rounding tie).
+# so the family's backward writes p_j g_lse (times inv_temperature) into the one N x V gradient,
+# with the other statistics' terms when their gradients come too, and then the K columns of each
+# row get the sparse term (:func:`topk_columns`). Duplicate ids are summed first (in float64, over
+# the row's K slots), so every slot of an id writes the same value (no atomic add into the
+# gradient; float64 sums of a few float32 values round to the same float32 whatever their order,
+# but for a double-rounding tie).
 
 
 def gather_logits(logits, token_ids, inv_temperature: float) -> torch.Tensor:
@@ -368,120 +411,37 @@ def sum_over_equal_ids(token_ids, grad_log_probs) -> torch.Tensor:
     return torch.empty_like(grad_log_probs).scatter_(1, order, sums.gather(1, run).float())
 
 
-def topk_log_probs_backward(logits, grad, token_ids, labels, row_max, log_sum, lse, grad_log_probs,
-                            params: LogitsParams) -> torch.Tensor:
-    """Write d loss / d logits into ``grad`` (N x V, the logits' dtype) for the upstream gradient
-    ``grad_log_probs`` (N, K) float32 of the top-K log-probs: the family's backward with
-    g_lse = -sum_k g_k, then the K columns of each row overwritten (see the section comment).
-    ``labels``: None, or (N,) whose ``ignore_index`` rows get exactly 0 unless g_lse != 0 there
-    (as the family's backward selects them)."""
-    raise_label_errors()  # as every backend call's body, backward too
-    grad_lse = -grad_log_probs.sum(1)
-    stats = {"row_max": row_max, "log_sum": log_sum}
-    params.backend.family("logits").backward(logits, grad, labels, stats, {"lse": grad_lse}, params)
-    p = (gather_logits(logits, token_ids, params.inv_temperature) - lse[:, None]).exp()
-    values = (p * grad_lse[:, None] + sum_over_equal_ids(token_ids, grad_log_probs)) * params.inv_temperature
+def topk_columns(grad, logits, token_ids, labels, lse, grad_topk, grads: dict, params: LogitsParams) -> None:
+    """The K columns of each row of ``grad`` (N x V, the logits' dtype), after the family's
+    backward wrote it with ``grads`` (the lse's gradient holding g_lse = -sum_k g_k): when the lse
+    was the only gradient there, those columns are overwritten with their whole value,
+    (p g_lse + the sum of g over the slots with that id) / T, computed in float32 and rounded once;
+    when other statistics' gradients came too, the sparse term is added to what the family wrote
+    (rounded twice there). ``labels``: None, or (N,) whose ``ignore_index`` rows keep exactly what
+    the family wrote (0 for the lse alone) unless g_lse != 0 there."""
+    grad_lse = grads["lse"]
+    sums = sum_over_equal_ids(token_ids, grad_topk)
+    if grads.keys() == {"lse"}:
+        p = (gather_logits(logits, token_ids, params.inv_temperature) - lse[:, None]).exp()
+        values, kept = (p * grad_lse[:, None] + sums) * params.inv_temperature, 0.0
+    else:
+        kept = grad.gather(1, token_ids).float()
+        values = kept + sums * params.inv_temperature
     if labels is not None:
         active = (labels != params.ignore_index) | (grad_lse != 0)
-        values = torch.where(active[:, None], values, torch.zeros((), device=values.device))
+        values = torch.where(active[:, None], values, kept)
     grad.scatter_(1, token_ids, values.to(grad.dtype))
-    return grad
-
-
-def topk_forward_body(logits, token_ids, labels, params: LogitsParams) -> tuple:
-    """(log_probs (N, K), row_max, log_sum, lse), float32: the family's statistics (no label
-    check: ``labels`` only mark ignored rows here) and z[ids] - lse."""
-    raise_label_errors()  # a bad label that an earlier call's kernel reported (every backend call)
-    stats = logits_stats_forward(logits, labels, params)
-    log_probs = gather_logits(logits, token_ids, params.inv_temperature) - stats["lse"][:, None]
-    return log_probs, stats["row_max"], stats["log_sum"], stats["lse"]
-
-
-def topk_forward_call(logits, token_ids, labels, params: LogitsParams, temperature=None) -> tuple:
-    """:func:`topk_forward_body`, eagerly a plain call, while torch.compile traces the
-    ``rl_kernels::topk_log_probs_forward`` custom op (as :func:`forward_call`)."""
-    if not torch.compiler.is_compiling():
-        return topk_forward_body(logits, token_ids, labels, params)
-    return rl_op("topk_log_probs_forward", temperature)(logits, token_ids, labels,
-                                                        *TOPK_OP_ARGS.pack(params, temperature))
-
-
-class TopKLogProbsFunction(torch.autograd.Function):
-    """2-D logits (N, V), token ids (N, K) int64 in [0, V), labels (N,) or None (rows whose label
-    is ``params.ignore_index`` get exactly zero gradient when no gradient reaches them, even if
-    non-finite), LogitsParams, runtime temperature (None or a compiled graph's 0-d tensor) ->
-    float32 (N, K) log softmax(logits * inv_temperature) at the ids. Saves O(N) statistics (and
-    the inputs); its backward allocates one N x V tensor, the gradient. One route, eager and
-    compiled: the backend calls are the ``rl_kernels::topk_log_probs_forward`` / ``_backward``
-    custom ops while torch.compile traces, their bodies called directly otherwise."""
-
-    @staticmethod
-    def forward(ctx, logits, token_ids, labels, params: LogitsParams, temperature=None):
-        log_probs, row_max, log_sum, lse = topk_forward_call(logits, token_ids, labels, params, temperature)
-        ctx.save_for_backward(logits, token_ids, labels, row_max, log_sum, lse, temperature)
-        ctx.params, ctx.fn_name = params, params.name
-        ctx.set_materialize_grads(False)
-        return log_probs
-
-    @staticmethod
-    @first_order_only
-    def backward(ctx, grad_log_probs):
-        if grad_log_probs is None or not ctx.needs_input_grad[0]:
-            return None, None, None, None, None
-        logits, token_ids, labels, row_max, log_sum, lse, temperature = ctx.saved_tensors
-        grad_log_probs = as_float_grad(grad_log_probs)
-        if torch.compiler.is_compiling():
-            grad = rl_op("topk_log_probs_backward", temperature)(logits, token_ids, labels, row_max, log_sum, lse,
-                                                                 grad_log_probs,
-                                                                 *TOPK_OP_ARGS.pack(ctx.params, temperature))
-        else:
-            grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
-            topk_log_probs_backward(logits, grad, token_ids, labels, row_max, log_sum, lse, grad_log_probs,
-                                    ctx.params)
-        return grad, None, None, None, None
-
-
-@custom_op_pair(
-    "rl_kernels::topk_log_probs_forward",
-    schema="(Tensor logits, Tensor token_ids, Tensor? labels, " + TOPK_OP_ARGS.schema
-           + ") -> (Tensor, Tensor, Tensor, Tensor)")
-def _topk_forward_op(logits, token_ids, labels, *params):
-    """:func:`topk_forward_body` -> (log_probs (N, K), row_max, log_sum, lse), float32."""
-    log_probs, *stats = topk_forward_body(logits, token_ids, labels, unpacked(TOPK_OP_ARGS, params)[0])
-    return (log_probs, *or_empty(stats, logits))
-
-
-@_topk_forward_op.register_fake
-def _(logits, token_ids, labels, *params):
-    n = logits.shape[0]
-    return (logits.new_empty(token_ids.shape, dtype=torch.float32),
-            *(logits.new_empty(n, dtype=torch.float32) for _ in range(3)))
-
-
-@custom_op_pair(
-    "rl_kernels::topk_log_probs_backward",
-    schema="(Tensor logits, Tensor token_ids, Tensor? labels, Tensor row_max, Tensor log_sum, Tensor lse, "
-           "Tensor grad_log_probs, " + TOPK_OP_ARGS.schema + ") -> Tensor")
-def _topk_backward_op(logits, token_ids, labels, row_max, log_sum, lse, grad_log_probs, *params):
-    """-> d loss / d logits, a new contiguous tensor in the logits' dtype."""
-    grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
-    return topk_log_probs_backward(logits, grad, token_ids, labels, row_max, log_sum, lse, grad_log_probs,
-                                   unpacked(TOPK_OP_ARGS, params)[0])
-
-
-@_topk_backward_op.register_fake
-def _(logits, *rest):
-    return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
 def topk_log_probs(logits, token_ids, labels, params: LogitsParams, temperature=None) -> torch.Tensor:
-    """(N, K) float32 log-probs of 2-D ``logits`` at checked int64 ``token_ids`` (N, K): through
-    :class:`TopKLogProbsFunction` when a gradient is wanted, its forward's body alone otherwise
-    (eager: no autograd node). ``temperature``: the runtime temperature of a compiled graph
+    """(N, K) float32 log-probs of 2-D ``logits`` at checked int64 ``token_ids`` (N, K) (``labels``:
+    None, or (N,) marking the rows to ignore): :class:`LogitsStatsFunction` with the ids when a
+    gradient is wanted, its forward's body alone otherwise (eager: no autograd node).
+    ``temperature``: the runtime temperature of a compiled graph
     (``autograd.common.split_temperature``) or None."""
     if torch.is_grad_enabled() and logits.requires_grad:
-        return TopKLogProbsFunction.apply(logits, token_ids, labels, params, temperature)
-    return topk_forward_call(logits, token_ids, labels, params, temperature)[0]
+        return LogitsStatsFunction.apply(logits, labels, params, temperature, None, token_ids)[-1]
+    return forward_call(logits, labels, params, temperature, None, token_ids)["topk_log_probs"]
 
 
 def check_token_id_values(token_ids, vocab_size: int, name: str) -> None:

@@ -9,9 +9,10 @@ cuBLAS ``hidden @ W.T`` of the same shape as the unit.
 Cases: linear head forward (no grad) and forward+backward at 16384 x 3584 x 152064, 32768 x 4096 x
 128256, 4096 x 3584 x 152064 and 512 x 3584 x 152064; logits_stats forward and forward+backward at 16384 x 152064 and
 512 x 152064 (bf16), and its forward on stride-0 rows (one row in L2 for all N: the compute
-bound, no HBM traffic). Prints a table: ms of A and B, B / A, and x matmul; with ``--check``, whether
+bound, no HBM traffic); the top-K from-logits functions' forward+backward at 4096 x 152064, K = 64
+and 512 x 152064, K = 1. Prints a table: ms of A and B, B / A, and x matmul; with ``--check``, whether
 A and B give bitwise equal outputs and gradients (a refactoring must), and by how much they differ
-where not.
+where not. With ``--host``: host time per eager call instead (``host_cases``).
 """
 import argparse
 import importlib.util
@@ -100,6 +101,98 @@ def logits_cases(n, v):
             (f"logits fwd {n}x{v} stride-0 rows", fwd_l2, None, None)]
 
 
+def topk_cases(n, v, k):
+    """The top-K from-logits functions: ``topk_log_probs_from_logits`` and ``topk_kl_from_logits``
+    (a mask, so that ignored rows are marked) forward+backward, bf16 logits, K teacher ids per row
+    with duplicates. (No compiled route here: A's custom ops of the same names would replace B's;
+    tests/test_gpu_compile.py compares compiled and eager.)"""
+    g = torch.Generator(device="cuda").manual_seed(n + 2)
+    x = (2 * torch.randn(n, v, device="cuda", generator=g)).bfloat16()
+    ids = torch.randint(0, v, (n, k), device="cuda", generator=g)
+    if k > 1:
+        ids[::7, 1] = ids[::7, 0]  # duplicate ids in some rows
+    teacher = torch.log_softmax(torch.randn(n, k, device="cuda", generator=g), -1)
+    mask = torch.rand(n, device="cuda", generator=g) > 0.1
+    up = torch.randn(n, k, device="cuda", generator=g)
+    xg = x.clone().requires_grad_()
+
+    def fwd_bwd(mod):
+        def run():
+            xg.grad = None
+            lp = mod.topk_log_probs_from_logits(xg, ids, temperature=0.9)
+            kl = mod.topk_kl_from_logits(xg, ids, teacher, temperature=0.9, mask=mask)
+            ((lp * up).sum() + kl).backward()
+        return run
+
+    def values(mod):
+        outs = []
+        for f in ((lambda t: mod.topk_log_probs_from_logits(t, ids, temperature=0.9)),
+                  (lambda t: mod.topk_kl_from_logits(t, ids, teacher, temperature=0.9, mask=mask, reduction="none"))):
+            xg.grad = None
+            out = f(xg)
+            (out * (up if out.dim() == 2 else up[:, 0])).sum().backward()
+            outs += [out.detach(), xg.grad.clone()]
+        return outs
+    return [(f"topk fwd+bwd {n}x{v} K={k}", fwd_bwd, None, values)]
+
+
+def host_cases():
+    """Host time per eager call at a tiny shape (8 x 4096 logits, head H = 256), where the GPU
+    finishes each kernel in microseconds (``diag_common.per_call_us``): fwd+bwd of the from-logits
+    statistics, the top-K log-probs and KL (K = 4), and the fused head."""
+    n, v, h, dev = 8, 4096, 256, torch.device("cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(n, v, device=dev, generator=g).bfloat16().requires_grad_()
+    hid = torch.randn(n, h, device=dev, generator=g).bfloat16().requires_grad_()
+    w = (0.05 * torch.randn(v, h, device=dev, generator=g)).bfloat16().requires_grad_()
+    lab = torch.randint(0, v, (n,), device=dev, generator=g)
+    ids = torch.randint(0, v, (n, 4), device=dev, generator=g)
+    teacher = torch.log_softmax(torch.randn(n, 4, device=dev, generator=g), -1)
+    g_n, g_k = torch.randn(n, device=dev), torch.randn(n, 4, device=dev)
+
+    def steps(mod):
+        def stats():
+            x.grad = None
+            out = mod.logits_stats(x, lab)
+            torch.autograd.backward([out.log_probs, out.entropy], [g_n, g_n])
+
+        def topk():
+            x.grad = None
+            torch.autograd.backward([mod.topk_log_probs_from_logits(x, ids)], [g_k])
+
+        def topk_kl():
+            x.grad = None
+            mod.topk_kl_from_logits(x, ids, teacher, labels=lab).backward()
+
+        def head():
+            hid.grad = w.grad = None
+            out = mod.linear_log_probs(hid, w, lab)
+            torch.autograd.backward([out.log_probs, out.entropy], [g_n, g_n])
+        return {"logits_stats": stats, "topk_log_probs_from_logits": topk, "topk_kl_from_logits": topk_kl,
+                "linear_log_probs": head}
+    return steps
+
+
+def host_main(old, rounds: int, cases: str = "") -> None:
+    from diag_common import per_call_us
+
+    steps = host_cases()
+    a_steps, b_steps = steps(old), steps(new)
+    print(f"host us per eager fwd+bwd call, 8 x 4096 (head H = 256); A and B alternated, {rounds} rounds "
+          f"of 400 calls each; median (min-max)")
+    for name in a_steps:
+        if cases not in name:
+            continue
+        ta, tb = [], []
+        for r in range(rounds):  # A B, then B A: neither always goes first
+            order = ((a_steps, ta), (b_steps, tb)) if r % 2 == 0 else ((b_steps, tb), (a_steps, ta))
+            for fns, out in order:
+                out.append(per_call_us(fns[name]))
+        a, b = statistics.median(ta), statistics.median(tb)
+        print(f"{name:28s} A {a:7.1f} ({min(ta):.0f}-{max(ta):.0f})  B {b:7.1f} ({min(tb):.0f}-{max(tb):.0f})  "
+              f"B/A {b / a:.3f}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--old", type=Path, required=True, help="directory of the older rl_kernels package")
@@ -107,14 +200,20 @@ def main():
     ap.add_argument("--cases", default="", help="run only the cases whose name contains this text")
     ap.add_argument("--check", action="store_true",
                     help="also compare A's and B's outputs and gradients bitwise (fwd+bwd cases)")
+    ap.add_argument("--host", action="store_true",
+                    help="instead: host time per eager call at a tiny shape, A and B alternated (host_cases)")
     args = ap.parse_args()
     require_cuda(__file__)
     old = load_old(args.old)
+    if args.host:
+        return host_main(old, args.rounds, args.cases)
     cases = []
     for shape in ((16384, 3584, 152064), (32768, 4096, 128256), (4096, 3584, 152064), (512, 3584, 152064)):
         cases += head_cases(*shape)
     for shape in ((16384, 152064), (512, 152064)):
         cases += logits_cases(*shape)
+    for shape in ((4096, 152064, 64), (512, 152064, 1)):
+        cases += topk_cases(*shape)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; A = {args.old}, B = working tree")
     print(f"{'case':36s} {'A ms':>9s} {'B ms':>9s} {'B/A':>7s} {'per-round B/A':>15s} {'A xmm':>7s} {'B xmm':>7s}")
     for name, make, mm, values in cases:

@@ -124,6 +124,18 @@ def tiny():
         out = rl_kernels.linear_log_probs(hg, wg, lab)
         torch.autograd.backward([out.log_probs, out.entropy], [g_lp, g_ent])
 
+    ids = torch.randint(0, v, (n, 4), device=dev, generator=g)
+    teacher = torch.log_softmax(torch.randn(n, 4, device=dev, generator=g), -1)
+    g_topk = torch.randn(n, 4, device=dev)
+
+    def topk_step():
+        xg.grad = None
+        torch.autograd.backward([rl_kernels.topk_log_probs_from_logits(xg, ids)], [g_topk])
+
+    def topk_kl_step():
+        xg.grad = None
+        rl_kernels.topk_kl_from_logits(xg, ids, teacher, labels=lab).backward()
+
     def nograd(f):
         def run():
             with torch.no_grad():
@@ -142,6 +154,8 @@ def tiny():
         "logits_stats no grad, labels": nograd(lambda: rl_kernels.logits_stats(logits, lab)),
         "logits_stats no grad, no labels": nograd(lambda: rl_kernels.logits_stats(logits)),
         "logits_stats fwd+bwd": logits_step,
+        "topk_log_probs_from_logits fwd+bwd (K=4)": topk_step,
+        "topk_kl_from_logits fwd+bwd (K=4, labels)": topk_kl_step,
         "ops.linear_split_stats": lambda: ops.linear_split_stats(hid, w, lab, hp, cfg),
         "linear_log_probs no grad": nograd(lambda: rl_kernels.linear_log_probs(hid, w, lab)),
         "linear_log_probs fwd+bwd": head_step,
