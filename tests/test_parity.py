@@ -87,7 +87,31 @@ def _batch(step):
             "position_ids": position_ids, "response_mask": response_mask}, advantages
 
 
-def _train(ray, config):
+def _port_race(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it chains) is a worker's ``init_process_group`` losing its
+    port: verl picks the rendezvous port by binding port 0 and releasing it, and the worker binds it
+    later, so another process (three runs start at once here, and Ray's own sockets) can take it in
+    between. Not a fault of the code under test."""
+    while exc is not None:
+        if "EADDRINUSE" in str(exc) or "ddress already in use" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _train(ray, config, attempts: int = 2):
+    """:func:`_train_once`, run again (once) when its worker lost the rendezvous port race
+    (:func:`_port_race`); any other failure, or a second one, is raised."""
+    for attempt in range(attempts):
+        try:
+            return _train_once(ray, config)
+        except Exception as exc:
+            if attempt + 1 == attempts or not _port_race(exc):
+                raise
+            print(f"\nparity: a worker lost its rendezvous port ({type(exc).__name__}); running it again")
+
+
+def _train_once(ray, config):
     """One worker process: STEPS of compute_log_prob + update_actor; returns the per-step metrics
     and the parameters before and after."""
     from ray.util.placement_group import remove_placement_group
@@ -100,11 +124,11 @@ def _train(ray, config):
 
     cls = ray.remote(worker_class())
     pool = RayResourcePool(process_on_nodes=[1], use_gpu=False, max_colocate_count=1)
-    group = RayWorkerGroup(resource_pool=pool, device_name="cpu",
-                           ray_cls_with_init=RayClassWithInitArgs(cls=cls, config=config.actor_rollout_ref,
-                                                                  role="actor"))
-    out = {"metrics": []}
-    try:
+    group, out = None, {"metrics": []}
+    try:  # (the group inside: a worker that fails to start still has its placement group removed)
+        group = RayWorkerGroup(resource_pool=pool, device_name="cpu",
+                               ray_cls_with_init=RayClassWithInitArgs(cls=cls, config=config.actor_rollout_ref,
+                                                                      role="actor"))
         worker = group.workers[0]
         group.init_model()
         out["before"] = ray.get(worker.__ray_call__.remote(_actor_params))
@@ -128,9 +152,9 @@ def _train(ray, config):
             out["metrics"].append({k: [float(x) for x in metrics[k]] for k in METRICS})
         out["after"] = ray.get(worker.__ray_call__.remote(_actor_params))
     finally:
-        for w in group.workers:
+        for w in group.workers if group is not None else []:
             ray.kill(w)
-        for pg in pool.pgs or []:
+        for pg in getattr(pool, "pgs", None) or []:
             remove_placement_group(pg)
     return out
 
