@@ -12,7 +12,7 @@ Cases: linear head forward (no grad) and forward+backward at 16384 x 3584 x 1520
 bound, no HBM traffic); the top-K from-logits functions' forward+backward at 4096 x 152064, K = 64
 and 512 x 152064, K = 1. Prints a table: ms of A and B, B / A, and x matmul; with ``--check``, whether
 A and B give bitwise equal outputs and gradients (a refactoring must), and by how much they differ
-where not. With ``--host``: host time per eager call instead (``host_cases``).
+where not. With ``--host``: host time per eager call instead (``diag_common.tiny_steps``).
 """
 import argparse
 import importlib.util
@@ -136,50 +136,12 @@ def topk_cases(n, v, k):
     return [(f"topk fwd+bwd {n}x{v} K={k}", fwd_bwd, None, values)]
 
 
-def host_cases():
-    """Host time per eager call at a tiny shape (8 x 4096 logits, head H = 256), where the GPU
-    finishes each kernel in microseconds (``diag_common.per_call_us``): fwd+bwd of the from-logits
-    statistics, the top-K log-probs and KL (K = 4), and the fused head."""
-    n, v, h, dev = 8, 4096, 256, torch.device("cuda")
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(n, v, device=dev, generator=g).bfloat16().requires_grad_()
-    hid = torch.randn(n, h, device=dev, generator=g).bfloat16().requires_grad_()
-    w = (0.05 * torch.randn(v, h, device=dev, generator=g)).bfloat16().requires_grad_()
-    lab = torch.randint(0, v, (n,), device=dev, generator=g)
-    ids = torch.randint(0, v, (n, 4), device=dev, generator=g)
-    teacher = torch.log_softmax(torch.randn(n, 4, device=dev, generator=g), -1)
-    g_n, g_k = torch.randn(n, device=dev), torch.randn(n, 4, device=dev)
-
-    def steps(mod):
-        def stats():
-            x.grad = None
-            out = mod.logits_stats(x, lab)
-            torch.autograd.backward([out.log_probs, out.entropy], [g_n, g_n])
-
-        def topk():
-            x.grad = None
-            torch.autograd.backward([mod.topk_log_probs_from_logits(x, ids)], [g_k])
-
-        def topk_kl():
-            x.grad = None
-            mod.topk_kl_from_logits(x, ids, teacher, labels=lab).backward()
-
-        def head():
-            hid.grad = w.grad = None
-            out = mod.linear_log_probs(hid, w, lab)
-            torch.autograd.backward([out.log_probs, out.entropy], [g_n, g_n])
-        return {"logits_stats": stats, "topk_log_probs_from_logits": topk, "topk_kl_from_logits": topk_kl,
-                "linear_log_probs": head}
-    return steps
-
-
 def host_main(old, rounds: int, cases: str = "") -> None:
-    from diag_common import per_call_us
+    from diag_common import TINY, per_call_us, tiny_steps
 
-    steps = host_cases()
-    a_steps, b_steps = steps(old), steps(new)
-    print(f"host us per eager fwd+bwd call, 8 x 4096 (head H = 256); A and B alternated, {rounds} rounds "
-          f"of 400 calls each; median (min-max)")
+    a_steps, b_steps = tiny_steps(old), tiny_steps(new)
+    print(f"host us per eager fwd+bwd call, rows x vocabulary x head H = {TINY}; A and B alternated, "
+          f"{rounds} rounds of 400 calls each; median (min-max)")
     for name in a_steps:
         if cases not in name:
             continue
@@ -201,7 +163,7 @@ def main():
     ap.add_argument("--check", action="store_true",
                     help="also compare A's and B's outputs and gradients bitwise (fwd+bwd cases)")
     ap.add_argument("--host", action="store_true",
-                    help="instead: host time per eager call at a tiny shape, A and B alternated (host_cases)")
+                    help="instead: host time per eager call at a tiny shape, A and B alternated (diag_common.tiny_steps)")
     args = ap.parse_args()
     require_cuda(__file__)
     old = load_old(args.old)

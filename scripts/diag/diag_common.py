@@ -169,3 +169,44 @@ def saved_and_grads(lse, entropy, grad_log_probs, grad_entropy):
     from rl_kernels.autograd.linear import HeadOutputs
 
     return HeadOutputs(None, entropy, lse), HeadOutputs(grad_log_probs, grad_entropy)
+
+
+TINY = (8, 4096, 256)  # rows, vocabulary, head H: the GPU finishes each kernel in microseconds
+
+
+def tiny_steps(mod, seed: int = 0) -> dict:
+    """{name: a forward+backward step} of the public calls of ``mod`` (an rl_kernels package: the
+    working tree's or an older copy) at the tiny shape ``TINY``, bf16, for host-time measurements
+    (``per_call_us``): ``logits_stats`` (log-probs and entropy), ``topk_log_probs_from_logits``
+    (K = 4), ``topk_kl_from_logits`` (K = 4, labels) and ``linear_log_probs``. The inputs are made
+    once per call of this function; each step resets the gradients it reads."""
+    n, v, h = TINY
+    dev = torch.device("cuda")
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(n, v, device=dev, generator=g).bfloat16().requires_grad_()
+    hid = torch.randn(n, h, device=dev, generator=g).bfloat16().requires_grad_()
+    w = (0.05 * torch.randn(v, h, device=dev, generator=g)).bfloat16().requires_grad_()
+    lab = torch.randint(0, v, (n,), device=dev, generator=g)
+    ids = torch.randint(0, v, (n, 4), device=dev, generator=g)
+    teacher = torch.log_softmax(torch.randn(n, 4, device=dev, generator=g), -1)
+    g_n, g_k = torch.randn(n, device=dev), torch.randn(n, 4, device=dev)
+
+    def stats():
+        x.grad = None
+        out = mod.logits_stats(x, lab)
+        torch.autograd.backward([out.log_probs, out.entropy], [g_n, g_n])
+
+    def topk():
+        x.grad = None
+        torch.autograd.backward([mod.topk_log_probs_from_logits(x, ids)], [g_k])
+
+    def topk_kl():
+        x.grad = None
+        mod.topk_kl_from_logits(x, ids, teacher, labels=lab).backward()
+
+    def head():
+        hid.grad = w.grad = None
+        out = mod.linear_log_probs(hid, w, lab)
+        torch.autograd.backward([out.log_probs, out.entropy], [g_n, g_n])
+    return {"logits_stats": stats, "topk_log_probs_from_logits": topk, "topk_kl_from_logits": topk_kl,
+            "linear_log_probs": head}

@@ -27,7 +27,7 @@ from rl_kernels import ops
 from rl_kernels.autograd.logits import LogitsStatsFunction
 from rl_kernels.validation import check_label_values
 
-from diag_common import head_params, logits_params, per_call_us, require_cuda
+from diag_common import TINY, head_params, logits_params, per_call_us, require_cuda, tiny_steps
 
 
 def small_n():
@@ -97,7 +97,7 @@ class _Identity(torch.autograd.Function):  # the autograd engine's own floor: on
 
 
 def tiny():
-    n, v, h = 8, 4096, 256
+    n, v, h = TINY
     dev = torch.device("cuda")
     g = torch.Generator(device="cuda").manual_seed(0)
     logits = torch.randn(n, v, device=dev, generator=g).bfloat16()
@@ -110,31 +110,7 @@ def tiny():
     hp, lp = head_params(dev), logits_params(dev, name="logits_stats")
     stats = ops.logits_forward(logits, lab, lp, lcfg)
     grad = torch.empty_like(logits)
-    xg = logits.clone().requires_grad_()
-    hg = hid.clone().requires_grad_()
-    wg = w.clone().requires_grad_()
-
-    def logits_step():
-        xg.grad = None
-        out = rl_kernels.logits_stats(xg, lab)
-        torch.autograd.backward([out.log_probs, out.entropy], [g_lp, g_ent])
-
-    def head_step():
-        hg.grad = wg.grad = None
-        out = rl_kernels.linear_log_probs(hg, wg, lab)
-        torch.autograd.backward([out.log_probs, out.entropy], [g_lp, g_ent])
-
-    ids = torch.randint(0, v, (n, 4), device=dev, generator=g)
-    teacher = torch.log_softmax(torch.randn(n, 4, device=dev, generator=g), -1)
-    g_topk = torch.randn(n, 4, device=dev)
-
-    def topk_step():
-        xg.grad = None
-        torch.autograd.backward([rl_kernels.topk_log_probs_from_logits(xg, ids)], [g_topk])
-
-    def topk_kl_step():
-        xg.grad = None
-        rl_kernels.topk_kl_from_logits(xg, ids, teacher, labels=lab).backward()
+    steps = tiny_steps(rl_kernels)  # the public calls' forward+backward (shared with ab_versions --host)
 
     def nograd(f):
         def run():
@@ -153,12 +129,12 @@ def tiny():
         "LogitsStatsFunction.apply no grad": nograd(lambda: LogitsStatsFunction.apply(logits, lab, lp)),
         "logits_stats no grad, labels": nograd(lambda: rl_kernels.logits_stats(logits, lab)),
         "logits_stats no grad, no labels": nograd(lambda: rl_kernels.logits_stats(logits)),
-        "logits_stats fwd+bwd": logits_step,
-        "topk_log_probs_from_logits fwd+bwd (K=4)": topk_step,
-        "topk_kl_from_logits fwd+bwd (K=4, labels)": topk_kl_step,
+        "logits_stats fwd+bwd": steps["logits_stats"],
+        "topk_log_probs_from_logits fwd+bwd (K=4)": steps["topk_log_probs_from_logits"],
+        "topk_kl_from_logits fwd+bwd (K=4, labels)": steps["topk_kl_from_logits"],
         "ops.linear_split_stats": lambda: ops.linear_split_stats(hid, w, lab, hp, cfg),
         "linear_log_probs no grad": nograd(lambda: rl_kernels.linear_log_probs(hid, w, lab)),
-        "linear_log_probs fwd+bwd": head_step,
+        "linear_log_probs fwd+bwd": steps["linear_log_probs"],
     }
 
     x_small = torch.randn(n, device=dev, requires_grad=True)
