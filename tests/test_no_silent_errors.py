@@ -542,3 +542,21 @@ def test_every_head_raises_a_bad_label_that_an_earlier_kernel_reported(name):
     assert label_word()[0] == 0
     outs = f(hidden, weight, logits, labels)
     assert all(torch.isfinite(o[labels != heads.IGNORE] if o.dim() else o).all() for o in outs)
+
+
+@pytest.mark.parametrize("name", sorted(HEADS))
+def test_every_head_backward_raises_a_bad_label_reported_after_its_forward(name):
+    """The backward's body too: a bad label reported between a head's forward and its backward
+    (on the GPU, a kernel of that forward or of another call) is raised by the backward, which
+    then computes nothing; the flag is cleared by the raise."""
+    from rl_kernels.label_flag import label_flag, label_word
+
+    head = HEADS[name]
+    args = heads.inputs()
+    x = args[head.row_input].detach().clone().requires_grad_()
+    outs = head.call("torch")(*_with_row_input(head, args, x))
+    label_flag(torch.device("cpu"))
+    label_word()[0] = 987654  # the id of no registered call: reported as "an earlier call"
+    with pytest.raises(ValueError, match=r"labels: a value outside \[0, vocab_size"):
+        sum(o.sum() for o in outs).backward()
+    assert label_word()[0] == 0 and x.grad is None

@@ -159,7 +159,6 @@ def _with_gathered(dlogits, ids, grad, valid, inv_temperature):
     return wrapped
 
 
-
 def forward_body(hidden_states, weight, labels, params: HeadParams, gather_ids=None, tp=None) -> tuple:
     """The family's forward as one backend call runs it -> (HeadOutputs, the params the backward
     uses, the labels and ids the backward reads): a bad label reported by an earlier call raised,
@@ -191,7 +190,10 @@ def backward_body(hidden_states, weight, labels, gather_ids, saved: HeadOutputs,
     """(dh or None, dW or None) in the input dtypes from the forward's ``saved`` statistics and the
     float32 upstream ``grads``; ``labels`` / ``gather_ids``: what :func:`forward_body` returned for
     the backward (a shard's own with ``tp``, whose partial dh is then summed over the group when
-    ``tp.reduce_hidden_grad``, in float32 and rounded once: as accurate as the unsharded head)."""
+    ``tp.reduce_hidden_grad``, in float32 and rounded once: as accurate as the unsharded head).
+    Eagerly :class:`LinearLogProbsFunction` calls it directly; under torch.compile the
+    ``rl_kernels::linear_backward`` custom op's body does."""
+    raise_label_errors()  # a bad label reported by this call's (or an earlier) forward kernel
     if tp is not None and gather_ids is not None:
         grads, gather_ids = vp_gather_grads(labels, gather_ids, grads, params.ignore_index)
     reduce_dh = tp is not None and tp.reduce_hidden_grad
@@ -252,7 +254,6 @@ class LinearLogProbsFunction(torch.autograd.Function):
                 hidden_states, weight, labels, gather_ids, lse, entropy, sum_pi_squared, *grads, need_dh, need_dw,
                 *OP_ARGS.pack(ctx.params, temperature, ctx.tp))
             return (dh if need_dh else None, dw if need_dw else None) + none
-        raise_label_errors()  # a bad label reported by this call's (or an earlier) forward kernel
         saved = HeadOutputs(None, entropy, lse, sum_pi_squared)
         return backward_body(hidden_states, weight, labels, gather_ids, saved, grads, ctx.params, ctx.tp, need_dh,
                              need_dw) + none
@@ -270,8 +271,6 @@ def gathered_logits(hidden_states, weight, ids, params: HeadParams) -> torch.Ten
     """(N, K) float32 z[i, k] = hidden_states[i] . weight[ids[i, k]] * inv_temperature (soft-capped
     first with ``params.softcap``)."""
     return params.backend.family("linear").gathered_logits(hidden_states, weight, ids, params)
-
-
 
 
 # ------------------------------------------------------------------ a vocab shard (tensor parallelism)
@@ -399,7 +398,6 @@ def _(hidden_states, weight, labels, gather_ids, *args):
 def _linear_backward_op(hidden_states, weight, labels, gather_ids, lse, entropy, sum_pi_squared, grad_log_probs,
                         grad_entropy, grad_lse, grad_sum_pi_squared, grad_gathered_logits, need_dh, need_dw, *args):
     """:func:`backward_body` -> (dh, dW) in the input dtypes, empty where not needed."""
-    raise_label_errors()  # a bad label reported by this call's (or an earlier) forward kernel
     params, group = OP_ARGS.unpack(args)
     grads = HeadOutputs(grad_log_probs, grad_entropy, grad_lse, grad_sum_pi_squared, grad_gathered_logits)
     saved = HeadOutputs(None, entropy, lse, sum_pi_squared)

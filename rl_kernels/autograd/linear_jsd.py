@@ -1,9 +1,10 @@
 """Autograd of ``linear_jsd``: the generalized Jensen-Shannon divergence of two linear heads.
 
 The head family "linear_jsd": its parameter record (``JSDParams``), two backend implementations
-(``TritonJSD``, ``TorchJSD``) and Function. Forward: each head's lse (the fused head's forward), then one pass of both GEMMs for the per-row
-divergence sums (Triton ``ops.linear_jsd`` or the torch twin ``torch_ops.linear_jsd``); with a
-vocab-parallel group, the shard lse and the shard sums are merged over the group. Backward:
+(``TritonJSD``, ``TorchJSD``) and Function. Forward: each head's lse (the fused head's forward),
+then one pass of both GEMMs for the per-row divergence sums (Triton ``ops.linear_jsd`` or the
+torch twin ``torch_ops.linear_jsd``); with a vocab-parallel group, the shard lse and the shard
+sums are merged over the group. Backward:
 dlogits windows of the student recomputed from both heads and consumed by the shared schedule
 (``autograd.backward_schedule``); gradients reach the student only.
 """
@@ -90,13 +91,11 @@ def jsd_forward(student_hidden, student_weight, teacher_hidden, teacher_weight, 
     lse_t = head_forward(teacher_hidden, teacher_weight, zeros, head).lse.contiguous()
     tp = params.tp
     if tp is not None:  # shard lse -> global lse of both heads (one all_gather)
-
         lse_w = all_gather_rows(tp.process_group, torch.stack([lse_s, lse_t]))
         lse_s, lse_t = (merge_lse(lse_w[:, i])[0].contiguous() for i in (0, 1))
     loss, g_sum = params.backend.family("linear_jsd").sums(student_hidden, student_weight, teacher_hidden,
-                                                     teacher_weight, lse_s, lse_t, params)
+                                                           teacher_weight, lse_s, lse_t, params)
     if tp is not None:  # shard sums -> global sums, added in rank order (one all_gather)
-
         sums = all_gather_rows(tp.process_group, torch.stack(
             [loss.float(), g_sum.float() if g_sum is not None else torch.zeros_like(loss, dtype=torch.float32)]
         )).sum(0)
@@ -114,8 +113,8 @@ def jsd_backward(hs, ws, ht, wt, lse_s, lse_t, g_sum, valid, grad, params: JSDPa
     scale = torch.where(valid, grad.float() / params.inv_temperature ** 2,
                         torch.zeros((), device=grad.device)).contiguous()
     g_sum = None if params.beta == 0.0 else g_sum
-    dlogits, dz_dtype, width = params.backend.family("linear_jsd").dlogits(hs, ws, ht, wt, lse_s, lse_t, g_sum, scale,
-                                                                     params)
+    dlogits, dz_dtype, width = params.backend.family("linear_jsd").dlogits(hs, ws, ht, wt, lse_s, lse_t, g_sum,
+                                                                           scale, params)
     reduce_dh = params.tp is not None and params.tp.reduce_hidden_grad
     h_dw = hidden_for_weight_grad(hs, ~valid, lse_s) if need_dw and params.may_have_ignored else hs
     with full_precision_reduction():
