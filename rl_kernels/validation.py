@@ -306,6 +306,20 @@ def check_label_values(labels: torch.Tensor, vocab_size: int, ignore_index,
     return None if any_ignored is None else bool(any_ignored)
 
 
+def check_token_id_values(token_ids: torch.Tensor, vocab_size: int, name: str) -> None:
+    """ValueError naming ``name`` when a token id lies outside [0, vocab_size) (the count, the
+    first flat position and its value, the min and max; one host read): the top-K ids of
+    ``topk_log_probs_from_logits`` and the teachers' ids of the distillation losses."""
+    if not token_ids.numel():
+        return
+    bad = (token_ids < 0) | (token_ids >= vocab_size)
+    if bool(bad.any()):
+        first = bad.reshape(-1).nonzero()[0, 0].item()
+        raise ValueError(f"{name}: values must lie in [0, vocab_size={vocab_size}); {int(bad.sum())} do not, "
+                         f"first at flat position {first}: {token_ids.reshape(-1)[first].item()} (min "
+                         f"{int(token_ids.min())}, max {int(token_ids.max())})")
+
+
 def check_mask(mask, lead: tuple, like: torch.Tensor, like_name: str, check_values: bool = True) -> None:
     """Validate a position mask: None, or a bool / 0-1 tensor of shape ``lead`` on ``like``'s
     device (the 0-1 values read on the host unless ``check_values`` is False). ValueError naming

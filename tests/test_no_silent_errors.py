@@ -506,7 +506,8 @@ def test_more_bad_inputs_name_the_argument():
         topk_log_probs_from_logits(logits, None)
     with pytest.raises(ValueError, match=r"token_ids: values must lie in \[0, vocab_size=5\); 1 do not"):
         topk_log_probs_from_logits(logits, ids, backend="torch")
-    with pytest.raises(ValueError, match=r"teacher_token_ids: values must lie in \[0, vocab_size=5\)"):
+    with pytest.raises(ValueError, match=r"teacher_token_ids: values must lie in \[0, vocab_size=5\); 1 do not, "
+                                         r"first at flat position 5: 5 \(min 0, max 5\)"):
         topk_kl_from_logits(logits, ids, t_lp, backend="torch")
     with pytest.raises(ValueError, match="teacher_log_probs: a meta tensor holds no data"):
         topk_kl_from_logits(logits, ids % 5, t_lp.to("meta"), backend="torch")

@@ -23,7 +23,7 @@ from .._logging import log_once
 from ..backends import Backend, implements
 from ..label_check import deferred_label_check, raise_if_interpreted, raise_label_errors
 from ..torch_ops.logits import torch_logits_backward, torch_logits_forward
-from ..validation import check_label_values
+from ..validation import check_label_values, check_token_id_values
 from .common import OpArgs, as_float_grad, custom_op_pair, first_order_only, or_empty, rl_op
 from .vocab_parallel import group_from_op, local_labels, merge_shards
 
@@ -442,16 +442,6 @@ def topk_log_probs(logits, token_ids, labels, params: LogitsParams, temperature=
     if torch.is_grad_enabled() and logits.requires_grad:
         return LogitsStatsFunction.apply(logits, labels, params, temperature, None, token_ids)[-1]
     return forward_call(logits, labels, params, temperature, None, token_ids)["topk_log_probs"]
-
-
-def check_token_id_values(token_ids, vocab_size: int, name: str) -> None:
-    """ValueError naming ``name`` when an id lies outside [0, vocab_size) (one host read)."""
-    if token_ids.numel() and bool(((token_ids < 0) | (token_ids >= vocab_size)).any()):
-        bad = (token_ids < 0) | (token_ids >= vocab_size)
-        first = bad.reshape(-1).nonzero()[0, 0].item()
-        raise ValueError(f"{name}: values must lie in [0, vocab_size={vocab_size}); {int(bad.sum())} do not, "
-                         f"first at flat position {first}: {token_ids.reshape(-1)[first].item()} (min "
-                         f"{int(token_ids.min())}, max {int(token_ids.max())})")
 
 
 @torch.library.custom_op("rl_kernels::checked_token_ids", mutates_args=(),

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from ..validation import check_labels, check_mask
+from ..validation import check_labels, check_mask, check_token_id_values
 from .vocab_parallel import group_from_op
 
 
@@ -24,13 +24,6 @@ def check_teacher_log_probs(teacher_log_probs) -> None:
         raise ValueError(f"teacher_log_probs: {int(bad.sum())} entries are NaN or +inf (log-probs lie in "
                          f"[-inf, 0]; -inf marks a zero-probability slot); first at flat position "
                          f"{first}: {teacher_log_probs.reshape(-1)[first].item()}")
-
-
-def check_teacher_ids(ids, vocab_size: int) -> None:
-    """ValueError naming ``teacher_token_ids`` for an id outside [0, vocab_size) (one host read)."""
-    if ids.numel() and bool(((ids < 0) | (ids >= vocab_size)).any()):
-        raise ValueError(f"teacher_token_ids: values must lie in [0, vocab_size={vocab_size}); got min "
-                         f"{int(ids.min())}, max {int(ids.max())}")
 
 
 def counted_positions(hidden_states, labels, ignore_index, mask, vocab_size, check_values: bool,
@@ -83,7 +76,8 @@ def eager_positions(hidden_states, labels, ignore_index, mask, vocab_size, hidde
     if teacher_log_probs is not None:
         check_teacher_log_probs(teacher_log_probs)
     if teacher_token_ids is not None:
-        check_teacher_ids(teacher_token_ids, vocab_size if vocab_size is not None else torch.iinfo(torch.int64).max)
+        known = vocab_size if vocab_size is not None else torch.iinfo(torch.int64).max
+        check_token_id_values(teacher_token_ids, known, "teacher_token_ids")
     return counted_positions(hidden_states, labels, ignore_index, mask, vocab_size,
                              check_values=vocab_size is not None, hidden_name=hidden_name)
 
