@@ -31,7 +31,7 @@ def linear_log_probs(
     weight: torch.Tensor,
     labels: torch.Tensor,
     *extra_positional,
-    temperature: float = 1.0,
+    temperature: float | torch.Tensor = 1.0,
     softcap: float | None = None,
     ignore_index: int = -100,
     return_entropy: bool = True,
@@ -55,7 +55,11 @@ def linear_log_probs(
         weight: (V, H) like ``lm_head.weight``, same dtype and device. Differentiable.
         labels: int64/int32 with shape ``hidden_states.shape[:-1]``; each in [0, V) or
             ``ignore_index``.
-        temperature: positive finite Python number (int accepted); logits are divided by it.
+        temperature: positive finite Python number (int accepted); logits are divided by it. Or a
+            float tensor shaped like ``labels`` on their device: row i's logits are divided by its
+            own temperature (verl's per-sample temperature), forward and backward, vocab-parallel
+            and compiled alike (a runtime input of the graph); its values are checked (positive,
+            finite, in ``TEMPERATURE_RANGE``) with one host read, and it gets no gradient.
             A constant multiplier s of the logits (Cohere's ``logit_scale``, Granite's
             ``1 / logits_scaling``) is the same as ``temperature=T / s``; one of the hidden
             state inside the cap is the same as ``softcap=c / s, temperature=T / s``.
@@ -96,7 +100,7 @@ def linear_log_probs(
     Raises:
         TypeError: a non-tensor input, unsupported dtype, ``weight``/``hidden_states`` dtype
             mismatch, non-integer ``ignore_index``, non-number ``temperature`` or ``softcap``.
-        ValueError: shape mismatch, hidden size H = 0, labels outside [0, V) other than
+        ValueError: shape mismatch (a per-row ``temperature`` included), hidden size H = 0, labels outside [0, V) other than
             ``ignore_index`` (on CUDA with the Triton backend found by the kernel without a host
             sync: that row's log-prob and gradients are NaN, and the error is raised by the next
             rl_kernels call or backward; ``RL_KERNELS_SYNC_LABEL_CHECK=1`` raises in the call), an ``ignore_index`` that does not fit the labels' dtype, a
@@ -118,9 +122,9 @@ def linear_log_probs(
     """
     if extra_positional:  # a keyword-only argument given by position
         raise_extra_positional(linear_log_probs, extra_positional)
-    temperature = check_temperature(temperature)
-    softcap = check_softcap(softcap, temperature)
     check_head_inputs(hidden_states, weight, labels, ignore_index, check_values=False)
+    temperature = check_temperature(temperature, labels)
+    softcap = check_softcap(softcap, temperature)
     check_bool_arg("return_entropy", return_entropy)
     check_bool_arg("return_sum_pi_squared", return_sum_pi_squared)
     tp = parallel_params(process_group, vocab_start_index, reduce_hidden_grad, ignore_index, weight.shape[0],

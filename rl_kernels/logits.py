@@ -65,7 +65,7 @@ def _run(logits, labels, temperature, ignore_index, return_entropy, return_mean_
     """Validate, flatten to 2-D, run; returns ``LogitsOutputs`` shaped like logits.shape[:-1].
     ``fn_name``: the public function (error messages)."""
     check_logits(logits)
-    temperature = check_temperature(temperature)
+    temperature = check_temperature(temperature, logits[..., 0])
     if labels is not None:  # label values: in the kernel, or on the host in the backend call
         check_labels(labels, logits, "logits", logits.shape[-1], ignore_index, check_values=False)
     check_bool_arg("inplace_backward", inplace_backward)
@@ -129,7 +129,11 @@ def _check_inplace_target(logits, logits2d) -> None:
 _ARGS_DOC = """
         logits: (..., vocab_size) bfloat16, float16 or float32, any leading shape and strides (a
             layout that cannot be viewed as 2-D is copied once by ``reshape``).
-        temperature: positive Python number; logits are divided by it."""
+        temperature: positive Python number; logits are divided by it. The per-row functions (all
+            but the top-K ones) also take a float tensor shaped like ``logits.shape[:-1]`` on the
+            logits' device: each row divided by its own temperature (verl's per-sample temperature),
+            forward and backward; its values are checked (positive, finite, in the range) with one
+            host read, and it gets no gradient."""
 _BACKEND_DOC = """
         backend: 'auto' (Triton on CUDA, the torch backend elsewhere; logged once), 'triton'
             (CUDA or TRITON_INTERPRET=1) or 'torch'."""
@@ -161,7 +165,7 @@ def logits_stats(
     logits: torch.Tensor,
     labels: torch.Tensor | None = None,
     *extra_positional,
-    temperature: float = 1.0,
+    temperature: float | torch.Tensor = 1.0,
     ignore_index: int = -100,
     return_entropy: bool = True,
     return_sum_pi_squared: bool = False,
@@ -212,7 +216,7 @@ def log_probs_from_logits(
     logits: torch.Tensor,
     labels: torch.Tensor,
     *extra_positional,
-    temperature: float = 1.0,
+    temperature: float | torch.Tensor = 1.0,
     ignore_index: int = -100,
     inplace_backward: bool = False,
     backend: str = "auto",
@@ -243,7 +247,8 @@ def log_probs_from_logits(
 
 
 @public_signature
-def entropy_from_logits(logits: torch.Tensor, *extra_positional, temperature: float = 1.0, backend: str = "auto",
+def entropy_from_logits(logits: torch.Tensor, *extra_positional, temperature: float | torch.Tensor = 1.0,
+                        backend: str = "auto",
                         process_group=None, vocab_start_index: int | None = None) -> torch.Tensor:
     """Shannon entropy ``-sum p log p`` of ``softmax(logits / temperature)`` over the last dim.
 
@@ -261,7 +266,7 @@ def entropy_from_logits(logits: torch.Tensor, *extra_positional, temperature: fl
 
 
 @public_signature
-def logsumexp(logits: torch.Tensor, *extra_positional, temperature: float = 1.0, backend: str = "auto",
+def logsumexp(logits: torch.Tensor, *extra_positional, temperature: float | torch.Tensor = 1.0, backend: str = "auto",
               process_group=None, vocab_start_index: int | None = None) -> torch.Tensor:
     """``log sum_j exp(logits_j / temperature)`` over the last dim, in float32.
 
@@ -280,7 +285,7 @@ def logsumexp(logits: torch.Tensor, *extra_positional, temperature: float = 1.0,
 
 
 @public_signature
-def sum_pi_squared_from_logits(logits: torch.Tensor, *extra_positional, temperature: float = 1.0,
+def sum_pi_squared_from_logits(logits: torch.Tensor, *extra_positional, temperature: float | torch.Tensor = 1.0,
                                backend: str = "auto", process_group=None,
                                vocab_start_index: int | None = None) -> torch.Tensor:
     """Sum of squared probabilities ``sum_j softmax(logits / temperature)_j^2`` over the last dim

@@ -40,6 +40,17 @@ from .linear import LogProbsOutput
 from .validation import check_label_values, check_softcap, check_temperature
 
 
+def _temperature(temperature, rows=None):
+    """A checked temperature for the oracles: a Python float, or a per-row tensor as float64 (N,)."""
+    t = check_temperature(temperature, rows)
+    return t.detach().reshape(-1).double() if isinstance(t, torch.Tensor) else float(t)
+
+
+def _rows_of(t, rows):
+    """``t`` as the divisor of the logits of ``rows``: a float as it is, a per-row (N,) tensor as a column."""
+    return t[rows, None] if isinstance(t, torch.Tensor) else t
+
+
 def _definition_logits(hidden_states, weight, temperature, softcap):
     """z = (h W^T) / T, or c tanh(h W^T / c) / T with a cap c (NaN where h W^T is +-inf), in the
     inputs' dtype (the callers pass float64). Written from the definition for the oracles."""
@@ -82,9 +93,8 @@ def reference_linear_log_probs(
     at a time). Returns ``LogProbsOutput(log_probs, entropy, sum_pi_squared)`` of float64 tensors
     shaped like ``labels`` (0 where the label is ``ignore_index``). Raises as
     ``linear_log_probs`` for a bad temperature, softcap or label value."""
-    check_temperature(temperature)
-    check_softcap(softcap, temperature)
-    t = float(temperature)
+    t = _temperature(temperature, labels)
+    check_softcap(softcap, t)
     c = None if softcap is None else float(softcap)
     v = weight.shape[0]
     check_label_values(labels, v, ignore_index)
@@ -98,7 +108,7 @@ def reference_linear_log_probs(
     with torch.no_grad():
         for r0 in range(0, n, step):
             rows = slice(r0, min(n, r0 + step))
-            z = _definition_logits(h[rows].double(), w64, t, c)
+            z = _definition_logits(h[rows].double(), w64, _rows_of(t, rows), c)
             lp[rows], ent[rows], _, sq[rows] = _definition_stats(z, y[rows], ignore_index)
     return LogProbsOutput(lp.view(labels.shape), ent.view(labels.shape), sq.view(labels.shape))
 
@@ -119,8 +129,7 @@ def reference_logits_stats(
     temperature or label value."""
     from .logits import LogitsStats
 
-    check_temperature(temperature)
-    t = float(temperature)
+    t = _temperature(temperature, logits[..., 0])
     shape, v = logits.shape[:-1], logits.shape[-1]
     if labels is not None:
         check_label_values(labels, v, ignore_index)
@@ -135,7 +144,7 @@ def reference_logits_stats(
         for r0 in range(0, n, step):
             rows = slice(r0, min(n, r0 + step))
             lp_c, ent[rows], lse[rows], sq[rows] = _definition_stats(
-                x[rows].double() / t, None if y is None else y[rows], ignore_index)
+                x[rows].double() / _rows_of(t, rows), None if y is None else y[rows], ignore_index)
             if y is not None:
                 lp[rows] = lp_c
     return LogitsStats(lp.view(shape) if y is not None else None, ent.view(shape), lse.view(shape),
@@ -151,7 +160,7 @@ def reference_linear_grads(hidden_states, weight, labels, grad_log_probs, grad_e
     left out (dh 0 there, nothing added to dW, even for a non-finite row)."""
     h64 = hidden_states.detach().double()
     w64 = weight.detach().double().requires_grad_()
-    t = float(temperature)
+    t = _temperature(temperature, labels)
     c = None if softcap is None else float(softcap)
     n = h64.shape[0]
     dh = torch.zeros_like(h64)
@@ -165,7 +174,8 @@ def reference_linear_grads(hidden_states, weight, labels, grad_log_probs, grad_e
         idx = keep[k0:k0 + chunk]
         h_c = h64[idx].requires_grad_()
         with torch.enable_grad():
-            lp, ent, _, _ = _definition_stats(_definition_logits(h_c, w64, t, c), labels[idx], ignore_index)
+            lp, ent, _, _ = _definition_stats(_definition_logits(h_c, w64, _rows_of(t, idx), c), labels[idx],
+                                              ignore_index)
             loss = torch.zeros((), dtype=torch.float64, device=h64.device)
             if g_lp is not None:
                 loss = loss + (g_lp[idx] * lp).sum()
@@ -183,8 +193,9 @@ def dense_linear_log_probs(hidden_states, weight, labels, temperature=1.0, ignor
     logsumexp(z), H = -sum p log p, written from the definition (module docstring);
     differentiable (an autograd oracle for dh and dW, which come back in the inputs' dtype).
     Positions whose label is ``ignore_index`` get 0."""
-    z = _definition_logits(hidden_states.double(), weight.double(), float(temperature),
-                           None if softcap is None else float(softcap))
+    t = check_temperature(temperature, labels)
+    t = t.detach().double()[..., None] if isinstance(t, torch.Tensor) else float(t)  # (per row: a column)
+    z = _definition_logits(hidden_states.double(), weight.double(), t, None if softcap is None else float(softcap))
     lp, ent, _, _ = _definition_stats(z, labels, ignore_index)
     return lp, ent
 

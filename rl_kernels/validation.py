@@ -97,10 +97,29 @@ def _positive_number(name: str, value, what: str = "a positive finite") -> float
     return number
 
 
-def check_temperature(temperature) -> float:
-    """Return ``temperature`` as a float; raise TypeError / ValueError when it is not a positive
-    finite Python number (bool and tensors are rejected) inside ``TEMPERATURE_RANGE`` (where
-    1 / temperature is a normal float32 number)."""
+TEMPERATURE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def check_temperature(temperature, rows: torch.Tensor | None = None):
+    """Return ``temperature`` as a float, or, for a function that takes a per-row temperature
+    (``rows``: the labels, or the logits' leading part, whose shape it must have), a float tensor
+    of that shape on ``rows``' device as it is. Raise TypeError / ValueError when it is neither a
+    positive finite Python number (bool rejected) inside ``TEMPERATURE_RANGE`` (where 1 /
+    temperature is a normal float32 number) nor such a tensor. A tensor's values are checked
+    where they are first read on the host (:func:`row_inv_temperature`)."""
+    if isinstance(temperature, torch.Tensor) and rows is not None and temperature.dim() > 0:
+        if temperature.dtype not in TEMPERATURE_DTYPES:
+            raise TypeError(f"temperature: expected a float32, float64, bfloat16 or float16 tensor, got "
+                            f"{temperature.dtype}")
+        if temperature.shape != rows.shape:
+            raise ValueError(f"temperature: a per-row temperature must have the rows' shape {tuple(rows.shape)}, "
+                             f"got {tuple(temperature.shape)}")
+        if temperature.device != rows.device:
+            raise ValueError(f"temperature: on {temperature.device}, expected {rows.device} (the rows' device)")
+        if temperature.requires_grad:
+            raise ValueError("temperature: a per-row temperature that requires grad is not supported "
+                             "(no gradient flows to it); pass temperature.detach()")
+        return temperature
     value = _positive_number("temperature", temperature)
     if not 2.938736052218037e-39 <= value <= 8.507059173023462e+37:  # TEMPERATURE_RANGE
         lo, hi = TEMPERATURE_RANGE
@@ -110,7 +129,22 @@ def check_temperature(temperature) -> float:
     return value
 
 
-def check_softcap(softcap, temperature: float) -> float | None:
+def row_inv_temperature(temperature: torch.Tensor) -> torch.Tensor:
+    """The (N,) float32 1 / T of a checked per-row ``temperature`` (any shape, flattened), computed
+    in float64 and rounded once (the bits a Python-number temperature T gives the kernels, 1 / T
+    rounded to float32). Raises ValueError, naming the first bad row, unless every T is positive,
+    finite and inside ``TEMPERATURE_RANGE``: one host read of the check (a sync on CUDA)."""
+    t = temperature.reshape(-1).double()
+    bad = ~((t >= 2.938736052218037e-39) & (t <= 8.507059173023462e+37))  # TEMPERATURE_RANGE (NaN too)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        lo, hi = TEMPERATURE_RANGE
+        raise ValueError(f"temperature: row {i} is {float(t[i])!r}; every per-row temperature must be positive, "
+                         f"finite and inside [{lo:.3g}, {hi:.3g}] (1 / temperature must be a normal float32 number)")
+    return (1.0 / t).float()
+
+
+def check_softcap(softcap, temperature) -> float | None:
     """Return ``softcap`` as a float (None stays None: no cap); raise TypeError / ValueError when it
     is not a positive finite Python number whose inverse, and whose ratio to the (checked)
     ``temperature``, are normal float32 numbers (the kernels scale the GEMM tile by 1 / softcap and
@@ -118,6 +152,8 @@ def check_softcap(softcap, temperature: float) -> float | None:
     if softcap is None:
         return None
     value = _positive_number("softcap", softcap, "None or a positive finite")
+    if isinstance(temperature, torch.Tensor):  # per-row: softcap / T in float32 is the kernels' care
+        temperature = 1.0
     if not (2.938736052218037e-39 <= value <= 8.507059173023462e+37  # TEMPERATURE_RANGE, for both
             and 2.938736052218037e-39 <= value / temperature <= 8.507059173023462e+37):
         lo, hi = TEMPERATURE_RANGE
@@ -131,7 +167,11 @@ def warn_fp16_temperature(dtype: torch.dtype, temperature: float) -> None:
     """Log a warning (once) for float16 inputs with a temperature outside
     ``FP16_TEMPERATURE_RANGE``: the backward keeps dz / T in float16 for its matmuls."""
     lo, hi = FP16_TEMPERATURE_RANGE
-    if dtype == torch.float16 and not lo <= temperature <= hi:
+    if dtype != torch.float16:
+        return
+    if isinstance(temperature, torch.Tensor):  # per-row: the extremes (float16 inputs only)
+        temperature = next((float(t) for t in temperature.aminmax() if not lo <= float(t) <= hi), lo)
+    if not lo <= temperature <= hi:
         log_once(logging.WARNING, f"rl_kernels: float16 inputs with temperature {temperature:g}: the backward "
                  f"keeps d loss / d logits / T in float16 for its matmuls, whose range loses gradient "
                  f"precision when T is outside {FP16_TEMPERATURE_RANGE} (measured: 2% dh error at T = 1e5); "

@@ -30,13 +30,18 @@ def _inputs():
 
 def _reference(hidden, weight, labels, temperature, g_lp, g_ent):
     h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
-    z = h64 @ w64.T / temperature
+    z = h64 @ w64.T / _column(temperature)
     log_p = torch.log_softmax(z, -1)
     valid = labels != -100
     lp = torch.where(valid, log_p.gather(1, labels.clamp_min(0)[:, None])[:, 0], 0.0)
     ent = torch.where(valid, -(log_p.exp() * log_p).sum(-1), 0.0)
     (lp * g_lp.double() + ent * g_ent.double()).sum().backward()
     return lp.detach(), ent.detach(), torch.logsumexp(z, -1).detach(), h64.grad, w64.grad
+
+
+def _column(temperature):
+    """A temperature as the divisor of (N, V) logits: a number, or a per-row (N,) one as a column."""
+    return temperature.double()[:, None] if isinstance(temperature, torch.Tensor) else temperature
 
 
 def _same_on_all_ranks(t):
@@ -63,7 +68,8 @@ def run(rank, world, init_file, backend):
     lo, hi = BOUNDS[world][rank], BOUNDS[world][rank + 1]
     hidden, weight, labels, g_lp, g_ent = _inputs()
     tol = dict(atol=3e-5, rtol=1e-4)
-    for temperature, reduce_dh, give_start in ((1.0, False, False), (0.7, True, True)):
+    per_row = torch.rand(N, generator=torch.Generator().manual_seed(5)) * 1.5 + 0.4  # per-row temperature
+    for temperature, reduce_dh, give_start in ((1.0, False, False), (0.7, True, True), (per_row, True, True)):
         ref_lp, ref_ent, ref_lse, ref_dh, ref_dw = _reference(hidden, weight, labels, temperature, g_lp, g_ent)
         hx = hidden.clone().requires_grad_()
         wx = weight[lo:hi].clone().requires_grad_()
@@ -87,11 +93,11 @@ def run(rank, world, init_file, backend):
         g_lse = torch.randn(N, generator=torch.Generator().manual_seed(3))
         (stats.log_probs * g_lp + stats.entropy * g_ent + stats.lse * g_lse).sum().backward()
         z = (hidden.double() @ weight.double().T).requires_grad_()
-        log_p = torch.log_softmax(z / temperature, -1)
+        log_p = torch.log_softmax(z / _column(temperature), -1)
         valid = labels != -100
         lp = torch.where(valid, log_p.gather(1, labels.clamp_min(0)[:, None])[:, 0], 0.0)
         ent = torch.where(valid, -(log_p.exp() * log_p).sum(-1), 0.0)
-        (lp * g_lp + ent * g_ent + torch.logsumexp(z / temperature, -1) * g_lse).sum().backward()
+        (lp * g_lp + ent * g_ent + torch.logsumexp(z / _column(temperature), -1) * g_lse).sum().backward()
         torch.testing.assert_close(logits.grad.double(), z.grad[:, lo:hi], **tol)
 
     # top-K KL with a sharded student head: K ids spread over the shards (V - 1 and 0 included)

@@ -10,6 +10,7 @@ import typing
 import torch
 
 from ..backends import Backend, backend_by_name
+from ..validation import row_inv_temperature
 from .vocab_parallel import GROUP_SCHEMA, op_group
 
 
@@ -184,19 +185,29 @@ def op_temperature(inv_temperature: float, temperature) -> tuple:
 
 
 def split_temperature(temperature) -> tuple:
-    """(inv_temperature, runtime temperature) of a public function's checked ``temperature``, for
-    a family's Function: eagerly ``(1 / T, None)``; while torch.compile traces,
-    :func:`op_temperature`'s pair (a temperature that Dynamo holds symbolically becomes the 0-d
-    runtime tensor of the custom ops, and the float 1.0)."""
+    """(inv_temperature, runtime temperature) of a public function's checked ``temperature`` (a
+    Python number, or a per-row tensor: ``validation.check_temperature``), for a family's
+    Function. Eagerly ``(1 / T, None)``, 1 / T a float or the per-row (N,) float32 tensor of
+    ``validation.row_inv_temperature`` (its values checked there). While torch.compile traces, a
+    number gives :func:`op_temperature`'s pair (a temperature that Dynamo holds symbolically
+    becomes the 0-d runtime tensor of the custom ops, and the float 1.0), a tensor ``(1.0, T)``
+    flattened: the custom op's body (eager) makes and checks 1 / T (:func:`op_inv_temperature`)."""
+    if isinstance(temperature, torch.Tensor):
+        if torch.compiler.is_compiling():
+            return 1.0, temperature.reshape(-1)
+        return row_inv_temperature(temperature), None
     if not torch.compiler.is_compiling():
         return 1.0 / temperature, None
     return op_temperature(1.0 / temperature, temperature)
 
 
-def op_inv_temperature(inv_temperature: float, temperature) -> float:
+def op_inv_temperature(inv_temperature: float, temperature):
     """In a custom op's body: 1 / T from the runtime ``temperature`` tensor when there is one, as
-    the eager route computes it (``1.0 / T`` in Python floats: the same bits), else the float."""
-    return inv_temperature if temperature is None else 1.0 / temperature.item()
+    the eager route computes it (a 0-d T: ``1.0 / T`` in Python floats, the same bits; a per-row
+    (N,) T: ``validation.row_inv_temperature``), else the float."""
+    if temperature is None:
+        return inv_temperature
+    return 1.0 / temperature.item() if temperature.dim() == 0 else row_inv_temperature(temperature)
 
 
 def has_static_value(value) -> bool:

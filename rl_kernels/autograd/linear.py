@@ -18,7 +18,7 @@ import torch
 from ..backends import Backend, implements
 from ..label_check import checked_labels, raise_if_interpreted, raise_label_errors
 from ..validation import check_label_values, warn_fp16_temperature
-from ..torch_ops.linear import torch_dlogits, torch_forward, torch_gathered_logits
+from ..torch_ops.linear import per_row, torch_dlogits, torch_forward, torch_gathered_logits
 from .backward_schedule import chunked_backward, full_precision_reduction
 from .common import (OpArgs, as_float_grad, custom_op_pair, fake_grads, first_order_only, grads_or_empty,
                      hidden_for_weight_grad, or_empty, rl_op)
@@ -148,7 +148,7 @@ def head_backward(hidden_states, weight, labels, saved: HeadOutputs, grads: Head
 def _with_gathered(dlogits, ids, grad, valid, inv_temperature):
     """Wrap a dlogits window function: add grad[i, k] * inv_temperature at (i, ids[i, k]) for the
     ids inside the window's columns (rows whose label is ignored get nothing)."""
-    g = torch.where(valid[:, None], grad.float() * inv_temperature, torch.zeros((), device=grad.device))
+    g = torch.where(valid[:, None], grad.float() * per_row(inv_temperature), torch.zeros((), device=grad.device))
 
     def wrapped(rows, cols, out):
         dz = dlogits(rows, cols, out)

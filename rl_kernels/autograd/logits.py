@@ -22,6 +22,7 @@ import torch
 from .._logging import log_once
 from ..backends import Backend, implements
 from ..label_check import deferred_label_check, raise_if_interpreted, raise_label_errors
+from ..torch_ops.linear import per_row
 from ..torch_ops.logits import torch_logits_backward, torch_logits_forward
 from ..validation import check_label_values, check_token_id_values
 from .common import OpArgs, as_float_grad, custom_op_pair, first_order_only, or_empty, rl_op
@@ -247,6 +248,7 @@ def vp_forward(logits, labels, params: LogitsParams, tp) -> dict:
     if labels is not None:
         local, owned = local_labels(labels, tp.start, v_r, params.ignore_index)
         z_y = logits.gather(1, torch.where(owned, local, 0).long()[:, None])[:, 0].float() * params.inv_temperature
+        # (a per-row inv_temperature (N,) multiplies row by row)
     else:
         owned = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
         z_y = torch.zeros(logits.shape[0], device=logits.device)
@@ -294,7 +296,10 @@ def vp_backward(logits, local, stats: dict, g: LogitsOutputs, params: LogitsPara
         owned = valid & (local >= 0) & (local < logits.shape[1])  # (ignore_index is negative here)
         rows = owned.nonzero()[:, 0]
         cols = local[rows].long()
-        grad[rows, cols] += (grad_log_probs[rows] * params.inv_temperature).to(grad.dtype)
+        inv_temperature = params.inv_temperature
+        if isinstance(inv_temperature, torch.Tensor):  # per row
+            inv_temperature = inv_temperature[rows]
+        grad[rows, cols] += (grad_log_probs[rows] * inv_temperature).to(grad.dtype)
     return grad
 
 
@@ -392,7 +397,7 @@ def _(logits, *rest):
 def gather_logits(logits, token_ids, inv_temperature: float) -> torch.Tensor:
     """z[i, token_ids[i, k]] in float32: ``logits`` (N, V) at (N, K) int64 ids, scaled as the
     kernels scale them (converted to float32, then times ``inv_temperature``)."""
-    return logits.gather(1, token_ids).float() * inv_temperature
+    return logits.gather(1, token_ids).float() * per_row(inv_temperature)
 
 
 def sum_over_equal_ids(token_ids, grad_log_probs) -> torch.Tensor:
@@ -423,10 +428,10 @@ def topk_columns(grad, logits, token_ids, labels, lse, grad_topk, grads: dict, p
     sums = sum_over_equal_ids(token_ids, grad_topk)
     if grads.keys() == {"lse"}:
         p = (gather_logits(logits, token_ids, params.inv_temperature) - lse[:, None]).exp()
-        values, kept = (p * grad_lse[:, None] + sums) * params.inv_temperature, 0.0
+        values, kept = (p * grad_lse[:, None] + sums) * per_row(params.inv_temperature), 0.0
     else:
         kept = grad.gather(1, token_ids).float()
-        values = kept + sums * params.inv_temperature
+        values = kept + sums * per_row(params.inv_temperature)
     if labels is not None:
         active = (labels != params.ignore_index) | (grad_lse != 0)
         values = torch.where(active[:, None], values, kept)

@@ -188,16 +188,45 @@ def logits_tile_log2(
     return z2, t
 
 
-def softcap_args(softcap: float | None, inv_temperature: float) -> dict:
+def scalar_inv_temperature(inv_temperature) -> float:
+    """The scalar 1 / T a kernel takes: ``inv_temperature`` itself, or 1.0 when it is a per-row
+    (N,) float32 tensor (``row_temperature_args``: the kernel then multiplies by each row's value)."""
+    return 1.0 if isinstance(inv_temperature, torch.Tensor) else inv_temperature
+
+
+def row_temperature_args(inv_temperature, placeholder: torch.Tensor) -> dict:
+    """The per-row temperature's launch arguments: ``inv_temperature_ptr`` (the (N,) float32 1 / T
+    of each row, or ``placeholder``, never read) and the ROW_TEMPERATURE flag (off for a scalar
+    ``inv_temperature``: the kernels are then the scalar ones, bit for bit)."""
+    if isinstance(inv_temperature, torch.Tensor):
+        return dict(inv_temperature_ptr=inv_temperature, ROW_TEMPERATURE=True)
+    return dict(inv_temperature_ptr=placeholder, ROW_TEMPERATURE=False)
+
+
+def softcap_args(softcap: float | None, inv_temperature, placeholder: torch.Tensor) -> dict:
     """Launch arguments of the soft-capping variant (``soft_cap``) for a head whose raw logits
     h . w are capped at ``softcap`` (None: no cap) before the temperature: the kernels' GEMM tile
     is scaled by ``logit_scale`` (1 / softcap, or inv_temperature without a cap), and with
     SOFTCAP the capped tile is ``softcap_scale * tanh(tile)`` (softcap_scale = softcap /
-    temperature). LIBDEVICE picks CUDA's tanh (the interpreter has no libdevice)."""
+    temperature). LIBDEVICE picks CUDA's tanh (the interpreter has no libdevice). A per-row
+    ``inv_temperature`` (N,) tensor adds ``row_temperature_args``: the scales are then those of
+    T = 1, and ``row_scales`` multiplies the temperature's one by each row's 1 / T in the kernel."""
+    row = row_temperature_args(inv_temperature, placeholder)
+    inv_temperature = scalar_inv_temperature(inv_temperature)
     if softcap is None:
-        return dict(logit_scale=inv_temperature, softcap_scale=1.0, SOFTCAP=False, LIBDEVICE=False)
+        return dict(logit_scale=inv_temperature, softcap_scale=1.0, SOFTCAP=False, LIBDEVICE=False, **row)
     return dict(logit_scale=1.0 / softcap, softcap_scale=softcap * inv_temperature, SOFTCAP=True,
-                LIBDEVICE=libdevice is not None and not interpreting())
+                LIBDEVICE=libdevice is not None and not interpreting(), **row)
+
+
+@triton.jit
+def row_scales(row_inv_temperature, logit_scale, softcap_scale, SOFTCAP: tl.constexpr):
+    """(logit_scale, softcap_scale) of ``softcap_args`` for rows whose own 1 / T is
+    ``row_inv_temperature`` (a column (BLOCK_M, 1) for a tile, or (BLOCK,) for a row vector): the
+    temperature's scale (the cap's when SOFTCAP, else the GEMM tile's) times the row's 1 / T."""
+    if SOFTCAP:
+        return logit_scale + tl.zeros_like(row_inv_temperature), softcap_scale * row_inv_temperature
+    return logit_scale * row_inv_temperature, softcap_scale + tl.zeros_like(row_inv_temperature)
 
 
 @triton.jit

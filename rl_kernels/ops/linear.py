@@ -60,8 +60,8 @@ import triton
 import triton.language as tl
 
 from .common import (TensorDescriptor, gemm_meta, grouped_tile, log_sum_lse, logits_tile_log2, merge_q, merge_stats,
-                     persistent_programs, soft_cap, softcap_args, stats_entropy, store_window, tma_ok, tma_operands,
-                     window_grid, window_tile)
+                     persistent_programs, row_scales, scalar_inv_temperature, soft_cap, softcap_args, stats_entropy,
+                     store_window, tma_ok, tma_operands, window_grid, window_tile)
 from .config import BwdTile, KernelConfig, interpreting
 
 
@@ -77,12 +77,18 @@ def _linear_split_stats_kernel(
     GROUP_M: tl.constexpr, USE_TMA: tl.constexpr, EVEN_V: tl.constexpr,
     FLATTEN: tl.constexpr, WARP_SPEC: tl.constexpr, SUM_PI_SQUARED: tl.constexpr = False,
     SOFTCAP: tl.constexpr = False, LIBDEVICE: tl.constexpr = False,
+    inv_temperature_ptr=None, ROW_TEMPERATURE: tl.constexpr = False,
 ):
-    # logit_scale: 1 / T, or 1 / softcap with SOFTCAP (then z = softcap_scale * tanh(tile))
+    # logit_scale: 1 / T, or 1 / softcap with SOFTCAP (then z = softcap_scale * tanh(tile)); with
+    # ROW_TEMPERATURE each row's 1 / T (inv_temperature_ptr) multiplies the temperature's scale
     pid_m, pid_s = grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_M), tl.cdiv(V, SPLIT_V), GROUP_M)
     row0 = pid_m * BLOCK_M
     rows = row0 + tl.arange(0, BLOCK_M)
     row_mask = rows < N
+    tile_scale, cap_scale = logit_scale, softcap_scale
+    if ROW_TEMPERATURE:
+        row_inv_temperature = tl.load(inv_temperature_ptr + rows, mask=row_mask, other=1.0)[:, None]
+        tile_scale, cap_scale = row_scales(row_inv_temperature, logit_scale, softcap_scale, SOFTCAP)
 
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     s = tl.zeros((BLOCK_M,), tl.float32)
@@ -100,7 +106,7 @@ def _linear_split_stats_kernel(
         # instructions but measured 1.6% slower at 4096 rows on an H100, 2026-11-26: probably the
         # accumulator's registers stay busy longer and the next tile's MMAs wait.)
         z2, _ = logits_tile_log2(h_ptr, w_ptr, rows, cols, row_mask, col_mask, H,
-                                 stride_hn, stride_hk, stride_wv, stride_wk, logit_scale, softcap_scale,
+                                 stride_hn, stride_hk, stride_wv, stride_wk, tile_scale, cap_scale,
                                  BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PRECISION, USE_TMA, row0, v0,
                                  SOFTCAP, LIBDEVICE)
         if not EVEN_V:  # V % BLOCK_N != 0: the last tile's padded columns carry no mass
@@ -138,6 +144,7 @@ def _label_logits_kernel(
     logit_scale, softcap_scale, ignore_index, label_flag_ptr, check_id,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, MARK_BAD: tl.constexpr,
     SOFTCAP: tl.constexpr = False, LIBDEVICE: tl.constexpr = False,
+    inv_temperature_ptr=None, ROW_TEMPERATURE: tl.constexpr = False,
 ):
     # rows index the N * K (hidden row, id) pairs: hidden row = rows // K, id column = rows % K
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -156,9 +163,13 @@ def _label_logits_kernel(
         a = tl.load(h_base + ks.to(tl.int64)[None, :] * stride_hk, mask=mask, other=0.0)
         b = tl.load(w_base + ks.to(tl.int64)[None, :] * stride_wk, mask=mask, other=0.0)
         acc += tl.sum(a.to(tl.float32) * b.to(tl.float32), axis=1)
-    out = acc * logit_scale
+    tile_scale, cap_scale = logit_scale, softcap_scale
+    if ROW_TEMPERATURE:  # each hidden row's 1 / T
+        row_inv_temperature = tl.load(inv_temperature_ptr + h_rows, mask=row_mask, other=1.0)
+        tile_scale, cap_scale = row_scales(row_inv_temperature, logit_scale, softcap_scale, SOFTCAP)
+    out = acc * tile_scale
     if SOFTCAP:
-        out, _ = soft_cap(out, softcap_scale, LIBDEVICE)
+        out, _ = soft_cap(out, cap_scale, LIBDEVICE)
     if MARK_BAD:  # a label outside [0, V) that is not ignore_index: NaN, and the call id to the flag
         bad = row_mask & (labels != ignore_index) & ((labels < 0) | (labels >= V))
         ids = tl.full((BLOCK_R,), check_id, tl.int32)
@@ -191,7 +202,7 @@ def label_logits(
         n, weight.shape[0], h, k,
         hidden_states.stride(0), hidden_states.stride(1), weight.stride(0), weight.stride(1),
         labels.stride(0), labels.stride(1) if labels.dim() == 2 else 0,
-        **softcap_args(softcap, inv_temperature), ignore_index=ignore_index, label_flag_ptr=flag,
+        **softcap_args(softcap, inv_temperature, out), ignore_index=ignore_index, label_flag_ptr=flag,
         check_id=check_id, BLOCK_R=block_r, BLOCK_K=128, MARK_BAD=label_check is not None,
     )
     return out
@@ -229,7 +240,7 @@ def linear_split_stats(
         parts[0], parts[1], parts[2], parts[-1],
         n, v, h,
         hidden_states.stride(0), hidden_states.stride(1), weight.stride(0), weight.stride(1),
-        **softcap_args(softcap, inv_temperature),
+        **softcap_args(softcap, inv_temperature, parts),
         SPLIT_V=cfg.split_v, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         ENTROPY=return_entropy, UPCAST=cfg.upcast(hidden_states.dtype),
         DOT_PRECISION=cfg.dot_precision(hidden_states.dtype), GROUP_M=cfg.group_m,
@@ -337,21 +348,27 @@ def _linear_dlogits_kernel(
     USE_TMA: tl.constexpr, HAS_GRAD_SUM_PI_SQUARED: tl.constexpr, num_programs, FLATTEN: tl.constexpr,
     STORE_TMA: tl.constexpr = False, OUT_DTYPE: tl.constexpr = None,
     SOFTCAP: tl.constexpr = False, LIBDEVICE: tl.constexpr = False,
+    inv_temperature_ptr=None, ROW_TEMPERATURE: tl.constexpr = False,
 ):
-    # logit_scale: inv_temperature, or 1 / softcap with SOFTCAP (then z = softcap_scale * tanh(tile))
+    # logit_scale: inv_temperature, or 1 / softcap with SOFTCAP (then z = softcap_scale * tanh(tile));
+    # with ROW_TEMPERATURE (inv_temperature = 1) each row's 1 / T from inv_temperature_ptr
     num_tiles = tl.cdiv(n_rows, BLOCK_M) * tl.cdiv(n_cols, BLOCK_N)
     # one tile per program (num_programs = num_tiles), or a persistent loop over tiles whose
     # flattened pipeline loads the next tile's operands during this tile's epilogue
     for tile_id in tl.range(tl.program_id(0), num_tiles, num_programs, flatten=FLATTEN):
         local_rows, local_cols, rows, cols, row_mask, col_mask, row0, col0 = window_tile(
             row_start, n_rows, col_start, n_cols, BLOCK_M, BLOCK_N, GROUP_M, tile_id)
+        rows64 = rows.to(tl.int64)
+        row_inv_temperature, tile_scale, cap_scale = inv_temperature, logit_scale, softcap_scale
+        if ROW_TEMPERATURE:
+            row_inv_temperature = tl.load(inv_temperature_ptr + rows64, mask=row_mask, other=1.0)
+            tile_scale, cap_scale = row_scales(row_inv_temperature[:, None], logit_scale, softcap_scale, SOFTCAP)
         # z2 = log2(e) z, so log2 p = z2 - log2(e) lse is one multiply-add with the GEMM's scale
         # and p = 2^(log2 p) one ex2 (flushing p < 2^-126); t: the cap's tanh with SOFTCAP
         z2, t = logits_tile_log2(h_ptr, w_ptr, rows, cols, row_mask, col_mask, H,
-                                 stride_hn, stride_hk, stride_wv, stride_wk, logit_scale, softcap_scale,
+                                 stride_hn, stride_hk, stride_wv, stride_wk, tile_scale, cap_scale,
                                  BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PRECISION, USE_TMA, row0, col0,
                                  SOFTCAP, LIBDEVICE)
-        rows64 = rows.to(tl.int64)
         labels = tl.load(labels_ptr + rows64 * stride_lab, mask=row_mask, other=ignore_index)
         lse = tl.load(lse_ptr + rows64, mask=row_mask, other=0.0)
         log2_p = z2 - (lse * 1.4426950408889634)[:, None]
@@ -372,18 +389,18 @@ def _linear_dlogits_kernel(
             twice_grad_sum_pi_squared = 2.0 * tl.load(grad_sum_pi_squared_ptr + rows64, mask=row_mask, other=0.0)
             c -= twice_grad_sum_pi_squared * tl.load(sum_pi_squared_ptr + rows64, mask=row_mask, other=0.0)
         # (each scalar times 1 / T: the stored gradient is w.r.t. h.w, and no element is scaled)
-        inner = (c * inv_temperature)[:, None]
+        inner = (c * row_inv_temperature)[:, None]
         if HAS_GRAD_ENTROPY:
-            inner = inner - (g_ent * (inv_temperature * 0.6931471805599453))[:, None] * log2_p
+            inner = inner - (g_ent * (row_inv_temperature * 0.6931471805599453))[:, None] * log2_p
         if HAS_GRAD_SUM_PI_SQUARED:
-            inner = inner + (twice_grad_sum_pi_squared * inv_temperature)[:, None] * p
+            inner = inner + (twice_grad_sum_pi_squared * row_inv_temperature)[:, None] * p
         if HAS_GRAD_LOG_PROBS:
             # the label's column inside this tile (int32, -1 when elsewhere): a 32-bit compare per
             # element against the tile's own column offsets, not a 64-bit one against ``cols``
             label_at = labels - col0
             label_at = tl.where((label_at >= 0) & (label_at < BLOCK_N), label_at, -1).to(tl.int32)
             hit = tl.arange(0, BLOCK_N)[None, :] == label_at[:, None]
-            dz = p * inner + tl.where(hit, (g_lp * inv_temperature)[:, None], 0.0)
+            dz = p * inner + tl.where(hit, (g_lp * row_inv_temperature)[:, None], 0.0)
         else:
             dz = p * inner
         if SOFTCAP:  # d z / d(h.w / T) = 1 - tanh^2
@@ -442,9 +459,9 @@ def linear_dlogits(
         labels.stride(0),
         grad_log_probs.stride(0) if has_lp else 0, grad_entropy.stride(0) if has_ent else 0,
         out.stride(0), out.stride(1),
-        inv_temperature, ignore_index,
+        scalar_inv_temperature(inv_temperature), ignore_index,
         sum_pi_squared if grad_sum_pi_squared is not None else lse, grad_sum_pi_squared if grad_sum_pi_squared is not None else lse,
-        **softcap_args(softcap, inv_temperature),
+        **softcap_args(softcap, inv_temperature, lse),
         HAS_GRAD_LOG_PROBS=has_lp, HAS_GRAD_ENTROPY=has_ent, HAS_GRAD_LSE=grad_lse is not None, HAS_GRAD_SUM_PI_SQUARED=grad_sum_pi_squared is not None,
         num_programs=programs, FLATTEN=cfg.flatten and programs < grid[0],
         STORE_TMA=store_tma, OUT_DTYPE=TL_DTYPES[out.dtype] if store_tma else None,

@@ -39,7 +39,8 @@ import triton.language as tl
 
 from .._logging import log_once, logger
 from ..label_flag import label_flag as host_flag
-from .common import log_sum_lse, merge_stats, merge_q, multiprocessors, stats_entropy
+from .common import (log_sum_lse, merge_stats, merge_q, multiprocessors, row_temperature_args, scalar_inv_temperature,
+                     stats_entropy)
 from .config import LogitsConfig
 from .launch import Launcher
 
@@ -151,12 +152,15 @@ def _merge_and_finalize(
     N, V, num_splits, inv_temperature, ignore_index, label_flag_ptr, check_id,
     SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, FROM_PARTS: tl.constexpr,
     LOG_PROBS: tl.constexpr, ENTROPY: tl.constexpr, MEAN_LOG_P: tl.constexpr, SUM_PI_SQUARED: tl.constexpr,
-    PREFETCH: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False, inv_temperature_ptr=None, ROW_TEMPERATURE: tl.constexpr = False,
 ):
     """Merge the S split partials of ``row`` left to right and finalize it: the one path of both
     launch shapes. Each partial is computed here by ``_split_stats`` (one level) or, with
     FROM_PARTS (the two-level combine), read from the (5, S, N) block that the first level wrote
-    (volatile loads: in the one-launch combine other programs wrote them, so no L1 line may serve)."""
+    (volatile loads: in the one-launch combine other programs wrote them, so no L1 line may serve).
+    With ROW_TEMPERATURE the row's 1 / T is read from ``inv_temperature_ptr``."""
+    if ROW_TEMPERATURE:
+        inv_temperature = tl.load(inv_temperature_ptr + row)
     m, s, b, t, q = _no_stats()
     if FROM_PARTS:
         field = (tl.zeros((), tl.int64) + num_splits) * N  # elements between two fields (int64;
@@ -193,7 +197,7 @@ def _logits_fwd_kernel(
     N, V, num_splits, inv_temperature, ignore_index, label_flag_ptr, check_id,
     SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, TWO_LEVEL: tl.constexpr, LAST_COMBINES: tl.constexpr,
     LOG_PROBS: tl.constexpr, ENTROPY: tl.constexpr, MEAN_LOG_P: tl.constexpr, SUM_PI_SQUARED: tl.constexpr,
-    PREFETCH: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False, inv_temperature_ptr=None, ROW_TEMPERATURE: tl.constexpr = False,
 ):
     """One level: program = row, merges all splits and finalizes. Two levels: program =
     (row, split), writes the split's partial (m, s, b, t, q) into the (5, S, N) block; with
@@ -205,7 +209,10 @@ def _logits_fwd_kernel(
         row = pid // num_splits
         split = pid % num_splits
         row_ptr = x_ptr + row.to(tl.int64) * stride_n
-        m, s, b, t, q = _split_stats(row_ptr, stride_v, split * SPLIT_V, V, inv_temperature,
+        row_inv_temperature = inv_temperature
+        if ROW_TEMPERATURE:
+            row_inv_temperature = tl.load(inv_temperature_ptr + row)
+        m, s, b, t, q = _split_stats(row_ptr, stride_v, split * SPLIT_V, V, row_inv_temperature,
                                      SPLIT_V, BLOCK_V, ENTROPY, MEAN_LOG_P, SUM_PI_SQUARED, PREFETCH)
         field = (tl.zeros((), tl.int64) + num_splits) * N  # (int64; see _merge_and_finalize)
         part_ptr += split.to(tl.int64) * N + row
@@ -223,11 +230,13 @@ def _logits_fwd_kernel(
                 _merge_and_finalize(row, x_ptr, stride_n, stride_v, labels_ptr, stride_lab,
                                     part_ptr - split.to(tl.int64) * N - row, out_ptr,
                                     N, V, num_splits, inv_temperature, ignore_index, label_flag_ptr,
-                                    check_id, 1, 1, True, LOG_PROBS, ENTROPY, MEAN_LOG_P, SUM_PI_SQUARED)
+                                    check_id, 1, 1, True, LOG_PROBS, ENTROPY, MEAN_LOG_P, SUM_PI_SQUARED,
+                                    False, inv_temperature_ptr, ROW_TEMPERATURE)
     else:
         _merge_and_finalize(pid, x_ptr, stride_n, stride_v, labels_ptr, stride_lab, part_ptr, out_ptr,
                             N, V, num_splits, inv_temperature, ignore_index, label_flag_ptr, check_id,
-                            SPLIT_V, BLOCK_V, False, LOG_PROBS, ENTROPY, MEAN_LOG_P, SUM_PI_SQUARED, PREFETCH)
+                            SPLIT_V, BLOCK_V, False, LOG_PROBS, ENTROPY, MEAN_LOG_P, SUM_PI_SQUARED, PREFETCH,
+                            inv_temperature_ptr, ROW_TEMPERATURE)
 
 
 @triton.jit(do_not_specialize=["check_id"])
@@ -235,11 +244,13 @@ def _logits_combine_kernel(
     x_ptr, stride_n, stride_v, labels_ptr, stride_lab, part_ptr, out_ptr, counter_ptr,
     N, V, num_splits, inv_temperature, ignore_index, label_flag_ptr, check_id,
     LOG_PROBS: tl.constexpr, ENTROPY: tl.constexpr, MEAN_LOG_P: tl.constexpr, SUM_PI_SQUARED: tl.constexpr,
+    inv_temperature_ptr=None, ROW_TEMPERATURE: tl.constexpr = False,
 ):
     """Second level: program = row; merges the row's S partials in split order and finalizes."""
     _merge_and_finalize(tl.program_id(0), x_ptr, stride_n, stride_v, labels_ptr, stride_lab, part_ptr, out_ptr,
                         N, V, num_splits, inv_temperature, ignore_index, label_flag_ptr, check_id,
-                        1, 1, True, LOG_PROBS, ENTROPY, MEAN_LOG_P, SUM_PI_SQUARED)  # SPLIT_V, BLOCK_V unused
+                        1, 1, True, LOG_PROBS, ENTROPY, MEAN_LOG_P, SUM_PI_SQUARED,  # SPLIT_V, BLOCK_V unused
+                        False, inv_temperature_ptr, ROW_TEMPERATURE)
 
 
 @triton.jit
@@ -250,7 +261,7 @@ def _logits_bwd_kernel(
     V, inv_temperature, ignore_index,
     BLOCK_V: tl.constexpr, HAS_LABELS: tl.constexpr, HAS_GRAD_LOG_PROBS: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr,
     HAS_GRAD_LSE: tl.constexpr, HAS_GRAD_MEAN_LOG_P: tl.constexpr, HAS_GRAD_SUM_PI_SQUARED: tl.constexpr,
-    BLOCKS_PER_PROGRAM: tl.constexpr = 1,
+    BLOCKS_PER_PROGRAM: tl.constexpr = 1, inv_temperature_ptr=None, ROW_TEMPERATURE: tl.constexpr = False,
 ):
     """Program = (row, BLOCKS_PER_PROGRAM column blocks): grad[row, cols] = d loss / d logits in
     grad's dtype. The row's statistics are read once per program; with several blocks, block j + 1
@@ -258,6 +269,8 @@ def _logits_bwd_kernel(
     Per element: log2 p in one multiply-add, one ``ex2`` and up to three multiply-adds against
     per-row scalars (the instruction count, not the bytes, bounds this kernel on a 4.8 TB/s part)."""
     row = tl.program_id(0).to(tl.int64)
+    if ROW_TEMPERATURE:  # the row's own 1 / T
+        inv_temperature = tl.load(inv_temperature_ptr + row)
     row_max = tl.load(row_max_ptr + row)
     log_sum = tl.load(log_sum_ptr + row)
     # d/dlogits_j = p_j (c + k log2 p_j + a p_j) + [j == y] g_lp / T + grad_mean_log_p / (V T): the
@@ -403,9 +416,9 @@ def logits_forward(
     else:
         part, last_combines = block, False
     args = (logits, logits.stride(0), logits.stride(1), lab, lab.stride(0), part, block, counters,
-            n, v, num_splits, params.inv_temperature, params.ignore_index, flag, check_id)
+            n, v, num_splits, scalar_inv_temperature(params.inv_temperature), params.ignore_index, flag, check_id)
     flags = dict(LOG_PROBS=labels is not None, ENTROPY=return_entropy, MEAN_LOG_P=return_mean_log_p,
-                 SUM_PI_SQUARED=return_sum_pi_squared)
+                 SUM_PI_SQUARED=return_sum_pi_squared, **row_temperature_args(params.inv_temperature, block))
     _FWD.launch((n * num_splits if two_level else n,), args,
                 dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, TWO_LEVEL=two_level, LAST_COMBINES=last_combines,
                      PREFETCH=cfg.prefetch, **flags, num_warps=cfg.num_warps))
@@ -456,7 +469,8 @@ def logits_backward(
         lab, lab.stride(0), stats["row_max"], stats["log_sum"], stats.get("entropy", dummy),
         stats.get("sum_pi_squared", dummy),
         grads.get("log_probs", dummy), grads.get("entropy", dummy), grads.get("lse", dummy),
-        grads.get("mean_log_p", dummy), grads.get("sum_pi_squared", dummy), v, inv_temperature, ignore_index,
+        grads.get("mean_log_p", dummy), grads.get("sum_pi_squared", dummy), v, scalar_inv_temperature(inv_temperature),
+        ignore_index, **row_temperature_args(inv_temperature, dummy),
         BLOCK_V=cfg.bwd_block_v, HAS_LABELS=labels is not None, HAS_GRAD_LOG_PROBS="log_probs" in grads, HAS_GRAD_ENTROPY="entropy" in grads,
         HAS_GRAD_LSE="lse" in grads, HAS_GRAD_MEAN_LOG_P="mean_log_p" in grads, HAS_GRAD_SUM_PI_SQUARED="sum_pi_squared" in grads,
         BLOCKS_PER_PROGRAM=per_program, num_warps=cfg.bwd_num_warps)

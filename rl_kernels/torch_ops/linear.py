@@ -14,8 +14,19 @@ import torch
 DEFAULT_CHUNK_ELEMENTS = 1 << 26
 
 
-def capped_logits(raw: torch.Tensor, inv_temperature: float, softcap: float | None):
-    """(z, tanh) of the raw logits h . w: z = raw * inv_temperature, or with ``softcap`` c
+def per_row(inv_temperature, rows: slice = slice(None), dtype: torch.dtype | None = None):
+    """``inv_temperature`` as the multiplier of the logits of ``rows``: a float as it is; a per-row
+    (N,) tensor (a per-row temperature) as the column (rows, 1) of those rows, in ``dtype`` when
+    given (else its own float32)."""
+    if not isinstance(inv_temperature, torch.Tensor):
+        return inv_temperature
+    col = inv_temperature[rows, None]
+    return col if dtype is None else col.to(dtype)
+
+
+def capped_logits(raw: torch.Tensor, inv_temperature, softcap: float | None):
+    """(z, tanh) of the raw logits h . w (``inv_temperature``: a float or a column of
+    :func:`per_row`): z = raw * inv_temperature, or with ``softcap`` c
     z = c tanh(raw / c) * inv_temperature (tanh returned for the backward's 1 - tanh^2; None
     without a cap). An infinite raw logit gives NaN under the cap (as ``ops.common.soft_cap``):
     a non-finite hidden row stays non-finite."""
@@ -57,7 +68,8 @@ def torch_forward(
     rows = max(1, chunk_elements // max(v, 1))
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
-        z, _ = capped_logits(hidden_states[r0:r1].to(compute_dtype) @ w.T, inv_temperature, softcap)
+        z, _ = capped_logits(hidden_states[r0:r1].to(compute_dtype) @ w.T,
+                             per_row(inv_temperature, slice(r0, r1), compute_dtype), softcap)
         lse_c = torch.logsumexp(z, dim=-1)
         lse[r0:r1] = lse_c
         log_probs[r0:r1] = z.gather(1, safe_labels[r0:r1, None]).squeeze(1) - lse_c
@@ -94,8 +106,9 @@ def torch_dlogits(
     lse, entropy, sum_pi_squared = saved.lse, saved.entropy, saved.sum_pi_squared
     grad_log_probs, grad_entropy, grad_lse, grad_sum_pi_squared = grads.log_probs, grads.entropy, grads.lse, \
         grads.sum_pi_squared
-    inv_temperature, ignore_index, softcap = params.inv_temperature, params.ignore_index, params.softcap
+    ignore_index, softcap = params.ignore_index, params.softcap
     dt = out.dtype
+    inv_temperature = per_row(params.inv_temperature, rows, dt)
     lab = labels[rows]
     z, t = capped_logits(hidden_states[rows].to(dt) @ weight[cols].to(dt).T, inv_temperature, softcap)
     log_p = z - lse[rows].to(dt)[:, None]
@@ -129,5 +142,5 @@ def torch_gathered_logits(hidden_states, weight, ids, params, chunk_elements=1 <
         r1 = min(n, r0 + step)
         w = weight[ids[r0:r1]].float()
         out[r0:r1] = capped_logits(torch.einsum("nh,nkh->nk", hidden_states[r0:r1].float(), w),
-                                   params.inv_temperature, params.softcap)[0]
+                                   per_row(params.inv_temperature, slice(r0, r1)), params.softcap)[0]
     return out

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from .linear import per_row
+
 # logits elements per row chunk (x 4 bytes per float32 temporary: 256 MiB; a few temporaries
 # live at once). 2^24 measured 5% slower end to end on an H100.
 CHUNK_ELEMENTS = 1 << 26
@@ -33,7 +35,7 @@ def torch_logits_forward(logits, labels, params):
     step = max(1, CHUNK_ELEMENTS // v)
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
-        z = logits[r0:r1].to(torch.float32, copy=True).mul_(inv_temperature)
+        z = logits[r0:r1].to(torch.float32, copy=True).mul_(per_row(inv_temperature, slice(r0, r1)))
         m = z.amax(dim=-1, keepdim=True)
         m = torch.where(torch.isfinite(m), m, torch.zeros((), device=m.device))
         z.sub_(m)
@@ -90,7 +92,7 @@ def torch_logits_backward(logits, grad, labels, stats, grads, params):
     step = max(1, CHUNK_ELEMENTS // v)
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
-        log_p = (logits[r0:r1].to(torch.float32, copy=True).mul_(inv_temperature)
+        log_p = (logits[r0:r1].to(torch.float32, copy=True).mul_(per_row(inv_temperature, slice(r0, r1)))
                  .sub_(stats["row_max"][r0:r1, None]).sub_(stats["log_sum"][r0:r1, None]))
         p = log_p.exp()
         dz = p * coef[r0:r1, None]
@@ -102,7 +104,7 @@ def torch_logits_backward(logits, grad, labels, stats, grads, params):
             dz.scatter_add_(1, safe[r0:r1, None], g_lp[r0:r1, None])
         if "mean_log_p" in grads:
             dz += grads["mean_log_p"][r0:r1, None] / v
-        dz.mul_(inv_temperature)
+        dz.mul_(per_row(inv_temperature, slice(r0, r1)))
         if active is not None:
             dz = torch.where(active[r0:r1, None], dz, zero)
         grad[r0:r1] = dz

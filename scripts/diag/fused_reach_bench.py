@@ -1,0 +1,183 @@
+"""What verl's fused path gains from rl-kernels where verl refuses it: the sum of squared
+probabilities (no grad, the old-log-prob pass), a per-row temperature (fwd+bwd) and the top-K
+distillation loss (fwd+bwd), against verl's logits path on the same inputs, one GPU, one run.
+
+Rows (bf16 hidden ~ N(0, 1) (N, H), weight ~ N(0, 0.02^2) (V, H), ``tools.bench.head_inputs``):
+  mm                       cuBLAS hidden @ weight.T (the ratio's denominator)
+  (a) log-probs + Σπ², no grad:
+    verl logits path       logits = hidden @ weight.T (bf16), then verl's logprobs_from_logits and
+                           calculate_sum_pi_squared_from_logits (as its engines call them)
+    fused                  rl_kernels.linear_log_probs(return_entropy=False), without / with Σπ²
+  (b) per-row temperature, fwd+bwd of log-probs and entropy: a scalar T against a (N,) T
+  (c) top-K distillation, fwd+bwd to hidden and weight, K teacher ids per token:
+    verl logits path       logits = hidden @ weight.T, verl's compute_forward_kl_topk, backward
+    fused                  rl_kernels.linear_topk_kl(reduction="sum")
+Peak extra memory: max_memory_allocated during one call minus what was allocated before it.
+Checks first (N_CHECK rows): a per-row temperature against float64 (log-probs, entropy, dh, dW),
+and a constant per-row temperature against the scalar one, bitwise (fwd and bwd).
+
+    python scripts/diag/fused_reach_bench.py [--n 16384 --hidden 3584 --vocab 152064 --topk 64]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+from diag_common import head_inputs, require_cuda
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def bench(fn, rep=1000):
+    import triton.testing
+
+    from rl_kernels.tools.bench import peak_extra_gib
+
+    fn()
+    peak = peak_extra_gib(fn)
+    return triton.testing.do_bench(fn, rep=rep, return_mode="median"), peak
+
+
+def checks(n, h, v):
+    """Per-row temperature vs float64, and constant rows vs the scalar temperature (bitwise)."""
+    import rl_kernels
+    from rl_kernels.reference import reference_linear_grads, reference_linear_log_probs, rel_err
+
+    hidden, weight, labels, g_lp, g_ent = head_inputs(n, h, v, seed=1)
+    temperature = torch.rand(n, device="cuda", generator=torch.Generator("cuda").manual_seed(2)) * 1.5 + 0.4
+    hx, wx = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = rl_kernels.linear_log_probs(hx, wx, labels, temperature=temperature)
+    (out.log_probs * g_lp + out.entropy * g_ent).sum().backward()
+    ref = reference_linear_log_probs(hidden, weight, labels, temperature=temperature)
+    dh, dw = reference_linear_grads(hidden, weight, labels, g_lp, g_ent, temperature=temperature)
+    res = {"lp_max_abs": (out.log_probs.double() - ref.log_probs).abs().max().item(),
+           "ent_max_abs": (out.entropy.double() - ref.entropy).abs().max().item(),
+           "dh_rel": rel_err(hx.grad, dh), "dw_rel": rel_err(wx.grad, dw)}
+    same = []
+    for t in (torch.full((n,), 0.7, device="cuda"), 0.7):
+        hx, wx = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        o = rl_kernels.linear_log_probs(hx, wx, labels, temperature=t)
+        (o.log_probs * g_lp + o.entropy * g_ent).sum().backward()
+        same.append((o.log_probs, o.entropy, hx.grad, wx.grad))
+    res["constant_rows_bitwise"] = all(torch.equal(a, b) for a, b in zip(*same))
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", type=int, default=16384)
+    ap.add_argument("--hidden", type=int, default=3584)
+    ap.add_argument("--vocab", type=int, default=152064)
+    ap.add_argument("--topk", type=int, default=64)
+    ap.add_argument("--check-rows", type=int, default=1024)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    require_cuda(__file__)
+    import triton
+
+    import rl_kernels
+    from distill_bench import config, load_verl_losses
+
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    head = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "date": time.strftime("%Y-%m-%d"), "n": args.n, "hidden": args.hidden, "vocab": args.vocab,
+            "topk": args.topk}
+    print(head, flush=True)
+    head["checks"] = checks(args.check_rows, args.hidden, args.vocab)
+    print("checks:", head["checks"], flush=True)
+
+    n, v = args.n, args.vocab
+    hidden, weight, labels, g_lp, g_ent = head_inputs(n, args.hidden, v)
+    rows = {}
+    rows["mm"] = bench(lambda: hidden @ weight.T)
+
+    # (a) log-probs + sum_pi_squared, no grad
+    from verl.utils import torch_functional as verl_F
+
+    def verl_sum_pi():
+        with torch.no_grad():
+            logits = hidden @ weight.T
+            return verl_F.logprobs_from_logits(logits, labels), verl_F.calculate_sum_pi_squared_from_logits(logits)
+
+    def fused(sum_pi):
+        def f():
+            with torch.no_grad():
+                return rl_kernels.linear_log_probs(hidden, weight, labels, return_entropy=False,
+                                                   return_sum_pi_squared=sum_pi)
+        return f
+    for _ in range(2):  # interleaved: the closest pair twice
+        rows["(a) fused log-probs"] = bench(fused(False))
+        rows["(a) fused log-probs + sum_pi_squared"] = bench(fused(True))
+    rows["(a) verl logits path log-probs + sum_pi_squared"] = bench(verl_sum_pi)
+    ref_sq = verl_F.calculate_sum_pi_squared_from_logits((hidden[:1024] @ weight.T).double())
+    head["sum_pi_squared_max_abs_err"] = {
+        "fused": (fused(True)().sum_pi_squared[:1024].double() - ref_sq).abs().max().item(),
+        "verl logits path": (verl_sum_pi()[1][:1024].double() - ref_sq).abs().max().item()}
+
+    # (b) per-row temperature, fwd+bwd
+    hx, wx = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    row_t = torch.rand(n, device="cuda") + 0.5
+
+    def step(t):
+        def f():
+            hx.grad = wx.grad = None
+            o = rl_kernels.linear_log_probs(hx, wx, labels, temperature=t)
+            (o.log_probs * g_lp + o.entropy * g_ent).sum().backward()
+        return f
+    for _ in range(2):
+        rows["(b) fwd+bwd scalar temperature"] = bench(step(0.7))
+        rows["(b) fwd+bwd per-row temperature"] = bench(step(row_t))
+
+    # (c) top-K distillation, fwd+bwd
+    verl_losses, how = load_verl_losses()
+    head["verl"] = how
+    k = args.topk
+    ids = torch.empty(n, k, dtype=torch.int64, device="cuda")
+    t_lp = torch.empty(n, k, device="cuda")
+    g = torch.Generator("cuda").manual_seed(3)
+    with torch.no_grad():
+        for r0 in range(0, n, 2048):
+            z = (hidden[r0:r0 + 2048] @ weight.T).float() + torch.randn(min(2048, n - r0), v, device="cuda", generator=g)
+            top, ids[r0:r0 + 2048] = z.topk(k, -1)
+            t_lp[r0:r0 + 2048] = top - torch.logsumexp(z, -1, keepdim=True)
+            del z, top
+    lengths = [n // 8] * 7 + [n - 7 * (n // 8)]
+    nested = [torch.nested.as_nested_tensor(list(t.split(lengths)), layout=torch.jagged) for t in (t_lp, ids)]
+    cfg = config(False, None)
+
+    def verl_distill():
+        hx.grad = wx.grad = None
+        logits = (hx @ wx.T)[None]
+        out = verl_losses.compute_forward_kl_topk(logits, nested[0], nested[1], cfg, "thd")
+        out["distillation_losses"].sum().backward()
+
+    def fused_distill():
+        hx.grad = wx.grad = None
+        rl_kernels.linear_topk_kl(hx, wx, ids, t_lp, reduction="sum").backward()
+    rows["(c) fused linear_topk_kl fwd+bwd"] = bench(fused_distill)
+    rows["(c) verl logits path compute_forward_kl_topk fwd+bwd"] = bench(verl_distill)
+
+    mm = rows["mm"][0]
+    print(f"{head['device']} | torch {head['torch']} | Triton {head['triton']} | {head['date']} | "
+          f"N={n} H={args.hidden} V={v} K={k} bf16 | verl: {how}")
+    print(f"{'row':<58}{'ms':>10}{'x mm':>8}{'peak GiB':>10}")
+    for name, (ms, peak) in rows.items():
+        print(f"{name:<58}{ms:>10.3f}{ms / mm:>8.2f}{peak:>10.2f}")
+    a0, a1 = rows["(a) fused log-probs"][0], rows["(a) fused log-probs + sum_pi_squared"][0]
+    b0, b1 = rows["(b) fwd+bwd scalar temperature"][0], rows["(b) fwd+bwd per-row temperature"][0]
+    print(f"sum_pi_squared / fused forward: {a1 / a0:.4f}; per-row / scalar temperature fwd+bwd: {b1 / b0:.4f}")
+    print("sum_pi_squared max |err| vs float64 (first 1024 rows):", head["sum_pi_squared_max_abs_err"])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"header": head, "rows": {k: {"ms": ms, "peak_extra_gib": p} for k, (ms, p) in rows.items()}},
+                      f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
