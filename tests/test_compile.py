@@ -328,14 +328,16 @@ def test_compiled_auto_backend_logs_its_choice_at_run_time(caplog):
 @pytest.mark.parametrize("op", ["linear_forward", "linear_forward_gather", "logits_forward", "jsd_forward",
                                 "counted_positions", "linear_forward-runtime_temperature",
                                 "linear_forward_gather-runtime_temperature", "logits_forward-runtime_temperature",
-                                "jsd_forward-runtime_temperature", "logits_forward_topk-runtime_temperature"])
+                                "jsd_forward-runtime_temperature", "logits_forward_topk-runtime_temperature",
+                                "linear_forward-row_temperature", "logits_forward-row_temperature"])
 def test_custom_ops_pass_opcheck(op):
     """torch.library.opcheck: schema (no hidden mutation or aliasing), fake implementation,
     autograd registration (the ops that carry their own autograd; the fused head's, the JSD's and
     the from-logits family's are backend calls inside their Function: their inputs need no grad)
     and AOT dispatch with dynamic
     shapes, with the temperature as a float
-    and as the runtime 0-d tensor of the compiled route (then the float is ignored: 1.0 here).
+    and as the runtime 0-d tensor of the compiled route (then the float is ignored: 1.0 here), or
+    as a per-row (N,) temperature (constant here: the same bits as the float).
     (The vocab-parallel ops need a process group: tests/tp_worker.py compiles them.)"""
     op, _, runtime = op.partition("-")
     inv = 1.0 if runtime else 1 / T
@@ -354,7 +356,9 @@ def test_custom_ops_pass_opcheck(op):
         "logits_forward_topk": (logits.detach(), labels, ids, *_logits_args(inv)),
     }[op]
     if runtime:  # (the packed arguments end with the runtime temperature, None: replaced)
-        args = (args[:-1] if op != "counted_positions" else args) + (torch.tensor(T, dtype=torch.float64),)
+        runtime_t = (torch.tensor(T, dtype=torch.float64) if runtime == "runtime_temperature"
+                     else torch.full(labels.shape, T))  # row_temperature: one T per row
+        args = (args[:-1] if op != "counted_positions" else args) + (runtime_t,)
     name = {"linear_forward_gather": "linear_forward", "logits_forward_topk": "logits_forward"}.get(op, op)
     if runtime:  # the compiled route's twin, tagged cudagraph-unsafe (autograd.common.CustomOpPair)
         name += "_runtime_temperature"

@@ -33,6 +33,31 @@ from diag_common import head_inputs, require_cuda
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
+def load_verl_functional():
+    """verl's ``verl.utils.torch_functional`` (the logits path's functions), and how it was imported:
+    in full, or, where verl's full import fails (a GPU machine without Ray), its file alone with
+    ``verl.utils.device`` stubbed (the only verl module it imports; CUDA)."""
+    import importlib
+    import importlib.util
+    import types
+
+    try:
+        return importlib.import_module("verl.utils.torch_functional"), "verl"
+    except Exception as exc:  # noqa: BLE001 - any failure of the full import: load the file alone
+        reason = f"{type(exc).__name__}: {str(exc)[:80]}"
+    root = list(importlib.util.find_spec("verl").submodule_search_locations)[0]
+    device = types.ModuleType("verl.utils.device")
+    device.get_device_name = lambda: "cuda"
+    device.get_torch_device = lambda: torch.cuda
+    for name in ("verl", "verl.utils"):
+        sys.modules.setdefault(name, types.ModuleType(name))
+    sys.modules["verl.utils.device"] = device
+    spec = importlib.util.spec_from_file_location("verl.utils.torch_functional", f"{root}/utils/torch_functional.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module, f"torch_functional.py alone (full import failed: {reason})"
+
+
 def bench(fn, rep=1000):
     import triton.testing
 
@@ -97,7 +122,12 @@ def main() -> int:
     rows["mm"] = bench(lambda: hidden @ weight.T)
 
     # (a) log-probs + sum_pi_squared, no grad
-    from verl.utils import torch_functional as verl_F
+    verl_F, how_f = load_verl_functional()
+    head["verl_functional"] = how_f
+    # verl's log-probs: flash-attn's Triton cross-entropy when importable (as verl users run it),
+    # else a per-row log_softmax loop (its fallback): the table says which
+    head["verl_log_probs"] = ("flash-attn Triton cross-entropy" if getattr(verl_F, "FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE",
+                                                                         False) else "fallback (no flash-attn)")
 
     def verl_sum_pi():
         with torch.no_grad():
@@ -114,6 +144,11 @@ def main() -> int:
         rows["(a) fused log-probs"] = bench(fused(False))
         rows["(a) fused log-probs + sum_pi_squared"] = bench(fused(True))
     rows["(a) verl logits path log-probs + sum_pi_squared"] = bench(verl_sum_pi)
+
+    def verl_sum_pi_only():
+        with torch.no_grad():
+            return verl_F.calculate_sum_pi_squared_from_logits(hidden @ weight.T)
+    rows["(a) verl logits path sum_pi_squared alone"] = bench(verl_sum_pi_only)
     ref_sq = verl_F.calculate_sum_pi_squared_from_logits((hidden[:1024] @ weight.T).double())
     head["sum_pi_squared_max_abs_err"] = {
         "fused": (fused(True)().sum_pi_squared[:1024].double() - ref_sq).abs().max().item(),
@@ -164,7 +199,7 @@ def main() -> int:
 
     mm = rows["mm"][0]
     print(f"{head['device']} | torch {head['torch']} | Triton {head['triton']} | {head['date']} | "
-          f"N={n} H={args.hidden} V={v} K={k} bf16 | verl: {how}")
+          f"N={n} H={args.hidden} V={v} K={k} bf16 | verl: {how}; {how_f}; log-probs: {head['verl_log_probs']}")
     print(f"{'row':<58}{'ms':>10}{'x mm':>8}{'peak GiB':>10}")
     for name, (ms, peak) in rows.items():
         print(f"{name:<58}{ms:>10.3f}{ms / mm:>8.2f}{peak:>10.2f}")
