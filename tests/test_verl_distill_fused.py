@@ -198,3 +198,50 @@ def test_a_fused_forward_that_is_not_rl_kernels_is_warned(qwen2_forward, cpu_eng
         _step(cpu_engine(model), _micro_batch(input_ids, t_lp, t_ids, True, False), weights)
     said = [m for m in caplog.messages if "top-K distillation on verl's FSDP fused path is not served" in m]
     assert len(said) == 1 and "the model's fused forward is not rl-kernels'" in said[0], caplog.messages
+
+
+@needs_fused_distillation
+def test_ulysses_slicing_goes_through_verls_helpers(monkeypatch):
+    """Sequence parallelism: the teacher's packed tensors are sliced for this rank with the helpers
+    of verl's loss module, as verl's logits path slices them (a stand-in for rank 0 of 2 with
+    verl's padding: 21 tokens padded to 22, the first 11). serve_fused_topk on this rank's hidden
+    states vs verl's compute_forward_kl_topk on this rank's logits: outputs within 1e-5, the
+    gradients w.r.t. hidden states and weight within atol 1e-5 / rtol 1e-4."""
+    import importlib
+
+    fsdp = importlib.import_module(distill.FSDP_MODULE)
+    original = fsdp.compute_forward_kl_topk
+    original = getattr(original, "_rl_kernels_original", original)  # verl's own
+
+    def first_half(x, dim, padding=True):
+        if padding and x.shape[dim] % 2:
+            x = torch.cat([x, x.new_zeros(x.shape[:dim] + (1,) + x.shape[dim + 1:])], dim)
+        return x.narrow(dim, 0, x.shape[dim] // 2).contiguous()
+
+    monkeypatch.setattr(fsdp, "get_ulysses_sequence_parallel_world_size", lambda: 2)
+    monkeypatch.setattr(fsdp, "slice_input_tensor", first_half)
+    g = torch.Generator().manual_seed(6)
+    lengths, n, hidden_size, vocab = (8, 6, 7), 11, 16, 97
+    t_lp, t_ids = torch.log_softmax(3 * torch.randn(sum(lengths), vocab, generator=g), -1).topk(K, dim=-1)
+    t_lp[::4, 1] = -11.0
+    nested = [torch.nested.as_nested_tensor(list(t.split(list(lengths))), layout=torch.jagged) for t in (t_lp, t_ids)]
+    h = torch.randn(1, n, hidden_size, generator=g)
+    w = torch.randn(vocab, hidden_size, generator=g)
+    weights = torch.randn(1, n, generator=g)
+    labels = torch.randint(0, vocab, (1, n), generator=g)
+    config = _config()
+
+    hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
+    ref = original((hr @ wr.T) / T, nested[0], nested[1], config, "thd")
+    (ref["distillation_losses"] * weights).sum().backward()
+
+    hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
+    request = distill.TopKRequest({"teacher_logprobs": nested[0], "teacher_ids": nested[1]},
+                                  functools.partial(_loss, distillation_config=config))
+    distill.serve_fused_topk(request, hg, wg, labels, temperature=T, softcap=None, return_entropy=False,
+                             backend="torch")
+    (request.aux.distillation_losses * weights).sum().backward()
+    for key in ("distillation_losses", "student_mass", "teacher_mass"):
+        torch.testing.assert_close(getattr(request.aux, key), ref[key].detach().float(), **TOL, msg=key)
+    torch.testing.assert_close(hg.grad, hr.grad, **GRAD_TOL)
+    torch.testing.assert_close(wg.grad, wr.grad, **GRAD_TOL)
