@@ -245,3 +245,36 @@ def test_ulysses_slicing_goes_through_verls_helpers(monkeypatch):
         torch.testing.assert_close(getattr(request.aux, key), ref[key].detach().float(), **TOL, msg=key)
     torch.testing.assert_close(hg.grad, hr.grad, **GRAD_TOL)
     torch.testing.assert_close(wg.grad, wr.grad, **GRAD_TOL)
+
+
+def test_megatron_fused_top_k_is_not_served_and_says_so_once(monkeypatch, caplog):
+    """verl's Megatron fused forward computes no distillation outputs and rl-kernels adds none:
+    the report says so, and the engine's forward_backward_batch (wrapped where it is defined)
+    logs one WARNING at the first fused top-K batch, then runs verl's method unchanged."""
+    import importlib
+
+    pytest.importorskip("megatron.core")
+    if not _has(distill.MEGATRON_MODULE):
+        pytest.skip("this verl has no distillation")
+    from verl.utils import tensordict_utils as tu
+
+    served, why = rkv.report()[distill.MEGATRON_FUSED_PART]
+    assert not served and why.startswith("not served") and "a WARNING at the first fused top-K batch" in why
+    impl = importlib.import_module(distill.MEGATRON_ENGINE_MODULE)
+    installed = getattr(impl, distill.MEGATRON_ENGINE_CLASS).forward_backward_batch
+    assert installed._rl_kernels_original is not None
+    calls = []
+
+    def forward_backward_batch(self, data, loss_function, forward_only=False):  # stands for verl's
+        calls.append((self, data, loss_function, forward_only))
+        return "verl's"
+
+    wrapped = distill._megatron_said_once(forward_backward_batch)
+    engine = SimpleNamespace(engine_config=SimpleNamespace(use_fused_kernels=True))
+    batches = [tu.get_tensordict({"x": torch.zeros(1)}, {"distillation_use_topk": topk}) for topk in (False, True, True)]
+    monkeypatch.setattr(_logging, "_seen", set())
+    with caplog.at_level("WARNING", logger="rl_kernels"):
+        assert [wrapped(engine, b, "loss") for b in batches] == ["verl's"] * 3
+    assert calls == [(engine, b, "loss", False) for b in batches]
+    said = [m for m in caplog.messages if "top-K distillation on verl's Megatron fused path is not served" in m]
+    assert len(said) == 1, caplog.messages
