@@ -7,8 +7,9 @@ batch and teacher tensors (random top-8 per token, nested as verl's batches hold
 third token below ``log_prob_min_clamp`` = -10). Checked: the update (SGD, lr 1: the clipped
 gradient) equal to 1e-4 relative per parameter (every parameter moves), and the fused worker's
 counts (one fused distillation call; the unpatched worker never imported rl-kernels). Checked to
-fail when the fused path's student log-probs ignore the temperature (embedding update 0.54 off). The Ray cluster, the saved model and verl's config
-composition are those of ``tests/test_verl_e2e.py``.
+fail when the fused path's student log-probs ignore the temperature (embedding update 0.54 off).
+The Ray cluster, the saved model and verl's config composition are those of
+``tests/test_verl_e2e.py``.
 """
 import concurrent.futures
 

@@ -271,7 +271,8 @@ def test_megatron_fused_top_k_is_not_served_and_says_so_once(monkeypatch, caplog
 
     wrapped = distill._megatron_said_once(forward_backward_batch)
     engine = SimpleNamespace(engine_config=SimpleNamespace(use_fused_kernels=True))
-    batches = [tu.get_tensordict({"x": torch.zeros(1)}, {"distillation_use_topk": topk}) for topk in (False, True, True)]
+    batches = [tu.get_tensordict({"x": torch.zeros(1)}, {"distillation_use_topk": topk})
+               for topk in (False, True, True)]
     monkeypatch.setattr(_logging, "_seen", set())
     with caplog.at_level("WARNING", logger="rl_kernels"):
         assert [wrapped(engine, b, "loss") for b in batches] == ["verl's"] * 3
