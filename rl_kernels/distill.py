@@ -32,8 +32,9 @@ from .autograd.linear import HeadParams, linear_head
 from .autograd.positions import check_teacher_log_probs, checked_positions
 from .autograd.vocab_parallel import parallel_params
 from .backends import get_backend
-from .validation import (FLOAT_DTYPES, LABEL_DTYPES, check_bool_arg, check_choice, check_hidden_weight, check_labels,
-                         check_mask, check_same_device, check_temperature, check_tensor_arg, describe, public_signature,
+from .validation import (FLOAT_DTYPES, LABEL_DTYPES, check_bool_arg, check_choice, check_head_inputs,
+                         check_hidden_weight, check_labels, check_mask, check_same_device, check_softcap,
+                         check_temperature, check_tensor_arg, check_token_id_values, describe, public_signature,
                          raise_extra_positional)
 
 __all__ = ["linear_topk_kl", "linear_jsd"]  # the public names (rl_kernels/__init__.py exports them)
@@ -158,13 +159,73 @@ def linear_topk_kl(
     params = HeadParams(backend=backend, inv_temperature=1.0 / t, ignore_index=-100,
                         return_entropy=False, name="linear_topk_kl", may_have_ignored=any_excluded is not False,
                         labels_checked=True)  # (the row labels are checked teacher ids or ignore_index)
-    # the fused head's one route (a vocab shard with ``tp``), with the logits at the teacher's ids
-    inv_temperature, runtime_temperature = split_temperature(t)
-    head = linear_head(h2, weight, row_labels, params._replace(inv_temperature=inv_temperature), ids,
-                       runtime_temperature, tp)
-    lse, z_ids = head.lse, head.gathered_logits
-    return topk_kl_loss(z_ids - lse[:, None], teacher_log_probs, valid, lead, temperature=t, kind=kind,
+    _, log_q = head_at_ids(h2, weight, row_labels, ids, params, t, tp)
+    return topk_kl_loss(log_q, teacher_log_probs, valid, lead, temperature=t, kind=kind,
                         renormalize_teacher=renormalize_teacher, reduction=reduction)
+
+
+def head_at_ids(h2, weight, labels, ids, params: HeadParams, temperature: float, tp=None):
+    """The fused head's one route (a vocab shard with ``tp``) with the logits at ``ids`` ->
+    (``HeadOutputs``, the log-probs at ``ids`` (N, K) float32 = z[ids] - lse, differentiable).
+    ``h2`` (N, H), ``labels`` (N,), ``ids`` (N, K) int64 (checked), ``params`` (its
+    ``inv_temperature`` is set here from the checked ``temperature``)."""
+    inv_temperature, runtime_temperature = split_temperature(temperature)
+    head = linear_head(h2, weight, labels, params._replace(inv_temperature=inv_temperature), ids,
+                       runtime_temperature, tp)
+    return head, head.gathered_logits - head.lse[:, None]
+
+
+def linear_log_probs_at_ids(hidden_states: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                            token_ids: torch.Tensor, *, temperature: float = 1.0, softcap: float | None = None,
+                            return_entropy: bool = False, backend: str = "auto") -> tuple:
+    """``linear_log_probs``' log-probs at ``labels`` (and entropy) together with the log-probs at K
+    ids per position, from one fused head call: no N x V tensor in forward or backward. What top-K
+    distillation on a fused forward needs (``rl_kernels.integrations.verl``: verl's PPO log-probs
+    and the student's log-probs at the teacher's top-K ids). Not in ``__all__``: the public
+    functions are ``linear_log_probs`` and ``linear_topk_kl``.
+
+    Args:
+        hidden_states: (..., H) bfloat16/float16/float32. Differentiable.
+        weight: (vocab_size, H), same dtype and device. Differentiable.
+        labels: (...) int64/int32 in [0, vocab_size) or -100 (ignored: log-prob 0, no gradient,
+            and no gradient through that position's ids either).
+        token_ids: (..., K) int64/int32 ids in [0, vocab_size), K >= 1.
+        temperature, softcap, return_entropy, backend: as for ``linear_log_probs``.
+
+    Returns:
+        ``(log_probs, entropy, log_probs_at_ids)``: float32 nats, shapes ``labels.shape`` (entropy
+        None unless asked) and ``token_ids.shape``; log_probs_at_ids = z[ids] - logsumexp(z),
+        z = hidden_states @ weight.T / temperature (soft-capped first with ``softcap``).
+
+    Raises:
+        TypeError / ValueError as ``linear_log_probs``, and naming ``token_ids`` for a wrong dtype,
+        shape, device or an id outside [0, vocab_size); NotImplementedError for ``softcap`` with a
+        gradient to compute (the gathered logits' gradient under a cap is not implemented).
+    """
+    temperature = check_temperature(temperature)
+    softcap = check_softcap(softcap, temperature)
+    check_head_inputs(hidden_states, weight, labels, -100, check_values=False)
+    check_bool_arg("return_entropy", return_entropy)
+    check_tensor_arg("token_ids", token_ids)
+    lead = tuple(labels.shape)
+    if token_ids.dtype not in LABEL_DTYPES or tuple(token_ids.shape[:-1]) != lead or token_ids.dim() != len(lead) + 1 \
+            or token_ids.shape[-1] == 0:
+        raise ValueError(f"token_ids: expected {lead + ('K',)} int64/int32 with K >= 1 (labels' shape, then K "
+                         f"ids), got {describe(token_ids)}")
+    check_same_device("token_ids", token_ids, hidden_states, "hidden_states")
+    if softcap is not None and torch.is_grad_enabled() and (hidden_states.requires_grad or weight.requires_grad):
+        raise NotImplementedError("linear_log_probs_at_ids: the gradient of the logits at token_ids under a "
+                                  "softcap is not implemented")
+    k = token_ids.shape[-1]
+    ids = token_ids.reshape(-1, k)
+    check_token_id_values(ids, weight.shape[0], "token_ids")
+    params = HeadParams(backend=get_backend(backend, hidden_states.device), inv_temperature=1.0 / temperature,
+                        ignore_index=-100, return_entropy=return_entropy, name="linear_log_probs_at_ids",
+                        softcap=softcap)  # (label values are checked in the head's backend call)
+    head, log_q = head_at_ids(hidden_states.reshape(-1, hidden_states.shape[-1]), weight, labels.reshape(-1),
+                              ids.long(), params, temperature)
+    entropy = head.entropy.view(lead) if return_entropy else None
+    return head.log_probs.view(lead), entropy, log_q.view(token_ids.shape)
 
 
 def topk_kl_loss(log_q, teacher_log_probs, valid, lead, *, temperature: float, kind: str,

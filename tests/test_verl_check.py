@@ -103,3 +103,21 @@ def test_the_check_leaves_verl_unpatched():
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "rl-kernels is ON: fused path" in proc.stdout, proc.stdout
     assert "integration modules loaded: []" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("strategy,rmpad,expected", [
+    ("fsdp2", True, "; top-K distillation (loss_mode=forward_kl_topk) served on the fused path"),
+    ("megatron", True, "WARNING: top-K distillation (loss_mode=forward_kl_topk) is NOT served by rl-kernels on the "
+                       "fused path of strategy 'megatron'"),
+    ("fsdp", False, "WARNING: top-K distillation (loss_mode=forward_kl_topk) is NOT served on the fused path with "
+                    "use_remove_padding=False"),
+])
+def test_fused_line_says_whether_top_k_distillation_is_served(strategy, rmpad, expected):
+    model = {"external_lib": "rl_kernels.integrations.verl", "use_fused_kernels": True, "use_remove_padding": rmpad,
+             "fused_kernel_options": {"impl_backend": "rl_kernels"}}
+    cfg = {"actor_rollout_ref": {"model": model, "actor": {"strategy": strategy}},
+           "distillation": {"enabled": True, "distillation_loss": {"loss_mode": "forward_kl_topk"}}}
+    verdict = diagnose(cfg)
+    assert verdict.on and expected in verdict.line, verdict.line
+    cfg["distillation"]["distillation_loss"]["loss_mode"] = "k3"  # a single-sample estimator: nothing to say
+    assert "distillation" not in diagnose(cfg).line

@@ -149,13 +149,50 @@ def diagnose(cfg: dict, stderr: str = "", overrides: list[str] = ()) -> Verdict:
                                   f"rl-kernels is imported but replaces nothing on this path. Fix: {fix}")
         return Verdict(True, f"rl-kernels is ON: fused path (use_fused_kernels=True, impl_backend={BACKEND_NAME}), "
                              f"backend={opts.backend}, {options_text}; the actor and the reference model "
-                             f"(actor_rollout_ref.model)")
+                             f"(actor_rollout_ref.model){_fused_distillation_note(cfg, model)}")
     if not opts.patch_logits_path:
         return Verdict(False, "rl-kernels is OFF: use_fused_kernels=False (verl's logits path) with "
                               "patch_logits_path=False, so nothing is replaced. Fix: use_fused_kernels=True with "
                               f"impl_backend={BACKEND_NAME}, or drop patch_logits_path=False")
     return Verdict(True, f"rl-kernels is ON: logits path (use_fused_kernels=False: verl's from-logits functions "
                          f"replaced), {options_text}; the actor and the reference model (actor_rollout_ref.model)")
+
+
+def _topk_distillation(cfg: dict) -> str | None:
+    """The distillation loss mode when the composed config turns on a top-K distillation loss
+    (verl's registry says which modes use top-K; a mode it does not know, by its name), else None."""
+    section = cfg.get("distillation")
+    if not isinstance(section, dict) or not section.get("enabled"):
+        return None
+    mode = str(_section(section, "distillation_loss.loss_mode"))
+    try:
+        from verl.trainer.distillation.losses import get_distillation_loss_settings
+
+        return mode if get_distillation_loss_settings(mode).use_topk else None
+    except (ImportError, ValueError):
+        return mode if "topk" in mode else None
+
+
+def _fused_distillation_note(cfg: dict, model: dict) -> str:
+    """What the fused path does with top-K distillation, for the ON line ('' without it): served on
+    verl's FSDP engine with remove-padding; a WARNING where it is not (verl's loss then finds no
+    distillation_losses)."""
+    mode = _topk_distillation(cfg)
+    if mode is None:
+        return ""
+    strategy = _section(cfg, "actor_rollout_ref.actor.strategy")
+    fix = "Fix: use_fused_kernels=False (the logits path) for distillation runs"
+    if strategy not in ("fsdp", "fsdp2"):
+        return (f". WARNING: top-K distillation (loss_mode={mode}) is NOT served by rl-kernels on the fused path of "
+                f"strategy {strategy!r} (" + ("verl's Megatron fused forward computes no distillation outputs, so "
+                "its loss finds no distillation_losses" if strategy == "megatron" else "that engine's own fused "
+                "forward") + f"). {fix}")
+    if not model.get("use_remove_padding", True):
+        return (f". WARNING: top-K distillation (loss_mode={mode}) is NOT served on the fused path with "
+                f"use_remove_padding=False (verl's engine reads no fused distillation outputs then). Fix: "
+                f"use_remove_padding=True, or use_fused_kernels=False")
+    return (f"; top-K distillation (loss_mode={mode}) served on the fused path (distillation_losses, student_mass, "
+            f"teacher_mass from rl-kernels' fused head)")
 
 
 def _why_not_imported(cfg: dict, stderr: str, overrides) -> str:

@@ -17,18 +17,30 @@ student's top-K ids from ``torch.topk`` of the logits, without gradient, as verl
 :func:`rl_kernels.topk_log_probs_from_logits`: float32, no N x V tensor in forward, the gradient
 as the one N x V tensor of backward. verl's Megatron distillation (vocab-parallel logits shards,
 ``verl.trainer.distillation.megatron.losses``) stays verl's.
+
+On the FSDP fused path (``use_fused_kernels=True``, ``impl_backend=rl_kernels``, remove-padding),
+:func:`patch_fused_distillation` makes the served model's forward fill the ``fused_linear_aux``
+that verl's FSDP engine reads (``distillation_losses``, ``student_mass``, ``teacher_mass``, with
+the same :func:`topk_terms` as above) from one fused head call that also gives verl's log-probs
+(:func:`serve_fused_topk`): no N x V tensor in forward or backward. verl's Megatron fused path
+computes no distillation outputs and is not served: one WARNING at its first top-K batch.
 """
 from __future__ import annotations
 
+import contextvars
+import dataclasses
 import functools
 import importlib
+import inspect
 import logging
+from typing import NamedTuple
 
 import torch
 
 from ..._logging import log_once
+from ...distill import linear_log_probs_at_ids
 from ...logits import topk_log_probs_from_logits
-from .common import check_signature, record, replace_by_name, set_attr
+from .common import VerlIntegrationError, check_signature, record, replace_by_name, set_attr
 from .settings import options
 from .signatures import has_module
 
@@ -39,7 +51,9 @@ PARAMETERS = ["student_logits", "teacher_topk_log_probs", "teacher_topk_ids", "c
 """The parameters of verl's ``compute_forward_kl_topk`` (verl 0.9.1 and main) that the replacement handles."""
 
 FSDP_PART = "distillation (FSDP, VeOmni)"
+FUSED_PART = "distillation (FSDP fused path)"
 MEGATRON_PART = "distillation (Megatron)"
+MEGATRON_FUSED_PART = "distillation (Megatron fused path)"
 NOT_IN_THIS_VERL = "not in this verl (no verl.trainer.distillation: verl 0.7.x)"
 
 
@@ -169,14 +183,8 @@ def _forward_kl_topk(fsdp, student_logits, teacher_log_probs, teacher_ids, confi
     log_q = topk_log_probs_from_logits(student_logits, teacher_ids, backend=options().backend)
     with torch.no_grad():  # the student's own top K (the overlap metric): the logits' order is log q's
         student_ids = torch.topk(student_logits, k=k, dim=-1).indices
-    student_mass = log_q.exp().sum(-1)
-    teacher_mass = teacher_log_probs.exp().sum(-1)
-    clamp = loss_config.log_prob_min_clamp
-    if clamp is not None:
-        log_q = log_q.clamp_min(clamp)
-        teacher_log_probs = teacher_log_probs.clamp_min(clamp)
-    log_p = teacher_log_probs.float()
-    distillation_losses = (log_p.exp() * (log_p - log_q)).sum(-1)  # forward KL over the K ids (float32)
+    distillation_losses, student_mass, teacher_mass, log_q, teacher_log_probs = topk_terms(
+        log_q, teacher_log_probs, loss_config.log_prob_min_clamp)
 
     # the teacher's ids that are among the student's top K, and the mean of -p_t (log p_t - log q)
     # over them (0 where there is none): verl's overlap diagnostics
@@ -194,3 +202,279 @@ def _forward_kl_topk(fsdp, student_logits, teacher_log_probs, teacher_ids, confi
         "overlap_count": overlap_count,
         "overlap_token_advantage": advantage.to(torch.promote_types(teacher_log_probs.dtype, student_logits.dtype)),
     }
+
+
+def topk_terms(log_q, teacher_log_probs, clamp) -> tuple:
+    """verl's per-token top-K forward KL terms from the student's log-probs at the teacher's ids
+    (``verl.trainer.distillation.fsdp.losses.compute_forward_kl_topk``, both of rl-kernels' paths):
+    ``log_q`` (..., K) float32, ``teacher_log_probs`` (..., K), ``clamp`` verl's
+    ``log_prob_min_clamp`` (None: no clamp) -> ``(distillation_losses, student_mass, teacher_mass,
+    log_q, teacher_log_probs)``: the masses sum exp over the K slots before the clamp, both sides
+    are then clamped below at ``clamp``, the loss is sum_k p_k (log p_k - log q_k) in float32 (the
+    clamped log-probs are returned for the overlap metrics)."""
+    student_mass = log_q.exp().sum(-1)
+    teacher_mass = teacher_log_probs.exp().sum(-1)
+    if clamp is not None:
+        log_q = log_q.clamp_min(clamp)
+        teacher_log_probs = teacher_log_probs.clamp_min(clamp)
+    log_p = teacher_log_probs.float()
+    distillation_losses = (log_p.exp() * (log_p - log_q)).sum(-1)  # forward KL over the K ids (float32)
+    return distillation_losses, student_mass, teacher_mass, log_q, teacher_log_probs
+
+
+
+# ----------------------------------------------------------------------------- the FSDP fused path
+# verl's FSDP engine (0.9.1 and main) reads, on a fused micro-batch with distillation_use_topk and
+# remove-padding, ``output.fused_linear_aux.{distillation_losses, student_mass, teacher_mass}``
+# ((1, tokens of this rank) each) from the model's forward, gathers them over the Ulysses group and
+# unpads them as it does the log-probs. Only VeOmni's own fused forward fills it; verl's FSDP fused
+# forwards hand the model no teacher tensors. rl-kernels' served forward fills it: the FSDP engine's
+# forward_step makes the micro-batch (teacher tensors) and verl's distillation config (the clamp)
+# known to the fused head (a context variable, :func:`topk_request`), which computes verl's PPO
+# log-probs and the student's log-probs at the teacher's ids in one fused call
+# (:func:`serve_fused_topk`); :func:`~.fsdp_fused.serving_forward` attaches the result.
+
+ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
+ENGINE_CLASS = "FSDPEngineWithLMHead"
+
+
+class FusedLinearAux(NamedTuple):
+    """What verl's FSDP engine reads from ``output.fused_linear_aux`` on a top-K distillation
+    micro-batch: (1, n) float32 each, n the tokens of this rank (Ulysses padding included). The
+    masses are metrics only (no gradient), as verl's loss uses them."""
+
+    distillation_losses: torch.Tensor
+    student_mass: torch.Tensor
+    teacher_mass: torch.Tensor
+
+
+@dataclasses.dataclass
+class TopKRequest:
+    """A fused top-K distillation micro-batch of the FSDP engine: verl's micro-batch (its nested
+    ``teacher_ids`` / ``teacher_logprobs``), the loss function verl's engine got (which carries
+    verl's ``distillation_config``), and the outputs once the fused head has computed them."""
+
+    micro_batch: object
+    loss_function: object
+    aux: FusedLinearAux | None = None
+
+
+_request = contextvars.ContextVar("rl_kernels_topk_request", default=None)
+
+
+def topk_request() -> TopKRequest | None:
+    """The fused top-K distillation request of the FSDP engine's forward_step that runs now, or None."""
+    return _request.get()
+
+
+def _flag(micro_batch, key: str, default=False):
+    from verl.utils import tensordict_utils as tu
+
+    return tu.get_non_tensor_data(data=micro_batch, key=key, default=default)
+
+
+def _wants_fused_topk(micro_batch) -> bool:
+    return bool(_flag(micro_batch, "distillation_use_topk") and _flag(micro_batch, "use_fused_kernels"))
+
+
+def _request_for(micro_batch, loss_function) -> TopKRequest | None:
+    """A request for a fused, remove-padding micro-batch with top-K distillation and the teacher's
+    tensors; None otherwise (verl's engine reads fused_linear_aux only with remove-padding)."""
+    if not _wants_fused_topk(micro_batch) or not _flag(micro_batch, "use_remove_padding", True):
+        return None
+    keys = micro_batch.keys()
+    if "teacher_ids" not in keys or "teacher_logprobs" not in keys:
+        return None
+    return TopKRequest(micro_batch, loss_function)
+
+
+def fused_topk_on_request(method):
+    """Wrap the FSDP engine's ``forward_step(self, micro_batch, loss_function, forward_only)``: while
+    it runs, :func:`topk_request` is the micro-batch's request (or None)."""
+    sig = inspect.signature(method)
+
+    @functools.wraps(method)
+    def forward_step(*args, **kwargs):
+        arguments = sig.bind(*args, **kwargs).arguments
+        token = _request.set(_request_for(arguments["micro_batch"], arguments.get("loss_function")))
+        try:
+            return method(*args, **kwargs)
+        finally:
+            _request.reset(token)
+
+    forward_step._rl_kernels_original = method
+    return forward_step
+
+
+def _clamp(loss_function):
+    """verl's ``log_prob_min_clamp``, from the ``distillation_config`` that verl's worker binds into
+    the loss function it hands the engine (``partial(distillation_ppo_loss, ...,
+    distillation_config=...)``); VerlIntegrationError when the loss function carries none."""
+    config = (getattr(loss_function, "keywords", None) or {}).get("distillation_config")
+    loss_config = getattr(config, "distillation_loss", None)
+    if loss_config is None or not hasattr(loss_config, "log_prob_min_clamp"):
+        raise VerlIntegrationError(
+            "rl_kernels.integrations.verl: top-K distillation on the fused path needs verl's distillation config "
+            "(its log_prob_min_clamp), which verl's worker binds into the engine's loss function as "
+            f"distillation_config=...; the loss function here ({loss_function!r}) carries none. Use "
+            "use_fused_kernels=False (verl's logits path) for this run.")
+    return loss_config.log_prob_min_clamp
+
+
+def serve_fused_topk(request: TopKRequest, hidden_states, weight, labels, *, temperature: float, softcap,
+                     return_entropy: bool, backend: str) -> tuple:
+    """The fused head of a served model's forward on a top-K distillation micro-batch: verl's
+    ``(log_probs, entropy or None)`` at ``labels`` (1, n), and ``request.aux`` set to verl's
+    distillation outputs (:func:`topk_terms`, as verl's logits path defines them) from the
+    student's log-probs at the teacher's ids, all from one call of
+    :func:`rl_kernels.distill.linear_log_probs_at_ids` (no N x V tensor in forward or backward).
+    The teacher's packed (1, total, K) tensors are sliced for this Ulysses rank with verl's helpers,
+    as verl's logits path slices them. VerlIntegrationError for a soft-capped model (the gathered
+    logits' gradient under a cap is not implemented), a loss function without verl's distillation
+    config, or teacher tensors that do not match the student's tokens."""
+    if softcap is not None:
+        raise VerlIntegrationError(
+            "rl_kernels.integrations.verl: top-K distillation on the fused path with a soft-capped model "
+            f"(softcap={softcap}) is not served (the gradient of the logits at the teacher's ids under a cap "
+            "is not implemented); use use_fused_kernels=False (verl's logits path) for this model")
+    clamp = _clamp(request.loss_function)
+    fsdp, why = _import_fsdp_losses()
+    if fsdp is None:
+        raise VerlIntegrationError(f"rl_kernels.integrations.verl: top-K distillation on the fused path: {why}")
+    teacher_log_probs = request.micro_batch["teacher_logprobs"].values().unsqueeze(0)  # (1, total, K)
+    teacher_ids = request.micro_batch["teacher_ids"].values().unsqueeze(0)
+    world_size, slice_input = _ulysses(fsdp)
+    if world_size() > 1:  # this rank's slice (padded as verl pads the student's inputs)
+        teacher_log_probs = slice_input(teacher_log_probs, dim=1)
+        teacher_ids = slice_input(teacher_ids, dim=1)
+    device = hidden_states.device
+    teacher_log_probs = teacher_log_probs.to(device, non_blocking=True)
+    teacher_ids = teacher_ids.to(device, non_blocking=True)
+    if tuple(teacher_ids.shape[:-1]) != tuple(labels.shape) or teacher_ids.shape != teacher_log_probs.shape:
+        raise VerlIntegrationError(
+            f"rl_kernels.integrations.verl: top-K distillation on the fused path: the teacher's top-K tensors "
+            f"(ids {tuple(teacher_ids.shape)}, log-probs {tuple(teacher_log_probs.shape)}) do not match the "
+            f"student's tokens {tuple(labels.shape)} on this rank")
+    log_probs, entropy, log_q = linear_log_probs_at_ids(hidden_states, weight, labels, teacher_ids,
+                                                        temperature=temperature, return_entropy=return_entropy,
+                                                        backend=backend)
+    losses, student_mass, teacher_mass, _, _ = topk_terms(log_q, teacher_log_probs, clamp)
+    request.aux = FusedLinearAux(losses, student_mass.detach(), teacher_mass.float())
+    record("distillation_calls", "distillation fused fsdp", labels.numel())
+    return log_probs, entropy
+
+
+def _checked_outputs(method):
+    """Wrap the FSDP engine's ``prepare_model_outputs``: a fused top-K distillation micro-batch
+    whose model output comes back without ``distillation_losses`` (a fused forward that is not
+    rl-kernels', remove-padding off, or an engine that reads no ``fused_linear_aux``) gets one
+    WARNING saying so; verl's own code then runs on (its loss finds no ``distillation_losses``)."""
+    sig = inspect.signature(method)
+
+    @functools.wraps(method)
+    def prepare_model_outputs(*args, **kwargs):
+        model_output = method(*args, **kwargs)
+        micro_batch = sig.bind(*args, **kwargs).arguments.get("micro_batch")
+        if micro_batch is not None and _wants_fused_topk(micro_batch) and isinstance(model_output, dict) \
+                and "distillation_losses" not in model_output:
+            request = topk_request()
+            if not _flag(micro_batch, "use_remove_padding", True):
+                why = "use_remove_padding=False (verl's engine reads fused_linear_aux only with remove-padding)"
+            elif request is not None and request.aux is not None:
+                why = "this verl's engine did not take the fused_linear_aux that rl-kernels computed"
+            else:
+                why = ("the model's fused forward is not rl-kernels' (verl's own fused backends compute no "
+                       "distillation outputs; set fused_kernel_options.impl_backend=rl_kernels)")
+            log_once(logging.WARNING, "rl_kernels: top-K distillation on verl's FSDP fused path is not served: "
+                     f"{why}; verl's loss will find no distillation_losses. Use use_fused_kernels=False "
+                     "(verl's logits path) or impl_backend=rl_kernels with use_remove_padding=True")
+        return model_output
+
+    prepare_model_outputs._rl_kernels_original = method
+    return prepare_model_outputs
+
+
+def patch_fused_distillation() -> dict[str, tuple[bool, str]]:
+    """Top-K distillation on the fused paths: the report entries ``{FUSED_PART: (served?, what),
+    MEGATRON_FUSED_PART: (False, why)}`` (:func:`_patch_fsdp_fused`, :func:`_megatron_fused_entry`)."""
+    return {FUSED_PART: _patch_fsdp_fused(), MEGATRON_FUSED_PART: _megatron_fused_entry()}
+
+
+MEGATRON_ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
+MEGATRON_ENGINE_CLASS = "MegatronEngineWithLMHead"
+
+
+def _megatron_fused_entry() -> tuple[bool, str]:
+    """verl's Megatron fused forward computes no top-K distillation outputs (its loss then finds no
+    ``distillation_losses``), and rl-kernels does not add them there: where verl's Megatron engine
+    imports, its ``forward_backward_batch`` is wrapped to log one WARNING at the first fused batch
+    with ``distillation_use_topk`` (nothing else changes)."""
+    if not has_module(MEGATRON_MODULE):
+        return False, NOT_IN_THIS_VERL
+    why = ("not served: verl's Megatron fused forward computes no top-K distillation outputs and rl-kernels adds "
+           "none there (vocab-parallel, context-parallel layout); verl's own behaviour")
+    try:
+        impl = importlib.import_module(MEGATRON_ENGINE_MODULE)
+    except ImportError as exc:  # megatron-core missing: verl's Megatron engine cannot run here either
+        return False, f"{why} (not importable here: {exc})"
+    engine = getattr(impl, MEGATRON_ENGINE_CLASS, None)
+    owner = next((k for k in getattr(engine, "__mro__", ()) if "forward_backward_batch" in vars(k)), None)
+    method = vars(owner)["forward_backward_batch"] if owner is not None else None
+    if method is None or "data" not in inspect.signature(method).parameters:
+        return False, why
+    set_attr(owner, "forward_backward_batch", _megatron_said_once(method))  # where it is defined
+    return False, why + " (a WARNING at the first fused top-K batch)"
+
+
+def _megatron_said_once(method):
+    sig = inspect.signature(method)
+
+    @functools.wraps(method)
+    def forward_backward_batch(*args, **kwargs):
+        arguments = sig.bind(*args, **kwargs).arguments
+        data, engine = arguments["data"], arguments.get("self")
+        default = bool(getattr(getattr(engine, "engine_config", None), "use_fused_kernels", False))
+        if _flag(data, "distillation_use_topk") and _flag(data, "use_fused_kernels", default):
+            log_once(logging.WARNING, "rl_kernels: top-K distillation on verl's Megatron fused path is not served "
+                     "by rl-kernels: verl's Megatron fused forward computes no distillation outputs (verl's loss "
+                     "then finds no distillation_losses); use use_fused_kernels=False (verl's Megatron logits path)")
+        return method(*args, **kwargs)
+
+    forward_backward_batch._rl_kernels_original = method
+    return forward_backward_batch
+
+
+def _patch_fsdp_fused() -> tuple[bool, str]:
+    """Serve top-K distillation on the FSDP fused path (:func:`fused_topk_on_request` on the
+    engine's ``forward_step``, :func:`_checked_outputs` on its ``prepare_model_outputs``) where
+    this verl has distillation and its FSDP engine reads ``fused_linear_aux`` (read from the
+    engine's source: a feature, not a version). Returns the report entry (served?, what)."""
+    fsdp, why = _import_fsdp_losses()
+    if fsdp is None:
+        return False, why
+    try:
+        impl = importlib.import_module(ENGINE_MODULE)
+    except ImportError as exc:
+        return False, f"not served (verl's FSDP engine not importable: {exc})"
+    engine = getattr(impl, ENGINE_CLASS, None)
+    step = vars(engine).get("forward_step") if engine is not None else None
+    prepare = vars(engine).get("prepare_model_outputs") if engine is not None else None
+    if step is None or prepare is None or "micro_batch" not in inspect.signature(step).parameters \
+            or "micro_batch" not in inspect.signature(prepare).parameters:
+        return False, f"not served (this verl's {ENGINE_CLASS} has no forward_step / prepare_model_outputs " \
+                      f"taking micro_batch)"
+    try:
+        reads_aux = "fused_linear_aux" in inspect.getsource(prepare)
+    except (OSError, TypeError):
+        reads_aux = False
+    set_attr(engine, "prepare_model_outputs", _checked_outputs(prepare))
+    if not reads_aux:
+        return False, (f"not served: this verl's {ENGINE_CLASS}.prepare_model_outputs reads no fused_linear_aux "
+                       f"from a fused forward, so its loss finds no distillation_losses (a WARNING at the first "
+                       f"such micro-batch); verl's logits path (use_fused_kernels=False) is served")
+    set_attr(engine, "forward_step", fused_topk_on_request(step))
+    return True, (f"models with impl_backend=rl_kernels and use_remove_padding=True fill fused_linear_aux "
+                  f"(distillation_losses, student_mass, teacher_mass, read by {ENGINE_CLASS}.prepare_model_outputs) "
+                  f"from one rl_kernels.distill.linear_log_probs_at_ids call with verl's log-probs (no N x V "
+                  f"tensor); verl's overlap metrics are not computed on this path (verl's engine reads none); "
+                  f"a WARNING where a fused micro-batch is not served")

@@ -29,6 +29,7 @@ from ..verl_schema import BACKEND_NAME, names_rl_kernels
 from . import settings
 from .common import (VerlIntegrationError, entropy_on_request, entropy_placeholder, entropy_wanted, record,
                      set_attr)
+from .distill import serve_fused_topk, topk_request
 from .label_check import refuse_rolled_shard_labels
 from .signatures import verl_features
 
@@ -102,16 +103,22 @@ def fused_log_probs_entropy(hidden_states: torch.Tensor, weight: torch.Tensor, l
     weight = full_weight(weight, hidden_states.dtype)
     return_entropy = entropy_wanted.get()
     options = settings.options()
-    out = linear_log_probs(hidden_states, weight, labels, temperature=temperature,
-                           softcap=head.softcap, return_entropy=return_entropy, backend=options.backend)
+    request = topk_request() if _serving.get() else None
+    if request is not None:  # verl's top-K distillation too, from the same fused head call
+        log_probs, entropy = serve_fused_topk(request, hidden_states, weight, labels, temperature=temperature,
+                                              softcap=head.softcap, return_entropy=return_entropy,
+                                              backend=options.backend)
+    else:
+        log_probs, entropy = linear_log_probs(hidden_states, weight, labels, temperature=temperature,
+                                              softcap=head.softcap, return_entropy=return_entropy,
+                                              backend=options.backend)[:2]
     record("fused_fsdp_calls", "fused fsdp", labels.numel())
-    entropy = out.entropy if return_entropy else entropy_placeholder(out.log_probs)
     capture = settings.capture()
     if capture is not None:
         capture.check(hidden_states, weight, labels, temperature=float(temperature),
-                      softcap=head.softcap, ignore_index=-100, log_probs=out.log_probs, entropy=out.entropy,
+                      softcap=head.softcap, ignore_index=-100, log_probs=log_probs, entropy=entropy,
                       metadata={"model": _model_names[-1] if _model_names else "unknown"})
-    return out.log_probs, entropy
+    return log_probs, (entropy if return_entropy else entropy_placeholder(log_probs))
 
 
 def micro_batch_flag(arguments) -> bool:
@@ -199,7 +206,11 @@ def serving_forward(forward):
             head = self._rl_kernels_head = head_transform(self)
         token, head_token = _serving.set(True), _head.set(head)
         try:
-            return forward(self, *args, **kwargs)
+            output = forward(self, *args, **kwargs)
+            request = topk_request()
+            if request is not None and request.aux is not None:  # read by verl's FSDP engine
+                output.fused_linear_aux = request.aux
+            return output
         finally:
             _head.reset(head_token)
             _serving.reset(token)
