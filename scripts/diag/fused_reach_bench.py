@@ -11,7 +11,9 @@ Rows (bf16 hidden ~ N(0, 1) (N, H), weight ~ N(0, 0.02^2) (V, H), ``tools.bench.
   (b) per-row temperature, fwd+bwd of log-probs and entropy: a scalar T against a (N,) T
   (c) top-K distillation, fwd+bwd to hidden and weight, K teacher ids per token:
     verl logits path       logits = hidden @ weight.T, verl's compute_forward_kl_topk, backward
-    fused                  rl_kernels.linear_topk_kl(reduction="sum")
+    fused                  rl_kernels.linear_topk_kl(reduction="sum"), and what the verl integration
+                           runs (rl_kernels.distill.linear_log_probs_at_ids: the log-probs at the
+                           labels and at the teacher's ids from one head call, verl's KL terms on them)
 Peak extra memory: max_memory_allocated during one call minus what was allocated before it.
 Checks first (N_CHECK rows): a per-row temperature against float64 (log-probs, entropy, dh, dW),
 and a constant per-row temperature against the scalar one, bitwise (fwd and bwd).
@@ -194,7 +196,15 @@ def main() -> int:
     def fused_distill():
         hx.grad = wx.grad = None
         rl_kernels.linear_topk_kl(hx, wx, ids, t_lp, reduction="sum").backward()
+    from rl_kernels.distill import linear_log_probs_at_ids
+
+    def served_distill():  # what the verl integration's fused forward computes (verl's three outputs)
+        hx.grad = wx.grad = None
+        _, _, log_q = linear_log_probs_at_ids(hx, wx, labels, ids)
+        losses = (t_lp.exp() * (t_lp - log_q)).sum(-1)  # (verl's masses: O(N K), left out)
+        losses.sum().backward()
     rows["(c) fused linear_topk_kl fwd+bwd"] = bench(fused_distill)
+    rows["(c) fused, as the verl integration serves it, fwd+bwd"] = bench(served_distill)
     rows["(c) verl logits path compute_forward_kl_topk fwd+bwd"] = bench(verl_distill)
 
     mm = rows["mm"][0]
