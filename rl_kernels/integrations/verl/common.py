@@ -230,11 +230,12 @@ class SumPiSquaredRequest:
     refusal only when a fused head delivered (``calls == 1``): otherwise (verl's own fused backend,
     VeOmni's route, ...) verl's own error stays."""
 
-    __slots__ = ("log_probs", "sum_pi_squared", "calls")
+    __slots__ = ("log_probs", "sum_pi_squared", "calls", "laid_out")
 
     def __init__(self):
         self.log_probs = self.sum_pi_squared = None
         self.calls = 0
+        self.laid_out = None  # the Σπ² in the engine's output layout, where a hook lays it out (Megatron)
 
     def deliver(self, log_probs: torch.Tensor, sum_pi_squared: torch.Tensor) -> None:
         """Called by a fused head: its log-probs and Σπ², both shaped like its labels."""

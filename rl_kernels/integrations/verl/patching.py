@@ -181,6 +181,7 @@ def _patch_all(monkey_patch, experimental_tf, torch_functional) -> dict:
                               sum_pi_squared=sum_pi_squared)
     off = {"Megatron logits path": (logits_path, "not replaced (patch_logits_path=False)"),
            "Megatron fused path": (current.patch_megatron_fused, "not replaced (patch_megatron_fused=False)"),
+           "Megatron fused sum_pi_squared": (current.patch_megatron_fused, "not replaced (patch_megatron_fused=False)"),
            "sum_pi_squared (Megatron)": (sum_pi_squared, report["sum_pi_squared (FSDP)"][1])}
     for part, (ok, what) in megatron.items():
         switched_on, reason = off[part]
