@@ -5,7 +5,9 @@ Every rank builds the same full inputs from one seed and keeps its even vocab sh
 does. verl's own code is called: ``MegatronEngineWithLMHead._lm_head_logits_processor`` (logits
 path, through the by-name imports of ``transformer_impl``) and ``fused_output_processor`` (fused
 path), and checked against the unsharded float64 reference (values, gradients), against verl's
-original functions where they run on CPU, and for identical bits on every rank.
+original functions where they run on CPU, and for identical bits on every rank. Σπ² on the fused
+path goes through verl's ``MegatronEngineWithLMHead.forward_step`` and its fused forward, on a
+stand-in GPT model (:class:`_StandInGPT`).
 """
 import logging
 import os

@@ -250,4 +250,5 @@ def sum_pi_squared_note(cfg: dict) -> str | None:
     if strategy == "veomni":
         return (f"WARNING: {what}: VeOmni's fused route (its own chunk_logprobs) is not rl-kernels', so {refused}. "
                 f"Fix: use_fused_kernels=False (rl-kernels serves VeOmni's logits path)")
-    return f"WARNING: {what}: rl-kernels does not serve this engine; verl's own code decides (it refuses it on its fused paths)"
+    return (f"WARNING: {what}: rl-kernels does not serve this engine; verl's own code decides (it refuses it on "
+            f"its fused paths)")

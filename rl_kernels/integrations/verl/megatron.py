@@ -33,6 +33,12 @@ alone). It pairs ``hidden.reshape(-1, H)`` with ``labels.reshape(-1)`` as verl's
 (verl passes ``(T, 1, H)`` and ``(1, T)``) and returns float32 ``(log_probs, entropy)`` shaped like
 ``labels`` (verl's kernel returns them flat; verl's callers reshape either).
 
+**Σπ² on the fused path** (``calculate_sum_pi_squared=True``, which verl's engine refuses with
+fused kernels): ``MegatronEngineWithLMHead.forward_step`` runs with the flag hidden and a request
+active; :func:`linear_cross_entropy` computes Σπ² over the whole vocabulary in the same pass, verl's
+``postprocess_thd_engine`` lays it out as the log-probs, and it is returned as ``sum_pi_squared``
+(:func:`wrap_engine_sum_pi_squared`).
+
 **Hidden-state gradient over the TP group.** Each rank's backward gives the gradient of its
 vocab shard only, a *partial* dh; the gradient of the decoder output is the sum over the TP
 group, and exactly one thing must form that sum:
