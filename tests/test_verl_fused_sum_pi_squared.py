@@ -145,3 +145,18 @@ def test_verls_refusal_stays_for_its_own_fused_backend(engine_on_cpu):
                                                   "use_fused_kernels=True"):
         _forward_step(engine_cls, model, _micro_batch(rmpad=True, fused=True))
     assert rkv.call_counts()["fused_calls"] == before  # rl-kernels served nothing
+
+
+def test_unpatch_restores_verls_engine_methods():
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    def ours(name):
+        return hasattr(vars(FSDPEngineWithLMHead)[name], "_rl_kernels_original")
+
+    assert ours("prepare_model_outputs") and ours("forward_step")
+    rkv.unpatch()
+    try:
+        assert not ours("prepare_model_outputs") and not ours("forward_step")
+    finally:
+        rkv.patch()
+    assert ours("prepare_model_outputs")

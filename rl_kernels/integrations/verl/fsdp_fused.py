@@ -16,6 +16,7 @@ verl's refusal is lifted for that step (:func:`wrap_sum_pi_squared_requests`).
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import difflib
 import functools
 import inspect
@@ -237,8 +238,6 @@ def wrap_sum_pi_squared_requests() -> tuple[bool, str]:
         from verl.workers.config.actor import ActorConfig
     except ImportError as exc:
         return False, f"not patched (verl's FSDP engine not importable: {exc})"
-    import dataclasses
-
     if "calculate_sum_pi_squared" not in {f.name for f in dataclasses.fields(ActorConfig)}:
         return False, "not in this verl (its actor has no calculate_sum_pi_squared)"
     engine = getattr(fsdp_impl, "FSDPEngineWithLMHead", None)
