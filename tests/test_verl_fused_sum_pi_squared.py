@@ -13,7 +13,9 @@ probability in [1/V, 1]): the fused Σπ² must be within e of float64 (measured
 2e of verl's logits path (measured 2.5e-6). With ``impl_backend='torch'`` (verl's own fused
 head) verl's own error stays.
 
-Not marked ``verl_matrix``: verl 0.9.x's engine methods (main's too); run on 0.9.1 only.
+Marked ``verl_matrix``: on verl 0.8.0 too (its padded fused path lays its outputs out as a dense
+response slice, unlike its logits path: there the padded case checks that Σπ² has the log-probs'
+layout and skips the comparison); verl 0.7.x, whose workers are the legacy ones, skips.
 """
 import types
 
@@ -39,7 +41,16 @@ def _verl_has_sum_pi_squared() -> bool:
     return "calculate_sum_pi_squared" in {f.name for f in dataclasses.fields(ActorConfig)}
 
 
-pytestmark = pytest.mark.skipif(not _verl_has_sum_pi_squared(), reason="this verl has no calculate_sum_pi_squared")
+def _legacy_workers() -> bool:
+    from verl_cpu import legacy_workers
+
+    return legacy_workers()
+
+
+pytestmark = [pytest.mark.verl_matrix,
+              pytest.mark.skipif(not _verl_has_sum_pi_squared(), reason="this verl has no calculate_sum_pi_squared"),
+              pytest.mark.skipif(_legacy_workers(), reason="verl 0.7.x: the legacy workers' actor, not the engine, "
+                                                           "computes log-probs; its own refusal stays")]
 
 
 @pytest.fixture
@@ -47,7 +58,9 @@ def engine_on_cpu(monkeypatch):
     """verl's FSDP engine module with the device queries answering CPU, and the Qwen2 class forward
     restored after the test (apply_monkey_patch replaces it on the class)."""
     import verl.workers.engine.fsdp.transformer_impl as fsdp_impl
+    from verl_cpu import use_torch_padding
 
+    use_torch_padding(monkeypatch)  # verl 0.8.x's padding helpers without flash_attn
     monkeypatch.setattr(fsdp_impl, "get_device_id", lambda: "cpu")
     monkeypatch.setattr(fsdp_impl, "get_device_name", lambda: "cpu")
     original = Qwen2ForCausalLM.forward
@@ -123,6 +136,9 @@ def test_fused_sum_pi_squared_matches_verls_logits_path(engine_on_cpu, rmpad):
     from verl.utils import tensordict_utils as tu
     assert tu.get_non_tensor_data(micro_batch, "calculate_sum_pi_squared", None) is True  # verl's batch untouched
 
+    if not got["log_probs"].is_nested:  # verl 0.8.0's padded fused path: a dense response slice of its own
+        assert got["sum_pi_squared"].shape == got["log_probs"].shape
+        pytest.skip("this verl lays out its padded fused outputs unlike its logits path; Σπ² follows its log-probs")
     assert set(got) == set(ref) == {"log_probs", "entropy", "sum_pi_squared"}
     sq, ref_sq = got["sum_pi_squared"], ref["sum_pi_squared"]
     assert sq.is_nested and sq.dtype == torch.float32

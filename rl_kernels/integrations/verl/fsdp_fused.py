@@ -211,7 +211,8 @@ def _lifting_prepare_model_outputs(prepare_model_outputs):
         model_output = prepare_model_outputs(self, output, output_args,
                                              _micro_batch_flags(micro_batch, calculate_sum_pi_squared=False),
                                              logits_processor_func)
-        stand_in = types.SimpleNamespace(log_probs=sum_pi_squared, entropy=None, fused_linear_aux=None)
+        # entropy: any tensor of the log-probs' shape (verl 0.8.0 squeezes it even when not asked)
+        stand_in = types.SimpleNamespace(log_probs=sum_pi_squared, entropy=sum_pi_squared, fused_linear_aux=None)
         only_log_probs = _micro_batch_flags(micro_batch, calculate_sum_pi_squared=False, calculate_entropy=False,
                                             distillation_use_topk=False, distillation_only=False)
         model_output["sum_pi_squared"] = prepare_model_outputs(self, stand_in, output_args, only_log_probs,
@@ -239,7 +240,8 @@ def wrap_sum_pi_squared_requests() -> tuple[bool, str]:
     except ImportError as exc:
         return False, f"not patched (verl's FSDP engine not importable: {exc})"
     if "calculate_sum_pi_squared" not in {f.name for f in dataclasses.fields(ActorConfig)}:
-        return False, "not in this verl (its actor has no calculate_sum_pi_squared)"
+        return False, ("not in this verl (its engine's ActorConfig has no calculate_sum_pi_squared; a legacy "
+                       "actor's own refusal with fused kernels stays)")
     engine = getattr(fsdp_impl, "FSDPEngineWithLMHead", None)
     methods = {name: vars(engine).get(name) if engine is not None else None
                for name in ("forward_step", "prepare_model_outputs")}

@@ -60,9 +60,9 @@ def _engine_family(engine_cls):
 
 
 def _switched_off(what: str) -> bool:
-    """A report entry of a part the options switched off (``patch_logits_path=False``, ...): the
-    user's choice, said at INFO."""
-    return what.startswith("not replaced (patch_")
+    """A report entry of a part the options switched off (``patch_logits_path=False``, ...), the
+    user's choice, or of a feature this verl does not have: said at INFO, never a warning."""
+    return what.startswith(("not replaced (patch_", "not in this verl"))
 
 
 def _own_fused_route(engine_cls, family) -> str | None:
