@@ -387,7 +387,12 @@ def _engine_step(mti, model, fused):
     engine.engine_config = types.SimpleNamespace(
         use_fused_kernels=fused, pad_to_length=False, use_remove_padding=True, dynamic_context_parallel=False,
         entropy_from_logits_with_chunking=False)
-    engine.enable_routing_replay, engine.tf_config = False, None
+    from megatron.core.transformer import TransformerConfig
+
+    # verl main asks its router-replay helper about the (here absent) MoE routers on every step
+    engine.enable_routing_replay = False
+    engine.tf_config = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=1,
+                                         use_cpu_initialization=True)
     engine.model_config = types.SimpleNamespace(
         hf_config=types.SimpleNamespace(architectures=["Qwen2ForCausalLM"]),
         tokenizer=types.SimpleNamespace(pad_token_id=0), mtp=types.SimpleNamespace(enable=False, enable_train=False))
