@@ -330,8 +330,6 @@ POSTPROCESS = "postprocess_thd_engine"
 ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
 FUSED_SUM_PI_SQUARED_PART = "Megatron fused sum_pi_squared"
 """The report's part for Σπ² on the Megatron fused path (:func:`wrap_engine_sum_pi_squared`)."""
-_REFUSAL = ("calculate_sum_pi_squared=True is not supported with use_fused_kernels=True: fused kernels do not "
-            "materialize the full logits tensor needed for Σπ².")
 
 
 def _laying_out_sum_pi_squared(postprocess):
@@ -359,8 +357,8 @@ def _lifting_forward_step(forward_step):
     :class:`~.common.SumPiSquaredRequest` active: rl-kernels' fused head computes Σπ² with the
     log-probs, verl's ``postprocess_thd_engine`` lays it out with them (:func:`_laying_out_sum_pi_squared`),
     and it goes into the output as ``sum_pi_squared``, where verl's logits path puts it. On the
-    last pipeline stage, an output without it (a fused forward that is not rl-kernels') raises
-    verl's own NotImplementedError."""
+    last pipeline stage, when no Σπ² came (a fused forward that is not rl-kernels'), verl's method
+    runs again on the micro-batch as verl sent it: verl's own refusal, raised before its model runs."""
     @functools.wraps(forward_step)
     def wrapper(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
         from verl.utils import tensordict_utils as tu
@@ -385,8 +383,8 @@ def _lifting_forward_step(forward_step):
         finally:
             sum_pi_squared_request.reset(token)
         if isinstance(output, dict) and "log_probs" in output:  # the last pipeline stage
-            if request.laid_out is None:
-                raise NotImplementedError(f"{_REFUSAL} (rl-kernels: the fused head of this model did not compute it)")
+            if request.laid_out is None:  # not rl-kernels' head: verl's own step, which refuses before its model runs
+                return forward_step(self, iter([batch]), model, logits_processor_func, postprocess_micro_batch_func)
             output["sum_pi_squared"] = request.laid_out
         return output, postprocess
 
