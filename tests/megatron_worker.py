@@ -5,7 +5,9 @@ Every rank builds the same full inputs from one seed and keeps its even vocab sh
 does. verl's own code is called: ``MegatronEngineWithLMHead._lm_head_logits_processor`` (logits
 path, through the by-name imports of ``transformer_impl``) and ``fused_output_processor`` (fused
 path), and checked against the unsharded float64 reference (values, gradients), against verl's
-original functions where they run on CPU, and for identical bits on every rank.
+original functions where they run on CPU, and for identical bits on every rank. Σπ² on the fused
+path goes through verl's ``MegatronEngineWithLMHead.forward_step`` and its fused forward, on a
+stand-in GPT model (:class:`_StandInGPT`).
 """
 import logging
 import os
@@ -104,7 +106,9 @@ def run(rank, world, init_file):
                       (fused, "gather_from_sequence_parallel_region"): gather_from_sequence_parallel_region,
                       (mcore_tp, "gather_from_sequence_parallel_region"): gather_from_sequence_parallel_region,
                       (verl_F, "calculate_sum_pi_squared_from_logits"): verl_F.calculate_sum_pi_squared_from_logits,
-                      (mcore, "get_mcore_forward_fused_model_engine_fn"): mcore.get_mcore_forward_fused_model_engine_fn})
+                      (mcore, "get_mcore_forward_fused_model_engine_fn"): mcore.get_mcore_forward_fused_model_engine_fn,
+                      (fused, "postprocess_thd_engine"): fused.postprocess_thd_engine,
+                      (mti.MegatronEngineWithLMHead, "forward_step"): mti.MegatronEngineWithLMHead.forward_step})
 
     records = _Records()
     logging.getLogger("rl_kernels").addHandler(records)
@@ -131,6 +135,7 @@ def run(rank, world, init_file):
         summary = [m for m in records.messages() if m.startswith("rl_kernels: served 8 calls")]
         assert len(summary) == 1 and "megatron" in summary[0], records.messages()
         _check_engine_entropy_on_request(rkv, rkm, mcore, rank, world)
+        _check_engine_fused_sum_pi_squared(rkv, mti, rank, world)
 
         _check_unpatch_restores(rkv, rkm, originals)
         if rank == 0:
@@ -164,7 +169,7 @@ def _check_patched(rkv, rkm, vtp, mti, fused, overlap, verl_F, mcore_tp):
     assert not hasattr(late_import(x, tensor_parallel_output_grad=False), "_rl_kernels_dh_summed")
     report = rkv.report()
     for part in ("Megatron logits path", "Megatron fused path", "sum_pi_squared (Megatron)",
-                 "FSDP fused path", "FSDP logits path", "sum_pi_squared (FSDP)"):
+                 "Megatron fused sum_pi_squared", "FSDP fused path", "FSDP logits path", "sum_pi_squared (FSDP)"):
         assert report[part][0], (part, report[part])
     assert "verl.workers.engine.megatron.transformer_impl.vocab_parallel_entropy" in report["Megatron logits path"][1]
     assert "entropy only when verl's calculate_entropy asks" in report["Megatron fused path"][1], report
@@ -341,6 +346,117 @@ def _check_engine_entropy_on_request(rkv, rkm, mcore, rank, world):
     assert torch.equal(rkm.linear_cross_entropy(hidden, w_shard, labels, TEMPERATURE, "none", group)[1], ent_on)
 
 
+# ----------------------------------------------------------------------------- Σπ² on the fused path
+class _StandInGPT(torch.nn.Module):
+    """What verl's Megatron engine forwards need of a GPTModel on the last pipeline stage: packed
+    THD input ids -> hidden (S, 1, H) from a random embedding, then either Megatron's output
+    processor hook (the fused path: verl's fused_output_processor on this rank's vocab shard) or
+    this rank's logits shard (1, S, V_r) (the logits path)."""
+
+    def __init__(self, embedding, weight_shard):
+        super().__init__()
+        self.embedding, self.weight_shard = embedding, weight_shard
+        self.pre_process = self.post_process = True
+        self.config = types.SimpleNamespace(fp8=None, sequence_parallel=False, config_logger_dir="")
+        self._verl_fused_forward_mode = "hook"  # verl's mode for Megatron-Core >= 0.18's output processor
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, packed_seq_params=None, labels=None,
+                output_processor=None, output_processor_context=None, **kwargs):
+        hidden = self.embedding[input_ids].transpose(0, 1)  # (S, 1, H), Megatron's layout
+        if output_processor is not None:
+            return output_processor(hidden_states=hidden, output_layer=None, output_weight=self.weight_shard,
+                                    labels=labels, context=output_processor_context, config=self.config)
+        return (hidden @ self.weight_shard.T).transpose(0, 1)
+
+
+def _engine_step(mti, model, fused):
+    """verl's MegatronEngineWithLMHead.forward_step (without its __init__) on two packed sequences,
+    with calculate_sum_pi_squared=True; returns the output dict of the last stage."""
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+
+    gen = torch.Generator().manual_seed(7)
+    lengths = (7, 5)
+    ids = torch.nested.nested_tensor([torch.randint(0, model.embedding.shape[0], (n,), generator=gen)
+                                      for n in lengths], layout=torch.jagged)
+    mask = torch.nested.nested_tensor([torch.ones(n) for n in lengths], layout=torch.jagged)
+    batch = TensorDict({"input_ids": ids, "loss_mask": mask}, batch_size=[2])
+    tu.assign_non_tensor(batch, temperature=TEMPERATURE, calculate_entropy=True, calculate_sum_pi_squared=True,
+                         use_fused_kernels=fused)
+    engine = mti.MegatronEngineWithLMHead.__new__(mti.MegatronEngineWithLMHead)
+    engine.engine_config = types.SimpleNamespace(
+        use_fused_kernels=fused, pad_to_length=False, use_remove_padding=True, dynamic_context_parallel=False,
+        entropy_from_logits_with_chunking=False)
+    from megatron.core.transformer import TransformerConfig
+
+    # verl main asks its router-replay helper about the (here absent) MoE routers on every step
+    engine.enable_routing_replay = False
+    engine.tf_config = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=1,
+                                         use_cpu_initialization=True)
+    engine.model_config = types.SimpleNamespace(
+        hf_config=types.SimpleNamespace(architectures=["Qwen2ForCausalLM"]),
+        tokenizer=types.SimpleNamespace(pad_token_id=0), mtp=types.SimpleNamespace(enable=False, enable_train=False))
+    device_id, mti.get_device_id = mti.get_device_id, lambda: "cpu"  # verl asks its platform (CUDA)
+    try:
+        with torch.no_grad():
+            output, _ = engine.forward_step(iter([batch]), model, None, lambda *a, **k: None)
+    finally:
+        mti.get_device_id = device_id
+    assert tu.get_non_tensor_data(batch, "calculate_sum_pi_squared", None) is True  # verl's batch untouched
+    return output, ids
+
+
+def _check_engine_fused_sum_pi_squared(rkv, mti, rank, world):
+    """calculate_sum_pi_squared=True with use_fused_kernels=True through verl's own Megatron engine
+    forward_step and fused forward (preprocess_thd_engine, the output processor, postprocess_thd_engine),
+    vocab-parallel over the TP group: the fused head's Σπ² comes back where verl's logits path puts
+    it, equal to verl's own vocab_parallel_sum_pi_squared (the logits path, rl-kernels unpatched) and to
+    float64 within the float32 tolerance that logits path has against float64 (2e-6, below). A fused
+    head that computes none (a stand-in for verl's own) leaves verl's refusal."""
+    from verl_helpers import verl_unpatched
+
+    gen = torch.Generator().manual_seed(8)
+    vocab = world * V_R
+    embedding = torch.randn(vocab, H, generator=gen)
+    weight = torch.randn(vocab, H, generator=gen) * 0.5
+    model = _StandInGPT(embedding, weight[rank * V_R:(rank + 1) * V_R])
+    before = rkv.call_counts()
+    got, ids = _engine_step(mti, model, fused=True)
+    after = rkv.call_counts()
+    assert after["fused_megatron_calls"] == before["fused_megatron_calls"] + 1, after  # one pass for all three
+    assert after["fused_sum_pi_squared_calls"] == before["fused_sum_pi_squared_calls"] + 1, after
+    with verl_unpatched():  # verl's logits path as installed: its vocab_parallel_sum_pi_squared
+        ref, _ = _engine_step(mti, model, fused=False)
+    p = torch.softmax(embedding.double()[ids.values()] @ weight.double().T / TEMPERATURE, -1)
+    want64 = (p * p).sum(-1)
+    sq, ref_sq = got["sum_pi_squared"], ref["sum_pi_squared"]
+    assert sq.is_nested and ref_sq.is_nested and torch.equal(sq.offsets(), ref_sq.offsets()), (sq, ref_sq)
+    assert torch.equal(sq.offsets(), ids.offsets())
+    # float32: Σπ² = Σ exp(2 log p) from float32 logits z / T carries about 2^-24 * 2 max|z / T| ~ 1e-6
+    # relative error (max|z / T| ~ 9 here); measured 6.9e-7 (fused) and 1.1e-7 (verl's logits path) from float64
+    torch.testing.assert_close(sq.values().double(), want64, atol=2e-6, rtol=0)
+    torch.testing.assert_close(ref_sq.values().double(), want64, atol=2e-6, rtol=0)  # the logits path's own
+    torch.testing.assert_close(sq.values().float(), ref_sq.values().float(), atol=2e-6, rtol=0)
+    assert float(want64.min()) > 2 / vocab  # a spread softmax, not a uniform one
+    torch.testing.assert_close(got["log_probs"].values(), ref["log_probs"].values().float(), **VAL)
+    assert _same_on_all_ranks(sq.values())
+    # verl's error where rl-kernels' fused head does not run (here: its output processor is verl's own)
+    import verl.models.mcore.model_forward_fused as fused_module
+
+    original = fused_module.fused_output_processor
+    fused_module.fused_output_processor = lambda **kwargs: types.SimpleNamespace(
+        log_probs=torch.zeros_like(kwargs["labels"], dtype=torch.float32),
+        entropy=torch.zeros_like(kwargs["labels"], dtype=torch.float32))
+    try:
+        _engine_step(mti, model, fused=True)
+    except NotImplementedError as e:
+        assert "calculate_sum_pi_squared=True is not supported with use_fused_kernels=True" in str(e), e
+    else:
+        raise AssertionError("verl's refusal did not stay for a fused head that computes no sum_pi_squared")
+    finally:
+        fused_module.fused_output_processor = original
+
+
 # ----------------------------------------------------------------------------- patch mechanics
 def _check_unpatch_restores(rkv, rkm, originals):
     rkv.unpatch()
@@ -365,6 +481,7 @@ def _check_engine_report(rkv, records):
         served = [m for m in records.messages() if "verl engine 'megatron'" in m]
         assert len(served) == 1 and "is served by rl-kernels: Megatron logits path" in served[0], served
         assert "Megatron fused path (use_fused_kernels=True)" in served[0] and "sum_pi_squared" in served[0]
+        assert "Megatron fused sum_pi_squared (calculate_sum_pi_squared=True, use_fused_kernels=True)" in served[0]
         assert EngineRegistry.get_engine_cls("value_model", "megatron").__name__ == "MegatronEngineWithValueHead"
         assert not [m for m in records.messages() if "(MegatronEngineWithValueHead)" in m]  # no log-probs there
 
@@ -416,7 +533,8 @@ def _check_without_megatron(rkv, vtp, originals, records):
     finally:
         sys.modules.update(saved)
     report = rkv.report()
-    for part in ("Megatron logits path", "Megatron fused path", "sum_pi_squared (Megatron)"):
+    for part in ("Megatron logits path", "Megatron fused path", "sum_pi_squared (Megatron)",
+                 "Megatron fused sum_pi_squared"):
         assert not report[part][0] and "megatron.core not importable" in report[part][1], report[part]
     assert report["FSDP logits path"][0]
     assert vtp.vocab_parallel_entropy is originals[(vtp, "vocab_parallel_entropy")]

@@ -14,7 +14,7 @@ pytest.importorskip("verl", reason="verl is not installed (pip install -e '.[ver
 
 import rl_kernels
 from rl_kernels.tools.cli import main
-from rl_kernels.tools.verl_check import diagnose
+from rl_kernels.tools.verl_check import diagnose, sum_pi_squared_note
 
 pytestmark = pytest.mark.verl_matrix
 
@@ -77,6 +77,44 @@ def test_logits_path_switched_off_is_off():
                                            "fused_kernel_options": {"rl_kernels": {"patch_logits_path": False}}}}}
     verdict = diagnose(cfg)
     assert not verdict.on and "patch_logits_path=False" in verdict.line
+
+
+def test_sum_pi_squared_is_reported_for_the_composed_config(capsys):
+    """actor.calculate_sum_pi_squared=True (issue 44): one more line, after the verdict, says what serves it."""
+    code = main(["verl-check", SEARCH, "+rl_kernels=fused", "actor_rollout_ref.actor.calculate_sum_pi_squared=True"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert code == 0 and len(out) == 2 and out[0].startswith("rl-kernels is ON: fused path"), out
+    assert out[1] == ("sum_pi_squared (actor.calculate_sum_pi_squared=True, strategy=fsdp, fused path): served by "
+                      "rl-kernels' fused head in the same pass (verl's refusal lifted)"), out
+
+
+def _sum_pi_squared_config(strategy, fused, impl_backend="rl_kernels", **options):
+    return {"actor_rollout_ref": {
+        "actor": {"strategy": strategy, "calculate_sum_pi_squared": True},
+        "model": {"external_lib": "rl_kernels.integrations.verl", "use_fused_kernels": fused,
+                  "fused_kernel_options": {"impl_backend": impl_backend, "rl_kernels": options}}}}
+
+
+@pytest.mark.parametrize("cfg,expected", [
+    (_sum_pi_squared_config("fsdp2", True), "fsdp2, fused path): served by rl-kernels' fused head"),
+    (_sum_pi_squared_config("megatron", True), "megatron, fused path): served by rl-kernels' fused head in the same "
+                                               "pass, vocab-parallel"),
+    (_sum_pi_squared_config("fsdp", False), "fsdp, logits path): served by rl-kernels (sum_pi_squared_from_logits)"),
+    (_sum_pi_squared_config("fsdp", False, patch_logits_path=False), "computed by verl's own code (patch_logits_path"),
+    (_sum_pi_squared_config("fsdp", True, impl_backend="triton"), "WARNING: sum_pi_squared (actor.calculate_sum_pi_"
+                                                                  "squared=True, strategy=fsdp, fused path): with "
+                                                                  "impl_backend='triton' verl refuses it"),
+    (_sum_pi_squared_config("megatron", True, patch_megatron_fused=False), "WARNING: "),
+    (_sum_pi_squared_config("veomni", True), "WARNING: sum_pi_squared (actor.calculate_sum_pi_squared=True, strategy="
+                                             "veomni, fused path): VeOmni's fused route"),
+    (_sum_pi_squared_config("torchtitan", False), "WARNING: "),
+])
+def test_sum_pi_squared_note_per_engine_and_path(cfg, expected):
+    note = sum_pi_squared_note(cfg)
+    assert note is not None and (note.startswith(expected) or expected in note), note
+    assert note.startswith("WARNING: ") == expected.startswith("WARNING: "), note
+    cfg["actor_rollout_ref"]["actor"]["calculate_sum_pi_squared"] = False
+    assert sum_pi_squared_note(cfg) is None  # not asked: no line
 
 
 def test_a_bad_entry_is_a_one_line_usage_error(capsys):

@@ -17,7 +17,10 @@ Checked, for each option:
 * the counts: the fused option's calls on the fused kernel (Triton, all 18 tokens), the logits
   option's on the from-logits functions; the unpatched worker never imported rl-kernels;
 * the update against the unpatched worker's: identical parameters before, updates equal to 1e-4
-  relative.
+  relative;
+* on the engine workers (0.8+), the actor's ``compute_log_prob`` once more with
+  ``calculate_sum_pi_squared=True``: Σπ² on the fused path (which verl refuses without
+  rl-kernels) and on the logits path against the unpatched worker's and float64.
 
 verl 0.7.x runs its legacy workers (``verl.workers.fsdp_workers``: ``DataProto`` batches; its
 reference returns no entropy), 0.8.0 and 0.9.1 the engine workers (``verl.workers.engine_workers``:
@@ -155,6 +158,16 @@ def _engine_batches():
     return infer, update
 
 
+def _asking_sum_pi_squared(infer):
+    """The actor's compute_log_prob batch with ``calculate_sum_pi_squared=True``, as verl's trainer
+    sends it for the optimal-token-baseline estimators (verl 0.8+'s engine workers)."""
+    from verl.utils import tensordict_utils as tu
+
+    infer = infer.copy()
+    tu.assign_non_tensor(infer, calculate_sum_pi_squared=True)
+    return infer
+
+
 def _legacy_batches():
     """verl 0.7.x: padded DataProtos (the worker removes the padding, and sets the log-prob calls'
     meta_info itself)."""
@@ -225,6 +238,13 @@ def _run_worker(ray, config):
         out["counts_ref"], _ = ray.get(worker.__ray_call__.remote(_counts))
         actor = groups["actor"].compute_log_prob(infer)
         out["counts_actor"], _ = ray.get(worker.__ray_call__.remote(_counts))
+        if not LEGACY:  # once more, as verl's trainer asks for the optimal-token-baseline estimators
+            try:
+                asked = groups["actor"].compute_log_prob(_asking_sum_pi_squared(infer))
+                out["sum_pi_squared"] = _outputs(asked, infer, "sum_pi_squared")
+            except Exception as exc:  # noqa: BLE001 - verl's refusal, reported by the test that reads it
+                out["sum_pi_squared"] = exc
+            out["counts_sum_pi_squared"], _ = ray.get(worker.__ray_call__.remote(_counts))
         ref_key, actor_key, entropy_key = (("ref_log_prob", "old_log_probs", "entropys") if LEGACY
                                            else ("log_probs", "log_probs", "entropy"))
         out["ref"] = (_outputs(ref, infer, ref_key), _outputs(ref, infer, entropy_key))
@@ -295,6 +315,24 @@ def driver_reference(model):
     return lps, ents
 
 
+@pytest.fixture(scope="module")
+def driver_sum_pi_squared(model):
+    """float64 Σπ² of softmax(logits / T) of the response tokens, (B, 6), the model in float64."""
+    import copy
+
+    model64 = copy.deepcopy(model[0]).double()
+    batch = rollout_tensors()[0]
+    out = torch.zeros(2, 6, dtype=torch.float64)
+    with torch.no_grad():
+        for b in range(2):
+            mask = batch["attention_mask"][b].bool()
+            ids = batch["input_ids"][b][mask][None]
+            n_prompt, n_resp = int(mask[:5].sum()), int(mask[5:].sum())
+            p = torch.softmax(type(model64).forward(model64, input_ids=ids, return_dict=True).logits[0] / T, -1)
+            out[b, :n_resp] = (p * p).sum(-1)[n_prompt - 1:n_prompt - 1 + n_resp]
+    return out
+
+
 # ----------------------------------------------------------------------------- tests
 @pytest.mark.parametrize("role", ["ref", "actor"])
 @pytest.mark.parametrize("option", ["fused", "logits", None], ids=["fused", "logits", "unpatched"])
@@ -355,3 +393,38 @@ def test_verl_update_actor_on_ray_matches_unpatched(runs, option):
         err = (update - want).norm() / want.norm()
         assert err < 1e-4, f"{name}: relative parameter-update error {err:.2e} ({option}, verl {verl_version()})"
     assert moved >= 10
+
+
+SUM_PI_SQUARED_ATOL = 5e-6
+"""float32 tolerance of Σπ² (a probability) against float64: verl's own logits path must be within it
+too (measured on verl 0.9.1: about 1e-6 for each path here)."""
+
+
+@pytest.mark.parametrize("option", ["fused", "logits"])
+def test_verl_worker_sum_pi_squared_on_ray(runs, driver_sum_pi_squared, option):
+    """The actor's compute_log_prob with calculate_sum_pi_squared=True (issue 44): verl refuses it on
+    its fused path; with rl-kernels' fused head it is served in the same pass. Each option's Σπ² is
+    verl's unpatched logits path's (the unpatched worker) and float64's within SUM_PI_SQUARED_ATOL."""
+    if LEGACY:
+        pytest.skip("verl 0.7.x's legacy worker: Σπ² on the fused path is not served there")
+    ref = _result(runs, None)["sum_pi_squared"]
+    if ref is None:
+        pytest.skip("this verl's engine returns no sum_pi_squared")
+    out = _result(runs, option)
+    mask = rollout_tensors()[0]["response_mask"].bool()
+    want = driver_sum_pi_squared[mask]
+    assert float((ref[mask].double() - want).abs().max()) < SUM_PI_SQUARED_ATOL  # verl's own logits path
+    got = out["sum_pi_squared"]
+    if isinstance(got, BaseException):
+        raise got
+    assert got is not None and got.dtype == torch.float32
+    torch.testing.assert_close(got[mask].double(), want, atol=SUM_PI_SQUARED_ATOL, rtol=0)
+    torch.testing.assert_close(got[mask], ref[mask].float(), atol=SUM_PI_SQUARED_ATOL, rtol=0)
+    counts = _delta(out["counts_sum_pi_squared"], out["counts_actor"])
+    if option == "fused":  # computed by the fused head in its one pass over the 18 tokens
+        assert counts["fused_fsdp_calls"] == 1 and counts["fused_sum_pi_squared_calls"] == 1, counts
+        assert counts["sum_pi_squared_calls"] == 0, counts
+    else:
+        assert counts["sum_pi_squared_calls"] >= 1 and counts["fused_calls"] == 0, counts
+    print(f"\nsum_pi_squared {option}: max |got - float64| {float((got[mask].double() - want).abs().max()):.1e}, "
+          f"verl's logits path {float((ref[mask].double() - want).abs().max()):.1e}")

@@ -3,7 +3,8 @@ ranks with Megatron's tensor-parallel state (``tests/megatron_worker.py`` holds 
 checks: verl's own logits processor and fused output processor against the unsharded float64
 reference and verl's original functions, the hidden-state gradient with and without sequence
 parallelism, identical bits on every rank, by-name patching, unpatch, call counts, the engine
-report, signature-change rollback and the skip without megatron.core)."""
+report, signature-change rollback and the skip without megatron.core; Σπ² on the fused path through
+verl's own engine forward_step on a stand-in GPT model)."""
 import importlib.util
 
 import pytest

@@ -753,6 +753,7 @@ def test_an_engine_with_its_own_fused_route_is_not_reported_served(caplog):
     assert "FSDP logits path" in served and "FSDP fused path" not in served, message
     assert ("FSDP fused path: not served (VeOmniLikeEngineWithLMHead.prepare_model_inputs replaces "
             "FSDPEngineWithLMHead's" in not_served), message
+    assert "FSDP fused sum_pi_squared: not served (VeOmniLikeEngineWithLMHead" in not_served, message
     lines = _engine_lines(caplog, KeepsTheRouteEngine, "rlk_keeps_route")
     assert len(lines) == 1 and lines[0][0] == "INFO" and "is served by rl-kernels: FSDP fused path" in lines[0][1]
 

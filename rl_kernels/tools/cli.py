@@ -375,8 +375,9 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Compose verl's config with these overrides the way the run does "
                            "(python -m verl.trainer.main_ppo --cfg job OVERRIDES; nothing is trained) and "
                            "say in one line whether rl-kernels is on (which path, backend, options) or off "
-                           "and why, with the likely fix. Exit status 0 when on, 1 when off, 2 for a usage "
-                           "error. Needs verl (the verl extra).")
+                           "and why, with the likely fix; then a line per optional feature the config asks "
+                           "for (sum_pi_squared), WARNING where it is not served. Exit status 0 when on, 1 "
+                           "when off, 2 for a usage error. Needs verl (the verl extra).")
     _add_verbose(check, argparse.SUPPRESS)
     check.add_argument("--entry", default="verl.trainer.main_ppo",
                        help="verl's entry module that composes the config (default: %(default)s)")
@@ -401,6 +402,8 @@ def _verl_check(args: argparse.Namespace) -> int:
 
     verdict = check(list(args.overrides), args.entry)
     print(verdict.line)
+    for note in verdict.notes:
+        print(note)
     return 0 if verdict.on else 1
 
 

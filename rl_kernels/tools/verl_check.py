@@ -15,6 +15,10 @@ the likely fix. Hydra composes several mistakes without an error, each leaving r
 * a bad value under ``fused_kernel_options.rl_kernels`` (``backend=tritn``): otherwise refused only
   in a Ray worker, when it builds the model.
 
+After that line, one line per optional feature the config asks for that rl-kernels serves only on
+some engines and paths: Σπ² (``actor.calculate_sum_pi_squared=True``, :func:`sum_pi_squared_note`),
+with ``WARNING:`` where verl would refuse it or compute it with its own code.
+
 verl offers no hook in the driver before Ray starts its workers that could run rl-kernels' checks
 (its ``external_lib`` is imported in the workers), so this command is the check before launch.
 It is tooling: it reads the composed config and patches nothing in this process.
@@ -40,6 +44,7 @@ OPTIONS_KEY = "actor_rollout_ref.model.fused_kernel_options.rl_kernels"
 class Verdict(NamedTuple):
     on: bool
     line: str  # one line: "rl-kernels is ON: ..." / "rl-kernels is OFF: ... Fix: ..."
+    notes: tuple = ()  # one line each, after it: what is served of an optional feature the config asks for
 
 
 class ComposeError(RuntimeError):
@@ -236,4 +241,51 @@ def check(overrides: list[str], entry: str = ENTRY) -> Verdict:
                                   f"'+{GROUP}.{stray.group(1)}' would compose a top-level section that nothing "
                                   f"reads. Fix: ++{OPTIONS_KEY}.{stray.group(1)}={value} ('++' adds or overrides)")
         return Verdict(False, f"rl-kernels is OFF: verl's config did not compose: {message}")
-    return diagnose(cfg, stderr, overrides)
+    verdict = diagnose(cfg, stderr, overrides)
+    return verdict._replace(notes=verdict.notes + tuple(filter(None, [sum_pi_squared_note(cfg)])))
+
+
+FSDP_STRATEGIES = ("fsdp", "fsdp2")
+
+
+def sum_pi_squared_note(cfg: dict) -> str | None:
+    """What serves Σπ² (``actor_rollout_ref.actor.calculate_sum_pi_squared=True``, for verl's
+    optimal-token-baseline estimators) in the run this composed config makes; a line starting with
+    ``WARNING:`` where verl would refuse it or compute it with its own code although rl-kernels is
+    on. None when the config does not ask for it or does not import rl-kernels (the verdict says so)."""
+    model, actor = _section(cfg, "actor_rollout_ref.model"), _section(cfg, "actor_rollout_ref.actor")
+    if not isinstance(model, dict) or not isinstance(actor, dict) or not actor.get("calculate_sum_pi_squared"):
+        return None
+    if model.get("external_lib") != EXTERNAL_LIB:
+        return None
+    fused_options = model.get("fused_kernel_options") or {}
+    try:
+        opts = validated_options((fused_options.get(BACKEND_NAME) if isinstance(fused_options, dict) else None) or {})
+    except (TypeError, ValueError):
+        return None  # the verdict names the bad option
+    strategy = actor.get("strategy")
+    what = f"sum_pi_squared (actor.calculate_sum_pi_squared=True, strategy={strategy}"
+    if not model.get("use_fused_kernels"):
+        what += ", logits path)"
+        if strategy not in FSDP_STRATEGIES + ("megatron", "veomni"):
+            return f"WARNING: {what}: computed by verl's own code (rl-kernels does not serve this engine)"
+        if not opts.patch_logits_path:
+            return f"{what}: computed by verl's own code (patch_logits_path=False)"
+        return f"{what}: served by rl-kernels (sum_pi_squared_from_logits)"
+    what += ", fused path)"
+    refused = "verl refuses it (NotImplementedError at the first compute_log_prob)"
+    if strategy in FSDP_STRATEGIES:
+        impl_backend = fused_options.get("impl_backend") if isinstance(fused_options, dict) else None
+        if names_rl_kernels(impl_backend):
+            return f"{what}: served by rl-kernels' fused head in the same pass (verl's refusal lifted)"
+        return (f"WARNING: {what}: with impl_backend={impl_backend!r} {refused}. Fix: impl_backend={BACKEND_NAME}, "
+                f"or use_fused_kernels=False")
+    if strategy == "megatron":
+        if opts.patch_megatron_fused:
+            return f"{what}: served by rl-kernels' fused head in the same pass, vocab-parallel (verl's refusal lifted)"
+        return f"WARNING: {what}: with patch_megatron_fused=False {refused}. Fix: drop patch_megatron_fused=False"
+    if strategy == "veomni":
+        return (f"WARNING: {what}: VeOmni's fused route (its own chunk_logprobs) is not rl-kernels', so {refused}. "
+                f"Fix: use_fused_kernels=False (rl-kernels serves VeOmni's logits path)")
+    return (f"WARNING: {what}: rl-kernels does not serve this engine; verl's own code decides (it refuses it on "
+            f"its fused paths)")

@@ -49,6 +49,11 @@ yourself). The import calls :func:`patch`, which
   replaced there: 0.9.x and main, not 0.7.x / 0.8.x; when ``megatron.core`` is importable): verl's vocab-parallel from-logits functions (logits path) and the
   ``linear_cross_entropy`` of its Megatron fused forwards (fused path), on the tensor-parallel
   group, with the hidden-state gradient summed exactly once over that group.
+* **Σπ² on the fused paths** (``calculate_sum_pi_squared=True`` with ``use_fused_kernels=True``,
+  which verl refuses): where verl's engine step asks for it, rl-kernels' fused head (FSDP with
+  ``impl_backend=rl_kernels``, Megatron) computes it in the same pass, and the refusal is lifted for
+  that step only when the head delivered it; verl's own code lays it out where its logits path puts
+  it (:func:`.fsdp_fused.wrap_sum_pi_squared_requests`, :func:`.megatron.wrap_engine_sum_pi_squared`).
 
 :func:`patch` logs, per engine, exactly what it replaced (also :func:`report`); when verl builds
 an engine, the engine is named once, with a warning if rl-kernels does not serve it (VeOmni,

@@ -4,6 +4,7 @@
   the functions replaced wherever they were imported by name (:func:`replace_by_name`);
 * the per-consumer call counters (:func:`record`, :func:`call_counts`) and the one-time
   "served N calls" INFO line;
+* Σπ² on request: what a fused head computed for the engine step that asked (:class:`SumPiSquaredRequest`);
 * signature checks (the error type, :class:`VerlIntegrationError`, is defined in
   :mod:`rl_kernels.integrations.verl_schema`, which patches nothing on import).
 """
@@ -141,6 +142,7 @@ COUNT_KEYS = (
     "entropy_skipped_calls",
     "logits_log_probs_calls", "logits_entropy_calls",
     "megatron_logits_log_probs_calls", "megatron_logits_entropy_calls", "sum_pi_squared_calls",
+    "fused_sum_pi_squared_calls",
     "distillation_calls",
 )
 _counts = dict.fromkeys(COUNT_KEYS, 0)
@@ -169,7 +171,8 @@ def record(key: str, path: str, tokens: int) -> None:
 
 def count(key: str) -> None:
     """Count an event that is not a served call (``entropy_skipped_calls``: fused calls whose
-    entropy verl did not ask for)."""
+    entropy verl did not ask for; ``fused_sum_pi_squared_calls``: fused calls that computed Σπ²
+    for verl's engine step, FSDP and Megatron)."""
     _counts[key] += 1
 
 
@@ -214,3 +217,51 @@ def entropy_placeholder(log_probs: torch.Tensor) -> torch.Tensor:
     ``entropy_skipped_calls``."""
     count("entropy_skipped_calls")
     return torch.full_like(log_probs, float("nan"))
+
+
+# ----------------------------------------------------------------------------- Σπ² on request
+class SumPiSquaredRequest:
+    """One engine forward step's request for Σπ² (sum over the vocabulary of p_v², float32, a
+    probability) from the fused head: verl refuses ``calculate_sum_pi_squared=True`` with
+    ``use_fused_kernels=True`` because its fused heads do not compute it; rl-kernels' fused heads
+    (FSDP :func:`~.fsdp_fused.fused_log_probs_entropy`, Megatron :func:`~.megatron.linear_cross_entropy`)
+    compute it in the same pass while a request is active (:data:`sum_pi_squared_request`) and
+    :meth:`deliver` it here, next to the log-probs it belongs to. The engine hooks then lift verl's
+    refusal only when a fused head delivered (``calls == 1``): otherwise (verl's own fused backend,
+    VeOmni's route, ...) verl's own error stays."""
+
+    __slots__ = ("log_probs", "sum_pi_squared", "calls", "laid_out")
+
+    def __init__(self):
+        self.log_probs = self.sum_pi_squared = None
+        self.calls = 0
+        self.laid_out = None  # the Σπ² in the engine's output layout, where a hook lays it out (Megatron)
+
+    def deliver(self, log_probs: torch.Tensor, sum_pi_squared: torch.Tensor) -> None:
+        """Called by a fused head: its log-probs and Σπ², both shaped like its labels."""
+        self.log_probs, self.sum_pi_squared = log_probs, sum_pi_squared
+        self.calls += 1
+
+    def belongs_to(self, log_probs) -> bool:
+        """Whether ``log_probs`` (as the engine holds them: the head's tensor, or a view of it) are
+        the ones delivered with the Σπ²: same storage, offset and number of elements."""
+        mine = self.log_probs
+        return (isinstance(log_probs, torch.Tensor) and mine is not None and log_probs.numel() == mine.numel()
+                and log_probs.data_ptr() == mine.data_ptr() and log_probs.device == mine.device)
+
+    def take(self, log_probs: torch.Tensor) -> torch.Tensor:
+        """The Σπ² delivered with ``log_probs``, shaped like them. Raises VerlIntegrationError when
+        the fused head ran other than once in the step or ``log_probs`` are not its output (never a
+        Σπ² of other tokens)."""
+        if self.calls != 1 or not self.belongs_to(log_probs):
+            raise VerlIntegrationError(
+                f"rl_kernels.integrations.verl: calculate_sum_pi_squared=True on the fused path: the fused head "
+                f"ran {self.calls} time(s) in this forward step, or the model output's log_probs are not the "
+                f"head's; rl-kernels cannot tell which sum_pi_squared belongs to them")
+        return self.sum_pi_squared.view(log_probs.shape)
+
+
+sum_pi_squared_request = contextvars.ContextVar("rl_kernels_sum_pi_squared_request", default=None)
+"""The :class:`SumPiSquaredRequest` of the engine forward step that runs (None: Σπ² not asked on
+the fused path); set by the engine hooks (:func:`~.fsdp_fused.wrap_sum_pi_squared_requests`,
+:func:`~.megatron.wrap_engine_sum_pi_squared`)."""

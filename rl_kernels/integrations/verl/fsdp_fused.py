@@ -9,15 +9,19 @@ with its :class:`~rl_kernels.integrations.lm_heads.HeadTransform`) and wraps the
 forward builds (bare on verl 0.7.x / 0.8.0, with ``impl_backend`` on 0.9.x) is this module's
 subclass, which computes the log-probs and entropy with :func:`rl_kernels.linear_log_probs`
 (:func:`fused_log_probs_entropy`). The entropy is computed only when verl's ``calculate_entropy``
-asks (:func:`wrap_entropy_requests`).
+asks (:func:`wrap_entropy_requests`). Σπ² (``calculate_sum_pi_squared=True``, which verl refuses
+on its fused path) is computed in the same call when the FSDP engine's step asks for it, and
+verl's refusal is lifted for that step (:func:`wrap_sum_pi_squared_requests`).
 """
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import difflib
 import functools
 import inspect
 import logging
+import types
 
 import torch
 
@@ -27,8 +31,8 @@ from ...validation import check_temperature
 from ..lm_heads import HeadTransform, head_transform
 from ..verl_schema import BACKEND_NAME, names_rl_kernels
 from . import settings
-from .common import (VerlIntegrationError, entropy_on_request, entropy_placeholder, entropy_wanted, record,
-                     set_attr)
+from .common import (SumPiSquaredRequest, VerlIntegrationError, count, entropy_on_request, entropy_placeholder,
+                     entropy_wanted, record, set_attr, sum_pi_squared_request)
 from .distill import serve_fused_topk, topk_request
 from .label_check import refuse_rolled_shard_labels
 from .signatures import verl_features
@@ -92,7 +96,9 @@ def fused_log_probs_entropy(hidden_states: torch.Tensor, weight: torch.Tensor, l
     temperature: a float or a one-element tensor, with the model's own logit transform (soft-cap,
     multiplier) applied from the :class:`~rl_kernels.integrations.lm_heads.HeadTransform` of the
     model whose forward runs.
-    The entropy is a NaN placeholder when verl's ``calculate_entropy`` did not ask for it.
+    The entropy is a NaN placeholder when verl's ``calculate_entropy`` did not ask for it. While
+    the FSDP engine's step asks for Σπ² (:func:`wrap_sum_pi_squared_requests`), it is computed
+    too and delivered to that step's :class:`~.common.SumPiSquaredRequest`.
     Raises ValueError / TypeError as :func:`rl_kernels.linear_log_probs`, and VerlIntegrationError when
     the effective temperature is unusable.
     """
@@ -103,15 +109,21 @@ def fused_log_probs_entropy(hidden_states: torch.Tensor, weight: torch.Tensor, l
     weight = full_weight(weight, hidden_states.dtype)
     return_entropy = entropy_wanted.get()
     options = settings.options()
-    request = topk_request() if _serving.get() else None
-    if request is not None:  # verl's top-K distillation too, from the same fused head call
-        log_probs, entropy = serve_fused_topk(request, hidden_states, weight, labels, temperature=temperature,
+    topk = topk_request() if _serving.get() else None
+    sum_pi = sum_pi_squared_request.get()
+    if topk is not None:  # verl's top-K distillation too, from the same fused head call (a training step:
+        # no Σπ² there; one asked anyway is not delivered, so verl's own refusal stands)
+        log_probs, entropy = serve_fused_topk(topk, hidden_states, weight, labels, temperature=temperature,
                                               softcap=head.softcap, return_entropy=return_entropy,
                                               backend=options.backend)
     else:
-        log_probs, entropy = linear_log_probs(hidden_states, weight, labels, temperature=temperature,
-                                              softcap=head.softcap, return_entropy=return_entropy,
-                                              backend=options.backend)[:2]
+        out = linear_log_probs(hidden_states, weight, labels, temperature=temperature, softcap=head.softcap,
+                               return_entropy=return_entropy, return_sum_pi_squared=sum_pi is not None,
+                               backend=options.backend)
+        log_probs, entropy = out.log_probs, out.entropy
+        if sum_pi is not None:
+            sum_pi.deliver(out.log_probs, out.sum_pi_squared)
+            count("fused_sum_pi_squared_calls")
     record("fused_fsdp_calls", "fused fsdp", labels.numel())
     capture = settings.capture()
     if capture is not None:
@@ -154,6 +166,104 @@ def wrap_entropy_requests(dp_actor) -> str:
     if not wrapped:
         return "entropy always computed (no calculate_entropy hook found in this verl)"
     return "entropy only when verl's calculate_entropy asks (" + ", ".join(wrapped) + ")"
+
+
+def _micro_batch_flags(micro_batch, **flags) -> object:
+    """A shallow copy of the FSDP engine's micro-batch (a TensorDict) with these non-tensor flags
+    set: verl's object itself is left as it is."""
+    from verl.utils import tensordict_utils as tu
+
+    copy = micro_batch.copy()
+    tu.assign_non_tensor(copy, **flags)
+    return copy
+
+
+def _asks_fused_sum_pi_squared(micro_batch) -> bool:
+    from verl.utils import tensordict_utils as tu
+
+    return bool(tu.get_non_tensor_data(data=micro_batch, key="calculate_sum_pi_squared", default=False)
+                and tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels", default=False))
+
+
+def _requesting_forward_step(forward_step):
+    """The FSDP engine's ``forward_step``: a micro-batch that asks for Σπ² on the fused path runs
+    with a fresh :class:`~.common.SumPiSquaredRequest` active (others with none)."""
+    @functools.wraps(forward_step)
+    def wrapper(self, micro_batch, *args, **kwargs):
+        request = SumPiSquaredRequest() if _asks_fused_sum_pi_squared(micro_batch) else None
+        token = sum_pi_squared_request.set(request)
+        try:
+            return forward_step(self, micro_batch, *args, **kwargs)
+        finally:
+            sum_pi_squared_request.reset(token)
+
+    wrapper._rl_kernels_original = forward_step
+    return wrapper
+
+
+def _lifting_prepare_model_outputs(prepare_model_outputs):
+    """The FSDP engine's ``prepare_model_outputs`` (its Σπ² refusal on the fused path). When the
+    step's fused head was rl-kernels' and delivered Σπ² with the model output's log-probs, verl's
+    method runs with the flag hidden (``calculate_sum_pi_squared=False`` on a copy of the
+    micro-batch), and then once more on a stand-in output that carries the Σπ² as its
+    ``log_probs``, with only that output asked: verl's own code lays it out exactly as it lays out
+    the fused log-probs, which is the layout of its logits-path Σπ² (rmpad squeeze, Ulysses
+    gather and unpad of the packed padding, jagged nested tensor per sequence; without rmpad, the
+    valid columns of each row). Otherwise verl's method runs as it is, refusal included."""
+    @functools.wraps(prepare_model_outputs)
+    def wrapper(self, output, output_args, micro_batch, logits_processor_func):
+        request = sum_pi_squared_request.get()
+        if request is None or request.calls == 0 or not _asks_fused_sum_pi_squared(micro_batch):
+            return prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func)
+        sum_pi_squared = request.take(output.log_probs)
+        model_output = prepare_model_outputs(self, output, output_args,
+                                             _micro_batch_flags(micro_batch, calculate_sum_pi_squared=False),
+                                             logits_processor_func)
+        # entropy: any tensor of the log-probs' shape (verl 0.8.0 squeezes it even when not asked)
+        stand_in = types.SimpleNamespace(log_probs=sum_pi_squared, entropy=sum_pi_squared, fused_linear_aux=None)
+        only_log_probs = _micro_batch_flags(micro_batch, calculate_sum_pi_squared=False, calculate_entropy=False,
+                                            distillation_use_topk=False, distillation_only=False)
+        model_output["sum_pi_squared"] = prepare_model_outputs(self, stand_in, output_args, only_log_probs,
+                                                               logits_processor_func)["log_probs"]
+        return model_output
+
+    wrapper._rl_kernels_original = prepare_model_outputs
+    return wrapper
+
+
+FUSED_SUM_PI_SQUARED_PART = "FSDP fused sum_pi_squared"
+"""The report's part for Σπ² on the FSDP fused path (:func:`wrap_sum_pi_squared_requests`)."""
+
+
+def wrap_sum_pi_squared_requests() -> tuple[bool, str]:
+    """Lift verl's refusal of ``calculate_sum_pi_squared=True`` with ``use_fused_kernels=True`` on
+    the FSDP engine where rl-kernels' fused head computes Σπ²: ``FSDPEngineWithLMHead.forward_step``
+    (:func:`_requesting_forward_step`) and ``prepare_model_outputs``
+    (:func:`_lifting_prepare_model_outputs`) are wrapped. Detected by feature: the engine's two
+    methods with the parameters used here, and ``calculate_sum_pi_squared`` among verl's actor
+    options. Returns (wrapped?, the report's wording)."""
+    try:
+        import verl.workers.engine.fsdp.transformer_impl as fsdp_impl
+        from verl.workers.config.actor import ActorConfig
+    except ImportError as exc:
+        return False, f"not patched (verl's FSDP engine not importable: {exc})"
+    if "calculate_sum_pi_squared" not in {f.name for f in dataclasses.fields(ActorConfig)}:
+        return False, ("not in this verl (its engine's ActorConfig has no calculate_sum_pi_squared; a legacy "
+                       "actor's own refusal with fused kernels stays)")
+    engine = getattr(fsdp_impl, "FSDPEngineWithLMHead", None)
+    methods = {name: vars(engine).get(name) if engine is not None else None
+               for name in ("forward_step", "prepare_model_outputs")}
+    expected = {"forward_step": ["self", "micro_batch", "loss_function", "forward_only"],
+                "prepare_model_outputs": ["self", "output", "output_args", "micro_batch", "logits_processor_func"]}
+    for name, method in methods.items():
+        if method is None or list(inspect.signature(method).parameters) != expected[name]:
+            return False, (f"not patched (verl's FSDPEngineWithLMHead.{name} is missing or has other parameters "
+                           f"than {expected[name]}): verl's own refusal stays")
+    set_attr(engine, "forward_step", _requesting_forward_step(methods["forward_step"]))
+    set_attr(engine, "prepare_model_outputs", _lifting_prepare_model_outputs(methods["prepare_model_outputs"]))
+    return True, ("calculate_sum_pi_squared=True with use_fused_kernels=True computed by rl-kernels' fused head "
+                  "in the same pass; verl's refusal lifted where that head ran (FSDPEngineWithLMHead.forward_step, "
+                  "prepare_model_outputs), verl's error stays elsewhere (impl_backend not rl_kernels, VeOmni)")
 
 
 def make_fused_linear_class(base: type) -> type:

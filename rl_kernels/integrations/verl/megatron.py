@@ -33,6 +33,12 @@ alone). It pairs ``hidden.reshape(-1, H)`` with ``labels.reshape(-1)`` as verl's
 (verl passes ``(T, 1, H)`` and ``(1, T)``) and returns float32 ``(log_probs, entropy)`` shaped like
 ``labels`` (verl's kernel returns them flat; verl's callers reshape either).
 
+**Σπ² on the fused path** (``calculate_sum_pi_squared=True``, which verl's engine refuses with
+fused kernels): ``MegatronEngineWithLMHead.forward_step`` runs with the flag hidden and a request
+active; :func:`linear_cross_entropy` computes Σπ² over the whole vocabulary in the same pass, verl's
+``postprocess_thd_engine`` lays it out as the log-probs, and it is returned as ``sum_pi_squared``
+(:func:`wrap_engine_sum_pi_squared`).
+
 **Hidden-state gradient over the TP group.** Each rank's backward gives the gradient of its
 vocab shard only, a *partial* dh; the gradient of the decoder output is the sum over the TP
 group, and exactly one thing must form that sum:
@@ -68,6 +74,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import itertools
 import logging
 import numbers
 
@@ -76,8 +83,9 @@ import torch
 import rl_kernels
 
 from ..._logging import log_once, logger
-from .common import (VerlIntegrationError, check_signature, entropy_on_request, entropy_placeholder,
-                     entropy_wanted, record, replace_by_name, set_attr, verl_version)
+from .common import (SumPiSquaredRequest, VerlIntegrationError, check_signature, count, entropy_on_request,
+                     entropy_placeholder, entropy_wanted, record, replace_by_name, set_attr, sum_pi_squared_request,
+                     verl_version)
 from .settings import options
 
 LOGITS_FUNCTIONS = ("vocab_parallel_log_probs_from_logits", "vocab_parallel_entropy",
@@ -186,7 +194,9 @@ def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="non
     the TP group: see the module docstring (``reduce_hidden_grad`` unless ``hidden`` is the output
     of ``gather_from_sequence_parallel_region``). Inside a fused engine forward that verl runs with
     ``calculate_entropy=False`` (:func:`_wrap_engine_entropy_requests`) no entropy is computed and
-    the entropy returned is NaN (verl drops it).
+    the entropy returned is NaN (verl drops it). Inside an engine step that asks for Σπ²
+    (:func:`wrap_engine_sum_pi_squared`) it is computed in the same pass (over the whole
+    vocabulary, merged over the TP group like the log-probs) and delivered to the step's request.
     """
     if reduction != "none":
         raise ValueError(f"reduction: rl-kernels' linear_cross_entropy returns per-token log-probs and "
@@ -211,12 +221,17 @@ def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="non
                   "reduce_hidden_grad": not summed}
     backend = options().backend  # read per call
     return_entropy = entropy_wanted.get()
+    request = sum_pi_squared_request.get()
     out = rl_kernels.linear_log_probs(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
-                                      temperature=temperature, return_entropy=return_entropy, backend=backend,
-                                      **kwargs)
+                                      temperature=temperature, return_entropy=return_entropy,
+                                      return_sum_pi_squared=request is not None, backend=backend, **kwargs)
     record("fused_megatron_calls", "fused megatron", labels.numel())
     entropy = out.entropy if return_entropy else entropy_placeholder(out.log_probs)
-    return out.log_probs.view(labels.shape), entropy.view(labels.shape)
+    log_probs = out.log_probs.view(labels.shape)
+    if request is not None:
+        request.deliver(log_probs, out.sum_pi_squared.view(labels.shape))
+        count("fused_sum_pi_squared_calls")
+    return log_probs, entropy.view(labels.shape)
 
 
 LOGIT_TRANSFORM_ATTRIBUTES = ("final_logit_softcapping", "logit_softcapping", "output_logit_softcapping",
@@ -311,6 +326,99 @@ def _wrap_engine_entropy_requests() -> str:
     return f"entropy only when verl's calculate_entropy asks ({', '.join(wrapped)})"
 
 
+POSTPROCESS = "postprocess_thd_engine"
+ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
+FUSED_SUM_PI_SQUARED_PART = "Megatron fused sum_pi_squared"
+"""The report's part for Σπ² on the Megatron fused path (:func:`wrap_engine_sum_pi_squared`)."""
+
+
+def _laying_out_sum_pi_squared(postprocess):
+    """verl's ``postprocess_thd_engine`` as its Megatron engine fused forward calls it on the fused
+    head's log-probs (packed THD, padded per sequence, split over context parallelism) to give
+    the per-sequence nested tensor: when the step's request holds a Σπ² delivered with exactly
+    these log-probs, the same call with the same arguments lays out the Σπ² too
+    (``request.laid_out``)."""
+    @functools.wraps(postprocess)
+    def postprocess_thd_engine(output, *args, **kwargs):
+        result = postprocess(output, *args, **kwargs)
+        request = sum_pi_squared_request.get()
+        if request is not None and request.laid_out is None and request.belongs_to(output):
+            request.laid_out = postprocess(request.take(output), *args, **kwargs)
+        return result
+
+    postprocess_thd_engine._rl_kernels_original = postprocess
+    return postprocess_thd_engine
+
+
+def _lifting_forward_step(forward_step):
+    """``MegatronEngineWithLMHead.forward_step``, whose Σπ² refusal on the fused path comes before
+    the model runs. A micro-batch with ``calculate_sum_pi_squared=True`` and ``use_fused_kernels``
+    runs verl's method on a copy of the micro-batch with the flag hidden and a
+    :class:`~.common.SumPiSquaredRequest` active: rl-kernels' fused head computes Σπ² with the
+    log-probs, verl's ``postprocess_thd_engine`` lays it out with them (:func:`_laying_out_sum_pi_squared`),
+    and it goes into the output as ``sum_pi_squared``, where verl's logits path puts it. On the
+    last pipeline stage, when no Σπ² came (a fused forward that is not rl-kernels'), verl's method
+    runs again on the micro-batch as verl sent it: verl's own refusal, raised before its model runs."""
+    @functools.wraps(forward_step)
+    def wrapper(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
+        from verl.utils import tensordict_utils as tu
+
+        batch = next(batch_iter)
+        fused = tu.get_non_tensor_data(batch, key="use_fused_kernels", default=self.engine_config.use_fused_kernels)
+        asked = bool(tu.get_non_tensor_data(batch, key="calculate_sum_pi_squared", default=False))
+        if not (asked and fused):
+            token = sum_pi_squared_request.set(None)
+            try:
+                return forward_step(self, itertools.chain([batch], batch_iter), model, logits_processor_func,
+                                    postprocess_micro_batch_func)
+            finally:
+                sum_pi_squared_request.reset(token)
+        hidden = batch.copy()
+        tu.assign_non_tensor(hidden, calculate_sum_pi_squared=False)
+        request = SumPiSquaredRequest()
+        token = sum_pi_squared_request.set(request)
+        try:
+            output, postprocess = forward_step(self, itertools.chain([hidden], batch_iter), model,
+                                               logits_processor_func, postprocess_micro_batch_func)
+        finally:
+            sum_pi_squared_request.reset(token)
+        if isinstance(output, dict) and "log_probs" in output:  # the last pipeline stage
+            if request.laid_out is None:  # not rl-kernels' head: verl's own step, which refuses before its model runs
+                return forward_step(self, iter([batch]), model, logits_processor_func, postprocess_micro_batch_func)
+            output["sum_pi_squared"] = request.laid_out
+        return output, postprocess
+
+    wrapper._rl_kernels_original = forward_step
+    return wrapper
+
+
+def wrap_engine_sum_pi_squared(fused_modules) -> tuple:
+    """Lift verl's refusal of ``calculate_sum_pi_squared=True`` with ``use_fused_kernels=True`` on
+    the Megatron engine (:func:`_lifting_forward_step`), where the fused forward module
+    (``model_forward_fused``, among ``fused_modules``) lays out its outputs with a by-name
+    ``postprocess_thd_engine`` and the engine's ``forward_step`` has the parameters used here.
+    Returns (wrapped?, the report's wording)."""
+    fused = next((m for m in fused_modules if m.__name__ == FUSED_MODULES[0]), None)
+    try:
+        engine_module = importlib.import_module(ENGINE_MODULE)
+    except ImportError as exc:
+        return False, f"not patched (verl's Megatron engine not importable: {exc})"
+    engine = getattr(engine_module, "MegatronEngineWithLMHead", None)
+    method = vars(engine).get("forward_step") if engine is not None else None
+    expected = ["self", "batch_iter", "model", "logits_processor_func", "postprocess_micro_batch_func"]
+    if method is None or list(inspect.signature(method).parameters) != expected:
+        return False, (f"not patched (verl's MegatronEngineWithLMHead.forward_step is missing or has other "
+                       f"parameters than {expected}): verl's own refusal stays")
+    if fused is None or not callable(getattr(fused, POSTPROCESS, None)):
+        return False, f"not patched ({FUSED_MODULES[0]} has no {POSTPROCESS}): verl's own refusal stays"
+    set_attr(fused, POSTPROCESS, _laying_out_sum_pi_squared(getattr(fused, POSTPROCESS)))
+    set_attr(engine, "forward_step", _lifting_forward_step(method))
+    return True, (f"calculate_sum_pi_squared=True with use_fused_kernels=True computed by rl-kernels' fused head "
+                  f"in the same pass (vocab-parallel over the TP group); verl's refusal lifted "
+                  f"(MegatronEngineWithLMHead.forward_step), laid out by verl's {POSTPROCESS} "
+                  f"({FUSED_MODULES[0]}.{POSTPROCESS})")
+
+
 def _make_gather(original):
     """``gather_from_sequence_parallel_region`` that tags its output when its backward sums dh."""
     from megatron.core import parallel_state
@@ -333,11 +441,12 @@ def _make_gather(original):
 # ----------------------------------------------------------------------------- patch
 def patch(*, logits_path: bool, fused_path: bool, sum_pi_squared: bool) -> dict:
     """Patch verl's Megatron paths. Returns ``{part: (replaced?, what)}`` for the parts
-    "Megatron logits path", "Megatron fused path" and "sum_pi_squared (Megatron)" of the report
+    "Megatron logits path", "Megatron fused path", "Megatron fused sum_pi_squared" and
+    "sum_pi_squared (Megatron)" of the report
     (False where the caller's switch is off: the caller words those). Raises VerlIntegrationError
     when a signature differs (the caller rolls back). Nothing is patched when ``megatron.core``
     is not importable."""
-    parts = ("Megatron logits path", "Megatron fused path", "sum_pi_squared (Megatron)")
+    parts = ("Megatron logits path", "Megatron fused path", FUSED_SUM_PI_SQUARED_PART, "sum_pi_squared (Megatron)")
     try:
         import megatron.core.parallel_state  # noqa: F401
         import megatron.core.tensor_parallel as mcore_tp
@@ -366,7 +475,7 @@ def patch(*, logits_path: bool, fused_path: bool, sum_pi_squared: bool) -> dict:
                                                    f"and {len(places)} by-name import(s) "
                                                    f"({', '.join(places) or 'none loaded yet'})")
     if fused_path:
-        report["Megatron fused path"] = _patch_fused(mcore_tp)
+        report["Megatron fused path"], report[FUSED_SUM_PI_SQUARED_PART] = _patch_fused(mcore_tp)
     return report
 
 
@@ -393,6 +502,7 @@ def _engine_functions():
 
 
 def _patch_fused(mcore_tp) -> tuple:
+    """((replaced?, what) of the fused path, (replaced?, what) of Σπ² on it)."""
     from verl.utils.kernel import linear_cross_entropy as lce_module
 
     check_signature("LinearCrossEntropy.forward", lce_module.LinearCrossEntropy.forward,
@@ -413,7 +523,7 @@ def _patch_fused(mcore_tp) -> tuple:
     if not modules:
         logger.info("rl_kernels: verl's Megatron fused forwards are not importable (%s): the Megatron "
                     "fused path is not patched", "; ".join(skipped))
-        return False, f"not patched ({'; '.join(skipped)})"
+        return ((False, f"not patched ({'; '.join(skipped)})"),) * 2
     gather = _make_gather(original_gather)
     places = []
     # models whose logits are not output_layer(hidden) are refused where verl sets up / runs the fused path
@@ -434,4 +544,4 @@ def _patch_fused(mcore_tp) -> tuple:
             f"sequence parallelism, else all-reduced by rl-kernels); {_wrap_engine_entropy_requests()}")
     if skipped:
         line += f"; not importable, not patched: {'; '.join(skipped)}"
-    return True, line
+    return (True, line), wrap_engine_sum_pi_squared(modules)

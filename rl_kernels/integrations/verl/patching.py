@@ -18,7 +18,7 @@ from .common import VerlIntegrationError, restore, set_attr, verl_version
 from .distill import FSDP_PART as DISTILLATION_FSDP
 from .distill import MEGATRON_PART as DISTILLATION_MEGATRON
 from .distill import patch_distillation, patch_fused_distillation
-from .fsdp_fused import patch_fused_path
+from .fsdp_fused import FUSED_SUM_PI_SQUARED_PART, patch_fused_path, wrap_sum_pi_squared_requests
 from .hooks import (registry_classmethod, wrap_dp_actor, wrap_engine_new, wrap_legacy_workers,
                     wrap_model_config)
 from .logits import (LOGITS_FUNCTIONS, REPLACEMENTS, SUM_PI_SQUARED_FUNCTION, patch_logits_path,
@@ -39,7 +39,9 @@ _import_config_pending = False  # True from the import until a verl model config
 # ----------------------------------------------------------------------------- engine report
 _WHEN = {"FSDP fused path": " (models with impl_backend=rl_kernels)",
          "FSDP logits path": " (use_fused_kernels=False)", "Megatron logits path": " (use_fused_kernels=False)",
-         "Megatron fused path": " (use_fused_kernels=True)"}
+         "Megatron fused path": " (use_fused_kernels=True)",
+         FUSED_SUM_PI_SQUARED_PART: " (calculate_sum_pi_squared=True, impl_backend=rl_kernels)",
+         "Megatron fused sum_pi_squared": " (calculate_sum_pi_squared=True, use_fused_kernels=True)"}
 
 
 FUSED_ROUTES = {"FSDP": ("FSDPEngineWithLMHead", "prepare_model_inputs"),
@@ -58,9 +60,9 @@ def _engine_family(engine_cls):
 
 
 def _switched_off(what: str) -> bool:
-    """A report entry of a part the options switched off (``patch_logits_path=False``, ...): the
-    user's choice, said at INFO."""
-    return what.startswith("not replaced (patch_")
+    """A report entry of a part the options switched off (``patch_logits_path=False``, ...), the
+    user's choice, or of a feature this verl does not have: said at INFO, never a warning."""
+    return what.startswith(("not replaced (patch_", "not in this verl"))
 
 
 def _own_fused_route(engine_cls, family) -> str | None:
@@ -88,8 +90,9 @@ def _report_engine(model_type, backend, engine_cls) -> None:
         parts = {part: entry for part, entry in _report.items() if part.startswith(family) or
                  part == f"sum_pi_squared ({family})"}
         own_route = _own_fused_route(engine_cls, family)
-        if own_route is not None:
-            parts[f"{family} fused path"] = (False, f"not served ({own_route})")
+        if own_route is not None:  # its fused route is its own: nothing rl-kernels does on the fused path reaches it
+            for part in [p for p in parts if p.startswith(f"{family} fused")]:
+                parts[part] = (False, f"not served ({own_route})")
         done = [part + _WHEN.get(part, "") for part, (ok, _) in parts.items() if ok]
         left = [f"{part}: {what}" for part, (ok, what) in parts.items() if not ok and not _switched_off(what)]
         off = "".join(f"; {part}: {what}" for part, (ok, what) in parts.items() if not ok and _switched_off(what))
@@ -151,6 +154,10 @@ def _patch_all(monkey_patch, experimental_tf, torch_functional) -> dict:
     else:
         _wrap_engine_registry(engine_base)
     report["FSDP fused path"] = (True, patch_fused_path(monkey_patch, experimental_tf, dp_actor))
+    report[FUSED_SUM_PI_SQUARED_PART] = wrap_sum_pi_squared_requests()
+    if dp_actor is not None and report[FUSED_SUM_PI_SQUARED_PART][0]:  # verl 0.7.x: the legacy worker's actor
+        report[FUSED_SUM_PI_SQUARED_PART] = (True, report[FUSED_SUM_PI_SQUARED_PART][1] + "; not in the legacy "
+                                             "DataParallelPPOActor, whose own refusal stays")
     logits_path = current.patch_logits_path
     if logits_path:
         places = patch_logits_path(torch_functional)
@@ -174,6 +181,7 @@ def _patch_all(monkey_patch, experimental_tf, torch_functional) -> dict:
                               sum_pi_squared=sum_pi_squared)
     off = {"Megatron logits path": (logits_path, "not replaced (patch_logits_path=False)"),
            "Megatron fused path": (current.patch_megatron_fused, "not replaced (patch_megatron_fused=False)"),
+           "Megatron fused sum_pi_squared": (current.patch_megatron_fused, "not replaced (patch_megatron_fused=False)"),
            "sum_pi_squared (Megatron)": (sum_pi_squared, report["sum_pi_squared (FSDP)"][1])}
     for part, (ok, what) in megatron.items():
         switched_on, reason = off[part]
@@ -231,10 +239,10 @@ def patch() -> None:
 
 def report() -> dict:
     """What the last :func:`patch` replaced: ``{part: (replaced?, what)}``, parts "FSDP fused path",
-    "FSDP logits path", "sum_pi_squared (FSDP)", "Megatron logits path", "Megatron fused path",
-    "sum_pi_squared (Megatron)", "distillation (FSDP, VeOmni)", "distillation (FSDP fused path)",
-    "distillation (Megatron)", "distillation (Megatron fused path)". Empty
-    while unpatched."""
+    "FSDP fused sum_pi_squared", "FSDP logits path", "sum_pi_squared (FSDP)", "Megatron logits
+    path", "Megatron fused path", "Megatron fused sum_pi_squared", "sum_pi_squared (Megatron)",
+    "distillation (FSDP, VeOmni)", "distillation (FSDP fused path)", "distillation (Megatron)",
+    "distillation (Megatron fused path)". Empty while unpatched."""
     return dict(_report) if _patched else {}
 
 
