@@ -26,6 +26,8 @@ from .logits import (LOGITS_FUNCTIONS, REPLACEMENTS, SUM_PI_SQUARED_FUNCTION, pa
 from .megatron import patch as patch_megatron
 from .settings import PATCH_TIME_OPTIONS, lock, mark_patched, model_config_options, options
 from .signatures import DP_ACTOR_MODULE, check_verl_signature, check_verl_version, verl_features
+from .temperature import PART as PER_SAMPLE_TEMPERATURE
+from .temperature import serve_per_sample_temperature
 
 SERVED_ENGINES = {"verl.workers.engine.fsdp.transformer_impl": "FSDP",
                   "verl.workers.engine.megatron.transformer_impl": "Megatron"}
@@ -39,7 +41,8 @@ _import_config_pending = False  # True from the import until a verl model config
 # ----------------------------------------------------------------------------- engine report
 _WHEN = {"FSDP fused path": " (models with impl_backend=rl_kernels)",
          "FSDP logits path": " (use_fused_kernels=False)", "Megatron logits path": " (use_fused_kernels=False)",
-         "Megatron fused path": " (use_fused_kernels=True)"}
+         "Megatron fused path": " (use_fused_kernels=True)",
+         PER_SAMPLE_TEMPERATURE: " (a temperature tensor, impl_backend=rl_kernels)"}
 
 
 FUSED_ROUTES = {"FSDP": ("FSDPEngineWithLMHead", "prepare_model_inputs"),
@@ -90,6 +93,8 @@ def _report_engine(model_type, backend, engine_cls) -> None:
         own_route = _own_fused_route(engine_cls, family)
         if own_route is not None:
             parts[f"{family} fused path"] = (False, f"not served ({own_route})")
+            if PER_SAMPLE_TEMPERATURE in parts:
+                parts[PER_SAMPLE_TEMPERATURE] = (False, f"not served ({own_route})")
         done = [part + _WHEN.get(part, "") for part, (ok, _) in parts.items() if ok]
         left = [f"{part}: {what}" for part, (ok, what) in parts.items() if not ok and not _switched_off(what)]
         off = "".join(f"; {part}: {what}" for part, (ok, what) in parts.items() if not ok and _switched_off(what))
@@ -151,6 +156,7 @@ def _patch_all(monkey_patch, experimental_tf, torch_functional) -> dict:
     else:
         _wrap_engine_registry(engine_base)
     report["FSDP fused path"] = (True, patch_fused_path(monkey_patch, experimental_tf, dp_actor))
+    report[PER_SAMPLE_TEMPERATURE] = serve_per_sample_temperature()
     logits_path = current.patch_logits_path
     if logits_path:
         places = patch_logits_path(torch_functional)
@@ -230,9 +236,9 @@ def patch() -> None:
 
 def report() -> dict:
     """What the last :func:`patch` replaced: ``{part: (replaced?, what)}``, parts "FSDP fused path",
-    "FSDP logits path", "sum_pi_squared (FSDP)", "Megatron logits path", "Megatron fused path",
-    "sum_pi_squared (Megatron)", "distillation (FSDP, VeOmni)", "distillation (Megatron)". Empty
-    while unpatched."""
+    "FSDP fused per-sample temperature", "FSDP logits path", "sum_pi_squared (FSDP)", "Megatron
+    logits path", "Megatron fused path", "sum_pi_squared (Megatron)", "distillation (FSDP, VeOmni)",
+    "distillation (Megatron)". Empty while unpatched."""
     return dict(_report) if _patched else {}
 
 
