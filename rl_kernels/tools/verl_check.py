@@ -149,13 +149,25 @@ def diagnose(cfg: dict, stderr: str = "", overrides: list[str] = ()) -> Verdict:
                                   f"rl-kernels is imported but replaces nothing on this path. Fix: {fix}")
         return Verdict(True, f"rl-kernels is ON: fused path (use_fused_kernels=True, impl_backend={BACKEND_NAME}), "
                              f"backend={opts.backend}, {options_text}; the actor and the reference model "
-                             f"(actor_rollout_ref.model)")
+                             f"(actor_rollout_ref.model){_per_sample_temperature_note(cfg)}")
     if not opts.patch_logits_path:
         return Verdict(False, "rl-kernels is OFF: use_fused_kernels=False (verl's logits path) with "
                               "patch_logits_path=False, so nothing is replaced. Fix: use_fused_kernels=True with "
                               f"impl_backend={BACKEND_NAME}, or drop patch_logits_path=False")
     return Verdict(True, f"rl-kernels is ON: logits path (use_fused_kernels=False: verl's from-logits functions "
                          f"replaced), {options_text}; the actor and the reference model (actor_rollout_ref.model)")
+
+
+def _per_sample_temperature_note(cfg: dict) -> str:
+    """What the fused path does with a per-sample temperature (a float tensor per sample in the
+    batch, which verl's fused paths refuse), by the actor's strategy, for the ON line."""
+    strategy = _section(cfg, "actor_rollout_ref.actor.strategy")
+    if strategy in ("fsdp", "fsdp2"):
+        return "; a per-sample temperature (a tensor) is served on the fused path"
+    if strategy == "megatron":
+        return ("; a per-sample temperature (a tensor) stays refused by verl's Megatron fused path (uniform "
+                "temperature only; use_fused_kernels=False serves it)")
+    return ""
 
 
 def _why_not_imported(cfg: dict, stderr: str, overrides) -> str:
