@@ -150,3 +150,22 @@ def test_per_token_temperature_with_the_models_head_transform():
             fsdp_fused.fused_log_probs_entropy(hidden, weight, labels, temperature.index_fill(1, torch.tensor([2]), 0.0))
     finally:
         fsdp_fused._head.reset(token)
+
+
+def test_ulysses_slice_of_the_per_token_temperature(qwen2_forward, monkeypatch):
+    """Under Ulysses SP the fused forward's temperature is this rank's slice of the packed, padded
+    per-token temperature, aligned with its shift_labels (a stand-in for rank 1 of 2: 15 tokens,
+    one SP pad token of temperature 1, the second half taken)."""
+    import verl.utils.ulysses as ulysses
+
+    monkeypatch.setattr(ulysses, "slice_input_tensor",
+                        lambda x, dim, padding=False: x.narrow(dim, x.shape[dim] // 2, x.shape[dim] // 2))
+    model = tiny_qwen2()
+    apply_monkey_patch(model, use_remove_padding=True, use_fused_kernels=True, fused_kernels_backend=rkv.BACKEND_NAME)
+    engine = _engine(model)
+    engine.pad_to_length, engine.use_ulysses_sp, engine.ulysses_sequence_parallel_size = False, True, 2
+    model_inputs, output_args = engine.prepare_model_inputs(_micro_batch(rmpad=True, use_fused_kernels=True))
+    packed = [t for n, t in zip(LENGTHS, TEMPERATURES) for _ in range(n)] + [1.0]
+    expected = torch.tensor(packed[len(packed) // 2:])[None]
+    assert model_inputs["shift_labels"].shape == expected.shape and output_args["pad_size"] == 1
+    torch.testing.assert_close(model_inputs["temperature"], expected, atol=0, rtol=0)
