@@ -147,7 +147,8 @@ def test_per_token_temperature_with_the_models_head_transform():
         torch.testing.assert_close(lp.double(), log_p.gather(-1, labels[..., None])[..., 0], atol=1e-5, rtol=0)
         torch.testing.assert_close(ent.double(), -(log_p.exp() * log_p).sum(-1), atol=1e-5, rtol=0)
         with pytest.raises(ValueError, match=r"^temperature: row 2 is 0\.0; every per-row temperature"):
-            fsdp_fused.fused_log_probs_entropy(hidden, weight, labels, temperature.index_fill(1, torch.tensor([2]), 0.0))
+            bad = temperature.index_fill(1, torch.tensor([2]), 0.0)
+            fsdp_fused.fused_log_probs_entropy(hidden, weight, labels, bad)
     finally:
         fsdp_fused._head.reset(token)
 
