@@ -160,13 +160,11 @@ def diagnose(cfg: dict, stderr: str = "", overrides: list[str] = ()) -> Verdict:
 
 def _per_sample_temperature_note(cfg: dict) -> str:
     """What the fused path does with a per-sample temperature (a float tensor per sample in the
-    batch, which verl's fused paths refuse), by the actor's strategy, for the ON line."""
+    batch, which verl's fused paths refuse): served on verl's FSDP and Megatron engines (strategy
+    fsdp, fsdp2, megatron; other engines' own fused routes: nothing said), for the ON line."""
     strategy = _section(cfg, "actor_rollout_ref.actor.strategy")
-    if strategy in ("fsdp", "fsdp2"):
+    if strategy in ("fsdp", "fsdp2", "megatron"):
         return "; a per-sample temperature (a tensor) is served on the fused path"
-    if strategy == "megatron":
-        return ("; a per-sample temperature (a tensor) stays refused by verl's Megatron fused path (uniform "
-                "temperature only; use_fused_kernels=False serves it)")
     return ""
 
 

@@ -51,7 +51,8 @@ yourself). The import calls :func:`patch`, which
 * **Megatron engine** (:mod:`rl_kernels.integrations.verl.megatron`, where verl has every function
   replaced there: 0.9.x and main, not 0.7.x / 0.8.x; when ``megatron.core`` is importable): verl's vocab-parallel from-logits functions (logits path) and the
   ``linear_cross_entropy`` of its Megatron fused forwards (fused path), on the tensor-parallel
-  group, with the hidden-state gradient summed exactly once over that group.
+  group, with the hidden-state gradient summed exactly once over that group; a per-sample
+  temperature on the fused path, which verl refuses there, laid out per token (:mod:`.temperature`).
 
 :func:`patch` logs, per engine, exactly what it replaced (also :func:`report`); when verl builds
 an engine, the engine is named once, with a warning if rl-kernels does not serve it (VeOmni,
@@ -71,7 +72,7 @@ Layout, and what patches on import. The package's modules, one job each: :mod:`.
 (:func:`patch`, :func:`unpatch`, :func:`report`), :mod:`.settings` (the options in force),
 :mod:`.signatures`, :mod:`.fsdp_fused`, :mod:`.logits`, :mod:`.hooks`, :mod:`.label_check`,
 :mod:`.megatron` (the Megatron engine), :mod:`.distill`, :mod:`.temperature` (per-sample
-temperature on the FSDP fused path) and :mod:`.common`. This ``__init__`` is
+temperature on the fused paths) and :mod:`.common`. This ``__init__`` is
 the only module that patches, but Python runs it before any module of the package is imported, so
 importing any of them patches verl too. What must not patch lives outside the package:
 :mod:`rl_kernels.integrations.verl_schema` (the options' schema, :data:`BACKEND_NAME`,
