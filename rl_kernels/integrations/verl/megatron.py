@@ -185,9 +185,9 @@ def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="non
     labels: global ids, ``labels.numel()`` rows paired with ``hidden.reshape(-1, H)`` as verl's
     kernel pairs them. temperature: a number, a one-element tensor, or verl's per-sample temperature
     as :mod:`.temperature` hands it on (laid out per token there). Returns float32 ``(log_probs,
-    entropy)`` shaped like ``labels``. dh over
-    the TP group: see the module docstring (``reduce_hidden_grad`` unless ``hidden`` is the output
-    of ``gather_from_sequence_parallel_region``). Inside a fused engine forward that verl runs with
+    entropy)`` shaped like ``labels``. dh over the TP group: see the module docstring
+    (``reduce_hidden_grad`` unless ``hidden`` is the output of
+    ``gather_from_sequence_parallel_region``). Inside a fused engine forward that verl runs with
     ``calculate_entropy=False`` (:func:`_wrap_engine_entropy_requests`) no entropy is computed and
     the entropy returned is NaN (verl drops it).
     """
