@@ -164,11 +164,11 @@ def linear_topk_kl(
                         renormalize_teacher=renormalize_teacher, reduction=reduction)
 
 
-def head_at_ids(h2, weight, labels, ids, params: HeadParams, temperature: float, tp=None):
+def head_at_ids(h2, weight, labels, ids, params: HeadParams, temperature, tp=None):
     """The fused head's one route (a vocab shard with ``tp``) with the logits at ``ids`` ->
     (``HeadOutputs``, the log-probs at ``ids`` (N, K) float32 = z[ids] - lse, differentiable).
     ``h2`` (N, H), ``labels`` (N,), ``ids`` (N, K) int64 (checked), ``params`` (its
-    ``inv_temperature`` is set here from the checked ``temperature``)."""
+    ``inv_temperature`` is set here from the checked ``temperature``: a number, or N per-row values)."""
     inv_temperature, runtime_temperature = split_temperature(temperature)
     head = linear_head(h2, weight, labels, params._replace(inv_temperature=inv_temperature), ids,
                        runtime_temperature, tp)
@@ -190,7 +190,8 @@ def linear_log_probs_at_ids(hidden_states: torch.Tensor, weight: torch.Tensor, l
         labels: (...) int64/int32 in [0, vocab_size) or -100 (ignored: log-prob 0, no gradient,
             and no gradient through that position's ids either).
         token_ids: (..., K) int64/int32 ids in [0, vocab_size), K >= 1.
-        temperature, softcap, return_entropy, backend: as for ``linear_log_probs``.
+        temperature, softcap, return_entropy, backend: as for ``linear_log_probs`` (a per-position
+            temperature tensor shaped like ``labels`` included).
 
     Returns:
         ``(log_probs, entropy, log_probs_at_ids)``: float32 nats, shapes ``labels.shape`` (entropy
@@ -202,9 +203,9 @@ def linear_log_probs_at_ids(hidden_states: torch.Tensor, weight: torch.Tensor, l
         shape, device or an id outside [0, vocab_size); NotImplementedError for ``softcap`` with a
         gradient to compute (the gathered logits' gradient under a cap is not implemented).
     """
-    temperature = check_temperature(temperature)
-    softcap = check_softcap(softcap, temperature)
     check_head_inputs(hidden_states, weight, labels, -100, check_values=False)
+    temperature = check_temperature(temperature, labels)  # (a number, or one per position)
+    softcap = check_softcap(softcap, temperature)
     check_bool_arg("return_entropy", return_entropy)
     check_tensor_arg("token_ids", token_ids)
     lead = tuple(labels.shape)
@@ -219,7 +220,7 @@ def linear_log_probs_at_ids(hidden_states: torch.Tensor, weight: torch.Tensor, l
     k = token_ids.shape[-1]
     ids = token_ids.reshape(-1, k)
     check_token_id_values(ids, weight.shape[0], "token_ids")
-    params = HeadParams(backend=get_backend(backend, hidden_states.device), inv_temperature=1.0 / temperature,
+    params = HeadParams(backend=get_backend(backend, hidden_states.device), inv_temperature=1.0,  # (head_at_ids)
                         ignore_index=-100, return_entropy=return_entropy, name="linear_log_probs_at_ids",
                         softcap=softcap)  # (label values are checked in the head's backend call)
     head, log_q = head_at_ids(hidden_states.reshape(-1, hidden_states.shape[-1]), weight, labels.reshape(-1),

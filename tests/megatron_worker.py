@@ -136,6 +136,7 @@ def run(rank, world, init_file):
         assert len(summary) == 1 and "megatron" in summary[0], records.messages()
         _check_engine_entropy_on_request(rkv, rkm, mcore, rank, world)
         _check_engine_fused_sum_pi_squared(rkv, mti, rank, world)
+        _check_engine_per_sample_temperature(rkv, rank, world)
 
         _check_unpatch_restores(rkv, rkm, originals)
         if rank == 0:
@@ -541,3 +542,68 @@ def _check_without_megatron(rkv, vtp, originals, records):
     assert any("megatron.core is not importable" in m for m in records.messages())
     rkv.unpatch()
     rkv.patch()
+
+
+# ----------------------------------------------------------------------------- per-sample temperature
+def _check_engine_per_sample_temperature(rkv, rank, world):
+    """verl's Megatron engine with a per-sample temperature (0.5 and 1.3, issue 44): its
+    ``_resolve_fused_temperature`` and the fused forward its factory returns (verl's own
+    ``fused_forward_model_engine``: packing with the TP alignment pad, the labels' roll, the
+    output-processor hook, unpacking) on a stand-in GPTModel whose decoder is an embedding lookup.
+    Each sequence's log-probs (not its last token's, whose label verl drops) and entropy against
+    float64 with its own temperature; the embedding's and the weight shard's gradients too. A
+    uniform tensor still goes to verl's function; the stand-in value outside that forward is refused."""
+    import verl.models.mcore as mcore
+    import verl.workers.engine.megatron.transformer_impl as mti
+
+    from rl_kernels.integrations.verl.temperature import PerSampleTemperature
+
+    gen = torch.Generator().manual_seed(7)
+    lengths, temps, vocab = (5, 7), torch.tensor([0.5, 1.3]), world * V_R
+    ids = [torch.randint(0, vocab, (n,), generator=gen) for n in lengths]
+    embedding, weight = torch.randn(vocab, H, generator=gen), torch.randn(vocab, H, generator=gen) * 0.5
+    g_lp, g_ent = torch.randn(2, sum(lengths), generator=gen)
+    emb = embedding.clone().requires_grad_()
+    w_shard = weight[rank * V_R:(rank + 1) * V_R].clone().requires_grad_()
+
+    class StandInGPT(torch.nn.Module):
+        pre_process = post_process = True
+        config = types.SimpleNamespace(fp8=None, sequence_parallel=False, config_logger_dir="")
+        _verl_fused_forward_mode = "hook"  # Megatron-Core 0.18's output-processor contract
+
+        def forward(self, input_ids, labels, output_processor, output_processor_context, **kwargs):
+            return output_processor(hidden_states=emb[input_ids[0]][:, None], output_layer=None,
+                                    output_weight=w_shard, labels=labels, context=output_processor_context,
+                                    config=self.config)
+
+    input_ids = torch.nested.nested_tensor(ids, layout=torch.jagged)
+    resolved = mti._resolve_fused_temperature(temps)
+    uniform = mti._resolve_fused_temperature(torch.tensor([0.7, 0.7]))  # verl's own: a float
+    assert isinstance(resolved, PerSampleTemperature) and type(uniform) is float and abs(uniform - 0.7) < 1e-6
+    forward = mcore.get_mcore_forward_fused_model_engine_fn(types.SimpleNamespace(architectures=["Qwen2ForCausalLM"]))
+    out = forward(model=StandInGPT(), input_ids=input_ids, labels=input_ids.clone(), multi_modal_inputs={},
+                  temperature=resolved, calculate_entropy=True, pad_token_id=0)
+    lp, ent = (out[k].values() if out[k].is_nested else out[k].reshape(-1) for k in ("log_probs", "entropy"))
+    keep = torch.ones(sum(lengths), dtype=torch.bool)
+    keep[torch.tensor(lengths).cumsum(0) - 1] = False
+    (g_lp * lp * keep + g_ent * ent).sum().backward()
+
+    e64, w64 = embedding.double().requires_grad_(), weight.double().requires_grad_()
+    h64 = torch.cat([e64[s] for s in ids])
+    z = h64 @ w64.T / torch.repeat_interleave(temps.double(), torch.tensor(lengths))[:, None]
+    log_p = z.log_softmax(-1)
+    labels = torch.cat([torch.roll(s, -1) for s in ids])
+    ref_lp = log_p.gather(1, labels[:, None])[:, 0]
+    ref_ent = -(log_p.exp() * log_p).sum(-1)
+    (g_lp.double() * ref_lp * keep + g_ent.double() * ref_ent).sum().backward()
+    torch.testing.assert_close(lp[keep].double(), ref_lp[keep].detach(), **VAL)
+    torch.testing.assert_close(ent.double(), ref_ent.detach(), **VAL)
+    torch.testing.assert_close(emb.grad.double(), e64.grad, **GRAD)
+    torch.testing.assert_close(w_shard.grad.double(), w64.grad[rank * V_R:(rank + 1) * V_R], **GRAD)
+    try:  # outside the engine forward that lays it out
+        rkv.megatron.linear_cross_entropy(torch.zeros(3, 1, H), w_shard, torch.zeros(1, 3, dtype=torch.long),
+                                          mti._resolve_fused_temperature(temps))
+    except rkv.VerlIntegrationError as e:
+        assert "outside the engine forward" in str(e), e
+    else:
+        raise AssertionError("a per-sample stand-in outside the engine forward was not refused")

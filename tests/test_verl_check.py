@@ -117,6 +117,19 @@ def test_sum_pi_squared_note_per_engine_and_path(cfg, expected):
     assert sum_pi_squared_note(cfg) is None  # not asked: no line
 
 
+@pytest.mark.parametrize("strategy,expected", [
+    ("fsdp2", "; a per-sample temperature (a tensor) is served on the fused path"),
+    ("megatron", "; a per-sample temperature (a tensor) is served on the fused path"),
+    ("veomni", None),
+])
+def test_the_fused_line_says_what_serves_a_per_sample_temperature(strategy, expected):
+    cfg = {"actor_rollout_ref": {"actor": {"strategy": strategy},
+                                 "model": {"external_lib": "rl_kernels.integrations.verl", "use_fused_kernels": True,
+                                           "fused_kernel_options": {"impl_backend": "rl_kernels"}}}}
+    verdict = diagnose(cfg)
+    assert verdict.on and (expected in verdict.line if expected else "per-sample" not in verdict.line), verdict.line
+
+
 def test_a_bad_entry_is_a_one_line_usage_error(capsys):
     with pytest.raises(SystemExit) as err:
         main(["verl-check", "--entry", "no.such.module", "+rl_kernels=fused"])

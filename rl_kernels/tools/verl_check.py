@@ -154,7 +154,8 @@ def diagnose(cfg: dict, stderr: str = "", overrides: list[str] = ()) -> Verdict:
                                   f"rl-kernels is imported but replaces nothing on this path. Fix: {fix}")
         return Verdict(True, f"rl-kernels is ON: fused path (use_fused_kernels=True, impl_backend={BACKEND_NAME}), "
                              f"backend={opts.backend}, {options_text}; the actor and the reference model "
-                             f"(actor_rollout_ref.model){_fused_distillation_note(cfg, model)}")
+                             f"(actor_rollout_ref.model){_fused_distillation_note(cfg, model)}"
+                             f"{_per_sample_temperature_note(cfg)}")
     if not opts.patch_logits_path:
         return Verdict(False, "rl-kernels is OFF: use_fused_kernels=False (verl's logits path) with "
                               "patch_logits_path=False, so nothing is replaced. Fix: use_fused_kernels=True with "
@@ -198,6 +199,16 @@ def _fused_distillation_note(cfg: dict, model: dict) -> str:
                 f"use_remove_padding=True, or use_fused_kernels=False")
     return (f"; top-K distillation (loss_mode={mode}) served on the fused path (distillation_losses, student_mass, "
             f"teacher_mass from rl-kernels' fused head)")
+
+
+def _per_sample_temperature_note(cfg: dict) -> str:
+    """What the fused path does with a per-sample temperature (a float tensor per sample in the
+    batch, which verl's fused paths refuse): served on verl's FSDP and Megatron engines (strategy
+    fsdp, fsdp2, megatron; other engines' own fused routes: nothing said), for the ON line."""
+    strategy = _section(cfg, "actor_rollout_ref.actor.strategy")
+    if strategy in ("fsdp", "fsdp2", "megatron"):
+        return "; a per-sample temperature (a tensor) is served on the fused path"
+    return ""
 
 
 def _why_not_imported(cfg: dict, stderr: str, overrides) -> str:

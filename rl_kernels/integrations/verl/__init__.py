@@ -28,7 +28,10 @@ yourself). The import calls :func:`patch`, which
   entropy (verl #2608); rl-kernels computes it only when the micro-batch's ``calculate_entropy``
   asks (read in the FSDP engine's ``forward_step``, or verl 0.7.x's
   ``DataParallelPPOActor._forward_micro_batch``), and otherwise hands verl a NaN placeholder, which
-  verl drops. A forward without ``shift_labels`` (verl 0.7.x) under Ulysses
+  verl drops. A per-sample temperature (a float tensor ``(bsz,)``, which verl's FSDP engine
+  refuses on its fused path) is served for such a model: laid out per token as verl's logits path
+  lays it out, and divided per row in the fused head (:mod:`.temperature`). A forward without
+  ``shift_labels`` (verl 0.7.x) under Ulysses
   sequence parallelism is refused with :class:`VerlIntegrationError` (labels rolled per shard,
   verl #3512, #3723), at ``DataParallelPPOActor`` construction and at the forward. verl's ``triton``, ``torch`` and ``liger`` backends
   are left untouched, so they stay available for comparison. verl prints "Using Torch backend"
@@ -48,7 +51,8 @@ yourself). The import calls :func:`patch`, which
 * **Megatron engine** (:mod:`rl_kernels.integrations.verl.megatron`, where verl has every function
   replaced there: 0.9.x and main, not 0.7.x / 0.8.x; when ``megatron.core`` is importable): verl's vocab-parallel from-logits functions (logits path) and the
   ``linear_cross_entropy`` of its Megatron fused forwards (fused path), on the tensor-parallel
-  group, with the hidden-state gradient summed exactly once over that group.
+  group, with the hidden-state gradient summed exactly once over that group; a per-sample
+  temperature on the fused path, which verl refuses there, laid out per token (:mod:`.temperature`).
 * **Σπ² on the fused paths** (``calculate_sum_pi_squared=True`` with ``use_fused_kernels=True``,
   which verl refuses): where verl's engine step asks for it, rl-kernels' fused head (FSDP with
   ``impl_backend=rl_kernels``, Megatron) computes it in the same pass, and the refusal is lifted for
@@ -72,7 +76,8 @@ the parameter lists of its table (:data:`SIGNATURES`).
 Layout, and what patches on import. The package's modules, one job each: :mod:`.patching`
 (:func:`patch`, :func:`unpatch`, :func:`report`), :mod:`.settings` (the options in force),
 :mod:`.signatures`, :mod:`.fsdp_fused`, :mod:`.logits`, :mod:`.hooks`, :mod:`.label_check`,
-:mod:`.megatron` (the Megatron engine), :mod:`.distill` and :mod:`.common`. This ``__init__`` is
+:mod:`.megatron` (the Megatron engine), :mod:`.distill`, :mod:`.temperature` (per-sample
+temperature on the fused paths) and :mod:`.common`. This ``__init__`` is
 the only module that patches, but Python runs it before any module of the package is imported, so
 importing any of them patches verl too. What must not patch lives outside the package:
 :mod:`rl_kernels.integrations.verl_schema` (the options' schema, :data:`BACKEND_NAME`,

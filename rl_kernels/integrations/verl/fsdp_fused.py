@@ -27,7 +27,7 @@ import torch
 
 from ..._logging import log_once, logger
 from ...linear import linear_log_probs
-from ...validation import check_temperature
+from ...validation import check_temperature, row_inv_temperature
 from ..lm_heads import HeadTransform, head_transform
 from ..verl_schema import BACKEND_NAME, names_rl_kernels
 from . import settings
@@ -85,6 +85,25 @@ def _head_temperature(temperature, head: HeadTransform) -> float:
                                    f"{head.description}: effective temperature {effective!r} is unusable ({exc})") from exc
 
 
+def _head_row_temperature(temperature: torch.Tensor, labels: torch.Tensor, head: HeadTransform) -> torch.Tensor:
+    """A per-token temperature (float, shaped like ``labels``: verl's per-sample temperature laid out
+    by :mod:`.temperature`) with the model's logit multiplier folded in (``HeadTransform``). Shape,
+    dtype and device are checked here; the values where :func:`rl_kernels.linear_log_probs` reads
+    them, and, for a model with a multiplier, verl's values first (the same ValueError as without
+    one), then the effective ones, whose error names both (one more host read each)."""
+    temperature = check_temperature(temperature, labels)
+    if head.multiplier == 1.0:
+        return temperature
+    row_inv_temperature(temperature)
+    effective = head.temperature(temperature.double())  # float64: T / multiplier rounded once, by the kernels
+    try:
+        row_inv_temperature(effective)
+    except ValueError as exc:
+        raise VerlIntegrationError(f"rl_kernels.integrations.verl: per-sample temperature with the model's "
+                                   f"{head.description}: an effective temperature is unusable ({exc})") from exc
+    return effective
+
+
 def fused_log_probs_entropy(hidden_states: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                             temperature) -> tuple[torch.Tensor, torch.Tensor]:
     """What verl's ``FusedLinearForPPO.forward`` returns, computed by :func:`rl_kernels.linear_log_probs`:
@@ -93,19 +112,23 @@ def fused_log_probs_entropy(hidden_states: torch.Tensor, weight: torch.Tensor, l
     hidden_states: ``(..., H)``; weight: the lm_head weight ``(vocab_size, H)`` (a sharded FSDP2
     DTensor is gathered, a float32 one under mixed precision cast to ``hidden_states.dtype``, see
     :func:`full_weight`); labels: int64 ``(...)`` (verl's ``input_ids`` rolled, or its ``shift_labels``);
-    temperature: a float or a one-element tensor, with the model's own logit transform (soft-cap,
-    multiplier) applied from the :class:`~rl_kernels.integrations.lm_heads.HeadTransform` of the
-    model whose forward runs.
+    temperature: a float or a one-element tensor, or a float tensor shaped like ``labels`` (a
+    temperature per token: verl's per-sample temperature, laid out by :mod:`.temperature`), with
+    the model's own logit transform (soft-cap, multiplier) applied from the
+    :class:`~rl_kernels.integrations.lm_heads.HeadTransform` of the model whose forward runs.
     The entropy is a NaN placeholder when verl's ``calculate_entropy`` did not ask for it. While
     the FSDP engine's step asks for Σπ² (:func:`wrap_sum_pi_squared_requests`), it is computed
     too and delivered to that step's :class:`~.common.SumPiSquaredRequest`.
     Raises ValueError / TypeError as :func:`rl_kernels.linear_log_probs`, and VerlIntegrationError when
     the effective temperature is unusable.
     """
-    if isinstance(temperature, torch.Tensor) and temperature.numel() == 1:
-        temperature = temperature.item()
     head = _head.get() or HeadTransform()
-    temperature = _head_temperature(temperature, head)
+    if isinstance(temperature, torch.Tensor) and temperature.numel() != 1:
+        temperature = _head_row_temperature(temperature, labels, head)
+    else:
+        if isinstance(temperature, torch.Tensor):
+            temperature = temperature.item()
+        temperature = _head_temperature(temperature, head)
     weight = full_weight(weight, hidden_states.dtype)
     return_entropy = entropy_wanted.get()
     options = settings.options()
@@ -126,7 +149,10 @@ def fused_log_probs_entropy(hidden_states: torch.Tensor, weight: torch.Tensor, l
             count("fused_sum_pi_squared_calls")
     record("fused_fsdp_calls", "fused fsdp", labels.numel())
     capture = settings.capture()
-    if capture is not None:
+    if capture is not None and isinstance(temperature, torch.Tensor):
+        log_once(logging.INFO, "rl_kernels: the anomaly capture skips fused calls with a per-sample temperature "
+                 "(its samples hold one temperature)")
+    elif capture is not None:
         capture.check(hidden_states, weight, labels, temperature=float(temperature),
                       softcap=head.softcap, ignore_index=-100, log_probs=log_probs, entropy=entropy,
                       metadata={"model": _model_names[-1] if _model_names else "unknown"})

@@ -87,6 +87,7 @@ from .common import (SumPiSquaredRequest, VerlIntegrationError, check_signature,
                      entropy_placeholder, entropy_wanted, record, replace_by_name, set_attr, sum_pi_squared_request,
                      verl_version)
 from .settings import options
+from .temperature import PerSampleTemperature, megatron_row_temperature
 
 LOGITS_FUNCTIONS = ("vocab_parallel_log_probs_from_logits", "vocab_parallel_entropy",
                     "vocab_parallel_entropy_with_chunking")
@@ -190,9 +191,11 @@ def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="non
 
     hidden: ``(..., H)`` (verl: ``(T, 1, H)``); weight: this rank's ``(V_r, H)`` vocab shard;
     labels: global ids, ``labels.numel()`` rows paired with ``hidden.reshape(-1, H)`` as verl's
-    kernel pairs them. Returns float32 ``(log_probs, entropy)`` shaped like ``labels``. dh over
-    the TP group: see the module docstring (``reduce_hidden_grad`` unless ``hidden`` is the output
-    of ``gather_from_sequence_parallel_region``). Inside a fused engine forward that verl runs with
+    kernel pairs them. temperature: a number, a one-element tensor, or verl's per-sample temperature
+    as :mod:`.temperature` hands it on (laid out per token there). Returns float32 ``(log_probs,
+    entropy)`` shaped like ``labels``. dh over the TP group: see the module docstring
+    (``reduce_hidden_grad`` unless ``hidden`` is the output of
+    ``gather_from_sequence_parallel_region``). Inside a fused engine forward that verl runs with
     ``calculate_entropy=False`` (:func:`_wrap_engine_entropy_requests`) no entropy is computed and
     the entropy returned is NaN (verl drops it). Inside an engine step that asks for Σπ²
     (:func:`wrap_engine_sum_pi_squared`) it is computed in the same pass (over the whole
@@ -202,7 +205,10 @@ def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="non
         raise ValueError(f"reduction: rl-kernels' linear_cross_entropy returns per-token log-probs and "
                          f"entropy (reduction='none', what verl's Megatron fused forward passes), got "
                          f"{reduction!r}")
-    temperature = _temperature(temperature)
+    if isinstance(temperature, PerSampleTemperature):  # verl's per-sample temperature (:mod:`.temperature`)
+        temperature = megatron_row_temperature(temperature, labels)
+    else:
+        temperature = _temperature(temperature)
     if _rows(hidden) != labels.numel():
         raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)}: expected "
                          f"hidden.shape[:-1].numel() == labels.numel()")
@@ -222,6 +228,8 @@ def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="non
     backend = options().backend  # read per call
     return_entropy = entropy_wanted.get()
     request = sum_pi_squared_request.get()
+    if isinstance(temperature, torch.Tensor):
+        temperature = temperature.reshape(-1)
     out = rl_kernels.linear_log_probs(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
                                       temperature=temperature, return_entropy=return_entropy,
                                       return_sum_pi_squared=request is not None, backend=backend, **kwargs)

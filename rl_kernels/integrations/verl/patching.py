@@ -26,6 +26,9 @@ from .logits import (LOGITS_FUNCTIONS, REPLACEMENTS, SUM_PI_SQUARED_FUNCTION, pa
 from .megatron import patch as patch_megatron
 from .settings import PATCH_TIME_OPTIONS, lock, mark_patched, model_config_options, options
 from .signatures import DP_ACTOR_MODULE, check_verl_signature, check_verl_version, verl_features
+from .temperature import MEGATRON_PART as MEGATRON_PER_SAMPLE_TEMPERATURE
+from .temperature import PART as PER_SAMPLE_TEMPERATURE
+from .temperature import serve_megatron_per_sample_temperature, serve_per_sample_temperature
 
 SERVED_ENGINES = {"verl.workers.engine.fsdp.transformer_impl": "FSDP",
                   "verl.workers.engine.megatron.transformer_impl": "Megatron"}
@@ -41,7 +44,9 @@ _WHEN = {"FSDP fused path": " (models with impl_backend=rl_kernels)",
          "FSDP logits path": " (use_fused_kernels=False)", "Megatron logits path": " (use_fused_kernels=False)",
          "Megatron fused path": " (use_fused_kernels=True)",
          FUSED_SUM_PI_SQUARED_PART: " (calculate_sum_pi_squared=True, impl_backend=rl_kernels)",
-         "Megatron fused sum_pi_squared": " (calculate_sum_pi_squared=True, use_fused_kernels=True)"}
+         "Megatron fused sum_pi_squared": " (calculate_sum_pi_squared=True, use_fused_kernels=True)",
+         PER_SAMPLE_TEMPERATURE: " (a temperature tensor, impl_backend=rl_kernels)",
+         MEGATRON_PER_SAMPLE_TEMPERATURE: " (a temperature tensor, use_fused_kernels=True)"}
 
 
 FUSED_ROUTES = {"FSDP": ("FSDPEngineWithLMHead", "prepare_model_inputs"),
@@ -158,6 +163,7 @@ def _patch_all(monkey_patch, experimental_tf, torch_functional) -> dict:
     if dp_actor is not None and report[FUSED_SUM_PI_SQUARED_PART][0]:  # verl 0.7.x: the legacy worker's actor
         report[FUSED_SUM_PI_SQUARED_PART] = (True, report[FUSED_SUM_PI_SQUARED_PART][1] + "; not in the legacy "
                                              "DataParallelPPOActor, whose own refusal stays")
+    report[PER_SAMPLE_TEMPERATURE] = serve_per_sample_temperature()
     logits_path = current.patch_logits_path
     if logits_path:
         places = patch_logits_path(torch_functional)
@@ -186,6 +192,8 @@ def _patch_all(monkey_patch, experimental_tf, torch_functional) -> dict:
     for part, (ok, what) in megatron.items():
         switched_on, reason = off[part]
         report[part] = (ok, what) if switched_on or what.startswith("not patched") else (False, reason)
+    if report["Megatron fused path"][0]:
+        report[MEGATRON_PER_SAMPLE_TEMPERATURE] = serve_megatron_per_sample_temperature()
     if logits_path:
         report.update(patch_distillation())
     else:
@@ -239,10 +247,11 @@ def patch() -> None:
 
 def report() -> dict:
     """What the last :func:`patch` replaced: ``{part: (replaced?, what)}``, parts "FSDP fused path",
-    "FSDP fused sum_pi_squared", "FSDP logits path", "sum_pi_squared (FSDP)", "Megatron logits
-    path", "Megatron fused path", "Megatron fused sum_pi_squared", "sum_pi_squared (Megatron)",
-    "distillation (FSDP, VeOmni)", "distillation (FSDP fused path)", "distillation (Megatron)",
-    "distillation (Megatron fused path)". Empty while unpatched."""
+    "FSDP fused sum_pi_squared", "FSDP fused per-sample temperature", "FSDP logits path",
+    "sum_pi_squared (FSDP)", "Megatron logits path", "Megatron fused path", "Megatron fused
+    sum_pi_squared", "Megatron fused per-sample temperature" (where the Megatron fused path is
+    patched), "sum_pi_squared (Megatron)", "distillation (FSDP, VeOmni)", "distillation (FSDP fused
+    path)", "distillation (Megatron)", "distillation (Megatron fused path)". Empty while unpatched."""
     return dict(_report) if _patched else {}
 
 
