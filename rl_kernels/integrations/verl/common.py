@@ -5,19 +5,25 @@
 * the per-consumer call counters (:func:`record`, :func:`call_counts`) and the one-time
   "served N calls" INFO line;
 * signature checks (the error type, :class:`VerlIntegrationError`, is defined in
-  :mod:`rl_kernels.integrations.verl_schema`, which patches nothing on import).
+  :mod:`rl_kernels.integrations.verl_schema`, which patches nothing on import);
+* the drop-in guard of the replaced from-logits functions (:func:`verl_fallback`): inputs outside
+  rl-kernels' kernels (:func:`outside_kernels`: float64 logits, ...) go to verl's own function.
 """
 from __future__ import annotations
 
 import contextvars
 import functools
+import importlib
 import importlib.metadata
 import inspect
+import logging
+import operator
 import sys
 
 import torch
 
-from ..._logging import logger
+from ..._logging import log_once, logger
+from ...validation import FLOAT_DTYPES
 from ..verl_schema import VerlIntegrationError
 
 SUMMARY_AFTER_CALLS = 8
@@ -74,6 +80,7 @@ def _version(package: str) -> str:
 # ----------------------------------------------------------------------------- undo log
 _undo: list = []             # (owner, attribute name, original value as stored), in patch order
 _by_name: dict = {}          # id(replacement) -> (replacement, original), see replace_by_name
+_originals: dict = {}        # (module name, attribute) -> verl's own value, for verl_fallback
 _MISSING = object()
 
 
@@ -90,6 +97,7 @@ def set_attr(owner, name, value, *, restore_imports: bool = False) -> None:
     setattr(owner, name, value)
     if restore_imports and previous is not _MISSING:
         _by_name[id(value)] = (value, previous)
+        _originals.setdefault((getattr(owner, "__name__", None), name), previous)
 
 
 def replace_by_name(source, replacements: dict) -> list[str]:
@@ -123,6 +131,7 @@ def restore() -> None:
         else:
             setattr(owner, name, value)
     if not _by_name:
+        _originals.clear()
         return
     for mod_name, mod in list(sys.modules.items()):
         namespace = getattr(mod, "__dict__", None)
@@ -133,6 +142,7 @@ def restore() -> None:
             if hit is not None and hit[0] is value:
                 setattr(mod, bound, hit[1])
     _by_name.clear()
+    _originals.clear()
 
 
 # ----------------------------------------------------------------------------- counters
@@ -141,7 +151,7 @@ COUNT_KEYS = (
     "entropy_skipped_calls",
     "logits_log_probs_calls", "logits_entropy_calls",
     "megatron_logits_log_probs_calls", "megatron_logits_entropy_calls", "sum_pi_squared_calls",
-    "distillation_calls",
+    "distillation_calls", "verl_fallback_calls",
 )
 _counts = dict.fromkeys(COUNT_KEYS, 0)
 _served = {}                 # path label -> [calls, tokens], for the summary line
@@ -214,3 +224,74 @@ def entropy_placeholder(log_probs: torch.Tensor) -> torch.Tensor:
     ``entropy_skipped_calls``."""
     count("entropy_skipped_calls")
     return torch.full_like(log_probs, float("nan"))
+
+
+# ----------------------------------------------------------------------------- drop-in guard
+def outside_kernels(tensor) -> str | None:
+    """Why ``tensor`` (the logits a replaced verl function reads) lies outside rl-kernels' kernels,
+    or None when they compute it: a floating dtype other than bfloat16 / float16 / float32 (verl's
+    functions take float64 too), a meta tensor (verl's compute its shape) or a nested / non-strided
+    layout. Anything else, a non-tensor or integer logits included, is rl-kernels' (which raises
+    TypeError / ValueError naming the argument where verl's own function fails too)."""
+    if not isinstance(tensor, torch.Tensor):
+        return None
+    if tensor.is_nested or tensor.layout != torch.strided:
+        return f"{'nested' if tensor.is_nested else tensor.layout} logits"
+    if tensor.device.type == "meta":
+        return "meta-device logits"
+    if tensor.is_floating_point() and tensor.dtype not in FLOAT_DTYPES:
+        return f"{tensor.dtype} logits"
+    return None
+
+
+def check_chunk_size(chunk_size) -> None:
+    """The ``chunk_size`` of verl's ``*_with_chunking`` entropy functions, which rl-kernels only
+    validates (it always chunks, by elements): any integer verl's ``range`` step takes (a Python or
+    NumPy int, ...) above 0; TypeError for a non-integer (as verl's ``range`` raises), ValueError
+    for 0 or less (verl's raises for 0 and returns zeros for a negative one)."""
+    try:
+        value = operator.index(chunk_size)
+    except TypeError:
+        raise TypeError(f"chunk_size: expected a positive int, got {chunk_size!r}") from None
+    if value <= 0:
+        raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
+
+
+def verl_original(module: str, name: str):
+    """verl's own ``module.name``: the value the patch replaced (kept by :func:`set_attr`), or,
+    while unpatched, the module's attribute."""
+    original = _originals.get((module, name))
+    if original is None:
+        original = getattr(importlib.import_module(module), name)
+    if getattr(original, "_rl_kernels_fallback", None) is not None:  # ours, without verl's behind it
+        raise VerlIntegrationError(f"rl_kernels.integrations.verl: verl's own {module}.{name} is not known "
+                                   f"(its attribute is rl-kernels' replacement and no original was kept)")
+    return original
+
+
+def verl_fallback(module: str, name: str):
+    """Decorator of rl-kernels' replacement of verl's ``module.name`` (the drop-in contract): a
+    call whose first argument (the logits) is :func:`outside_kernels` runs verl's own function
+    (:func:`verl_original`) with the same arguments, so it returns what verl's returns and raises
+    what verl's raises; the first such call per function and reason logs a WARNING, and each is
+    counted as ``verl_fallback_calls``. Other calls run the replacement. The result runs eagerly
+    (``torch.compiler.disable``) and keeps the replacement's name, docstring and signature."""
+
+    def decorate(replacement):
+        first = next(iter(inspect.signature(replacement).parameters))
+
+        @functools.wraps(replacement)
+        def guarded(*args, **kwargs):
+            why = outside_kernels(args[0] if args else kwargs.get(first))
+            if why is None:
+                return replacement(*args, **kwargs)
+            original = verl_original(module, name)
+            log_once(logging.WARNING, lambda: f"rl_kernels: {module}.{name} got {why}, outside rl-kernels' kernels: "
+                     f"verl's own {name} computes it (this and every such call)", key=("verl_fallback", name, why))
+            count("verl_fallback_calls")
+            return original(*args, **kwargs)
+
+        guarded._rl_kernels_fallback = (module, name)
+        return torch.compiler.disable(guarded)
+
+    return decorate
