@@ -227,21 +227,35 @@ def entropy_placeholder(log_probs: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- drop-in guard
-def outside_kernels(tensor) -> str | None:
-    """Why ``tensor`` (the logits a replaced verl function reads) lies outside rl-kernels' kernels,
-    or None when they compute it: a floating dtype other than bfloat16 / float16 / float32 (verl's
-    functions take float64 too), a meta tensor (verl's compute its shape) or a nested / non-strided
-    layout. Anything else, a non-tensor or integer logits included, is rl-kernels' (which raises
-    TypeError / ValueError naming the argument where verl's own function fails too)."""
+def outside_kernels(tensor, name: str = "logits") -> str | None:
+    """Why ``tensor`` (the logits, or the hidden states, that a replaced verl function reads; named
+    ``name`` in the reason) lies outside rl-kernels' kernels, or None when they compute it: a
+    floating dtype other than bfloat16 / float16 / float32 (verl's functions take float64 too), a
+    meta tensor (verl's compute its shape) or a nested / non-strided layout. Anything else, a
+    non-tensor or integer logits included, is rl-kernels' (which raises TypeError / ValueError
+    naming the argument where verl's own function fails too)."""
     if not isinstance(tensor, torch.Tensor):
         return None
     if tensor.is_nested or tensor.layout != torch.strided:
-        return f"{'nested' if tensor.is_nested else tensor.layout} logits"
+        return f"{'nested' if tensor.is_nested else tensor.layout} {name}"
     if tensor.device.type == "meta":
-        return "meta-device logits"
+        return f"meta-device {name}"
     if tensor.is_floating_point() and tensor.dtype not in FLOAT_DTYPES:
-        return f"{tensor.dtype} logits"
+        return f"{tensor.dtype} {name}"
     return None
+
+
+def left_to_verl(label: str, why: str | None) -> bool:
+    """Whether a call goes to verl's own ``label`` because of ``why`` (:func:`outside_kernels`'
+    reason, None: it does not): the first such call per function and reason logs a WARNING, each is
+    counted as ``verl_fallback_calls``."""
+    if why is None:
+        return False
+    short = label.rsplit(".", 1)[-1]
+    log_once(logging.WARNING, lambda: f"rl_kernels: {label} got {why}, outside rl-kernels' kernels: verl's own "
+             f"{short} computes it (this and every such call)", key=("verl_fallback", label, why))
+    count("verl_fallback_calls")
+    return True
 
 
 def check_chunk_size(chunk_size) -> None:
@@ -273,23 +287,18 @@ def verl_fallback(module: str, name: str):
     """Decorator of rl-kernels' replacement of verl's ``module.name`` (the drop-in contract): a
     call whose first argument (the logits) is :func:`outside_kernels` runs verl's own function
     (:func:`verl_original`) with the same arguments, so it returns what verl's returns and raises
-    what verl's raises; the first such call per function and reason logs a WARNING, and each is
-    counted as ``verl_fallback_calls``. Other calls run the replacement. The result runs eagerly
-    (``torch.compiler.disable``) and keeps the replacement's name, docstring and signature."""
+    what verl's raises (logged once and counted: :func:`left_to_verl`). Other calls run the
+    replacement. The result runs eagerly (``torch.compiler.disable``) and keeps the replacement's
+    name, docstring and signature."""
 
     def decorate(replacement):
         first = next(iter(inspect.signature(replacement).parameters))
 
         @functools.wraps(replacement)
         def guarded(*args, **kwargs):
-            why = outside_kernels(args[0] if args else kwargs.get(first))
-            if why is None:
+            if not left_to_verl(f"{module}.{name}", outside_kernels(args[0] if args else kwargs.get(first))):
                 return replacement(*args, **kwargs)
-            original = verl_original(module, name)
-            log_once(logging.WARNING, lambda: f"rl_kernels: {module}.{name} got {why}, outside rl-kernels' kernels: "
-                     f"verl's own {name} computes it (this and every such call)", key=("verl_fallback", name, why))
-            count("verl_fallback_calls")
-            return original(*args, **kwargs)
+            return verl_original(module, name)(*args, **kwargs)
 
         guarded._rl_kernels_fallback = (module, name)
         return torch.compiler.disable(guarded)

@@ -27,8 +27,8 @@ from ...validation import check_temperature
 from ..lm_heads import HeadTransform, head_transform
 from ..verl_schema import BACKEND_NAME, names_rl_kernels
 from . import settings
-from .common import (VerlIntegrationError, entropy_on_request, entropy_placeholder, entropy_wanted, record,
-                     set_attr)
+from .common import (VerlIntegrationError, entropy_on_request, entropy_placeholder, entropy_wanted, left_to_verl,
+                     outside_kernels, record, set_attr)
 from .label_check import refuse_rolled_shard_labels
 from .signatures import verl_features
 
@@ -114,6 +114,13 @@ def fused_log_probs_entropy(hidden_states: torch.Tensor, weight: torch.Tensor, l
     return out.log_probs, entropy
 
 
+def _plain_head() -> bool:
+    """Whether the served model's logits are ``lm_head(hidden)``: only then may verl's own fused
+    forward, which applies no head transform, compute inputs outside rl-kernels' kernels."""
+    head = _head.get()
+    return head is None or (head.softcap is None and head.multiplier == 1.0)
+
+
 def micro_batch_flag(arguments) -> bool:
     """``calculate_entropy`` of the FSDP engine's ``forward_step`` micro-batch (its non-tensor data)."""
     from verl.utils import tensordict_utils as tu
@@ -173,7 +180,9 @@ def make_fused_linear_class(base: type) -> type:
         # verl's parameter names (verl may pass them by keyword): vocab_weights is the lm_head
         # weight, input_ids the labels
         def forward(self, hidden_states, vocab_weights, input_ids, temperature: float = 1.0):
-            if not (self._rl_kernels or _serving.get()):
+            if not (self._rl_kernels or _serving.get()) or (_plain_head() and left_to_verl(
+                    "FusedLinearForPPO.forward", outside_kernels(hidden_states, "hidden_states"))):
+                # verl's own (its torch backend when ours): float64 hidden states, ... (drop-in)
                 return super().forward(hidden_states, vocab_weights, input_ids, temperature)
             return fused_log_probs_entropy(hidden_states, vocab_weights, input_ids, temperature)
 
