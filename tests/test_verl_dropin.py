@@ -179,39 +179,43 @@ def test_float64_logits_run_verls_megatron_functions(tmp_path):
 
 
 def test_float64_hidden_states_run_verls_fused_forward(fresh_log_once, caplog):
-    """FusedLinearForPPO built for rl-kernels (verl 0.9.x: impl_backend='rl_kernels') on float64
-    hidden states: verl's own torch-backend forward, same bits and dtypes (log-probs float32,
-    entropy float64 in verl's); float32 ones go to rl-kernels (1e-5 of verl's float64 result)."""
-    if not rkv.verl_features().fused_impl_backend:
-        pytest.skip("this verl builds FusedLinearForPPO without impl_backend (0.7.x / 0.8.0)")
+    """verl's FusedLinearForPPO as rl-kernels serves it (inside a served model's forward, built bare
+    as every release's fused forward may build it) on float64 hidden states: verl's own
+    torch-backend forward, same bits and dtypes (log-probs float32, entropy float64 in verl's);
+    float32 ones go to rl-kernels (1e-5 of verl's float64 result); a soft-capped head keeps
+    rl-kernels' TypeError (verl's forward would skip the cap)."""
     import verl.utils.experimental.torch_functional as etf
 
+    from rl_kernels.integrations.lm_heads import HeadTransform
+    from rl_kernels.integrations.verl import fsdp_fused
+
     with verl_unpatched():
-        verls = etf.FusedLinearForPPO(impl_backend="torch")
-    ours = etf.FusedLinearForPPO(impl_backend="rl_kernels")
+        verls = etf.FusedLinearForPPO()
+    ours = etf.FusedLinearForPPO()
+    assert type(ours) is not type(verls)
     g = torch.Generator().manual_seed(12)
     hidden = torch.randn(2, 5, 16, generator=g, dtype=torch.float64)
     weight = 0.5 * torch.randn(37, 16, generator=g, dtype=torch.float64)
     labels = torch.randint(0, 37, (2, 5), generator=g)
     ref = verls(hidden, weight, labels, 0.7)
-    with caplog.at_level("WARNING", logger="rl_kernels"):
-        got = [ours(hidden, weight, labels, 0.7) for _ in range(2)]
-    for out in got:
-        for o, r in zip(out, ref):
-            assert o.dtype == r.dtype and torch.equal(o, r)
-    assert len(_fallback_lines(caplog, "forward", "torch.float64 hidden_states")) == 1, caplog.messages
-    before = rkv.call_counts()["fused_fsdp_calls"]
-    out32 = ours(hidden.float(), weight.float(), labels, 0.7)
-    assert rkv.call_counts()["fused_fsdp_calls"] == before + 1
-    for o, r in zip(out32, ref):
-        torch.testing.assert_close(o.double(), r.double(), atol=1e-5, rtol=1e-5)
-    # a soft-capped model's head: verl's forward would skip the cap, so rl-kernels' error stays
-    from rl_kernels.integrations.lm_heads import HeadTransform
-    from rl_kernels.integrations.verl import fsdp_fused
-
-    token = fsdp_fused._head.set(HeadTransform(softcap=30.0, description="soft-capped"))
+    serving = fsdp_fused._serving.set(True)
     try:
-        with pytest.raises(TypeError, match="hidden_states: expected bfloat16, float16 or float32"):
-            ours(hidden, weight, labels, 0.7)
+        with caplog.at_level("WARNING", logger="rl_kernels"):
+            got = [ours(hidden, weight, labels, 0.7) for _ in range(2)]
+        for out in got:
+            for o, r in zip(out, ref):
+                assert o.dtype == r.dtype and torch.equal(o, r)
+        assert len(_fallback_lines(caplog, "forward", "torch.float64 hidden_states")) == 1, caplog.messages
+        before = rkv.call_counts()["fused_fsdp_calls"]
+        out32 = ours(hidden.float(), weight.float(), labels, 0.7)
+        assert rkv.call_counts()["fused_fsdp_calls"] == before + 1
+        for o, r in zip(out32, ref):
+            torch.testing.assert_close(o.double(), r.double(), atol=1e-5, rtol=1e-5)
+        head = fsdp_fused._head.set(HeadTransform(softcap=30.0, description="soft-capped"))
+        try:
+            with pytest.raises(TypeError, match="hidden_states: expected bfloat16, float16 or float32"):
+                ours(hidden, weight, labels, 0.7)
+        finally:
+            fsdp_fused._head.reset(head)
     finally:
-        fsdp_fused._head.reset(token)
+        fsdp_fused._serving.reset(serving)
