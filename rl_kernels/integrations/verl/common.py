@@ -6,19 +6,25 @@
   "served N calls" INFO line;
 * Σπ² on request: what a fused head computed for the engine step that asked (:class:`SumPiSquaredRequest`);
 * signature checks (the error type, :class:`VerlIntegrationError`, is defined in
-  :mod:`rl_kernels.integrations.verl_schema`, which patches nothing on import).
+  :mod:`rl_kernels.integrations.verl_schema`, which patches nothing on import);
+* the drop-in guard of the replaced from-logits functions (:func:`verl_fallback`): inputs outside
+  rl-kernels' kernels (:func:`outside_kernels`: float64 logits, ...) go to verl's own function.
 """
 from __future__ import annotations
 
 import contextvars
 import functools
+import importlib
 import importlib.metadata
 import inspect
+import logging
+import operator
 import sys
 
 import torch
 
-from ..._logging import logger
+from ..._logging import log_once, logger
+from ...validation import FLOAT_DTYPES
 from ..verl_schema import VerlIntegrationError
 
 SUMMARY_AFTER_CALLS = 8
@@ -75,6 +81,7 @@ def _version(package: str) -> str:
 # ----------------------------------------------------------------------------- undo log
 _undo: list = []             # (owner, attribute name, original value as stored), in patch order
 _by_name: dict = {}          # id(replacement) -> (replacement, original), see replace_by_name
+_originals: dict = {}        # (module name, attribute) -> verl's own value, for verl_fallback
 _MISSING = object()
 
 
@@ -91,6 +98,7 @@ def set_attr(owner, name, value, *, restore_imports: bool = False) -> None:
     setattr(owner, name, value)
     if restore_imports and previous is not _MISSING:
         _by_name[id(value)] = (value, previous)
+        _originals.setdefault((getattr(owner, "__name__", None), name), previous)
 
 
 def replace_by_name(source, replacements: dict) -> list[str]:
@@ -124,6 +132,7 @@ def restore() -> None:
         else:
             setattr(owner, name, value)
     if not _by_name:
+        _originals.clear()
         return
     for mod_name, mod in list(sys.modules.items()):
         namespace = getattr(mod, "__dict__", None)
@@ -134,6 +143,7 @@ def restore() -> None:
             if hit is not None and hit[0] is value:
                 setattr(mod, bound, hit[1])
     _by_name.clear()
+    _originals.clear()
 
 
 # ----------------------------------------------------------------------------- counters
@@ -143,7 +153,7 @@ COUNT_KEYS = (
     "logits_log_probs_calls", "logits_entropy_calls",
     "megatron_logits_log_probs_calls", "megatron_logits_entropy_calls", "sum_pi_squared_calls",
     "fused_sum_pi_squared_calls",
-    "distillation_calls",
+    "distillation_calls", "verl_fallback_calls",
 )
 _counts = dict.fromkeys(COUNT_KEYS, 0)
 _served = {}                 # path label -> [calls, tokens], for the summary line
@@ -265,3 +275,83 @@ sum_pi_squared_request = contextvars.ContextVar("rl_kernels_sum_pi_squared_reque
 """The :class:`SumPiSquaredRequest` of the engine forward step that runs (None: Σπ² not asked on
 the fused path); set by the engine hooks (:func:`~.fsdp_fused.wrap_sum_pi_squared_requests`,
 :func:`~.megatron.wrap_engine_sum_pi_squared`)."""
+
+
+# ----------------------------------------------------------------------------- drop-in guard
+def outside_kernels(tensor, name: str = "logits") -> str | None:
+    """Why ``tensor`` (the logits, or the hidden states, that a replaced verl function reads; named
+    ``name`` in the reason) lies outside rl-kernels' kernels, or None when they compute it: a
+    floating dtype other than bfloat16 / float16 / float32 (verl's functions take float64 too), a
+    meta tensor (verl's compute its shape) or a nested / non-strided layout. Anything else, a
+    non-tensor or integer logits included, is rl-kernels' (which raises TypeError / ValueError
+    naming the argument where verl's own function fails too)."""
+    if not isinstance(tensor, torch.Tensor):
+        return None
+    if tensor.is_nested or tensor.layout != torch.strided:
+        return f"{'nested' if tensor.is_nested else tensor.layout} {name}"
+    if tensor.device.type == "meta":
+        return f"meta-device {name}"
+    if tensor.is_floating_point() and tensor.dtype not in FLOAT_DTYPES:
+        return f"{tensor.dtype} {name}"
+    return None
+
+
+def left_to_verl(label: str, why: str | None) -> bool:
+    """Whether a call goes to verl's own ``label`` because of ``why`` (:func:`outside_kernels`'
+    reason, None: it does not): the first such call per function and reason logs a WARNING, each is
+    counted as ``verl_fallback_calls``."""
+    if why is None:
+        return False
+    short = label.rsplit(".", 1)[-1]
+    log_once(logging.WARNING, lambda: f"rl_kernels: {label} got {why}, outside rl-kernels' kernels: verl's own "
+             f"{short} computes it (this and every such call)", key=("verl_fallback", label, why))
+    count("verl_fallback_calls")
+    return True
+
+
+def check_chunk_size(chunk_size) -> None:
+    """The ``chunk_size`` of verl's ``*_with_chunking`` entropy functions, which rl-kernels only
+    validates (it always chunks, by elements): any integer verl's ``range`` step takes (a Python or
+    NumPy int, ...) above 0; TypeError for a non-integer (as verl's ``range`` raises), ValueError
+    for 0 or less (verl's raises for 0 and returns zeros for a negative one)."""
+    try:
+        value = operator.index(chunk_size)
+    except TypeError:
+        raise TypeError(f"chunk_size: expected a positive int, got {chunk_size!r}") from None
+    if value <= 0:
+        raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
+
+
+def verl_original(module: str, name: str):
+    """verl's own ``module.name``: the value the patch replaced (kept by :func:`set_attr`), or,
+    while unpatched, the module's attribute."""
+    original = _originals.get((module, name))
+    if original is None:
+        original = getattr(importlib.import_module(module), name)
+    if getattr(original, "_rl_kernels_fallback", None) is not None:  # ours, without verl's behind it
+        raise VerlIntegrationError(f"rl_kernels.integrations.verl: verl's own {module}.{name} is not known "
+                                   f"(its attribute is rl-kernels' replacement and no original was kept)")
+    return original
+
+
+def verl_fallback(module: str, name: str):
+    """Decorator of rl-kernels' replacement of verl's ``module.name`` (the drop-in contract): a
+    call whose first argument (the logits) is :func:`outside_kernels` runs verl's own function
+    (:func:`verl_original`) with the same arguments, so it returns what verl's returns and raises
+    what verl's raises (logged once and counted: :func:`left_to_verl`). Other calls run the
+    replacement. The result runs eagerly (``torch.compiler.disable``) and keeps the replacement's
+    name, docstring and signature."""
+
+    def decorate(replacement):
+        first = next(iter(inspect.signature(replacement).parameters))
+
+        @functools.wraps(replacement)
+        def guarded(*args, **kwargs):
+            if not left_to_verl(f"{module}.{name}", outside_kernels(args[0] if args else kwargs.get(first))):
+                return replacement(*args, **kwargs)
+            return verl_original(module, name)(*args, **kwargs)
+
+        guarded._rl_kernels_fallback = (module, name)
+        return torch.compiler.disable(guarded)
+
+    return decorate

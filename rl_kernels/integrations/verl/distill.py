@@ -40,7 +40,7 @@ import torch
 from ..._logging import log_once
 from ...distill import linear_log_probs_at_ids
 from ...logits import topk_log_probs_from_logits
-from .common import VerlIntegrationError, check_signature, record, replace_by_name, set_attr
+from .common import VerlIntegrationError, check_signature, record, replace_by_name, set_attr, verl_fallback
 from .settings import options
 from .signatures import has_module
 
@@ -159,7 +159,7 @@ def _replacement(fsdp, original):
         return out
 
     compute_forward_kl_topk._rl_kernels_original = original
-    return compute_forward_kl_topk
+    return verl_fallback(FSDP_MODULE, FUNCTION)(compute_forward_kl_topk)  # float64 student logits: verl's
 
 
 def _forward_kl_topk(fsdp, student_logits, teacher_log_probs, teacher_ids, config) -> dict | None:

@@ -32,7 +32,7 @@ from ..lm_heads import HeadTransform, head_transform
 from ..verl_schema import BACKEND_NAME, names_rl_kernels
 from . import settings
 from .common import (SumPiSquaredRequest, VerlIntegrationError, count, entropy_on_request, entropy_placeholder,
-                     entropy_wanted, record, set_attr, sum_pi_squared_request)
+                     entropy_wanted, left_to_verl, outside_kernels, record, set_attr, sum_pi_squared_request)
 from .distill import serve_fused_topk, topk_request
 from .label_check import refuse_rolled_shard_labels
 from .signatures import verl_features
@@ -157,6 +157,13 @@ def fused_log_probs_entropy(hidden_states: torch.Tensor, weight: torch.Tensor, l
                       softcap=head.softcap, ignore_index=-100, log_probs=log_probs, entropy=entropy,
                       metadata={"model": _model_names[-1] if _model_names else "unknown"})
     return log_probs, (entropy if return_entropy else entropy_placeholder(log_probs))
+
+
+def _plain_head() -> bool:
+    """Whether the served model's logits are ``lm_head(hidden)``: only then may verl's own fused
+    forward, which applies no head transform, compute inputs outside rl-kernels' kernels."""
+    head = _head.get()
+    return head is None or (head.softcap is None and head.multiplier == 1.0)
 
 
 def micro_batch_flag(arguments) -> bool:
@@ -316,7 +323,9 @@ def make_fused_linear_class(base: type) -> type:
         # verl's parameter names (verl may pass them by keyword): vocab_weights is the lm_head
         # weight, input_ids the labels
         def forward(self, hidden_states, vocab_weights, input_ids, temperature: float = 1.0):
-            if not (self._rl_kernels or _serving.get()):
+            if not (self._rl_kernels or _serving.get()) or (_plain_head() and left_to_verl(
+                    "FusedLinearForPPO.forward", outside_kernels(hidden_states, "hidden_states"))):
+                # verl's own (its torch backend when ours): float64 hidden states, ... (drop-in)
                 return super().forward(hidden_states, vocab_weights, input_ids, temperature)
             return fused_log_probs_entropy(hidden_states, vocab_weights, input_ids, temperature)
 

@@ -5,7 +5,9 @@ functions in place of verl's ``logprobs_from_logits``, ``entropy_from_logits``,
 They replace verl's in ``verl.utils.torch_functional`` and in every loaded module that imported
 them by name (:func:`~.common.replace_by_name`); modules imported later take them from
 ``verl.utils.torch_functional``. Each is float32 (verl's non-flash-attn path returns the logits
-dtype), chunked, with O(N) saved state, and counted in :func:`~.common.call_counts`.
+dtype), chunked, with O(N) saved state, and counted in :func:`~.common.call_counts`. Each takes
+what verl's takes (:func:`~.common.verl_fallback`): logits outside rl-kernels' kernels (float64,
+meta, nested) go to verl's own function, with a WARNING logged once.
 """
 from __future__ import annotations
 
@@ -16,21 +18,26 @@ import torch
 import rl_kernels
 
 from ..._logging import log_once
+from ...logits import _overlaps
 from ...logits import entropy_from_logits as _rk_entropy_from_logits
 from ...logits import log_probs_from_logits as _rk_log_probs_from_logits
-from .common import VerlIntegrationError, record, replace_by_name, verl_version
+from .common import (VerlIntegrationError, check_chunk_size, record, replace_by_name, verl_fallback,
+                     verl_version)
 from .signatures import check_verl_signature
 
 LOGITS_FUNCTIONS = ("logprobs_from_logits", "entropy_from_logits", "entropy_from_logits_with_chunking")
 SUM_PI_SQUARED_FUNCTION = "calculate_sum_pi_squared_from_logits"
+TORCH_FUNCTIONAL = "verl.utils.torch_functional"
 
 
-def _viewable_2d(logits: torch.Tensor) -> bool:
+def _gradient_fits(logits: torch.Tensor) -> bool:
+    """Whether the logits' storage can take their gradient in place: viewable as (N, vocab_size)
+    without a copy, and no two elements sharing memory (not expanded)."""
     try:
-        logits.view(-1, logits.shape[-1])
+        logits2d = logits.view(-1, logits.shape[-1])
     except RuntimeError:
         return False
-    return True
+    return not _overlaps(logits2d)
 
 
 def _check_tensor(name: str, value) -> None:
@@ -38,11 +45,12 @@ def _check_tensor(name: str, value) -> None:
         raise TypeError(f"logprobs_from_logits: {name}: expected a torch.Tensor, got {type(value).__name__}")
 
 
-@torch.compiler.disable
+@verl_fallback(TORCH_FUNCTIONAL, "logprobs_from_logits")
 def logprobs_from_logits(logits, labels, inplace_backward=True):
     """rl-kernels replacement for ``verl.utils.torch_functional.logprobs_from_logits``.
 
-    Same arguments: ``logits`` ``(..., vocab_size)`` (float32 / bfloat16 / float16), ``labels`` int
+    Same arguments: ``logits`` ``(..., vocab_size)`` (float32 / bfloat16 / float16; float64 and
+    the other inputs of :func:`~.common.outside_kernels` run verl's own function), ``labels`` int
     ``(...)``; float32 output of shape ``labels.shape``; ``inplace_backward=True`` writes the
     gradient into the logits' storage as verl's flash-attn path does (verl passes False when it
     also needs the logits for entropy). Raises TypeError naming the argument when ``logits`` or
@@ -51,40 +59,42 @@ def logprobs_from_logits(logits, labels, inplace_backward=True):
     """
     _check_tensor("logits", logits)
     _check_tensor("labels", labels)
-    if inplace_backward and not _viewable_2d(logits):
+    if inplace_backward and not _gradient_fits(logits):
         # verl's flash-attn path reshapes such logits (a copy, e.g. verl 0.7.x dp_actor's
         # logits[:, -response_length - 1:-1] slice) and writes the gradient into that copy:
-        # the same as not writing in place
+        # the same as not writing in place; expanded logits likewise get a gradient of their own
         inplace_backward = False
     out = _rk_log_probs_from_logits(logits, labels, inplace_backward=bool(inplace_backward))
     record("logits_log_probs_calls", "logits fsdp", labels.numel())
     return out
 
 
-@torch.compiler.disable
+@verl_fallback(TORCH_FUNCTIONAL, "entropy_from_logits")
 def entropy_from_logits(logits):
     """rl-kernels replacement for ``verl.utils.torch_functional.entropy_from_logits``: float32
-    entropy of shape ``logits.shape[:-1]``. Errors as :func:`rl_kernels.entropy_from_logits`."""
+    entropy of shape ``logits.shape[:-1]`` (float64 logits: verl's own function). Errors as
+    :func:`rl_kernels.entropy_from_logits`."""
     out = _rk_entropy_from_logits(logits)
     record("logits_entropy_calls", "logits fsdp", logits.shape[:-1].numel())
     return out
 
 
-@torch.compiler.disable
+@verl_fallback(TORCH_FUNCTIONAL, "entropy_from_logits_with_chunking")
 def entropy_from_logits_with_chunking(logits, chunk_size=2048):
     """rl-kernels replacement for ``entropy_from_logits_with_chunking``; rl-kernels always chunks
-    (by elements, not rows), so ``chunk_size`` is only validated (ValueError unless a positive int)."""
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
-        raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
+    (by elements, not rows), so ``chunk_size`` is only validated (:func:`~.common.check_chunk_size`).
+    float64 logits: verl's own function."""
+    check_chunk_size(chunk_size)
     out = _rk_entropy_from_logits(logits)
     record("logits_entropy_calls", "logits fsdp", logits.shape[:-1].numel())
     return out
 
 
-@torch.compiler.disable
+@verl_fallback(TORCH_FUNCTIONAL, SUM_PI_SQUARED_FUNCTION)
 def calculate_sum_pi_squared_from_logits(logits):
     """rl-kernels replacement for ``verl.utils.torch_functional.calculate_sum_pi_squared_from_logits``:
-    sum over the vocabulary of softmax(logits)^2 (float32, shape ``logits.shape[:-1]``)."""
+    sum over the vocabulary of softmax(logits)^2 (float32, shape ``logits.shape[:-1]``; float64
+    logits: verl's own function)."""
     out = rl_kernels.sum_pi_squared_from_logits(logits)
     record("sum_pi_squared_calls", "sum_pi_squared fsdp", logits.shape[:-1].numel())
     return out

@@ -20,7 +20,8 @@ imports these by name from ``verl.utils.megatron.tensor_parallel``; the logits a
 
 float32 outputs of shape ``logits.shape[:-1]``, differentiable, and none of them writes into the
 logits (verl's Megatron cross-entropy does, which is why verl clones the logits first; that
-clone stays verl's).
+clone stays verl's). Logits outside rl-kernels' kernels (float64, ...) go to verl's own function
+(:func:`~.common.verl_fallback`).
 
 **Fused path** (``use_fused_kernels=True``): ``fused_output_processor`` / ``_fused_GPTModel_forward``
 (``verl.models.mcore.model_forward_fused``) and the 1F1B-overlap postprocess
@@ -83,8 +84,9 @@ import torch
 import rl_kernels
 
 from ..._logging import log_once, logger
-from .common import (SumPiSquaredRequest, VerlIntegrationError, check_signature, count, entropy_on_request,
-                     entropy_placeholder, entropy_wanted, record, replace_by_name, set_attr, sum_pi_squared_request,
+from .common import (SumPiSquaredRequest, VerlIntegrationError, check_chunk_size, check_signature, count,
+                     entropy_on_request, entropy_placeholder, entropy_wanted, record, replace_by_name, set_attr,
+                     sum_pi_squared_request, verl_fallback,
                      verl_version)
 from .settings import options
 from .temperature import PerSampleTemperature, megatron_row_temperature
@@ -129,7 +131,7 @@ def _rows(t) -> int:
 
 
 # ----------------------------------------------------------------------------- logits path
-@torch.compiler.disable
+@verl_fallback(TENSOR_PARALLEL_MODULE, "vocab_parallel_log_probs_from_logits")
 def vocab_parallel_log_probs_from_logits(logits, labels):
     """rl-kernels replacement for verl's ``vocab_parallel_log_probs_from_logits`` (float32,
     shape ``labels.shape``; the logits are left untouched)."""
@@ -138,7 +140,7 @@ def vocab_parallel_log_probs_from_logits(logits, labels):
     return out
 
 
-@torch.compiler.disable
+@verl_fallback(TENSOR_PARALLEL_MODULE, "vocab_parallel_entropy")
 def vocab_parallel_entropy(vocab_parallel_logits):
     """rl-kernels replacement for verl's ``vocab_parallel_entropy`` (float32, non-destructive)."""
     out = rl_kernels.entropy_from_logits(vocab_parallel_logits, **_shard_kwargs(vocab_parallel_logits))
@@ -146,18 +148,17 @@ def vocab_parallel_entropy(vocab_parallel_logits):
     return out
 
 
-@torch.compiler.disable
+@verl_fallback(TENSOR_PARALLEL_MODULE, "vocab_parallel_entropy_with_chunking")
 def vocab_parallel_entropy_with_chunking(vocab_parallel_logits, chunk_size=2048):
     """rl-kernels replacement for verl's ``vocab_parallel_entropy_with_chunking``; rl-kernels
     always chunks (by elements), so ``chunk_size`` is only validated."""
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
-        raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
+    check_chunk_size(chunk_size)
     out = rl_kernels.entropy_from_logits(vocab_parallel_logits, **_shard_kwargs(vocab_parallel_logits))
     record("megatron_logits_entropy_calls", "logits megatron", _rows(vocab_parallel_logits))
     return out
 
 
-@torch.compiler.disable
+@verl_fallback(TENSOR_PARALLEL_MODULE, "vocab_parallel_sum_pi_squared")
 def vocab_parallel_sum_pi_squared(vocab_parallel_logits):
     """rl-kernels replacement for verl's ``vocab_parallel_sum_pi_squared``: sum over the whole
     vocabulary of softmax(logits)^2 (float32, shape ``logits.shape[:-1]``, differentiable)."""
