@@ -229,6 +229,16 @@ def entropy_placeholder(log_probs: torch.Tensor) -> torch.Tensor:
     return torch.full_like(log_probs, float("nan"))
 
 
+def micro_batch_with(micro_batch, **values):
+    """A shallow copy of the FSDP engine's micro-batch (a TensorDict) with these non-tensor entries
+    set (``verl.utils.tensordict_utils.assign_non_tensor``); verl's micro-batch is left as it is."""
+    from verl.utils import tensordict_utils as tu
+
+    copy = micro_batch.copy()
+    tu.assign_non_tensor(copy, **values)
+    return copy
+
+
 # ----------------------------------------------------------------------------- Σπ² on request
 class SumPiSquaredRequest:
     """One engine forward step's request for Σπ² (sum over the vocabulary of p_v², float32, a

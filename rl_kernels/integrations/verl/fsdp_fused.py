@@ -32,7 +32,8 @@ from ..lm_heads import HeadTransform, head_transform
 from ..verl_schema import BACKEND_NAME, names_rl_kernels
 from . import settings
 from .common import (SumPiSquaredRequest, VerlIntegrationError, count, entropy_on_request, entropy_placeholder,
-                     entropy_wanted, left_to_verl, outside_kernels, record, set_attr, sum_pi_squared_request)
+                     entropy_wanted, left_to_verl, micro_batch_with, outside_kernels, record, set_attr,
+                     sum_pi_squared_request)
 from .distill import serve_fused_topk, topk_request
 from .label_check import refuse_rolled_shard_labels
 from .signatures import verl_features
@@ -201,16 +202,6 @@ def wrap_entropy_requests(dp_actor) -> str:
     return "entropy only when verl's calculate_entropy asks (" + ", ".join(wrapped) + ")"
 
 
-def _micro_batch_flags(micro_batch, **flags) -> object:
-    """A shallow copy of the FSDP engine's micro-batch (a TensorDict) with these non-tensor flags
-    set: verl's object itself is left as it is."""
-    from verl.utils import tensordict_utils as tu
-
-    copy = micro_batch.copy()
-    tu.assign_non_tensor(copy, **flags)
-    return copy
-
-
 def _asks_fused_sum_pi_squared(micro_batch) -> bool:
     from verl.utils import tensordict_utils as tu
 
@@ -250,12 +241,12 @@ def _lifting_prepare_model_outputs(prepare_model_outputs):
             return prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func)
         sum_pi_squared = request.take(output.log_probs)
         model_output = prepare_model_outputs(self, output, output_args,
-                                             _micro_batch_flags(micro_batch, calculate_sum_pi_squared=False),
+                                             micro_batch_with(micro_batch, calculate_sum_pi_squared=False),
                                              logits_processor_func)
         # entropy: any tensor of the log-probs' shape (verl 0.8.0 squeezes it even when not asked)
         stand_in = types.SimpleNamespace(log_probs=sum_pi_squared, entropy=sum_pi_squared, fused_linear_aux=None)
-        only_log_probs = _micro_batch_flags(micro_batch, calculate_sum_pi_squared=False, calculate_entropy=False,
-                                            distillation_use_topk=False, distillation_only=False)
+        only_log_probs = micro_batch_with(micro_batch, calculate_sum_pi_squared=False, calculate_entropy=False,
+                                          distillation_use_topk=False, distillation_only=False)
         model_output["sum_pi_squared"] = prepare_model_outputs(self, stand_in, output_args, only_log_probs,
                                                                logits_processor_func)["log_probs"]
         return model_output

@@ -47,7 +47,7 @@ import logging
 import torch
 
 from ..._logging import log_once
-from .common import VerlIntegrationError, replace_by_name, set_attr
+from .common import VerlIntegrationError, micro_batch_with, replace_by_name, set_attr
 
 PART = "FSDP fused per-sample temperature"
 """This part's name in :func:`~.patching.report` (and in the line naming the FSDP engine)."""
@@ -55,16 +55,6 @@ ROUTE = ("FSDPEngineWithLMHead", "prepare_model_inputs")
 """The verl method wrapped (in ``verl.workers.engine.fsdp.transformer_impl``)."""
 STAND_IN = 1.0
 """The number verl's method sees in place of the tensor for the fused inputs (replaced after)."""
-
-
-def _micro_batch_with(micro_batch, **values):
-    """A shallow copy of the FSDP engine's micro-batch (a TensorDict) with these non-tensor
-    entries set; verl's micro-batch is left as it is."""
-    from verl.utils import tensordict_utils as tu
-
-    copy = micro_batch.copy()
-    tu.assign_non_tensor(copy, **values)
-    return copy
 
 
 def serves_fused(engine) -> bool:
@@ -110,8 +100,8 @@ def make_prepare_model_inputs(original):
     def prepare_model_inputs(self, micro_batch, *args, **kwargs):
         if args or kwargs or not _asks_per_sample(micro_batch) or not serves_fused(self):
             return original(self, micro_batch, *args, **kwargs)
-        model_inputs, output_args = original(self, _micro_batch_with(micro_batch, temperature=STAND_IN))
-        _, logits_args = original(self, _micro_batch_with(micro_batch, use_fused_kernels=False))
+        model_inputs, output_args = original(self, micro_batch_with(micro_batch, temperature=STAND_IN))
+        _, logits_args = original(self, micro_batch_with(micro_batch, use_fused_kernels=False))
         temperature = per_token_temperature(logits_args, model_inputs)
         if temperature is None or "temperature" not in model_inputs:
             log_once(logging.WARNING, "rl_kernels: this verl's FSDPEngineWithLMHead.prepare_model_inputs lays "
