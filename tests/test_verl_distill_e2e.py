@@ -21,7 +21,7 @@ from verl_helpers import VOCAB, rollout_tensors
 pytest.importorskip("verl", reason="verl is not installed (pip install -e '.[verl]')")
 pytest.importorskip("ray", reason="ray is not installed (pip install -e '.[verl]')")
 
-from test_verl_e2e import LEGACY, T, _compose, _counts, _delta, model, ray_cluster  # noqa: E402,F401
+from test_verl_e2e import LEGACY, T, _compose, _counts, _delta, model, ray_cluster, release  # noqa: E402,F401
 from verl_cpu import use_torch_padding, worker_class  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
@@ -84,7 +84,6 @@ def _params(self):
 
 
 def _run_worker(ray, config):
-    from ray.util.placement_group import remove_placement_group
     from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 
     cls = ray.remote(worker_class())
@@ -101,10 +100,7 @@ def _run_worker(ray, config):
         out["after"] = ray.get(worker.__ray_call__.remote(_params))
         out["counts"], _ = ray.get(worker.__ray_call__.remote(_counts))
     finally:
-        for w in group.workers:
-            ray.kill(w)
-        for pg in pool.pgs or []:
-            remove_placement_group(pg)
+        release(group, pool)
     return out
 
 

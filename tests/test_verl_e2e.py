@@ -217,7 +217,6 @@ def _params(self):
 def _run_worker(ray, config):
     """One worker process (actor + reference, colocated) with ``config``: its outputs, parameters
     before / after the update, and its counts after each call."""
-    from ray.util.placement_group import remove_placement_group
     from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
     from verl.single_controller.ray.base import create_colocated_worker_cls
 
@@ -254,10 +253,7 @@ def _run_worker(ray, config):
         out["after"] = ray.get(worker.__ray_call__.remote(_params))
         out["counts_update"], _ = ray.get(worker.__ray_call__.remote(_counts))
     finally:  # the cluster has 3 CPUs, each run reserves one
-        for w in group.workers:
-            ray.kill(w)
-        for pg in pool.pgs or []:
-            remove_placement_group(pg)
+        release(group, pool)
     return out
 
 
@@ -288,6 +284,36 @@ def _result(runs, option):
     if isinstance(result, BaseException):
         raise result
     return result
+
+
+def release(group, pool) -> None:
+    """Kill a run's Ray workers and free its placement groups (the cluster's CPUs are few)."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    for w in group.workers:
+        ray.kill(w)
+    for pg in pool.pgs or []:
+        remove_placement_group(pg)
+
+
+def assert_same_updates(ref: dict, out: dict, context: str = "") -> None:
+    """One update step's parameters: the same starting values, and every parameter's update equal to
+    the reference's within 1e-4 relative (an update the reference does not make stays 0); at least
+    10 parameters move."""
+    moved = 0
+    assert ref["before"].keys() == out["before"].keys()
+    for name in ref["before"]:
+        torch.testing.assert_close(out["before"][name], ref["before"][name], atol=0, rtol=0)
+        want = ref["after"][name] - ref["before"][name]
+        update = out["after"][name] - out["before"][name]
+        if want.norm() == 0:
+            assert update.norm() == 0, name
+            continue
+        moved += 1
+        err = (update - want).norm() / want.norm()
+        assert err < 1e-4, f"{name}: relative parameter-update error {err:.2e}{context}"
+    assert moved >= 10
 
 
 def _delta(after, before):
@@ -380,19 +406,7 @@ def test_verl_update_actor_on_ray_matches_unpatched(runs, option):
     else:
         assert counts["fused_calls"] == 0 and counts["logits_log_probs_calls"] >= 1, counts
         assert counts["logits_entropy_calls"] >= 1, counts  # the entropy bonus
-    moved = 0
-    assert ref["before"].keys() == out["before"].keys()
-    for name in ref["before"]:
-        torch.testing.assert_close(out["before"][name], ref["before"][name], atol=0, rtol=0)
-        want = ref["after"][name] - ref["before"][name]
-        update = out["after"][name] - out["before"][name]
-        if want.norm() == 0:
-            assert update.norm() == 0, name
-            continue
-        moved += 1
-        err = (update - want).norm() / want.norm()
-        assert err < 1e-4, f"{name}: relative parameter-update error {err:.2e} ({option}, verl {verl_version()})"
-    assert moved >= 10
+    assert_same_updates(ref, out, f" ({option}, verl {verl_version()})")
 
 
 SUM_PI_SQUARED_ATOL = 5e-6
