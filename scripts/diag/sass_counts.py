@@ -105,7 +105,8 @@ def main() -> None:
         dict(x_ptr="*bf16", labels_ptr="*i64", counter_ptr="*i32", label_flag_ptr="*i32",
              inv_temperature="fp32", stride_n="i64"),
         dict(SPLIT_V=lc.split_v, BLOCK_V=lc.block_v, TWO_LEVEL=False, LAST_COMBINES=False, LOG_PROBS=True,
-             ENTROPY=True, MEAN_LOG_P=False, SUM_PI_SQUARED=False, PREFETCH=lc.prefetch, stride_v=1),
+             ENTROPY=True, MEAN_LOG_P=False, SUM_PI_SQUARED=False, PREFETCH=lc.prefetch, stride_v=1,
+             ROW_TEMPERATURE=False),
         lc.num_warps)
     report("from logits, forward (chunk loop body)", innermost_loop(instructions(fwd)),
            lc.block_v // (32 * lc.num_warps), only_fp=False)
@@ -115,7 +116,7 @@ def main() -> None:
              stride_n="i64", stride_gn="i64"),
         dict(BLOCK_V=lc.bwd_block_v, HAS_LABELS=True, HAS_GRAD_LOG_PROBS=True, HAS_GRAD_ENTROPY=True,
              HAS_GRAD_LSE=False, HAS_GRAD_MEAN_LOG_P=False, HAS_GRAD_SUM_PI_SQUARED=False,
-             BLOCKS_PER_PROGRAM=lc.bwd_blocks_per_program, stride_v=1, stride_gv=1),
+             BLOCKS_PER_PROGRAM=lc.bwd_blocks_per_program, stride_v=1, stride_gv=1, ROW_TEMPERATURE=False),
         lc.bwd_num_warps)
     report("from logits, backward (whole program)", instructions(bwd),
            lc.bwd_block_v * lc.bwd_blocks_per_program // (32 * lc.bwd_num_warps), only_fp=False)
@@ -130,14 +131,15 @@ def main() -> None:
         dict(gemm, labels_ptr="*i64", dz_ptr="*bf16", inv_temperature="fp32", stride_dzm="i64"),
         dict(meta, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HAS_GRAD_LOG_PROBS=True, HAS_GRAD_ENTROPY=True,
              HAS_GRAD_LSE=False, HAS_GRAD_SUM_PI_SQUARED=False, FLATTEN=False, STORE_TMA=False, OUT_DTYPE=None,
-             SOFTCAP=False, LIBDEVICE=False, stride_dzn=1),
+             SOFTCAP=False, LIBDEVICE=False, stride_dzn=1, ROW_TEMPERATURE=False),
         tile.num_warps, tile.num_stages)
     report("fused dlogits (fp / select / compare)", instructions(dl),
            tile.block_m * tile.block_n // (32 * tile.num_warps), only_fp=True)
     fs = compile_sass(
         linear._linear_split_stats_kernel, gemm,
         dict(meta, SPLIT_V=cfg.split_v, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ENTROPY=True, EVEN_V=True,
-             FLATTEN=False, WARP_SPEC=False, SUM_PI_SQUARED=False, SOFTCAP=False, LIBDEVICE=False),
+             FLATTEN=False, WARP_SPEC=False, SUM_PI_SQUARED=False, SOFTCAP=False, LIBDEVICE=False,
+             ROW_TEMPERATURE=False),
         cfg.num_warps, cfg.num_stages)
     report("fused forward (fp / select / compare)", instructions(fs),
            cfg.block_m * cfg.block_n // (32 * cfg.num_warps), only_fp=True)
