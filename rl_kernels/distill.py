@@ -177,7 +177,8 @@ def head_at_ids(h2, weight, labels, ids, params: HeadParams, temperature, tp=Non
 
 def linear_log_probs_at_ids(hidden_states: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                             token_ids: torch.Tensor, *, temperature: float = 1.0, softcap: float | None = None,
-                            return_entropy: bool = False, backend: str = "auto") -> tuple:
+                            return_entropy: bool = False, backend: str = "auto", process_group=None,
+                            vocab_start_index: int | None = None, reduce_hidden_grad: bool = False) -> tuple:
     """``linear_log_probs``' log-probs at ``labels`` (and entropy) together with the log-probs at K
     ids per position, from one fused head call: no N x V tensor in forward or backward. What top-K
     distillation on a fused forward needs (``rl_kernels.integrations.verl``: verl's PPO log-probs
@@ -192,16 +193,23 @@ def linear_log_probs_at_ids(hidden_states: torch.Tensor, weight: torch.Tensor, l
         token_ids: (..., K) int64/int32 ids in [0, vocab_size), K >= 1.
         temperature, softcap, return_entropy, backend: as for ``linear_log_probs`` (a per-position
             temperature tensor shaped like ``labels`` included).
+        process_group, vocab_start_index, reduce_hidden_grad: a vocab-parallel head, as for
+            ``linear_log_probs``: ``weight`` is this rank's (V_r, H) shard, ``labels`` and
+            ``token_ids`` are global ids (checked against the whole vocabulary when it is known,
+            i.e. without ``vocab_start_index``); the outputs are identical on every rank.
 
     Returns:
         ``(log_probs, entropy, log_probs_at_ids)``: float32 nats, shapes ``labels.shape`` (entropy
         None unless asked) and ``token_ids.shape``; log_probs_at_ids = z[ids] - logsumexp(z),
-        z = hidden_states @ weight.T / temperature (soft-capped first with ``softcap``).
+        z = hidden_states @ weight.T / temperature (soft-capped first with ``softcap``), the
+        logsumexp over the whole vocabulary (all shards with ``process_group``).
 
     Raises:
         TypeError / ValueError as ``linear_log_probs``, and naming ``token_ids`` for a wrong dtype,
         shape, device or an id outside [0, vocab_size); NotImplementedError for ``softcap`` with a
-        gradient to compute (the gathered logits' gradient under a cap is not implemented).
+        gradient to compute (the gathered logits' gradient under a cap is not implemented) and for
+        ``return_entropy`` with ``process_group`` (not implemented on a vocab shard with gathered
+        logits: call ``linear_log_probs`` for the entropy).
     """
     check_head_inputs(hidden_states, weight, labels, -100, check_values=False)
     temperature = check_temperature(temperature, labels)  # (a number, or one per position)
@@ -217,14 +225,21 @@ def linear_log_probs_at_ids(hidden_states: torch.Tensor, weight: torch.Tensor, l
     if softcap is not None and torch.is_grad_enabled() and (hidden_states.requires_grad or weight.requires_grad):
         raise NotImplementedError("linear_log_probs_at_ids: the gradient of the logits at token_ids under a "
                                   "softcap is not implemented")
+    tp = parallel_params(process_group, vocab_start_index, reduce_hidden_grad, -100, weight.shape[0],
+                         hidden_states.device)
+    if tp is not None and return_entropy:
+        raise NotImplementedError("linear_log_probs_at_ids: return_entropy with process_group (a vocab shard) is "
+                                  "not implemented; call linear_log_probs for the entropy")
     k = token_ids.shape[-1]
     ids = token_ids.reshape(-1, k)
-    check_token_id_values(ids, weight.shape[0], "token_ids")
+    vocab_size = weight.shape[0] if tp is None else tp.vocab_size  # (None: the shards' total is not known)
+    if vocab_size is not None:
+        check_token_id_values(ids, vocab_size, "token_ids")
     params = HeadParams(backend=get_backend(backend, hidden_states.device), inv_temperature=1.0,  # (head_at_ids)
                         ignore_index=-100, return_entropy=return_entropy, name="linear_log_probs_at_ids",
                         softcap=softcap)  # (label values are checked in the head's backend call)
     head, log_q = head_at_ids(hidden_states.reshape(-1, hidden_states.shape[-1]), weight, labels.reshape(-1),
-                              ids.long(), params, temperature)
+                              ids.long(), params, temperature, tp)
     entropy = head.entropy.view(lead) if return_entropy else None
     return head.log_probs.view(lead), entropy, log_q.view(token_ids.shape)
 

@@ -108,6 +108,7 @@ def run(rank, world, init_file):
                       (verl_F, "calculate_sum_pi_squared_from_logits"): verl_F.calculate_sum_pi_squared_from_logits,
                       (mcore, "get_mcore_forward_fused_model_engine_fn"): mcore.get_mcore_forward_fused_model_engine_fn,
                       (fused, "postprocess_thd_engine"): fused.postprocess_thd_engine,
+                      (fused, "preprocess_thd_engine"): fused.preprocess_thd_engine,
                       (mti.MegatronEngineWithLMHead, "forward_step"): mti.MegatronEngineWithLMHead.forward_step})
 
     records = _Records()
@@ -136,6 +137,7 @@ def run(rank, world, init_file):
         assert len(summary) == 1 and "megatron" in summary[0], records.messages()
         _check_engine_entropy_on_request(rkv, rkm, mcore, rank, world)
         _check_engine_fused_sum_pi_squared(rkv, mti, rank, world)
+        _check_engine_fused_topk(rkv, mti, rank, world)
         _check_engine_per_sample_temperature(rkv, rank, world)
 
         _check_unpatch_restores(rkv, rkm, originals)
@@ -370,9 +372,10 @@ class _StandInGPT(torch.nn.Module):
         return (hidden @ self.weight_shard.T).transpose(0, 1)
 
 
-def _engine_step(mti, model, fused):
+def _engine_step(mti, model, fused, tensors=None, flags=None, logits_processor_func=None, grad=False):
     """verl's MegatronEngineWithLMHead.forward_step (without its __init__) on two packed sequences,
-    with calculate_sum_pi_squared=True; returns the output dict of the last stage."""
+    with calculate_sum_pi_squared=True unless ``flags`` say otherwise (``tensors``: more nested
+    tensors of the micro-batch); returns the output dict of the last stage and the input ids."""
     from tensordict import TensorDict
     from verl.utils import tensordict_utils as tu
 
@@ -381,9 +384,9 @@ def _engine_step(mti, model, fused):
     ids = torch.nested.nested_tensor([torch.randint(0, model.embedding.shape[0], (n,), generator=gen)
                                       for n in lengths], layout=torch.jagged)
     mask = torch.nested.nested_tensor([torch.ones(n) for n in lengths], layout=torch.jagged)
-    batch = TensorDict({"input_ids": ids, "loss_mask": mask}, batch_size=[2])
-    tu.assign_non_tensor(batch, temperature=TEMPERATURE, calculate_entropy=True, calculate_sum_pi_squared=True,
-                         use_fused_kernels=fused)
+    batch = TensorDict({"input_ids": ids, "loss_mask": mask, **(tensors or {})}, batch_size=[2])
+    flags = {"calculate_entropy": True, "calculate_sum_pi_squared": True, **(flags or {})}
+    tu.assign_non_tensor(batch, temperature=TEMPERATURE, use_fused_kernels=fused, **flags)
     engine = mti.MegatronEngineWithLMHead.__new__(mti.MegatronEngineWithLMHead)
     engine.engine_config = types.SimpleNamespace(
         use_fused_kernels=fused, pad_to_length=False, use_remove_padding=True, dynamic_context_parallel=False,
@@ -399,11 +402,11 @@ def _engine_step(mti, model, fused):
         tokenizer=types.SimpleNamespace(pad_token_id=0), mtp=types.SimpleNamespace(enable=False, enable_train=False))
     device_id, mti.get_device_id = mti.get_device_id, lambda: "cpu"  # verl asks its platform (CUDA)
     try:
-        with torch.no_grad():
-            output, _ = engine.forward_step(iter([batch]), model, None, lambda *a, **k: None)
+        with torch.set_grad_enabled(grad):
+            output, _ = engine.forward_step(iter([batch]), model, logits_processor_func, lambda *a, **k: None)
     finally:
         mti.get_device_id = device_id
-    assert tu.get_non_tensor_data(batch, "calculate_sum_pi_squared", None) is True  # verl's batch untouched
+    assert tu.get_non_tensor_data(batch, "calculate_sum_pi_squared", None) is flags["calculate_sum_pi_squared"]
     return output, ids
 
 
@@ -456,6 +459,78 @@ def _check_engine_fused_sum_pi_squared(rkv, mti, rank, world):
         raise AssertionError("verl's refusal did not stay for a fused head that computes no sum_pi_squared")
     finally:
         fused_module.fused_output_processor = original
+
+
+# ----------------------------------------------------------------------------- top-K distillation, fused path
+TOPK, CLAMP = 4, -9.5
+
+
+def _topk_step(mti, fused, embedding, weight, rank, tensors, flags, g):
+    """One forward_step of verl's engine with top-K distillation (verl's own loss function as the
+    logits processor) and the backward of sum(g * distillation_losses): (output, d embedding
+    summed over the TP group, d weight shard)."""
+    import functools
+
+    from verl.trainer.distillation import losses as verl_losses
+
+    emb = embedding.clone().requires_grad_()
+    shard = weight[rank * V_R:(rank + 1) * V_R].clone().requires_grad_()
+    config = types.SimpleNamespace(strategy="megatron")
+    distillation_config = types.SimpleNamespace(distillation_loss=types.SimpleNamespace(log_prob_min_clamp=CLAMP))
+    loss_function = functools.partial(verl_losses.distillation_ppo_loss, config=config,
+                                      distillation_config=distillation_config)
+    output, ids = _engine_step(mti, _StandInGPT(emb, shard), fused, tensors, flags, loss_function, grad=True)
+    (output["distillation_losses"].values() * g).sum().backward()
+    if not fused:  # verl's logits path leaves each rank's partial dh (Megatron's output layer would sum it)
+        dist.all_reduce(emb.grad)
+    return output, emb.grad, shard.grad, ids
+
+
+def _check_engine_fused_topk(rkv, mti, rank, world):
+    """Top-K distillation with use_fused_kernels=True through verl's own Megatron engine forward_step
+    and fused forward (preprocess_thd_engine, the output processor, postprocess_thd_engine), the
+    vocab-parallel head over the TP group: distillation_losses, student_mass and teacher_mass (and
+    log_probs / entropy) equal verl's Megatron logits path on the same inputs (verl's own
+    _lm_head_logits_processor and megatron.losses.compute_forward_kl_topk, rl-kernels unpatched),
+    and so do the gradients of sum(g * distillation_losses) w.r.t. the hidden states (the
+    embedding rows) and this rank's weight shard; float32 tolerances VAL / GRAD. Twice: without
+    entropy (one head call for log-probs and the teacher's ids), and with entropy and
+    distillation_only (log_probs dropped as verl's logits path computes none)."""
+    from verl_helpers import verl_unpatched
+
+    gen = torch.Generator().manual_seed(9)
+    vocab = world * V_R
+    embedding = torch.randn(vocab, H, generator=gen)
+    weight = torch.randn(vocab, H, generator=gen) * 0.5
+    teacher = [torch.log_softmax(torch.randn(n, vocab, generator=gen) * 2, -1).topk(TOPK, -1) for n in (7, 5)]
+    teacher[0].values[:, -1] -= 8.0  # the first sequence's last slot below the clamp: the teacher's side clamped too
+    tensors = {"teacher_logprobs": torch.nested.nested_tensor([t.values for t in teacher], layout=torch.jagged),
+               "teacher_ids": torch.nested.nested_tensor([t.indices for t in teacher], layout=torch.jagged)}
+    g = torch.rand(12, generator=gen) + 0.5  # the tokens of the two sequences
+    for flags in ({"calculate_entropy": False, "distillation_only": False},
+                  {"calculate_entropy": True, "distillation_only": True}):
+        flags = {**flags, "calculate_sum_pi_squared": False, "distillation_use_topk": True}
+        before = rkv.call_counts()
+        got, d_emb, d_w, ids = _topk_step(mti, True, embedding, weight, rank, tensors, flags, g)
+        after = rkv.call_counts()
+        assert after["distillation_calls"] == before["distillation_calls"] + 1, after
+        assert after["fused_megatron_calls"] == before["fused_megatron_calls"] + 1, after
+        with verl_unpatched():  # verl's Megatron logits path as installed
+            ref, ref_emb, ref_w, _ = _topk_step(mti, False, embedding, weight, rank, tensors, flags, g)
+        assert set(got) == set(ref) - {"overlap_count", "overlap_token_advantage"}, (set(got), set(ref))
+        assert ("log_probs" in got) is not flags["distillation_only"]
+        for key in got:
+            assert got[key].is_nested and torch.equal(got[key].offsets(), ids.offsets()), key
+            torch.testing.assert_close(got[key].values(), ref[key].values().float(), **VAL, msg=key)
+            assert _same_on_all_ranks(got[key].values().detach())
+        torch.testing.assert_close(d_emb, ref_emb, **GRAD)
+        torch.testing.assert_close(d_w, ref_w, **GRAD)
+        assert float(d_w.abs().max()) > 1e-2 and float(got["distillation_losses"].values().abs().max()) > 1e-2
+    # the clamp matters here: some (not most) of the student's log-probs at the teacher's ids lie below it
+    log_q = torch.log_softmax(embedding.double()[ids.values()] @ weight.double().T / TEMPERATURE, -1)
+    below = (log_q.gather(1, tensors["teacher_ids"].values()) < CLAMP).double().mean()
+    assert 0.05 < float(below) < 0.5, float(below)
+    assert float(tensors["teacher_logprobs"].values().min()) < CLAMP
 
 
 # ----------------------------------------------------------------------------- patch mechanics

@@ -158,8 +158,9 @@ def test_the_check_leaves_verl_unpatched():
 
 @pytest.mark.parametrize("strategy,rmpad,expected", [
     ("fsdp2", True, "; top-K distillation (loss_mode=forward_kl_topk) served on the fused path"),
-    ("megatron", True, "WARNING: top-K distillation (loss_mode=forward_kl_topk) is NOT served by rl-kernels on the "
-                       "fused path of strategy 'megatron'"),
+    ("megatron", True, "; top-K distillation (loss_mode=forward_kl_topk) served on the Megatron fused path"),
+    ("veomni", True, "WARNING: top-K distillation (loss_mode=forward_kl_topk) is NOT served by rl-kernels on the "
+                     "fused path of strategy 'veomni'"),
     ("fsdp", False, "WARNING: top-K distillation (loss_mode=forward_kl_topk) is NOT served on the fused path with "
                     "use_remove_padding=False"),
 ])

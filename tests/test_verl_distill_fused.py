@@ -247,10 +247,11 @@ def test_ulysses_slicing_goes_through_verls_helpers(monkeypatch):
     torch.testing.assert_close(wg.grad, wr.grad, **GRAD_TOL)
 
 
-def test_megatron_fused_top_k_is_not_served_and_says_so_once(monkeypatch, caplog):
-    """verl's Megatron fused forward computes no distillation outputs and rl-kernels adds none:
-    the report says so, and the engine's forward_backward_batch (wrapped where it is defined)
-    logs one WARNING at the first fused top-K batch, then runs verl's method unchanged."""
+def test_megatron_fused_top_k_reported_and_says_so_where_not_served(monkeypatch, caplog):
+    """On verl's Megatron fused path the report says top-K distillation is served (the values and
+    gradients: tests/test_verl_megatron.py); the engine's forward_step wrapper, where a fused
+    top-K batch gets no terms (here: ``served=False``), logs one WARNING and returns verl's
+    output unchanged."""
     import importlib
 
     pytest.importorskip("megatron.core")
@@ -258,24 +259,26 @@ def test_megatron_fused_top_k_is_not_served_and_says_so_once(monkeypatch, caplog
         pytest.skip("this verl has no distillation")
     from verl.utils import tensordict_utils as tu
 
-    served, why = rkv.report()[distill.MEGATRON_FUSED_PART]
-    assert not served and why.startswith("not served") and "a WARNING at the first fused top-K batch" in why
+    served, what = rkv.report()[distill.MEGATRON_FUSED_PART]
+    assert served and "vocab-parallel" in what, what
     impl = importlib.import_module(distill.MEGATRON_ENGINE_MODULE)
-    installed = getattr(impl, distill.MEGATRON_ENGINE_CLASS).forward_backward_batch
+    installed = getattr(impl, distill.MEGATRON_ENGINE_CLASS).forward_step
     assert installed._rl_kernels_original is not None
     calls = []
 
-    def forward_backward_batch(self, data, loss_function, forward_only=False):  # stands for verl's
-        calls.append((self, data, loss_function, forward_only))
-        return "verl's"
+    def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):  # verl's
+        batch = next(batch_iter)
+        calls.append(batch)
+        return {"log_probs": batch["x"]}, "post"
 
-    wrapped = distill._megatron_said_once(forward_backward_batch)
+    wrapped = distill._megatron_forward_step(forward_step, served=False)
     engine = SimpleNamespace(engine_config=SimpleNamespace(use_fused_kernels=True))
     batches = [tu.get_tensordict({"x": torch.zeros(1)}, {"distillation_use_topk": topk})
                for topk in (False, True, True)]
     monkeypatch.setattr(_logging, "_seen", set())
     with caplog.at_level("WARNING", logger="rl_kernels"):
-        assert [wrapped(engine, b, "loss") for b in batches] == ["verl's"] * 3
-    assert calls == [(engine, b, "loss", False) for b in batches]
+        outs = [wrapped(engine, iter([b]), "model", "loss", "post") for b in batches]
+    assert [o[1] for o in outs] == ["post"] * 3 and all(set(o[0]) == {"log_probs"} for o in outs)
+    assert calls == batches
     said = [m for m in caplog.messages if "top-K distillation on verl's Megatron fused path is not served" in m]
     assert len(said) == 1, caplog.messages

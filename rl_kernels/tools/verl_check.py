@@ -181,18 +181,21 @@ def _topk_distillation(cfg: dict) -> str | None:
 
 def _fused_distillation_note(cfg: dict, model: dict) -> str:
     """What the fused path does with top-K distillation, for the ON line ('' without it): served on
-    verl's FSDP engine with remove-padding; a WARNING where it is not (verl's loss then finds no
+    verl's FSDP engine with remove-padding and on its Megatron engine (rl-kernels' fused head,
+    ``patch_megatron_fused``); a WARNING where it is not (verl's loss then finds no
     distillation_losses)."""
     mode = _topk_distillation(cfg)
     if mode is None:
         return ""
     strategy = _section(cfg, "actor_rollout_ref.actor.strategy")
     fix = "Fix: use_fused_kernels=False (the logits path) for distillation runs"
+    if strategy == "megatron":
+        return (f"; top-K distillation (loss_mode={mode}) served on the Megatron fused path (distillation_losses, "
+                f"student_mass, teacher_mass from rl-kernels' vocab-parallel fused head; needs "
+                f"patch_megatron_fused, the default)")
     if strategy not in ("fsdp", "fsdp2"):
         return (f". WARNING: top-K distillation (loss_mode={mode}) is NOT served by rl-kernels on the fused path of "
-                f"strategy {strategy!r} (" + ("verl's Megatron fused forward computes no distillation outputs, so "
-                "its loss finds no distillation_losses" if strategy == "megatron" else "that engine's own fused "
-                "forward") + f"). {fix}")
+                f"strategy {strategy!r} (that engine's own fused forward). {fix}")
     if not model.get("use_remove_padding", True):
         return (f". WARNING: top-K distillation (loss_mode={mode}) is NOT served on the fused path with "
                 f"use_remove_padding=False (verl's engine reads no fused distillation outputs then). Fix: "

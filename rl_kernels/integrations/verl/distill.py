@@ -22,8 +22,10 @@ On the FSDP fused path (``use_fused_kernels=True``, ``impl_backend=rl_kernels``,
 :func:`patch_fused_distillation` makes the served model's forward fill the ``fused_linear_aux``
 that verl's FSDP engine reads (``distillation_losses``, ``student_mass``, ``teacher_mass``, with
 the same :func:`topk_terms` as above) from one fused head call that also gives verl's log-probs
-(:func:`serve_fused_topk`): no N x V tensor in forward or backward. verl's Megatron fused path
-computes no distillation outputs and is not served: one WARNING at its first top-K batch.
+(:func:`serve_fused_topk`): no N x V tensor in forward or backward. On verl's Megatron fused path
+(whose fused forward computes no distillation outputs), :func:`_megatron_fused_entry` makes
+rl-kernels' fused head compute them, vocab-parallel, as verl's Megatron logits path defines them,
+and puts them into the engine's forward_step output (:func:`serve_megatron_topk`).
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import itertools
 import logging
 from typing import NamedTuple
 
@@ -204,19 +207,25 @@ def _forward_kl_topk(fsdp, student_logits, teacher_log_probs, teacher_ids, confi
     }
 
 
-def topk_terms(log_q, teacher_log_probs, clamp) -> tuple:
+def topk_terms(log_q, teacher_log_probs, clamp, *, clamp_masses: bool = False) -> tuple:
     """verl's per-token top-K forward KL terms from the student's log-probs at the teacher's ids
     (``verl.trainer.distillation.fsdp.losses.compute_forward_kl_topk``, both of rl-kernels' paths):
     ``log_q`` (..., K) float32, ``teacher_log_probs`` (..., K), ``clamp`` verl's
     ``log_prob_min_clamp`` (None: no clamp) -> ``(distillation_losses, student_mass, teacher_mass,
     log_q, teacher_log_probs)``: the masses sum exp over the K slots before the clamp, both sides
     are then clamped below at ``clamp``, the loss is sum_k p_k (log p_k - log q_k) in float32 (the
-    clamped log-probs are returned for the overlap metrics)."""
-    student_mass = log_q.exp().sum(-1)
-    teacher_mass = teacher_log_probs.exp().sum(-1)
+    clamped log-probs are returned for the overlap metrics). ``clamp_masses``: the masses sum exp of
+    the clamped log-probs instead, as verl's Megatron loss defines them
+    (``verl.trainer.distillation.megatron.losses._VocabParallelKLDivergence``)."""
+    if not clamp_masses:
+        student_mass = log_q.exp().sum(-1)
+        teacher_mass = teacher_log_probs.exp().sum(-1)
     if clamp is not None:
         log_q = log_q.clamp_min(clamp)
         teacher_log_probs = teacher_log_probs.clamp_min(clamp)
+    if clamp_masses:
+        student_mass = log_q.exp().sum(-1)
+        teacher_mass = teacher_log_probs.float().exp().sum(-1)
     log_p = teacher_log_probs.float()
     distillation_losses = (log_p.exp() * (log_p - log_q)).sum(-1)  # forward KL over the K ids (float32)
     return distillation_losses, student_mass, teacher_mass, log_q, teacher_log_probs
@@ -396,52 +405,224 @@ def _checked_outputs(method):
 
 def patch_fused_distillation() -> dict[str, tuple[bool, str]]:
     """Top-K distillation on the fused paths: the report entries ``{FUSED_PART: (served?, what),
-    MEGATRON_FUSED_PART: (False, why)}`` (:func:`_patch_fsdp_fused`, :func:`_megatron_fused_entry`)."""
+    MEGATRON_FUSED_PART: (served?, what)}`` (:func:`_patch_fsdp_fused`, :func:`_megatron_fused_entry`)."""
     return {FUSED_PART: _patch_fsdp_fused(), MEGATRON_FUSED_PART: _megatron_fused_entry()}
 
 
 MEGATRON_ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
 MEGATRON_ENGINE_CLASS = "MegatronEngineWithLMHead"
+MEGATRON_FUSED_MODULE = "verl.models.mcore.model_forward_fused"
+MEGATRON_KEYS = ("distillation_losses", "student_mass", "teacher_mass")
+STEP_PARAMETERS = ["self", "batch_iter", "model", "logits_processor_func", "postprocess_micro_batch_func"]
+
+# ----------------------------------------------------------------------------- the Megatron fused path
+# verl's Megatron engine computes top-K distillation only on its logits path: forward_step hands its
+# logits processor (``_lm_head_logits_processor``) this rank's vocab-parallel logits, which calls the
+# loss function it got (``logits_processor_func``: verl's ``distillation_ppo_loss`` ->
+# ``megatron.losses.compute_forward_kl_topk``, the teacher's tensors laid out by
+# ``preprocess_thd_engine``), and the forward lays each output out with ``postprocess_thd_engine``
+# into forward_step's output dict, which verl's loss reads. Its fused forward
+# (``model_forward_fused.fused_forward_model_engine``) returns only log_probs / entropy. Served here:
+# while forward_step runs a fused top-K micro-batch, :class:`MegatronTopKRequest` is active; the
+# fused module's ``preprocess_thd_engine``, when it lays out the labels, lays out the teacher's
+# tensors with the same arguments (no roll: the teacher's top K at a position is the distribution
+# of the next token, as the logits there); rl-kernels' fused head (``megatron.linear_cross_entropy``)
+# computes the student's log-probs at the teacher's ids (vocab-parallel) and verl's Megatron terms
+# (:func:`topk_terms` with ``clamp_masses``); its ``postprocess_thd_engine`` lays them out as the
+# log-probs; forward_step's output gets them under verl's keys (without log_probs for
+# ``distillation_only``, as verl's logits path).
+
+
+class MegatronTopKRequest:
+    """One fused top-K distillation micro-batch of verl's Megatron engine: the micro-batch (its
+    nested ``teacher_logprobs`` / ``teacher_ids``), verl's ``log_prob_min_clamp``, the teacher's
+    tensors laid out as this rank's packed tokens ((1, T, K) each, :func:`_laying_out_teacher`),
+    the terms the fused head delivers with its log-probs, and those terms as the engine lays them
+    out (per-sequence nested tensors, :func:`_laying_out_terms`)."""
+
+    __slots__ = ("batch", "clamp", "teacher", "log_probs", "terms", "calls", "laid_out")
+
+    def __init__(self, batch, clamp):
+        self.batch, self.clamp = batch, clamp
+        self.teacher = self.log_probs = self.terms = self.laid_out = None
+        self.calls = 0
+
+    def deliver(self, log_probs, terms: dict) -> None:
+        """Called by the fused head: its log-probs and the terms, each shaped like its labels."""
+        self.log_probs, self.terms = log_probs, terms
+        self.calls += 1
+
+    def belongs_to(self, log_probs) -> bool:
+        """Whether ``log_probs`` are the delivered ones (same storage, offset and size)."""
+        mine = self.log_probs
+        return (self.calls == 1 and isinstance(log_probs, torch.Tensor) and mine is not None
+                and log_probs.numel() == mine.numel() and log_probs.data_ptr() == mine.data_ptr()
+                and log_probs.device == mine.device)
+
+
+_megatron_request = contextvars.ContextVar("rl_kernels_megatron_topk_request", default=None)
+
+
+def megatron_topk_request() -> MegatronTopKRequest | None:
+    """The fused top-K request of the Megatron engine's forward_step that runs now, or None."""
+    return _megatron_request.get()
+
+
+def serve_megatron_topk(request: MegatronTopKRequest, h2, weight, labels1, labels_shape, *, temperature,
+                        return_entropy: bool, backend: str, tp_kwargs: dict):
+    """The Megatron fused head on a top-K distillation micro-batch: verl's ``(log_probs, entropy or
+    None)`` at ``labels1`` (N,) from ``h2`` (N, H) and this rank's weight shard (``tp_kwargs``: the
+    vocab-parallel arguments of ``rl_kernels.linear_log_probs``, empty with one TP rank), and
+    ``request`` given verl's Megatron distillation terms ((N,) float32 each, :func:`topk_terms` with
+    ``clamp_masses``) from the student's log-probs at the teacher's laid-out ids: one
+    :func:`rl_kernels.distill.linear_log_probs_at_ids` call, or, for the entropy on a vocab shard
+    (not implemented with gathered logits), ``linear_log_probs`` and a second pass for the ids. No
+    N x V tensor. VerlIntegrationError when the teacher's tensors do not match the tokens."""
+    import rl_kernels
+
+    teacher_log_probs, teacher_ids = request.teacher
+    k = teacher_ids.shape[-1]
+    if tuple(teacher_ids.shape[:-1]) != tuple(labels_shape) or teacher_ids.shape != teacher_log_probs.shape:
+        raise VerlIntegrationError(
+            f"rl_kernels.integrations.verl: top-K distillation on the Megatron fused path: the teacher's top-K "
+            f"tensors as laid out (ids {tuple(teacher_ids.shape)}, log-probs {tuple(teacher_log_probs.shape)}) "
+            f"do not match the student's tokens {tuple(labels_shape)} on this rank")
+    ids = teacher_ids.reshape(-1, k).to(h2.device).long()
+    teacher_log_probs = teacher_log_probs.reshape(-1, k).to(h2.device)
+    if return_entropy and tp_kwargs:
+        out = rl_kernels.linear_log_probs(h2, weight, labels1, temperature=temperature, return_entropy=True,
+                                          backend=backend, **tp_kwargs)
+        log_probs, entropy = out.log_probs, out.entropy
+        _, _, log_q = linear_log_probs_at_ids(h2, weight, ids[:, 0], ids, temperature=temperature, backend=backend,
+                                              **tp_kwargs)
+    else:
+        log_probs, entropy, log_q = linear_log_probs_at_ids(h2, weight, labels1, ids, temperature=temperature,
+                                                            return_entropy=return_entropy, backend=backend,
+                                                            **tp_kwargs)
+    losses, student_mass, teacher_mass, _, _ = topk_terms(log_q, teacher_log_probs, request.clamp, clamp_masses=True)
+    request.deliver(log_probs.view(labels_shape), {
+        "distillation_losses": losses.view(labels_shape),
+        "student_mass": student_mass.detach().view(labels_shape),  # metrics only, as verl's
+        "teacher_mass": teacher_mass.view(labels_shape)})
+    record("distillation_calls", "distillation fused megatron", labels1.numel())
+    return log_probs, entropy
+
+
+def _laying_out_teacher(preprocess):
+    """The fused module's ``preprocess_thd_engine``: when a request is active and it lays out the
+    labels (``need_roll=True``: the student's tokens of this rank, context-parallel split and
+    padding included), it lays out the teacher's log-probs and ids with the same arguments, no roll."""
+    sig = inspect.signature(preprocess)
+    first = next(iter(sig.parameters))
+
+    @functools.wraps(preprocess)
+    def preprocess_thd_engine(*args, **kwargs):
+        result = preprocess(*args, **kwargs)
+        request = _megatron_request.get()
+        if request is not None and request.teacher is None:
+            arguments = dict(sig.bind(*args, **kwargs).arguments)
+            if arguments.get("need_roll"):
+                device = arguments.pop(first).device
+                arguments.update(pre_process=True, need_roll=False)
+                request.teacher = tuple(preprocess(request.batch[key].to(device), **arguments)[0]
+                                        for key in ("teacher_logprobs", "teacher_ids"))
+        return result
+
+    preprocess_thd_engine._rl_kernels_original = preprocess
+    return preprocess_thd_engine
+
+
+def _laying_out_terms(postprocess):
+    """The fused module's ``postprocess_thd_engine``: called on the fused head's log-probs while a
+    request holds terms delivered with them, it lays out each term with the same arguments."""
+    @functools.wraps(postprocess)
+    def postprocess_thd_engine(output, *args, **kwargs):
+        result = postprocess(output, *args, **kwargs)
+        request = _megatron_request.get()
+        if request is not None and request.laid_out is None and request.belongs_to(output):
+            request.laid_out = {key: postprocess(term.view(output.shape), *args, **kwargs)
+                                for key, term in request.terms.items()}
+        return result
+
+    postprocess_thd_engine._rl_kernels_original = postprocess
+    return postprocess_thd_engine
+
+
+def _megatron_forward_step(method, served: bool):
+    """``MegatronEngineWithLMHead.forward_step``: a fused micro-batch with ``distillation_use_topk``
+    runs with a :class:`MegatronTopKRequest` active (where ``served``); on the last pipeline stage
+    the laid-out terms go into the output dict under verl's keys, and ``log_probs`` is dropped with
+    ``distillation_only`` (verl's logits path computes none then). Where no terms came (not served,
+    or a fused head that is not rl-kernels'), one WARNING and verl's output as it is."""
+
+    @functools.wraps(method)
+    def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
+        batch = next(batch_iter)
+        batch_iter = itertools.chain([batch], batch_iter)
+        default = bool(getattr(getattr(self, "engine_config", None), "use_fused_kernels", False))
+        wanted = bool(_flag(batch, "distillation_use_topk") and _flag(batch, "use_fused_kernels", default))
+        request = None
+        if wanted and served and "teacher_ids" in batch.keys() and "teacher_logprobs" in batch.keys():
+            request = MegatronTopKRequest(batch, _clamp(logits_processor_func))
+        token = _megatron_request.set(request)
+        try:
+            output, postprocess = method(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func)
+        finally:
+            _megatron_request.reset(token)
+        if wanted and isinstance(output, dict) and "log_probs" in output:  # the last pipeline stage
+            if request is not None and request.laid_out is not None:
+                output.update(request.laid_out)
+                if _flag(batch, "distillation_only"):
+                    del output["log_probs"]
+            else:
+                log_once(logging.WARNING, "rl_kernels: top-K distillation on verl's Megatron fused path is not "
+                         "served here (the fused forward is not rl-kernels', or the micro-batch has no teacher "
+                         "tensors): verl's fused forward computes no distillation outputs (verl's loss then finds "
+                         "no distillation_losses); use use_fused_kernels=False (verl's Megatron logits path)")
+        return output, postprocess
+
+    forward_step._rl_kernels_original = method
+    return forward_step
 
 
 def _megatron_fused_entry() -> tuple[bool, str]:
-    """verl's Megatron fused forward computes no top-K distillation outputs (its loss then finds no
-    ``distillation_losses``), and rl-kernels does not add them there: where verl's Megatron engine
-    imports, its ``forward_backward_batch`` is wrapped to log one WARNING at the first fused batch
-    with ``distillation_use_topk`` (nothing else changes)."""
+    """Serve top-K distillation on verl's Megatron fused path where rl-kernels' fused head is
+    installed there (``patch_megatron_fused``) and verl's fused module lays out its tensors with
+    by-name ``preprocess_thd_engine`` / ``postprocess_thd_engine`` (features, not versions):
+    :func:`_megatron_forward_step`, :func:`_laying_out_teacher`, :func:`_laying_out_terms`.
+    Elsewhere, where verl's Megatron engine imports, only the WARNING at the first fused top-K
+    batch. Returns the report entry (served?, what)."""
     if not has_module(MEGATRON_MODULE):
         return False, NOT_IN_THIS_VERL
-    why = ("not served: verl's Megatron fused forward computes no top-K distillation outputs and rl-kernels adds "
-           "none there (vocab-parallel, context-parallel layout); verl's own behaviour")
+    why = ("not served: verl's Megatron fused forward computes no top-K distillation outputs, and rl-kernels' "
+           "fused head is not installed there")
     try:
         impl = importlib.import_module(MEGATRON_ENGINE_MODULE)
+        fused = importlib.import_module(MEGATRON_FUSED_MODULE)
     except ImportError as exc:  # megatron-core missing: verl's Megatron engine cannot run here either
         return False, f"{why} (not importable here: {exc})"
     engine = getattr(impl, MEGATRON_ENGINE_CLASS, None)
-    owner = next((k for k in getattr(engine, "__mro__", ()) if "forward_backward_batch" in vars(k)), None)
-    method = vars(owner)["forward_backward_batch"] if owner is not None else None
-    if method is None or "data" not in inspect.signature(method).parameters:
-        return False, why
-    set_attr(owner, "forward_backward_batch", _megatron_said_once(method))  # where it is defined
-    return False, why + " (a WARNING at the first fused top-K batch)"
+    method = vars(engine).get("forward_step") if engine is not None else None
+    if method is None or list(inspect.signature(method).parameters) != STEP_PARAMETERS:
+        return False, f"{why} (this verl's {MEGATRON_ENGINE_CLASS}.forward_step has other parameters than " \
+                      f"{STEP_PARAMETERS})"
+    from .megatron import linear_cross_entropy as ours  # (megatron.py imports this module)
 
-
-def _megatron_said_once(method):
-    sig = inspect.signature(method)
-
-    @functools.wraps(method)
-    def forward_backward_batch(*args, **kwargs):
-        arguments = sig.bind(*args, **kwargs).arguments
-        data, engine = arguments["data"], arguments.get("self")
-        default = bool(getattr(getattr(engine, "engine_config", None), "use_fused_kernels", False))
-        if _flag(data, "distillation_use_topk") and _flag(data, "use_fused_kernels", default):
-            log_once(logging.WARNING, "rl_kernels: top-K distillation on verl's Megatron fused path is not served "
-                     "by rl-kernels: verl's Megatron fused forward computes no distillation outputs (verl's loss "
-                     "then finds no distillation_losses); use use_fused_kernels=False (verl's Megatron logits path)")
-        return method(*args, **kwargs)
-
-    forward_backward_batch._rl_kernels_original = method
-    return forward_backward_batch
+    served = getattr(fused, "linear_cross_entropy", None) is ours and all(
+        callable(getattr(fused, name, None)) for name in ("preprocess_thd_engine", "postprocess_thd_engine"))
+    if served:
+        set_attr(fused, "preprocess_thd_engine", _laying_out_teacher(fused.preprocess_thd_engine))
+        set_attr(fused, "postprocess_thd_engine", _laying_out_terms(fused.postprocess_thd_engine))
+    set_attr(engine, "forward_step", _megatron_forward_step(method, served))
+    if not served:
+        return False, why + " (patch_megatron_fused=False, or this verl's fused module lays out no tensors by " \
+                            "name); a WARNING at the first fused top-K batch"
+    return True, (f"rl-kernels' Megatron fused head computes verl's distillation_losses, student_mass and "
+                  f"teacher_mass (verl's Megatron definitions, log_prob_min_clamp) from the student's log-probs at "
+                  f"the teacher's ids, vocab-parallel over the TP group, laid out by verl's preprocess_thd_engine / "
+                  f"postprocess_thd_engine ({MEGATRON_FUSED_MODULE}) into {MEGATRON_ENGINE_CLASS}.forward_step's "
+                  f"output (no N x V tensor); distillation_only drops log_probs as verl's logits path; verl's "
+                  f"overlap metrics are not computed on this path; a WARNING where a fused top-K batch is not served")
 
 
 def _patch_fsdp_fused() -> tuple[bool, str]:

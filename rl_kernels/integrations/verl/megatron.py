@@ -65,6 +65,12 @@ changes nothing else. :func:`linear_cross_entropy` uses
 ``tests/test_verl_megatron.py`` checks both cases through verl's own ``fused_output_processor``
 (each rank's dh equals the unsharded float64 gradient, or its rows of it).
 
+**Top-K distillation on the fused path** (``distillation_use_topk``, which verl's fused forward does
+not compute): while the engine's forward_step has a :class:`~.distill.MegatronTopKRequest` active,
+:func:`linear_cross_entropy` also computes verl's Megatron distillation terms from the student's
+log-probs at the teacher's ids (vocab-parallel, :func:`~.distill.serve_megatron_topk`); the layout
+and the engine hooks are in :mod:`.distill`.
+
 Skipped, with an INFO line, when ``megatron.core`` is not importable, and not applied (the report
 says which functions are missing) when the installed verl lacks any function replaced here:
 verl 0.7.x has no ``vocab_parallel_sum_pi_squared``, 0.7.x and 0.8.x no
@@ -88,6 +94,7 @@ from .common import (SumPiSquaredRequest, VerlIntegrationError, check_chunk_size
                      entropy_on_request, entropy_placeholder, entropy_wanted, record, replace_by_name, set_attr,
                      sum_pi_squared_request, verl_fallback,
                      verl_version)
+from .distill import megatron_topk_request, serve_megatron_topk
 from .settings import options
 from .temperature import PerSampleTemperature, megatron_row_temperature
 
@@ -201,6 +208,8 @@ def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="non
     the entropy returned is NaN (verl drops it). Inside an engine step that asks for Σπ²
     (:func:`wrap_engine_sum_pi_squared`) it is computed in the same pass (over the whole
     vocabulary, merged over the TP group like the log-probs) and delivered to the step's request.
+    Inside an engine step with top-K distillation (:func:`~.distill.megatron_topk_request`) verl's
+    distillation terms are computed from the same head (:func:`~.distill.serve_megatron_topk`).
     """
     if reduction != "none":
         raise ValueError(f"reduction: rl-kernels' linear_cross_entropy returns per-token log-probs and "
@@ -231,9 +240,20 @@ def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="non
     request = sum_pi_squared_request.get()
     if isinstance(temperature, torch.Tensor):
         temperature = temperature.reshape(-1)
-    out = rl_kernels.linear_log_probs(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
-                                      temperature=temperature, return_entropy=return_entropy,
-                                      return_sum_pi_squared=request is not None, backend=backend, **kwargs)
+    topk = megatron_topk_request()
+    if topk is not None and topk.teacher is not None and request is not None:
+        raise VerlIntegrationError("rl_kernels.integrations.verl: calculate_sum_pi_squared=True together with "
+                                   "top-K distillation on the Megatron fused path is not served; use "
+                                   "use_fused_kernels=False (verl's logits path) for this run")
+    if topk is not None and topk.teacher is not None:  # top-K distillation in the same head (verl's keys)
+        log_probs, entropy = serve_megatron_topk(topk, hidden.reshape(-1, hidden.shape[-1]), weight,
+                                                 labels.reshape(-1), labels.shape, temperature=temperature,
+                                                 return_entropy=return_entropy, backend=backend, tp_kwargs=kwargs)
+        out = rl_kernels.LogProbsOutput(log_probs, entropy, None)
+    else:
+        out = rl_kernels.linear_log_probs(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
+                                          temperature=temperature, return_entropy=return_entropy,
+                                          return_sum_pi_squared=request is not None, backend=backend, **kwargs)
     record("fused_megatron_calls", "fused megatron", labels.numel())
     entropy = out.entropy if return_entropy else entropy_placeholder(out.log_probs)
     log_probs = out.log_probs.view(labels.shape)
