@@ -65,7 +65,7 @@ def _run(logits, labels, temperature, ignore_index, return_entropy, return_mean_
     """Validate, flatten to 2-D, run; returns ``LogitsOutputs`` shaped like logits.shape[:-1].
     ``fn_name``: the public function (error messages)."""
     check_logits(logits)
-    temperature = check_temperature(temperature, logits[..., 0])
+    temperature = check_temperature(temperature, logits[..., 0], "logits.shape[:-1]")
     if labels is not None:  # label values: in the kernel, or on the host in the backend call
         check_labels(labels, logits, "logits", logits.shape[-1], ignore_index, check_values=False)
     check_bool_arg("inplace_backward", inplace_backward)

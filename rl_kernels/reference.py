@@ -47,7 +47,8 @@ def _temperature(temperature, rows=None):
 
 
 def _rows_of(t, rows):
-    """``t`` as the divisor of the logits of ``rows``: a float as it is, a per-row (N,) tensor as a column."""
+    """``t`` as the divisor of the logits of ``rows``: a float as it is, a per-row (N,) tensor as a
+    column (written here: the oracles import nothing of the backends)."""
     return t[rows, None] if isinstance(t, torch.Tensor) else t
 
 
@@ -193,8 +194,8 @@ def dense_linear_log_probs(hidden_states, weight, labels, temperature=1.0, ignor
     logsumexp(z), H = -sum p log p, written from the definition (module docstring);
     differentiable (an autograd oracle for dh and dW, which come back in the inputs' dtype).
     Positions whose label is ``ignore_index`` get 0."""
-    t = check_temperature(temperature, labels)
-    t = t.detach().double()[..., None] if isinstance(t, torch.Tensor) else float(t)  # (per row: a column)
+    t = _temperature(temperature, labels)
+    t = t.view(labels.shape)[..., None] if isinstance(t, torch.Tensor) else t  # (per row: a column)
     z = _definition_logits(hidden_states.double(), weight.double(), t, None if softcap is None else float(softcap))
     lp, ent, _, _ = _definition_stats(z, labels, ignore_index)
     return lp, ent

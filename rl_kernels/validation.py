@@ -100,10 +100,11 @@ def _positive_number(name: str, value, what: str = "a positive finite") -> float
 TEMPERATURE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
-def check_temperature(temperature, rows: torch.Tensor | None = None):
+def check_temperature(temperature, rows: torch.Tensor | None = None, rows_name: str = "labels"):
     """Return ``temperature`` as a float, or, for a function that takes a per-row temperature
     (``rows``: the labels, or the logits' leading part, whose shape it must have), a float tensor
-    of that shape on ``rows``' device as it is. Raise TypeError / ValueError when it is neither a
+    of that shape on ``rows``' device as it is (``rows_name``: how the errors name ``rows``). Raise
+    TypeError / ValueError when it is neither a
     positive finite Python number (bool rejected) inside ``TEMPERATURE_RANGE`` (where 1 /
     temperature is a normal float32 number) nor such a tensor. A tensor's values are checked
     where they are first read on the host (:func:`row_inv_temperature`)."""
@@ -112,10 +113,11 @@ def check_temperature(temperature, rows: torch.Tensor | None = None):
             raise TypeError(f"temperature: expected a float32, float64, bfloat16 or float16 tensor, got "
                             f"{temperature.dtype}")
         if temperature.shape != rows.shape:
-            raise ValueError(f"temperature: a per-row temperature must have the rows' shape {tuple(rows.shape)}, "
-                             f"got {tuple(temperature.shape)}")
+            raise ValueError(f"temperature: a per-row temperature must have the shape of {rows_name}, "
+                             f"{tuple(rows.shape)}, got {tuple(temperature.shape)}")
         if temperature.device != rows.device:
-            raise ValueError(f"temperature: on {temperature.device}, expected {rows.device} (the rows' device)")
+            raise ValueError(f"temperature: on {temperature.device}, expected {rows.device} (the device of "
+                             f"{rows_name})")
         if temperature.requires_grad:
             raise ValueError("temperature: a per-row temperature that requires grad is not supported "
                              "(no gradient flows to it); pass temperature.detach()")
@@ -169,8 +171,8 @@ def warn_fp16_temperature(dtype: torch.dtype, temperature: float) -> None:
     lo, hi = FP16_TEMPERATURE_RANGE
     if dtype != torch.float16:
         return
-    if isinstance(temperature, torch.Tensor):  # per-row: the extremes (float16 inputs only)
-        temperature = next((float(t) for t in temperature.aminmax() if not lo <= float(t) <= hi), lo)
+    if isinstance(temperature, torch.Tensor):  # per-row: the extremes (float16 inputs only; one host read)
+        temperature = next((t for t in torch.stack(temperature.aminmax()).tolist() if not lo <= t <= hi), lo)
     if not lo <= temperature <= hi:
         log_once(logging.WARNING, f"rl_kernels: float16 inputs with temperature {temperature:g}: the backward "
                  f"keeps d loss / d logits / T in float16 for its matmuls, whose range loses gradient "

@@ -117,15 +117,18 @@ def test_sum_pi_squared_note_per_engine_and_path(cfg, expected):
     assert sum_pi_squared_note(cfg) is None  # not asked: no line
 
 
-@pytest.mark.parametrize("strategy,expected", [
-    ("fsdp2", "; a per-sample temperature (a tensor) is served on the fused path"),
-    ("megatron", "; a per-sample temperature (a tensor) is served on the fused path"),
-    ("veomni", None),
+@pytest.mark.parametrize("strategy,options,expected", [
+    ("fsdp2", {}, "; a per-sample temperature (a tensor) is served on the fused path"),
+    ("megatron", {}, "; a per-sample temperature (a tensor) is served on the fused path"),
+    ("megatron", {"patch_megatron_fused": False}, "; a per-sample temperature (a tensor) is NOT served on the "
+                                                  "Megatron fused path with patch_megatron_fused=False"),
+    ("veomni", {}, None),
 ])
-def test_the_fused_line_says_what_serves_a_per_sample_temperature(strategy, expected):
+def test_the_fused_line_says_what_serves_a_per_sample_temperature(strategy, options, expected):
     cfg = {"actor_rollout_ref": {"actor": {"strategy": strategy},
                                  "model": {"external_lib": "rl_kernels.integrations.verl", "use_fused_kernels": True,
-                                           "fused_kernel_options": {"impl_backend": "rl_kernels"}}}}
+                                           "fused_kernel_options": {"impl_backend": "rl_kernels",
+                                                                    "rl_kernels": options}}}}
     verdict = diagnose(cfg)
     assert verdict.on and (expected in verdict.line if expected else "per-sample" not in verdict.line), verdict.line
 
@@ -156,17 +159,20 @@ def test_the_check_leaves_verl_unpatched():
     assert "integration modules loaded: []" in proc.stdout, proc.stdout
 
 
-@pytest.mark.parametrize("strategy,rmpad,expected", [
-    ("fsdp2", True, "; top-K distillation (loss_mode=forward_kl_topk) served on the fused path"),
-    ("megatron", True, "; top-K distillation (loss_mode=forward_kl_topk) served on the Megatron fused path"),
-    ("veomni", True, "WARNING: top-K distillation (loss_mode=forward_kl_topk) is NOT served by rl-kernels on the "
-                     "fused path of strategy 'veomni'"),
-    ("fsdp", False, "WARNING: top-K distillation (loss_mode=forward_kl_topk) is NOT served on the fused path with "
-                    "use_remove_padding=False"),
+@pytest.mark.parametrize("strategy,rmpad,options,expected", [
+    ("fsdp2", True, {}, "; top-K distillation (loss_mode=forward_kl_topk) served on the fused path"),
+    ("megatron", True, {}, "; top-K distillation (loss_mode=forward_kl_topk) served on the Megatron fused path"),
+    ("megatron", True, {"patch_megatron_fused": False}, "WARNING: top-K distillation (loss_mode=forward_kl_topk) is "
+                                                        "NOT served on the Megatron fused path with "
+                                                        "patch_megatron_fused=False"),
+    ("veomni", True, {}, "WARNING: top-K distillation (loss_mode=forward_kl_topk) is NOT served by rl-kernels on the "
+                         "fused path of strategy 'veomni'"),
+    ("fsdp", False, {}, "WARNING: top-K distillation (loss_mode=forward_kl_topk) is NOT served on the fused path with "
+                        "use_remove_padding=False"),
 ])
-def test_fused_line_says_whether_top_k_distillation_is_served(strategy, rmpad, expected):
+def test_fused_line_says_whether_top_k_distillation_is_served(strategy, rmpad, options, expected):
     model = {"external_lib": "rl_kernels.integrations.verl", "use_fused_kernels": True, "use_remove_padding": rmpad,
-             "fused_kernel_options": {"impl_backend": "rl_kernels"}}
+             "fused_kernel_options": {"impl_backend": "rl_kernels", "rl_kernels": options}}
     cfg = {"actor_rollout_ref": {"model": model, "actor": {"strategy": strategy}},
            "distillation": {"enabled": True, "distillation_loss": {"loss_mode": "forward_kl_topk"}}}
     verdict = diagnose(cfg)

@@ -22,7 +22,6 @@ import torch
 from .._logging import log_once
 from ..backends import Backend, implements
 from ..label_check import deferred_label_check, raise_if_interpreted, raise_label_errors
-from ..torch_ops.linear import per_row
 from ..torch_ops.logits import torch_logits_backward, torch_logits_forward
 from ..validation import check_label_values, check_token_id_values
 from .common import OpArgs, as_float_grad, custom_op_pair, first_order_only, or_empty, rl_op
@@ -397,7 +396,7 @@ def _(logits, *rest):
 def gather_logits(logits, token_ids, inv_temperature: float) -> torch.Tensor:
     """z[i, token_ids[i, k]] in float32: ``logits`` (N, V) at (N, K) int64 ids, scaled as the
     kernels scale them (converted to float32, then times ``inv_temperature``)."""
-    return logits.gather(1, token_ids).float() * per_row(inv_temperature)
+    return logits.gather(1, token_ids).float() * inv_temperature
 
 
 def sum_over_equal_ids(token_ids, grad_log_probs) -> torch.Tensor:
@@ -428,10 +427,10 @@ def topk_columns(grad, logits, token_ids, labels, lse, grad_topk, grads: dict, p
     sums = sum_over_equal_ids(token_ids, grad_topk)
     if grads.keys() == {"lse"}:
         p = (gather_logits(logits, token_ids, params.inv_temperature) - lse[:, None]).exp()
-        values, kept = (p * grad_lse[:, None] + sums) * per_row(params.inv_temperature), 0.0
+        values, kept = (p * grad_lse[:, None] + sums) * params.inv_temperature, 0.0
     else:
         kept = grad.gather(1, token_ids).float()
-        values = kept + sums * per_row(params.inv_temperature)
+        values = kept + sums * params.inv_temperature
     if labels is not None:
         active = (labels != params.ignore_index) | (grad_lse != 0)
         values = torch.where(active[:, None], values, kept)

@@ -154,8 +154,8 @@ def diagnose(cfg: dict, stderr: str = "", overrides: list[str] = ()) -> Verdict:
                                   f"rl-kernels is imported but replaces nothing on this path. Fix: {fix}")
         return Verdict(True, f"rl-kernels is ON: fused path (use_fused_kernels=True, impl_backend={BACKEND_NAME}), "
                              f"backend={opts.backend}, {options_text}; the actor and the reference model "
-                             f"(actor_rollout_ref.model){_fused_distillation_note(cfg, model)}"
-                             f"{_per_sample_temperature_note(cfg)}")
+                             f"(actor_rollout_ref.model){_fused_distillation_note(cfg, model, opts)}"
+                             f"{_per_sample_temperature_note(cfg, opts)}")
     if not opts.patch_logits_path:
         return Verdict(False, "rl-kernels is OFF: use_fused_kernels=False (verl's logits path) with "
                               "patch_logits_path=False, so nothing is replaced. Fix: use_fused_kernels=True with "
@@ -179,7 +179,7 @@ def _topk_distillation(cfg: dict) -> str | None:
         return mode if "topk" in mode else None
 
 
-def _fused_distillation_note(cfg: dict, model: dict) -> str:
+def _fused_distillation_note(cfg: dict, model: dict, opts: VerlOptions) -> str:
     """What the fused path does with top-K distillation, for the ON line ('' without it): served on
     verl's FSDP engine with remove-padding and on its Megatron engine (rl-kernels' fused head,
     ``patch_megatron_fused``); a WARNING where it is not (verl's loss then finds no
@@ -189,6 +189,10 @@ def _fused_distillation_note(cfg: dict, model: dict) -> str:
         return ""
     strategy = _section(cfg, "actor_rollout_ref.actor.strategy")
     fix = "Fix: use_fused_kernels=False (the logits path) for distillation runs"
+    if strategy == "megatron" and not opts.patch_megatron_fused:
+        return (f". WARNING: top-K distillation (loss_mode={mode}) is NOT served on the Megatron fused path with "
+                f"patch_megatron_fused=False (verl's fused forward computes no distillation outputs). Fix: drop "
+                f"patch_megatron_fused=False, or use_fused_kernels=False")
     if strategy == "megatron":
         return (f"; top-K distillation (loss_mode={mode}) served on the Megatron fused path (distillation_losses, "
                 f"student_mass, teacher_mass from rl-kernels' vocab-parallel fused head; needs "
@@ -204,11 +208,15 @@ def _fused_distillation_note(cfg: dict, model: dict) -> str:
             f"teacher_mass from rl-kernels' fused head)")
 
 
-def _per_sample_temperature_note(cfg: dict) -> str:
+def _per_sample_temperature_note(cfg: dict, opts: VerlOptions) -> str:
     """What the fused path does with a per-sample temperature (a float tensor per sample in the
-    batch, which verl's fused paths refuse): served on verl's FSDP and Megatron engines (strategy
-    fsdp, fsdp2, megatron; other engines' own fused routes: nothing said), for the ON line."""
+    batch, which verl's fused paths refuse): served on verl's FSDP engine and on its Megatron engine
+    while ``patch_megatron_fused`` (the default) holds (other engines' own fused routes: nothing
+    said), for the ON line."""
     strategy = _section(cfg, "actor_rollout_ref.actor.strategy")
+    if strategy == "megatron" and not opts.patch_megatron_fused:
+        return ("; a per-sample temperature (a tensor) is NOT served on the Megatron fused path with "
+                "patch_megatron_fused=False (verl refuses it there)")
     if strategy in ("fsdp", "fsdp2", "megatron"):
         return "; a per-sample temperature (a tensor) is served on the fused path"
     return ""

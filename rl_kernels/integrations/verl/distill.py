@@ -493,7 +493,9 @@ def serve_megatron_topk(request: MegatronTopKRequest, h2, weight, labels1, label
         out = rl_kernels.linear_log_probs(h2, weight, labels1, temperature=temperature, return_entropy=True,
                                           backend=backend, **tp_kwargs)
         log_probs, entropy = out.log_probs, out.entropy
-        _, _, log_q = linear_log_probs_at_ids(h2, weight, ids[:, 0], ids, temperature=temperature, backend=backend,
+        # (labels: only which rows count, as in the one-call branch below; the ids give the columns)
+        row_labels = torch.where(labels1 != -100, ids[:, 0], -100)
+        _, _, log_q = linear_log_probs_at_ids(h2, weight, row_labels, ids, temperature=temperature, backend=backend,
                                               **tp_kwargs)
     else:
         log_probs, entropy, log_q = linear_log_probs_at_ids(h2, weight, labels1, ids, temperature=temperature,

@@ -190,9 +190,11 @@ def make_preprocess_thd_engine(original):
         labels = arguments.pop("input_ids")
         arguments["need_roll"] = False
         per_token = verl_F.expand_as_nested(call.per_sample.to(labels.device), labels)
-        packed = original(torch.nested.nested_tensor_from_jagged(per_token.values() - 1.0, per_token.offsets()),
-                          **arguments)[0]
-        call.per_token = packed + 1.0  # the packing pads with 0
+        # the packing pads with 0: pack T - 1 and add 1 back, in float64, where both are exact for
+        # any float32 T >= 2^-28 (in float32, T - 1 would round for T < 0.5)
+        shifted = per_token.values().double() - 1.0
+        packed = original(torch.nested.nested_tensor_from_jagged(shifted, per_token.offsets()), **arguments)[0]
+        call.per_token = (packed + 1.0).float()
         return out
 
     preprocess_thd_engine._rl_kernels_original = original
