@@ -72,37 +72,30 @@ def full_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return weight
 
 
-def _head_temperature(temperature, head: HeadTransform) -> float:
-    """verl's temperature with the model's logit multiplier folded in (``HeadTransform``): verl's
-    value is checked with the usual rules first, then the effective one, whose error names both."""
-    temperature = check_temperature(temperature)
-    if head.multiplier == 1.0:
-        return temperature
-    effective = head.temperature(temperature)
-    try:
-        return check_temperature(effective)
-    except ValueError as exc:
-        raise VerlIntegrationError(f"rl_kernels.integrations.verl: temperature {temperature!r} with the model's "
-                                   f"{head.description}: effective temperature {effective!r} is unusable ({exc})") from exc
-
-
-def _head_row_temperature(temperature: torch.Tensor, labels: torch.Tensor, head: HeadTransform) -> torch.Tensor:
-    """A per-token temperature (float, shaped like ``labels``: verl's per-sample temperature laid out
-    by :mod:`.temperature`) with the model's logit multiplier folded in (``HeadTransform``). Shape,
-    dtype and device are checked here; the values where :func:`rl_kernels.linear_log_probs` reads
-    them, and, for a model with a multiplier, verl's values first (the same ValueError as without
-    one), then the effective ones, whose error names both (one more host read each)."""
+def _head_temperature(temperature, head: HeadTransform, labels: torch.Tensor):
+    """verl's temperature with the model's logit multiplier folded in (``HeadTransform``): a number,
+    or a per-token float tensor shaped like ``labels`` (verl's per-sample temperature laid out by
+    :mod:`.temperature`; its values are checked where :func:`rl_kernels.linear_log_probs` reads
+    them). With a multiplier, verl's value is checked with the usual rules first, then the effective
+    one (for a tensor: T / multiplier in float64, rounded once by the kernels; one host read each),
+    whose error names both."""
     temperature = check_temperature(temperature, labels)
     if head.multiplier == 1.0:
         return temperature
-    row_inv_temperature(temperature)
-    effective = head.temperature(temperature.double())  # float64: T / multiplier rounded once, by the kernels
+    per_token = isinstance(temperature, torch.Tensor)
+    if per_token:
+        row_inv_temperature(temperature)
+    effective = head.temperature(temperature.double() if per_token else temperature)
     try:
-        row_inv_temperature(effective)
+        if per_token:
+            row_inv_temperature(effective)
+            return effective
+        return check_temperature(effective)
     except ValueError as exc:
-        raise VerlIntegrationError(f"rl_kernels.integrations.verl: per-sample temperature with the model's "
-                                   f"{head.description}: an effective temperature is unusable ({exc})") from exc
-    return effective
+        shown = "per-sample temperature" if per_token else f"temperature {temperature!r}"
+        raise VerlIntegrationError(f"rl_kernels.integrations.verl: {shown} with the model's {head.description}: "
+                                   f"effective temperature {'(a row) ' if per_token else ''}"
+                                   f"{'' if per_token else repr(effective) + ' '}is unusable ({exc})") from exc
 
 
 def fused_log_probs_entropy(hidden_states: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
@@ -124,12 +117,9 @@ def fused_log_probs_entropy(hidden_states: torch.Tensor, weight: torch.Tensor, l
     the effective temperature is unusable.
     """
     head = _head.get() or HeadTransform()
-    if isinstance(temperature, torch.Tensor) and temperature.numel() != 1:
-        temperature = _head_row_temperature(temperature, labels, head)
-    else:
-        if isinstance(temperature, torch.Tensor):
-            temperature = temperature.item()
-        temperature = _head_temperature(temperature, head)
+    if isinstance(temperature, torch.Tensor) and temperature.numel() == 1:
+        temperature = temperature.item()
+    temperature = _head_temperature(temperature, head, labels)
     weight = full_weight(weight, hidden_states.dtype)
     return_entropy = entropy_wanted.get()
     options = settings.options()
