@@ -34,8 +34,8 @@ from .autograd.vocab_parallel import parallel_params
 from .backends import get_backend
 from .validation import (FLOAT_DTYPES, LABEL_DTYPES, check_bool_arg, check_choice, check_head_inputs,
                          check_hidden_weight, check_labels, check_mask, check_same_device, check_softcap,
-                         check_temperature, check_tensor_arg, check_token_id_values, describe, public_signature,
-                         raise_extra_positional)
+                         check_temperature, check_tensor_arg, check_token_id_values, check_token_ids, describe,
+                         public_signature, raise_extra_positional)
 
 __all__ = ["linear_topk_kl", "linear_jsd"]  # the public names (rl_kernels/__init__.py exports them)
 
@@ -215,13 +215,8 @@ def linear_log_probs_at_ids(hidden_states: torch.Tensor, weight: torch.Tensor, l
     temperature = check_temperature(temperature, labels)  # (a number, or one per position)
     softcap = check_softcap(softcap, temperature)
     check_bool_arg("return_entropy", return_entropy)
-    check_tensor_arg("token_ids", token_ids)
+    check_token_ids("token_ids", token_ids, hidden_states, "hidden_states")
     lead = tuple(labels.shape)
-    if token_ids.dtype not in LABEL_DTYPES or tuple(token_ids.shape[:-1]) != lead or token_ids.dim() != len(lead) + 1 \
-            or token_ids.shape[-1] == 0:
-        raise ValueError(f"token_ids: expected {lead + ('K',)} int64/int32 with K >= 1 (labels' shape, then K "
-                         f"ids), got {describe(token_ids)}")
-    check_same_device("token_ids", token_ids, hidden_states, "hidden_states")
     if softcap is not None and torch.is_grad_enabled() and (hidden_states.requires_grad or weight.requires_grad):
         raise NotImplementedError("linear_log_probs_at_ids: the gradient of the logits at token_ids under a "
                                   "softcap is not implemented")

@@ -39,9 +39,8 @@ from .autograd.vocab_parallel import parallel_params
 from .backends import get_backend
 from .autograd.positions import checked_positions
 from .distill import KINDS, REDUCTIONS as LOSS_REDUCTIONS, _check_teacher, topk_kl_loss
-from .validation import (LABEL_DTYPES, check_bool_arg, check_choice, check_labels, check_logits,
-                         check_same_device, check_temperature, check_tensor_arg, describe, public_signature,
-                         raise_extra_positional)
+from .validation import (check_bool_arg, check_choice, check_labels, check_logits, check_temperature,
+                         check_token_ids, describe, public_signature, raise_extra_positional)
 
 __all__ = ["LogitsStats", "logits_stats", "log_probs_from_logits", "entropy_from_logits", "logsumexp",
            "sum_pi_squared_from_logits", "cross_entropy", "topk_log_probs_from_logits",
@@ -364,19 +363,6 @@ def cross_entropy(
     return loss.to(logits.dtype)
 
 
-def _check_token_ids(name: str, token_ids, logits) -> None:
-    """``token_ids``: a tensor, int64/int32, shape ``logits.shape[:-1] + (K,)`` with K >= 1, on the
-    logits' device (values checked by the caller). TypeError / ValueError naming ``name``."""
-    check_tensor_arg(name, token_ids)
-    lead = tuple(logits.shape[:-1])
-    if token_ids.dtype not in LABEL_DTYPES:
-        raise TypeError(f"{name}: expected int64 or int32 token ids, got {describe(token_ids)}")
-    if token_ids.dim() != len(lead) + 1 or tuple(token_ids.shape[:-1]) != lead or token_ids.shape[-1] == 0:
-        raise ValueError(f"{name}: expected shape {lead + ('K',)} (logits' leading shape, then K >= 1 ids), "
-                         f"got {describe(token_ids)}")
-    check_same_device(name, token_ids, logits, "logits")
-
-
 @public_signature
 def topk_log_probs_from_logits(
     logits: torch.Tensor,
@@ -414,7 +400,7 @@ def topk_log_probs_from_logits(
         raise_extra_positional(topk_log_probs_from_logits, extra_positional)
     check_logits(logits)
     temperature = check_temperature(temperature)
-    _check_token_ids("token_ids", token_ids, logits)
+    check_token_ids("token_ids", token_ids, logits, "logits")
     inv_temperature, runtime_temperature = split_temperature(temperature)
     params = LogitsParams(backend=get_backend(backend, logits.device), inv_temperature=inv_temperature,
                           ignore_index=-100, return_entropy=False, name="topk_log_probs_from_logits")

@@ -348,6 +348,20 @@ def check_label_values(labels: torch.Tensor, vocab_size: int, ignore_index,
     return None if any_ignored is None else bool(any_ignored)
 
 
+def check_token_ids(name: str, token_ids, like: torch.Tensor, like_name: str) -> None:
+    """``token_ids``: a tensor, int64/int32, shape ``like.shape[:-1] + (K,)`` with K >= 1 (``like``:
+    the logits, or the hidden states, named ``like_name``), on ``like``'s device (values:
+    :func:`check_token_id_values`). TypeError / ValueError naming ``name``."""
+    check_tensor_arg(name, token_ids)
+    lead = tuple(like.shape[:-1])
+    if token_ids.dtype not in LABEL_DTYPES:
+        raise TypeError(f"{name}: expected int64 or int32 token ids, got {describe(token_ids)}")
+    if token_ids.dim() != len(lead) + 1 or tuple(token_ids.shape[:-1]) != lead or token_ids.shape[-1] == 0:
+        raise ValueError(f"{name}: expected shape {lead + ('K',)} ({like_name}' leading shape, then K >= 1 ids), "
+                         f"got {describe(token_ids)}")
+    check_same_device(name, token_ids, like, like_name)
+
+
 def check_token_id_values(token_ids: torch.Tensor, vocab_size: int, name: str) -> None:
     """ValueError naming ``name`` when a token id lies outside [0, vocab_size) (the count, the
     first flat position and its value, the min and max; one host read): the top-K ids of
