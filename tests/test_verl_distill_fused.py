@@ -171,7 +171,9 @@ def test_fused_forward_fills_fused_linear_aux_as_verls_logits_path(qwen2_forward
         rkv.configure(backend=previous)
 
     keys = ["distillation_losses", "student_mass", "teacher_mass"] + ([] if distillation_only else ["log_probs"])
-    assert set(keys) <= set(got[0]) and ("log_probs" in got[0]) == (not distillation_only)
+    # with distillation_only, the log-probs are in the model output exactly where verl's own logits
+    # path puts them (verl 0.9.1 and main: not there; 0.8.0: there too)
+    assert set(keys) <= set(got[0]) and ("log_probs" in got[0]) == ("log_probs" in ref[0]), (set(got[0]), set(ref[0]))
     for key in keys:
         assert got[0][key].is_nested, key
         torch.testing.assert_close(got[0][key].values(), ref[0][key].values().float(), **TOL, msg=key)
@@ -260,6 +262,9 @@ def test_megatron_fused_top_k_reported_and_says_so_where_not_served(monkeypatch,
     from verl.utils import tensordict_utils as tu
 
     served, what = rkv.report()[distill.MEGATRON_FUSED_PART]
+    if not rkv.report()["Megatron fused path"][0]:  # this verl's Megatron engine is not served (0.8.x)
+        assert not served, what
+        pytest.skip("this verl's Megatron fused path is not served by rl-kernels (nor its top-K distillation)")
     assert served and "vocab-parallel" in what, what
     impl = importlib.import_module(distill.MEGATRON_ENGINE_MODULE)
     installed = getattr(impl, distill.MEGATRON_ENGINE_CLASS).forward_step
