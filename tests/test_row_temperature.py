@@ -11,30 +11,17 @@ test_linear_log_probs (values |error| <= 2e-5 nats, gradients relative Frobenius
 import pytest
 import torch
 
-import rl_kernels.autograd.backward_schedule as rl_autograd
 from rl_kernels import entropy_from_logits, linear_log_probs, log_probs_from_logits, logits_stats
-from rl_kernels.backends import interpreting
 from rl_kernels.reference import (make_inputs, reference_linear_grads, reference_linear_log_probs,
                                   reference_logits_stats, rel_err)
+# the interpreter skip (autouse) and the backward forced into several windows (so that a window's
+# rows read their own temperatures): test_linear_log_probs' fixtures
+from test_linear_log_probs import _needs_interpreter, small_chunks  # noqa: F401
 
 BACKENDS = ["triton", "torch"]
 VALUE_ATOL = 2e-5
 GRAD_RTOL = 2e-5
 N, H, V = 37, 72, 1007
-
-
-@pytest.fixture(autouse=True)
-def _needs_interpreter(request):
-    if "backend" in request.fixturenames and request.getfixturevalue("backend") == "triton" \
-            and not interpreting():
-        pytest.skip("CPU Triton tests need TRITON_INTERPRET=1 (set by conftest without CUDA)")
-
-
-@pytest.fixture
-def small_chunks(monkeypatch):
-    """Force the backward into several windows, so a window's rows read their own temperatures."""
-    monkeypatch.setattr(rl_autograd, "MIN_CHUNK_ELEMENTS", 15000)
-    monkeypatch.setattr(rl_autograd, "CHUNK_FRACTION", 0.0)
 
 
 def _temperatures(n: int, seed: int) -> torch.Tensor:

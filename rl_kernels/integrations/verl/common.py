@@ -202,23 +202,30 @@ entropy_wanted = contextvars.ContextVar("rl_kernels_entropy_wanted", default=Tru
 verl's fused forwards always ask for (verl #2608)."""
 
 
+def with_context(method, var: contextvars.ContextVar, value_of):
+    """Wrap a verl function: while it runs, ``var`` holds ``value_of(bound_arguments)`` (the
+    arguments by name, as ``inspect.signature(method).bind`` gives them), reset after it, also
+    when it raises; ``_rl_kernels_original`` keeps ``method`` for the undo."""
+    sig = inspect.signature(method)
+
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        token = var.set(value_of(sig.bind(*args, **kwargs).arguments))
+        try:
+            return method(*args, **kwargs)
+        finally:
+            var.reset(token)
+
+    wrapper._rl_kernels_original = method
+    return wrapper
+
+
 def entropy_on_request(method, read_flag):
     """Wrap a verl function that runs one forward and knows ``calculate_entropy`` (the FSDP
     engine's ``forward_step``, verl 0.7.x's ``DataParallelPPOActor._forward_micro_batch``, the
     Megatron engine's fused forward): while it runs, the fused head computes entropy only when
     ``read_flag(bound_arguments)`` is true."""
-    sig = inspect.signature(method)
-
-    @functools.wraps(method)
-    def wrapper(*args, **kwargs):
-        token = entropy_wanted.set(bool(read_flag(sig.bind(*args, **kwargs).arguments)))
-        try:
-            return method(*args, **kwargs)
-        finally:
-            entropy_wanted.reset(token)
-
-    wrapper._rl_kernels_original = method
-    return wrapper
+    return with_context(method, entropy_wanted, lambda arguments: bool(read_flag(arguments)))
 
 
 def entropy_placeholder(log_probs: torch.Tensor) -> torch.Tensor:

@@ -43,7 +43,8 @@ import torch
 from ..._logging import log_once
 from ...distill import linear_log_probs_at_ids
 from ...logits import topk_log_probs_from_logits
-from .common import VerlIntegrationError, check_signature, record, replace_by_name, set_attr, verl_fallback
+from .common import (VerlIntegrationError, check_signature, record, replace_by_name, set_attr, verl_fallback,
+                     with_context)
 from .settings import options
 from .signatures import has_module
 
@@ -300,19 +301,8 @@ def _request_for(micro_batch, loss_function) -> TopKRequest | None:
 def fused_topk_on_request(method):
     """Wrap the FSDP engine's ``forward_step(self, micro_batch, loss_function, forward_only)``: while
     it runs, :func:`topk_request` is the micro-batch's request (or None)."""
-    sig = inspect.signature(method)
-
-    @functools.wraps(method)
-    def forward_step(*args, **kwargs):
-        arguments = sig.bind(*args, **kwargs).arguments
-        token = _request.set(_request_for(arguments["micro_batch"], arguments.get("loss_function")))
-        try:
-            return method(*args, **kwargs)
-        finally:
-            _request.reset(token)
-
-    forward_step._rl_kernels_original = method
-    return forward_step
+    return with_context(method, _request,
+                        lambda arguments: _request_for(arguments["micro_batch"], arguments.get("loss_function")))
 
 
 def _clamp(loss_function):
