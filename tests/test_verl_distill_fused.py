@@ -24,12 +24,11 @@ import pytest
 
 pytest.importorskip("verl", reason="verl is not installed (pip install -e '.[verl]')")
 import torch
-from transformers import Qwen2ForCausalLM
 
 import rl_kernels.integrations.verl as rkv
 from rl_kernels import _logging
 from rl_kernels.integrations.verl import distill
-from verl_helpers import VOCAB, tiny_qwen2, verl_unpatched
+from verl_helpers import VOCAB, qwen2_forward, tiny_qwen2, verl_unpatched  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.verl_matrix
 
@@ -48,13 +47,6 @@ needs_fused_distillation = pytest.mark.skipif(
 LENGTHS, K, T, CLAMP = (7, 6), 6, 0.8, -10.0
 TOL = dict(atol=1e-5, rtol=0)
 GRAD_TOL = dict(atol=1e-5, rtol=1e-4)
-
-
-@pytest.fixture
-def qwen2_forward():
-    original = Qwen2ForCausalLM.forward
-    yield original
-    Qwen2ForCausalLM.forward = original
 
 
 @pytest.fixture

@@ -23,13 +23,12 @@ import verl.utils.torch_functional as verl_F
 
 import rl_kernels
 from safetensors import safe_open
-from transformers import Qwen2ForCausalLM
 from verl.models.transformers.monkey_patch import apply_monkey_patch
 
 import rl_kernels.integrations.verl as rkv
 import rl_kernels.integrations.verl.megatron as rkm
 from rl_kernels.samples import load_sample
-from verl_helpers import VOCAB, tiny_qwen2, verl_logits_path, verl_unpatched
+from verl_helpers import VOCAB, qwen2_forward, tiny_qwen2, verl_logits_path, verl_unpatched  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.verl_matrix
 
@@ -44,14 +43,6 @@ def _fused_forward_takes_shift_labels() -> bool:
     from verl.models.transformers.dense_common import forward_with_torch_backend
 
     return "shift_labels" in inspect.signature(forward_with_torch_backend).parameters
-
-
-@pytest.fixture
-def qwen2_forward():
-    """apply_monkey_patch replaces Qwen2ForCausalLM.forward on the class: restore it after."""
-    original = Qwen2ForCausalLM.forward
-    yield original
-    Qwen2ForCausalLM.forward = original
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 
+import pytest
 import torch
 
 # H = 64, 2 layers, V = 1000 + 37 (odd, not a multiple of any tile or split)
@@ -65,3 +66,13 @@ def verl_logits_path(model, forward, temperature, labels, **inputs):
     with verl_unpatched():
         logits = forward(model, **inputs, return_dict=True).logits.float() / temperature
         return verl_F.logprobs_from_logits(logits, labels), verl_F.entropy_from_logits(logits)
+
+
+@pytest.fixture
+def qwen2_forward():
+    """apply_monkey_patch replaces Qwen2ForCausalLM.forward on the class: restore it after."""
+    from transformers import Qwen2ForCausalLM
+
+    original = Qwen2ForCausalLM.forward
+    yield original
+    Qwen2ForCausalLM.forward = original
