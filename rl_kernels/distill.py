@@ -240,28 +240,69 @@ def linear_log_probs_at_ids(hidden_states: torch.Tensor, weight: torch.Tensor, l
 
 
 def topk_kl_loss(log_q, teacher_log_probs, valid, lead, *, temperature: float, kind: str,
-                 renormalize_teacher: bool, reduction: str) -> torch.Tensor:
+                 renormalize_teacher: bool, reduction: str, tail_log_probs=None) -> torch.Tensor:
     """The loss of the top-K KL functions (``linear_topk_kl``, ``rl_kernels.topk_kl_from_logits``)
     from the student's log-probs at the teacher's ids: ``log_q`` (N, K) float32 (differentiable),
     ``teacher_log_probs`` (..., K) (validated; no gradient), ``valid`` (N,) bool (the positions that
-    count), ``lead`` (the positions' shape), the checked ``temperature`` and options. Teacher slots
-    at -inf are out of its support (0 to the sum, both kinds); renormalization is over the other
-    slots; the per-token sum is x temperature^2 (Hinton et al. 2015) and reduced per ``reduction``."""
-    log_pt = teacher_log_probs.reshape(log_q.shape).detach().float()
-    # slots with teacher log-prob -inf (zero probability: filtered by the server) are out of the
-    # teacher's support and contribute exactly 0 to the sum, forward and reverse alike
-    support = log_pt > float("-inf")
-    if renormalize_teacher:  # over the supported slots; a token with none keeps all -inf
-        log_pt = torch.where(support.any(-1, keepdim=True), torch.log_softmax(log_pt, dim=-1), log_pt)
+    count), ``lead`` (the positions' shape), the checked ``temperature`` and options;
+    ``tail_log_probs`` (N,) float32 (differentiable): the student's log-mass outside the K ids, for
+    the tail-aware loss (:func:`topk_kl_per_token`). The per-token sum is x temperature^2 (Hinton et
+    al. 2015) and reduced per ``reduction``."""
+    per_token = topk_kl_per_token(log_q, teacher_log_probs.reshape(log_q.shape), kind=kind,
+                                  renormalize_teacher=renormalize_teacher, tail_log_probs=tail_log_probs)
     zero = torch.zeros((), device=log_q.device)
-    log_pt = torch.where(support, log_pt, zero)  # any finite value: those terms are selected out
-    if kind == "forward":
-        terms = log_pt.exp() * (log_pt - log_q)
-    else:
-        terms = log_q.exp() * (log_q - log_pt)
-    per_token = torch.where(support, terms, zero).sum(-1)
     per_token = torch.where(valid, per_token * (temperature * temperature), zero)
     return _reduce(per_token, valid, lead, reduction)
+
+
+# log of the smallest normal float32 (2^-126): the floor of a probability inside a logarithm in the
+# tail-aware loss, so a zero mass costs a finite amount instead of +inf
+LOG_TINY = -87.33654475055310898657
+
+
+def topk_kl_per_token(log_q, teacher_log_probs, *, kind: str, renormalize_teacher: bool = False,
+                      tail_log_probs=None) -> torch.Tensor:
+    """Per-token top-K KL (N,) float32 from ``log_q`` (N, K) float32, the student's log-probs at the
+    teacher's K ids (differentiable), and ``teacher_log_probs`` (N, K) (no gradient).
+
+    Without ``tail_log_probs``: the sums over the K ids of ``linear_topk_kl``; teacher slots at
+    -inf are out of its support (0 to the sum, both kinds) and renormalization is over the others.
+
+    With ``tail_log_probs`` (N,) float32, log q_tail = log of the student's probability outside the
+    K ids (differentiable): the tail-aware KL (verl RFC #7856, "Tail-aware top-k KL for on-policy
+    distillation"), the exact KL of the two (K+1)-category distributions (the K ids, then one tail
+    bucket holding the rest of the vocabulary):
+        forward:  sum_k p_k log(p_k / q_k) + p_tail log(p_tail / q_tail)
+        reverse:  sum_k q_k log(q_k / p_k) + q_tail log(q_tail / p_tail)
+    with p_tail = max(0, 1 - sum_k p_k) in float64 (a teacher's top-K mass above 1 by rounding
+    gives p_tail = 0). Every slot is a category (a slot at -inf has p_k = 0). Inside a logarithm a
+    probability is floored at 2^-126 (``LOG_TINY``): a zero q_tail (K = V) or, for the reverse
+    kind, a zero teacher probability costs a finite amount; 0 log 0 = 0 (forward, p = 0)."""
+    log_pt = teacher_log_probs.detach().float()
+    zero = torch.zeros((), device=log_q.device)
+    if tail_log_probs is None:
+        # slots with teacher log-prob -inf (zero probability: filtered by the server) are out of the
+        # teacher's support and contribute exactly 0 to the sum, forward and reverse alike
+        support = log_pt > float("-inf")
+        if renormalize_teacher:  # over the supported slots; a token with none keeps all -inf
+            log_pt = torch.where(support.any(-1, keepdim=True), torch.log_softmax(log_pt, dim=-1), log_pt)
+        log_pt = torch.where(support, log_pt, zero)  # any finite value: those terms are selected out
+        if kind == "forward":
+            terms = log_pt.exp() * (log_pt - log_q)
+        else:
+            terms = log_q.exp() * (log_q - log_pt)
+        return torch.where(support, terms, zero).sum(-1)
+    p_tail = (1.0 - log_pt.double().exp().sum(-1)).clamp(0.0, 1.0)
+    log_p_tail = p_tail.log().float()  # (-inf where the teacher has no tail)
+    log_q_tail = tail_log_probs.clamp_min(LOG_TINY)
+    if kind == "forward":
+        p = log_pt.exp()
+        slots = torch.where(p > 0, p * (log_pt - log_q), zero).sum(-1)
+        tail = torch.where(p_tail > 0, p_tail.float() * (log_p_tail - log_q_tail), zero)
+        return slots + tail
+    floored = log_pt.clamp_min(LOG_TINY)
+    slots = (log_q.exp() * (log_q - floored)).sum(-1)
+    return slots + log_q_tail.exp() * (log_q_tail - log_p_tail.clamp_min(LOG_TINY))
 
 
 def _reduce(per_token, valid, lead, reduction):

@@ -355,3 +355,37 @@ def log_sum_lse(m, s):
 def stats_entropy(log_sum, b, s):
     """Entropy log s - b / s of merged statistics, clamped at 0 (NaN-propagating)."""
     return tl.maximum(log_sum - b / s, 0.0, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def among_ids(ids_ptr, stride_ids, rows64, row_mask, cols, col0, width, n_ids, BLOCK_IDS: tl.constexpr):
+    """(rows x cols) bool: True where column ``cols[j]`` is one of row i's ids (the tail-aware
+    top-K KL's exclusion mask: the tail is the vocabulary outside the row's K ids).
+
+    ``ids_ptr``: (N, n_ids) int32 row-major with ``stride_ids``, each row sorted ascending
+    (``sorted_tail_ids``; entries outside the vocabulary never match); ``rows64``: the tile's rows
+    (int64) with ``row_mask``; ``cols``: the tile's column ids, all inside [col0, col0 + width);
+    BLOCK_IDS: a power of two >= n_ids. Sorted ids make the row's ids inside the tile one run
+    [lo, lo + count): 2 x BLOCK_IDS compares per row find it, then one compare per element per id
+    of the longest run (0 to 2 at K = 64 ids over V = 152064 and a 128-wide tile)."""
+    k = tl.arange(0, BLOCK_IDS)
+    block = tl.load(ids_ptr + rows64[:, None] * stride_ids + k[None, :],
+                    mask=row_mask[:, None] & (k[None, :] < n_ids), other=2147483647)
+    lo = tl.sum((block < col0).to(tl.int32), axis=1)
+    count = tl.sum((block < col0 + width).to(tl.int32), axis=1) - lo
+    hit = (rows64[:, None] < 0) & (cols[None, :] < 0)  # all False, (rows x cols)
+    for j in range(0, tl.max(count)):
+        row_id = tl.load(ids_ptr + rows64 * stride_ids + lo + j, mask=row_mask & (j < count), other=-1)
+        hit = hit | (cols[None, :] == row_id[:, None])
+    return hit
+
+
+def sorted_tail_ids(ids: torch.Tensor, vocab_start: int = 0, local_vocab: int | None = None) -> torch.Tensor:
+    """(N, K) int32 contiguous, each row sorted ascending: the ids ``among_ids`` reads, made local to
+    a vocab shard starting at ``vocab_start`` (ids of other shards become -1 or values >= the shard's
+    width after the shift: they never match a column of this shard when the kernel's columns are
+    local). ``ids``: (N, K) int64/int32 global ids."""
+    local = ids.to(torch.int64) - vocab_start
+    if local_vocab is not None:
+        local = torch.where((local >= 0) & (local < local_vocab), local, -1)
+    return torch.sort(local.to(torch.int32), dim=1).values.contiguous()
