@@ -1,5 +1,6 @@
 """Public API of the fused linear head: ``linear_log_probs`` (log-probs, entropy and sum of
-squared probabilities of softmax(hidden_states @ weight.T / temperature), logits never stored)."""
+squared probabilities of softmax(hidden_states @ weight.T / temperature), logits never stored) and
+``linear_topk`` (the K most probable tokens of each row and their log-probs, logits never stored)."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -8,12 +9,13 @@ import torch
 
 from .autograd.common import split_temperature
 from .autograd.linear import HeadParams, linear_head
+from .autograd.linear_topk import TopkParams, linear_topk_call
 from .autograd.vocab_parallel import parallel_params
 from .backends import get_backend
-from .validation import (check_bool_arg, check_head_inputs, check_softcap, check_temperature, public_signature,
-                         raise_extra_positional)
+from .validation import (check_bool_arg, check_head_inputs, check_hidden_weight, check_softcap, check_temperature,
+                         describe, public_signature, raise_extra_positional)
 
-__all__ = ["LogProbsOutput", "linear_log_probs"]  # the public names (rl_kernels/__init__.py exports them)
+__all__ = ["LogProbsOutput", "linear_log_probs", "linear_topk"]  # the public names (rl_kernels/__init__.py exports them)
 
 
 class LogProbsOutput(NamedTuple):
@@ -140,3 +142,97 @@ def linear_log_probs(
     out = linear_head(h2, weight, labels1, params, None, runtime_temperature, tp)
     return LogProbsOutput(*(o if o is None else o.view(lead_shape)
                             for o in (out.log_probs, out.entropy, out.sum_pi_squared)))
+
+
+MAX_TOPK = 128  # the largest k of ``linear_topk`` (the kernel's candidate list lives in registers)
+
+
+@public_signature
+def linear_topk(
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    *extra_positional,
+    temperature: float | torch.Tensor = 1.0,
+    softcap: float | None = None,
+    k: int,
+    backend: str = "auto",
+    process_group=None,
+    vocab_start_index: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest logits of each row, as log-probs and token ids, without materializing the
+    (tokens x vocab) logits: the student's top-K of the top-K overlap metrics of on-policy
+    distillation ("Rethinking On-Policy Distillation", arXiv:2604.13016: student top-K vs teacher
+    top-K).
+
+    With z_v = (h . w_v) / T (with ``softcap`` c: z_v = c tanh((h . w_v) / c) / T, as
+    ``linear_log_probs``): the k ids v with the largest z_v, in the order (z descending, id
+    ascending), i.e. ``torch.topk`` of the logits with ties broken by the smaller id, and their
+    log-probs log p_v = z_v - logsumexp(z). The logits are float32 sums of the products (as in
+    ``linear_log_probs``); the selection is exact on those float32 values (two logits closer than
+    their float32 rounding may rank otherwise than in float64).
+
+    Args:
+        hidden_states: (..., H) bfloat16, float16 or float32, any strides.
+        weight: (V, H) like ``lm_head.weight``, same dtype and device.
+        temperature: positive finite Python number, or a float tensor of shape
+            ``hidden_states.shape[:-1]`` (one per row), as for ``linear_log_probs``. It scales
+            the log-probs, not the order of the ids (without a cap, and with one).
+        softcap: None or a positive finite number c (Gemma-2 logit soft-capping), as for
+            ``linear_log_probs``.
+        k: int, 1 <= k <= min(128, vocab_size) (keyword-only, required).
+        backend: "auto" (Triton on CUDA, else torch), "triton" or "torch"; both give the same
+            ids (up to float32 near-ties between their logits' roundings).
+        process_group: a ``torch.distributed`` group over which the vocabulary is sharded
+            (``weight`` is this rank's contiguous shard, ordered by group rank, as for
+            ``linear_log_probs``). Each rank selects its shard's top-k; one all_gather of
+            (N, 2k + 1) float32 merges them identically on every rank: every rank returns the same
+            bits, the ids global.
+        vocab_start_index: global id of ``weight``'s first row; None derives it (and the total
+            vocab_size, which k is checked against) from the group with one small all_gather.
+
+    Returns:
+        ``(log_probs, token_ids)``: log_probs (..., k) float32 in nats, sorted descending;
+        token_ids (..., k) int64 global ids. Neither requires grad (no gradient flows: for
+        differentiable log-probs at these ids, pass ``token_ids`` to
+        ``rl_kernels.distill.linear_log_probs_at_ids``).
+        Non-finite input: a NaN or -inf logit is never selected, and a row whose logits hold NaN
+        (a non-finite hidden row: every logit of the row) gets NaN log-probs (its logsumexp is
+        NaN), its ids being the top-k of its other logits; slots that nothing fills (fewer than k
+        logits that are neither NaN nor -inf in the row, e.g. an all-NaN row) get id -1 and
+        log-prob NaN. Other rows are unaffected.
+
+    Raises:
+        TypeError: a non-tensor input, unsupported dtype, ``weight``/``hidden_states`` dtype
+            mismatch, ``k`` not an int (bool included), non-number ``temperature`` or ``softcap``.
+        ValueError: a shape mismatch, H = 0, ``k`` outside [1, min(128, vocab_size)] (the whole
+            vocabulary with ``process_group``, when known), a temperature or softcap outside the
+            ranges of ``linear_log_probs``, inputs on different devices, an unknown backend,
+            ``vocab_start_index`` without ``process_group``.
+        RuntimeError: backend "triton" on CPU without TRITON_INTERPRET=1, or without triton;
+            ``process_group`` without an initialized ``torch.distributed``.
+
+    Formula: log p_v = z_v - logsumexp(z) (softmax); the kernel keeps each row's running top-k
+    (exact order above) and (max z, sum exp(z - max)) over the GEMM tiles, merged over vocab splits
+    and shards (``rl_kernels.ops.linear_topk``).
+    """
+    if extra_positional:  # a keyword-only argument given by position
+        raise_extra_positional(linear_topk, extra_positional)
+    check_hidden_weight(hidden_states, weight)
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise TypeError(f"k: expected an int in [1, min({MAX_TOPK}, vocab_size)], got {type(k).__name__}")
+    rows = hidden_states.select(-1, 0)  # (the leading shape and device, for a per-row temperature)
+    temperature = check_temperature(temperature, rows, "hidden_states.shape[:-1]")
+    softcap = check_softcap(softcap, temperature)
+    tp = parallel_params(process_group, vocab_start_index, False, -100, weight.shape[0], hidden_states.device)
+    vocab_size = weight.shape[0] if tp is None else tp.vocab_size  # (None: a shard's total not known)
+    top = MAX_TOPK if vocab_size is None else min(MAX_TOPK, vocab_size)
+    if not 1 <= k <= top:
+        raise ValueError(f"k: expected an int in [1, min({MAX_TOPK}, vocab_size)] = [1, {top}], got {k}"
+                         + (f" (weight {describe(weight)})" if vocab_size is not None and k > vocab_size else ""))
+    resolved = get_backend(backend, hidden_states.device)
+    lead = hidden_states.shape[:-1]
+    h2 = hidden_states.reshape(-1, hidden_states.shape[-1]).detach()
+    inv_temperature, runtime_temperature = split_temperature(temperature)
+    params = TopkParams(backend=resolved, inv_temperature=inv_temperature, k=k, softcap=softcap)
+    log_probs, token_ids = linear_topk_call(h2, weight.detach(), params, runtime_temperature, tp)
+    return log_probs.view(*lead, k), token_ids.view(*lead, k)

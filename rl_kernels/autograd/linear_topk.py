@@ -1,0 +1,120 @@
+"""The fused top-K head (``rl_kernels.linear_topk``): the K largest student logits per row and
+their log-probs, without the (N x V) logits. No gradient (the outputs are selections; the
+differentiable log-probs at these ids come from ``rl_kernels.distill.linear_log_probs_at_ids``),
+so the family has no autograd Function: its one backend call is :func:`topk_body`, run directly
+eagerly and as the ``rl_kernels::linear_topk`` custom op while torch.compile traces (opaque: no
+graph break; a temperature that Dynamo holds symbolically travels as the op's runtime tensor,
+``autograd.common``).
+
+The family "linear_topk": its parameter record (``TopkParams``) and its two backends
+(``TritonTopk``: ``ops.linear_topk``, one pass over the GEMM tiles keeping each row's candidates
+in registers, then the merge of the splits; ``TorchTopk``: ``torch_ops.linear_topk``, float32
+logits chunks). Both give, per row, the exact top-K of the float32 logits in the order (value
+descending, id ascending) and the lse, the candidates merged by
+``torch_ops.linear_topk.merge_candidates``.
+
+Vocab-parallel (``autograd.vocab_parallel``): each rank selects its shard's top-K with global ids
+(its ``vocab_start_index`` added) and its shard's lse; one all_gather of (N, 2K + 1) float32 (the
+ids travel as their int32 bits) gives every rank every shard's candidates, merged in rank order by
+the same code: bitwise equal outputs on every rank, equal to the unsharded selection (the order
+is exact and the candidates of a shard include its part of the global top-K)."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..backends import Backend, implements
+from ..torch_ops.linear_topk import merge_candidates, torch_topk_select
+from .common import OpArgs, custom_op_pair, rl_op
+from .vocab_parallel import all_gather_rows, group_from_op, merge_lse
+
+
+class TopkParams(NamedTuple):
+    """The fused top-K head's parameters (one record from the public function to the backends)."""
+
+    backend: Backend  # resolved (backends.get_backend)
+    inv_temperature: float  # or, in a backend call, a per-row (N,) float32 tensor
+    k: int
+    softcap: float | None = None  # z = c tanh(h.w / c) / T; None: z = h.w / T
+
+
+@implements("linear_topk", "triton")
+class TritonTopk:
+    """The top-K selection on the Triton kernels (``ops.linear_topk``)."""
+
+    @staticmethod
+    def select(hidden_states, weight, params: TopkParams) -> tuple:
+        from .. import ops
+        from ..ops.linear_topk import linear_topk_select
+
+        cfg = ops.default_config(hidden_states.device, hidden_states.dtype)
+        values, ids, lse = linear_topk_select(hidden_states, weight, params.k, params, cfg)
+        n, splits, k = values.shape
+        ids = torch.where(ids < weight.shape[0], ids.long(), -1)  # empty slots -> -1
+        if splits > 1:
+            values, ids = merge_candidates(values.reshape(n, splits * k), ids.reshape(n, splits * k), k)
+        else:
+            values, ids = merge_candidates(values[:, 0], ids[:, 0], k)  # (the order)
+        return values, ids, lse
+
+
+@implements("linear_topk", "torch")
+class TorchTopk:
+    """The top-K selection's torch twin (``torch_ops.linear_topk``): float32 row chunks."""
+
+    @staticmethod
+    def select(hidden_states, weight, params: TopkParams) -> tuple:
+        return torch_topk_select(hidden_states, weight, params.k, params)
+
+
+def topk_body(hidden_states, weight, params: TopkParams, tp=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log_probs (N, k) float32, token_ids (N, k) int64 global ids) of hidden_states (N, H) and
+    weight (V, H) (a vocab shard with the layout ``tp``: its rows are the global ids
+    tp.start + j, and the shards' candidates are merged over ``tp.process_group``). log_probs =
+    value - lse; an empty slot (id -1: fewer than k logits that are neither NaN nor -inf) NaN."""
+    n = hidden_states.shape[0]
+    if n == 0:
+        return (hidden_states.new_empty((0, params.k), dtype=torch.float32),
+                hidden_states.new_empty((0, params.k), dtype=torch.int64))
+    values, ids, lse = params.backend.family("linear_topk").select(hidden_states, weight, params)
+    if tp is not None:
+        ids = torch.where(ids >= 0, ids + tp.start, -1)
+        part = torch.cat([values, ids.to(torch.int32).view(torch.float32), lse[:, None]], 1)
+        gathered = all_gather_rows(tp.process_group, part)  # (W, N, 2k + 1)
+        world, k = gathered.shape[0], params.k
+        lse, _ = merge_lse(gathered[:, :, 2 * k])
+        values = gathered[:, :, :k].permute(1, 0, 2).reshape(n, world * k)
+        ids = gathered[:, :, k:2 * k].contiguous().view(torch.int32).long().permute(1, 0, 2).reshape(n, world * k)
+        values, ids = merge_candidates(values, ids, k)
+    log_probs = torch.where(ids >= 0, values - lse[:, None], torch.full((), float("nan"), device=values.device))
+    return log_probs, ids
+
+
+def linear_topk_call(hidden_states, weight, params: TopkParams, temperature=None, tp=None) -> tuple:
+    """:func:`topk_body` eagerly, or its custom op while torch.compile traces (``temperature``:
+    None, or the runtime temperature tensor of ``autograd.common.split_temperature``)."""
+    if torch.compiler.is_compiling():
+        return rl_op("linear_topk", temperature)(hidden_states, weight, *OP_ARGS.pack(params, temperature, tp))
+    return topk_body(hidden_states, weight, params, tp)
+
+
+# ------------------------------------------------------------------ the backend call as a custom op
+OP_ARGS = OpArgs(TopkParams)
+
+
+@custom_op_pair("rl_kernels::linear_topk",
+                schema="(Tensor hidden_states, Tensor weight, " + OP_ARGS.schema + ") -> (Tensor, Tensor)")
+def _linear_topk_op(hidden_states, weight, *args):
+    """:func:`topk_body` -> (log_probs, token_ids)."""
+    params, group = OP_ARGS.unpack(args)
+    tp = group_from_op(*group, -100, weight.shape[0], hidden_states.device)
+    return topk_body(hidden_states, weight, params, tp)
+
+
+@_linear_topk_op.register_fake
+def _(hidden_states, weight, *args):
+    params, _ = OP_ARGS.unpack(args, read_temperature=False)
+    n = hidden_states.shape[0]
+    return (hidden_states.new_empty((n, params.k), dtype=torch.float32),
+            hidden_states.new_empty((n, params.k), dtype=torch.int64))

@@ -1,0 +1,229 @@
+"""The fused top-K head's kernels: the K largest logits z = hidden @ weight.T / T of each row (their
+ids and values) and the row's logsumexp, in one pass over the GEMM tiles; the (N x V) logits are
+never stored.
+
+Selection. Program (pid_m, pid_s) owns rows [pid_m*BLOCK_M, +BLOCK_M) and the vocab columns of its
+top-K split (a whole number of lse chunks, below). It walks the split's BLOCK_N tiles in column
+order (the K-loop GEMM tile of ``common.logits_tile``, fp32 accumulator) and keeps, per row, a
+candidate list of K (value, id) pairs in registers ((BLOCK_M, KP) tensors, KP = the power of two
+>= K; slots K..KP-1 are pads that never leave) together with the list's worst entry (w_v, w_id).
+The order is (value descending, id ascending): a is better than b when a.v > b.v, or a.v == b.v
+and a.id < b.id, so the list is the exact top-K of what the program has seen, ties broken by the
+smaller id. Per tile:
+  * beat = z > w_v, or z == w_v and id < w_id; NaN and -inf logits never beat (never selected);
+  * while some row of the block still has a beating element: each row takes its largest one
+    (value max, then the smallest id among equal values); if it beats the row's current worst
+    it replaces the worst slot and the worst is found again (min value, then the largest id);
+    otherwise nothing of the row's tile can enter any more (it was its largest) and the row
+    stops. The loop count is the largest number of entries of one row of the block into the
+    list in this tile, plus one: K in a split's first tile, then ~K / t in its t-th tile for
+    logits in random order (a few per tile after the first tens of tiles of a long split).
+Statistics. The same tile feeds the running (m, s) = (max z, sum exp(z - m)) of the row, stored
+and reset at the end of every lse chunk of ``cfg.split_v`` columns (the fused head's split), so
+the chunks' statistics, and the lse that ``_chunk_lse_kernel`` merges from them in chunk order,
+do not depend on how many top-K splits run (batch invariant, like the head's). The candidate
+values are the float32 logits themselves; the ids do not depend on the split count either (the
+selection is exact), so the number of splits is chosen per launch to fill the GPU
+(:func:`topk_splits`).
+Output: per (row, split) the K candidates (float32 values, int32 local ids, unordered; a slot
+that nothing valid filled keeps the value -inf and an id >= the shard's width) and per (row,
+chunk) the (m, s) statistics; ``torch_ops.linear_topk.merge_candidates`` merges the splits.
+
+Variants are ``tl.constexpr`` flags: USE_TMA / FLATTEN (scheduling only), EVEN_V (V is a multiple
+of BLOCK_N), SOFTCAP (z = (c / T) tanh(h . w / c), ``common.soft_cap``), ROW_TEMPERATURE (each
+row's own 1 / T).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import (grouped_tile, log_sum_lse, logits_tile, merge_stats, multiprocessors, row_scales, soft_cap,
+                     softcap_args, tma_operands)
+from .config import KernelConfig
+
+PAD_ID = -2  # the ids of the pad slots K..KP-1 (smaller than every id: never the worst entry)
+EMPTY_ID = 2147483647  # (minus the slot) the ids of the empty slots: larger than every id
+
+
+@dataclasses.dataclass(frozen=True)
+class TopkTiles:
+    """Launch shape of the top-K kernel: the GEMM tile, the lse chunk (a multiple of block_n) and
+    the warps / stages of the K loop."""
+
+    block_m: int
+    block_n: int
+    chunk: int
+    num_warps: int
+    num_stages: int
+    flatten: bool = False  # one software pipeline across the split's tiles (the head's FLATTEN)
+
+
+def topk_tiles(cfg: KernelConfig, kp: int) -> TopkTiles:
+    """The top-K kernel's tiles on a device whose linear-head configuration is ``cfg``: the head's
+    forward tile and split (the lse chunk), with half the rows for KP = 128 (the candidate list,
+    2 x BLOCK_M x KP registers' worth, would otherwise crowd out the accumulator). FLATTEN stays
+    off: the selection's while loop inside the tile loop is not a shape the flattening pass was
+    measured with (scripts/diag/linear_topk_bench.py --flatten tries it)."""
+    block_m = cfg.block_m if kp <= 64 else max(16, cfg.block_m // 2)
+    return TopkTiles(block_m, cfg.block_n, cfg.split_v, cfg.num_warps, cfg.num_stages)
+
+
+def topk_splits(row_blocks: int, n_chunks: int, device: torch.device) -> int:
+    """Top-K splits per row block: as few as possible (each split's first tiles fill its list, K
+    entries and more, and every split's list is merged), but enough programs to give ~90% of the
+    multiprocessors one; at most one per lse chunk. Only the launch changes with it, not a bit of
+    the results."""
+    want = math.ceil(0.9 * multiprocessors(device) / max(1, row_blocks))
+    return max(1, min(n_chunks, want))
+
+
+@triton.jit
+def _linear_topk_kernel(
+    h_ptr, w_ptr, cand_v_ptr, cand_i_ptr, chunk_m_ptr, chunk_s_ptr,
+    N, V, H, split_v, num_splits,
+    stride_hn, stride_hk, stride_wv, stride_wk,
+    logit_scale, softcap_scale,
+    K: tl.constexpr, KP: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUP_M: tl.constexpr,
+    USE_TMA: tl.constexpr, EVEN_V: tl.constexpr, FLATTEN: tl.constexpr,
+    SOFTCAP: tl.constexpr = False, LIBDEVICE: tl.constexpr = False,
+    inv_temperature_ptr=None, ROW_TEMPERATURE: tl.constexpr = False,
+):
+    pid_m, pid_s = grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_M), num_splits, GROUP_M)
+    row0 = pid_m * BLOCK_M
+    rows = row0 + tl.arange(0, BLOCK_M)
+    row_mask = rows < N
+    tile_scale, cap_scale = logit_scale, softcap_scale
+    if ROW_TEMPERATURE:
+        row_inv_temperature = tl.load(inv_temperature_ptr + rows, mask=row_mask, other=1.0)[:, None]
+        tile_scale, cap_scale = row_scales(row_inv_temperature, logit_scale, softcap_scale, SOFTCAP)
+
+    # the candidate list: K empty slots (-inf, EMPTY_ID - slot: distinct, larger than every id, so
+    # a real logit, even -inf, would beat them; -inf is excluded below) and KP - K pads
+    # (+inf, PAD_ID: never the worst)
+    slot = tl.arange(0, KP)
+    real_slot = (slot < K)[None, :] & (rows >= 0)[:, None]
+    list_v = tl.where(real_slot, float("-inf"), float("inf"))
+    list_i = tl.where(real_slot, 2147483647 - slot[None, :], -2)
+    worst_v = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    worst_i = tl.full((BLOCK_M,), 2147483647, tl.int32)  # slot 0's
+    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    s = tl.zeros((BLOCK_M,), tl.float32)
+
+    v_begin = pid_s * split_v
+    v_end = tl.minimum(v_begin + split_v, V)
+    for v0 in tl.range(v_begin, v_end, BLOCK_N, flatten=FLATTEN):
+        offs = tl.arange(0, BLOCK_N)
+        cols = v0 + offs
+        col_mask = cols < v_end
+        z = logits_tile(h_ptr, w_ptr, rows, cols, row_mask, col_mask, H,
+                        stride_hn, stride_hk, stride_wv, stride_wk, tile_scale,
+                        BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PRECISION, USE_TMA, row0, v0)
+        if SOFTCAP:
+            z, _ = soft_cap(z, cap_scale, LIBDEVICE)
+        if not EVEN_V:  # the padded columns of the last tile: no mass, never selected
+            z = tl.where(col_mask[None, :], z, float("-inf"))
+
+        # statistics of the chunk, stored and reset at its last tile
+        tile_m = tl.max(z, axis=1)
+        tile_s = tl.sum(tl.exp(z - tile_m[:, None]), axis=1)
+        m, s, _ = merge_stats(m, s, s, tile_m, tile_s, tile_s)
+        chunk_end = ((v0 + BLOCK_N) % CHUNK == 0) | (v0 + BLOCK_N >= v_end)
+        out = (rows.to(tl.int64) * 0 + v0 // CHUNK) * N + rows  # (int64)
+        tl.store(chunk_m_ptr + out, m, mask=row_mask & chunk_end)
+        tl.store(chunk_s_ptr + out, s, mask=row_mask & chunk_end)
+        m = tl.where(chunk_end, float("-inf"), m)
+        s = tl.where(chunk_end, 0.0, s)
+
+        # the tile's elements that beat the row's worst candidate; the rest (and NaN, -inf) -> -inf
+        beat = (z > worst_v[:, None]) | ((z == worst_v[:, None]) & (cols[None, :] < worst_i[:, None]))
+        zc = tl.where(beat & (z > float("-inf")), z, float("-inf"))
+        best_v = tl.max(zc, axis=1)
+        while tl.max(best_v, axis=0) > float("-inf"):
+            # each row's best remaining element: its value, then the smallest id among equal ones
+            best_i = tl.min(tl.where(zc == best_v[:, None], cols[None, :], 2147483647), axis=1)
+            enter = (best_v > worst_v) | ((best_v == worst_v) & (best_i < worst_i))
+            enter = enter & (best_v > float("-inf"))
+            at_worst = (list_i == worst_i[:, None]) & enter[:, None]
+            list_v = tl.where(at_worst, best_v[:, None], list_v)
+            list_i = tl.where(at_worst, best_i[:, None], list_i)
+            worst_v = tl.min(list_v, axis=1)
+            worst_i = tl.max(tl.where(list_v == worst_v[:, None], list_i, -2147483647), axis=1)
+            # drop the element taken; a row whose best did not enter is done with this tile
+            zc = tl.where((cols[None, :] == best_i[:, None]) | (~enter)[:, None], float("-inf"), zc)
+            best_v = tl.max(zc, axis=1)
+
+    # the K real slots of the list (unordered)
+    cand = (rows.to(tl.int64)[:, None] * num_splits + pid_s) * K + slot[None, :]
+    keep = row_mask[:, None] & (slot < K)[None, :]
+    tl.store(cand_v_ptr + cand, list_v, mask=keep)
+    tl.store(cand_i_ptr + cand, list_i, mask=keep)
+
+
+@triton.jit
+def _chunk_lse_kernel(chunk_m_ptr, chunk_s_ptr, lse_ptr, N, num_chunks, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    row_mask = rows < N
+    m = tl.full((BLOCK,), float("-inf"), tl.float32)
+    s = tl.zeros((BLOCK,), tl.float32)
+    for c in range(0, num_chunks):
+        off = c * N + rows.to(tl.int64)
+        pm = tl.load(chunk_m_ptr + off, mask=row_mask, other=0.0)  # (rows past N: lse 0, not log 0)
+        ps = tl.load(chunk_s_ptr + off, mask=row_mask, other=1.0)
+        m, s, _ = merge_stats(m, s, s, pm, ps, ps)
+    _, lse = log_sum_lse(m, s)
+    tl.store(lse_ptr + rows, lse, mask=row_mask)
+
+
+def linear_topk_select(
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    k: int,
+    params,
+    cfg: KernelConfig,
+    splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The top-K candidates and the lse of z = hidden_states @ weight.T / T (soft-capped first with
+    ``params.softcap``; ``params.inv_temperature``: a float or a per-row (N,) float32 tensor).
+
+    hidden_states (N, H) and weight (V, H), one dtype (bf16 / fp16 / fp32), any strides; 1 <= k <=
+    128. ``splits``: top-K splits per row block (None: :func:`topk_splits`). Returns (values
+    (N, S, k) float32, ids (N, S, k) int32 local ids, unordered: each split's exact top-k, empty
+    slots -inf with an id >= V; lse (N,) float32, over all V columns).
+    """
+    n, h = hidden_states.shape
+    v = weight.shape[0]
+    kp = triton.next_power_of_2(k)
+    tiles = topk_tiles(cfg, kp)
+    n_chunks = triton.cdiv(v, tiles.chunk)
+    row_blocks = triton.cdiv(n, tiles.block_m)
+    num_splits = splits if splits is not None else topk_splits(row_blocks, n_chunks, hidden_states.device)
+    num_splits = max(1, min(num_splits, n_chunks))
+    split_v = triton.cdiv(n_chunks, num_splits) * tiles.chunk
+    num_splits = triton.cdiv(v, split_v)  # (every split non-empty)
+    device = hidden_states.device
+    cand_v = torch.empty((n, num_splits, k), dtype=torch.float32, device=device)
+    cand_i = torch.empty((n, num_splits, k), dtype=torch.int32, device=device)
+    stats = torch.empty((2, n_chunks, n), dtype=torch.float32, device=device)
+    use_tma, operands = tma_operands(cfg, tiles.block_m, tiles.block_n, (hidden_states, weight))
+    _linear_topk_kernel[(row_blocks * num_splits,)](
+        *operands, cand_v, cand_i, stats[0], stats[1],
+        n, v, h, split_v, num_splits,
+        hidden_states.stride(0), hidden_states.stride(1), weight.stride(0), weight.stride(1),
+        **softcap_args(params.softcap, params.inv_temperature, stats),
+        K=k, KP=kp, CHUNK=tiles.chunk,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=cfg.block_k,
+        UPCAST=cfg.upcast(hidden_states.dtype), DOT_PRECISION=cfg.dot_precision(hidden_states.dtype),
+        GROUP_M=cfg.group_m, USE_TMA=use_tma, EVEN_V=v % tiles.block_n == 0, FLATTEN=tiles.flatten,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+    lse = torch.empty(n, dtype=torch.float32, device=device)
+    block = 128
+    _chunk_lse_kernel[(triton.cdiv(n, block),)](stats[0], stats[1], lse, n, n_chunks, BLOCK=block)
+    return cand_v, cand_i, lse
