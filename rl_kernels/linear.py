@@ -15,7 +15,8 @@ from .backends import get_backend
 from .validation import (check_bool_arg, check_head_inputs, check_hidden_weight, check_softcap, check_temperature,
                          describe, public_signature, raise_extra_positional)
 
-__all__ = ["LogProbsOutput", "linear_log_probs", "linear_topk"]  # the public names (rl_kernels/__init__.py exports them)
+# the public names (rl_kernels/__init__.py exports them)
+__all__ = ["LogProbsOutput", "linear_log_probs", "linear_topk"]
 
 
 class LogProbsOutput(NamedTuple):
@@ -154,7 +155,7 @@ def linear_topk(
     *extra_positional,
     temperature: float | torch.Tensor = 1.0,
     softcap: float | None = None,
-    k: int,
+    k: int | None = None,
     backend: str = "auto",
     process_group=None,
     vocab_start_index: int | None = None,
@@ -179,7 +180,8 @@ def linear_topk(
             the log-probs, not the order of the ids (without a cap, and with one).
         softcap: None or a positive finite number c (Gemma-2 logit soft-capping), as for
             ``linear_log_probs``.
-        k: int, 1 <= k <= min(128, vocab_size) (keyword-only, required).
+        k: int, 1 <= k <= min(128, vocab_size). Required (keyword-only, like every argument after
+            the tensors; None, the default, raises).
         backend: "auto" (Triton on CUDA, else torch), "triton" or "torch"; both give the same
             ids (up to float32 near-ties between their logits' roundings).
         process_group: a ``torch.distributed`` group over which the vocabulary is sharded
@@ -203,7 +205,7 @@ def linear_topk(
 
     Raises:
         TypeError: a non-tensor input, unsupported dtype, ``weight``/``hidden_states`` dtype
-            mismatch, ``k`` not an int (bool included), non-number ``temperature`` or ``softcap``.
+            mismatch, ``k`` not an int (None, the default, or a bool included), non-number ``temperature`` or ``softcap``.
         ValueError: a shape mismatch, H = 0, ``k`` outside [1, min(128, vocab_size)] (the whole
             vocabulary with ``process_group``, when known), a temperature or softcap outside the
             ranges of ``linear_log_probs``, inputs on different devices, an unknown backend,
@@ -219,7 +221,9 @@ def linear_topk(
         raise_extra_positional(linear_topk, extra_positional)
     check_hidden_weight(hidden_states, weight)
     if isinstance(k, bool) or not isinstance(k, int):
-        raise TypeError(f"k: expected an int in [1, min({MAX_TOPK}, vocab_size)], got {type(k).__name__}")
+        raise TypeError(f"k: expected an int in [1, min({MAX_TOPK}, vocab_size)], got "
+                        + ("None (k is required: linear_topk(hidden_states, weight, k=64))" if k is None
+                           else type(k).__name__))
     rows = hidden_states.select(-1, 0)  # (the leading shape and device, for a per-row temperature)
     temperature = check_temperature(temperature, rows, "hidden_states.shape[:-1]")
     softcap = check_softcap(softcap, temperature)

@@ -10,10 +10,11 @@ import rl_kernels
 from heads import HEADS
 
 # every public function is a head of the registry (tests/heads.py); one that is not would be
-# listed here beside them
-FUNCTIONS = [*HEADS]
+# listed here beside them: linear_topk (no gradient, an int output: tests/test_linear_topk.py holds
+# its compile, non-finite and GPU tests)
+FUNCTIONS = [*HEADS, "linear_topk"]
 # the keyword-only order every function follows (a function takes a subsequence of it)
-KEYWORD_ORDER = ["temperature", "softcap", "labels", "ignore_index", "mask",
+KEYWORD_ORDER = ["temperature", "softcap", "labels", "ignore_index", "mask", "k",
                  "return_entropy", "return_sum_pi_squared", "kind", "renormalize_teacher", "beta",
                  "label_smoothing", "inplace_backward",
                  "reduction", "backend", "process_group", "vocab_start_index", "reduce_hidden_grad"]

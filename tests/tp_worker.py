@@ -320,3 +320,45 @@ def _compiled_equals_eager(group, backend, lo, hi):
         assert "labels" in str(e), e
     else:
         raise AssertionError("a bad label under torch.compile did not raise")
+
+
+def run_topk(rank, world, init_file, backend):
+    """linear_topk on a vocab shard (tests/test_linear_topk.py): global ids, the same ids as the
+    unsharded call and log-probs within float32 of it and of float64, identical bits on every rank,
+    with and without vocab_start_index, a per-row temperature, k = 128 (more than rank 1's 83
+    rows: its empty slots never reach the merged top-k), and torch.compile (fullgraph) equal to
+    eager; k above the whole vocabulary raises on every rank."""
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    from rl_kernels import linear_topk
+
+    group = dist.group.WORLD
+    lo, hi = BOUNDS[world][rank], BOUNDS[world][rank + 1]
+    hidden, weight = _inputs()[:2]
+    per_row = torch.rand(N, generator=torch.Generator().manual_seed(5)) * 1.5 + 0.4
+    cases = [(5, 1.0, False), (6, per_row, True)] + ([(128, 0.7, True)] if backend == "torch" else [])
+    for k, temperature, give_start in cases:
+        lp, ids = linear_topk(hidden, weight[lo:hi], k=k, temperature=temperature, backend=backend,
+                              process_group=group, vocab_start_index=lo if give_start else None)
+        whole_lp, whole_ids = linear_topk(hidden, weight, k=k, temperature=temperature, backend=backend)
+        assert torch.equal(ids, whole_ids), (rank, k)
+        torch.testing.assert_close(lp, whole_lp, atol=2e-6, rtol=0)
+        z = hidden.double() @ weight.double().T / _column(temperature)
+        ref_ids = torch.sort(z, dim=-1, descending=True, stable=True).indices[:, :k]
+        assert torch.equal(ids, ref_ids), (rank, k)
+        torch.testing.assert_close(lp.double(), torch.log_softmax(z, -1).gather(1, ref_ids), atol=2e-5, rtol=0)
+        assert _same_on_all_ranks(lp) and _same_on_all_ranks(ids)
+    try:
+        linear_topk(hidden, weight[lo:hi], k=V + 1 if V < 128 else 129, backend=backend, process_group=group)
+    except ValueError as e:
+        assert "k: expected an int in [1, min(128, vocab_size)]" in str(e), e
+    else:
+        raise AssertionError("k above 128 did not raise")
+
+    def f(h, w):
+        return linear_topk(h, w, k=4, temperature=0.8, backend=backend, process_group=group)
+
+    eager = f(hidden, weight[lo:hi])
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")(hidden, weight[lo:hi])
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
+    dist.destroy_process_group()

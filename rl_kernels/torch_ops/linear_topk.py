@@ -11,8 +11,8 @@ import torch
 
 from .linear import capped_logits, per_row
 
-# logits elements per chunk of rows (x 4 bytes in float32: 128 MiB)
-DEFAULT_CHUNK_ELEMENTS = 1 << 25
+# logits elements per chunk of rows (x 4 bytes in float32: 128 MiB); read at each call
+CHUNK_ELEMENTS = 1 << 25
 
 
 def exact_topk(z: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,11 +52,11 @@ def merge_candidates(values: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[t
     return values.gather(1, order), ids.gather(1, order)
 
 
-def torch_topk_select(hidden_states: torch.Tensor, weight: torch.Tensor, k: int, params,
-                      chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def torch_topk_select(hidden_states: torch.Tensor, weight: torch.Tensor, k: int,
+                      params) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(values (N, k) float32, ids (N, k) int64 local, lse (N,) float32) of z = hidden_states @
     weight.T * inv_temperature (``capped_logits`` with ``params.softcap``), float32, over row
-    chunks of at most ``chunk_elements`` logits; values and ids by :func:`exact_topk` (slots
+    chunks of at most ``CHUNK_ELEMENTS`` logits; values and ids by :func:`exact_topk` (slots
     beyond V's valid logits: id -1)."""
     n = hidden_states.shape[0]
     v = weight.shape[0]
@@ -64,7 +64,7 @@ def torch_topk_select(hidden_states: torch.Tensor, weight: torch.Tensor, k: int,
     values = torch.empty(n, k, dtype=torch.float32, device=hidden_states.device)
     ids = torch.empty(n, k, dtype=torch.int64, device=hidden_states.device)
     lse = torch.empty(n, dtype=torch.float32, device=hidden_states.device)
-    step = max(1, chunk_elements // max(v, 1))
+    step = max(1, CHUNK_ELEMENTS // max(v, 1))
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
         z, _ = capped_logits(hidden_states[r0:r1].float() @ w.T, per_row(params.inv_temperature, slice(r0, r1)),
