@@ -205,7 +205,8 @@ def linear_topk(
 
     Raises:
         TypeError: a non-tensor input, unsupported dtype, ``weight``/``hidden_states`` dtype
-            mismatch, ``k`` not an int (None, the default, or a bool included), non-number ``temperature`` or ``softcap``.
+            mismatch, ``k`` not an int (None, the default, or a bool included), non-number
+            ``temperature`` or ``softcap``.
         ValueError: a shape mismatch, H = 0, ``k`` outside [1, min(128, vocab_size)] (the whole
             vocabulary with ``process_group``, when known), a temperature or softcap outside the
             ranges of ``linear_log_probs``, inputs on different devices, an unknown backend,
