@@ -10,9 +10,11 @@ candidate list of K (value, id) pairs in registers ((BLOCK_M, KP) tensors, KP = 
 The order is (value descending, id ascending): a is better than b when a.v > b.v, or a.v == b.v
 and a.id < b.id, so the list is the exact top-K of what the program has seen, ties broken by the
 smaller id. Per tile:
-  * beat = z > w_v, or z == w_v and id < w_id; NaN and -inf logits never beat (never selected);
+  * beat = z > w_v (z == w_v with id < w_id cannot happen: the split's columns ascend, so a tile's
+    ids are larger than every listed one); NaN and -inf logits never beat (never selected);
   * while some row of the block still has a beating element: each row takes its largest one
-    (value max, then the smallest id among equal values); if it beats the row's current worst
+    (value max, then the smallest id among equal values: one max reduction with the index of the
+    leftmost occurrence); if it beats the row's current worst
     it replaces the worst slot and the worst is found again (min value, then the largest id);
     otherwise nothing of the row's tile can enter any more (it was its largest) and the row
     stops. The loop count is the largest number of entries of one row of the block into the
@@ -141,13 +143,15 @@ def _linear_topk_kernel(
         m = tl.where(chunk_end, float("-inf"), m)
         s = tl.where(chunk_end, 0.0, s)
 
-        # the tile's elements that beat the row's worst candidate; the rest (and NaN, -inf) -> -inf
-        beat = (z > worst_v[:, None]) | ((z == worst_v[:, None]) & (cols[None, :] < worst_i[:, None]))
-        zc = tl.where(beat & (z > float("-inf")), z, float("-inf"))
-        best_v = tl.max(zc, axis=1)
+        # the tile's elements that beat the row's worst candidate; the rest (and NaN, -inf) -> -inf.
+        # A value equal to the worst never beats it here: the split's columns are walked in
+        # ascending order, so every column of this tile has a larger id than every listed one
+        zc = tl.where(z > worst_v[:, None], z, float("-inf"))
+        # each row's best remaining element: its value, then the smallest id among equal ones (one
+        # reduction: the max with the index of its leftmost occurrence, columns ascending)
+        best_v, best_at = tl.max(zc, axis=1, return_indices=True, return_indices_tie_break_left=True)
         while tl.max(best_v, axis=0) > float("-inf"):
-            # each row's best remaining element: its value, then the smallest id among equal ones
-            best_i = tl.min(tl.where(zc == best_v[:, None], cols[None, :], 2147483647), axis=1)
+            best_i = v0 + best_at
             enter = (best_v > worst_v) | ((best_v == worst_v) & (best_i < worst_i))
             enter = enter & (best_v > float("-inf"))
             at_worst = (list_i == worst_i[:, None]) & enter[:, None]
@@ -156,8 +160,8 @@ def _linear_topk_kernel(
             worst_v = tl.min(list_v, axis=1)
             worst_i = tl.max(tl.where(list_v == worst_v[:, None], list_i, -2147483647), axis=1)
             # drop the element taken; a row whose best did not enter is done with this tile
-            zc = tl.where((cols[None, :] == best_i[:, None]) | (~enter)[:, None], float("-inf"), zc)
-            best_v = tl.max(zc, axis=1)
+            zc = tl.where((offs[None, :] == best_at[:, None]) | (~enter)[:, None], float("-inf"), zc)
+            best_v, best_at = tl.max(zc, axis=1, return_indices=True, return_indices_tie_break_left=True)
 
     # the K real slots of the list (unordered)
     cand = (rows.to(tl.int64)[:, None] * num_splits + pid_s) * K + slot[None, :]
