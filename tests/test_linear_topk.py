@@ -112,6 +112,19 @@ def test_split_count_changes_no_bit(monkeypatch):
     assert torch.equal(lp1, outs[-1][0][5:6]) and torch.equal(ids1, outs[-1][1][5:6])
 
 
+def test_one_part_tiles(monkeypatch):
+    """The kernel variant whose epilogue takes the whole tile at once (TWO_PARTS off) on ties and
+    on a softcap, two splits."""
+    tiles = topk_ops.topk_tiles
+    monkeypatch.setattr(topk_ops, "topk_tiles", lambda cfg, kp: dataclasses.replace(tiles(cfg, kp), two_parts=False))
+    _splits(monkeypatch, 2)
+    hidden, weight = _inputs(11, 16, 203, seed=8, integers=True)
+    _check(linear_topk(hidden, weight, k=7, backend="triton"), reference(hidden, weight, 7))
+    hidden, weight = _inputs(7, 16, 101, seed=9)
+    _check(linear_topk(hidden, weight, k=3, softcap=1.5, temperature=0.8, backend="triton"),
+           reference(hidden, weight, 3, 0.8, 1.5))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_per_row_temperature_3d_and_empty(backend, monkeypatch):
     _splits(monkeypatch, 2)
