@@ -19,8 +19,8 @@ program has seen, ties broken by the smaller id. Per tile part (below):
     (among equal ones the largest id, read from memory only on such a tie); the element is
     dropped either way. The loop count is the largest number of entries of one row of the block
     in this part: K in a split's first tile, then ~K / t in its t-th tile for logits in random
-    order (a simulation of 128-row blocks of random logits, V = 152064, K = 64: 4.0 per
-    256-column tile with one split, 7.0 with 4, 10.9 with 10), so long splits are cheaper.
+    order (a simulation of 128-row blocks of random logits, V = 152064, K = 64: 3.0 per
+    256-column tile with one split, 6.0 with 4, 9.9 with 10), so long splits are cheaper.
 Parts (TWO_PARTS): the GEMM tile (BLOCK_M x BLOCK_N, one K loop, the hidden block loaded once per
 step) comes as two accumulators of BLOCK_N / 2 columns, taken one after the other: the selection's
 working set (the part's candidates, their column offsets, the list's values) then fits the
