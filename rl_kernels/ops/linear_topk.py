@@ -241,11 +241,10 @@ def _linear_topk_kernel(
     v_end = tl.minimum(v_begin + split_v, V)
     for v0 in tl.range(v_begin, v_end, BLOCK_N, flatten=FLATTEN):
         if TWO_PARTS:  # two (BLOCK_M x BLOCK_N / 2) parts from one K loop, taken one after the other
-            PART_N: tl.constexpr = BLOCK_N // 2
-            cols = v0 + tl.arange(0, PART_N)
-            z0, z1 = _two_tiles(h_ptr, w_ptr, rows, cols, row_mask, cols < v_end, cols + PART_N < v_end, H,
+            cols = v0 + tl.arange(0, BLOCK_N // 2)
+            z0, z1 = _two_tiles(h_ptr, w_ptr, rows, cols, row_mask, cols < v_end, cols + BLOCK_N // 2 < v_end, H,
                                 stride_hn, stride_hk, stride_wv, stride_wk,
-                                BLOCK_M, PART_N, BLOCK_K, UPCAST, DOT_PRECISION, USE_TMA, row0, v0)
+                                BLOCK_M, BLOCK_N // 2, BLOCK_K, UPCAST, DOT_PRECISION, USE_TMA, row0, v0)
             z0 = z0 * tile_scale
             z1 = z1 * tile_scale
             if SOFTCAP:
@@ -253,10 +252,10 @@ def _linear_topk_kernel(
                 z1, _ = soft_cap(z1, cap_scale, LIBDEVICE)
             m, s, worst_v, worst_i, worst_s = _take_part(
                 z0, v0, v_end, m, s, worst_v, worst_i, worst_s, cand_v_ptr, cand_i_ptr, cand, keep, row_base,
-                row_mask, slot, KP, PART_N, EVEN_V)
+                row_mask, slot, KP, BLOCK_N // 2, EVEN_V)
             m, s, worst_v, worst_i, worst_s = _take_part(
-                z1, v0 + PART_N, v_end, m, s, worst_v, worst_i, worst_s, cand_v_ptr, cand_i_ptr, cand, keep,
-                row_base, row_mask, slot, KP, PART_N, EVEN_V)
+                z1, v0 + BLOCK_N // 2, v_end, m, s, worst_v, worst_i, worst_s, cand_v_ptr, cand_i_ptr, cand, keep,
+                row_base, row_mask, slot, KP, BLOCK_N // 2, EVEN_V)
         else:
             cols = v0 + tl.arange(0, BLOCK_N)
             z = logits_tile(h_ptr, w_ptr, rows, cols, row_mask, cols < v_end, H,
