@@ -14,7 +14,8 @@ program has seen, ties broken by the smaller id. Per tile part (below):
     part or is an empty slot, whose ids are smaller / larger, so a tie never enters here); NaN
     and -inf logits never are;
   * while some row of the block has a candidate that may enter: each row takes its largest one
-    (value max, then the smallest id among equal values); if it beats the row's worst entry it
+    (value max, then the smallest id among equal values: one max reduction with the index of its
+    leftmost occurrence, the columns ascending); if it beats the row's worst entry it
     replaces it (in memory; the values in registers too), and the new worst is the smallest value
     (among equal ones the largest id, read from memory only on such a tie); the element is
     dropped either way. The loop count is the largest number of entries of one row of the block
@@ -25,9 +26,10 @@ Parts (TWO_PARTS): the GEMM tile (BLOCK_M x BLOCK_N, one K loop, the hidden bloc
 step) comes as two accumulators of BLOCK_N / 2 columns, taken one after the other: the selection's
 working set (the part's candidates, their column offsets, the list's values) then fits the
 registers that the second accumulator leaves. sm90 SASS (Triton 3.9, 128 x 256 tiles, 8 warps,
-K = 64, pointer loads): 255 registers with 592 bytes of stack and 51 spill loads per selection
-step (1638 instructions) with two parts, against 896 bytes and 230 loads per step (2302
-instructions) in one; the fused head's forward kernel: 254 registers, no stack.
+K = 64, TMA; 2026-11-28): a selection step of one part 1865 instructions with 8 spill loads
+(576 bytes of stack) with two parts, against 3128 instructions with 401 spill loads (1456 bytes)
+for the whole tile in one part (with a max, then a min over equal values for the index: 1949 / 78
+loads with two parts); the fused head's forward kernel: 254 registers, no stack.
 Statistics. The same parts feed the running (m, s) = (max z, sum exp(z - m)) of the row, stored
 and reset at the end of every lse chunk of ``cfg.split_v`` columns (the fused head's split), so
 the chunks' statistics, and the lse that ``_chunk_lse_kernel`` merges from them in chunk order,
@@ -163,17 +165,19 @@ def _take_part(
     # the part's elements above the row's worst value (the worst entry is an earlier part's or an
     # empty slot, so a tie never beats it here); NaN and -inf never do
     zc = tl.where(z > worst_v[:, None], z, float("-inf"))
-    best_v = tl.max(zc, axis=1)
+    # each row's best remaining element: its value, then the smallest id among equal ones (one
+    # reduction: the max with the index of its leftmost occurrence, columns ascending)
+    best_v, best_at = tl.max(zc, axis=1, return_indices=True, return_indices_tie_break_left=True)
     if tl.max((best_v > worst_v).to(tl.int32), axis=0) > 0:
         list_v = tl.load(cand_v_ptr + cand, mask=keep, other=float("inf"))
         more = True
         while more:
-            # each row's best remaining element: its value, then the smallest id among equal ones
-            best_at = tl.min(tl.where(zc == best_v[:, None], offs[None, :], PART_N), axis=1)
-            best_i = best_at + col0
+            best_i = best_at.to(tl.int32) + col0
             enter = (best_v > worst_v) | ((best_v == worst_v) & (best_i < worst_i))
             enter = enter & (best_v > float("-inf")) & row_mask
-            # it replaces the worst entry (in memory, and the values in registers)
+            # it replaces the worst entry (in memory, and the values in registers), once every thread
+            # has read the previous step's worst entry
+            tl.debug_barrier()
             tl.store(cand_v_ptr + row_base + worst_s, best_v, mask=enter)
             tl.store(cand_i_ptr + row_base + worst_s, best_i, mask=enter)
             list_v = tl.where((slot[None, :] == worst_s[:, None]) & enter[:, None], best_v[:, None], list_v)
@@ -191,7 +195,7 @@ def _take_part(
             # drop the element taken (or found not to enter: nothing after it in the row can);
             # go on while some row's next best may still enter (>=: a tie decided by the ids)
             zc = tl.where(offs[None, :] == best_at[:, None], float("-inf"), zc)
-            best_v = tl.max(zc, axis=1)
+            best_v, best_at = tl.max(zc, axis=1, return_indices=True, return_indices_tie_break_left=True)
             more = tl.max(((best_v >= worst_v) & (best_v > float("-inf")) & row_mask).to(tl.int32), axis=0) > 0
         tl.debug_barrier()  # (the next part's loads)
     return m, s, worst_v, worst_i, worst_s
