@@ -112,19 +112,6 @@ def test_split_count_changes_no_bit(monkeypatch):
     assert torch.equal(lp1, outs[-1][0][5:6]) and torch.equal(ids1, outs[-1][1][5:6])
 
 
-def test_one_part_tiles(monkeypatch):
-    """The kernel variant whose epilogue takes the whole tile at once (TWO_PARTS off) on ties and
-    on a softcap, two splits."""
-    tiles = topk_ops.topk_tiles
-    monkeypatch.setattr(topk_ops, "topk_tiles", lambda cfg, kp: dataclasses.replace(tiles(cfg, kp), two_parts=False))
-    _splits(monkeypatch, 2)
-    hidden, weight = _inputs(11, 16, 203, seed=8, integers=True)
-    _check(linear_topk(hidden, weight, k=7, backend="triton"), reference(hidden, weight, 7))
-    hidden, weight = _inputs(7, 16, 101, seed=9)
-    _check(linear_topk(hidden, weight, k=3, softcap=1.5, temperature=0.8, backend="triton"),
-           reference(hidden, weight, 3, 0.8, 1.5))
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_per_row_temperature_3d_and_empty(backend, monkeypatch):
     _splits(monkeypatch, 2)
@@ -256,11 +243,10 @@ def test_vocab_parallel_two_ranks(tmp_path, backend):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_against_float64(dtype, monkeypatch):
+def test_gpu_against_float64(dtype):
     """CUDA, default tiles: an odd shape (several splits, a partial last tile), k = 64 and 128.
     The ids equal float64's except where two logits of the row are closer than the float32
     rounding of their sums (a near-tie): there both orders are right; checked by value."""
-    monkeypatch.setattr(topk_torch, "CHUNK_ELEMENTS", 1 << 25)
     with forced_config(None):
         n, h, v = 1031, 512, 50257
         g = torch.Generator().manual_seed(0)
@@ -272,7 +258,7 @@ def test_gpu_against_float64(dtype, monkeypatch):
             torch.testing.assert_close(lp.double(), ref_lp, atol=5e-5, rtol=0)
             z = (hidden.double() @ weight.double().T) / temperature
             got = z.gather(1, ids)  # the float64 logits at the returned ids: the k largest, in order
-            torch.testing.assert_close(got, z.gather(1, ref_ids), atol=1e-4, rtol=0)
+            torch.testing.assert_close(got, z.gather(1, ref_ids), atol=2e-5, rtol=0)
             assert (ids != ref_ids).float().mean() < 1e-3
             lp_t, ids_t = linear_topk(hidden, weight, k=k, temperature=temperature, backend="torch")
             torch.testing.assert_close(lp, lp_t, atol=2e-5, rtol=0)

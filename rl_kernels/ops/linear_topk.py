@@ -4,33 +4,23 @@ never stored.
 
 Selection. Program (pid_m, pid_s) owns rows [pid_m*BLOCK_M, +BLOCK_M) and the vocab columns of its
 top-K split (a whole number of lse chunks, below). It walks the split's BLOCK_N tiles in column
-order and keeps, per row, a candidate list of K (value, id) pairs: (BLOCK_M, KP) tensors (KP = the
-power of two >= K; slots K..KP-1 are pads that never leave) in its rows of the output, whose
-values are loaded into registers only while a tile's elements enter it, and the list's worst
-entry (value, id, slot) in registers. The order is (value descending, id ascending): a is better
-than b when a.v > b.v, or a.v == b.v and a.id < b.id, so the list is the exact top-K of what the
-program has seen, ties broken by the smaller id. Per tile part (below):
-  * its elements above the worst value are the candidates (the worst entry comes from an earlier
-    part or is an empty slot, whose ids are smaller / larger, so a tie never enters here); NaN
-    and -inf logits never are;
-  * while some row of the block has a candidate that may enter: each row takes its largest one
-    (value max, then the smallest id among equal values: one max reduction with the index of its
-    leftmost occurrence, the columns ascending); if it beats the row's worst entry it
-    replaces it (in memory; the values in registers too), and the new worst is the smallest value
-    (among equal ones the largest id, read from memory only on such a tie); the element is
-    dropped either way. The loop count is the largest number of entries of one row of the block
-    in this part: K in a split's first tile, then ~K / t in its t-th tile for logits in random
-    order (a simulation of 128-row blocks of random logits, V = 152064, K = 64: 3.0 per
-    256-column tile with one split, 6.0 with 4, 9.9 with 10), so long splits are cheaper.
-Parts (TWO_PARTS): the GEMM tile (BLOCK_M x BLOCK_N, one K loop, the hidden block loaded once per
-step) comes as two accumulators of BLOCK_N / 2 columns, taken one after the other: the selection's
-working set (the part's candidates, their column offsets, the list's values) then fits the
-registers that the second accumulator leaves. sm90 SASS (Triton 3.9, 128 x 256 tiles, 8 warps,
-K = 64, TMA; 2026-11-28): a selection step of one part 1865 instructions with 8 spill loads
-(576 bytes of stack) with two parts, against 3128 instructions with 401 spill loads (1456 bytes)
-for the whole tile in one part (with a max, then a min over equal values for the index: 1949 / 78
-loads with two parts); the fused head's forward kernel: 254 registers, no stack.
-Statistics. The same parts feed the running (m, s) = (max z, sum exp(z - m)) of the row, stored
+order (the K-loop GEMM tile of ``common.logits_tile``, fp32 accumulator) and keeps, per row, a
+candidate list of K (value, id) pairs in registers ((BLOCK_M, KP) tensors, KP = the power of two
+>= K; slots K..KP-1 are pads that never leave) together with the list's worst entry (w_v, w_id).
+The order is (value descending, id ascending): a is better than b when a.v > b.v, or a.v == b.v
+and a.id < b.id, so the list is the exact top-K of what the program has seen, ties broken by the
+smaller id. Per tile:
+  * beat = z > w_v (z == w_v with id < w_id cannot happen: the split's columns ascend, so a tile's
+    ids are larger than every listed one); NaN and -inf logits never beat (never selected);
+  * while some row of the block still has a beating element: each row takes its largest one
+    (value max, then the smallest id among equal values: one max reduction with the index of the
+    leftmost occurrence); if it beats the row's current worst
+    it replaces the worst slot and the worst is found again (min value, then the largest id);
+    otherwise nothing of the row's tile can enter any more (it was its largest) and the row
+    stops. The loop count is the largest number of entries of one row of the block into the
+    list in this tile, plus one: K in a split's first tile, then ~K / t in its t-th tile for
+    logits in random order (a few per tile after the first tens of tiles of a long split).
+Statistics. The same tile feeds the running (m, s) = (max z, sum exp(z - m)) of the row, stored
 and reset at the end of every lse chunk of ``cfg.split_v`` columns (the fused head's split), so
 the chunks' statistics, and the lse that ``_chunk_lse_kernel`` merges from them in chunk order,
 do not depend on how many top-K splits run (batch invariant, like the head's). The candidate
@@ -41,10 +31,9 @@ Output: per (row, split) the K candidates (float32 values, int32 local ids, unor
 that nothing valid filled keeps the value -inf and an id >= the shard's width) and per (row,
 chunk) the (m, s) statistics; ``torch_ops.linear_topk.merge_candidates`` merges the splits.
 
-Variants are ``tl.constexpr`` flags: USE_TMA / FLATTEN (scheduling only), TWO_PARTS (above; the
-statistics are merged per part, so its bits differ from the one-part variant's, the ids do not),
-EVEN_V (V is a multiple of BLOCK_N), SOFTCAP (z = (c / T) tanh(h . w / c), ``common.soft_cap``),
-ROW_TEMPERATURE (each row's own 1 / T).
+Variants are ``tl.constexpr`` flags: USE_TMA / FLATTEN (scheduling only), EVEN_V (V is a multiple
+of BLOCK_N), SOFTCAP (z = (c / T) tanh(h . w / c), ``common.soft_cap``), ROW_TEMPERATURE (each
+row's own 1 / T).
 """
 from __future__ import annotations
 
@@ -74,7 +63,6 @@ class TopkTiles:
     num_warps: int
     num_stages: int
     flatten: bool = False  # one software pipeline across the split's tiles (the head's FLATTEN)
-    two_parts: bool = True  # the tile's epilogue in two (block_m x block_n / 2) parts (TWO_PARTS)
 
 
 def topk_tiles(cfg: KernelConfig, kp: int) -> TopkTiles:
@@ -97,111 +85,6 @@ def topk_splits(row_blocks: int, n_chunks: int, device: torch.device) -> int:
 
 
 @triton.jit
-def _two_tiles(
-    h_ptr, w_ptr, rows, cols, row_mask, col_mask, col_mask1, H,
-    stride_hn, stride_hk, stride_wv, stride_wk,
-    BLOCK_M: tl.constexpr, PART_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, row0, col0,
-):
-    """The raw GEMM tiles h . w of columns [col0, +PART_N) and [col0 + PART_N, +PART_N) (``cols`` /
-    ``col_mask``: the first part's), fp32, in one K loop: each step loads the hidden block once for
-    both dots (as one (BLOCK_M x 2 PART_N) tile would), and the epilogue gets two accumulators of
-    half the registers each (``common.logits_tile``'s conventions otherwise: masked entries 0;
-    with USE_TMA, ``w_ptr`` is a descriptor with blocks (PART_N, BLOCK_K))."""
-    offs_k = tl.arange(0, BLOCK_K)
-    acc0 = tl.zeros((BLOCK_M, PART_N), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_M, PART_N), dtype=tl.float32)
-    if USE_TMA:
-        for k0 in range(0, H, BLOCK_K):
-            a = h_ptr.load([row0, k0])
-            b0 = w_ptr.load([col0, k0])
-            b1 = w_ptr.load([col0 + PART_N, k0])
-            if UPCAST:
-                a = a.to(tl.float32)
-                b0 = b0.to(tl.float32)
-                b1 = b1.to(tl.float32)
-            acc0 = tl.dot(a, b0.T, acc0, input_precision=DOT_PRECISION)
-            acc1 = tl.dot(a, b1.T, acc1, input_precision=DOT_PRECISION)
-    else:
-        h_base = h_ptr + rows.to(tl.int64)[:, None] * stride_hn
-        w_base0 = w_ptr + cols.to(tl.int64)[None, :] * stride_wv
-        w_base1 = w_base0 + PART_N * stride_wv
-        for k0 in range(0, H, BLOCK_K):
-            ks = k0 + offs_k
-            k_mask = ks < H
-            a = tl.load(h_base + ks.to(tl.int64)[None, :] * stride_hk,
-                        mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            b0 = tl.load(w_base0 + ks.to(tl.int64)[:, None] * stride_wk,
-                         mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-            b1 = tl.load(w_base1 + ks.to(tl.int64)[:, None] * stride_wk,
-                         mask=k_mask[:, None] & col_mask1[None, :], other=0.0)
-            if UPCAST:  # the CPU interpreter computes bf16 dots wrongly; do them in fp32 there
-                a = a.to(tl.float32)
-                b0 = b0.to(tl.float32)
-                b1 = b1.to(tl.float32)
-            acc0 = tl.dot(a, b0, acc0, input_precision=DOT_PRECISION)
-            acc1 = tl.dot(a, b1, acc1, input_precision=DOT_PRECISION)
-    return acc0, acc1
-
-
-@triton.jit
-def _take_part(
-    z, col0, v_end, m, s, worst_v, worst_i, worst_s,
-    cand_v_ptr, cand_i_ptr, cand, keep, row_base, row_mask, slot,
-    KP: tl.constexpr, PART_N: tl.constexpr, EVEN_V: tl.constexpr,
-):
-    """One part of a tile (logits ``z`` (BLOCK_M, PART_N) of columns [col0, +PART_N), scaled and
-    capped) into the running statistics (m, s) and the candidate list (module docstring).
-    Returns (m, s, worst_v, worst_i, worst_s)."""
-    offs = tl.arange(0, PART_N)
-    if not EVEN_V:  # the padded columns of the last tile: no mass, never selected
-        z = tl.where((col0 + offs < v_end)[None, :], z, float("-inf"))
-    tile_m = tl.max(z, axis=1)
-    # (a part of the last tile may be all padding: -inf - -inf would make s NaN; with a shift of 0
-    # it is the identity (-inf, 0), as merge_stats takes it)
-    tile_s = tl.sum(tl.exp(z - tl.where(tile_m > float("-inf"), tile_m, 0.0)[:, None]), axis=1)
-    m, s, _ = merge_stats(m, s, s, tile_m, tile_s, tile_s)
-
-    # the part's elements above the row's worst value (the worst entry is an earlier part's or an
-    # empty slot, so a tie never beats it here); NaN and -inf never do
-    zc = tl.where(z > worst_v[:, None], z, float("-inf"))
-    # each row's best remaining element: its value, then the smallest id among equal ones (one
-    # reduction: the max with the index of its leftmost occurrence, columns ascending)
-    best_v, best_at = tl.max(zc, axis=1, return_indices=True, return_indices_tie_break_left=True)
-    if tl.max((best_v > worst_v).to(tl.int32), axis=0) > 0:
-        list_v = tl.load(cand_v_ptr + cand, mask=keep, other=float("inf"))
-        more = True
-        while more:
-            best_i = best_at.to(tl.int32) + col0
-            enter = (best_v > worst_v) | ((best_v == worst_v) & (best_i < worst_i))
-            enter = enter & (best_v > float("-inf")) & row_mask
-            # it replaces the worst entry (in memory, and the values in registers), once every thread
-            # has read the previous step's worst entry
-            tl.debug_barrier()
-            tl.store(cand_v_ptr + row_base + worst_s, best_v, mask=enter)
-            tl.store(cand_i_ptr + row_base + worst_s, best_i, mask=enter)
-            list_v = tl.where((slot[None, :] == worst_s[:, None]) & enter[:, None], best_v[:, None], list_v)
-            # the new worst: the smallest value, and among equal ones the largest id
-            worst_v = tl.min(list_v, axis=1)
-            is_min = list_v == worst_v[:, None]
-            tl.debug_barrier()  # (the stores above, read below by other threads)
-            if tl.max(tl.sum(is_min.to(tl.int32), axis=1), axis=0) > 1:
-                list_i = tl.load(cand_i_ptr + cand, mask=keep, other=-2)
-                worst_i = tl.max(tl.where(is_min, list_i, -2147483647), axis=1)
-                worst_s = tl.min(tl.where(is_min & (list_i == worst_i[:, None]), slot[None, :], KP), axis=1)
-            else:
-                worst_s = tl.min(tl.where(is_min, slot[None, :], KP), axis=1)
-                worst_i = tl.load(cand_i_ptr + row_base + worst_s, mask=row_mask, other=0)
-            # drop the element taken (or found not to enter: nothing after it in the row can);
-            # go on while some row's next best may still enter (>=: a tie decided by the ids)
-            zc = tl.where(offs[None, :] == best_at[:, None], float("-inf"), zc)
-            best_v, best_at = tl.max(zc, axis=1, return_indices=True, return_indices_tie_break_left=True)
-            more = tl.max(((best_v >= worst_v) & (best_v > float("-inf")) & row_mask).to(tl.int32), axis=0) > 0
-        tl.debug_barrier()  # (the next part's loads)
-    return m, s, worst_v, worst_i, worst_s
-
-
-@triton.jit
 def _linear_topk_kernel(
     h_ptr, w_ptr, cand_v_ptr, cand_i_ptr, chunk_m_ptr, chunk_s_ptr,
     N, V, H, split_v, num_splits,
@@ -210,7 +93,7 @@ def _linear_topk_kernel(
     K: tl.constexpr, KP: tl.constexpr, CHUNK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUP_M: tl.constexpr,
-    USE_TMA: tl.constexpr, EVEN_V: tl.constexpr, FLATTEN: tl.constexpr, TWO_PARTS: tl.constexpr,
+    USE_TMA: tl.constexpr, EVEN_V: tl.constexpr, FLATTEN: tl.constexpr,
     SOFTCAP: tl.constexpr = False, LIBDEVICE: tl.constexpr = False,
     inv_temperature_ptr=None, ROW_TEMPERATURE: tl.constexpr = False,
 ):
@@ -223,60 +106,68 @@ def _linear_topk_kernel(
         row_inv_temperature = tl.load(inv_temperature_ptr + rows, mask=row_mask, other=1.0)[:, None]
         tile_scale, cap_scale = row_scales(row_inv_temperature, logit_scale, softcap_scale, SOFTCAP)
 
-    # the candidate list, in this program's rows of the output (L1 / L2 resident): K empty slots
-    # (-inf, EMPTY_ID - slot: distinct ids, larger than every id; -inf logits are excluded, so
-    # only real logits replace them). In registers: each row's worst entry (value, id, slot) and,
-    # while a part's elements enter the list, its values (as loaded, KP - K pads of +inf: never
-    # the worst); its ids are read from memory only to break a tie at the worst value.
+    # the candidate list: K empty slots (-inf, EMPTY_ID - slot: distinct, larger than every id, so
+    # a real logit, even -inf, would beat them; -inf is excluded below) and KP - K pads
+    # (+inf, PAD_ID: never the worst)
     slot = tl.arange(0, KP)
-    row_base = (rows.to(tl.int64) * num_splits + pid_s) * K
-    cand = row_base[:, None] + slot[None, :]
-    keep = row_mask[:, None] & (slot < K)[None, :]
-    tl.store(cand_v_ptr + cand, tl.full((BLOCK_M, KP), float("-inf"), tl.float32), mask=keep)
-    tl.store(cand_i_ptr + cand, (2147483647 - slot[None, :]) + tl.zeros((BLOCK_M, KP), tl.int32), mask=keep)
+    real_slot = (slot < K)[None, :] & (rows >= 0)[:, None]
+    list_v = tl.where(real_slot, float("-inf"), float("inf"))
+    list_i = tl.where(real_slot, 2147483647 - slot[None, :], -2)
     worst_v = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     worst_i = tl.full((BLOCK_M,), 2147483647, tl.int32)  # slot 0's
-    worst_s = tl.zeros((BLOCK_M,), tl.int32)
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     s = tl.zeros((BLOCK_M,), tl.float32)
-    tl.debug_barrier()  # (loads below may map elements to other threads than these stores)
 
     v_begin = pid_s * split_v
     v_end = tl.minimum(v_begin + split_v, V)
     for v0 in tl.range(v_begin, v_end, BLOCK_N, flatten=FLATTEN):
-        if TWO_PARTS:  # two (BLOCK_M x BLOCK_N / 2) parts from one K loop, taken one after the other
-            cols = v0 + tl.arange(0, BLOCK_N // 2)
-            z0, z1 = _two_tiles(h_ptr, w_ptr, rows, cols, row_mask, cols < v_end, cols + BLOCK_N // 2 < v_end, H,
-                                stride_hn, stride_hk, stride_wv, stride_wk,
-                                BLOCK_M, BLOCK_N // 2, BLOCK_K, UPCAST, DOT_PRECISION, USE_TMA, row0, v0)
-            z0 = z0 * tile_scale
-            z1 = z1 * tile_scale
-            if SOFTCAP:
-                z0, _ = soft_cap(z0, cap_scale, LIBDEVICE)
-                z1, _ = soft_cap(z1, cap_scale, LIBDEVICE)
-            m, s, worst_v, worst_i, worst_s = _take_part(
-                z0, v0, v_end, m, s, worst_v, worst_i, worst_s, cand_v_ptr, cand_i_ptr, cand, keep, row_base,
-                row_mask, slot, KP, BLOCK_N // 2, EVEN_V)
-            m, s, worst_v, worst_i, worst_s = _take_part(
-                z1, v0 + BLOCK_N // 2, v_end, m, s, worst_v, worst_i, worst_s, cand_v_ptr, cand_i_ptr, cand, keep,
-                row_base, row_mask, slot, KP, BLOCK_N // 2, EVEN_V)
-        else:
-            cols = v0 + tl.arange(0, BLOCK_N)
-            z = logits_tile(h_ptr, w_ptr, rows, cols, row_mask, cols < v_end, H,
-                            stride_hn, stride_hk, stride_wv, stride_wk, tile_scale,
-                            BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PRECISION, USE_TMA, row0, v0)
-            if SOFTCAP:
-                z, _ = soft_cap(z, cap_scale, LIBDEVICE)
-            m, s, worst_v, worst_i, worst_s = _take_part(
-                z, v0, v_end, m, s, worst_v, worst_i, worst_s, cand_v_ptr, cand_i_ptr, cand, keep, row_base,
-                row_mask, slot, KP, BLOCK_N, EVEN_V)
-        # the chunk's statistics, stored and reset at its last tile
+        offs = tl.arange(0, BLOCK_N)
+        cols = v0 + offs
+        col_mask = cols < v_end
+        z = logits_tile(h_ptr, w_ptr, rows, cols, row_mask, col_mask, H,
+                        stride_hn, stride_hk, stride_wv, stride_wk, tile_scale,
+                        BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PRECISION, USE_TMA, row0, v0)
+        if SOFTCAP:
+            z, _ = soft_cap(z, cap_scale, LIBDEVICE)
+        if not EVEN_V:  # the padded columns of the last tile: no mass, never selected
+            z = tl.where(col_mask[None, :], z, float("-inf"))
+
+        # statistics of the chunk, stored and reset at its last tile
+        tile_m = tl.max(z, axis=1)
+        tile_s = tl.sum(tl.exp(z - tile_m[:, None]), axis=1)
+        m, s, _ = merge_stats(m, s, s, tile_m, tile_s, tile_s)
         chunk_end = ((v0 + BLOCK_N) % CHUNK == 0) | (v0 + BLOCK_N >= v_end)
         out = (rows.to(tl.int64) * 0 + v0 // CHUNK) * N + rows  # (int64)
         tl.store(chunk_m_ptr + out, m, mask=row_mask & chunk_end)
         tl.store(chunk_s_ptr + out, s, mask=row_mask & chunk_end)
         m = tl.where(chunk_end, float("-inf"), m)
         s = tl.where(chunk_end, 0.0, s)
+
+        # the tile's elements that beat the row's worst candidate; the rest (and NaN, -inf) -> -inf.
+        # A value equal to the worst never beats it here: the split's columns are walked in
+        # ascending order, so every column of this tile has a larger id than every listed one
+        zc = tl.where(z > worst_v[:, None], z, float("-inf"))
+        # each row's best remaining element: its value, then the smallest id among equal ones (one
+        # reduction: the max with the index of its leftmost occurrence, columns ascending)
+        best_v, best_at = tl.max(zc, axis=1, return_indices=True, return_indices_tie_break_left=True)
+        while tl.max(best_v, axis=0) > float("-inf"):
+            best_i = v0 + best_at
+            enter = (best_v > worst_v) | ((best_v == worst_v) & (best_i < worst_i))
+            enter = enter & (best_v > float("-inf"))
+            at_worst = (list_i == worst_i[:, None]) & enter[:, None]
+            list_v = tl.where(at_worst, best_v[:, None], list_v)
+            list_i = tl.where(at_worst, best_i[:, None], list_i)
+            worst_v = tl.min(list_v, axis=1)
+            worst_i = tl.max(tl.where(list_v == worst_v[:, None], list_i, -2147483647), axis=1)
+            # drop the element taken; a row whose best did not enter is done with this tile
+            zc = tl.where((offs[None, :] == best_at[:, None]) | (~enter)[:, None], float("-inf"), zc)
+            best_v, best_at = tl.max(zc, axis=1, return_indices=True, return_indices_tie_break_left=True)
+
+    # the K real slots of the list (unordered)
+    cand = (rows.to(tl.int64)[:, None] * num_splits + pid_s) * K + slot[None, :]
+    keep = row_mask[:, None] & (slot < K)[None, :]
+    tl.store(cand_v_ptr + cand, list_v, mask=keep)
+    tl.store(cand_i_ptr + cand, list_i, mask=keep)
 
 
 @triton.jit
@@ -324,8 +215,7 @@ def linear_topk_select(
     cand_v = torch.empty((n, num_splits, k), dtype=torch.float32, device=device)
     cand_i = torch.empty((n, num_splits, k), dtype=torch.int32, device=device)
     stats = torch.empty((2, n_chunks, n), dtype=torch.float32, device=device)
-    part_n = tiles.block_n // 2 if tiles.two_parts else tiles.block_n
-    use_tma, operands = tma_operands(cfg, tiles.block_m, part_n, (hidden_states, weight))
+    use_tma, operands = tma_operands(cfg, tiles.block_m, tiles.block_n, (hidden_states, weight))
     _linear_topk_kernel[(row_blocks * num_splits,)](
         *operands, cand_v, cand_i, stats[0], stats[1],
         n, v, h, split_v, num_splits,
@@ -335,7 +225,6 @@ def linear_topk_select(
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=cfg.block_k,
         UPCAST=cfg.upcast(hidden_states.dtype), DOT_PRECISION=cfg.dot_precision(hidden_states.dtype),
         GROUP_M=cfg.group_m, USE_TMA=use_tma, EVEN_V=v % tiles.block_n == 0, FLATTEN=tiles.flatten,
-        TWO_PARTS=tiles.two_parts,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     lse = torch.empty(n, dtype=torch.float32, device=device)
