@@ -19,6 +19,10 @@ entries to the same recomputed dlogits windows, so dh and dW come from the head'
 across temperatures (Hinton, Vinyals, Dean 2015, "Distilling the Knowledge in a Neural Network",
 sec. 2). Restricting the sums to the teacher's K ids is the usual sparse-teacher approximation
 when only top-K log-probs are available; with K = V and a renormalized teacher it is the full KL.
+With ``tail=True`` the loss is the tail-aware (K+1)-category KL of verl RFC #7856 (the K ids and one
+bucket for the rest of the vocabulary, :func:`topk_kl_per_token`), the student's tail log-mass being
+tail_lse - lse with tail_lse the logsumexp over the columns outside the K ids, computed by the same
+kernels with those columns masked (the head's ``return_tail``): no 1 - sum_k q_k cancellation.
 """
 from __future__ import annotations
 

@@ -20,6 +20,11 @@ next tile's loads overlap this tile's softmax epilogue), WARP_SPEC (producer/con
 EVEN_V (V is a multiple of BLOCK_N: no column masks in the epilogue). One flag changes the
 arithmetic: SOFTCAP, the logit soft-capping of Gemma-2-style heads (z = (c / T) tanh(h . w / c),
 ``common.soft_cap``); without it the kernels are the uncapped ones, bit for bit.
+TAIL (the tail-aware top-K KL, verl RFC #7856) adds per-split tail statistics (m_t, s_t) over the
+columns that are not among the row's sorted ids (``common.among_ids``; those columns set to -inf
+before the tail's own max, so a tail far below the row's max keeps its digits; identity (-inf, 0) for
+a row with no tail column in the split); FLATTEN and WARP_SPEC are off with it. Without TAIL the
+kernel is the one above, bit for bit.
 
 Combine: merges per-split softmax partials into log-probs, entropy and lse.
 
@@ -30,6 +35,8 @@ The same merge serves vocab-parallel ranks, whose partials are stacked along S.
 Per row: lse = m + log s, log p(y) = min(z_y - lse, 0), entropy = log s - b / s, and on request
 sum_j p_j^2 = q / s^2 from the partials q = sum exp(2 (z - m)).
 Rows whose label equals ``ignore_index`` get log-prob 0 and entropy 0 (lse is still written).
+TAIL: the tail partials merged the same way into tail_lse = m_t + log s_t (-inf when the row's ids
+cover the vocabulary).
 
 Backward: recompute logit tiles and write d(loss)/d(logits) chunks.
 
@@ -44,6 +51,9 @@ second form is what runs (per-row scalars times 1 / T; per element log2 p = log2
 multiply-add, p = 2^(log2 p) and up to three multiply-adds).
 With SOFTCAP (z = (c / T) tanh(h.w / c), ``common.soft_cap``) the stored gradient is
 dz (1 - tanh^2) / T, the chain rule through the cap.
+TAIL adds g_tail * [j not among the row's ids] * exp(z_j - tail_lse) (d tail_lse / dz_j), the
+mask applied before the exp: at the ids exp(z - tail_lse) can be ~1 / q_tail, which no later
+subtraction could cancel in a 16-bit window.
 With ``KernelConfig.bwd_programs_per_sm`` > 0 the launch is persistent: a few programs per
 multiprocessor each walk the window's tiles (same grouped order, same per-tile arithmetic, so the
 same bits), in one flattened software pipeline that overlaps a tile's epilogue (exp, store) with
