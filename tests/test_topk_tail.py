@@ -284,3 +284,24 @@ def test_changed_ops_pass_opcheck():
                           (h, w, labels, ids, lse, None, None, tail, *grads, True, True, *args))
     torch.library.opcheck(torch.ops.rl_kernels.counted_positions.default,
                           (h, None, mask, ids, t_lp, V, -100, "hidden_states", None, None, True))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_non_finite_row_stays_in_its_row(backend):
+    """A counted row with an infinite hidden state: NaN loss in that row only; the same row excluded
+    by the mask: the other rows' loss and gradients are the clean ones (no NaN leaks through dW)."""
+    h, w, ids, t_lp, mask = _inputs(11)
+    mask[:] = True
+    h[4, 2] = float("inf")
+    got = linear_topk_kl(h, w, ids, t_lp, tail=True, reduction="none", backend=backend)
+    assert torch.isnan(got[4]) and torch.isfinite(got[torch.arange(N) != 4]).all()
+    mask[4] = False
+    wx = w.clone().requires_grad_()
+    loss = linear_topk_kl(h, wx, ids, t_lp, mask=mask, tail=True, reduction="sum", backend=backend)
+    loss.backward()
+    h_clean = h.clone()
+    h_clean[4] = 0.0
+    ref, _, w64 = _reference(h_clean, w, ids, t_lp, mask, 1.0, "forward", "sum")
+    ref.backward()
+    torch.testing.assert_close(loss.double(), ref.detach(), **TOL)
+    torch.testing.assert_close(wx.grad.double(), w64.grad, **TOL)
