@@ -263,7 +263,7 @@ def linear_log_probs_at_ids(hidden_states: torch.Tensor, weight: torch.Tensor, l
     vocab_size = weight.shape[0] if tp is None else tp.vocab_size  # (None: the shards' total is not known)
     if vocab_size is not None:
         check_token_id_values(ids, vocab_size, "token_ids")
-    if return_tail and not torch.compiler.is_compiling():
+    if return_tail:  # (a host read, as the id check above)
         check_tail_teacher(ids, None, labels.reshape(-1) != -100, "token_ids")
     params = HeadParams(backend=get_backend(backend, hidden_states.device), inv_temperature=1.0,  # (head_at_ids)
                         ignore_index=-100, return_entropy=return_entropy, name="linear_log_probs_at_ids",

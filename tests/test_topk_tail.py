@@ -11,12 +11,15 @@ import math
 import pytest
 import torch
 import torch._dynamo.testing
+import triton
+import triton.language as tl
 
 import rl_kernels.autograd.backward_schedule as rl_autograd
 import rl_kernels.autograd.linear as linear_autograd
 from rl_kernels import linear_topk_kl
 from rl_kernels.backends import get_backend
 from rl_kernels.distill import linear_log_probs_at_ids
+from rl_kernels.ops.common import among_ids, sorted_tail_ids
 
 N, H, V, K = 11, 20, 203, 5
 LOG_TINY = math.log(2.0 ** -126)
@@ -305,3 +308,34 @@ def test_non_finite_row_stays_in_its_row(backend):
     ref.backward()
     torch.testing.assert_close(loss.double(), ref.detach(), **TOL)
     torch.testing.assert_close(wx.grad.double(), w64.grad, **TOL)
+
+
+@triton.jit
+def _mask_kernel(ids_ptr, out_ptr, n_rows, n_cols, n_ids, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_IDS: tl.constexpr):
+    """among_ids' (rows x cols) tiles written out as int8."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    col0 = tl.program_id(1) * BLOCK_N
+    cols = col0 + tl.arange(0, BLOCK_N)
+    row_mask = rows < n_rows
+    hit = among_ids(ids_ptr, n_ids, rows.to(tl.int64), row_mask, cols, col0, BLOCK_N, n_ids, BLOCK_IDS)
+    tl.store(out_ptr + rows[:, None] * n_cols + cols[None, :], hit.to(tl.int8),
+             mask=row_mask[:, None] & (cols < n_cols)[None, :])
+
+
+def test_among_ids_is_the_scatter_mask():
+    """``ops.common.among_ids`` (the kernels' exclusion mask) on (rows x cols) tiles of a vocabulary
+    shard equals the scattered mask of ``sorted_tail_ids``' local ids (ids of other shards, repeated
+    ids and a row with all of its ids in one tile included)."""
+    g = torch.Generator().manual_seed(0)
+    start, width, k = 40, 90, 7
+    ids = torch.randint(0, 150, (9, k), generator=g)
+    ids[0] = torch.arange(50, 50 + k)  # all in one tile
+    ids[1, 1] = ids[1, 0]  # a repeated id
+    local = sorted_tail_ids(ids, start, width)
+    out = torch.full((9, width), -1, dtype=torch.int8)
+    _mask_kernel[(triton.cdiv(9, 4), triton.cdiv(width, 16))](local, out, 9, width, k, BLOCK_M=4, BLOCK_N=16,
+                                                              BLOCK_IDS=8)
+    inside = (ids >= start) & (ids < start + width)
+    ref = torch.zeros(9, width + 1, dtype=torch.bool).scatter_(1, torch.where(inside, ids - start, width), True)
+    assert torch.equal(out.bool(), ref[:, :width]) and out.min() >= 0
