@@ -5,9 +5,10 @@ The head family "linear": its parameter record (``HeadParams``), its output reco
 ``ops.linear``, forward split statistics, their combine and the dlogits windows; ``TorchHead``: the
 twin ``torch_ops.linear``) and its one autograd Function, eager and compiled, sharded over a
 vocab-parallel group or not (``vp_forward``). Forward: per-row log-prob, entropy, lse (and
-sum_pi_squared; and the logits at given ids); saved state is O(N). Backward: ``head_backward`` recomputes d loss / d
-logits windows on the backend and hands them to the shared schedule
-(``autograd.backward_schedule``), which turns them into dh and dW without an N x V buffer.
+sum_pi_squared; and the logits at given ids, and the tail lse outside them); saved state is O(N).
+Backward: ``head_backward`` recomputes d loss / d logits windows on the backend and hands them to
+the shared schedule (``autograd.backward_schedule``), which turns them into dh and dW without an
+N x V buffer.
 """
 from __future__ import annotations
 
