@@ -19,6 +19,10 @@ entries to the same recomputed dlogits windows, so dh and dW come from the head'
 across temperatures (Hinton, Vinyals, Dean 2015, "Distilling the Knowledge in a Neural Network",
 sec. 2). Restricting the sums to the teacher's K ids is the usual sparse-teacher approximation
 when only top-K log-probs are available; with K = V and a renormalized teacher it is the full KL.
+With ``tail=True`` the loss is the tail-aware (K+1)-category KL of verl RFC #7856 (the K ids and one
+bucket for the rest of the vocabulary, :func:`topk_kl_per_token`), the student's tail log-mass being
+tail_lse - lse with tail_lse the logsumexp over the columns outside the K ids, computed by the same
+kernels with those columns masked (the head's ``return_tail``): no 1 - sum_k q_k cancellation.
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ import torch
 from .autograd.common import split_temperature
 from .autograd.linear_jsd import JSDParams, LinearJSDFunction
 from .autograd.linear import HeadParams, linear_head
-from .autograd.positions import check_teacher_log_probs, checked_positions
+from .autograd.positions import check_tail_teacher, check_teacher_log_probs, checked_positions
 from .autograd.vocab_parallel import parallel_params
 from .backends import get_backend
 from .validation import (FLOAT_DTYPES, LABEL_DTYPES, check_bool_arg, check_choice, check_head_inputs,
@@ -77,6 +81,7 @@ def linear_topk_kl(
     mask: torch.Tensor | None = None,
     kind: str = "forward",
     renormalize_teacher: bool = False,
+    tail: bool = False,
     reduction: str = "mean",
     backend: str = "auto",
     process_group=None,
@@ -110,6 +115,16 @@ def linear_topk_kl(
             sum_k q (log q - log p_t) over the K ids (mode seeking).
         renormalize_teacher: log-softmax the teacher log-probs over the K ids first (the K
             probabilities then sum to 1; with K = V and True, the loss is the full KL).
+        tail: the tail-aware loss (verl RFC #7856, "Tail-aware top-k KL for on-policy
+            distillation"): the exact KL of the two (K+1)-category distributions, the K ids and one
+            tail bucket holding the rest of the vocabulary (``topk_kl_per_token``), with the
+            teacher's p_tail = max(0, 1 - sum_k p_k) and the student's q_tail = exp(tail_lse - lse),
+            tail_lse the logsumexp of z over the vocabulary without the K ids, computed by the
+            kernels with those columns masked (no 1 - sum_k q_k cancellation). Inside a logarithm a
+            zero mass (K = V: q_tail = 0; reverse: a zero teacher slot or tail) is floored at 2^-126
+            (``LOG_TINY``). Needs distinct ids per counted position, a top-K mass <= 1 + 1e-2
+            (above 1 by rounding: p_tail = 0) and ``renormalize_teacher=False`` (renormalizing makes
+            the teacher's tail 0).
         reduction: 'mean' (default, as every loss of rl_kernels: sum over the positions that
             count / their number, the per-token mean of RL and distillation recipes), 'sum',
             'none' (shape ``...``), 'batchmean' (sum / size of the first dim, as
@@ -130,7 +145,9 @@ def linear_topk_kl(
     Raises:
         TypeError / ValueError naming the argument for wrong types, dtypes, shapes (H = 0
         included), devices, ids outside [0, vocab_size), NaN / +inf teacher log-probs, or a bad
-        ``kind`` / ``reduction`` / ``temperature``; RuntimeError on double backward;
+        ``kind`` / ``reduction`` / ``temperature``; with ``tail``: ValueError naming
+        ``teacher_token_ids`` for an id repeated in a counted position, ``teacher_log_probs`` for a
+        top-K mass above 1 + 1e-2, ``renormalize_teacher`` when True; RuntimeError on double backward;
         an id held by no shard (or several) with ``process_group``; RuntimeError when the
         backend cannot run or ``torch.distributed`` is not initialized.
 
@@ -141,6 +158,10 @@ def linear_topk_kl(
     check_choice("kind", kind, KINDS)
     check_choice("reduction", reduction, REDUCTIONS)
     check_bool_arg("renormalize_teacher", renormalize_teacher)
+    check_bool_arg("tail", tail)
+    if tail and renormalize_teacher:
+        raise ValueError("renormalize_teacher: must be False with tail=True (renormalizing the teacher over its K "
+                         "ids sets its tail mass to 0, which the tail-aware KL would then fit)")
     t = check_temperature(temperature)
     check_hidden_weight(hidden_states, weight, min_dim=2)
     _check_teacher(hidden_states, teacher_token_ids, teacher_log_probs, check_values=False)
@@ -148,7 +169,8 @@ def linear_topk_kl(
                          hidden_states.device)
     # ids and labels are global with a group: checked against the whole vocabulary when known
     valid, any_excluded = checked_positions(hidden_states, labels, ignore_index, mask, weight.shape[0], tp,
-                                            teacher_token_ids=teacher_token_ids, teacher_log_probs=teacher_log_probs)
+                                            teacher_token_ids=teacher_token_ids, teacher_log_probs=teacher_log_probs,
+                                            tail=tail)
     backend = get_backend(backend, hidden_states.device)
     lead = hidden_states.shape[:-1]
     h2 = hidden_states.reshape(-1, hidden_states.shape[-1])
@@ -158,10 +180,11 @@ def linear_topk_kl(
     row_labels = torch.where(valid, ids[:, 0], -100)
     params = HeadParams(backend=backend, inv_temperature=1.0 / t, ignore_index=-100,
                         return_entropy=False, name="linear_topk_kl", may_have_ignored=any_excluded is not False,
-                        labels_checked=True)  # (the row labels are checked teacher ids or ignore_index)
-    _, log_q = head_at_ids(h2, weight, row_labels, ids, params, t, tp)
+                        labels_checked=True, return_tail=tail)  # (row labels: checked teacher ids or ignore_index)
+    head, log_q = head_at_ids(h2, weight, row_labels, ids, params, t, tp)
     return topk_kl_loss(log_q, teacher_log_probs, valid, lead, temperature=t, kind=kind,
-                        renormalize_teacher=renormalize_teacher, reduction=reduction)
+                        renormalize_teacher=renormalize_teacher, reduction=reduction,
+                        tail_log_probs=head.tail_lse - head.lse if tail else None)
 
 
 def head_at_ids(h2, weight, labels, ids, params: HeadParams, temperature, tp=None):
@@ -178,7 +201,8 @@ def head_at_ids(h2, weight, labels, ids, params: HeadParams, temperature, tp=Non
 def linear_log_probs_at_ids(hidden_states: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                             token_ids: torch.Tensor, *, temperature: float = 1.0, softcap: float | None = None,
                             return_entropy: bool = False, backend: str = "auto", process_group=None,
-                            vocab_start_index: int | None = None, reduce_hidden_grad: bool = False) -> tuple:
+                            vocab_start_index: int | None = None, reduce_hidden_grad: bool = False,
+                            return_tail: bool = False) -> tuple:
     """``linear_log_probs``' log-probs at ``labels`` (and entropy) together with the log-probs at K
     ids per position, from one fused head call: no N x V tensor in forward or backward. What top-K
     distillation on a fused forward needs (``rl_kernels.integrations.verl``: verl's PPO log-probs
@@ -197,24 +221,33 @@ def linear_log_probs_at_ids(hidden_states: torch.Tensor, weight: torch.Tensor, l
             ``linear_log_probs``: ``weight`` is this rank's (V_r, H) shard, ``labels`` and
             ``token_ids`` are global ids (checked against the whole vocabulary when it is known,
             i.e. without ``vocab_start_index``); the outputs are identical on every rank.
+        return_tail: also the log of the probability outside ``token_ids``, for the tail-aware
+            top-K KL (verl RFC #7856; :func:`topk_kl_per_token`'s ``tail_log_probs``); the ids
+            of each position whose label is not -100 must then be distinct.
 
     Returns:
         ``(log_probs, entropy, log_probs_at_ids)``: float32 nats, shapes ``labels.shape`` (entropy
         None unless asked) and ``token_ids.shape``; log_probs_at_ids = z[ids] - logsumexp(z),
         z = hidden_states @ weight.T / temperature (soft-capped first with ``softcap``), the
-        logsumexp over the whole vocabulary (all shards with ``process_group``).
+        logsumexp over the whole vocabulary (all shards with ``process_group``). With
+        ``return_tail`` a 4th output, ``tail_log_probs`` (shape ``labels.shape``, float32,
+        differentiable) = tail_lse - logsumexp(z), tail_lse the logsumexp over the vocabulary
+        without the position's ids, computed with those columns masked (no 1 - sum cancellation;
+        -inf when the ids cover the vocabulary; computed for -100 positions too, without gradient).
 
     Raises:
         TypeError / ValueError as ``linear_log_probs``, and naming ``token_ids`` for a wrong dtype,
         shape, device or an id outside [0, vocab_size); NotImplementedError for ``softcap`` with a
         gradient to compute (the gathered logits' gradient under a cap is not implemented) and for
         ``return_entropy`` with ``process_group`` (not implemented on a vocab shard with gathered
-        logits: call ``linear_log_probs`` for the entropy).
+        logits: call ``linear_log_probs`` for the entropy); with ``return_tail``, ValueError naming
+        ``token_ids`` for an id repeated at a position whose label is not -100 (one host read).
     """
     check_head_inputs(hidden_states, weight, labels, -100, check_values=False)
     temperature = check_temperature(temperature, labels)  # (a number, or one per position)
     softcap = check_softcap(softcap, temperature)
     check_bool_arg("return_entropy", return_entropy)
+    check_bool_arg("return_tail", return_tail)
     check_token_ids("token_ids", token_ids, hidden_states, "hidden_states")
     lead = tuple(labels.shape)
     if softcap is not None and torch.is_grad_enabled() and (hidden_states.requires_grad or weight.requires_grad):
@@ -230,13 +263,16 @@ def linear_log_probs_at_ids(hidden_states: torch.Tensor, weight: torch.Tensor, l
     vocab_size = weight.shape[0] if tp is None else tp.vocab_size  # (None: the shards' total is not known)
     if vocab_size is not None:
         check_token_id_values(ids, vocab_size, "token_ids")
+    if return_tail:  # (a host read, as the id check above)
+        check_tail_teacher(ids, None, labels.reshape(-1) != -100, "token_ids")
     params = HeadParams(backend=get_backend(backend, hidden_states.device), inv_temperature=1.0,  # (head_at_ids)
                         ignore_index=-100, return_entropy=return_entropy, name="linear_log_probs_at_ids",
-                        softcap=softcap)  # (label values are checked in the head's backend call)
+                        softcap=softcap, return_tail=return_tail)  # (label values: checked in the backend call)
     head, log_q = head_at_ids(hidden_states.reshape(-1, hidden_states.shape[-1]), weight, labels.reshape(-1),
                               ids.long(), params, temperature, tp)
     entropy = head.entropy.view(lead) if return_entropy else None
-    return head.log_probs.view(lead), entropy, log_q.view(token_ids.shape)
+    out = (head.log_probs.view(lead), entropy, log_q.view(token_ids.shape))
+    return out + ((head.tail_lse - head.lse).view(lead),) if return_tail else out
 
 
 def topk_kl_loss(log_q, teacher_log_probs, valid, lead, *, temperature: float, kind: str,

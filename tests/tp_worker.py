@@ -59,6 +59,72 @@ def _check_dh(dh, ref, reduced, tol):
     torch.testing.assert_close(dh.double(), ref, **tol)
 
 
+def _tail_kl(group, backend, lo, hi, hidden, weight, ids, mask, tol):
+    """linear_topk_kl(tail=True) and linear_log_probs_at_ids(return_tail=True) on a shard: equal to
+    the single-process call (same backend) and to the float64 (K+1)-category KL."""
+    from rl_kernels import linear_topk_kl
+    from rl_kernels.distill import linear_log_probs_at_ids
+
+    k = ids.shape[1]
+    g = torch.Generator().manual_seed(6)
+    t_lp = torch.log_softmax(torch.randn(N, k + 1, generator=g), -1)[:, :k].contiguous()  # top-K mass < 1
+    t_lp[2, 0] = 0.0
+    t_lp[2, 1:] = float("-inf")  # a teacher of mass 1: p_tail = 0
+    h64, w64 = hidden.double(), weight.double()
+    z = h64 @ w64.T / 0.8
+    lse = torch.logsumexp(z, -1)
+    excluded = torch.zeros(N, V, dtype=torch.bool).scatter_(1, ids, True)
+    log_q_tail = torch.logsumexp(z.masked_fill(excluded, float("-inf")), -1) - lse
+    for kind, reduce_dh in (("forward", True), ("reverse", False)):
+        def loss_of(h, w, **shard):
+            return linear_topk_kl(h, w, ids, t_lp, mask=mask, temperature=0.8, kind=kind, tail=True, reduction="sum",
+                                  backend=backend, **shard)
+        hx, wx = hidden.clone().requires_grad_(), weight[lo:hi].clone().requires_grad_()
+        loss = loss_of(hx, wx, process_group=group, reduce_hidden_grad=reduce_dh)
+        loss.backward()
+        h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        single = loss_of(h1, w1)  # the single-process result
+        single.backward()
+        hr, wr = h64.clone().requires_grad_(), w64.clone().requires_grad_()
+        zr = hr @ wr.T / 0.8
+        lser = torch.logsumexp(zr, -1)
+        log_q = zr.gather(1, ids) - lser[:, None]
+        tail = torch.logsumexp(zr.masked_fill(excluded, float("-inf")), -1) - lser
+        p, lp = t_lp.double().exp(), t_lp.double()
+        p_tail = (1 - p.sum(-1)).clamp_min(0)
+        if kind == "forward":
+            per = torch.where(p > 0, p * (lp - log_q), 0.0).sum(-1) + torch.where(
+                p_tail > 0, p_tail * (p_tail.log() - tail), 0.0)
+        else:
+            per = (log_q.exp() * (log_q - lp.clamp_min(-87.3365))).sum(-1) + tail.exp() * (
+                tail - p_tail.log().clamp_min(-87.3365))
+        ref = torch.where(mask, per * 0.64, 0.0).sum()
+        ref.backward()
+        for got in (loss, single):
+            torch.testing.assert_close(got.double(), ref.detach(), **tol)
+        torch.testing.assert_close(loss, single, atol=2e-6, rtol=2e-6)
+        assert _same_on_all_ranks(loss.detach().reshape(1))
+        torch.testing.assert_close(wx.grad.double(), wr.grad[lo:hi], **tol)
+        torch.testing.assert_close(wx.grad, w1.grad[lo:hi], atol=2e-6, rtol=1e-5)
+        _check_dh(hx.grad, hr.grad, reduce_dh, tol)
+        assert torch.all(hx.grad[~mask] == 0)
+    # the 4th output of linear_log_probs_at_ids on a shard, and its gradient
+    labels = torch.where(mask, ids[:, 1], -100)
+    hx, wx = hidden.clone().requires_grad_(), weight[lo:hi].clone().requires_grad_()
+    *_, tail = linear_log_probs_at_ids(hx, wx, labels, ids, temperature=0.8, backend=backend, process_group=group,
+                                       reduce_hidden_grad=True, return_tail=True)
+    torch.testing.assert_close(tail.double(), log_q_tail, **tol)
+    assert _same_on_all_ranks(tail)
+    g_tail = torch.randn(N, generator=g)
+    (tail * g_tail).sum().backward()
+    hr, wr = h64.clone().requires_grad_(), w64.clone().requires_grad_()
+    zr = hr @ wr.T / 0.8
+    ref = torch.logsumexp(zr.masked_fill(excluded, float("-inf")), -1) - torch.logsumexp(zr, -1)
+    torch.where(mask, ref * g_tail.double(), 0.0).sum().backward()
+    torch.testing.assert_close(wx.grad.double(), wr.grad[lo:hi], **tol)
+    torch.testing.assert_close(hx.grad.double(), hr.grad, **tol)
+
+
 def run(rank, world, init_file, backend):
     os.environ.setdefault("TRITON_INTERPRET", "1")
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -125,6 +191,9 @@ def run(rank, world, init_file, backend):
         assert _same_on_all_ranks(loss.detach().reshape(1))
         torch.testing.assert_close(wx.grad.double(), w64.grad[lo:hi], **tol)
         _check_dh(hx.grad, h64.grad, reduce_dh, tol)
+
+    if world == 2:  # the tail-aware top-K KL (issue 45): the shards' tail lse merged like the lse
+        _tail_kl(group, backend, lo, hi, hidden, weight, ids, mask, tol)
 
     # the fused head's Function on a shard with logits at given ids (the route of linear_topk_kl),
     # with gradients reaching all three outputs (log-probs, lse, the ids' logits) against float64
@@ -298,11 +367,15 @@ def _compiled_equals_eager(group, backend, lo, hi):
         return linear_topk_kl(h, w, ids, t_lp, labels=y, temperature=0.8, reduction="sum", backend=backend,
                               process_group=group)
 
+    def topk_tail(h, w, y):  # (the shards' tail lse in the forward op's all_gather)
+        return linear_topk_kl(h, w, ids, t_lp - 0.1, labels=y, temperature=0.8, kind="reverse", tail=True,
+                              reduction="sum", backend=backend, process_group=group)
+
     def jsd(h, w, y):
         return linear_jsd(h, w, ht, wt, labels=y, beta=0.3, reduction="sum", backend=backend, process_group=group,
                           reduce_hidden_grad=True)
 
-    for fn in (head, from_logits, topk, jsd):
+    for fn in (head, from_logits, topk, topk_tail, jsd):
         results = []
         for f in (fn, torch.compile(fn, fullgraph=True, backend="aot_eager")):
             hx, wx = hidden.clone().requires_grad_(), weight[lo:hi].clone().requires_grad_()

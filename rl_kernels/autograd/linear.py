@@ -5,9 +5,10 @@ The head family "linear": its parameter record (``HeadParams``), its output reco
 ``ops.linear``, forward split statistics, their combine and the dlogits windows; ``TorchHead``: the
 twin ``torch_ops.linear``) and its one autograd Function, eager and compiled, sharded over a
 vocab-parallel group or not (``vp_forward``). Forward: per-row log-prob, entropy, lse (and
-sum_pi_squared; and the logits at given ids); saved state is O(N). Backward: ``head_backward`` recomputes d loss / d
-logits windows on the backend and hands them to the shared schedule
-(``autograd.backward_schedule``), which turns them into dh and dW without an N x V buffer.
+sum_pi_squared; and the logits at given ids, and the tail lse outside them); saved state is O(N).
+Backward: ``head_backward`` recomputes d loss / d logits windows on the backend and hands them to
+the shared schedule (``autograd.backward_schedule``), which turns them into dh and dW without an
+N x V buffer.
 """
 from __future__ import annotations
 
@@ -45,18 +46,23 @@ class HeadParams(NamedTuple):
     # True when the caller checked the labels' values (and set may_have_ignored): the forward's
     # backend call then does not check them again
     labels_checked: bool = False
+    # True: also tail_lse, the logsumexp of the logits outside the row's gather ids (the tail bucket
+    # of the tail-aware top-K KL, ``distill``), differentiable; needs gather ids
+    return_tail: bool = False
 
 
 class HeadOutputs(NamedTuple):
     """The fused head's outputs, the same fields on every path (vocab-parallel included) and for
     the gradients of the backward; ``None`` for what was not asked. (N,) float32 each, except
-    ``gathered_logits`` (N, K) float32: the logits z[i, ids[i, k]] at given ids (distillation)."""
+    ``gathered_logits`` (N, K) float32: the logits z[i, ids[i, k]] at given ids (distillation).
+    ``tail_lse``: logsumexp of z over the columns that are not among the row's ids (-inf when K = V)."""
 
     log_probs: torch.Tensor | None
     entropy: torch.Tensor | None = None
     lse: torch.Tensor | None = None
     sum_pi_squared: torch.Tensor | None = None
     gathered_logits: torch.Tensor | None = None
+    tail_lse: torch.Tensor | None = None
 
 
 @implements("linear", "triton")
@@ -64,28 +70,37 @@ class TritonHead:
     """The fused head on the Triton kernels (``ops.linear``: split statistics, combine, dlogits)."""
 
     @staticmethod
-    def forward(hidden_states, weight, labels, params: HeadParams, label_check) -> HeadOutputs:
+    def forward(hidden_states, weight, labels, params: HeadParams, label_check, tail_ids=None) -> HeadOutputs:
         from .. import ops
+        from ..ops.common import sorted_tail_ids
 
         n = hidden_states.shape[0]
         if n == 0:
             empty = hidden_states.new_empty(0, dtype=torch.float32)
             return HeadOutputs(empty, empty.clone() if params.return_entropy else None, empty.clone(),
-                               empty.clone() if params.return_sum_pi_squared else None)
+                               empty.clone() if params.return_sum_pi_squared else None,
+                               tail_lse=empty.clone() if tail_ids is not None else None)
         cfg = ops.default_config(hidden_states.device, hidden_states.dtype)
-        partials = ops.linear_split_stats(hidden_states, weight, labels, params, cfg, label_check)
-        return HeadOutputs(*ops.split_combine(partials, labels, params, mark_bad=label_check is not None))
+        sorted_ids = sorted_tail_ids(tail_ids, 0, weight.shape[0]) if tail_ids is not None else None
+        partials = ops.linear_split_stats(hidden_states, weight, labels, params, cfg, label_check, sorted_ids)
+        log_probs, entropy, lse, sum_pi_squared, *tail = ops.split_combine(partials, labels, params,
+                                                                           mark_bad=label_check is not None)
+        return HeadOutputs(log_probs, entropy, lse, sum_pi_squared, tail_lse=tail[0] if tail else None)
 
     @staticmethod
-    def dlogits(hidden_states, weight, labels, saved: HeadOutputs, grads: HeadOutputs, params: HeadParams):
+    def dlogits(hidden_states, weight, labels, saved: HeadOutputs, grads: HeadOutputs, params: HeadParams,
+                tail_ids=None):
         """(window function, dlogits dtype, column-width multiple) for ``chunked_backward``."""
         from .. import ops
+        from ..ops.common import sorted_tail_ids
 
         cfg = ops.default_config(hidden_states.device, hidden_states.dtype)
+        sorted_ids = sorted_tail_ids(tail_ids, 0, weight.shape[0]) if tail_ids is not None else None
 
         def window(rows, cols, out):
             tile = cfg.dlogits_tile(cols.stop - cols.start, weight.shape[0])
-            return ops.linear_dlogits(hidden_states, weight, labels, saved, grads, rows, cols, out, params, cfg, tile)
+            return ops.linear_dlogits(hidden_states, weight, labels, saved, grads, rows, cols, out, params, cfg, tile,
+                                      sorted_ids)
         return window, hidden_states.dtype, cfg.bwd_cols.block_n
 
     @staticmethod
@@ -100,13 +115,16 @@ class TorchHead:
     """The fused head's torch twin (``torch_ops.linear``): float32 row chunks, any device."""
 
     @staticmethod
-    def forward(hidden_states, weight, labels, params: HeadParams, label_check) -> HeadOutputs:
-        return HeadOutputs(*torch_forward(hidden_states, weight, labels, params))
+    def forward(hidden_states, weight, labels, params: HeadParams, label_check, tail_ids=None) -> HeadOutputs:
+        log_probs, entropy, lse, sum_pi_squared, *tail = torch_forward(hidden_states, weight, labels, params,
+                                                                       tail_ids=tail_ids)
+        return HeadOutputs(log_probs, entropy, lse, sum_pi_squared, tail_lse=tail[0] if tail else None)
 
     @staticmethod
-    def dlogits(hidden_states, weight, labels, saved: HeadOutputs, grads: HeadOutputs, params: HeadParams):
+    def dlogits(hidden_states, weight, labels, saved: HeadOutputs, grads: HeadOutputs, params: HeadParams,
+                tail_ids=None):
         def window(rows, cols, out):
-            return torch_dlogits(hidden_states, weight, labels, saved, grads, rows, cols, out, params)
+            return torch_dlogits(hidden_states, weight, labels, saved, grads, rows, cols, out, params, tail_ids)
         return window, torch.float32, 1
 
     @staticmethod
@@ -114,24 +132,32 @@ class TorchHead:
         return torch_gathered_logits(hidden_states, weight, ids, params)
 
 
-def head_forward(hidden_states, weight, labels, params: HeadParams, label_check=None) -> HeadOutputs:
+def head_forward(hidden_states, weight, labels, params: HeadParams, label_check=None, tail_ids=None) -> HeadOutputs:
     """The head's statistics, no autograd: ``HeadOutputs`` with log_probs, lse, entropy (when
     asked) and sum_pi_squared (when asked), (N,) float32 each. ``label_check``: (flag, check_id)
     of ``label_check.deferred_label_check`` for the Triton kernels, which then make a bad label's
-    row NaN and report it; None when checked already."""
-    return params.backend.family("linear").forward(hidden_states, weight, labels, params, label_check)
+    row NaN and report it; None when checked already. ``tail_ids``: (N, K) int columns of
+    ``weight`` (others never match): tail_lse too, the logsumexp outside them."""
+    if tail_ids is None:  # (the call as before the tail: other families' backends need no new argument)
+        return params.backend.family("linear").forward(hidden_states, weight, labels, params, label_check)
+    return params.backend.family("linear").forward(hidden_states, weight, labels, params, label_check, tail_ids)
 
 
 def head_backward(hidden_states, weight, labels, saved: HeadOutputs, grads: HeadOutputs, params: HeadParams,
-                  need_dh: bool, need_dw: bool, gathered_ids=None, dh_float32: bool = False):
+                  need_dh: bool, need_dw: bool, gathered_ids=None, dh_float32: bool = False, tail_ids=None):
     """(dh or None, dW or None) in the input dtypes; see the module docstring. ``saved``: the
     forward's lse, entropy and sum_pi_squared (N,) float32 contiguous (entropy / sum_pi_squared
     None when not needed); ``grads``: their upstream gradients (float32 contiguous, or None) and,
     with ``gathered_ids`` (N, K), the gradient (N, K) of the logits at those ids, added to each
     recomputed dlogits window as sparse entries (no dense (N, K, H) work). ``dh_float32``: return
-    dh unrounded in float32 (a vocab shard's partial sum, rounded after the all-reduce)."""
-    dlogits, dz_dtype, width = params.backend.family("linear").dlogits(hidden_states, weight, labels, saved, grads,
-                                                                        params)
+    dh unrounded in float32 (a vocab shard's partial sum, rounded after the all-reduce). ``tail_ids``
+    (N, K) int columns of ``weight``, with ``saved.tail_lse`` and ``grads.tail_lse``: the tail_lse
+    gradient, [j not among the ids] exp(z_j - tail_lse), in the same windows."""
+    family = params.backend.family("linear")
+    if tail_ids is not None and grads.tail_lse is not None:
+        dlogits, dz_dtype, width = family.dlogits(hidden_states, weight, labels, saved, grads, params, tail_ids)
+    else:
+        dlogits, dz_dtype, width = family.dlogits(hidden_states, weight, labels, saved, grads, params)
     if grads.gathered_logits is not None:
         if params.softcap is not None:  # the sparse entries below carry no 1 - tanh^2 factor
             raise NotImplementedError("gathered-logit gradients with a softcap")
@@ -171,6 +197,8 @@ def forward_body(hidden_states, weight, labels, params: HeadParams, gather_ids=N
     ``rl_kernels::linear_forward`` custom op's body does."""
     raise_label_errors()  # a bad label that an earlier call's kernel reported
     warn_fp16_temperature(hidden_states.dtype, 1.0 / params.inv_temperature)
+    if params.return_tail and gather_ids is None:
+        raise ValueError(f"{params.name}: the tail (return_tail) is the vocabulary outside given ids: pass them")
     if tp is not None:
         return vp_forward(hidden_states, weight, labels, params, gather_ids, tp)
     label_check = None
@@ -178,7 +206,8 @@ def forward_body(hidden_states, weight, labels, params: HeadParams, gather_ids=N
         label_check, has_ignored = checked_labels(labels, weight.shape[0], params.ignore_index, params.name,
                                                   params.backend.checks_labels_in_kernel)
         params = params._replace(may_have_ignored=has_ignored is not False)
-    out = head_forward(hidden_states, weight, labels, params, label_check)
+    out = head_forward(hidden_states, weight, labels, params, label_check,
+                       gather_ids if params.return_tail else None)
     if gather_ids is not None:
         out = out._replace(gathered_logits=gathered_logits(hidden_states, weight, gather_ids, params))
     raise_if_interpreted(label_check, hidden_states.device)
@@ -194,18 +223,21 @@ def backward_body(hidden_states, weight, labels, gather_ids, saved: HeadOutputs,
     Eagerly :class:`LinearLogProbsFunction` calls it directly; under torch.compile the
     ``rl_kernels::linear_backward`` custom op's body does."""
     raise_label_errors()  # a bad label reported by this call's (or an earlier) forward kernel
+    tail_ids = None
+    if params.return_tail and grads.tail_lse is not None:  # the ids (a shard's: after its label's column)
+        tail_ids = gather_ids if tp is None else gather_ids[:, 1:]
     if tp is not None and gather_ids is not None:
         grads, gather_ids = vp_gather_grads(labels, gather_ids, grads, params.ignore_index)
     reduce_dh = tp is not None and tp.reduce_hidden_grad
     dh, dw = head_backward(hidden_states, weight, labels, saved, grads, params, need_dh, need_dw, gather_ids,
-                           dh_float32=reduce_dh)
+                           dh_float32=reduce_dh, tail_ids=tail_ids)
     return (finish_hidden_grad(dh, tp, hidden_states.dtype) if reduce_dh else dh), dw
 
 
 def asked_outputs(params: HeadParams, gather: bool) -> tuple:
     """The ``HeadOutputs`` fields a call computes, in order: what :class:`LinearLogProbsFunction`
     returns (tensors only: torch.compile's tracing of a Function handles no None outputs)."""
-    asked = (True, params.return_entropy, True, params.return_sum_pi_squared, gather)
+    asked = (True, params.return_entropy, True, params.return_sum_pi_squared, gather, params.return_tail)
     return tuple([k for k, a in zip(HeadOutputs._fields, asked) if a])
 
 
@@ -233,7 +265,8 @@ class LinearLogProbsFunction(torch.autograd.Function):
         ctx.save_for_backward(hidden_states, weight, shard_labels, out.lse,
                               out.entropy if params.return_entropy else None,
                               out.sum_pi_squared if params.return_sum_pi_squared else None,
-                              shard_ids if gather_ids is not None else None, temperature)
+                              shard_ids if gather_ids is not None else None, temperature,
+                              out.tail_lse if params.return_tail else None)
         ctx.params, ctx.tp, ctx.fn_name = params, tp, params.name
         ctx.outputs = asked_outputs(params, gather_ids is not None)
         ctx.set_materialize_grads(False)
@@ -242,7 +275,8 @@ class LinearLogProbsFunction(torch.autograd.Function):
     @staticmethod
     @first_order_only
     def backward(ctx, *output_grads):
-        hidden_states, weight, labels, lse, entropy, sum_pi_squared, gather_ids, temperature = ctx.saved_tensors
+        hidden_states, weight, labels, lse, entropy, sum_pi_squared, gather_ids, temperature, tail_lse = \
+            ctx.saved_tensors
         got = {k: g for k, g in zip(ctx.outputs, output_grads) if g is not None}
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         none = (None,) * 5
@@ -251,10 +285,11 @@ class LinearLogProbsFunction(torch.autograd.Function):
         grads = HeadOutputs(*(as_float_grad(got[k]) if k in got else None for k in HeadOutputs._fields))
         if torch.compiler.is_compiling():
             dh, dw = rl_op("linear_backward", temperature)(
-                hidden_states, weight, labels, gather_ids, lse, entropy, sum_pi_squared, *grads, need_dh, need_dw,
+                hidden_states, weight, labels, gather_ids, lse, entropy, sum_pi_squared, tail_lse, *grads, need_dh,
+                need_dw,
                 *OP_ARGS.pack(ctx.params, temperature, ctx.tp))
             return (dh if need_dh else None, dw if need_dw else None) + none
-        saved = HeadOutputs(None, entropy, lse, sum_pi_squared)
+        saved = HeadOutputs(None, entropy, lse, sum_pi_squared, tail_lse=tail_lse)
         return backward_body(hidden_states, weight, labels, gather_ids, saved, grads, ctx.params, ctx.tp, need_dh,
                              need_dw) + none
 
@@ -304,23 +339,28 @@ def vp_gather_forward(hidden_states, weight, labels, ids, params: HeadParams, tp
     label column on any shard: the label's logit is gathered as the ids' are), this shard's ids
     (N, 1 + K): the label's, then ``ids``, -1 where another shard holds the id). One all_gather of
     (N, 2 + 2 (K + 1)) float32: each shard's lse, its logits at the ids it holds, and which it
-    holds. Raises ValueError for an id (or a label) held by no shard or by several."""
+    holds; with ``params.return_tail`` also its tail lse, the logsumexp of its columns outside the ids,
+    merged as the lse is). Raises ValueError for an id (or a label) held by no shard or by several."""
     if params.return_entropy or params.return_sum_pi_squared:
         raise NotImplementedError("entropy / sum_pi_squared with gathered logits on a vocab shard")
     v_r = weight.shape[0]
     valid = labels != params.ignore_index
     shard_labels = torch.where(valid, v_r, params.ignore_index)  # matches no column of the shard
-    lse_r = head_forward(hidden_states, weight, shard_labels, params).lse
     every = torch.cat([torch.where(valid, labels, 0)[:, None].to(ids.dtype), ids], 1)  # (N, 1 + K)
     owned = (every >= tp.start) & (every < tp.start + v_r)
     shard_ids = torch.where(owned, every - tp.start, -1)
+    shard = head_forward(hidden_states, weight, shard_labels, params, None,
+                         shard_ids[:, 1:] if params.return_tail else None)
     z_r = gathered_logits(hidden_states, weight, shard_ids.clamp_min(0), params)
     zero = torch.zeros((), device=z_r.device)
-    part = torch.cat([lse_r.float()[:, None], torch.where(owned, z_r, zero), owned.float()], 1)
+    part = [shard.lse.float()[:, None], torch.where(owned, z_r, zero), owned.float()]
+    if params.return_tail:
+        part.append(shard.tail_lse.float()[:, None])
     k = every.shape[1]
-    gathered = all_gather_rows(tp.process_group, part)  # (W, N, 1 + 2 (1 + K))
+    gathered = all_gather_rows(tp.process_group, torch.cat(part, 1))  # (W, N, 1 + 2 (1 + K) [+ 1])
     lse, _ = merge_lse(gathered[:, :, 0])
-    count = gathered[:, :, 1 + k:].sum(0)
+    tail_lse = merge_lse(gathered[:, :, -1])[0] if params.return_tail else None
+    count = gathered[:, :, 1 + k:1 + 2 * k].sum(0)
     for cols, name in ((slice(1, k), "teacher_token_ids"), (slice(0, 1), "labels")):
         bad = count[:, cols] != 1
         if bool(bad.any()):
@@ -329,7 +369,7 @@ def vp_gather_forward(hidden_states, weight, labels, ids, params: HeadParams, tp
                              f"{int(count[i, cols][j])} shards, expected one (check vocab_start_index)")
     z = gathered[:, :, 1:1 + k].sum(0)
     log_probs = torch.where(valid, (z[:, 0] - lse).clamp_max(0.0), zero)
-    return HeadOutputs(log_probs, None, lse, None, z[:, 1:]), shard_labels, shard_ids
+    return HeadOutputs(log_probs, None, lse, None, z[:, 1:], tail_lse), shard_labels, shard_ids
 
 
 def vp_gather_grads(shard_labels, shard_ids, grads: HeadOutputs, ignore_index: int) -> tuple:
@@ -361,10 +401,10 @@ OP_ARGS = OpArgs(HeadParams)
 @custom_op_pair(
     "rl_kernels::linear_forward",
     schema="(Tensor hidden_states, Tensor weight, Tensor labels, Tensor? gather_ids, " + OP_ARGS.schema
-           + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+           + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 def _linear_forward_op(hidden_states, weight, labels, gather_ids, *args):
-    """:func:`forward_body` -> (log_probs, entropy, lse, sum_pi_squared, gathered_logits, the shard's
-    labels, the shard's ids), empty where not asked (the last two: with a group only)."""
+    """:func:`forward_body` -> (log_probs, entropy, lse, sum_pi_squared, gathered_logits, tail_lse, the
+    shard's labels, the shard's ids), empty where not asked (the last two: with a group only)."""
     params, group = OP_ARGS.unpack(args)
     tp = group_from_op(*group, params.ignore_index, weight.shape[0], hidden_states.device)
     out, _, shard_labels, shard_ids = forward_body(hidden_states, weight, labels, params, gather_ids, tp)
@@ -386,27 +426,29 @@ def _(hidden_states, weight, labels, gather_ids, *args):
     shard_ids = (gather_ids.new_empty(n, 1 + gather_ids.shape[1]) if sharded and gather_ids is not None
                  else hidden_states.new_empty(0, dtype=torch.float32))
     return (rows(True), rows(params.return_entropy), rows(True), rows(params.return_sum_pi_squared), gathered,
-            shard_labels, shard_ids)
+            rows(params.return_tail), shard_labels, shard_ids)
 
 
 @custom_op_pair(
     "rl_kernels::linear_backward",
     schema="(Tensor hidden_states, Tensor weight, Tensor labels, Tensor? gather_ids, Tensor lse, Tensor? entropy, "
-           "Tensor? sum_pi_squared, Tensor? grad_log_probs, Tensor? grad_entropy, Tensor? grad_lse, "
-           "Tensor? grad_sum_pi_squared, Tensor? grad_gathered_logits, bool need_dh, bool need_dw, "
-           + OP_ARGS.schema + ") -> (Tensor, Tensor)")
-def _linear_backward_op(hidden_states, weight, labels, gather_ids, lse, entropy, sum_pi_squared, grad_log_probs,
-                        grad_entropy, grad_lse, grad_sum_pi_squared, grad_gathered_logits, need_dh, need_dw, *args):
+           "Tensor? sum_pi_squared, Tensor? tail_lse, Tensor? grad_log_probs, Tensor? grad_entropy, Tensor? grad_lse, "
+           "Tensor? grad_sum_pi_squared, Tensor? grad_gathered_logits, Tensor? grad_tail_lse, bool need_dh, "
+           "bool need_dw, " + OP_ARGS.schema + ") -> (Tensor, Tensor)")
+def _linear_backward_op(hidden_states, weight, labels, gather_ids, lse, entropy, sum_pi_squared, tail_lse,
+                        grad_log_probs, grad_entropy, grad_lse, grad_sum_pi_squared, grad_gathered_logits,
+                        grad_tail_lse, need_dh, need_dw, *args):
     """:func:`backward_body` -> (dh, dW) in the input dtypes, empty where not needed."""
     params, group = OP_ARGS.unpack(args)
-    grads = HeadOutputs(grad_log_probs, grad_entropy, grad_lse, grad_sum_pi_squared, grad_gathered_logits)
-    saved = HeadOutputs(None, entropy, lse, sum_pi_squared)
+    grads = HeadOutputs(grad_log_probs, grad_entropy, grad_lse, grad_sum_pi_squared, grad_gathered_logits,
+                        grad_tail_lse)
+    saved = HeadOutputs(None, entropy, lse, sum_pi_squared, tail_lse=tail_lse)
     dh, dw = backward_body(hidden_states, weight, labels, gather_ids, saved, grads, params, group_from_op(*group),
                            need_dh, need_dw)
     return grads_or_empty(dh, dw, hidden_states, weight)
 
 
 @_linear_backward_op.register_fake
-def _(hidden_states, weight, labels, gather_ids, lse, entropy, sum_pi_squared, grad_log_probs, grad_entropy,
-      grad_lse, grad_sum_pi_squared, grad_gathered_logits, need_dh, need_dw, *args):
+def _(hidden_states, weight, labels, gather_ids, lse, entropy, sum_pi_squared, tail_lse, grad_log_probs, grad_entropy,
+      grad_lse, grad_sum_pi_squared, grad_gathered_logits, grad_tail_lse, need_dh, need_dw, *args):
     return fake_grads(hidden_states, weight, need_dh, need_dw)

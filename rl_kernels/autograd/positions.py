@@ -26,6 +26,37 @@ def check_teacher_log_probs(teacher_log_probs) -> None:
                          f"{first}: {teacher_log_probs.reshape(-1)[first].item()}")
 
 
+# the largest top-K teacher mass sum_k p_k that the tail-aware KL takes (rounding up to it is clamped:
+# the teacher's tail is then 0); above it the log-probs are not one distribution's
+TAIL_MASS_SLACK = 1e-2
+
+
+def check_tail_teacher(token_ids, teacher_log_probs, valid, ids_name: str = "teacher_token_ids") -> None:
+    """The tail-aware top-K KL's checks (the tail is the vocabulary minus the SET of a position's K
+    ids, and the teacher's tail mass is 1 - sum_k p_k): ValueError naming ``ids_name`` when a counted
+    position (``valid`` (N,) bool) repeats an id, naming ``teacher_log_probs`` (when given) when its
+    K probabilities sum above 1 + ``TAIL_MASS_SLACK``. One host read."""
+    ids = token_ids.reshape(valid.shape[0], -1)
+    ordered = ids.sort(-1).values
+    repeated = valid & (ordered[:, 1:] == ordered[:, :-1]).any(-1)
+    over = torch.zeros_like(valid)
+    if teacher_log_probs is not None:
+        mass = teacher_log_probs.detach().reshape(ids.shape).double().exp().sum(-1)
+        over = valid & (mass > 1.0 + TAIL_MASS_SLACK)
+    any_repeated, any_over = torch.stack([repeated.any(), over.any()]).tolist()
+    if any_repeated:
+        i = int(repeated.nonzero()[0, 0])
+        raise ValueError(f"{ids_name}: the tail-aware KL needs distinct ids per counted position (its tail is "
+                         f"the vocabulary minus their set); {int(repeated.sum())} positions repeat an id, first at "
+                         f"flat position {i}: {ids[i].tolist()[:16]}")
+    if any_over:
+        i = int(over.nonzero()[0, 0])
+        raise ValueError(f"teacher_log_probs: the tail-aware KL needs a top-K mass sum_k exp(log p_k) <= 1 + "
+                         f"{TAIL_MASS_SLACK} per counted position (the teacher's tail is 1 - that sum); "
+                         f"{int(over.sum())} positions exceed it, first at flat position {i}: "
+                         f"{float(mass[i]):.6g}")
+
+
 def counted_positions(hidden_states, labels, ignore_index, mask, vocab_size, check_values: bool,
                       hidden_name: str = "hidden_states"):
     """The one rule of the losses for which positions count: a position counts unless its label
@@ -52,16 +83,16 @@ def counted_positions(hidden_states, labels, ignore_index, mask, vocab_size, che
     "rl_kernels::counted_positions", mutates_args=(),
     schema="(Tensor hidden_states, Tensor? labels, Tensor? mask, Tensor? teacher_token_ids, "
            "Tensor? teacher_log_probs, SymInt vocab_size, int ignore_index, str hidden_name, str? group_name, "
-           "int? vocab_start_index) -> Tensor")
+           "int? vocab_start_index, bool tail=False) -> Tensor")
 def _counted_positions_op(hidden_states, labels, mask, teacher_token_ids, teacher_log_probs, vocab_size,
-                          ignore_index, hidden_name, group_name, vocab_start_index):
+                          ignore_index, hidden_name, group_name, vocab_start_index, tail=False):
     """torch.compile's route of :func:`checked_positions` (ValueError as in eager) -> (N,) bool,
     the positions that count. ``vocab_size``: the head's rows; with ``group_name`` (a vocab-sharded
     head) the whole vocabulary is derived as in eager (unknown when ``vocab_start_index`` is
-    given)."""
+    given). ``tail``: the tail-aware KL's checks too (:func:`check_tail_teacher`)."""
     tp = group_from_op(group_name, vocab_start_index, False, ignore_index, vocab_size, hidden_states.device)
     return eager_positions(hidden_states, labels, ignore_index, mask, vocab_size if tp is None else tp.vocab_size,
-                           hidden_name, teacher_token_ids, teacher_log_probs)[0]
+                           hidden_name, teacher_token_ids, teacher_log_probs, tail)[0]
 
 
 @_counted_positions_op.register_fake
@@ -70,7 +101,7 @@ def _(hidden_states, *rest):
 
 
 def eager_positions(hidden_states, labels, ignore_index, mask, vocab_size, hidden_name="hidden_states",
-                    teacher_token_ids=None, teacher_log_probs=None):
+                    teacher_token_ids=None, teacher_log_probs=None, tail: bool = False):
     """:func:`checked_positions`' checks on the host against ``vocab_size`` (the whole vocabulary;
     None when unknown: label values then unchecked, teacher ids checked >= 0 only)."""
     if teacher_log_probs is not None:
@@ -78,21 +109,25 @@ def eager_positions(hidden_states, labels, ignore_index, mask, vocab_size, hidde
     if teacher_token_ids is not None:
         known = vocab_size if vocab_size is not None else torch.iinfo(torch.int64).max
         check_token_id_values(teacher_token_ids, known, "teacher_token_ids")
-    return counted_positions(hidden_states, labels, ignore_index, mask, vocab_size,
-                             check_values=vocab_size is not None, hidden_name=hidden_name)
+    valid, any_excluded = counted_positions(hidden_states, labels, ignore_index, mask, vocab_size,
+                                            check_values=vocab_size is not None, hidden_name=hidden_name)
+    if tail:
+        check_tail_teacher(teacher_token_ids, teacher_log_probs, valid)
+    return valid, any_excluded
 
 
 def checked_positions(hidden_states, labels, ignore_index, mask, local_vocab: int, tp, hidden_name="hidden_states",
-                      teacher_token_ids=None, teacher_log_probs=None):
+                      teacher_token_ids=None, teacher_log_probs=None, tail: bool = False):
     """(valid (N,) bool, whether any position is excluded, or None when unknown) after the values
     of ``labels``, ``mask`` and the teacher's ids / log-probs are checked (ValueError naming the
     argument). ``local_vocab``: the head's rows (the logits' columns); with ``tp`` (a vocab shard)
     labels and ids are global and checked against the whole vocabulary when it is known. Eagerly
-    on the host here; while torch.compile traces through ``rl_kernels::counted_positions``."""
+    on the host here; while torch.compile traces through ``rl_kernels::counted_positions``. ``tail``:
+    the tail-aware KL's checks too (distinct ids, teacher mass: :func:`check_tail_teacher`)."""
     if not torch.compiler.is_compiling():
         return eager_positions(hidden_states, labels, ignore_index, mask, local_vocab if tp is None else tp.vocab_size,
-                               hidden_name, teacher_token_ids, teacher_log_probs)
+                               hidden_name, teacher_token_ids, teacher_log_probs, tail)
     counted_positions(hidden_states, labels, ignore_index, mask, None, False, hidden_name)  # metadata
     group = (None, None) if tp is None else (tp.process_group.group_name, tp.start)
     return torch.ops.rl_kernels.counted_positions(hidden_states, labels, mask, teacher_token_ids, teacher_log_probs,
-                                                  local_vocab, ignore_index, hidden_name, *group), None
+                                                  local_vocab, ignore_index, hidden_name, *group, tail), None

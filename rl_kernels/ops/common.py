@@ -8,7 +8,8 @@
 * ``merge_stats``: the associative merge of two softmax partials (m, s, b), where
   ``s = sum exp(z - m)`` and ``b = sum exp(z - m) * (z - m)`` (b is kept relative to m so that the
   entropy ``log s - b / s`` never subtracts two large numbers). Identity: (-inf, 0, 0).
-  ``merge_q`` merges ``q = sum exp(2 (z - m))`` alongside (sum_j p_j^2 = q / s^2).
+  ``merge_q`` merges ``q = sum exp(2 (z - m))`` alongside (sum_j p_j^2 = q / s^2);
+  ``merge_max_sum`` merges (m, s) alone (the tail statistics of the tail-aware top-K KL).
 * ``exp_ftz``: exp with subnormal results flushed to zero (one ``ex2`` instruction per element;
   the same bits as ``tl.exp`` for every normal result).
 * ``soft_cap``: the logit soft-capping of Gemma-2-style heads, z = (c / T) * tanh(x) for
@@ -280,6 +281,13 @@ def merge_stats(m1, s1, b1, m2, s2, b2):
     s = a1 * s1 + a2 * s2
     b = a1 * (b1 + s1 * d1) + a2 * (b2 + s2 * d2)
     return m, s, b
+
+
+@triton.jit
+def merge_max_sum(m1, s1, m2, s2):
+    """(m1, s1) (+) (m2, s2) -> (m, s) for logsumexp partials alone (no b); identity (-inf, 0)."""
+    m, _, _, a1, a2 = merge_scales(m1, s1, m2, s2)
+    return m, a1 * s1 + a2 * s2
 
 
 @triton.jit

@@ -20,6 +20,11 @@ next tile's loads overlap this tile's softmax epilogue), WARP_SPEC (producer/con
 EVEN_V (V is a multiple of BLOCK_N: no column masks in the epilogue). One flag changes the
 arithmetic: SOFTCAP, the logit soft-capping of Gemma-2-style heads (z = (c / T) tanh(h . w / c),
 ``common.soft_cap``); without it the kernels are the uncapped ones, bit for bit.
+TAIL (the tail-aware top-K KL, verl RFC #7856) adds per-split tail statistics (m_t, s_t) over the
+columns that are not among the row's sorted ids (``common.among_ids``; those columns set to -inf
+before the tail's own max, so a tail far below the row's max keeps its digits; identity (-inf, 0) for
+a row with no tail column in the split); FLATTEN and WARP_SPEC are off with it. Without TAIL the
+kernel is the one above, bit for bit.
 
 Combine: merges per-split softmax partials into log-probs, entropy and lse.
 
@@ -30,6 +35,8 @@ The same merge serves vocab-parallel ranks, whose partials are stacked along S.
 Per row: lse = m + log s, log p(y) = min(z_y - lse, 0), entropy = log s - b / s, and on request
 sum_j p_j^2 = q / s^2 from the partials q = sum exp(2 (z - m)).
 Rows whose label equals ``ignore_index`` get log-prob 0 and entropy 0 (lse is still written).
+TAIL: the tail partials merged the same way into tail_lse = m_t + log s_t (-inf when the row's ids
+cover the vocabulary).
 
 Backward: recompute logit tiles and write d(loss)/d(logits) chunks.
 
@@ -44,6 +51,9 @@ second form is what runs (per-row scalars times 1 / T; per element log2 p = log2
 multiply-add, p = 2^(log2 p) and up to three multiply-adds).
 With SOFTCAP (z = (c / T) tanh(h.w / c), ``common.soft_cap``) the stored gradient is
 dz (1 - tanh^2) / T, the chain rule through the cap.
+TAIL adds g_tail * [j not among the row's ids] * exp(z_j - tail_lse) (d tail_lse / dz_j), the
+mask applied before the exp: at the ids exp(z - tail_lse) can be ~1 / q_tail, which no later
+subtraction could cancel in a 16-bit window.
 With ``KernelConfig.bwd_programs_per_sm`` > 0 the launch is persistent: a few programs per
 multiprocessor each walk the window's tiles (same grouped order, same per-tile arithmetic, so the
 same bits), in one flattened software pipeline that overlaps a tile's epilogue (exp, store) with
@@ -59,9 +69,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (TensorDescriptor, gemm_meta, grouped_tile, log_sum_lse, logits_tile_log2, merge_q, merge_stats,
-                     persistent_programs, row_scales, scalar_inv_temperature, soft_cap, softcap_args, stats_entropy,
-                     store_window, tma_ok, tma_operands, window_grid, window_tile)
+from .common import (TensorDescriptor, among_ids, gemm_meta, grouped_tile, log_sum_lse, logits_tile_log2,
+                     merge_max_sum, merge_q, merge_stats, persistent_programs, row_scales, scalar_inv_temperature,
+                     soft_cap, softcap_args, stats_entropy, store_window, tma_ok, tma_operands, window_grid,
+                     window_tile)
 from .config import BwdTile, KernelConfig, interpreting
 
 
@@ -78,9 +89,13 @@ def _linear_split_stats_kernel(
     FLATTEN: tl.constexpr, WARP_SPEC: tl.constexpr, SUM_PI_SQUARED: tl.constexpr = False,
     SOFTCAP: tl.constexpr = False, LIBDEVICE: tl.constexpr = False,
     inv_temperature_ptr=None, ROW_TEMPERATURE: tl.constexpr = False,
+    tail_ids_ptr=None, stride_tail_ids=0, n_tail_ids=0, part_mt_ptr=None, part_st_ptr=None,
+    TAIL: tl.constexpr = False, BLOCK_IDS: tl.constexpr = 1,
 ):
     # logit_scale: 1 / T, or 1 / softcap with SOFTCAP (then z = softcap_scale * tanh(tile)); with
-    # ROW_TEMPERATURE each row's 1 / T (inv_temperature_ptr) multiplies the temperature's scale
+    # ROW_TEMPERATURE each row's 1 / T (inv_temperature_ptr) multiplies the temperature's scale.
+    # TAIL: also the statistics (m_t, s_t) of the columns that are not among the row's sorted ids
+    # (tail_ids_ptr, ``common.among_ids``), the tail-aware top-K KL's tail bucket
     pid_m, pid_s = grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_M), tl.cdiv(V, SPLIT_V), GROUP_M)
     row0 = pid_m * BLOCK_M
     rows = row0 + tl.arange(0, BLOCK_M)
@@ -94,6 +109,10 @@ def _linear_split_stats_kernel(
     s = tl.zeros((BLOCK_M,), tl.float32)
     b = tl.zeros((BLOCK_M,), tl.float32)
     q = tl.zeros((BLOCK_M,), tl.float32)
+    if TAIL:
+        m_t = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        s_t = tl.zeros((BLOCK_M,), tl.float32)
+        rows64 = rows.to(tl.int64)
 
     v_begin = pid_s * SPLIT_V
     v_end = tl.minimum(v_begin + SPLIT_V, V)
@@ -126,6 +145,14 @@ def _linear_split_stats_kernel(
         if SUM_PI_SQUARED:  # sum exp(2 (z - m)), merged before m and s move on
             q = merge_q(m, s, q, tile_m, tile_s, tl.sum(e * e, axis=1))
         m, s, b = merge_stats(m, s, b, tile_m, tile_s, tile_b)
+        if TAIL:  # the tile without the row's ids: its own max, so a tiny tail keeps its digits
+            excluded = among_ids(tail_ids_ptr, stride_tail_ids, rows64, row_mask, cols, v0, BLOCK_N, n_tail_ids,
+                                 BLOCK_IDS)
+            zt2 = tl.where(excluded, float("-inf"), z2)
+            tail_m2 = tl.max(zt2, axis=1)
+            # a row with no tail column here: shift by 0, so exp2(-inf) = 0 (not -inf - -inf = NaN)
+            tail_s = tl.sum(tl.exp2(zt2 - tl.where(tail_m2 == float("-inf"), 0.0, tail_m2)[:, None]), axis=1)
+            m_t, s_t = merge_max_sum(m_t, s_t, tail_m2 * 0.6931471805599453, tail_s)
 
     out = pid_s.to(tl.int64) * N + rows
     tl.store(part_m_ptr + out, m, mask=row_mask)
@@ -134,6 +161,9 @@ def _linear_split_stats_kernel(
         tl.store(part_b_ptr + out, b, mask=row_mask)
     if SUM_PI_SQUARED:
         tl.store(part_q_ptr + out, q, mask=row_mask)
+    if TAIL:
+        tl.store(part_mt_ptr + out, m_t, mask=row_mask)
+        tl.store(part_st_ptr + out, s_t, mask=row_mask)
 
 
 @triton.jit(do_not_specialize=["check_id"])
@@ -215,6 +245,7 @@ def linear_split_stats(
     params,
     cfg: KernelConfig,
     label_check: tuple[torch.Tensor, int] | None = None,
+    tail_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Per-split partials of the linear head.
 
@@ -225,7 +256,10 @@ def linear_split_stats(
     Returns (m, s, b, z_y, q): m, s, b (S, N) float32 with S = ceil(V / cfg.split_v) (b is left
     uninitialised without ``return_entropy``), the label logits z_y (N,) float32, and q = sum
     exp(2 (z - m)) (S, N) with ``return_sum_pi_squared`` (else None): the input of
-    :func:`split_combine`. ``label_check``: see :func:`label_logits`.
+    :func:`split_combine`. ``label_check``: see :func:`label_logits`. ``tail_ids``: (N, K) int32
+    contiguous, each row sorted (``common.sorted_tail_ids``): a 6th output, the (2, S, N) float32
+    tail partials (m_t, s_t) over the columns that are not among the row's ids (the TAIL variant;
+    FLATTEN and WARP_SPEC are off in it: ``among_ids``' inner loop stays out of the pipeliner).
     """
     inv_temperature, softcap = params.inv_temperature, params.softcap
     return_entropy, return_sum_pi_squared = params.return_entropy, params.return_sum_pi_squared
@@ -235,6 +269,11 @@ def linear_split_stats(
     parts = torch.empty((3 + return_sum_pi_squared, num_splits, n), dtype=torch.float32, device=hidden_states.device)
     grid = (triton.cdiv(n, cfg.block_m) * num_splits,)
     use_tma, operands = tma_operands(cfg, cfg.block_m, cfg.block_n, (hidden_states, weight))
+    tail, tail_args, pipeline = None, {}, dict(FLATTEN=cfg.flatten, WARP_SPEC=cfg.warp_specialize)
+    if tail_ids is not None:
+        tail = torch.empty((2, num_splits, n), dtype=torch.float32, device=hidden_states.device)
+        tail_args = tail_kernel_args(tail_ids, part_mt_ptr=tail[0], part_st_ptr=tail[1])
+        pipeline = dict(FLATTEN=False, WARP_SPEC=False)
     _linear_split_stats_kernel[grid](
         *operands,
         parts[0], parts[1], parts[2], parts[-1],
@@ -244,13 +283,22 @@ def linear_split_stats(
         SPLIT_V=cfg.split_v, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         ENTROPY=return_entropy, UPCAST=cfg.upcast(hidden_states.dtype),
         DOT_PRECISION=cfg.dot_precision(hidden_states.dtype), GROUP_M=cfg.group_m,
-        USE_TMA=use_tma, EVEN_V=v % cfg.block_n == 0,
-        FLATTEN=cfg.flatten, WARP_SPEC=cfg.warp_specialize, SUM_PI_SQUARED=return_sum_pi_squared,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        USE_TMA=use_tma, EVEN_V=v % cfg.block_n == 0, SUM_PI_SQUARED=return_sum_pi_squared,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pipeline, **tail_args,
     )
-    return (parts[0], parts[1], parts[2],
-            label_logits(hidden_states, weight, labels, params, label_check),
-            parts[3] if return_sum_pi_squared else None)
+    out = (parts[0], parts[1], parts[2], label_logits(hidden_states, weight, labels, params, label_check),
+           parts[3] if return_sum_pi_squared else None)
+    return out if tail is None else out + (tail,)
+
+
+def tail_kernel_args(tail_ids: torch.Tensor, **pointers) -> dict:
+    """The TAIL variant's launch arguments for the sorted (N, K) int32 ``tail_ids``
+    (``common.sorted_tail_ids``), plus ``pointers``."""
+    if tail_ids.dtype != torch.int32 or tail_ids.dim() != 2 or not tail_ids.is_contiguous():
+        raise ValueError(f"tail_ids: expected (N, K) int32 contiguous, got {tuple(tail_ids.shape)} {tail_ids.dtype}")
+    k = tail_ids.shape[1]
+    return dict(tail_ids_ptr=tail_ids, stride_tail_ids=tail_ids.stride(0) if k else 1, n_tail_ids=k, TAIL=True,
+                BLOCK_IDS=triton.next_power_of_2(max(k, 1)), **pointers)
 
 
 # ------------------------------------------------------------------ combine: the splits merged per row
@@ -261,6 +309,7 @@ def _split_combine_kernel(
     log_probs_ptr, entropy_ptr, lse_ptr,
     N, num_splits, ignore_index, part_q_ptr, sum_pi_squared_ptr,
     BLOCK: tl.constexpr, ENTROPY: tl.constexpr, SUM_PI_SQUARED: tl.constexpr, MARK_BAD: tl.constexpr,
+    part_mt_ptr=None, part_st_ptr=None, tail_lse_ptr=None, TAIL: tl.constexpr = False,
 ):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     row_mask = rows < N
@@ -268,6 +317,9 @@ def _split_combine_kernel(
     s = tl.zeros((BLOCK,), tl.float32)
     b = tl.zeros((BLOCK,), tl.float32)
     q = tl.zeros((BLOCK,), tl.float32)
+    if TAIL:  # the tail statistics, merged like the lse's (identity (-inf, 0))
+        m_t = tl.full((BLOCK,), float("-inf"), tl.float32)
+        s_t = tl.zeros((BLOCK,), tl.float32)
     for sp in range(0, num_splits):
         off = sp * N + rows.to(tl.int64)
         pm = tl.load(part_m_ptr + off, mask=row_mask, other=float("-inf"))
@@ -279,6 +331,9 @@ def _split_combine_kernel(
         if SUM_PI_SQUARED:
             q = merge_q(m, s, q, pm, ps, tl.load(part_q_ptr + off, mask=row_mask, other=0.0))
         m, s, b = merge_stats(m, s, b, pm, ps, pb)
+        if TAIL:
+            m_t, s_t = merge_max_sum(m_t, s_t, tl.load(part_mt_ptr + off, mask=row_mask, other=float("-inf")),
+                                     tl.load(part_st_ptr + off, mask=row_mask, other=0.0))
     zy = tl.load(zy_ptr + rows, mask=row_mask, other=0.0)
 
     log_s, lse = log_sum_lse(m, s)
@@ -291,6 +346,11 @@ def _split_combine_kernel(
     if MARK_BAD:  # label_logits made z_y NaN for a bad label: the saved lse too (a NaN gradient row)
         lse = tl.where(valid & (zy != zy), zy, lse)
     tl.store(lse_ptr + rows, lse, mask=row_mask)
+    if TAIL:  # tail_lse = m_t + log s_t (-inf for a row with no tail); NaN with a bad label's lse
+        _, tail_lse = log_sum_lse(m_t, s_t)
+        if MARK_BAD:
+            tail_lse = tl.where(valid & (zy != zy), zy, tail_lse)
+        tl.store(tail_lse_ptr + rows, tail_lse, mask=row_mask)
     if ENTROPY:
         tl.store(entropy_ptr + rows, tl.where(valid, stats_entropy(log_s, b, s), 0.0), mask=row_mask)
     if SUM_PI_SQUARED:  # sum_j p_j^2 = q / s^2 (0 for ignored rows, as log p and entropy)
@@ -303,9 +363,11 @@ def split_combine(
     params,
     mark_bad: bool = False,
     block: int = 128,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+) -> tuple:
     """Merge the partials of ``linear_split_stats`` ((S, N) float32 m, s, b, the (N,) label
-    logits, and q (S, N) or None) into (log_probs, entropy, lse, sum_pi_squared), each (N,) float32.
+    logits, and q (S, N) or None) into (log_probs, entropy, lse, sum_pi_squared), each (N,) float32;
+    with the tail partials (a 6th entry of ``partials``, its TAIL variant) a 5th output, tail_lse
+    (N,) float32: the logsumexp over the columns outside the row's ids (-inf when there are none).
 
     ``labels`` is (N,) int32/int64; positions equal to ``params.ignore_index`` get log-prob and
     entropy 0. ``entropy`` is None unless ``params.return_entropy`` (``b`` is then not read);
@@ -313,22 +375,25 @@ def split_combine(
     carry NaN for bad labels (``label_logits``' label check); such a row's lse becomes NaN too, so
     that its gradient is NaN, never a finite wrong value.
     """
-    part_m, part_s, part_b, label_logits, part_q = partials
+    part_m, part_s, part_b, label_logits, part_q, *tail = partials
     ignore_index, return_entropy = params.ignore_index, params.return_entropy
     num_splits, n = part_m.shape
     log_probs = torch.empty(n, dtype=torch.float32, device=part_m.device)
     lse = torch.empty_like(log_probs)
     entropy = torch.empty_like(log_probs) if return_entropy else None
     sum_pi_squared = torch.empty_like(log_probs) if part_q is not None else None
+    tail_lse = torch.empty_like(log_probs) if tail else None
+    tail_args = dict(part_mt_ptr=tail[0][0], part_st_ptr=tail[0][1], tail_lse_ptr=tail_lse, TAIL=True) if tail else {}
     _split_combine_kernel[(triton.cdiv(n, block),)](
         part_m, part_s, part_b, label_logits,
         labels, labels.stride(0),
         log_probs, entropy if return_entropy else log_probs, lse,
         n, num_splits, ignore_index,
         part_q if part_q is not None else part_m, sum_pi_squared if sum_pi_squared is not None else lse,
-        BLOCK=block, ENTROPY=return_entropy, SUM_PI_SQUARED=part_q is not None, MARK_BAD=mark_bad,
+        BLOCK=block, ENTROPY=return_entropy, SUM_PI_SQUARED=part_q is not None, MARK_BAD=mark_bad, **tail_args,
     )
-    return log_probs, entropy, lse, sum_pi_squared
+    out = (log_probs, entropy, lse, sum_pi_squared)
+    return out if tail_lse is None else out + (tail_lse,)
 
 
 # ------------------------------------------------------------------ backward: dlogits windows
@@ -349,9 +414,12 @@ def _linear_dlogits_kernel(
     STORE_TMA: tl.constexpr = False, OUT_DTYPE: tl.constexpr = None,
     SOFTCAP: tl.constexpr = False, LIBDEVICE: tl.constexpr = False,
     inv_temperature_ptr=None, ROW_TEMPERATURE: tl.constexpr = False,
+    tail_ids_ptr=None, stride_tail_ids=0, n_tail_ids=0, tail_lse_ptr=None, g_tail_ptr=None,
+    TAIL: tl.constexpr = False, BLOCK_IDS: tl.constexpr = 1,
 ):
     # logit_scale: inv_temperature, or 1 / softcap with SOFTCAP (then z = softcap_scale * tanh(tile));
-    # with ROW_TEMPERATURE (inv_temperature = 1) each row's 1 / T from inv_temperature_ptr
+    # with ROW_TEMPERATURE (inv_temperature = 1) each row's 1 / T from inv_temperature_ptr.
+    # TAIL: + g_tail * [j not among the row's sorted ids] * exp(z_j - tail_lse) (d tail_lse / dz)
     num_tiles = tl.cdiv(n_rows, BLOCK_M) * tl.cdiv(n_cols, BLOCK_N)
     # one tile per program (num_programs = num_tiles), or a persistent loop over tiles whose
     # flattened pipeline loads the next tile's operands during this tile's epilogue
@@ -403,6 +471,13 @@ def _linear_dlogits_kernel(
             dz = p * inner + tl.where(hit, (g_lp * row_inv_temperature)[:, None], 0.0)
         else:
             dz = p * inner
+        if TAIL:  # masked before the exp: at the ids exp(z - tail_lse) may be ~1 / q_tail (no cancelling)
+            excluded = among_ids(tail_ids_ptr, stride_tail_ids, rows64, row_mask, cols, col0, BLOCK_N, n_tail_ids,
+                                 BLOCK_IDS)
+            tail_lse2 = tl.load(tail_lse_ptr + rows64, mask=row_mask, other=0.0) * 1.4426950408889634
+            g_tail = tl.load(g_tail_ptr + rows64, mask=row_mask, other=0.0)
+            p_tail = tl.exp2(tl.where(excluded, float("-inf"), z2 - tail_lse2[:, None]))
+            dz += (g_tail * row_inv_temperature)[:, None] * p_tail
         if SOFTCAP:  # d z / d(h.w / T) = 1 - tanh^2
             dz = dz * ((1.0 - t) * (1.0 + t))
         if STORE_TMA:  # dz_ptr: a descriptor of the window; the copy engine clips its bounds
@@ -425,6 +500,7 @@ def linear_dlogits(
     params,
     cfg: KernelConfig,
     tile: BwdTile,
+    tail_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write d(loss)/d(h.w) for logits[rows, cols] into ``out`` ((rows, cols), input dtype).
 
@@ -434,12 +510,18 @@ def linear_dlogits(
     ``log_probs`` / ``entropy`` (any stride, 0 allowed), ``lse`` / ``sum_pi_squared`` (contiguous
     float32), each None when absent (``autograd.linear.HeadOutputs`` records). ``params``: the
     head's parameter record (``inv_temperature``, ``ignore_index``, ``softcap``: the logits are
-    soft-capped before the temperature when it is not None).
+    soft-capped before the temperature when it is not None). ``tail_ids``: the sorted (N, K) int32 ids
+    of ``common.sorted_tail_ids`` (columns local to ``weight``), with ``saved.tail_lse`` and
+    ``grads.tail_lse`` (N,) float32 contiguous: the TAIL variant adds
+    g_tail * [j not among the ids] * exp(z_j - tail_lse) (FLATTEN off in it).
     """
     lse, entropy, sum_pi_squared = saved.lse, saved.entropy, saved.sum_pi_squared
     grad_log_probs, grad_entropy, grad_lse, grad_sum_pi_squared = grads.log_probs, grads.entropy, grads.lse, \
         grads.sum_pi_squared
     inv_temperature, ignore_index, softcap = params.inv_temperature, params.ignore_index, params.softcap
+    tail_args = {}
+    if tail_ids is not None:
+        tail_args = tail_kernel_args(tail_ids, tail_lse_ptr=saved.tail_lse, g_tail_ptr=grads.tail_lse)
     n_rows, n_cols, grid = window_grid(rows, cols, tile)
     programs = persistent_programs(grid[0], cfg.bwd_programs_per_sm, out.device)
     has_lp = grad_log_probs is not None
@@ -463,8 +545,8 @@ def linear_dlogits(
         sum_pi_squared if grad_sum_pi_squared is not None else lse, grad_sum_pi_squared if grad_sum_pi_squared is not None else lse,
         **softcap_args(softcap, inv_temperature, lse),
         HAS_GRAD_LOG_PROBS=has_lp, HAS_GRAD_ENTROPY=has_ent, HAS_GRAD_LSE=grad_lse is not None, HAS_GRAD_SUM_PI_SQUARED=grad_sum_pi_squared is not None,
-        num_programs=programs, FLATTEN=cfg.flatten and programs < grid[0],
+        num_programs=programs, FLATTEN=cfg.flatten and programs < grid[0] and tail_ids is None,
         STORE_TMA=store_tma, OUT_DTYPE=TL_DTYPES[out.dtype] if store_tma else None,
-        **gemm_meta(cfg, tile, hidden_states.dtype, use_tma),
+        **gemm_meta(cfg, tile, hidden_states.dtype, use_tma), **tail_args,
     )
     return out

@@ -44,10 +44,13 @@ def torch_forward(
     params,
     compute_dtype: torch.dtype = torch.float32,
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    tail_ids: torch.Tensor | None = None,
+) -> tuple:
     """(log_probs, entropy, lse, sum_pi_squared), each (N,) in ``compute_dtype``; entropy /
     sum_pi_squared (sum_j p_j^2) None unless ``params.return_entropy`` /
-    ``params.return_sum_pi_squared``.
+    ``params.return_sum_pi_squared``. With ``tail_ids`` (N, K) int (columns of ``weight``; values
+    outside [0, V) are ignored) a 5th output, tail_lse (N,): the logsumexp of the logits with the
+    row's ids masked to -inf (-inf when nothing is left), the ``ops.linear`` TAIL variant's.
 
     hidden_states (N, H), weight (V, H), labels (N,) int. Positions equal to
     ``params.ignore_index`` get log-prob 0 and entropy 0. Entropy is -sum p log p (no lse - E[z]
@@ -65,6 +68,7 @@ def torch_forward(
     lse = torch.empty_like(log_probs)
     entropy = torch.empty_like(log_probs) if return_entropy else None
     sum_pi_squared = torch.empty_like(log_probs) if return_sum_pi_squared else None
+    tail_lse = torch.empty_like(log_probs) if tail_ids is not None else None
     rows = max(1, chunk_elements // max(v, 1))
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
@@ -72,6 +76,8 @@ def torch_forward(
                              per_row(inv_temperature, slice(r0, r1), compute_dtype), softcap)
         lse_c = torch.logsumexp(z, dim=-1)
         lse[r0:r1] = lse_c
+        if tail_ids is not None:
+            tail_lse[r0:r1] = torch.logsumexp(z.masked_fill(among(tail_ids[r0:r1], 0, v), float("-inf")), dim=-1)
         log_probs[r0:r1] = z.gather(1, safe_labels[r0:r1, None]).squeeze(1) - lse_c
         if return_entropy or return_sum_pi_squared:
             log_p = z.sub_(lse_c[:, None])
@@ -86,7 +92,19 @@ def torch_forward(
         entropy = torch.where(valid, entropy, zero)
     if return_sum_pi_squared:
         sum_pi_squared = torch.where(valid, sum_pi_squared, zero)
-    return log_probs, entropy, lse, sum_pi_squared
+    out = (log_probs, entropy, lse, sum_pi_squared)
+    return out if tail_lse is None else out + (tail_lse,)
+
+
+def among(ids: torch.Tensor, col_start: int, width: int) -> torch.Tensor:
+    """(rows, width) bool: True at column j where col_start + j is one of the row's ``ids`` (rows, K)
+    (ids outside the columns never match): the tail-aware top-K KL's exclusion mask
+    (``ops.common.among_ids``' twin)."""
+    local = ids.long() - col_start
+    inside = (local >= 0) & (local < width)
+    mask = torch.zeros(ids.shape[0], width + 1, dtype=torch.bool, device=ids.device)
+    mask.scatter_(1, torch.where(inside, local, width), True)
+    return mask[:, :width]
 
 
 def torch_dlogits(
@@ -99,10 +117,12 @@ def torch_dlogits(
     cols: slice,
     out: torch.Tensor,
     params,
+    tail_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch twin of ``rl_kernels.ops.linear_dlogits`` (the same arguments but the tiles):
     d(loss)/d(h.w) for logits[rows, cols] computed in ``out.dtype`` and written into ``out``
-    (with ``params.softcap``, through the cap: times 1 - tanh^2)."""
+    (with ``params.softcap``, through the cap: times 1 - tanh^2). With ``tail_ids`` (N, K) and
+    ``grads.tail_lse``: + g_tail * [j not among the ids] * exp(z_j - saved.tail_lse)."""
     lse, entropy, sum_pi_squared = saved.lse, saved.entropy, saved.sum_pi_squared
     grad_log_probs, grad_entropy, grad_lse, grad_sum_pi_squared = grads.log_probs, grads.entropy, grads.lse, \
         grads.sum_pi_squared
@@ -123,6 +143,10 @@ def torch_dlogits(
         dz += grad_lse[rows].to(dt)[:, None] * p
     if grad_sum_pi_squared is not None:
         dz += (2 * grad_sum_pi_squared[rows].to(dt))[:, None] * p * (p - sum_pi_squared[rows].to(dt)[:, None])
+    if tail_ids is not None and grads.tail_lse is not None:  # masked before the exp (no 1 / q_tail values)
+        log_p_tail = (z - saved.tail_lse[rows].to(dt)[:, None]).masked_fill(
+            among(tail_ids[rows], cols.start, cols.stop - cols.start), float("-inf"))
+        dz += grads.tail_lse[rows].to(dt)[:, None] * log_p_tail.exp()
     if t is not None:
         dz *= (1 - t) * (1 + t)
     valid = (lab != ignore_index)[:, None]

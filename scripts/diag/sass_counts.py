@@ -131,7 +131,7 @@ def main() -> None:
         dict(gemm, labels_ptr="*i64", dz_ptr="*bf16", inv_temperature="fp32", stride_dzm="i64"),
         dict(meta, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HAS_GRAD_LOG_PROBS=True, HAS_GRAD_ENTROPY=True,
              HAS_GRAD_LSE=False, HAS_GRAD_SUM_PI_SQUARED=False, FLATTEN=False, STORE_TMA=False, OUT_DTYPE=None,
-             SOFTCAP=False, LIBDEVICE=False, stride_dzn=1, ROW_TEMPERATURE=False),
+             SOFTCAP=False, LIBDEVICE=False, stride_dzn=1, ROW_TEMPERATURE=False, TAIL=False, BLOCK_IDS=1),
         tile.num_warps, tile.num_stages)
     report("fused dlogits (fp / select / compare)", instructions(dl),
            tile.block_m * tile.block_n // (32 * tile.num_warps), only_fp=True)
@@ -139,7 +139,7 @@ def main() -> None:
         linear._linear_split_stats_kernel, gemm,
         dict(meta, SPLIT_V=cfg.split_v, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ENTROPY=True, EVEN_V=True,
              FLATTEN=False, WARP_SPEC=False, SUM_PI_SQUARED=False, SOFTCAP=False, LIBDEVICE=False,
-             ROW_TEMPERATURE=False),
+             ROW_TEMPERATURE=False, TAIL=False, BLOCK_IDS=1),
         cfg.num_warps, cfg.num_stages)
     report("fused forward (fp / select / compare)", instructions(fs),
            cfg.block_m * cfg.block_n // (32 * cfg.num_warps), only_fp=True)
