@@ -3,7 +3,7 @@ cuBLAS matmul of the same shape (torch.mm, bf16), its peak extra memory, and a c
 and log-probs against the torch backend (float32 logits) on the first rows.
 
 python scripts/diag/linear_topk_bench.py [N,H,V ...] [--k 64 ...] [--rounds 3]
-    [--splits S] [--block-m BM] [--block-n BN] [--warps W] [--stages ST] [--flatten] [--trend X]
+    [--splits S] [--block-m BM] [--block-n BN] [--warps W] [--stages ST] [--[no-]flatten] [--trend X]
 
 Goal (issue 45): at 16384,3584,152064 and k = 64, ms <= 1.3 x the matmul's. The tile options
 override the kernel's launch (``ops.linear_topk.topk_tiles`` / ``topk_splits``) for a sweep; every
@@ -34,7 +34,8 @@ def main():
     parser.add_argument("--block-n", type=int, default=None)
     parser.add_argument("--warps", type=int, default=None)
     parser.add_argument("--stages", type=int, default=None)
-    parser.add_argument("--flatten", action="store_true", help="flatten the tile loop's pipeline")
+    parser.add_argument("--flatten", action=argparse.BooleanOptionalAction, default=None,
+                        help="flatten the tile loop's pipeline or not (default: the head configuration's)")
     parser.add_argument("--trend", type=float, default=0.0, help="logit trend along the vocabulary (see above)")
     parser.add_argument("--check-rows", type=int, default=512, help="rows checked against the torch backend")
     args = parser.parse_args()
@@ -56,7 +57,8 @@ def main():
         t = tiles(cfg, kp)
         over = {"block_m": args.block_m, "block_n": args.block_n, "num_warps": args.warps,
                 "num_stages": args.stages}
-        t = dataclasses.replace(t, **{f: x for f, x in over.items() if x is not None}, flatten=args.flatten)
+        over["flatten"] = args.flatten
+        t = dataclasses.replace(t, **{f: x for f, x in over.items() if x is not None})
         chosen["tiles"] = t
         return t
 
