@@ -26,6 +26,27 @@ def check_teacher_log_probs(teacher_log_probs) -> None:
                          f"{first}: {teacher_log_probs.reshape(-1)[first].item()}")
 
 
+# the largest top-K teacher mass sum_k p_k accepted by the tail-aware KL (float rounding of K
+# probabilities that sum to 1, or a server's slightly unnormalized log-probs); above it the teacher
+# is not a distribution and p_tail = max(0, 1 - P) would hide that
+TAIL_MASS_SLACK = 1e-2
+
+
+def check_teacher_mass(teacher_log_probs, valid) -> None:
+    """ValueError naming ``teacher_log_probs`` when a position that counts (``valid`` (N,) bool)
+    has a top-K mass P = sum_k exp(teacher_log_probs) above 1 + ``TAIL_MASS_SLACK`` (float64, one
+    host read): the tail-aware KL's p_tail = 1 - P needs a teacher distribution."""
+    if not teacher_log_probs.numel():
+        return
+    mass = teacher_log_probs.detach().reshape(valid.shape[0], -1).double().exp().sum(-1)
+    bad = valid & (mass > 1.0 + TAIL_MASS_SLACK)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(f"teacher_log_probs: with tail=True the teacher's top-K probabilities must sum to at most "
+                         f"1 + {TAIL_MASS_SLACK} (p_tail = 1 - sum); {int(bad.sum())} positions that count exceed "
+                         f"it, first at flat position {i}: sum {float(mass[i]):.6g}")
+
+
 def counted_positions(hidden_states, labels, ignore_index, mask, vocab_size, check_values: bool,
                       hidden_name: str = "hidden_states"):
     """The one rule of the losses for which positions count: a position counts unless its label
@@ -52,16 +73,16 @@ def counted_positions(hidden_states, labels, ignore_index, mask, vocab_size, che
     "rl_kernels::counted_positions", mutates_args=(),
     schema="(Tensor hidden_states, Tensor? labels, Tensor? mask, Tensor? teacher_token_ids, "
            "Tensor? teacher_log_probs, SymInt vocab_size, int ignore_index, str hidden_name, str? group_name, "
-           "int? vocab_start_index) -> Tensor")
+           "int? vocab_start_index, bool tail=False) -> Tensor")
 def _counted_positions_op(hidden_states, labels, mask, teacher_token_ids, teacher_log_probs, vocab_size,
-                          ignore_index, hidden_name, group_name, vocab_start_index):
+                          ignore_index, hidden_name, group_name, vocab_start_index, tail=False):
     """torch.compile's route of :func:`checked_positions` (ValueError as in eager) -> (N,) bool,
     the positions that count. ``vocab_size``: the head's rows; with ``group_name`` (a vocab-sharded
     head) the whole vocabulary is derived as in eager (unknown when ``vocab_start_index`` is
     given)."""
     tp = group_from_op(group_name, vocab_start_index, False, ignore_index, vocab_size, hidden_states.device)
     return eager_positions(hidden_states, labels, ignore_index, mask, vocab_size if tp is None else tp.vocab_size,
-                           hidden_name, teacher_token_ids, teacher_log_probs)[0]
+                           hidden_name, teacher_token_ids, teacher_log_probs, tail)[0]
 
 
 @_counted_positions_op.register_fake
@@ -70,29 +91,34 @@ def _(hidden_states, *rest):
 
 
 def eager_positions(hidden_states, labels, ignore_index, mask, vocab_size, hidden_name="hidden_states",
-                    teacher_token_ids=None, teacher_log_probs=None):
+                    teacher_token_ids=None, teacher_log_probs=None, tail=False):
     """:func:`checked_positions`' checks on the host against ``vocab_size`` (the whole vocabulary;
-    None when unknown: label values then unchecked, teacher ids checked >= 0 only)."""
+    None when unknown: label values then unchecked, teacher ids checked >= 0 only); with ``tail``
+    also the teacher's top-K mass in the positions that count (:func:`check_teacher_mass`)."""
     if teacher_log_probs is not None:
         check_teacher_log_probs(teacher_log_probs)
     if teacher_token_ids is not None:
         known = vocab_size if vocab_size is not None else torch.iinfo(torch.int64).max
         check_token_id_values(teacher_token_ids, known, "teacher_token_ids")
-    return counted_positions(hidden_states, labels, ignore_index, mask, vocab_size,
-                             check_values=vocab_size is not None, hidden_name=hidden_name)
+    valid, any_excluded = counted_positions(hidden_states, labels, ignore_index, mask, vocab_size,
+                                            check_values=vocab_size is not None, hidden_name=hidden_name)
+    if tail and teacher_log_probs is not None:
+        check_teacher_mass(teacher_log_probs, valid)
+    return valid, any_excluded
 
 
 def checked_positions(hidden_states, labels, ignore_index, mask, local_vocab: int, tp, hidden_name="hidden_states",
-                      teacher_token_ids=None, teacher_log_probs=None):
+                      teacher_token_ids=None, teacher_log_probs=None, tail: bool = False):
     """(valid (N,) bool, whether any position is excluded, or None when unknown) after the values
     of ``labels``, ``mask`` and the teacher's ids / log-probs are checked (ValueError naming the
     argument). ``local_vocab``: the head's rows (the logits' columns); with ``tp`` (a vocab shard)
-    labels and ids are global and checked against the whole vocabulary when it is known. Eagerly
-    on the host here; while torch.compile traces through ``rl_kernels::counted_positions``."""
+    labels and ids are global and checked against the whole vocabulary when it is known; with
+    ``tail`` (the tail-aware top-K KL) the teacher's top-K mass too (:func:`check_teacher_mass`).
+    Eagerly on the host here; while torch.compile traces through ``rl_kernels::counted_positions``."""
     if not torch.compiler.is_compiling():
         return eager_positions(hidden_states, labels, ignore_index, mask, local_vocab if tp is None else tp.vocab_size,
-                               hidden_name, teacher_token_ids, teacher_log_probs)
+                               hidden_name, teacher_token_ids, teacher_log_probs, tail)
     counted_positions(hidden_states, labels, ignore_index, mask, None, False, hidden_name)  # metadata
     group = (None, None) if tp is None else (tp.process_group.group_name, tp.start)
     return torch.ops.rl_kernels.counted_positions(hidden_states, labels, mask, teacher_token_ids, teacher_log_probs,
-                                                  local_vocab, ignore_index, hidden_name, *group), None
+                                                  local_vocab, ignore_index, hidden_name, *group, tail), None
