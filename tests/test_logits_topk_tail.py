@@ -121,6 +121,24 @@ def test_the_tail_alone_gets_the_k_columns_right(backend):
     torch.testing.assert_close(x.grad.gather(1, ids).double(), x64.grad.gather(1, ids), atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tail_accuracy_does_not_grow_with_the_logits_offset(backend):
+    """log q_tail is formed relative to the row max ((mt - m) + log st - log s), not as tail_lse -
+    lse: at logits around 60 (lse ~ 65, float32 ulp 7.6e-6) it stays within 1e-6 of float64, where
+    the difference of the two rounded lse's is off by several ulp (checked here from float32 sums)."""
+    g = torch.Generator().manual_seed(60)
+    n, v, k = 24, 203, 5
+    base = 60.0 + 2 * torch.randn(n, v, generator=g)
+    ids = _ids(n, v, k, g)
+    with torch.no_grad():
+        _, tail = topk_log_probs_from_logits(base, ids, backend=backend, return_tail=True)
+    ref = _reference(base.double(), ids, 1.0)[1]
+    torch.testing.assert_close(tail.double(), ref, atol=1e-6, rtol=0)
+    outside = torch.ones_like(base, dtype=torch.bool).scatter(1, ids, False)
+    difference = torch.logsumexp(base.masked_fill(~outside, -math.inf), -1) - torch.logsumexp(base, -1)
+    assert (difference.double() - ref).abs().max() > 2e-6  # (the rounding this formula avoids)
+
+
 # ----------------------------------------------------------------------------- the tail-aware KL
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -111,7 +111,9 @@ def forward_body(logits, labels, params: LogitsParams, tp=None, token_ids=None) 
     statistics merged over the group (:func:`vp_forward`). With ``token_ids`` (N, K) int64 (checked
     by the caller without ``tp``; global ids with ``tp``, checked in :func:`vp_topk_forward`) also
     ``topk_log_probs``, z[ids] - lse, and with ``params.return_tail`` ``tail_log_probs`` =
-    tail_lse - lse (clamped at 0) and ``tail_lse`` (the ids distinct in every row that counts:
+    tail_lse - lse (at most 0; the backend's, formed without rounding at the lse's magnitude; the
+    Function's backward is written by hand, so that clamp zeroes no gradient) and ``tail_lse``
+    (the ids distinct in every row that counts:
     :func:`check_distinct_ids`); ``labels`` then only mark the rows to ignore (not checked here: the
     callers pass checked ids or ``ignore_index``). Eagerly :func:`forward_call` runs it directly;
     under torch.compile the ``rl_kernels::logits_forward`` custom op's body does."""
@@ -139,16 +141,7 @@ def forward_body(logits, labels, params: LogitsParams, tp=None, token_ids=None) 
     if token_ids is not None:  # (the labels only mark rows: their log-probs are not an output)
         stats.pop("log_probs", None)
         stats["topk_log_probs"] = gather_logits(logits, token_ids, params.inv_temperature) - stats["lse"][:, None]
-        if params.return_tail:
-            stats["tail_log_probs"] = tail_log_probs(stats["tail_lse"], stats["lse"])
     return stats
-
-
-def tail_log_probs(tail_lse, lse) -> torch.Tensor:
-    """log q_tail = tail_lse - lse, clamped at 0 (the rounding of a row whose K ids hold almost no
-    mass; NaN stays NaN). The Function's backward is written by hand (``tail_lse``'s and the lse's
-    gradients), so the clamp never zeroes a gradient."""
-    return (tail_lse - lse).clamp_max(0.0)
 
 
 def check_distinct_ids(token_ids, labels, params: LogitsParams) -> None:
@@ -358,13 +351,15 @@ def vp_backward(logits, local, stats: dict, g: LogitsOutputs, params: LogitsPara
 
 
 # ------------------------------------------------------------------ top-K on a vocab shard
-# Each rank runs the family's forward on its shard (lse_r and, with the tail, tail_lse_r over the
-# shard's columns outside the row's ids) and gathers its owned logits at the K global ids; ONE
-# all_gather of (N, 2 + 2K) float32 (lse_r, tail_lse_r, z at the owned ids (0 elsewhere), owned as
-# 0 / 1) gives every rank the same (W, N, 2 + 2K) tensor, merged in rank order by the same code, so
-# every rank returns the same bits: lse = logsumexp_r lse_r, tail_lse = logsumexp_r tail_lse_r
-# (both ``merge_lse``), z_k = the owner's value (a sum of one value and zeros: exact), log q_k =
-# z_k - lse. The backward is the single-process one on the shard with the merged lse (as the
+# Each rank runs the family's forward on its shard (lse_r and, with the tail, the shard's row max
+# m_r, log-sum ls_r and tail log-probability t_r over its columns outside the row's ids) and
+# gathers its owned logits at the K global ids; ONE all_gather of (N, 1 + 2K) float32 (lse_r, z at
+# the owned ids (0 elsewhere), owned as 0 / 1; with the tail (N, 4 + 2K): m_r, ls_r, t_r too)
+# gives every rank the same tensor, merged in rank order by the same code, so every rank returns
+# the same bits: lse = logsumexp_r lse_r (``merge_lse``), z_k = the owner's value (a sum of one
+# value and zeros: exact), log q_k = z_k - lse and, with a_r = (m_r - max_r m_r) + ls_r (the
+# shard's log-mass up to a common shift, no term of the lse's magnitude),
+# log q_tail = logsumexp_r (a_r + t_r) - logsumexp_r a_r, tail_lse = lse + log q_tail. The backward is the single-process one on the shard with the merged lse (as the
 # saved row max, log-sum 0) and tail_lse, the shard's own ids (-1 where another shard owns one):
 # every rank gets its shard's gradient of the same loss (the Megatron convention).
 
@@ -386,11 +381,12 @@ def vp_topk_forward(logits, labels, params: LogitsParams, tp, token_ids) -> dict
     z = gather_logits(logits, shard_ids.clamp_min(0), params.inv_temperature) if v_r else \
         torch.zeros(token_ids.shape, device=logits.device)
     zero = torch.zeros((), device=logits.device)
-    tail_r = stats["tail_lse"] if tail_ids is not None else stats["lse"]  # (not read without the tail)
-    part = torch.cat([stats["lse"][:, None], tail_r[:, None], torch.where(owned, z, zero), owned.float()], 1)
-    gathered = all_gather_rows(tp.process_group, part)  # (W, N, 2 + 2K)
-    k = token_ids.shape[1]
-    count = gathered[:, :, 2 + k:].sum(0)
+    rows = [stats["lse"]] + ([stats["row_max"], stats["log_sum"], stats["tail_log_probs"]] if tail_ids is not None
+                             else [])
+    part = torch.cat([torch.stack(rows, 1), torch.where(owned, z, zero), owned.float()], 1)
+    gathered = all_gather_rows(tp.process_group, part)  # (W, N, len(rows) + 2K)
+    k, c = token_ids.shape[1], len(rows)
+    count = gathered[:, :, c + k:].sum(0)
     bad = count != 1
     if bool(bad.any()):
         i = int(bad.reshape(-1).nonzero()[0, 0])
@@ -399,11 +395,16 @@ def vp_topk_forward(logits, labels, params: LogitsParams, tp, token_ids) -> dict
                          f"shards" + (f" (vocab_size {tp.vocab_size})" if tp.vocab_size is not None else
                                       " (check vocab_start_index)"))
     lse = merge_lse(gathered[:, :, 0])[0]
-    out = {"lse": lse, "topk_log_probs": gathered[:, :, 2:2 + k].sum(0) - lse[:, None], "row_max": lse,
+    out = {"lse": lse, "topk_log_probs": gathered[:, :, c:c + k].sum(0) - lse[:, None], "row_max": lse,
            "log_sum": torch.zeros_like(lse), "shard_ids": shard_ids}
-    if tail_ids is not None:
-        out["tail_lse"] = merge_lse(gathered[:, :, 1])[0]
-        out["tail_log_probs"] = tail_log_probs(out["tail_lse"], lse)
+    if tail_ids is not None:  # (section comment: no term of the lse's magnitude is rounded)
+        m_w, ls_w, t_w = gathered[:, :, 1], gathered[:, :, 2], gathered[:, :, 3]
+        top = m_w.amax(0)
+        top = torch.where(torch.isfinite(top), top, zero)
+        a_w = (m_w - top) + ls_w  # -inf for a shard without mass (its t_r, NaN there, is not read)
+        t_w = torch.where(a_w > float("-inf"), t_w, zero)
+        out["tail_log_probs"] = (torch.logsumexp(a_w + t_w, 0) - torch.logsumexp(a_w, 0)).clamp_max(0.0)
+        out["tail_lse"] = lse + out["tail_log_probs"]
     return out
 
 
@@ -549,12 +550,13 @@ def topk_columns(grad, logits, token_ids, labels, lse, grad_topk, grads: dict, p
     exactly what the family wrote (0 for the lse alone) unless g_lse or g_t != 0 there. ``shard``:
     ``token_ids`` are a vocab shard's own, -1 where another shard owns the id (not written)."""
     grad_lse = grads["lse"]
+    # (before the shard's -1 ids become 0 below: they must not join a real id 0's slots)
+    sums = sum_over_equal_ids(token_ids, grad_topk) if grad_topk is not None else None
     if shard:  # a slot of another shard writes column 0 with the value column 0 ends with (below)
         if grad.shape[1] == 0:
             return
         owned = token_ids >= 0
         token_ids = token_ids.clamp_min(0)
-    sums = sum_over_equal_ids(token_ids, grad_topk) if grad_topk is not None else None
     if grads.keys() <= {"lse", "tail_lse"}:
         p = (gather_logits(logits, token_ids, params.inv_temperature) - lse[:, None]).exp()
         values = p * grad_lse[:, None]

@@ -119,8 +119,9 @@ def _split_stats(row_ptr, stride_v, v_begin, V, inv_temperature,
 
 # The forward's per-row outputs: one (7, N) float32 block, a row per statistic in this order (the
 # kernels address slot k at out_ptr + k * N; one pointer instead of seven keeps the launch cheap).
-OUT_SLOTS = ("row_max", "log_sum", "lse", "log_probs", "entropy", "mean_log_p", "sum_pi_squared", "tail_lse")
-# (the block has the eighth row only with TAIL: lse of the columns outside the row's ids)
+OUT_SLOTS = ("row_max", "log_sum", "lse", "log_probs", "entropy", "mean_log_p", "sum_pi_squared", "tail_lse",
+             "tail_log_probs")
+# (the last two rows only with TAIL: the lse of the columns outside the row's ids, and log q_tail)
 # The two-level split's partials: one (5, S, N) float32 block, field f of split j of row i at
 # part_ptr + (f * S + j) * N + i, fields (m, s, b, t, q) in this order, then with TAIL (mt, st), the
 # tail's max and sum (a (7, S, N) block).
@@ -133,8 +134,10 @@ def _finalize(row, m, s, b, t, q, x_ptr, stride_n, stride_v, labels_ptr, stride_
               LOG_PROBS: tl.constexpr, ENTROPY: tl.constexpr, MEAN_LOG_P: tl.constexpr, SUM_PI_SQUARED: tl.constexpr,
               mt=0.0, st=0.0, TAIL: tl.constexpr = False):
     """Write the per-row outputs from the merged statistics (scalars of one row) into their slots
-    of the (7, N) block (``OUT_SLOTS``; (8, N) with TAIL: tail_lse = mt + log st, -inf for a row
-    whose every column is among its ids)."""
+    of the (7, N) block (``OUT_SLOTS``; (9, N) with TAIL: tail_lse = mt + log st, -inf for a row
+    whose every column is among its ids, and tail_log_probs = log q_tail = tail_lse - lse formed as
+    (mt - m) + (log st - log s), at most 0: no term of the lse's magnitude is rounded, so its error
+    does not grow with the logits' offset)."""
     out_ptr += row
     log_sum, lse = log_sum_lse(m, s)  # log s clamped at 0 for a finite m (see there)
     tl.store(out_ptr, m)  # row_max
@@ -164,7 +167,10 @@ def _finalize(row, m, s, b, t, q, x_ptr, stride_n, stride_v, labels_ptr, stride_
     if SUM_PI_SQUARED:  # sum_j p_j^2 = q / s^2 (0 for ignored rows, as log p and entropy)
         tl.store(out_ptr + 6 * N, tl.where(valid, q / (s * s), 0.0))
     if TAIL:  # (mt, st) = (-inf, 0) gives -inf + log 0 = -inf, never NaN
-        tl.store(out_ptr + 7 * N, log_sum_lse(mt, st)[1])
+        tail_log_sum, tail_lse = log_sum_lse(mt, st)
+        tl.store(out_ptr + 7 * N, tail_lse)
+        tail_log_p = (mt - m) + (tail_log_sum - log_sum)
+        tl.store(out_ptr + 8 * N, tl.minimum(tail_log_p, 0.0, propagate_nan=tl.PropagateNan.ALL))
 
 
 @triton.jit
@@ -448,16 +454,18 @@ def logits_forward(
     ``tail_ids``: None, or (N, K) int32 contiguous ids per row sorted ascending, local to these
     columns (``ops.common.sorted_tail_ids``; ids outside [0, V) match no column): then also
     ``tail_lse``, the logsumexp of z over the columns outside the row's ids (-inf when there are
-    none), from the same read (the TAIL variant of the kernels; without it the kernels are the
-    ones without TAIL).
+    none), and ``tail_log_probs`` = tail_lse - lse (<= 0, formed without rounding either, see
+    ``_finalize``), from the same read (the TAIL variant of the kernels; without it the kernels
+    are the ones without TAIL).
     """
     return_entropy, return_mean_log_p = params.return_entropy, params.return_mean_log_p
     return_sum_pi_squared = params.return_sum_pi_squared
     n, v = logits.shape
     dev = logits.device
     tail = tail_ids is not None
-    block = torch.empty((len(OUT_SLOTS) - (not tail), n), dtype=torch.float32, device=dev)
-    asked = (True, True, True, labels is not None, return_entropy, return_mean_log_p, return_sum_pi_squared, tail)
+    block = torch.empty((len(OUT_SLOTS) - 2 * (not tail), n), dtype=torch.float32, device=dev)
+    asked = (True, True, True, labels is not None, return_entropy, return_mean_log_p, return_sum_pi_squared, tail,
+             tail)
     out = {name: row for name, row, a in zip(OUT_SLOTS, block.unbind(0), asked) if a}
     if n == 0:
         return out

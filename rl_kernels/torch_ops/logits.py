@@ -24,7 +24,9 @@ def torch_logits_forward(logits, labels, params, tail_ids=None):
     """Torch twin of ``ops.logits_forward`` (same arguments but the tiles, same outputs), in
     float32 row chunks of at most ``CHUNK_ELEMENTS`` elements. With ``tail_ids`` (N, K) (local
     column ids; ids outside [0, V) match none) also ``tail_lse``: the logsumexp over the other
-    columns, computed with the ids' columns at -inf (-inf when none is left)."""
+    columns, computed with the ids' columns at -inf (-inf when none is left), and
+    ``tail_log_probs`` = tail_lse - lse, formed relative to the row max (no rounding at the lse's
+    magnitude), at most 0."""
     inv_temperature, ignore_index = params.inv_temperature, params.ignore_index
     return_entropy, return_mean_log_p = params.return_entropy, params.return_mean_log_p
     return_sum_pi_squared = params.return_sum_pi_squared
@@ -44,6 +46,7 @@ def torch_logits_forward(logits, labels, params, tail_ids=None):
         out["sum_pi_squared"] = torch.empty(n, **f32)
     if tail_ids is not None:
         out["tail_lse"] = torch.empty(n, **f32)
+        out["tail_log_probs"] = torch.empty(n, **f32)
     step = max(1, CHUNK_ELEMENTS // v)
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
@@ -53,8 +56,9 @@ def torch_logits_forward(logits, labels, params, tail_ids=None):
         z.sub_(m)
         ls = torch.logsumexp(z, dim=-1)
         if tail_ids is not None:  # (the masked row's own max inside logsumexp: no cancellation)
-            out["tail_lse"][r0:r1] = m[:, 0] + torch.logsumexp(
-                z.masked_fill(excluded_columns(tail_ids[r0:r1], v), float("-inf")), dim=-1)
+            tail = torch.logsumexp(z.masked_fill(excluded_columns(tail_ids[r0:r1], v), float("-inf")), dim=-1)
+            out["tail_lse"][r0:r1] = m[:, 0] + tail
+            out["tail_log_probs"][r0:r1] = (tail - ls).clamp_max_(0.0)
         out["row_max"][r0:r1] = m[:, 0]
         out["log_sum"][r0:r1] = ls
         if return_mean_log_p:
