@@ -493,8 +493,10 @@ def logits_forward(
             n, v, num_splits, scalar_inv_temperature(params.inv_temperature), params.ignore_index, flag, check_id)
     flags = dict(LOG_PROBS=labels is not None, ENTROPY=return_entropy, MEAN_LOG_P=return_mean_log_p,
                  SUM_PI_SQUARED=return_sum_pi_squared, **row_temperature_args(params.inv_temperature, block))
-    tail_args = {}
-    if tail:  # (only then: without TAIL the launch is the one without the tail's arguments)
+    # the tail's arguments, placeholders without it (never read: TAIL off is the kernel without the
+    # tail; the same argument types either way keep the launcher's fast path for both)
+    tail_args = dict(ids_ptr=flag, stride_ids=0, n_ids=0, TAIL=False, BLOCK_IDS=1)
+    if tail:
         k = tail_ids.shape[1]
         tail_args = dict(ids_ptr=tail_ids, stride_ids=tail_ids.stride(0), n_ids=k, TAIL=True,
                          BLOCK_IDS=triton.next_power_of_2(k))
@@ -503,9 +505,7 @@ def logits_forward(
                      PREFETCH=cfg.prefetch, **flags, **tail_args, num_warps=cfg.num_warps))
     if two_level and not last_combines:
         flags["num_warps"] = 1
-        if tail:
-            flags["TAIL"] = True
-        _COMBINE.launch((n,), args, flags)
+        _COMBINE.launch((n,), args, dict(flags, TAIL=tail))
     return out
 
 
@@ -547,8 +547,9 @@ def logits_backward(
     dummy = stats["row_max"]
     lab = labels if labels is not None else host_flag(logits.device)  # (a placeholder: not read)
     per_program = cfg.bwd_blocks_per_program
-    tail_args = {}
-    if "tail_lse" in grads:  # (only then: without it the launch is the one without the tail's arguments)
+    # (placeholders without a tail gradient, never read: see logits_forward)
+    tail_args = dict(tail_lse_ptr=dummy, g_tail_lse_ptr=dummy, HAS_GRAD_TAIL_LSE=False)
+    if "tail_lse" in grads:
         tail_args = dict(tail_lse_ptr=stats["tail_lse"], g_tail_lse_ptr=grads["tail_lse"], HAS_GRAD_TAIL_LSE=True)
     _BWD[(n, -(-v // (cfg.bwd_block_v * per_program)))](
         logits, logits.stride(0), logits.stride(1), grad, grad.stride(0), grad.stride(1),
