@@ -104,6 +104,34 @@ def test_tail_values_and_gradients(poison, backend, case):
     assert torch.equal(plain, log_q.detach())
 
 
+def test_the_kernels_launch_shapes_give_the_same_tail_bits(poison):
+    """The TAIL forward's three launch shapes (one level; two levels with the last split merging
+    or a combine launch) agree, and K = V gives -inf, never NaN. The two two-level shapes give the
+    same bits; one level vs two levels only within an ulp here: the interpreter's one-level log_sum
+    can differ from the two-level one by an ulp (also without the tail, on main: the partials that
+    the two-level path stores as float32 are not rounded alike in registers by the interpreter)."""
+    from rl_kernels import ops
+    from rl_kernels.ops.common import sorted_tail_ids
+
+    g = torch.Generator().manual_seed(4)
+    n, v, k = 3, 203, 7
+    x = 2 * torch.randn(n, v, generator=g)
+    ids = _ids(n, v, k, g)
+    ids[2] = torch.arange(v - k, v)  # the last split's columns among the ids
+    params = LogitsParams(get_backend("triton", x.device), 1 / 0.9, -100, False, "test")
+    cfg = ops.logits_config(x.device)
+    runs = [ops.logits_forward(x, None, params, cfg, two_level=two, last_combines=last, tail_ids=sorted_tail_ids(ids))
+            for two, last in ((False, None), (True, True), (True, False))]
+    for key in ("lse", "tail_lse", "tail_log_probs"):
+        assert torch.equal(runs[1][key], runs[2][key]), key
+        torch.testing.assert_close(runs[0][key], runs[1][key], atol=5e-7, rtol=0)  # (ulp of a log-sum < 4: 2.4e-7)
+    ref_q, ref_tail = _reference(x.double(), ids, 0.9)
+    torch.testing.assert_close(runs[0]["tail_log_probs"].double(), ref_tail, **TOL)
+    everything = torch.arange(v).expand(1, v).contiguous()
+    whole = ops.logits_forward(x[:1], None, params, cfg, two_level=True, tail_ids=sorted_tail_ids(everything))
+    assert whole["tail_lse"].item() == -math.inf and whole["tail_log_probs"].item() == -math.inf
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_the_tail_alone_gets_the_k_columns_right(backend):
     """A loss of the tail only (no gradient reaches the K log-probs): the K columns hold

@@ -113,10 +113,10 @@ def forward_body(logits, labels, params: LogitsParams, tp=None, token_ids=None) 
     ``topk_log_probs``, z[ids] - lse, and with ``params.return_tail`` ``tail_log_probs`` =
     tail_lse - lse (at most 0; the backend's, formed without rounding at the lse's magnitude; the
     Function's backward is written by hand, so that clamp zeroes no gradient) and ``tail_lse``
-    (the ids distinct in every row that counts:
-    :func:`check_distinct_ids`); ``labels`` then only mark the rows to ignore (not checked here: the
-    callers pass checked ids or ``ignore_index``). Eagerly :func:`forward_call` runs it directly;
-    under torch.compile the ``rl_kernels::logits_forward`` custom op's body does."""
+    (the ids distinct in every row that counts: :func:`check_distinct_ids`); ``labels`` then only
+    mark the rows to ignore (not checked here: the callers pass checked ids or ``ignore_index``).
+    Eagerly :func:`forward_call` runs it directly; under torch.compile the
+    ``rl_kernels::logits_forward`` custom op's body does."""
     raise_label_errors()  # a bad label that an earlier call's kernel reported
     if token_ids is not None and params.inplace_backward:
         raise NotImplementedError(f"rl_kernels.{params.name}: token ids with inplace_backward")
@@ -359,9 +359,10 @@ def vp_backward(logits, local, stats: dict, g: LogitsOutputs, params: LogitsPara
 # the same bits: lse = logsumexp_r lse_r (``merge_lse``), z_k = the owner's value (a sum of one
 # value and zeros: exact), log q_k = z_k - lse and, with a_r = (m_r - max_r m_r) + ls_r (the
 # shard's log-mass up to a common shift, no term of the lse's magnitude),
-# log q_tail = logsumexp_r (a_r + t_r) - logsumexp_r a_r, tail_lse = lse + log q_tail. The backward is the single-process one on the shard with the merged lse (as the
-# saved row max, log-sum 0) and tail_lse, the shard's own ids (-1 where another shard owns one):
-# every rank gets its shard's gradient of the same loss (the Megatron convention).
+# log q_tail = logsumexp_r (a_r + t_r) - logsumexp_r a_r, tail_lse = lse + log q_tail. The
+# backward is the single-process one on the shard with the merged lse (as the saved row max,
+# log-sum 0) and tail_lse, the shard's own ids (-1 where another shard owns one): every rank gets
+# its shard's gradient of the same loss (the Megatron convention).
 
 def vp_topk_forward(logits, labels, params: LogitsParams, tp, token_ids) -> dict:
     """:func:`forward_body` with ``token_ids`` (N, K) int64 global ids on a vocab shard ``logits``
@@ -415,9 +416,9 @@ def vp_topk_forward(logits, labels, params: LogitsParams, tp, token_ids) -> dict
 # A custom op takes no Python objects: the parameter record, the vocab-parallel layout and the
 # runtime temperature travel as plain values (``OP_ARGS``, ``autograd.common.OpArgs``), and the
 # body rebuilds them. The forward op also returns the saved statistics (row max, log-sum, the
-# tail's lse) and a shard's own labels or ids. ``inplace_backward`` is not honoured by the backward op (a
-# custom op cannot return its input's storage as a new gradient; the forward op says so once). The
-# ops' last argument is the runtime temperature (``autograd.common.op_temperature``).
+# tail's lse) and a shard's own labels or ids. ``inplace_backward`` is not honoured by the backward
+# op (a custom op cannot return its input's storage as a new gradient; the forward op says so once).
+# The ops' last argument is the runtime temperature (``autograd.common.op_temperature``).
 
 _STAT_KEYS = ("log_probs", "entropy", "lse", "mean_log_p", "sum_pi_squared", "topk_log_probs", "row_max", "log_sum",
               "shard_labels", "tail_log_probs", "tail_lse", "shard_ids")
