@@ -388,15 +388,17 @@ def topk_log_probs_from_logits(
             (the tail bucket of verl RFC #7856, "Tail-aware top-k KL for on-policy
             distillation"): tail_lse - lse with tail_lse the logsumexp of z over the columns not
             among the ids, computed by the kernels in the same read with those columns at -inf,
-            never as log(1 - sum_k q_k) (which cancels: q_tail ~ 1e-30 keeps its digits here).
-            -inf when the K ids are the whole vocabulary; at most 0.{backend}
+            never as log(1 - sum_k q_k) (which cancels: q_tail ~ 1e-30 keeps its digits here), and
+            the difference formed relative to the row max (its error does not grow with the
+            logits' offset). -inf when the K ids are the whole vocabulary; at most 0.{backend}
         process_group: a ``torch.distributed`` group over which the vocabulary is sharded:
             ``logits`` is then this rank's contiguous (..., V_r) vocab shard (shards ordered by
             group rank, sizes may differ; e.g. Megatron's vocab-parallel logits), ``token_ids``
-            are global ids. One all_gather of (N, 2 + 2K) float32 (the shard's lse, its tail lse,
-            its logits at the ids it owns and the ownership) merges the shards in rank order, so
-            every rank returns the same bits; backward gives each rank the gradient of its own
-            shard (every rank computes the same loss: the Megatron convention).
+            are global ids. One all_gather of (N, 1 + 2K) float32 (the shard's lse, its logits at
+            the ids it owns and the ownership; with ``return_tail`` (N, 4 + 2K): also its row max,
+            log-sum and tail log-probability) merges the shards in rank order, so every rank
+            returns the same bits; backward gives each rank the gradient of its own shard (every
+            rank computes the same loss: the Megatron convention).
         vocab_start_index: global id of the shard's first column; None derives it from the group
             (one small all_gather) and checks the ids against the whole vocabulary.
 
@@ -409,8 +411,10 @@ def topk_log_probs_from_logits(
     logits; O(N) saved for backward, which writes the gradient as the one N x V tensor it
     allocates: softmax times g_lse = -sum_k g_k from the same kernels, then the K columns of each
     row overwritten with p g_lse + (sum of g over the slots with that id), computed in float32 and
-    rounded once (no atomic add into the gradient). Under
-    ``torch.compile`` the same code runs inside the from-logits family's
+    rounded once (no atomic add into the gradient). With ``return_tail`` the same read also
+    keeps a second (max, sum) over the columns outside the row's ids (sorted ids, O(N K)), and
+    the backward adds g_tail exp(z_j - tail_lse) at every column before the K columns are
+    overwritten. Under ``torch.compile`` the same code runs inside the from-logits family's
     ``rl_kernels::logits_forward`` / ``logits_backward`` custom ops.
 
     Formula: log p_k = z_{{id_k}} - logsumexp(z), z = logits / T; d log p_k / dz_j = [j == id_k] - p_j
@@ -488,8 +492,9 @@ def topk_kl_from_logits(
         teacher_log_probs: (..., K) float teacher log-probs (nats) at those ids, taken as given
             (already at ``temperature``); no gradient flows to them. -inf marks a zero-probability
             slot, which adds exactly 0 to the loss and the gradient (forward: 0 log 0 = 0;
-            reverse: left out); ``renormalize_teacher`` renormalizes over the other slots. NaN or
-            +inf entries raise ValueError.
+            reverse: left out; with ``tail`` every slot is a category, so reverse adds
+            q_k log(q_k / 2^-126) there); ``renormalize_teacher`` renormalizes over the other
+            slots. NaN or +inf entries raise ValueError.
         labels: optional (...) int64/int32; positions whose label is ``ignore_index`` contribute
             0 and get exactly zero gradient (even when their logits are non-finite); other values
             must lie in [0, vocab_size) and are not used otherwise.

@@ -279,7 +279,8 @@ def _topk_from_logits(group, backend, lo, hi, rank, world):
     without the tail) and topk_kl_from_logits (tail or not, both kinds, ignored rows) equal the
     single-process function on the whole logits within 1e-6 (values, and this shard's columns of
     the gradient), bitwise identical on every rank; torch.compile gives eager's bits; an id held by
-    no shard raises ValueError naming the ids."""
+    no shard raises ValueError naming the ids. The Triton backend (the interpreter: ~0.3 s a launch)
+    runs the two tail cases (the shard-local masked kernels) and the error; the torch backend all."""
     from rl_kernels import topk_kl_from_logits, topk_log_probs_from_logits
 
     g = torch.Generator().manual_seed(21)
@@ -311,7 +312,8 @@ def _topk_from_logits(group, backend, lo, hi, rank, world):
         x, ids, t_lp, temperature=0.8, labels=labels, kind=kind, tail=tail, reduction="none", backend=backend, **kw),
         tail, start) for kind, tail, start in (("forward", True, False), ("reverse", True, True),
                                                ("reverse", False, False))]
-    for fn, tail, start in cases:
+    triton = backend == "triton"
+    for fn, _, start in [cases[1], cases[3]] if triton else cases:
         ref_outs, ref_grad = run(fn, False)
         outs, grad = run(fn, True, vocab_start_index=lo if start else None)
         kl = len(outs) == 1 and outs[0].dim() == 1
@@ -321,12 +323,12 @@ def _topk_from_logits(group, backend, lo, hi, rank, world):
         torch.testing.assert_close(grad, ref_grad[:, lo:hi], **tol)
         if kl:  # ignored rows get exactly zero gradient
             assert torch.equal(grad[labels == -100], torch.zeros_like(grad[labels == -100]))
-    # the tail matters on the shards too: the KL with and without it differ
-    with_tail, without = run(cases[3][0], True)[0][0], run(cases[4][0], True)[0][0]
-    assert (with_tail - without)[labels != -100].abs().min() > 1e-4
-
-    # compiled over the group: eager's bits, values and this shard's gradient
-    for fn, _, _ in (cases[1], cases[3]):
+    if not triton:  # the tail matters on the shards too: the KL with and without it differ
+        with_tail, without = run(cases[3][0], True)[0][0], run(cases[4][0], True)[0][0]
+        assert (with_tail - without)[labels != -100].abs().min() > 1e-4
+    # compiled over the group (the tail KL: its top-K inside; the layout derived in the ops' bodies):
+    # eager's bits, values and this shard's gradient
+    for fn, _, _ in () if triton else (cases[2],):
         eager = run(fn, True)
         compiled = torch.compile(lambda x, **kw: fn(x, **kw), fullgraph=True, backend="aot_eager")
         got = run(compiled, True)
