@@ -283,10 +283,15 @@ def topk_kl_loss(log_q, teacher_log_probs, valid, lead, *, temperature: float, k
     count), ``lead`` (the positions' shape), the checked ``temperature`` and options;
     ``tail_log_probs`` (N,) float32 (differentiable): the student's log-mass outside the K ids, for
     the tail-aware loss (:func:`topk_kl_per_token`). The per-token sum is x temperature^2 (Hinton et
-    al. 2015) and reduced per ``reduction``."""
+    al. 2015) and reduced per ``reduction``. The student's log-probs of the positions that do not
+    count are replaced by 0 first: a non-finite one (NaN logits in an ignored row) would otherwise
+    send 0 * NaN = NaN back through the reverse kind's q log q (the rows' gradient must be 0)."""
+    zero = torch.zeros((), device=log_q.device)
+    log_q = torch.where(valid[:, None], log_q, zero)
+    if tail_log_probs is not None:
+        tail_log_probs = torch.where(valid, tail_log_probs, zero)
     per_token = topk_kl_per_token(log_q, teacher_log_probs.reshape(log_q.shape), kind=kind,
                                   renormalize_teacher=renormalize_teacher, tail_log_probs=tail_log_probs)
-    zero = torch.zeros((), device=log_q.device)
     per_token = torch.where(valid, per_token * (temperature * temperature), zero)
     return _reduce(per_token, valid, lead, reduction)
 

@@ -20,7 +20,9 @@ Formulas (z = logits / temperature, p = softmax(z), lse = logsumexp(z)):
 Top-K log-probs at K given ids per row (distillation from a top-K teacher): log p_{id_k} =
 z_{id_k} - lse, with gradient d/dz_j = p_j g_lse + sum_{k: id_k = j} g_k, g_lse = -sum_k g_k (the
 lse from the same kernels; no N x V tensor in forward, the gradient alone in backward:
-``rl_kernels.autograd.logits``, section "top-K log-probs").
+``rl_kernels.autograd.logits``, section "top-K log-probs"), and the log-probability outside the K
+ids, log q_tail = tail_lse - lse with tail_lse the logsumexp of z over the other columns (the
+tail-aware top-K KL of verl RFC #7856).
 And d/dlogits = (d/dz) / temperature. Sources: the softmax derivative d p_j / dz_k = p_j ([j == k]
 - p_k), from which the three gradients follow (dH/dz_k = -sum_j (1 + log p_j) dp_j/dz_k); label
 smoothing as in Szegedy et al. 2016 ("Rethinking the Inception Architecture", sec. 7) and
@@ -369,44 +371,81 @@ def topk_log_probs_from_logits(
     token_ids: torch.Tensor,
     *extra_positional,
     temperature: float = 1.0,
+    return_tail: bool = False,
     backend: str = "auto",
-) -> torch.Tensor:
+    process_group=None,
+    vocab_start_index: int | None = None,
+):
     """Log-probabilities ``log softmax(logits / temperature)`` at K given token ids per row (the
-    student side of a top-K distillation loss), without an N x V intermediate.
+    student side of a top-K distillation loss), without an N x V intermediate; optionally the
+    log-probability of everything outside those K ids (the tail).
 
     Args:{args}
         token_ids: (..., K) int64 or int32 ids in [0, vocab_size), the logits' leading shape then
-            K >= 1 ids per row (any K, duplicates allowed: their gradients add up).{backend}
+            K >= 1 ids per row (any K, duplicates allowed: their gradients add up; with
+            ``return_tail`` they must be distinct in each row).
+        return_tail: also return log q_tail, the log of the probability outside the row's K ids
+            (the tail bucket of verl RFC #7856, "Tail-aware top-k KL for on-policy
+            distillation"): tail_lse - lse with tail_lse the logsumexp of z over the columns not
+            among the ids, computed by the kernels in the same read with those columns at -inf,
+            never as log(1 - sum_k q_k) (which cancels: q_tail ~ 1e-30 keeps its digits here), and
+            the difference formed relative to the row max (its error does not grow with the
+            logits' offset). -inf when the K ids are the whole vocabulary; at most 0.{backend}
+        process_group: a ``torch.distributed`` group over which the vocabulary is sharded:
+            ``logits`` is then this rank's contiguous (..., V_r) vocab shard (shards ordered by
+            group rank, sizes may differ; e.g. Megatron's vocab-parallel logits), ``token_ids``
+            are global ids. One all_gather of (N, 1 + 2K) float32 (the shard's lse, its logits at
+            the ids it owns and the ownership; with ``return_tail`` (N, 4 + 2K): also its row max,
+            log-sum and tail log-probability) merges the shards in rank order, so every rank
+            returns the same bits; backward gives each rank the gradient of its own shard (every
+            rank computes the same loss: the Megatron convention).
+        vocab_start_index: global id of the shard's first column; None derives it from the group
+            (one small all_gather) and checks the ids against the whole vocabulary.
 
     Returns:
-        float32 log-probs (nats), shape ``token_ids.shape``; differentiable w.r.t. ``logits``
-        (the gradient is written in the logits dtype).
+        float32 log-probs (nats), shape ``token_ids.shape``; with ``return_tail`` the pair
+        ``(log_probs, tail_log_probs)``, tail_log_probs float32 shaped ``token_ids.shape[:-1]``.
+        Both differentiable w.r.t. ``logits`` (the gradient is written in the logits dtype).
 
     Memory: forward reads the logits once (the from-logits kernels' logsumexp) and gathers the K
     logits; O(N) saved for backward, which writes the gradient as the one N x V tensor it
     allocates: softmax times g_lse = -sum_k g_k from the same kernels, then the K columns of each
     row overwritten with p g_lse + (sum of g over the slots with that id), computed in float32 and
-    rounded once (no atomic add into the gradient). Under
-    ``torch.compile`` the same code runs inside the from-logits family's
+    rounded once (no atomic add into the gradient). With ``return_tail`` the same read also
+    keeps a second (max, sum) over the columns outside the row's ids (sorted ids, O(N K)), and
+    the backward adds g_tail exp(z_j - tail_lse) at every column before the K columns are
+    overwritten. Under ``torch.compile`` the same code runs inside the from-logits family's
     ``rl_kernels::logits_forward`` / ``logits_backward`` custom ops.
 
     Formula: log p_k = z_{{id_k}} - logsumexp(z), z = logits / T; d log p_k / dz_j = [j == id_k] - p_j
-    (the softmax derivative, module docstring), times 1 / T for the logits.
+    (the softmax derivative, module docstring), times 1 / T for the logits. Tail: d tail_lse / dz_j
+    = exp(z_j - tail_lse) outside the ids, 0 at them (``rl_kernels.autograd.logits``, "top-K
+    log-probs").
 {raises}
-        ValueError naming ``token_ids`` for an id outside [0, vocab_size), a wrong shape or
-        device; TypeError for a non-integer dtype.
+        ValueError naming ``token_ids`` for an id outside [0, vocab_size) (with
+        ``process_group``: of the whole vocabulary, or held by no shard), a wrong shape or device,
+        or, with ``return_tail``, an id repeated in a row; TypeError for a non-integer dtype;
+        TypeError / ValueError / RuntimeError naming ``process_group`` / ``vocab_start_index`` for
+        a bad group (not a ProcessGroup, torch.distributed not initialized) or start.
     """
     if extra_positional:  # a keyword-only argument given by position
         raise_extra_positional(topk_log_probs_from_logits, extra_positional)
     check_logits(logits)
     temperature = check_temperature(temperature)
+    check_bool_arg("return_tail", return_tail)
     check_token_ids("token_ids", token_ids, logits, "logits")
+    tp = parallel_params(process_group, vocab_start_index, False, -100, logits.shape[-1], logits.device,
+                         allow_reduce_hidden_grad=False)
     inv_temperature, runtime_temperature = split_temperature(temperature)
     params = LogitsParams(backend=get_backend(backend, logits.device), inv_temperature=inv_temperature,
-                          ignore_index=-100, return_entropy=False, name="topk_log_probs_from_logits")
+                          ignore_index=-100, return_entropy=False, name="topk_log_probs_from_logits",
+                          return_tail=return_tail, ids_name="token_ids")
     vocab_size, k = logits.shape[-1], token_ids.shape[-1]
-    ids = checked_token_ids(token_ids.reshape(-1, k), vocab_size, "token_ids")
-    log_probs = topk_log_probs(logits.reshape(-1, vocab_size), ids, None, params, runtime_temperature)
+    ids = token_ids.reshape(-1, k)  # (global ids with a group: checked on the shards' merge)
+    ids = checked_token_ids(ids, vocab_size, "token_ids") if tp is None else ids.long()
+    log_probs, tail = topk_log_probs(logits.reshape(-1, vocab_size), ids, None, params, runtime_temperature, tp)
+    if return_tail:
+        return log_probs.view(token_ids.shape), tail.view(token_ids.shape[:-1])
     return log_probs.view(token_ids.shape)
 
 
@@ -422,8 +461,11 @@ def topk_kl_from_logits(
     mask: torch.Tensor | None = None,
     kind: str = "forward",
     renormalize_teacher: bool = False,
+    tail: bool = False,
     reduction: str = "mean",
     backend: str = "auto",
+    process_group=None,
+    vocab_start_index: int | None = None,
 ) -> torch.Tensor:
     """KL divergence to a top-K teacher from materialized student logits: the from-logits twin of
     :func:`rl_kernels.linear_topk_kl` (same semantics, options and checks).
@@ -435,13 +477,24 @@ def topk_kl_from_logits(
     2015, "Distilling the Knowledge in a Neural Network", sec. 2); with K = V and a renormalized
     teacher it is the full KL.
 
+    With ``tail=True``, the tail-aware KL of verl RFC #7856 ("Tail-aware top-k KL for on-policy
+    distillation"): the exact KL of the (K+1)-category distributions (the K ids, then one bucket for
+    the rest of the vocabulary), adding T^2 p_tail log(p_tail / q_tail) (forward) or
+    T^2 q_tail log(q_tail / p_tail) (reverse), with P = sum_k p_t,k, p_tail = max(0, 1 - P) (float64)
+    and q_tail the student's mass outside the K ids, formed as exp(tail_lse - lse) with tail_lse the
+    logsumexp of z over the columns not among the ids, computed directly with those columns masked
+    (never 1 - sum_k q_k, which cancels). Inside a logarithm a probability is floored at 2^-126, so
+    q_tail = 0 (K = V) or a zero teacher probability (reverse) costs a finite amount; 0 log 0 = 0
+    (``rl_kernels.distill.topk_kl_per_token``).
+
     Args:{args}
         teacher_token_ids: (..., K) int64/int32 ids in [0, vocab_size) (K >= 1, any K <= V).
         teacher_log_probs: (..., K) float teacher log-probs (nats) at those ids, taken as given
             (already at ``temperature``); no gradient flows to them. -inf marks a zero-probability
             slot, which adds exactly 0 to the loss and the gradient (forward: 0 log 0 = 0;
-            reverse: left out); ``renormalize_teacher`` renormalizes over the other slots. NaN or
-            +inf entries raise ValueError.
+            reverse: left out; with ``tail`` every slot is a category, so reverse adds
+            q_k log(q_k / 2^-126) there); ``renormalize_teacher`` renormalizes over the other
+            slots. NaN or +inf entries raise ValueError.
         labels: optional (...) int64/int32; positions whose label is ``ignore_index`` contribute
             0 and get exactly zero gradient (even when their logits are non-finite); other values
             must lie in [0, vocab_size) and are not used otherwise.
@@ -450,10 +503,18 @@ def topk_kl_from_logits(
             excluded like ignored labels. With both ``labels`` and ``mask``, a position counts
             when both say so.
         kind: 'forward' (mode covering) or 'reverse' (mode seeking), as above.
-        renormalize_teacher: log-softmax the teacher log-probs over the K ids first.
+        renormalize_teacher: log-softmax the teacher log-probs over the K ids first (not with
+            ``tail``: a renormalized teacher has no tail).
+        tail: the tail-aware (K+1)-category KL above. The teacher's ids must then be distinct in
+            every position that counts and its top-K mass P at most 1 + 1e-2 there (a mass above 1
+            by rounding gives p_tail = 0).
         reduction: 'mean' (default: sum over the positions that count / their number), 'sum',
             'none' (shape ``...``), 'batchmean' (sum / size of the first dim, as
             ``torch.nn.functional.kl_div``).{backend}
+        process_group: vocab-sharded student logits, as for :func:`topk_log_probs_from_logits`:
+            ``logits`` is this rank's (..., V_r) shard, ``teacher_token_ids`` global ids, and every
+            rank returns the same loss (bitwise); backward gives each rank its shard's gradient.
+        vocab_start_index: global id of the shard's first column; None derives it from the group.
 
     Returns:
         float32 loss (nats x T^2): shape ``logits.shape[:-1]`` for 'none', a scalar otherwise;
@@ -462,7 +523,10 @@ def topk_kl_from_logits(
         TypeError / ValueError naming the argument for 1-D logits (at least one token dim is
         needed), teacher ids or log-probs of a wrong type, dtype, shape or device, ids outside
         [0, vocab_size), NaN / +inf teacher log-probs, a bad ``labels`` / ``mask`` / ``kind`` /
-        ``reduction`` / ``renormalize_teacher``.
+        ``reduction`` / ``renormalize_teacher`` / ``tail``; with ``tail``: ValueError for
+        ``renormalize_teacher=True``, naming ``teacher_token_ids`` for an id repeated in a position
+        that counts, naming ``teacher_log_probs`` for a top-K mass above 1 + 1e-2 there; with
+        ``process_group`` as :func:`topk_log_probs_from_logits`.
 
     Memory: O(N K) besides the logits; backward allocates the gradient as its one N x V tensor
     (:func:`topk_log_probs_from_logits`).
@@ -472,24 +536,33 @@ def topk_kl_from_logits(
     check_choice("kind", kind, KINDS)
     check_choice("reduction", reduction, LOSS_REDUCTIONS)
     check_bool_arg("renormalize_teacher", renormalize_teacher)
+    check_bool_arg("tail", tail)
+    if tail and renormalize_teacher:
+        raise ValueError("renormalize_teacher: True with tail=True; the tail-aware KL keeps the teacher's "
+                         "mass outside its K ids (p_tail = 1 - sum_k p_k), which renormalizing would drop")
     t = check_temperature(temperature)
     check_logits(logits)
     if logits.dim() < 2:
         raise ValueError(f"logits: expected shape (..., vocab_size) with at least one token dim (e.g. "
                          f"(N, vocab_size)), got {describe(logits)}")
     _check_teacher(logits, teacher_token_ids, teacher_log_probs, check_values=False, like_name="logits")
+    tp = parallel_params(process_group, vocab_start_index, False, ignore_index, logits.shape[-1], logits.device,
+                         allow_reduce_hidden_grad=False)
     vocab_size, k = logits.shape[-1], teacher_token_ids.shape[-1]
-    valid, any_excluded = checked_positions(logits, labels, ignore_index, mask, vocab_size, None, hidden_name="logits",
-                                            teacher_token_ids=teacher_token_ids, teacher_log_probs=teacher_log_probs)
+    # ids and labels are global with a group: checked against the whole vocabulary when known
+    valid, any_excluded = checked_positions(logits, labels, ignore_index, mask, vocab_size, tp, hidden_name="logits",
+                                            teacher_token_ids=teacher_token_ids, teacher_log_probs=teacher_log_probs,
+                                            tail=tail)
     inv_temperature, runtime_temperature = split_temperature(t)
     params = LogitsParams(backend=get_backend(backend, logits.device), inv_temperature=inv_temperature,
-                          ignore_index=-100, return_entropy=False, name="topk_kl_from_logits")
+                          ignore_index=-100, return_entropy=False, name="topk_kl_from_logits", return_tail=tail,
+                          ids_name="teacher_token_ids")
     ids = teacher_token_ids.reshape(-1, k).long()
     # positions that do not count: rows labelled ignore_index for the kernels (exactly zero gradient)
     rows = None if any_excluded is False else torch.where(valid, ids[:, 0], params.ignore_index)
-    log_q = topk_log_probs(logits.reshape(-1, vocab_size), ids, rows, params, runtime_temperature)
+    log_q, tail_log_q = topk_log_probs(logits.reshape(-1, vocab_size), ids, rows, params, runtime_temperature, tp)
     return topk_kl_loss(log_q, teacher_log_probs, valid, logits.shape[:-1], temperature=t, kind=kind,
-                        renormalize_teacher=renormalize_teacher, reduction=reduction)
+                        renormalize_teacher=renormalize_teacher, reduction=reduction, tail_log_probs=tail_log_q)
 
 
 def _fill_docs(fn):

@@ -334,8 +334,8 @@ def test_custom_ops_pass_opcheck(op):
     args = {"checked_token_ids": (ids, 37, "token_ids"),
             "logits_forward": (x, None, ids, *params),
             "logits_forward-labels": (x, rows, ids, *params),
-            "logits_backward": (x, rows, ids, *stats, None, None, None, None, torch.randn(n), None, None,
-                                torch.randn(n, k), *params)}[op]
+            "logits_backward": (x, rows, ids, *stats, None, None, None, None, None, torch.randn(n), None, None,
+                                torch.randn(n, k), None, *params)}[op]  # (no tail: tests/test_logits_topk_tail.py)
     torch.library.opcheck(getattr(torch.ops.rl_kernels, op.split("-")[0]).default, args)
     if op != "checked_token_ids":  # the packed record comes back whole
         assert OP_ARGS.unpack(params)[0] == record

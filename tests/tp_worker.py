@@ -339,7 +339,77 @@ def run(rank, world, init_file, backend):
         raise AssertionError("a label held by no shard did not raise")
     if world == 2:
         _compiled_equals_eager(group, backend, lo, hi)
+        _topk_from_logits(group, backend, lo, hi, rank, world)
     dist.destroy_process_group()
+
+
+def _topk_from_logits(group, backend, lo, hi, rank, world):
+    """The from-logits top-K on a logits shard (issue 45): topk_log_probs_from_logits (with and
+    without the tail) and topk_kl_from_logits (tail or not, both kinds, ignored rows) equal the
+    single-process function on the whole logits within 1e-6 (values, and this shard's columns of
+    the gradient), bitwise identical on every rank; torch.compile gives eager's bits; an id held by
+    no shard raises ValueError naming the ids. The Triton backend (the interpreter: ~0.3 s a launch)
+    runs the two tail cases (the shard-local masked kernels) and the error; the torch backend all."""
+    from rl_kernels import topk_kl_from_logits, topk_log_probs_from_logits
+
+    g = torch.Generator().manual_seed(21)
+    k = 6
+    full = 2 * torch.randn(N, V, generator=g)
+    ids = torch.stack([torch.randperm(V, generator=g)[:k] for _ in range(N)])
+    ids[0, 0], ids[1, 0] = V - 1, 0  # the last and the first id
+    ids[2] = torch.arange(k)  # a row whose ids all lie in the first shard
+    ids[3] = V - 1 - torch.arange(k)  # ... all in the last
+    t_lp = torch.log_softmax(torch.randn(N, k, generator=g), -1) - 0.4 * torch.rand(N, 1, generator=g)
+    labels = torch.randint(0, V, (N,), generator=g)
+    labels[[4, 9]] = -100
+    up, up_tail = torch.randn(N, k, generator=g), torch.randn(N, generator=g)
+    tol = dict(atol=1e-6, rtol=1e-6)
+
+    def run(fn, sharded, **kw):
+        x = (full[:, lo:hi] if sharded else full).clone().requires_grad_()
+        extra = dict(process_group=group, **kw) if sharded else {}
+        out = fn(x, **extra)
+        loss = sum(((o * w).sum() for o, w in zip(out, (up, up_tail))), torch.zeros(())) \
+            if isinstance(out, tuple) else (out * up[:, 0]).sum()
+        loss.backward()
+        return [o.detach() for o in (out if isinstance(out, tuple) else (out,))], x.grad
+
+    cases = [(lambda x, **kw: topk_log_probs_from_logits(x, ids, temperature=0.8, backend=backend,
+                                                          return_tail=tail, **kw), tail, start)
+             for tail, start in ((False, False), (True, True))]
+    cases += [(lambda x, kind=kind, tail=tail, **kw: topk_kl_from_logits(
+        x, ids, t_lp, temperature=0.8, labels=labels, kind=kind, tail=tail, reduction="none", backend=backend, **kw),
+        tail, start) for kind, tail, start in (("forward", True, False), ("reverse", True, True),
+                                               ("reverse", False, False))]
+    triton = backend == "triton"
+    for fn, _, start in [cases[1], cases[3]] if triton else cases:
+        ref_outs, ref_grad = run(fn, False)
+        outs, grad = run(fn, True, vocab_start_index=lo if start else None)
+        kl = len(outs) == 1 and outs[0].dim() == 1
+        for o, r in zip(outs, ref_outs):
+            torch.testing.assert_close(o, r, **tol)
+            assert _same_on_all_ranks(o)
+        torch.testing.assert_close(grad, ref_grad[:, lo:hi], **tol)
+        if kl:  # ignored rows get exactly zero gradient
+            assert torch.equal(grad[labels == -100], torch.zeros_like(grad[labels == -100]))
+    if not triton:  # the tail matters on the shards too: the KL with and without it differ
+        with_tail, without = run(cases[3][0], True)[0][0], run(cases[4][0], True)[0][0]
+        assert (with_tail - without)[labels != -100].abs().min() > 1e-4
+    # compiled over the group (the tail KL: its top-K inside; the layout derived in the ops' bodies):
+    # eager's bits, values and this shard's gradient
+    for fn, _, _ in () if triton else (cases[2],):
+        eager = run(fn, True)
+        compiled = torch.compile(lambda x, **kw: fn(x, **kw), fullgraph=True, backend="aot_eager")
+        got = run(compiled, True)
+        assert all(torch.equal(a, b) for a, b in zip(eager[0], got[0])) and torch.equal(eager[1], got[1])
+    # a vocab_start_index that leaves id V - 1 in no shard (and another in two): every rank raises
+    try:
+        topk_log_probs_from_logits(full[:, lo:hi], ids, backend=backend, process_group=group,
+                                   vocab_start_index=lo - 1 if rank == world - 1 else lo)
+    except ValueError as e:
+        assert "token_ids" in str(e) and "no shard or by several" in str(e), e
+    else:
+        raise AssertionError("an id held by no shard did not raise")
 
 
 def _compiled_equals_eager(group, backend, lo, hi):

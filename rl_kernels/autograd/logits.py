@@ -9,9 +9,10 @@ Backward: one more read of the logits writes d loss / d logits once, in the logi
 the logits' own storage with ``inplace_backward``, reported to autograd by a version bump).
 
 The top-K log-probs of ``rl_kernels.topk_log_probs_from_logits`` / ``topk_kl_from_logits`` are
-the same Function with token ids: the forward's lse with K gathered logits, and a backward that
-writes one N x V gradient (the family's backward with the lse's share, then the K columns of each
-row: see "top-K log-probs" below)."""
+the same Function with token ids: the forward's lse with K gathered logits (and, with
+``return_tail``, the log-probability outside the K ids), and a backward that writes one N x V
+gradient (the family's backward with the lse's share, then the K columns of each row: see "top-K
+log-probs" below); on a vocab shard too ("top-K on a vocab shard")."""
 from __future__ import annotations
 
 import logging
@@ -22,10 +23,12 @@ import torch
 from .._logging import log_once
 from ..backends import Backend, implements
 from ..label_check import deferred_label_check, raise_if_interpreted, raise_label_errors
+from ..ops.common import sorted_tail_ids
 from ..torch_ops.logits import torch_logits_backward, torch_logits_forward
 from ..validation import check_label_values, check_token_id_values
+from .positions import check_tail_teacher
 from .common import OpArgs, as_float_grad, custom_op_pair, first_order_only, or_empty, rl_op
-from .vocab_parallel import group_from_op, local_labels, merge_shards
+from .vocab_parallel import all_gather_rows, group_from_op, local_labels, merge_lse, merge_shards
 
 
 class LogitsParams(NamedTuple):
@@ -44,6 +47,10 @@ class LogitsParams(NamedTuple):
     # across calls (ops.logits.row_counters); off in the custom ops' bodies (torch.compile),
     # where inductor's CUDA-graph trees warm up in a private memory pool that no tensor may outlive
     combine_in_one_launch: bool = True
+    # with token ids: also the log-probability outside each row's K ids (``tail_log_probs``); the
+    # ids must then be distinct in every row that counts (ValueError naming ``ids_name``)
+    return_tail: bool = False
+    ids_name: str = "token_ids"  # the public argument that holds the token ids (error messages)
 
 
 class LogitsOutputs(NamedTuple):
@@ -56,6 +63,7 @@ class LogitsOutputs(NamedTuple):
     mean_log_p: torch.Tensor | None = None
     sum_pi_squared: torch.Tensor | None = None
     topk_log_probs: torch.Tensor | None = None  # at the K token ids per row given to the Function
+    tail_log_probs: torch.Tensor | None = None  # (N,): log of the probability outside those K ids
 
 
 @implements("logits", "triton")
@@ -63,11 +71,11 @@ class TritonLogits:
     """The from-logits statistics on the Triton kernels (``ops.logits``)."""
 
     @staticmethod
-    def forward(logits, labels, params: LogitsParams, label_check=None) -> dict:
+    def forward(logits, labels, params: LogitsParams, label_check=None, tail_ids=None) -> dict:
         from .. import ops
 
         return ops.logits_forward(logits, labels, params, ops.logits_config(logits.device), label_check=label_check,
-                                  last_combines=None if params.combine_in_one_launch else False)
+                                  last_combines=None if params.combine_in_one_launch else False, tail_ids=tail_ids)
 
     @staticmethod
     def backward(logits, grad, labels, stats: dict, grads: dict, params: LogitsParams) -> None:
@@ -81,19 +89,19 @@ class TorchLogits:
     """The from-logits statistics' torch twin (``torch_ops.logits``): float32 row chunks."""
 
     @staticmethod
-    def forward(logits, labels, params: LogitsParams, label_check=None) -> dict:
-        return torch_logits_forward(logits, labels, params)
+    def forward(logits, labels, params: LogitsParams, label_check=None, tail_ids=None) -> dict:
+        return torch_logits_forward(logits, labels, params, tail_ids)
 
     @staticmethod
     def backward(logits, grad, labels, stats: dict, grads: dict, params: LogitsParams) -> None:
         torch_logits_backward(logits, grad, labels, stats, grads, params)
 
 
-def logits_stats_forward(logits, labels, params: LogitsParams, label_check=None) -> dict:
+def logits_stats_forward(logits, labels, params: LogitsParams, label_check=None, tail_ids=None) -> dict:
     """The forward's per-row statistics (a dict of (N,) float32 tensors, as ``ops.logits_forward``:
-    ``row_max``, ``log_sum``, ``lse`` and the outputs asked) on the backend, no label check, no
-    autograd."""
-    return params.backend.family("logits").forward(logits, labels, params, label_check)
+    ``row_max``, ``log_sum``, ``lse``, the outputs asked and, with ``tail_ids`` (sorted local ids,
+    ``ops.common.sorted_tail_ids``), ``tail_lse``) on the backend, no label check, no autograd."""
+    return params.backend.family("logits").forward(logits, labels, params, label_check, tail_ids)
 
 
 def forward_body(logits, labels, params: LogitsParams, tp=None, token_ids=None) -> dict:
@@ -102,14 +110,24 @@ def forward_body(logits, labels, params: LogitsParams, tp=None, token_ids=None) 
     the host), the statistics (:func:`logits_stats_forward`). With ``tp`` (a vocab shard, global
     labels checked on the host against the whole vocabulary when it is known) the shard's
     statistics merged over the group (:func:`vp_forward`). With ``token_ids`` (N, K) int64 (checked
-    by the caller) also ``topk_log_probs``, z[ids] - lse; ``labels`` then only mark the rows to
-    ignore (not checked here: the callers pass checked ids or ``ignore_index``). Eagerly
-    :func:`forward_call` runs it directly; under torch.compile the ``rl_kernels::logits_forward``
-    custom op's body does."""
+    by the caller without ``tp``; global ids with ``tp``, checked in :func:`vp_topk_forward`) also
+    ``topk_log_probs``, z[ids] - lse, and with ``params.return_tail`` ``tail_log_probs`` =
+    tail_lse - lse (at most 0; the backend's, formed without rounding at the lse's magnitude; the
+    Function's backward is written by hand, so that clamp zeroes no gradient) and ``tail_lse``
+    (the ids distinct in every row that counts: :func:`check_distinct_ids`); ``labels`` then only
+    mark the rows to ignore (not checked here: the callers pass checked ids or ``ignore_index``).
+    Eagerly :func:`forward_call` runs it directly; under torch.compile the
+    ``rl_kernels::logits_forward`` custom op's body does."""
     raise_label_errors()  # a bad label that an earlier call's kernel reported
-    if token_ids is not None and (tp is not None or params.inplace_backward):
-        raise NotImplementedError(f"rl_kernels.{params.name}: token ids with "
-                                  f"{'a vocab shard' if tp is not None else 'inplace_backward'}")
+    if token_ids is not None and params.inplace_backward:
+        raise NotImplementedError(f"rl_kernels.{params.name}: token ids with inplace_backward")
+    if params.return_tail:
+        if token_ids is None or params.return_entropy or params.return_mean_log_p or params.return_sum_pi_squared:
+            raise NotImplementedError(f"rl_kernels.{params.name}: the tail without token ids, or with other "
+                                      f"statistics (entropy, mean log p, sum of squared probabilities)")
+        check_distinct_ids(token_ids, labels, params)
+    if tp is not None and token_ids is not None:
+        return vp_topk_forward(logits, labels, params, tp, token_ids)
     if tp is not None:
         if labels is not None and tp.vocab_size is not None:
             check_label_values(labels, tp.vocab_size, params.ignore_index)
@@ -118,12 +136,24 @@ def forward_body(logits, labels, params: LogitsParams, tp=None, token_ids=None) 
     if labels is not None and token_ids is None:
         label_check = deferred_label_check(labels, logits.shape[-1], params.ignore_index, params.name,
                                            in_kernel=params.backend.checks_labels_in_kernel)
-    stats = logits_stats_forward(logits, labels, params, label_check)
+    tail_ids = sorted_tail_ids(token_ids) if params.return_tail else None
+    stats = logits_stats_forward(logits, labels, params, label_check, tail_ids)
     raise_if_interpreted(label_check, logits.device)
     if token_ids is not None:  # (the labels only mark rows: their log-probs are not an output)
         stats.pop("log_probs", None)
         stats["topk_log_probs"] = gather_logits(logits, token_ids, params.inv_temperature) - stats["lse"][:, None]
     return stats
+
+
+def check_distinct_ids(token_ids, labels, params: LogitsParams) -> None:
+    """ValueError naming ``params.ids_name`` when a row that counts (``labels`` None, or not
+    ``ignore_index``) holds an id twice: the tail is the probability outside K distinct ids
+    (``positions.check_tail_teacher``: one sort of the (N, K) ids and one host read)."""
+    if token_ids.shape[1] < 2 or not token_ids.numel():
+        return
+    valid = torch.ones(token_ids.shape[0], dtype=torch.bool, device=token_ids.device) if labels is None \
+        else labels != params.ignore_index
+    check_tail_teacher(token_ids, None, valid, params.ids_name)
 
 
 def forward_call(logits, labels, params: LogitsParams, temperature=None, tp=None, token_ids=None) -> dict:
@@ -137,22 +167,27 @@ def forward_call(logits, labels, params: LogitsParams, temperature=None, tp=None
     out = rl_op("logits_forward", temperature)(logits, labels, token_ids, *OP_ARGS.pack(params, temperature, tp))
     # (the op's empties dropped)
     keep = asked_outputs(params, labels is not None, token_ids is not None) + ("row_max", "log_sum")
-    if tp is not None and labels is not None:
+    if params.return_tail and token_ids is not None:
+        keep += ("tail_lse",)
+    if tp is not None and labels is not None and token_ids is None:
         keep += ("shard_labels",)
+    if tp is not None and token_ids is not None:
+        keep += ("shard_ids",)
     return {k: t for k, t in zip(_STAT_KEYS, out) if k in keep}
 
 
 def backward_call(logits, labels, stats: dict, grads: dict, params: LogitsParams, temperature=None, tp=None,
                   token_ids=None):
     """d loss / d logits from the forward's ``stats`` and the float32 upstream ``grads`` (both
-    dicts keyed as ``LogitsOutputs``' fields; ``stats["lse"]`` with ``token_ids``): eagerly
-    :func:`backward_body` directly, under torch.compile through the ``rl_kernels::logits_backward``
-    custom op (a new tensor) with the same body. ``labels``: a shard's own
-    (``stats["shard_labels"]``) with ``tp``."""
+    dicts keyed as ``LogitsOutputs``' fields; ``stats["lse"]`` with ``token_ids``, and
+    ``stats["tail_lse"]`` with the tail): eagerly :func:`backward_body` directly, under
+    torch.compile through the ``rl_kernels::logits_backward`` custom op (a new tensor) with the same
+    body. ``labels``: a shard's own (``stats["shard_labels"]``) with ``tp``; ``token_ids``: a
+    shard's own (``stats["shard_ids"]``, -1 where another shard owns the id) with ``tp``."""
     if torch.compiler.is_compiling():
         return rl_op("logits_backward", temperature)(
             logits, labels, token_ids, stats["row_max"], stats["log_sum"], stats.get("lse"), stats.get("entropy"),
-            stats.get("sum_pi_squared"), *(grads.get(k) for k in LogitsOutputs._fields),
+            stats.get("sum_pi_squared"), stats.get("tail_lse"), *(grads.get(k) for k in LogitsOutputs._fields),
             *OP_ARGS.pack(params, temperature, tp))
     return backward_body(logits, labels, stats, grads, params, tp, token_ids)
 
@@ -160,22 +195,27 @@ def backward_call(logits, labels, stats: dict, grads: dict, params: LogitsParams
 def backward_body(logits, labels, stats: dict, grads: dict, params: LogitsParams, tp=None, token_ids=None):
     """The family's backward as one backend call runs it (:func:`backward_call`'s arguments): into
     the logits' own storage with ``inplace_backward`` (reported to autograd by a version bump),
-    else a new tensor in the logits' dtype; a vocab shard's by :func:`vp_backward`; with a
-    gradient of ``topk_log_probs`` the K columns of each row by :func:`topk_columns`."""
+    else a new tensor in the logits' dtype; a vocab shard's by :func:`vp_backward` (with token ids:
+    this same path on the merged statistics, the shard's own ids); with a gradient of
+    ``topk_log_probs`` or ``tail_log_probs`` the K columns of each row by :func:`topk_columns`."""
     raise_label_errors()  # a bad label reported by this call's (or an earlier) forward kernel
-    if tp is not None:
+    if tp is not None and token_ids is None:
         return vp_backward(logits, labels, stats, LogitsOutputs(*(grads.get(k) for k in LogitsOutputs._fields)),
                            params)
     grads = dict(grads)
     grad_topk = grads.pop("topk_log_probs", None)
+    grad_tail = grads.pop("tail_log_probs", None)
     if grad_topk is not None:  # d lse / dz = p: the K log-probs' share of the softmax term
         grad_lse = -grad_topk.sum(1)
         grads["lse"] = grad_lse if grads.get("lse") is None else grads["lse"] + grad_lse
+    if grad_tail is not None:  # log q_tail = tail_lse - lse
+        grads["lse"] = -grad_tail if grads.get("lse") is None else grads["lse"] - grad_tail
+        grads["tail_lse"] = grad_tail
     # documented: with inplace_backward the logits' storage receives their gradient
     grad = logits if params.inplace_backward else torch.empty_like(logits, memory_format=torch.contiguous_format)
     params.backend.family("logits").backward(logits, grad, labels, stats, grads, params)
-    if grad_topk is not None:
-        topk_columns(grad, logits, token_ids, labels, stats["lse"], grad_topk, grads, params)
+    if grad_topk is not None or grad_tail is not None:
+        topk_columns(grad, logits, token_ids, labels, stats["lse"], grad_topk, grads, params, shard=tp is not None)
     if params.inplace_backward:
         # the kernel wrote through a raw pointer: tell autograd the logits changed, so that any
         # other saved use of them (a second consumer, retain_graph and a second backward)
@@ -186,31 +226,32 @@ def backward_body(logits, labels, stats: dict, grads: dict, params: LogitsParams
 
 def asked_outputs(params: LogitsParams, has_labels: bool, has_token_ids: bool = False) -> tuple:
     """The ``LogitsOutputs`` fields a call computes, in order (lse always; with token ids their
-    log-probs, last, and no log-probs at the labels, which then only mark ignored rows): what
-    :class:`LogitsStatsFunction` returns, no None among them (torch.compile's tracing of a Function
-    handles tensors only)."""
+    log-probs, then with ``return_tail`` the tail's log-probability, last, and no log-probs at the
+    labels, which then only mark ignored rows): what :class:`LogitsStatsFunction` returns, no None
+    among them (torch.compile's tracing of a Function handles tensors only)."""
     asked = (has_labels and not has_token_ids, params.return_entropy, True, params.return_mean_log_p,
-             params.return_sum_pi_squared, has_token_ids)
+             params.return_sum_pi_squared, has_token_ids, has_token_ids and params.return_tail)
     return tuple([k for k, a in zip(LogitsOutputs._fields, asked) if a])
 
 
 class LogitsStatsFunction(torch.autograd.Function):
     """2-D logits (N, V) (a vocab shard (N, V_r) with ``tp``), labels (N,) or None, LogitsParams,
     runtime temperature (None, or the 0-d tensor of a compiled graph), the vocab-parallel layout
-    (``autograd.vocab_parallel.ParallelParams``) or None, token ids (N, K) int64 in [0, V) or None
-    -> the asked outputs (:func:`asked_outputs`), float32, (N,) each and (N, K) at the token ids,
-    identical on every rank of a group. With token ids, rows whose label is ``ignore_index`` get
-    exactly zero gradient when no gradient reaches them (even if non-finite). The one route of the
-    family, eager and under ``torch.compile(fullgraph=True)``, sharded or not: the backend calls
-    inside it are custom ops while the compiler traces (:func:`forward_call`,
-    :func:`backward_call`). Saves O(N) statistics (and the inputs)."""
+    (``autograd.vocab_parallel.ParallelParams``) or None, token ids (N, K) int64 in [0, V) (global
+    ids with a layout) or None -> the asked outputs (:func:`asked_outputs`), float32, (N,) each and
+    (N, K) at the token ids, identical on every rank of a group. With token ids, rows whose label
+    is ``ignore_index`` get exactly zero gradient when no gradient reaches them (even if
+    non-finite). The one route of the family, eager and under ``torch.compile(fullgraph=True)``,
+    sharded or not: the backend calls inside it are custom ops while the compiler traces
+    (:func:`forward_call`, :func:`backward_call`). Saves O(N) statistics (and the inputs)."""
 
     @staticmethod
     def forward(ctx, logits, labels, params: LogitsParams, temperature=None, tp=None, token_ids=None):
         stats = forward_call(logits, labels, params, temperature, tp, token_ids)
         lse = stats["lse"] if token_ids is not None else None  # (the K columns' softmax in the backward)
-        ctx.save_for_backward(logits, stats.get("shard_labels", labels), token_ids, stats["row_max"],
-                              stats["log_sum"], lse, stats.get("entropy"), stats.get("sum_pi_squared"), temperature)
+        ctx.save_for_backward(logits, stats.get("shard_labels", labels), stats.get("shard_ids", token_ids),
+                              stats["row_max"], stats["log_sum"], lse, stats.get("entropy"),
+                              stats.get("sum_pi_squared"), stats.get("tail_lse"), temperature)
         ctx.params, ctx.tp, ctx.fn_name = params, tp, params.name
         ctx.outputs = asked_outputs(params, labels is not None, token_ids is not None)
         ctx.set_materialize_grads(False)
@@ -219,13 +260,14 @@ class LogitsStatsFunction(torch.autograd.Function):
     @staticmethod
     @first_order_only
     def backward(ctx, *output_grads):
-        logits, labels, token_ids, row_max, log_sum, lse, entropy, sum_pi_squared, temperature = ctx.saved_tensors
+        (logits, labels, token_ids, row_max, log_sum, lse, entropy, sum_pi_squared, tail_lse,
+         temperature) = ctx.saved_tensors
         grads = {k: as_float_grad(g) for k, g in zip(ctx.outputs, output_grads) if g is not None}
         none = (None,) * 5
         if not ctx.needs_input_grad[0] or not grads:
             return (None,) + none
         stats = {"row_max": row_max, "log_sum": log_sum, "lse": lse, "entropy": entropy,
-                 "sum_pi_squared": sum_pi_squared}
+                 "sum_pi_squared": sum_pi_squared, "tail_lse": tail_lse}
         return (backward_call(logits, labels, stats, grads, ctx.params, temperature, ctx.tp, token_ids),) + none
 
 
@@ -302,19 +344,78 @@ def vp_backward(logits, local, stats: dict, g: LogitsOutputs, params: LogitsPara
     return grad
 
 
+# ------------------------------------------------------------------ top-K on a vocab shard
+# Each rank runs the family's forward on its shard (lse_r and, with the tail, the shard's row max
+# m_r, log-sum ls_r and tail log-probability t_r over its columns outside the row's ids) and
+# gathers its owned logits at the K global ids; ONE all_gather of (N, 1 + 2K) float32 (lse_r, z at
+# the owned ids (0 elsewhere), owned as 0 / 1; with the tail (N, 4 + 2K): m_r, ls_r, t_r too)
+# gives every rank the same tensor, merged in rank order by the same code, so every rank returns
+# the same bits: lse = logsumexp_r lse_r (``merge_lse``), z_k = the owner's value (a sum of one
+# value and zeros: exact), log q_k = z_k - lse and, with a_r = (m_r - max_r m_r) + ls_r (the
+# shard's log-mass up to a common shift, no term of the lse's magnitude),
+# log q_tail = logsumexp_r (a_r + t_r) - logsumexp_r a_r, tail_lse = lse + log q_tail. The
+# backward is the single-process one on the shard with the merged lse (as the saved row max,
+# log-sum 0) and tail_lse, the shard's own ids (-1 where another shard owns one): every rank gets
+# its shard's gradient of the same loss (the Megatron convention).
+
+def vp_topk_forward(logits, labels, params: LogitsParams, tp, token_ids) -> dict:
+    """:func:`forward_body` with ``token_ids`` (N, K) int64 global ids on a vocab shard ``logits``
+    (N, V_r): the stats dict (lse, topk_log_probs, with the tail tail_log_probs and tail_lse,
+    row_max = lse, log_sum = 0) and ``shard_ids`` (N, K) int64, the ids local to this shard or -1.
+    ``labels`` only mark ignored rows. Ids are checked against the whole vocabulary when it is known
+    (no ``vocab_start_index``), and every id must be owned by exactly one shard (ValueError naming
+    ``params.ids_name``)."""
+    if tp.vocab_size is not None:
+        check_token_id_values(token_ids, tp.vocab_size, params.ids_name)
+    n, v_r = logits.shape
+    local = token_ids - tp.start
+    owned = (local >= 0) & (local < v_r)
+    shard_ids = torch.where(owned, local, -1)
+    tail_ids = sorted_tail_ids(token_ids, tp.start, v_r) if params.return_tail else None
+    stats = logits_stats_forward(logits, None, params, None, tail_ids)
+    z = gather_logits(logits, shard_ids.clamp_min(0), params.inv_temperature) if v_r else \
+        torch.zeros(token_ids.shape, device=logits.device)
+    zero = torch.zeros((), device=logits.device)
+    rows = [stats["lse"]] + ([stats["row_max"], stats["log_sum"], stats["tail_log_probs"]] if tail_ids is not None
+                             else [])
+    part = torch.cat([torch.stack(rows, 1), torch.where(owned, z, zero), owned.float()], 1)
+    gathered = all_gather_rows(tp.process_group, part)  # (W, N, len(rows) + 2K)
+    k, c = token_ids.shape[1], len(rows)
+    count = gathered[:, :, c + k:].sum(0)
+    bad = count != 1
+    if bool(bad.any()):
+        i = int(bad.reshape(-1).nonzero()[0, 0])
+        raise ValueError(f"{params.ids_name}: {int(bad.sum())} ids are held by no shard or by several; first at "
+                         f"flat position {i}: id {int(token_ids.reshape(-1)[i])} is in {int(count.reshape(-1)[i])} "
+                         f"shards" + (f" (vocab_size {tp.vocab_size})" if tp.vocab_size is not None else
+                                      " (check vocab_start_index)"))
+    lse = merge_lse(gathered[:, :, 0])[0]
+    out = {"lse": lse, "topk_log_probs": gathered[:, :, c:c + k].sum(0) - lse[:, None], "row_max": lse,
+           "log_sum": torch.zeros_like(lse), "shard_ids": shard_ids}
+    if tail_ids is not None:  # (section comment: no term of the lse's magnitude is rounded)
+        m_w, ls_w, t_w = gathered[:, :, 1], gathered[:, :, 2], gathered[:, :, 3]
+        top = m_w.amax(0)
+        top = torch.where(torch.isfinite(top), top, zero)
+        a_w = (m_w - top) + ls_w  # -inf for a shard without mass (its t_r, NaN there, is not read)
+        t_w = torch.where(a_w > float("-inf"), t_w, zero)
+        out["tail_log_probs"] = (torch.logsumexp(a_w + t_w, 0) - torch.logsumexp(a_w, 0)).clamp_max(0.0)
+        out["tail_lse"] = lse + out["tail_log_probs"]
+    return out
+
+
 # ------------------------------------------------------------------ the backend calls as custom ops
 # What torch.compile sees of the family: its forward and backward backend calls as torch.library
 # custom ops (opaque, so no graph break; fake implementations give the shapes, symbolic sizes
 # included). Autograd is the Function's, on both routes; the ops themselves are not differentiable.
 # A custom op takes no Python objects: the parameter record, the vocab-parallel layout and the
 # runtime temperature travel as plain values (``OP_ARGS``, ``autograd.common.OpArgs``), and the
-# body rebuilds them. The forward op also returns the two saved statistics (row max,
-# log-sum) and a shard's own labels. ``inplace_backward`` is not honoured by the backward op (a
-# custom op cannot return its input's storage as a new gradient; the forward op says so once). The
-# ops' last argument is the runtime temperature (``autograd.common.op_temperature``).
+# body rebuilds them. The forward op also returns the saved statistics (row max, log-sum, the
+# tail's lse) and a shard's own labels or ids. ``inplace_backward`` is not honoured by the backward
+# op (a custom op cannot return its input's storage as a new gradient; the forward op says so once).
+# The ops' last argument is the runtime temperature (``autograd.common.op_temperature``).
 
 _STAT_KEYS = ("log_probs", "entropy", "lse", "mean_log_p", "sum_pi_squared", "topk_log_probs", "row_max", "log_sum",
-              "shard_labels")
+              "shard_labels", "tail_log_probs", "tail_lse", "shard_ids")
 OP_ARGS = OpArgs(LogitsParams)
 
 
@@ -333,10 +434,11 @@ def unpacked(op_args: OpArgs, args, warn_inplace: bool = False) -> tuple:
 @custom_op_pair(
     "rl_kernels::logits_forward",
     schema="(Tensor logits, Tensor? labels, Tensor? token_ids, " + OP_ARGS.schema
-           + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+           + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 def _logits_forward_op(logits, labels, token_ids, *args):
     """:func:`forward_body` -> (log_probs, entropy, lse, mean_log_p, sum_pi_squared,
-    topk_log_probs, row_max, log_sum, a shard's labels), empty where not asked."""
+    topk_log_probs, row_max, log_sum, a shard's labels, tail_log_probs, tail_lse, a shard's ids),
+    empty where not asked."""
     params, group = unpacked(OP_ARGS, args, warn_inplace=True)
     tp = group_from_op(*group, params.ignore_index, logits.shape[1], logits.device, allow_reduce_hidden_grad=False)
     stats = forward_body(logits, labels, params, tp, token_ids)
@@ -351,25 +453,32 @@ def _(logits, labels, token_ids, *args):
              params.return_sum_pi_squared)
     topk = (logits.new_empty(token_ids.shape, dtype=torch.float32) if token_ids is not None
             else logits.new_empty(0, dtype=torch.float32))
-    shard_labels = (torch.empty_like(labels) if group_name is not None and labels is not None
+    shard_labels = (torch.empty_like(labels) if group_name is not None and labels is not None and token_ids is None
                     else logits.new_empty(0, dtype=torch.float32))
+    tail = logits.new_empty(n if params.return_tail and token_ids is not None else 0, dtype=torch.float32)
+    shard_ids = (token_ids.new_empty(token_ids.shape, dtype=torch.int64)
+                 if group_name is not None and token_ids is not None else logits.new_empty(0, dtype=torch.float32))
     return (*(logits.new_empty(n if a else 0, dtype=torch.float32) for a in asked), topk,
-            logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32), shard_labels)
+            logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32), shard_labels,
+            tail, torch.empty_like(tail), shard_ids)
 
 
 @custom_op_pair(
     "rl_kernels::logits_backward",
     schema="(Tensor logits, Tensor? labels, Tensor? token_ids, Tensor row_max, Tensor log_sum, Tensor? lse, "
-           "Tensor? entropy, Tensor? sum_pi_squared, Tensor? grad_log_probs, Tensor? grad_entropy, Tensor? grad_lse, "
-           "Tensor? grad_mean_log_p, Tensor? grad_sum_pi_squared, Tensor? grad_topk_log_probs, "
-           + OP_ARGS.schema + ") -> Tensor")
-def _logits_backward_op(logits, labels, token_ids, row_max, log_sum, lse, entropy, sum_pi_squared, grad_log_probs,
-                        grad_entropy, grad_lse, grad_mean_log_p, grad_sum_pi_squared, grad_topk_log_probs, *args):
+           "Tensor? entropy, Tensor? sum_pi_squared, Tensor? tail_lse, Tensor? grad_log_probs, Tensor? grad_entropy, "
+           "Tensor? grad_lse, Tensor? grad_mean_log_p, Tensor? grad_sum_pi_squared, Tensor? grad_topk_log_probs, "
+           "Tensor? grad_tail_log_probs, " + OP_ARGS.schema + ") -> Tensor")
+def _logits_backward_op(logits, labels, token_ids, row_max, log_sum, lse, entropy, sum_pi_squared, tail_lse,
+                        grad_log_probs, grad_entropy, grad_lse, grad_mean_log_p, grad_sum_pi_squared,
+                        grad_topk_log_probs, grad_tail_log_probs, *args):
     """:func:`backward_body` -> d loss / d logits, a new contiguous tensor in the logits' dtype."""
     grads = {k: g for k, g in zip(LogitsOutputs._fields, (grad_log_probs, grad_entropy, grad_lse, grad_mean_log_p,
-                                                           grad_sum_pi_squared, grad_topk_log_probs))
+                                                           grad_sum_pi_squared, grad_topk_log_probs,
+                                                           grad_tail_log_probs))
              if g is not None}
-    stats = {"row_max": row_max, "log_sum": log_sum, "lse": lse, "entropy": entropy, "sum_pi_squared": sum_pi_squared}
+    stats = {"row_max": row_max, "log_sum": log_sum, "lse": lse, "entropy": entropy, "sum_pi_squared": sum_pi_squared,
+             "tail_lse": tail_lse}
     params, group = unpacked(OP_ARGS, args)
     return backward_body(logits, labels, stats, grads, params, group_from_op(*group), token_ids)
 
@@ -391,6 +500,14 @@ def _(logits, *rest):
 # the row's K slots), so every slot of an id writes the same value (no atomic add into the
 # gradient; float64 sums of a few float32 values round to the same float32 whatever their order,
 # but for a double-rounding tie).
+# The tail (``return_tail``; verl RFC #7856): log q_tail = tail_lse - lse, tail_lse the logsumexp of
+# z over the columns NOT among the row's ids, computed by the kernels with those columns at -inf (no
+# 1 - sum_k q_k cancellation: q_tail ~ 1e-30 keeps its digits). With g_t its gradient,
+#     d/dz_j = p_j g_lse + sum_{k: ids_k = j} g_k + g_t [j outside the ids] exp(z_j - tail_lse),
+#     g_lse = -sum_k g_k - g_t,
+# the family's backward adds g_t exp(z_j - tail_lse) at every column (no mask), and the K columns,
+# whose tail term is 0, are then overwritten by :func:`topk_columns` with (p g_lse + sums) / T,
+# which holds no tail term. The ids must be distinct per row (:func:`check_distinct_ids`).
 
 
 def gather_logits(logits, token_ids, inv_temperature: float) -> torch.Tensor:
@@ -415,37 +532,59 @@ def sum_over_equal_ids(token_ids, grad_log_probs) -> torch.Tensor:
     return torch.empty_like(grad_log_probs).scatter_(1, order, sums.gather(1, run).float())
 
 
-def topk_columns(grad, logits, token_ids, labels, lse, grad_topk, grads: dict, params: LogitsParams) -> None:
+def topk_columns(grad, logits, token_ids, labels, lse, grad_topk, grads: dict, params: LogitsParams,
+                 shard: bool = False) -> None:
     """The K columns of each row of ``grad`` (N x V, the logits' dtype), after the family's
-    backward wrote it with ``grads`` (the lse's gradient holding g_lse = -sum_k g_k): when the lse
-    was the only gradient there, those columns are overwritten with their whole value,
-    (p g_lse + the sum of g over the slots with that id) / T, computed in float32 and rounded once;
-    when other statistics' gradients came too, the sparse term is added to what the family wrote
-    (rounded twice there). ``labels``: None, or (N,) whose ``ignore_index`` rows keep exactly what
-    the family wrote (0 for the lse alone) unless g_lse != 0 there."""
+    backward wrote it with ``grads`` (the lse's gradient holding g_lse = -sum_k g_k, minus g_t with
+    a tail gradient ``grads["tail_lse"]`` = g_t): when the lse (and the tail's lse) was the only
+    gradient there, those columns are overwritten with their whole value, (p g_lse + the sum of g
+    over the slots with that id) / T, computed in float32 and rounded once (no tail term: the K
+    columns are not in the tail); when other statistics' gradients came too (never with the tail),
+    the sparse term is added to what the family wrote (rounded twice there). ``grad_topk``: (N, K)
+    or None (the tail's gradient alone). ``labels``: None, or (N,) whose ``ignore_index`` rows keep
+    exactly what the family wrote (0 for the lse alone) unless g_lse or g_t != 0 there. ``shard``:
+    ``token_ids`` are a vocab shard's own, -1 where another shard owns the id (not written)."""
     grad_lse = grads["lse"]
-    sums = sum_over_equal_ids(token_ids, grad_topk)
-    if grads.keys() == {"lse"}:
+    # (before the shard's -1 ids become 0 below: they must not join a real id 0's slots)
+    sums = sum_over_equal_ids(token_ids, grad_topk) if grad_topk is not None else None
+    if shard:  # a slot of another shard writes column 0 with the value column 0 ends with (below)
+        if grad.shape[1] == 0:
+            return
+        owned = token_ids >= 0
+        token_ids = token_ids.clamp_min(0)
+    if grads.keys() <= {"lse", "tail_lse"}:
         p = (gather_logits(logits, token_ids, params.inv_temperature) - lse[:, None]).exp()
-        values, kept = (p * grad_lse[:, None] + sums) * params.inv_temperature, 0.0
+        values = p * grad_lse[:, None]
+        values, kept = (values if sums is None else values + sums) * params.inv_temperature, 0.0
     else:
         kept = grad.gather(1, token_ids).float()
         values = kept + sums * params.inv_temperature
     if labels is not None:
         active = (labels != params.ignore_index) | (grad_lse != 0)
+        if "tail_lse" in grads:
+            active |= grads["tail_lse"] != 0
         values = torch.where(active[:, None], values, kept)
-    grad.scatter_(1, token_ids, values.to(grad.dtype))
+    values = values.to(grad.dtype)
+    if shard:  # column 0's final value: that of an owned slot with id 0, else what the family wrote
+        at_zero = owned & (token_ids == 0)
+        first = at_zero.to(torch.int8).argmax(1, keepdim=True)
+        zero_value = torch.where(at_zero.any(1, keepdim=True), values.gather(1, first), grad[:, :1])
+        values = torch.where(owned, values, zero_value)
+    grad.scatter_(1, token_ids, values)
 
 
-def topk_log_probs(logits, token_ids, labels, params: LogitsParams, temperature=None) -> torch.Tensor:
-    """(N, K) float32 log-probs of 2-D ``logits`` at checked int64 ``token_ids`` (N, K) (``labels``:
-    None, or (N,) marking the rows to ignore): :class:`LogitsStatsFunction` with the ids when a
-    gradient is wanted, its forward's body alone otherwise (eager: no autograd node).
-    ``temperature``: the runtime temperature of a compiled graph
-    (``autograd.common.split_temperature``) or None."""
+def topk_log_probs(logits, token_ids, labels, params: LogitsParams, temperature=None, tp=None) -> tuple:
+    """(log-probs (N, K) float32, tail log-probs (N,) float32 or None) of 2-D ``logits`` at int64
+    ``token_ids`` (N, K) (checked; global ids with ``tp``, a vocab shard's layout, checked there)
+    (``labels``: None, or (N,) marking the rows to ignore); the tail with ``params.return_tail``:
+    :class:`LogitsStatsFunction` with the ids when a gradient is wanted, its forward's body alone
+    otherwise (eager: no autograd node). ``temperature``: the runtime temperature of a compiled
+    graph (``autograd.common.split_temperature``) or None."""
     if torch.is_grad_enabled() and logits.requires_grad:
-        return LogitsStatsFunction.apply(logits, labels, params, temperature, None, token_ids)[-1]
-    return forward_call(logits, labels, params, temperature, None, token_ids)["topk_log_probs"]
+        outs = LogitsStatsFunction.apply(logits, labels, params, temperature, tp, token_ids)
+        return (outs[-2], outs[-1]) if params.return_tail else (outs[-1], None)
+    stats = forward_call(logits, labels, params, temperature, tp, token_ids)
+    return stats["topk_log_probs"], stats.get("tail_log_probs")
 
 
 @torch.library.custom_op("rl_kernels::checked_token_ids", mutates_args=(),

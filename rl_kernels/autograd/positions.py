@@ -46,9 +46,9 @@ def check_tail_teacher(token_ids, teacher_log_probs, valid, ids_name: str = "tea
     any_repeated, any_over = torch.stack([repeated.any(), over.any()]).tolist()
     if any_repeated:
         i = int(repeated.nonzero()[0, 0])
-        raise ValueError(f"{ids_name}: the tail-aware KL needs distinct ids per counted position (its tail is "
-                         f"the vocabulary minus their set); {int(repeated.sum())} positions repeat an id, first at "
-                         f"flat position {i}: {ids[i].tolist()[:16]}")
+        raise ValueError(f"{ids_name}: the tail (the probability outside a position's K ids) needs distinct ids "
+                         f"per counted position; {int(repeated.sum())} positions repeat an id, first at flat "
+                         f"position {i}: {ids[i].tolist()[:16]}")
     if any_over:
         i = int(over.nonzero()[0, 0])
         raise ValueError(f"teacher_log_probs: the tail-aware KL needs a top-K mass sum_k exp(log p_k) <= 1 + "
@@ -103,7 +103,8 @@ def _(hidden_states, *rest):
 def eager_positions(hidden_states, labels, ignore_index, mask, vocab_size, hidden_name="hidden_states",
                     teacher_token_ids=None, teacher_log_probs=None, tail: bool = False):
     """:func:`checked_positions`' checks on the host against ``vocab_size`` (the whole vocabulary;
-    None when unknown: label values then unchecked, teacher ids checked >= 0 only)."""
+    None when unknown: label values then unchecked, teacher ids checked >= 0 only); with ``tail``
+    also the tail-aware KL's checks (distinct ids, teacher mass: :func:`check_tail_teacher`)."""
     if teacher_log_probs is not None:
         check_teacher_log_probs(teacher_log_probs)
     if teacher_token_ids is not None:

@@ -39,8 +39,8 @@ import triton.language as tl
 
 from .._logging import log_once, logger
 from ..label_flag import label_flag as host_flag
-from .common import (log_sum_lse, merge_stats, merge_q, multiprocessors, row_temperature_args, scalar_inv_temperature,
-                     stats_entropy)
+from .common import (among_ids, log_sum_lse, merge_stats, merge_q, multiprocessors, row_temperature_args,
+                     scalar_inv_temperature, stats_entropy)
 from .config import LogitsConfig
 from .launch import Launcher
 
@@ -56,7 +56,8 @@ def _no_stats():
 def _split_stats(row_ptr, stride_v, v_begin, V, inv_temperature,
                  SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr,
                  ENTROPY: tl.constexpr, MEAN_LOG_P: tl.constexpr, SUM_PI_SQUARED: tl.constexpr,
-                 PREFETCH: tl.constexpr):
+                 PREFETCH: tl.constexpr, row=0, ids_ptr=None, stride_ids=0, n_ids=0,
+                 TAIL: tl.constexpr = False, BLOCK_IDS: tl.constexpr = 1):
     """Partial (m, s, b, t, q) of columns [v_begin, min(v_begin + SPLIT_V, V)) of one row. With
     PREFETCH the next chunk is loaded before this chunk's math (twice the bytes in flight per
     program; the same values in the same order, so the same bits).
@@ -65,8 +66,16 @@ def _split_stats(row_ptr, stride_v, v_begin, V, inv_temperature,
     taken over the raw values (x / T is monotone in x for T > 0 and so is its rounding, so
     max(x) / T is the max of the scaled logits exactly), and the exponent is base 2 with log2(e) / T
     folded into one scale: e = 2^(x c2 - max(x) c2) with c2 = log2(e) / T, one multiply-add and one
-    ``ex2``; b = ln 2 * sum e (x c2 - max(x) c2)."""
+    ``ex2``; b = ln 2 * sum e (x c2 - max(x) c2).
+
+    With TAIL also (mt, st): the same (max, sum) over the columns that are not among the row's
+    sorted ids (``ids_ptr`` row ``row``, ``n_ids`` of them: ``among_ids``), those columns read as
+    -inf; a split with no such column keeps the identity (-inf, 0). Without TAIL (mt, st) is the
+    identity and no instruction computes it."""
     m, s, b, t, q = _no_stats()
+    mt, st = m, s
+    if TAIL:
+        tail_row = tl.zeros((1,), tl.int64) + row  # (a one-row tile for among_ids)
     scale2 = inv_temperature * 1.4426950408889634  # log2(e) / T
     v_end = tl.minimum(v_begin + SPLIT_V, V)
     if PREFETCH:  # the first chunk's load; each iteration issues the next one before its math
@@ -99,23 +108,36 @@ def _split_stats(row_ptr, stride_v, v_begin, V, inv_temperature,
         m, s, b = merge_stats(m, s, b, cm, cs, cb)
         if MEAN_LOG_P:
             t += tl.sum(tl.where(mask, x * inv_temperature, 0.0), 0)
-    return m, s, b, t, q
+        if TAIL:  # the chunk's columns among the row's ids read as -inf (a padded column is -inf already)
+            hit = among_ids(ids_ptr, stride_ids, tail_row, tail_row >= 0, cols, c0, BLOCK_V, n_ids, BLOCK_IDS)
+            xt = tl.where(tl.reshape(hit, (BLOCK_V,)), float("-inf"), x)
+            xt_max = tl.max(xt, 0)
+            d2t = xt * scale2 - tl.where(xt_max == float("-inf"), 0.0, xt_max * scale2)
+            mt, st, _ = merge_stats(mt, st, 0.0, xt_max * inv_temperature, tl.sum(tl.exp2(d2t), 0), 0.0)
+    return m, s, b, t, q, mt, st
 
 
 # The forward's per-row outputs: one (7, N) float32 block, a row per statistic in this order (the
 # kernels address slot k at out_ptr + k * N; one pointer instead of seven keeps the launch cheap).
-OUT_SLOTS = ("row_max", "log_sum", "lse", "log_probs", "entropy", "mean_log_p", "sum_pi_squared")
+OUT_SLOTS = ("row_max", "log_sum", "lse", "log_probs", "entropy", "mean_log_p", "sum_pi_squared", "tail_lse",
+             "tail_log_probs")
+# (the last two rows only with TAIL: the lse of the columns outside the row's ids, and log q_tail)
 # The two-level split's partials: one (5, S, N) float32 block, field f of split j of row i at
-# part_ptr + (f * S + j) * N + i, fields (m, s, b, t, q) in this order.
-PART_FIELDS = ("m", "s", "b", "t", "q")
+# part_ptr + (f * S + j) * N + i, fields (m, s, b, t, q) in this order, then with TAIL (mt, st), the
+# tail's max and sum (a (7, S, N) block).
+PART_FIELDS = ("m", "s", "b", "t", "q", "mt", "st")
 
 
 @triton.jit
 def _finalize(row, m, s, b, t, q, x_ptr, stride_n, stride_v, labels_ptr, stride_lab, out_ptr, N, V,
               inv_temperature, ignore_index, label_flag_ptr, check_id,
-              LOG_PROBS: tl.constexpr, ENTROPY: tl.constexpr, MEAN_LOG_P: tl.constexpr, SUM_PI_SQUARED: tl.constexpr):
+              LOG_PROBS: tl.constexpr, ENTROPY: tl.constexpr, MEAN_LOG_P: tl.constexpr, SUM_PI_SQUARED: tl.constexpr,
+              mt=0.0, st=0.0, TAIL: tl.constexpr = False):
     """Write the per-row outputs from the merged statistics (scalars of one row) into their slots
-    of the (7, N) block (``OUT_SLOTS``)."""
+    of the (7, N) block (``OUT_SLOTS``; (9, N) with TAIL: tail_lse = mt + log st, -inf for a row
+    whose every column is among its ids, and tail_log_probs = log q_tail = tail_lse - lse formed as
+    (mt - m) + (log st - log s), at most 0: no term of the lse's magnitude is rounded, so its error
+    does not grow with the logits' offset)."""
     out_ptr += row
     log_sum, lse = log_sum_lse(m, s)  # log s clamped at 0 for a finite m (see there)
     tl.store(out_ptr, m)  # row_max
@@ -144,6 +166,11 @@ def _finalize(row, m, s, b, t, q, x_ptr, stride_n, stride_v, labels_ptr, stride_
         tl.store(out_ptr + 5 * N, t / V - lse)
     if SUM_PI_SQUARED:  # sum_j p_j^2 = q / s^2 (0 for ignored rows, as log p and entropy)
         tl.store(out_ptr + 6 * N, tl.where(valid, q / (s * s), 0.0))
+    if TAIL:  # (mt, st) = (-inf, 0) gives -inf + log 0 = -inf, never NaN
+        tail_log_sum, tail_lse = log_sum_lse(mt, st)
+        tl.store(out_ptr + 7 * N, tail_lse)
+        tail_log_p = (mt - m) + (tail_log_sum - log_sum)
+        tl.store(out_ptr + 8 * N, tl.minimum(tail_log_p, 0.0, propagate_nan=tl.PropagateNan.ALL))
 
 
 @triton.jit
@@ -153,15 +180,18 @@ def _merge_and_finalize(
     SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, FROM_PARTS: tl.constexpr,
     LOG_PROBS: tl.constexpr, ENTROPY: tl.constexpr, MEAN_LOG_P: tl.constexpr, SUM_PI_SQUARED: tl.constexpr,
     PREFETCH: tl.constexpr = False, inv_temperature_ptr=None, ROW_TEMPERATURE: tl.constexpr = False,
+    ids_ptr=None, stride_ids=0, n_ids=0, TAIL: tl.constexpr = False, BLOCK_IDS: tl.constexpr = 1,
 ):
     """Merge the S split partials of ``row`` left to right and finalize it: the one path of both
     launch shapes. Each partial is computed here by ``_split_stats`` (one level) or, with
     FROM_PARTS (the two-level combine), read from the (5, S, N) block that the first level wrote
     (volatile loads: in the one-launch combine other programs wrote them, so no L1 line may serve).
-    With ROW_TEMPERATURE the row's 1 / T is read from ``inv_temperature_ptr``."""
+    With ROW_TEMPERATURE the row's 1 / T is read from ``inv_temperature_ptr``; with TAIL the tail's
+    (mt, st) are merged alongside (fields 5 and 6 of the block)."""
     if ROW_TEMPERATURE:
         inv_temperature = tl.load(inv_temperature_ptr + row)
     m, s, b, t, q = _no_stats()
+    mt, st = m, s
     if FROM_PARTS:
         field = (tl.zeros((), tl.int64) + num_splits) * N  # elements between two fields (int64;
         # num_splits and N may be the constexpr 1, which Triton specializes)
@@ -178,17 +208,25 @@ def _merge_and_finalize(
                 pq = tl.load(part_ptr + 4 * field, volatile=True)
             else:
                 pq = q  # not read
+            if TAIL:
+                pmt = tl.load(part_ptr + 5 * field, volatile=True)
+                pst = tl.load(part_ptr + 6 * field, volatile=True)
+            else:
+                pmt, pst = mt, st  # not read
             part_ptr += N
         else:
-            pm, ps, pb, pt, pq = _split_stats(row_ptr, stride_v, split * SPLIT_V, V, inv_temperature,
-                                              SPLIT_V, BLOCK_V, ENTROPY, MEAN_LOG_P, SUM_PI_SQUARED, PREFETCH)
+            pm, ps, pb, pt, pq, pmt, pst = _split_stats(row_ptr, stride_v, split * SPLIT_V, V, inv_temperature,
+                                                        SPLIT_V, BLOCK_V, ENTROPY, MEAN_LOG_P, SUM_PI_SQUARED,
+                                                        PREFETCH, row, ids_ptr, stride_ids, n_ids, TAIL, BLOCK_IDS)
         if SUM_PI_SQUARED:
             q = merge_q(m, s, q, pm, ps, pq)
         m, s, b = merge_stats(m, s, b, pm, ps, pb)
         t += pt
+        if TAIL:
+            mt, st, _ = merge_stats(mt, st, 0.0, pmt, pst, 0.0)
     _finalize(row, m, s, b, t, q, x_ptr, stride_n, stride_v, labels_ptr, stride_lab, out_ptr, N, V,
               inv_temperature, ignore_index, label_flag_ptr, check_id,
-              LOG_PROBS, ENTROPY, MEAN_LOG_P, SUM_PI_SQUARED)
+              LOG_PROBS, ENTROPY, MEAN_LOG_P, SUM_PI_SQUARED, mt, st, TAIL)
 
 
 @triton.jit(do_not_specialize=["check_id"])
@@ -198,12 +236,15 @@ def _logits_fwd_kernel(
     SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, TWO_LEVEL: tl.constexpr, LAST_COMBINES: tl.constexpr,
     LOG_PROBS: tl.constexpr, ENTROPY: tl.constexpr, MEAN_LOG_P: tl.constexpr, SUM_PI_SQUARED: tl.constexpr,
     PREFETCH: tl.constexpr = False, inv_temperature_ptr=None, ROW_TEMPERATURE: tl.constexpr = False,
+    ids_ptr=None, stride_ids=0, n_ids=0, TAIL: tl.constexpr = False, BLOCK_IDS: tl.constexpr = 1,
 ):
     """One level: program = row, merges all splits and finalizes. Two levels: program =
     (row, split), writes the split's partial (m, s, b, t, q) into the (5, S, N) block; with
     LAST_COMBINES the row's last program to finish (an acq_rel count of finished splits in
     ``counter_ptr[row]``, int32, zero on entry and reset to zero here) merges the row's partials
-    in split order and finalizes it, as the combine kernel would (same bits), in the same launch."""
+    in split order and finalizes it, as the combine kernel would (same bits), in the same launch.
+    With TAIL (``ids_ptr``: (N, n_ids) int32 sorted ids per row, ``BLOCK_IDS`` >= n_ids a power of
+    two) also the lse of the columns outside the row's ids (``_split_stats``; fields mt, st)."""
     pid = tl.program_id(0)
     if TWO_LEVEL:
         row = pid // num_splits
@@ -212,8 +253,9 @@ def _logits_fwd_kernel(
         row_inv_temperature = inv_temperature
         if ROW_TEMPERATURE:
             row_inv_temperature = tl.load(inv_temperature_ptr + row)
-        m, s, b, t, q = _split_stats(row_ptr, stride_v, split * SPLIT_V, V, row_inv_temperature,
-                                     SPLIT_V, BLOCK_V, ENTROPY, MEAN_LOG_P, SUM_PI_SQUARED, PREFETCH)
+        m, s, b, t, q, mt, st = _split_stats(row_ptr, stride_v, split * SPLIT_V, V, row_inv_temperature,
+                                             SPLIT_V, BLOCK_V, ENTROPY, MEAN_LOG_P, SUM_PI_SQUARED, PREFETCH,
+                                             row, ids_ptr, stride_ids, n_ids, TAIL, BLOCK_IDS)
         field = (tl.zeros((), tl.int64) + num_splits) * N  # (int64; see _merge_and_finalize)
         part_ptr += split.to(tl.int64) * N + row
         tl.store(part_ptr, m)
@@ -222,6 +264,9 @@ def _logits_fwd_kernel(
         tl.store(part_ptr + 3 * field, t)
         if SUM_PI_SQUARED:
             tl.store(part_ptr + 4 * field, q)
+        if TAIL:
+            tl.store(part_ptr + 5 * field, mt)
+            tl.store(part_ptr + 6 * field, st)
         if LAST_COMBINES:
             tl.debug_barrier()  # the partial's stores are issued before the count (release below)
             finished = tl.atomic_add(counter_ptr + row, 1, sem="acq_rel", scope="gpu")
@@ -231,12 +276,13 @@ def _logits_fwd_kernel(
                                     part_ptr - split.to(tl.int64) * N - row, out_ptr,
                                     N, V, num_splits, inv_temperature, ignore_index, label_flag_ptr,
                                     check_id, 1, 1, True, LOG_PROBS, ENTROPY, MEAN_LOG_P, SUM_PI_SQUARED,
-                                    False, inv_temperature_ptr, ROW_TEMPERATURE)
+                                    False, inv_temperature_ptr, ROW_TEMPERATURE, ids_ptr, stride_ids, n_ids, TAIL,
+                                    BLOCK_IDS)
     else:
         _merge_and_finalize(pid, x_ptr, stride_n, stride_v, labels_ptr, stride_lab, part_ptr, out_ptr,
                             N, V, num_splits, inv_temperature, ignore_index, label_flag_ptr, check_id,
                             SPLIT_V, BLOCK_V, False, LOG_PROBS, ENTROPY, MEAN_LOG_P, SUM_PI_SQUARED, PREFETCH,
-                            inv_temperature_ptr, ROW_TEMPERATURE)
+                            inv_temperature_ptr, ROW_TEMPERATURE, ids_ptr, stride_ids, n_ids, TAIL, BLOCK_IDS)
 
 
 @triton.jit(do_not_specialize=["check_id"])
@@ -244,13 +290,13 @@ def _logits_combine_kernel(
     x_ptr, stride_n, stride_v, labels_ptr, stride_lab, part_ptr, out_ptr, counter_ptr,
     N, V, num_splits, inv_temperature, ignore_index, label_flag_ptr, check_id,
     LOG_PROBS: tl.constexpr, ENTROPY: tl.constexpr, MEAN_LOG_P: tl.constexpr, SUM_PI_SQUARED: tl.constexpr,
-    inv_temperature_ptr=None, ROW_TEMPERATURE: tl.constexpr = False,
+    inv_temperature_ptr=None, ROW_TEMPERATURE: tl.constexpr = False, TAIL: tl.constexpr = False,
 ):
     """Second level: program = row; merges the row's S partials in split order and finalizes."""
     _merge_and_finalize(tl.program_id(0), x_ptr, stride_n, stride_v, labels_ptr, stride_lab, part_ptr, out_ptr,
                         N, V, num_splits, inv_temperature, ignore_index, label_flag_ptr, check_id,
                         1, 1, True, LOG_PROBS, ENTROPY, MEAN_LOG_P, SUM_PI_SQUARED,  # SPLIT_V, BLOCK_V unused
-                        False, inv_temperature_ptr, ROW_TEMPERATURE)
+                        False, inv_temperature_ptr, ROW_TEMPERATURE, None, 0, 0, TAIL, 1)
 
 
 @triton.jit
@@ -262,12 +308,21 @@ def _logits_bwd_kernel(
     BLOCK_V: tl.constexpr, HAS_LABELS: tl.constexpr, HAS_GRAD_LOG_PROBS: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr,
     HAS_GRAD_LSE: tl.constexpr, HAS_GRAD_MEAN_LOG_P: tl.constexpr, HAS_GRAD_SUM_PI_SQUARED: tl.constexpr,
     BLOCKS_PER_PROGRAM: tl.constexpr = 1, inv_temperature_ptr=None, ROW_TEMPERATURE: tl.constexpr = False,
+    tail_lse_ptr=None, g_tail_lse_ptr=None, HAS_GRAD_TAIL_LSE: tl.constexpr = False,
 ):
     """Program = (row, BLOCKS_PER_PROGRAM column blocks): grad[row, cols] = d loss / d logits in
     grad's dtype. The row's statistics are read once per program; with several blocks, block j + 1
     is loaded before block j's math (more bytes in flight; every element's arithmetic unchanged).
     Per element: log2 p in one multiply-add, one ``ex2`` and up to three multiply-adds against
-    per-row scalars (the instruction count, not the bytes, bounds this kernel on a 4.8 TB/s part)."""
+    per-row scalars (the instruction count, not the bytes, bounds this kernel on a 4.8 TB/s part).
+
+    HAS_GRAD_TAIL_LSE: a gradient g_t of tail_lse = logsumexp of z over the columns outside the
+    row's top-K ids (``tail_lse_ptr``, the forward's) adds g_t exp(z_j - tail_lse) / T at EVERY
+    column j: the K columns get a wrong tail term here, which the caller overwrites with their
+    exact value (``autograd.logits.topk_columns``: their d tail_lse / dz is 0), so no mask is read.
+    The exponent is clamped at 0 (exact for the tail columns, where z_j <= tail_lse up to
+    rounding), so a K column far above the tail gets at most g_t / T, never inf or 0 * inf. A row
+    with tail_lse = -inf (no tail mass) or inactive gets no tail term."""
     row = tl.program_id(0).to(tl.int64)
     if ROW_TEMPERATURE:  # the row's own 1 / T
         inv_temperature = tl.load(inv_temperature_ptr + row)
@@ -293,6 +348,10 @@ def _logits_bwd_kernel(
         g_lse = tl.load(g_lse_ptr + row)
         c += g_lse
         active = active | (g_lse != 0)
+    if HAS_GRAD_TAIL_LSE:  # an lse's gradient too: it makes an ignored row active
+        g_tail_lse = tl.load(g_tail_lse_ptr + row)
+        tail_lse = tl.load(tail_lse_ptr + row)
+        active = active | (g_tail_lse != 0)
     if HAS_GRAD_MEAN_LOG_P:
         grad_mean_log_p = tl.load(grad_mean_log_p_ptr + row)
         c -= grad_mean_log_p
@@ -322,6 +381,10 @@ def _logits_bwd_kernel(
         k = tl.where(active, k, 0.0)
     if HAS_GRAD_SUM_PI_SQUARED:
         a = tl.where(active, a, 0.0)
+    if HAS_GRAD_TAIL_LSE:
+        tail_on = active & (tail_lse > float("-inf"))
+        k_tail = tl.where(tail_on, g_tail_lse * inv_temperature, 0.0)
+        offset_tail2 = tl.where(tail_on, tail_lse * 1.4426950408889634, float("inf"))
     x_row = x_ptr + row * stride_n
     first = tl.program_id(1) * (BLOCKS_PER_PROGRAM * BLOCK_V)
     if HAS_GRAD_LOG_PROBS:
@@ -355,6 +418,8 @@ def _logits_bwd_kernel(
             dz = p * inner + uniform
         else:
             dz = p * inner
+        if HAS_GRAD_TAIL_LSE:
+            dz = dz + k_tail * tl.exp2(tl.minimum(z.to(tl.float32) * scale2 - offset_tail2, 0.0))
         tl.store(grad_ptr + row * stride_gn + cols.to(tl.int64) * stride_gv, dz.to(grad_ptr.dtype.element_ty),
                  mask=mask)
 
@@ -370,6 +435,7 @@ def use_two_level(n: int, v: int, cfg: LogitsConfig, device: torch.device) -> bo
 def logits_forward(
     logits: torch.Tensor, labels: torch.Tensor | None, params, cfg: LogitsConfig, two_level: bool | None = None,
     label_check: tuple[torch.Tensor, int] | None = None, last_combines: bool | None = None,
+    tail_ids: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Softmax statistics of 2-D ``logits`` (N, V) (any strides; bf16/fp16/fp32).
 
@@ -385,13 +451,21 @@ def logits_forward(
     split to finish merges the row in the same launch (one launch: host time at small N), else a
     second, combine launch does; None = the former except while a CUDA graph is being captured
     (the one-launch path keeps its row counters across calls). Same bits either way.
+    ``tail_ids``: None, or (N, K) int32 contiguous ids per row sorted ascending, local to these
+    columns (``ops.common.sorted_tail_ids``; ids outside [0, V) match no column): then also
+    ``tail_lse``, the logsumexp of z over the columns outside the row's ids (-inf when there are
+    none), and ``tail_log_probs`` = tail_lse - lse (<= 0, formed without rounding either, see
+    ``_finalize``), from the same read (the TAIL variant of the kernels; without it the kernels
+    are the ones without TAIL).
     """
     return_entropy, return_mean_log_p = params.return_entropy, params.return_mean_log_p
     return_sum_pi_squared = params.return_sum_pi_squared
     n, v = logits.shape
     dev = logits.device
-    block = torch.empty((len(OUT_SLOTS), n), dtype=torch.float32, device=dev)
-    asked = (True, True, True, labels is not None, return_entropy, return_mean_log_p, return_sum_pi_squared)
+    tail = tail_ids is not None
+    block = torch.empty((len(OUT_SLOTS) - 2 * (not tail), n), dtype=torch.float32, device=dev)
+    asked = (True, True, True, labels is not None, return_entropy, return_mean_log_p, return_sum_pi_squared, tail,
+             tail)
     out = {name: row for name, row, a in zip(OUT_SLOTS, block.unbind(0), asked) if a}
     if n == 0:
         return out
@@ -408,7 +482,7 @@ def logits_forward(
     lab = labels if labels is not None else flag  # (a placeholder: not read without labels)
     counters = flag  # (a placeholder: read only when the last split combines)
     if two_level:
-        part = torch.empty((len(PART_FIELDS), num_splits, n), dtype=torch.float32, device=dev)
+        part = torch.empty((len(PART_FIELDS) - 2 * (not tail), num_splits, n), dtype=torch.float32, device=dev)
         if last_combines is None:  # not while a CUDA graph is captured: no state kept across calls
             last_combines = not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing())
         if last_combines:
@@ -419,12 +493,19 @@ def logits_forward(
             n, v, num_splits, scalar_inv_temperature(params.inv_temperature), params.ignore_index, flag, check_id)
     flags = dict(LOG_PROBS=labels is not None, ENTROPY=return_entropy, MEAN_LOG_P=return_mean_log_p,
                  SUM_PI_SQUARED=return_sum_pi_squared, **row_temperature_args(params.inv_temperature, block))
+    # the tail's arguments, placeholders without it (never read: TAIL off is the kernel without the
+    # tail; the same argument types either way keep the launcher's fast path for both)
+    tail_args = dict(ids_ptr=flag, stride_ids=0, n_ids=0, TAIL=False, BLOCK_IDS=1)
+    if tail:
+        k = tail_ids.shape[1]
+        tail_args = dict(ids_ptr=tail_ids, stride_ids=tail_ids.stride(0), n_ids=k, TAIL=True,
+                         BLOCK_IDS=triton.next_power_of_2(k))
     _FWD.launch((n * num_splits if two_level else n,), args,
                 dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, TWO_LEVEL=two_level, LAST_COMBINES=last_combines,
-                     PREFETCH=cfg.prefetch, **flags, num_warps=cfg.num_warps))
+                     PREFETCH=cfg.prefetch, **flags, **tail_args, num_warps=cfg.num_warps))
     if two_level and not last_combines:
         flags["num_warps"] = 1
-        _COMBINE.launch((n,), args, flags)
+        _COMBINE.launch((n,), args, dict(flags, TAIL=tail))
     return out
 
 
@@ -455,8 +536,10 @@ def logits_backward(
     logits tensor itself). ``stats``: the forward's ``row_max``, ``log_sum`` and (with an entropy
     gradient) ``entropy``. ``grads``: optional (N,) float32 per-row upstream gradients under keys
     ``log_probs``, ``entropy``, ``lse``, ``mean_log_p`` (the last: of the row's mean log p) and
-    ``sum_pi_squared`` (then ``stats`` holds the forward's ``sum_pi_squared`` too). ``params``:
-    the from-logits parameter record (``inv_temperature``, ``ignore_index``)."""
+    ``sum_pi_squared`` (then ``stats`` holds the forward's ``sum_pi_squared`` too) and
+    ``tail_lse`` (then ``stats`` holds the forward's ``tail_lse``: its term reaches every column,
+    the caller overwrites the K columns; see the kernel). ``params``: the from-logits parameter
+    record (``inv_temperature``, ``ignore_index``)."""
     inv_temperature, ignore_index = params.inv_temperature, params.ignore_index
     n, v = logits.shape
     if n == 0 or v == 0:
@@ -464,6 +547,10 @@ def logits_backward(
     dummy = stats["row_max"]
     lab = labels if labels is not None else host_flag(logits.device)  # (a placeholder: not read)
     per_program = cfg.bwd_blocks_per_program
+    # (placeholders without a tail gradient, never read: see logits_forward)
+    tail_args = dict(tail_lse_ptr=dummy, g_tail_lse_ptr=dummy, HAS_GRAD_TAIL_LSE=False)
+    if "tail_lse" in grads:
+        tail_args = dict(tail_lse_ptr=stats["tail_lse"], g_tail_lse_ptr=grads["tail_lse"], HAS_GRAD_TAIL_LSE=True)
     _BWD[(n, -(-v // (cfg.bwd_block_v * per_program)))](
         logits, logits.stride(0), logits.stride(1), grad, grad.stride(0), grad.stride(1),
         lab, lab.stride(0), stats["row_max"], stats["log_sum"], stats.get("entropy", dummy),
@@ -473,7 +560,7 @@ def logits_backward(
         ignore_index, **row_temperature_args(inv_temperature, dummy),
         BLOCK_V=cfg.bwd_block_v, HAS_LABELS=labels is not None, HAS_GRAD_LOG_PROBS="log_probs" in grads, HAS_GRAD_ENTROPY="entropy" in grads,
         HAS_GRAD_LSE="lse" in grads, HAS_GRAD_MEAN_LOG_P="mean_log_p" in grads, HAS_GRAD_SUM_PI_SQUARED="sum_pi_squared" in grads,
-        BLOCKS_PER_PROGRAM=per_program, num_warps=cfg.bwd_num_warps)
+        BLOCKS_PER_PROGRAM=per_program, **tail_args, num_warps=cfg.bwd_num_warps)
     return grad
 
 

@@ -12,9 +12,21 @@ from .linear import per_row
 CHUNK_ELEMENTS = 1 << 26
 
 
-def torch_logits_forward(logits, labels, params):
+def excluded_columns(tail_ids, v: int) -> torch.Tensor:
+    """(R, v) bool: True at the columns among each row's ``tail_ids`` (R, K) (ids outside [0, v)
+    match no column), the twin of ``ops.common.among_ids``."""
+    safe = torch.where((tail_ids >= 0) & (tail_ids < v), tail_ids, v).long()
+    hit = torch.zeros((tail_ids.shape[0], v + 1), dtype=torch.bool, device=tail_ids.device)
+    return hit.scatter_(1, safe, True)[:, :v]
+
+
+def torch_logits_forward(logits, labels, params, tail_ids=None):
     """Torch twin of ``ops.logits_forward`` (same arguments but the tiles, same outputs), in
-    float32 row chunks of at most ``CHUNK_ELEMENTS`` elements."""
+    float32 row chunks of at most ``CHUNK_ELEMENTS`` elements. With ``tail_ids`` (N, K) (local
+    column ids; ids outside [0, V) match none) also ``tail_lse``: the logsumexp over the other
+    columns, computed with the ids' columns at -inf (-inf when none is left), and
+    ``tail_log_probs`` = tail_lse - lse, formed relative to the row max (no rounding at the lse's
+    magnitude), at most 0."""
     inv_temperature, ignore_index = params.inv_temperature, params.ignore_index
     return_entropy, return_mean_log_p = params.return_entropy, params.return_mean_log_p
     return_sum_pi_squared = params.return_sum_pi_squared
@@ -32,6 +44,9 @@ def torch_logits_forward(logits, labels, params):
         out["mean_log_p"] = torch.empty(n, **f32)
     if return_sum_pi_squared:
         out["sum_pi_squared"] = torch.empty(n, **f32)
+    if tail_ids is not None:
+        out["tail_lse"] = torch.empty(n, **f32)
+        out["tail_log_probs"] = torch.empty(n, **f32)
     step = max(1, CHUNK_ELEMENTS // v)
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
@@ -40,6 +55,10 @@ def torch_logits_forward(logits, labels, params):
         m = torch.where(torch.isfinite(m), m, torch.zeros((), device=m.device))
         z.sub_(m)
         ls = torch.logsumexp(z, dim=-1)
+        if tail_ids is not None:  # (the masked row's own max inside logsumexp: no cancellation)
+            tail = torch.logsumexp(z.masked_fill(excluded_columns(tail_ids[r0:r1], v), float("-inf")), dim=-1)
+            out["tail_lse"][r0:r1] = m[:, 0] + tail
+            out["tail_log_probs"][r0:r1] = (tail - ls).clamp_max_(0.0)
         out["row_max"][r0:r1] = m[:, 0]
         out["log_sum"][r0:r1] = ls
         if return_mean_log_p:
@@ -66,7 +85,9 @@ def torch_logits_forward(logits, labels, params):
 
 def torch_logits_backward(logits, grad, labels, stats, grads, params):
     """Torch twin of ``ops.logits_backward`` (same contract): writes d loss / d logits into
-    ``grad`` (the logits' dtype) in float32 row chunks."""
+    ``grad`` (the logits' dtype) in float32 row chunks. A ``tail_lse`` gradient g_t adds
+    g_t exp(min(z_j - tail_lse, 0)) / T at every column (the caller overwrites the K columns), none
+    where tail_lse = -inf."""
     inv_temperature, ignore_index = params.inv_temperature, params.ignore_index
     n, v = logits.shape
     dev = logits.device
@@ -81,19 +102,28 @@ def torch_logits_backward(logits, grad, labels, stats, grads, params):
     # rows that get exactly 0 (selected, not multiplied by 0): ignored, and no lse / smoothing
     # gradient reaches them
     active = valid.clone() if valid is not None else None
-    for key, sign in (("lse", 1.0), ("mean_log_p", -1.0)):
+    for key, sign in (("lse", 1.0), ("mean_log_p", -1.0), ("tail_lse", 0.0)):
         if key in grads:
-            coef = coef + sign * grads[key]
+            if sign:
+                coef = coef + sign * grads[key]
             if active is not None:
                 active |= grads[key] != 0
     if g_lp is not None:
         coef = coef - g_lp
         safe = torch.where(valid, labels, 0).long()
+    if "tail_lse" in grads:
+        tail_on = stats["tail_lse"] > float("-inf")
+        if active is not None:
+            tail_on &= active
+        k_tail = torch.where(tail_on, grads["tail_lse"], zero)
+        offset_tail = torch.where(tail_on, stats["tail_lse"], float("inf"))
     step = max(1, CHUNK_ELEMENTS // v)
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
-        log_p = (logits[r0:r1].to(torch.float32, copy=True).mul_(per_row(inv_temperature, slice(r0, r1)))
-                 .sub_(stats["row_max"][r0:r1, None]).sub_(stats["log_sum"][r0:r1, None]))
+        z = logits[r0:r1].to(torch.float32, copy=True).mul_(per_row(inv_temperature, slice(r0, r1)))
+        if "tail_lse" in grads:
+            tail = (z - offset_tail[r0:r1, None]).clamp_max_(0.0).exp_().mul_(k_tail[r0:r1, None])
+        log_p = z.sub_(stats["row_max"][r0:r1, None]).sub_(stats["log_sum"][r0:r1, None])
         p = log_p.exp()
         dz = p * coef[r0:r1, None]
         if g_ent is not None:
@@ -104,6 +134,8 @@ def torch_logits_backward(logits, grad, labels, stats, grads, params):
             dz.scatter_add_(1, safe[r0:r1, None], g_lp[r0:r1, None])
         if "mean_log_p" in grads:
             dz += grads["mean_log_p"][r0:r1, None] / v
+        if "tail_lse" in grads:
+            dz += tail
         dz.mul_(per_row(inv_temperature, slice(r0, r1)))
         if active is not None:
             dz = torch.where(active[r0:r1, None], dz, zero)

@@ -106,7 +106,7 @@ def main() -> None:
              inv_temperature="fp32", stride_n="i64"),
         dict(SPLIT_V=lc.split_v, BLOCK_V=lc.block_v, TWO_LEVEL=False, LAST_COMBINES=False, LOG_PROBS=True,
              ENTROPY=True, MEAN_LOG_P=False, SUM_PI_SQUARED=False, PREFETCH=lc.prefetch, stride_v=1,
-             ROW_TEMPERATURE=False),
+             ROW_TEMPERATURE=False, TAIL=False, BLOCK_IDS=1),
         lc.num_warps)
     report("from logits, forward (chunk loop body)", innermost_loop(instructions(fwd)),
            lc.block_v // (32 * lc.num_warps), only_fp=False)
@@ -116,7 +116,8 @@ def main() -> None:
              stride_n="i64", stride_gn="i64"),
         dict(BLOCK_V=lc.bwd_block_v, HAS_LABELS=True, HAS_GRAD_LOG_PROBS=True, HAS_GRAD_ENTROPY=True,
              HAS_GRAD_LSE=False, HAS_GRAD_MEAN_LOG_P=False, HAS_GRAD_SUM_PI_SQUARED=False,
-             BLOCKS_PER_PROGRAM=lc.bwd_blocks_per_program, stride_v=1, stride_gv=1, ROW_TEMPERATURE=False),
+             BLOCKS_PER_PROGRAM=lc.bwd_blocks_per_program, stride_v=1, stride_gv=1, ROW_TEMPERATURE=False,
+             HAS_GRAD_TAIL_LSE=False),
         lc.bwd_num_warps)
     report("from logits, backward (whole program)", instructions(bwd),
            lc.bwd_block_v * lc.bwd_blocks_per_program // (32 * lc.bwd_num_warps), only_fp=False)
