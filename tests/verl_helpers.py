@@ -165,13 +165,31 @@ def library_has_tail() -> bool:
 def use_tail_standins(setattr_) -> bool:
     """Where the library has no ``return_tail`` yet, put the plain-torch stand-ins where the verl
     integration looks the two functions up (``setattr_``: a monkeypatch's setattr, or setattr in a
-    spawned worker). Returns whether it did (the real library is used once it has them)."""
+    spawned worker), for the calls the library cannot serve yet (``return_tail``, and
+    ``process_group`` for the from-logits one); the others still go to the library. Returns whether
+    it did (once the library has them, nothing is replaced)."""
     if library_has_tail():
         return False
+    import inspect
+
     from rl_kernels.integrations.verl import distill
 
-    setattr_(distill, "topk_log_probs_from_logits", standin_topk_log_probs_from_logits)
-    setattr_(distill, "linear_log_probs_at_ids", standin_linear_log_probs_at_ids)
+    real_logits, real_linear = distill.topk_log_probs_from_logits, distill.linear_log_probs_at_ids
+    logits_tp = "process_group" in inspect.signature(real_logits).parameters
+
+    def topk_log_probs_from_logits(logits, token_ids, *, return_tail=False, **kwargs):
+        if return_tail or (kwargs.get("process_group") is not None and not logits_tp):
+            return standin_topk_log_probs_from_logits(logits, token_ids, return_tail=return_tail, **kwargs)
+        return real_logits(logits, token_ids, **kwargs)
+
+    def linear_log_probs_at_ids(hidden_states, weight, labels, token_ids, *, return_tail=False, **kwargs):
+        if return_tail:
+            return standin_linear_log_probs_at_ids(hidden_states, weight, labels, token_ids, return_tail=True,
+                                                   **kwargs)
+        return real_linear(hidden_states, weight, labels, token_ids, **kwargs)
+
+    setattr_(distill, "topk_log_probs_from_logits", topk_log_probs_from_logits)
+    setattr_(distill, "linear_log_probs_at_ids", linear_log_probs_at_ids)
     return True
 
 
