@@ -793,7 +793,8 @@ def _megatron_fused_entry() -> tuple[bool, str]:
                   f"the teacher's ids, vocab-parallel over the TP group, laid out by verl's preprocess_thd_engine / "
                   f"postprocess_thd_engine ({MEGATRON_FUSED_MODULE}) into {MEGATRON_ENGINE_CLASS}.forward_step's "
                   f"output (no N x V tensor); distillation_only drops log_probs as verl's logits path; verl's "
-                  f"overlap metrics are not computed on this path; a WARNING where a fused top-K batch is not served")
+                  f"overlap metrics are not computed on this path; {TAIL_MODE} too; a WARNING where a fused top-K "
+                  f"batch is not served")
 
 
 def _patch_fsdp_fused() -> tuple[bool, str]:
@@ -829,4 +830,5 @@ def _patch_fsdp_fused() -> tuple[bool, str]:
                   f"(distillation_losses, student_mass, teacher_mass, read by {ENGINE_CLASS}.prepare_model_outputs) "
                   f"from one rl_kernels.distill.linear_log_probs_at_ids call with verl's log-probs (no N x V "
                   f"tensor); verl's overlap metrics are not computed on this path (verl's engine reads none); "
-                  f"a WARNING where a fused micro-batch is not served")
+                  f"{TAIL_MODE} too (its tail outputs laid out by the engine's _gather_and_unpad_packed); a WARNING "
+                  f"where a fused micro-batch is not served")
