@@ -309,7 +309,7 @@ def test_tail_mode_refuses_a_clamp_and_inputs_outside_the_kernels(patched, tail_
     student, t_lp, t_ids, _ = _inputs(seed=6)
     with pytest.raises(ValueError, match=r"log_prob_min_clamp: loss_mode=forward_kl_topk_tail takes no"):
         fsdp.compute_forward_kl_topk(student, t_lp, t_ids, _tail_config(-10.0), "thd")
-    with pytest.raises(VerlIntegrationError, match=r"torch.float64 student_logits"):
+    with pytest.raises(VerlIntegrationError, match=r"forward_kl_topk_tail got torch.float64 logits"):
         fsdp.compute_forward_kl_topk(student.double(), t_lp, t_ids, _tail_config(), "thd")
     with pytest.raises(VerlIntegrationError, match="do not match the student logits"):
         fsdp.compute_forward_kl_topk(student[:, :-1], t_lp, t_ids, _tail_config(), "thd")

@@ -44,8 +44,9 @@ config. Loaded there, this module only installs an import hook (no verl module i
 is patched): when verl's losses module is imported, the name is registered into it (the entry point
 is :mod:`rl_kernels.integrations.verl_plugin`, whose import calls :func:`register`; this module
 itself registers nothing when imported). Where entry
-points are off (``VERL_USE_EXTERNAL_PLUGINS``), ``VERL_USE_EXTERNAL_MODULES=rl_kernels.integrations.verl_plugin``
-(``verl/__init__.py:49-52``; put it in Ray's ``runtime_env.env_vars``) does the same. A verl that
+points are off (``VERL_USE_EXTERNAL_PLUGINS``), and on verl 0.8.x (which loads no entry points),
+``VERL_USE_EXTERNAL_MODULES=rl_kernels.integrations.verl_plugin`` (``verl/__init__.py:49-52``;
+0.8.0: ``:38-41``; put it in Ray's ``runtime_env.env_vars`` too) does the same. A verl that
 registers the name itself (PR #7855 merged) keeps its own: nothing is registered then.
 
 Installing rl-kernels changes no existing config: a new name is added, no existing one touched.

@@ -100,8 +100,15 @@ def tail_entry(report: dict) -> tuple[bool, str]:
         return False, f"not served: {lacking} (verl's registry: {status})"
     parts = {FSDP_PART: "FSDP / VeOmni logits path", FUSED_PART: "FSDP fused path (impl_backend=rl_kernels)",
              MEGATRON_PART: "Megatron logits path", MEGATRON_FUSED_PART: "Megatron fused path"}
-    served = [name for part, name in parts.items() if report.get(part, (False,))[0]]
-    left = [name for part, name in parts.items() if not report.get(part, (False,))[0]]
+    ok = {part: bool(report.get(part, (False,))[0]) for part in parts}
+    if ok[FUSED_PART]:  # the tail outputs are laid out with the engine's own helper (verl 0.9.1, main; not 0.8.0)
+        try:
+            engine = getattr(importlib.import_module(ENGINE_MODULE), ENGINE_CLASS, None)
+        except ImportError:
+            engine = None
+        ok[FUSED_PART] = hasattr(engine, "_gather_and_unpad_packed")
+    served = [name for part, name in parts.items() if ok[part]]
+    left = [name for part, name in parts.items() if not ok[part]]
     if not served:
         return False, f"not served on any path (verl's registry: {status})"
     what = (f"served on the {', '.join(served)} (the (K+1)-category KL, no clamp at 0; log_prob_min_clamp=null "
@@ -204,7 +211,7 @@ def _replacement(module, original, *, megatron: bool):
         ``loss_mode=forward_kl_topk_tail``."""
         loss_config = getattr(config, "distillation_loss", None)
         tail = is_tail_mode(loss_config)
-        why = outside_kernels(student_logits, "student_logits")
+        why = outside_kernels(student_logits)
         if tail:
             check_tail_config(loss_config)
             if why is not None:
