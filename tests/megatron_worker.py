@@ -710,7 +710,8 @@ def _check_engine_per_sample_temperature(rkv, rank, world):
 def _topk_inputs(megatron_losses, rank, world, seed):
     """Nested teacher top-K (log-probs, ids) of two sequences (one slot per third token at -12, below
     the clamp), the full logits for their laid-out tokens (verl's preprocess_thd_engine may pad),
-    this rank's shard of them, and a random weighting of the tokens."""
+    this rank's shard of them, a random weighting of the tokens (0 on the padding rows, whose
+    outputs verl's layout drops), and which rows are tokens."""
     gen = torch.Generator().manual_seed(seed)
     vocab = world * V_R
     teacher = [torch.log_softmax(torch.randn(n, vocab, generator=gen) * 2, -1).topk(TOPK, -1) for n in (7, 5)]
@@ -718,10 +719,12 @@ def _topk_inputs(megatron_losses, rank, world, seed):
         t.values[::3, 1] = -12.0
     t_lp = torch.nested.nested_tensor([t.values for t in teacher], layout=torch.jagged)
     t_ids = torch.nested.nested_tensor([t.indices for t in teacher], layout=torch.jagged)
-    tokens = megatron_losses.preprocess_thd_engine(t_lp, pre_process=True)[0].shape[1]
-    full = torch.randn(1, tokens, vocab, generator=gen) * 3
-    g = torch.rand(1, tokens, generator=gen) + 0.5
-    return t_lp, t_ids, full, full[..., rank * V_R:(rank + 1) * V_R].contiguous(), g
+    ones = torch.nested.nested_tensor_from_jagged(torch.ones(12), offsets=t_ids.offsets())
+    rows = megatron_losses.preprocess_thd_engine(ones, pre_process=True)[0].bool()
+    assert rows.shape[1] > 12 and int(rows.sum()) == 12  # the layout pads (rows of K zero ids)
+    full = torch.randn(1, rows.shape[1], vocab, generator=gen) * 3
+    g = (torch.rand(1, rows.shape[1], generator=gen) + 0.5) * rows
+    return t_lp, t_ids, full, full[..., rank * V_R:(rank + 1) * V_R].contiguous(), g, rows
 
 
 def _call(fn, shard, t_lp, t_ids, loss_mode, clamp, g):
@@ -743,7 +746,7 @@ def _check_topk_function(rkv, megatron_losses, original, rank, world):
     shard of the gradient; a clamp is refused. Float64 logits go to verl's own function."""
     ours = megatron_losses.compute_forward_kl_topk
     assert ours is not original and ours._rl_kernels_original is original
-    t_lp, t_ids, full, shard, g = _topk_inputs(megatron_losses, rank, world, seed=11)
+    t_lp, t_ids, full, shard, g, rows = _topk_inputs(megatron_losses, rank, world, seed=11)
     for clamp in (None, CLAMP):
         got, grad = _call(ours, shard, t_lp, t_ids, "forward_kl_topk", clamp, g)
         want, want_grad = _call(original, shard, t_lp, t_ids, "forward_kl_topk", clamp, g)
@@ -775,10 +778,11 @@ def _check_topk_function(rkv, megatron_losses, original, rank, world):
     (kl * g).sum().backward()
     for key, value in {"distillation_losses": kl, "tail_loss": tail, "student_tail_mass": log_q_tail.exp(),
                        "student_mass": log_q.exp().sum(-1), "teacher_mass": p.sum(-1)}.items():
-        torch.testing.assert_close(got[key].double(), value.detach(), **VAL, msg=key)
+        # the token rows (the padding rows' ids, K zeros, are made distinct for the tail; verl drops those rows)
+        torch.testing.assert_close(got[key][rows].double(), value[rows].detach(), **VAL, msg=key)
         assert _same_on_all_ranks(got[key])
     torch.testing.assert_close(grad.double(), z.grad[..., rank * V_R:(rank + 1) * V_R], **GRAD)
-    assert float((tail.abs() > 1e-3).double().mean()) > 0.5  # the tail term matters (on all but padding rows)
+    assert float((tail[rows].abs() > 1e-3).double().mean()) > 0.5  # the tail term matters
     try:
         _call(ours, shard, t_lp, t_ids, "forward_kl_topk_tail", CLAMP, g)
     except ValueError as e:

@@ -427,3 +427,32 @@ def test_the_report_says_where_the_tail_mode_is_served(monkeypatch, tail_library
     monkeypatch.setitem(losses.DISTILLATION_LOSS_REGISTRY, verl_modes.TAIL_MODE, lambda **kwargs: None)  # verl's own
     served, what = distill.tail_entry(parts)
     assert not served and "verl's own" in what, what
+
+
+@needs_distillation
+def test_tail_mode_under_ulysses_padding(patched, tail_library, monkeypatch):  # noqa: F811
+    """Sequence parallelism with verl's zero padding (19 tokens over 2 ranks: rank 1's slice ends with
+    one padding row of K zero ids, which the library's tail could not take): the padding row gets
+    distinct ids, the token rows equal float64 (values and gradient)."""
+    fsdp, _, _ = patched
+    lengths = (6, 5, 8)
+    student, t_lp, t_ids, weights = _inputs(seed=8, lengths=lengths)
+
+    def slice_input(x, dim):  # rank 1 of 2, zero-padded as verl's slice_input_tensor pads
+        pad = torch.zeros(*x.shape[:dim], 1, *x.shape[dim + 1:], dtype=x.dtype)
+        x = torch.cat([x, pad], dim)
+        return x.narrow(dim, x.shape[dim] // 2, x.shape[dim] // 2).contiguous()
+
+    monkeypatch.setattr(fsdp, "get_ulysses_sequence_parallel_world_size", lambda: 2)
+    monkeypatch.setattr(fsdp, "slice_input_tensor", slice_input)
+    mine = slice_input(student, 1)  # (1, 10, V): 9 tokens and the padding row
+    w = slice_input(weights, 1)
+    got, grad = _run(fsdp.compute_forward_kl_topk, mine, t_lp, t_ids, _tail_config(), w * (torch.arange(10) < 9))
+    lp = torch.nested.nested_tensor_from_jagged(t_lp.values()[10:], offsets=torch.tensor([0, 9]))
+    ids = torch.nested.nested_tensor_from_jagged(t_ids.values()[10:], offsets=torch.tensor([0, 9]))
+    want, want_grad, _ = _tail_reference(mine[:, :9], lp, ids, w[:, :9])
+    for key, value in want.items():
+        torch.testing.assert_close(got[key][:, :9].double(), value, **TOL, msg=key)
+        assert bool(got[key][:, 9].isfinite().all()), key  # the padding row: finite, dropped by verl
+    torch.testing.assert_close(grad[:, :9].double(), want_grad, **TOL)
+    assert not bool(grad[:, 9].any())

@@ -107,6 +107,16 @@ class _SumGrad(torch.autograd.Function):
         return grad, None
 
 
+def _check_distinct(token_ids, counted=None):
+    """The library's rule for the tail: distinct ids in each (counted) row (ValueError naming token_ids)."""
+    ids = token_ids.sort(-1).values
+    repeated = (ids[..., 1:] == ids[..., :-1]).any(-1)
+    if counted is not None:
+        repeated = repeated & counted
+    if bool(repeated.any()):
+        raise ValueError("token_ids: an id repeated in a row, with return_tail (stand-in)")
+
+
 def _at_ids(z, token_ids, return_tail):
     lse = z.logsumexp(-1)
     log_q = z.gather(-1, token_ids.long()) - lse[..., None]
@@ -121,6 +131,8 @@ def standin_topk_log_probs_from_logits(logits, token_ids, *, temperature=1.0, ba
     """Plain-torch stand-in (materialized float32 logits; masked logsumexp for the tail) of the
     library's ``topk_log_probs_from_logits`` with ``return_tail`` / ``process_group``, for tests
     run before that library piece is in this checkout."""
+    if return_tail:
+        _check_distinct(token_ids)
     z = logits.float() / temperature
     if process_group is not None:
         z = _gathered(z, process_group)
@@ -133,6 +145,8 @@ def standin_linear_log_probs_at_ids(hidden_states, weight, labels, token_ids, *,
                                     reduce_hidden_grad=False, return_tail=False):
     """Plain-torch stand-in of the library's ``linear_log_probs_at_ids`` with ``return_tail``."""
     assert softcap is None
+    if return_tail:
+        _check_distinct(token_ids, labels != -100)
     h = hidden_states
     if process_group is not None and reduce_hidden_grad:
         h = _SumGrad.apply(h, process_group)

@@ -231,7 +231,8 @@ def _replacement(module, original, *, megatron: bool):
                      "serve (teacher tensors not nested, student_logits not 3-D, or mismatched shapes): verl's "
                      "own function runs them")
             return original(student_logits, teacher_topk_log_probs, teacher_topk_ids, config, data_format)
-        out = logits_topk_outputs(student_logits, teacher[0], teacher[1], loss_config, megatron=megatron)
+        out = logits_topk_outputs(student_logits, teacher[0], teacher[1], loss_config, megatron=megatron,
+                                  rows=teacher[2])
         record("distillation_calls", path, student_logits.shape[0] * student_logits.shape[1])
         return out
 
@@ -243,21 +244,42 @@ def _replacement(module, original, *, megatron: bool):
 def _teacher_layout(module, teacher_log_probs, teacher_ids, data_format, megatron: bool):
     """The teacher's (log-probs, ids) laid out as this rank's student logits, with verl's own helpers
     as verl's function lays them out: FSDP, the packed tokens (1, total, K) sliced for this Ulysses
-    rank; Megatron, ``preprocess_thd_engine`` / ``preprocess_bshd_engine`` (context-parallel split).
+    rank; Megatron, ``preprocess_thd_engine`` / ``preprocess_bshd_engine`` (context-parallel split),
+    and, third, which of those rows are tokens (False: padding those helpers added, :func:`_token_rows`).
     None for tensors that are not nested (verl's function asserts against them)."""
     if not (isinstance(teacher_log_probs, torch.Tensor) and isinstance(teacher_ids, torch.Tensor)
             and teacher_log_probs.is_nested and teacher_ids.is_nested):
         return None
     if megatron:
         preprocess = module.preprocess_thd_engine if data_format == "thd" else module.preprocess_bshd_engine
-        return tuple(preprocess(t, pre_process=True)[0] for t in (teacher_log_probs, teacher_ids))
+        return tuple(preprocess(t, pre_process=True)[0] for t in (teacher_log_probs, teacher_ids,
+                                                                   _token_rows(teacher_ids)))
     teacher_log_probs = teacher_log_probs.values().unsqueeze(0)  # the packed tokens, as the student's (1, total, V)
     teacher_ids = teacher_ids.values().unsqueeze(0)
+    rows = torch.ones(teacher_ids.shape[:2], dtype=torch.int8, device=teacher_ids.device)
     world_size, slice_input = _ulysses(module)
-    if world_size() > 1:  # this rank's slice of the sequence, as verl slices the student's input
+    if world_size() > 1:  # this rank's slice of the sequence, as verl slices the student's input (zero padding)
         teacher_log_probs = slice_input(teacher_log_probs, dim=1)
         teacher_ids = slice_input(teacher_ids, dim=1)
-    return teacher_log_probs, teacher_ids
+        rows = slice_input(rows, dim=1)
+    return teacher_log_probs, teacher_ids, rows
+
+
+def _token_rows(nested_ids):
+    """A nested (B, j) int8 tensor of ones beside the teacher's nested (B, j, K) ids: laid out with the
+    same helper and arguments, its zeros are the padding rows the helper adds."""
+    values = torch.ones(nested_ids.values().shape[0], dtype=torch.int8, device=nested_ids.values().device)
+    return torch.nested.nested_tensor_from_jagged(values, offsets=nested_ids.offsets())
+
+
+def distinct_on_padding(teacher_ids, rows):
+    """``teacher_ids`` with the padding rows' ids (``rows`` 0: rows verl's layout added, whose outputs
+    it drops) replaced by 0..K-1: the library's tail log-mass needs distinct ids in each row, and those
+    rows hold K zeros. Token rows are left as they are (a repeated id there is refused by the library)."""
+    if rows is None:
+        return teacher_ids
+    filler = torch.arange(teacher_ids.shape[-1], device=teacher_ids.device, dtype=teacher_ids.dtype)
+    return torch.where(rows.to(teacher_ids.device).bool()[..., None], teacher_ids, filler)
 
 
 def _tensor_parallel(logits) -> dict:
@@ -289,20 +311,22 @@ def _student_top_ids(logits, k: int, tp: dict):
         return ids.gather(-1, torch.topk(values, k=k, dim=-1).indices)
 
 
-def logits_topk_outputs(student_logits, teacher_log_probs, teacher_ids, loss_config, *, megatron: bool) -> dict:
+def logits_topk_outputs(student_logits, teacher_log_probs, teacher_ids, loss_config, *, megatron: bool,
+                        rows=None) -> dict:
     """verl's ``compute_forward_kl_topk`` outputs ((B, T) each) from the student logits (this rank's
     vocab shard for ``megatron``) and the teacher's tensors laid out as them, the student's log-probs
     at the teacher's ids from :func:`rl_kernels.topk_log_probs_from_logits`. forward_kl_topk: verl's
     FSDP definitions (:func:`topk_terms`; student_mass in the logits' dtype) or its Megatron ones
     (masses after the clamp, float32). forward_kl_topk_tail: :func:`tail_terms` (float32). The overlap
     metrics as verl defines them: the teacher's ids among the student's top K, and the mean of -p_t
-    (log p_t - log q) over them (0 where there is none; the clamped values where a clamp is set)."""
+    (log p_t - log q) over them (0 where there is none; the clamped values where a clamp is set).
+    ``rows``: which rows are tokens (:func:`_teacher_layout`; None: all)."""
     tp = _tensor_parallel(student_logits) if megatron else {}
     k = teacher_ids.shape[-1]
     backend = options().backend
     if is_tail_mode(loss_config):
-        log_q, tail_log_probs = topk_log_probs_from_logits(student_logits, teacher_ids, backend=backend,
-                                                           return_tail=True, **tp)
+        log_q, tail_log_probs = topk_log_probs_from_logits(student_logits, distinct_on_padding(teacher_ids, rows),
+                                                           backend=backend, return_tail=True, **tp)
         out = tail_terms(log_q, tail_log_probs, teacher_log_probs)
         slot_q, slot_t = log_q, teacher_log_probs.float()
     else:
@@ -489,10 +513,12 @@ def serve_fused_topk(request: TopKRequest, hidden_states, weight, labels, *, tem
         raise VerlIntegrationError(f"rl_kernels.integrations.verl: top-K distillation on the fused path: {why}")
     teacher_log_probs = request.micro_batch["teacher_logprobs"].values().unsqueeze(0)  # (1, total, K)
     teacher_ids = request.micro_batch["teacher_ids"].values().unsqueeze(0)
+    rows = torch.ones(teacher_ids.shape[:2], dtype=torch.int8)
     world_size, slice_input = _ulysses(fsdp)
     if world_size() > 1:  # this rank's slice (padded as verl pads the student's inputs)
         teacher_log_probs = slice_input(teacher_log_probs, dim=1)
         teacher_ids = slice_input(teacher_ids, dim=1)
+        rows = slice_input(rows, dim=1)
     device = hidden_states.device
     teacher_log_probs = teacher_log_probs.to(device, non_blocking=True)
     teacher_ids = teacher_ids.to(device, non_blocking=True)
@@ -503,8 +529,8 @@ def serve_fused_topk(request: TopKRequest, hidden_states, weight, labels, *, tem
             f"student's tokens {tuple(labels.shape)} on this rank")
     if is_tail_mode(loss_config):
         log_probs, entropy, log_q, tail_log_probs = linear_log_probs_at_ids(
-            hidden_states, weight, labels, teacher_ids, temperature=temperature, return_entropy=return_entropy,
-            backend=backend, return_tail=True)
+            hidden_states, weight, labels, distinct_on_padding(teacher_ids, rows), temperature=temperature,
+            return_entropy=return_entropy, backend=backend, return_tail=True)
         terms = tail_terms(log_q, tail_log_probs, teacher_log_probs)
         request.aux = FusedLinearAux(*(terms.pop(key) for key in FusedLinearAux._fields))
         request.extra = terms
@@ -610,11 +636,11 @@ class MegatronTopKRequest:
     the terms the fused head delivers with its log-probs, and those terms as the engine lays them
     out (per-sequence nested tensors, :func:`_laying_out_terms`)."""
 
-    __slots__ = ("batch", "loss_config", "teacher", "log_probs", "terms", "calls", "laid_out")
+    __slots__ = ("batch", "loss_config", "teacher", "rows", "log_probs", "terms", "calls", "laid_out")
 
     def __init__(self, batch, loss_config):
         self.batch, self.loss_config = batch, loss_config
-        self.teacher = self.log_probs = self.terms = self.laid_out = None
+        self.teacher = self.rows = self.log_probs = self.terms = self.laid_out = None
         self.calls = 0
 
     def deliver(self, log_probs, terms: dict) -> None:
@@ -662,6 +688,8 @@ def serve_megatron_topk(request: MegatronTopKRequest, h2, weight, labels1, label
     teacher_log_probs = teacher_log_probs.reshape(-1, k).to(h2.device)
     tail = is_tail_mode(request.loss_config)
     extra = {"return_tail": True} if tail else {}
+    if tail and request.rows is not None:  # (verl's layout pads with rows of K zero ids)
+        ids = distinct_on_padding(ids, request.rows.reshape(-1))
     if return_entropy and tp_kwargs:
         out = rl_kernels.linear_log_probs(h2, weight, labels1, temperature=temperature, return_entropy=True,
                                           backend=backend, **tp_kwargs)
@@ -704,6 +732,7 @@ def _laying_out_teacher(preprocess):
                 arguments.update(pre_process=True, need_roll=False)
                 request.teacher = tuple(preprocess(request.batch[key].to(device), **arguments)[0]
                                         for key in ("teacher_logprobs", "teacher_ids"))
+                request.rows = preprocess(_token_rows(request.batch["teacher_ids"]).to(device), **arguments)[0]
         return result
 
     preprocess_thd_engine._rl_kernels_original = preprocess
