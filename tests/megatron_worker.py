@@ -91,6 +91,7 @@ def run(rank, world, init_file):
     import verl.models.mcore as mcore
     import verl.models.mcore.model_forward_1f1b_overlap as overlap
     import verl.models.mcore.model_forward_fused as fused
+    import verl.trainer.distillation.megatron.losses as megatron_losses
     import verl.utils.megatron.tensor_parallel as vtp
     import verl.utils.torch_functional as verl_F
     import verl.workers.engine.megatron.transformer_impl as mti
@@ -109,12 +110,16 @@ def run(rank, world, init_file):
                       (mcore, "get_mcore_forward_fused_model_engine_fn"): mcore.get_mcore_forward_fused_model_engine_fn,
                       (fused, "postprocess_thd_engine"): fused.postprocess_thd_engine,
                       (fused, "preprocess_thd_engine"): fused.preprocess_thd_engine,
-                      (mti.MegatronEngineWithLMHead, "forward_step"): mti.MegatronEngineWithLMHead.forward_step})
+                      (mti.MegatronEngineWithLMHead, "forward_step"): mti.MegatronEngineWithLMHead.forward_step,
+                      (megatron_losses, "compute_forward_kl_topk"): megatron_losses.compute_forward_kl_topk})
 
     records = _Records()
     logging.getLogger("rl_kernels").addHandler(records)
     import rl_kernels.integrations.verl as rkv  # the import patches verl
     import rl_kernels.integrations.verl.megatron as rkm
+    from verl_helpers import use_tail_standins
+
+    use_tail_standins(setattr)  # until the library computes the tail log-mass (and from-logits over a TP group)
 
     try:
         _check_patched(rkv, rkm, vtp, mti, fused, overlap, verl_F, mcore_tp)
@@ -138,6 +143,8 @@ def run(rank, world, init_file):
         _check_engine_entropy_on_request(rkv, rkm, mcore, rank, world)
         _check_engine_fused_sum_pi_squared(rkv, mti, rank, world)
         _check_engine_fused_topk(rkv, mti, rank, world)
+        _check_topk_function(rkv, megatron_losses, originals[(megatron_losses, "compute_forward_kl_topk")], rank, world)
+        _check_engine_tail(rkv, mti, rank, world)
         _check_engine_per_sample_temperature(rkv, rank, world)
 
         _check_unpatch_restores(rkv, rkm, originals)
@@ -465,7 +472,7 @@ def _check_engine_fused_sum_pi_squared(rkv, mti, rank, world):
 TOPK, CLAMP = 4, -9.5
 
 
-def _topk_step(mti, fused, embedding, weight, rank, tensors, flags, g):
+def _topk_step(mti, fused, embedding, weight, rank, tensors, flags, g, loss_mode="forward_kl_topk", clamp=CLAMP):
     """One forward_step of verl's engine with top-K distillation (verl's own loss function as the
     logits processor) and the backward of sum(g * distillation_losses): (output, d embedding
     summed over the TP group, d weight shard)."""
@@ -476,7 +483,8 @@ def _topk_step(mti, fused, embedding, weight, rank, tensors, flags, g):
     emb = embedding.clone().requires_grad_()
     shard = weight[rank * V_R:(rank + 1) * V_R].clone().requires_grad_()
     config = types.SimpleNamespace(strategy="megatron")
-    distillation_config = types.SimpleNamespace(distillation_loss=types.SimpleNamespace(log_prob_min_clamp=CLAMP))
+    distillation_config = types.SimpleNamespace(distillation_loss=types.SimpleNamespace(log_prob_min_clamp=clamp,
+                                                                                        loss_mode=loss_mode))
     loss_function = functools.partial(verl_losses.distillation_ppo_loss, config=config,
                                       distillation_config=distillation_config)
     output, ids = _engine_step(mti, _StandInGPT(emb, shard), fused, tensors, flags, loss_function, grad=True)
@@ -517,6 +525,20 @@ def _check_engine_fused_topk(rkv, mti, rank, world):
         assert after["fused_megatron_calls"] == before["fused_megatron_calls"] + 1, after
         with verl_unpatched():  # verl's Megatron logits path as installed
             ref, ref_emb, ref_w, _ = _topk_step(mti, False, embedding, weight, rank, tensors, flags, g)
+        # the logits path with rl-kernels' compute_forward_kl_topk (vocab-parallel): every output of verl's,
+        # overlap metrics included, and the gradients
+        before = rkv.call_counts()["distillation_calls"]
+        ours, ours_emb, ours_w, _ = _topk_step(mti, False, embedding, weight, rank, tensors, flags, g)
+        assert rkv.call_counts()["distillation_calls"] == before + 1
+        assert set(ours) == set(ref), (set(ours), set(ref))
+        for key in ours:
+            if key == "overlap_count":
+                assert torch.equal(ours[key].values(), ref[key].values())
+            else:
+                torch.testing.assert_close(ours[key].values(), ref[key].values(), **VAL, msg=key)
+            assert _same_on_all_ranks(ours[key].values().detach())
+        torch.testing.assert_close(ours_emb, ref_emb, **GRAD)
+        torch.testing.assert_close(ours_w, ref_w, **GRAD)
         assert set(got) == set(ref) - {"overlap_count", "overlap_token_advantage"}, (set(got), set(ref))
         assert ("log_probs" in got) is not flags["distillation_only"]
         for key in got:
@@ -682,3 +704,135 @@ def _check_engine_per_sample_temperature(rkv, rank, world):
         assert "outside the engine forward" in str(e), e
     else:
         raise AssertionError("a per-sample stand-in outside the engine forward was not refused")
+
+
+# ----------------------------------------------------------------------------- top-K distillation, logits path
+def _topk_inputs(megatron_losses, rank, world, seed):
+    """Nested teacher top-K (log-probs, ids) of two sequences (one slot per third token at -12, below
+    the clamp), the full logits for their laid-out tokens (verl's preprocess_thd_engine may pad),
+    this rank's shard of them, a random weighting of the tokens (0 on the padding rows, whose
+    outputs verl's layout drops), and which rows are tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = world * V_R
+    teacher = [torch.log_softmax(torch.randn(n, vocab, generator=gen) * 2, -1).topk(TOPK, -1) for n in (7, 5)]
+    for t in teacher:
+        t.values[::3, 1] = -12.0
+    t_lp = torch.nested.nested_tensor([t.values for t in teacher], layout=torch.jagged)
+    t_ids = torch.nested.nested_tensor([t.indices for t in teacher], layout=torch.jagged)
+    ones = torch.nested.nested_tensor_from_jagged(torch.ones(12), offsets=t_ids.offsets())
+    rows = megatron_losses.preprocess_thd_engine(ones, pre_process=True)[0].bool()
+    assert rows.shape[1] > 12 and int(rows.sum()) == 12  # the layout pads (rows of K zero ids)
+    full = torch.randn(1, rows.shape[1], vocab, generator=gen) * 3
+    g = (torch.rand(1, rows.shape[1], generator=gen) + 0.5) * rows
+    return t_lp, t_ids, full, full[..., rank * V_R:(rank + 1) * V_R].contiguous(), g, rows
+
+
+def _call(fn, shard, t_lp, t_ids, loss_mode, clamp, g):
+    config = types.SimpleNamespace(distillation_loss=types.SimpleNamespace(log_prob_min_clamp=clamp,
+                                                                           loss_mode=loss_mode))
+    leaf = shard.clone().requires_grad_()
+    out = fn(student_logits=leaf, teacher_topk_log_probs=t_lp, teacher_topk_ids=t_ids, config=config,
+             data_format="thd")
+    (out["distillation_losses"] * g).sum().backward()
+    return {k: v.detach() for k, v in out.items()}, leaf.grad
+
+
+def _check_topk_function(rkv, megatron_losses, original, rank, world):
+    """rl-kernels' Megatron compute_forward_kl_topk against verl's own (captured before the patch:
+    _VocabParallelKLDivergence over the gloo TP group) on this rank's vocab shard: every output
+    (overlap_count equal) and the gradient w.r.t. the shard within 1e-5, without and with the clamp
+    (active on both sides); the outputs identical on every rank. forward_kl_topk_tail against
+    float64 from the full logits: the (K+1)-category KL, its tail term, the masses, and each rank's
+    shard of the gradient; a clamp is refused. Float64 logits go to verl's own function."""
+    ours = megatron_losses.compute_forward_kl_topk
+    assert ours is not original and ours._rl_kernels_original is original
+    t_lp, t_ids, full, shard, g, rows = _topk_inputs(megatron_losses, rank, world, seed=11)
+    for clamp in (None, CLAMP):
+        got, grad = _call(ours, shard, t_lp, t_ids, "forward_kl_topk", clamp, g)
+        want, want_grad = _call(original, shard, t_lp, t_ids, "forward_kl_topk", clamp, g)
+        assert set(got) == set(want)
+        for key, value in want.items():
+            assert got[key].dtype == value.dtype and got[key].shape == value.shape, key
+            if key == "overlap_count":
+                assert torch.equal(got[key], value)
+            else:
+                torch.testing.assert_close(got[key], value, atol=1e-5, rtol=0, msg=key)
+            assert _same_on_all_ranks(got[key])
+        torch.testing.assert_close(grad, want_grad, atol=1e-5, rtol=0)
+        assert float(grad.abs().max()) > 1e-2 and 0 < int(want["overlap_count"].sum())
+    lq = torch.log_softmax(full, -1).gather(-1, megatron_losses.preprocess_thd_engine(t_ids, pre_process=True)[0])
+    assert bool((lq < CLAMP).any()) and bool((lq > CLAMP).any())  # the clamp acts on some student slots
+    # forward_kl_topk_tail, against float64
+    got, grad = _call(ours, shard, t_lp, t_ids, "forward_kl_topk_tail", None, g)
+    z = full.double().requires_grad_()
+    log_p = z.log_softmax(-1)
+    # the teacher as laid out with the student's tokens (verl's own helper; its padding rows included)
+    lp_laid, ids = (megatron_losses.preprocess_thd_engine(t, pre_process=True)[0] for t in (t_lp, t_ids))
+    log_q = log_p.gather(-1, ids)
+    log_q_tail = log_p.masked_fill(torch.zeros(z.shape, dtype=torch.bool).scatter(-1, ids, True),
+                                   float("-inf")).logsumexp(-1)
+    p = lp_laid.double().exp()
+    p_tail = (1 - p.sum(-1)).clamp_min(0)  # 0 on padding rows (log-probs 0): no tail term there
+    tail = torch.where(p_tail > 0, p_tail * (p_tail.log() - log_q_tail), torch.zeros((), dtype=torch.float64))
+    kl = (p * (p.log() - log_q)).sum(-1) + tail
+    (kl * g).sum().backward()
+    for key, value in {"distillation_losses": kl, "tail_loss": tail, "student_tail_mass": log_q_tail.exp(),
+                       "student_mass": log_q.exp().sum(-1), "teacher_mass": p.sum(-1)}.items():
+        # the token rows (the padding rows' ids, K zeros, are made distinct for the tail; verl drops those rows)
+        torch.testing.assert_close(got[key][rows].double(), value[rows].detach(), **VAL, msg=key)
+        assert _same_on_all_ranks(got[key])
+    torch.testing.assert_close(grad.double(), z.grad[..., rank * V_R:(rank + 1) * V_R], **GRAD)
+    assert float((tail[rows].abs() > 1e-3).double().mean()) > 0.5  # the tail term matters
+    try:
+        _call(ours, shard, t_lp, t_ids, "forward_kl_topk_tail", CLAMP, g)
+    except ValueError as e:
+        assert "log_prob_min_clamp" in str(e), e
+    else:
+        raise AssertionError("a clamp with forward_kl_topk_tail was not refused")
+    before = rkv.call_counts()["verl_fallback_calls"]  # float64 logits: verl's own function
+    got64, _ = _call(ours, shard.double(), t_lp, t_ids, "forward_kl_topk", CLAMP, g)
+    assert rkv.call_counts()["verl_fallback_calls"] == before + 1
+    theirs64, _ = _call(original, shard.double(), t_lp, t_ids, "forward_kl_topk", CLAMP, g)
+    torch.testing.assert_close(got64["distillation_losses"], theirs64["distillation_losses"])
+
+
+def _check_engine_tail(rkv, mti, rank, world):
+    """forward_kl_topk_tail through verl's own Megatron engine forward_step, on the fused path
+    (rl-kernels' vocab-parallel fused head) and on the logits path (rl-kernels' compute_forward_kl_topk):
+    both equal the float64 (K+1)-category KL of the stand-in GPT's logits / T, and so do the
+    gradients w.r.t. the embedding (summed over the group) and this rank's weight shard; the tail
+    outputs come back laid out per sequence under their keys."""
+    gen = torch.Generator().manual_seed(12)
+    vocab = world * V_R
+    embedding = torch.randn(vocab, H, generator=gen)
+    weight = torch.randn(vocab, H, generator=gen) * 0.5
+    teacher = [torch.log_softmax(torch.randn(n, vocab, generator=gen) * 2, -1).topk(TOPK, -1) for n in (7, 5)]
+    tensors = {"teacher_logprobs": torch.nested.nested_tensor([t.values for t in teacher], layout=torch.jagged),
+               "teacher_ids": torch.nested.nested_tensor([t.indices for t in teacher], layout=torch.jagged)}
+    g = torch.rand(12, generator=gen) + 0.5
+    flags = {"calculate_entropy": False, "distillation_only": True, "calculate_sum_pi_squared": False,
+             "distillation_use_topk": True}
+    results = {}
+    for fused in (True, False):
+        results[fused] = _topk_step(mti, fused, embedding, weight, rank, tensors, flags, g,
+                                    loss_mode="forward_kl_topk_tail", clamp=None)
+    ids = results[True][3]
+    e64, w64 = embedding.double().requires_grad_(), weight.double().requires_grad_()
+    log_p = (e64[ids.values()] @ w64.T / TEMPERATURE).log_softmax(-1)
+    t_ids = tensors["teacher_ids"].values()
+    log_q = log_p.gather(-1, t_ids)
+    log_q_tail = log_p.masked_fill(torch.zeros(log_p.shape, dtype=torch.bool).scatter(-1, t_ids, True),
+                                   float("-inf")).logsumexp(-1)
+    p = tensors["teacher_logprobs"].values().double().exp()
+    p_tail = (1 - p.sum(-1)).clamp_min(0)
+    tail = p_tail * (p_tail.log() - log_q_tail)
+    kl = (p * (p.log() - log_q)).sum(-1) + tail
+    (kl * g.double()).sum().backward()
+    for fused, (out, d_emb, d_w, _) in results.items():
+        assert {"distillation_losses", "tail_loss", "student_tail_mass"} <= set(out), (fused, set(out))
+        torch.testing.assert_close(out["distillation_losses"].values().double(), kl.detach(), **VAL)
+        torch.testing.assert_close(out["tail_loss"].values().double(), tail.detach(), **VAL)
+        assert out["tail_loss"].is_nested and torch.equal(out["tail_loss"].offsets(), ids.offsets())
+        torch.testing.assert_close(d_emb.double(), e64.grad, **GRAD)
+        torch.testing.assert_close(d_w.double(), w64.grad[rank * V_R:(rank + 1) * V_R], **GRAD)
+        assert _same_on_all_ranks(out["distillation_losses"].values().detach())

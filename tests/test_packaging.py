@@ -143,3 +143,16 @@ sys.exit(main(["repro", "--device", "cpu", {str(tmp_path / "s.safetensors")!r}])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "skipped: rl_kernels triton" in proc.stdout and "triton is not installed" in proc.stdout
     assert "all rl_kernels backends PASS" in proc.stdout
+
+
+def test_the_verl_plugin_entry_point_names_a_module_that_patches_nothing():
+    """``[project.entry-points."verl.plugins"]`` (verl 0.9.1 and main load the group at ``import
+    verl``) names rl-kernels' plugin module: it exists, is outside the patching package, and its
+    import only registers (checked in a fresh process by tests/test_verl_distill.py; the installed
+    entry point by hand in a throwaway venv, see the integration README)."""
+    import importlib.util
+
+    plugins = _pyproject()["project"]["entry-points"]["verl.plugins"]
+    assert plugins == {"rl_kernels": "rl_kernels.integrations.verl_plugin"}, plugins
+    assert importlib.util.find_spec(plugins["rl_kernels"]) is not None
+    assert not plugins["rl_kernels"].startswith("rl_kernels.integrations.verl.")

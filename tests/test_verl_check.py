@@ -14,7 +14,7 @@ pytest.importorskip("verl", reason="verl is not installed (pip install -e '.[ver
 
 import rl_kernels
 from rl_kernels.tools.cli import main
-from rl_kernels.tools.verl_check import diagnose, sum_pi_squared_note
+from rl_kernels.tools.verl_check import diagnose, distillation_note, sum_pi_squared_note
 
 pytestmark = pytest.mark.verl_matrix
 
@@ -179,3 +179,61 @@ def test_fused_line_says_whether_top_k_distillation_is_served(strategy, rmpad, o
     assert verdict.on and expected in verdict.line, verdict.line
     cfg["distillation"]["distillation_loss"]["loss_mode"] = "k3"  # a single-sample estimator: nothing to say
     assert "distillation" not in diagnose(cfg).line
+
+
+def _distillation_config(strategy, fused, mode="forward_kl_topk_tail", clamp=None,
+                         external_lib="rl_kernels.integrations.verl", **options):
+    return {"actor_rollout_ref": {"actor": {"strategy": strategy},
+                                  "model": {"external_lib": external_lib, "use_fused_kernels": fused,
+                                            "fused_kernel_options": {"impl_backend": "rl_kernels",
+                                                                     "rl_kernels": options}}},
+            "distillation": {"enabled": True, "distillation_loss": {"loss_mode": mode, "log_prob_min_clamp": clamp}}}
+
+
+@pytest.mark.parametrize("cfg,entry,expected", [
+    (_distillation_config("fsdp2", False), "verl.trainer.main_ppo",
+     "top-K distillation (loss_mode=forward_kl_topk_tail, strategy=fsdp2, logits path): served by rl-kernels "
+     "(compute_forward_kl_topk replaced); the mode is registered in verl by the external_lib import"),
+    (_distillation_config("megatron", False, "forward_kl_topk", -10.0), "verl.trainer.main_ppo",
+     "top-K distillation (loss_mode=forward_kl_topk, strategy=megatron, logits path): served by rl-kernels "
+     "(compute_forward_kl_topk replaced, vocab-parallel over the TP group)"),
+    (_distillation_config("megatron", True), "verl.trainer.main_ppo", "fused path): see the fused line"),
+    (_distillation_config("fsdp", False, clamp=-10.0), "verl.trainer.main_ppo",
+     "WARNING: top-K distillation (loss_mode=forward_kl_topk_tail, strategy=fsdp, logits path): log_prob_min_clamp="
+     "-10.0 is refused"),
+    (_distillation_config("fsdp", False, external_lib=None), "verl.trainer.main_ppo",
+     "WARNING: top-K distillation (loss_mode=forward_kl_topk_tail, strategy=fsdp, logits path): rl-kernels' patch is "
+     "not imported"),
+    (_distillation_config("fsdp", False, patch_logits_path=False), "verl.trainer.main_ppo",
+     "WARNING: top-K distillation (loss_mode=forward_kl_topk_tail, strategy=fsdp, logits path): computed by verl's "
+     "own code (patch_logits_path=False)"),
+    (_distillation_config("fsdp", False), "verl.experimental.fully_async_policy.fully_async_main",
+     "WARNING: top-K distillation (loss_mode=forward_kl_topk_tail, strategy=fsdp, logits path): verl.experimental."
+     "fully_async_policy.fully_async_main may validate the distillation config in a process that imports no "
+     "external_lib"),
+])
+def test_distillation_note_per_engine_path_and_entry(cfg, entry, expected, monkeypatch):
+    """The note on top-K distillation (issue 45): the logits paths served on both engines, and
+    forward_kl_topk_tail's conditions; the fully-async entry without the plugin loaded is warned
+    with the VERL_USE_EXTERNAL_MODULES alternative."""
+    monkeypatch.setenv("VERL_USE_EXTERNAL_PLUGINS", "none")  # the plugin, even where installed, not loaded
+    monkeypatch.delenv("VERL_USE_EXTERNAL_MODULES", raising=False)
+    note = distillation_note(cfg, entry)
+    assert note is not None and (note.startswith(expected) or expected in note), note
+    assert note.startswith("WARNING: ") == expected.startswith("WARNING: "), note
+    if "fully_async" in entry:
+        assert "Fix: VERL_USE_EXTERNAL_MODULES=rl_kernels.integrations.verl_plugin" in note, note
+        monkeypatch.setenv("VERL_USE_EXTERNAL_MODULES", "rl_kernels.integrations.verl_plugin")
+        assert not distillation_note(cfg, entry).startswith("WARNING")
+    cfg["distillation"]["distillation_loss"]["loss_mode"] = "k3"
+    assert distillation_note(cfg, entry) is None
+
+
+def test_the_tail_mode_is_reported_for_the_composed_config(capsys):
+    code = main(["verl-check", SEARCH, "+rl_kernels=logits", "distillation.enabled=True",
+                 "distillation.distillation_loss.loss_mode=forward_kl_topk_tail",
+                 "distillation.distillation_loss.log_prob_min_clamp=null"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert code == 0 and len(out) == 2 and out[0].startswith("rl-kernels is ON: logits path"), out
+    assert out[1].startswith("top-K distillation (loss_mode=forward_kl_topk_tail, strategy=fsdp, logits path): served "
+                             "by rl-kernels"), out

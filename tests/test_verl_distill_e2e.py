@@ -10,6 +10,14 @@ counts (one fused distillation call; the unpatched worker never imported rl-kern
 fail when the fused path's student log-probs ignore the temperature (embedding update 0.54 off).
 The Ray cluster, the saved model and verl's config composition are those of
 ``tests/test_verl_e2e.py``.
+
+``forward_kl_topk_tail`` (issue 45; verl has no such mode: rl-kernels registers it), the same
+update step through verl's FSDP engine: on the fused path and on the logits path (both rl-kernels'),
+whose updates agree to 1e-4 relative per parameter (the per-token losses are checked against
+float64 in ``tests/test_verl_distill.py``) and differ from forward_kl_topk's; and with the patch
+removed (``external_lib=rl_kernels.integrations.verl_plugin``: the mode registered, verl's own
+top-K computation running) the update raises rl-kernels' VerlIntegrationError instead of training
+on forward_kl_topk's clamped terms.
 """
 import concurrent.futures
 
@@ -30,9 +38,9 @@ pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
 K, CLAMP = 8, -10.0
 
 
-def _distillation(config):
+def _distillation(config, loss_mode="forward_kl_topk", clamp=CLAMP):
     """Top-K distillation on in the composed config: one teacher (the student's own path, never
-    started here), forward_kl_topk with the task reward's loss."""
+    started here), ``loss_mode`` with the task reward's loss."""
     from omegaconf import OmegaConf, open_dict
 
     with open_dict(config):
@@ -43,9 +51,9 @@ def _distillation(config):
                            **{f"distillation.teacher_models.teacher_model.inference.{size}": 1 for size in (
                                "tensor_model_parallel_size", "data_parallel_size", "pipeline_model_parallel_size")},
                            "distillation.teacher_models.teacher_model.inference.name": "vllm",
-                           "distillation.distillation_loss.loss_mode": "forward_kl_topk",
+                           "distillation.distillation_loss.loss_mode": loss_mode,
                            "distillation.distillation_loss.topk": K,
-                           "distillation.distillation_loss.log_prob_min_clamp": CLAMP,
+                           "distillation.distillation_loss.log_prob_min_clamp": clamp,
                            "distillation.distillation_loss.use_task_rewards": True,
                            "distillation.distillation_loss.use_policy_gradient": False}.items():
             OmegaConf.update(config, key, value, force_add=True)
@@ -83,7 +91,16 @@ def _params(self):
             for n, p in self.actor.engine.module.named_parameters()}
 
 
-def _run_worker(ray, config):
+def _standins(self):
+    """In the worker: the library's tail log-mass, or its plain-torch stand-ins until it has one."""
+    from verl_helpers import use_tail_standins
+
+    return use_tail_standins(setattr)
+
+
+def _run_worker(ray, config, standins=False):
+    """init_model, update_actor: the parameters before and after, the counts; the update's error
+    (a Ray error) under "error" where it raises."""
     from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 
     cls = ray.remote(worker_class())
@@ -95,8 +112,14 @@ def _run_worker(ray, config):
     try:
         worker = group.workers[0]
         group.init_model()
+        if standins:
+            ray.get(worker.__ray_call__.remote(_standins))
         out["before"] = ray.get(worker.__ray_call__.remote(_params))
-        group.update_actor(_update_batch())
+        try:
+            group.update_actor(_update_batch())
+        except Exception as exc:  # noqa: BLE001 - read by the test
+            out["error"] = exc
+            return out
         out["after"] = ray.get(worker.__ray_call__.remote(_params))
         out["counts"], _ = ray.get(worker.__ray_call__.remote(_counts))
     finally:
@@ -106,11 +129,22 @@ def _run_worker(ray, config):
 
 @pytest.fixture(scope="module")
 def runs(ray_cluster, model):  # noqa: F811 - the fixtures of test_verl_e2e
+    """forward_kl_topk unpatched / fused, forward_kl_topk_tail fused / logits / with the patch removed
+    (the plugin only), side by side (the cluster runs three at a time)."""
+    from omegaconf import OmegaConf
+
+    tail = "forward_kl_topk_tail"
     with pytest.MonkeyPatch.context() as monkeypatch:
         use_torch_padding(monkeypatch)
-        configs = {option: _distillation(_compose(model[1], option)) for option in (None, "fused")}
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            futures = {option: pool.submit(_run_worker, ray_cluster, config) for option, config in configs.items()}
+        configs = {option: (_distillation(_compose(model[1], option)), False) for option in (None, "fused")}
+        configs.update({(tail, option): (_distillation(_compose(model[1], option), tail, None), True)
+                        for option in ("fused", "logits")})
+        plugin_only = _distillation(_compose(model[1], None), tail, None)
+        OmegaConf.update(plugin_only, "actor_rollout_ref.model.external_lib", "rl_kernels.integrations.verl_plugin")
+        configs[(tail, "plugin only")] = (plugin_only, False)
+        with concurrent.futures.ThreadPoolExecutor(len(configs)) as pool:
+            futures = {option: pool.submit(_run_worker, ray_cluster, config, standins)
+                       for option, (config, standins) in configs.items()}
         return {option: future.result() for option, future in futures.items()}
 
 
@@ -127,3 +161,27 @@ def test_distillation_update_on_the_fused_path_matches_verls_logits_path(runs):
         assert err < 1e-4, f"{name}: relative update difference {err:.2e}"
         moved += bool(d.norm() > 0)
     assert moved == len(delta_ref), "every parameter moves"
+
+
+def test_tail_mode_update_on_the_fused_and_logits_paths_and_refused_without_the_patch(runs):
+    tail = "forward_kl_topk_tail"
+    fused, logits, plain = runs[(tail, "fused")], runs[(tail, "logits")], runs[(tail, "plugin only")]
+    for out in (fused, logits):
+        assert "error" not in out, out.get("error")
+    assert fused["counts"]["distillation_calls"] == 1 and fused["counts"]["fused_fsdp_calls"] >= 1, fused["counts"]
+    assert logits["counts"]["distillation_calls"] == 1 and logits["counts"]["fused_fsdp_calls"] == 0, logits["counts"]
+    delta_fused, delta_logits = _delta(fused["after"], fused["before"]), _delta(logits["after"], logits["before"])
+    delta_topk = _delta(runs["fused"]["after"], runs["fused"]["before"])
+    moved, apart = 0, 0.0
+    for name, d in delta_logits.items():
+        torch.testing.assert_close(fused["before"][name], logits["before"][name], atol=0, rtol=0)
+        err = (delta_fused[name] - d).norm() / d.norm().clamp_min(1e-30)
+        assert err < 1e-4, f"{name}: relative update difference {err:.2e}"
+        moved += bool(d.norm() > 0)
+        apart = max(apart, float((d - delta_topk[name]).norm() / d.norm().clamp_min(1e-30)))
+    assert moved == len(delta_logits), "every parameter moves"
+    assert apart > 1e-2, "the tail-aware update is forward_kl_topk's"
+    # the patch removed (the mode registered by the plugin, verl's own top-K computation): refused, never trained
+    assert "after" not in plain and "error" in plain, "the update ran on verl's own top-K terms"
+    message = str(plain["error"])
+    assert "VerlIntegrationError" in message and "went through verl's own top-K computation" in message, message

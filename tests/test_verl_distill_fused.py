@@ -28,7 +28,7 @@ import torch
 import rl_kernels.integrations.verl as rkv
 from rl_kernels import _logging
 from rl_kernels.integrations.verl import distill
-from verl_helpers import VOCAB, qwen2_forward, tiny_qwen2, verl_unpatched  # noqa: F401 - a fixture
+from verl_helpers import VOCAB, qwen2_forward, tail_library, tiny_qwen2, verl_unpatched  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.verl_matrix
 
@@ -67,11 +67,11 @@ def cpu_engine(monkeypatch):
     return build
 
 
-def _config():
+def _config(loss_mode="forward_kl_topk", clamp=CLAMP):
     from verl.workers.config import DistillationConfig, DistillationLossConfig
 
     return DistillationConfig(distillation_loss=DistillationLossConfig(
-        loss_mode="forward_kl_topk", topk=K, log_prob_min_clamp=CLAMP, use_policy_gradient=False))
+        loss_mode=loss_mode, topk=K, log_prob_min_clamp=clamp, use_policy_gradient=False))
 
 
 def _loss(model_output=None, data=None, dp_group=None, student_logits=None, data_format="thd", *, config,
@@ -113,7 +113,7 @@ def _teacher(model, input_ids, g):
     return t_lp, t_ids, torch.log_softmax(logits, -1).gather(1, t_ids)
 
 
-def _step(engine, micro_batch, weights):
+def _step(engine, micro_batch, weights, distillation_config=None):
     """verl's forward_step and the backward of its loss -> (model output, d loss / d last hidden
     states, d loss / d lm_head.weight)."""
     model = engine.module
@@ -127,7 +127,7 @@ def _step(engine, micro_batch, weights):
     handle = model.model.register_forward_hook(keep)
     try:
         loss_function = functools.partial(_loss, config=SimpleNamespace(strategy="fsdp"),
-                                          distillation_config=_config(), weights=weights)
+                                          distillation_config=distillation_config or _config(), weights=weights)
         loss, output = engine.forward_step(micro_batch, loss_function=loss_function, forward_only=False)
         loss.backward()
     finally:
@@ -173,6 +173,35 @@ def test_fused_forward_fills_fused_linear_aux_as_verls_logits_path(qwen2_forward
     torch.testing.assert_close(got[2], ref[2], **GRAD_TOL, msg="d loss / d lm_head.weight")
     # the clamp is active on both sides somewhere, so its (zero) gradient rule is exercised
     assert bool((t_lp < CLAMP).any()) and bool((student_lq < CLAMP).any())
+
+
+@needs_fused_distillation
+def test_tail_mode_on_the_fused_path_equals_the_logits_path(qwen2_forward, cpu_engine, tail_library):  # noqa: F811
+    """loss_mode=forward_kl_topk_tail through verl's FSDP engine forward_step: the fused head
+    (fused_linear_aux plus the tail outputs laid out by the engine's own _gather_and_unpad_packed)
+    against the logits path (rl-kernels' compute_forward_kl_topk, checked against float64 in
+    test_verl_distill.py): every tail output per sequence, the log-probs, and the gradients w.r.t.
+    the hidden states and lm_head.weight."""
+    from verl.models.transformers.monkey_patch import apply_monkey_patch
+
+    g = torch.Generator().manual_seed(5)
+    total = sum(LENGTHS)
+    input_ids = torch.randint(0, VOCAB, (total,), generator=g)
+    weights = (torch.randn(total, generator=g), torch.randn(total, generator=g))
+    model = tiny_qwen2(seed=4)
+    t_lp, t_ids, _ = _teacher(model, input_ids, g)
+    config = _config("forward_kl_topk_tail", None)
+    ref = _step(cpu_engine(model), _micro_batch(input_ids, t_lp, t_ids, False, False), weights, config)
+    apply_monkey_patch(model, use_remove_padding=True, use_fused_kernels=True, fused_kernels_backend=rkv.BACKEND_NAME)
+    got = _step(cpu_engine(model), _micro_batch(input_ids, t_lp, t_ids, True, False), weights, config)
+    keys = ["distillation_losses", "student_mass", "teacher_mass", "tail_loss", "student_tail_mass", "log_probs"]
+    assert set(keys) <= set(got[0]) and set(keys) <= set(ref[0]), (set(got[0]), set(ref[0]))
+    for key in keys:
+        assert got[0][key].is_nested and torch.equal(got[0][key].offsets(), ref[0][key].offsets()), key
+        torch.testing.assert_close(got[0][key].values(), ref[0][key].values(), **TOL, msg=key)
+    torch.testing.assert_close(got[1], ref[1], **GRAD_TOL, msg="d loss / d hidden_states")
+    torch.testing.assert_close(got[2], ref[2], **GRAD_TOL, msg="d loss / d lm_head.weight")
+    assert float(got[0]["tail_loss"].values().abs().max()) > 1e-2
 
 
 @needs_fused_distillation

@@ -17,7 +17,9 @@ the likely fix. Hydra composes several mistakes without an error, each leaving r
 
 After that line, one line per optional feature the config asks for that rl-kernels serves only on
 some engines and paths: Σπ² (``actor.calculate_sum_pi_squared=True``, :func:`sum_pi_squared_note`),
-with ``WARNING:`` where verl would refuse it or compute it with its own code.
+top-K distillation on the logits paths and the ``forward_kl_topk_tail`` loss mode that rl-kernels
+adds to verl (:func:`distillation_note`), with ``WARNING:`` where verl would refuse it or compute it
+with its own code.
 
 verl offers no hook in the driver before Ray starts its workers that could run rl-kernels' checks
 (its ``external_lib`` is imported in the workers), so this command is the check before launch.
@@ -31,6 +33,7 @@ import re
 import sys
 from typing import NamedTuple
 
+from ..integrations.verl_modes import TAIL_MODE
 from ..integrations.verl_schema import BACKEND_NAME, VerlOptions, names_rl_kernels, validated_options
 
 GROUP = "rl_kernels"
@@ -264,7 +267,8 @@ def check(overrides: list[str], entry: str = ENTRY) -> Verdict:
                                   f"reads. Fix: ++{OPTIONS_KEY}.{stray.group(1)}={value} ('++' adds or overrides)")
         return Verdict(False, f"rl-kernels is OFF: verl's config did not compose: {message}")
     verdict = diagnose(cfg, stderr, overrides)
-    return verdict._replace(notes=verdict.notes + tuple(filter(None, [sum_pi_squared_note(cfg)])))
+    return verdict._replace(notes=verdict.notes + tuple(filter(None, [sum_pi_squared_note(cfg),
+                                                                      distillation_note(cfg, entry)])))
 
 
 FSDP_STRATEGIES = ("fsdp", "fsdp2")
@@ -311,3 +315,89 @@ def sum_pi_squared_note(cfg: dict) -> str | None:
                 f"Fix: use_fused_kernels=False (rl-kernels serves VeOmni's logits path)")
     return (f"WARNING: {what}: rl-kernels does not serve this engine; verl's own code decides (it refuses it on "
             f"its fused paths)")
+
+
+PLUGIN = "rl_kernels.integrations.verl_plugin"
+"""rl-kernels' ``verl.plugins`` entry point (pyproject.toml): registers ``forward_kl_topk_tail`` in
+verl's registry in every process that imports verl."""
+PPO_ENTRIES = ("verl.trainer.main_ppo", "verl.trainer.main_ppo_v0")
+"""verl entry points whose trainer builds the distillation config after the model config (which
+imports external_lib) in every process: ``external_lib`` alone registers the tail mode in time
+(:mod:`rl_kernels.integrations.verl_modes` lists where, file:line)."""
+
+
+def plugin_unloaded() -> str | None:
+    """Why verl will not load rl-kernels' ``verl.plugins`` entry point at ``import verl`` (None: it
+    will): not installed (an install before the entry point existed), verl's plugin policy
+    (``VERL_USE_EXTERNAL_PLUGINS``), or a verl without plugin loading; ``VERL_USE_EXTERNAL_MODULES``
+    naming the plugin counts as loaded."""
+    import importlib.metadata
+    import importlib.util
+    import os
+
+    if PLUGIN in [m.strip() for m in os.environ.get("VERL_USE_EXTERNAL_MODULES", "").split(",")]:
+        return None
+    names = [ep.name for ep in importlib.metadata.entry_points(group="verl.plugins") if ep.value == PLUGIN]
+    if not names:
+        return "rl-kernels' verl.plugins entry point is not installed (reinstall rl-kernels)"
+    policy = os.environ.get("VERL_USE_EXTERNAL_PLUGINS", "auto").strip().lower()
+    if policy == "none" or (policy != "auto" and names[0] not in {n.strip() for n in policy.split(",")}):
+        return f"VERL_USE_EXTERNAL_PLUGINS={policy} skips rl-kernels' verl.plugins entry point"
+    spec = importlib.util.find_spec("verl")
+    try:
+        loads = spec is not None and "verl.plugins" in open(spec.origin, encoding="utf-8").read()
+    except OSError:
+        loads = False
+    return None if loads else "this verl loads no verl.plugins entry points at import"
+
+
+def distillation_note(cfg: dict, entry: str = ENTRY) -> str | None:
+    """What serves the top-K distillation loss the composed config asks for on the logits path, and,
+    for ``forward_kl_topk_tail`` (which rl-kernels adds to verl), whether verl will know the mode in
+    every process that validates it and whether the run will compute it (``WARNING:`` lines: the
+    patch not imported, a ``log_prob_min_clamp``, or an entry point whose trainer validates the
+    config in a process that imports no ``external_lib`` while the plugin is not loaded). None when
+    there is nothing to say (no top-K loss; forward_kl_topk without rl-kernels: the verdict says so)."""
+    mode = _topk_distillation(cfg)
+    if mode is None:
+        return None
+    model = _section(cfg, "actor_rollout_ref.model") or {}
+    strategy = _section(cfg, "actor_rollout_ref.actor.strategy")
+    fused = bool(model.get("use_fused_kernels"))
+    what = f"top-K distillation (loss_mode={mode}, strategy={strategy}, {'fused' if fused else 'logits'} path)"
+    tail = mode == TAIL_MODE
+    if model.get("external_lib") != EXTERNAL_LIB:
+        if not tail:
+            return None
+        return (f"WARNING: {what}: rl-kernels' patch is not imported (external_lib={model.get('external_lib')!r}): "
+                f"verl's own top-K computation has no tail-aware terms, the update raises VerlIntegrationError. "
+                f"Fix: actor_rollout_ref.model.external_lib={EXTERNAL_LIB}")
+    clamp = _section(cfg, "distillation.distillation_loss.log_prob_min_clamp")
+    if tail and clamp is not None:
+        return (f"WARNING: {what}: log_prob_min_clamp={clamp} is refused (ValueError at the first micro-batch: the "
+                f"mode takes no per-entry clamp, as verl PR #7855). Fix: distillation.distillation_loss."
+                f"log_prob_min_clamp=null")
+    why_not = plugin_unloaded() if tail else None
+    if tail and why_not is not None and entry not in PPO_ENTRIES:
+        return (f"WARNING: {what}: {entry} may validate the distillation config in a process that imports no "
+                f"external_lib (verl's fully-async trainer does), and {why_not}: verl would refuse the mode there "
+                f"('Unsupported loss mode'). Fix: VERL_USE_EXTERNAL_MODULES={PLUGIN} in the driver's environment and "
+                f"in +ray_kwargs.ray_init.runtime_env.env_vars")
+    fused_options = model.get("fused_kernel_options") or {}
+    try:
+        opts = validated_options((fused_options.get(BACKEND_NAME) if isinstance(fused_options, dict) else None) or {})
+    except (TypeError, ValueError):
+        return None  # the verdict names the bad option
+    registered = ("; the mode is registered in verl by the external_lib import" +
+                  ("" if why_not else " and by rl-kernels' verl.plugins entry point")) if tail else ""
+    if fused:  # the verdict's fused line says what serves it; only the registration is left to say
+        return f"{what}: see the fused line{registered}" if tail else None
+    if strategy not in FSDP_STRATEGIES + ("megatron", "veomni"):
+        return (f"WARNING: {what}: rl-kernels does not serve this engine" +
+                (", the update raises VerlIntegrationError (no tail-aware terms)" if tail else
+                 ": verl's own code computes it"))
+    if not opts.patch_logits_path:
+        return (f"{'WARNING: ' if tail else ''}{what}: computed by verl's own code (patch_logits_path=False)" +
+                ("; the update raises VerlIntegrationError (no tail-aware terms)" if tail else ""))
+    return (f"{what}: served by rl-kernels (compute_forward_kl_topk replaced"
+            f"{', vocab-parallel over the TP group' if strategy == 'megatron' else ''}){registered}")

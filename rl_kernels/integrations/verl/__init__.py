@@ -53,6 +53,12 @@ yourself). The import calls :func:`patch`, which
   ``linear_cross_entropy`` of its Megatron fused forwards (fused path), on the tensor-parallel
   group, with the hidden-state gradient summed exactly once over that group; a per-sample
   temperature on the fused path, which verl refuses there, laid out per token (:mod:`.temperature`).
+* **Top-K distillation** (:mod:`.distill`, verl 0.8+): verl's ``compute_forward_kl_topk`` of its
+  FSDP / VeOmni and Megatron losses (logits paths; Megatron vocab-parallel over the TP group) and
+  the fused heads of both engines compute verl's top-K terms with rl-kernels, and the
+  ``forward_kl_topk_tail`` loss mode (verl RFC #7856), which the import also registers in verl's
+  registry (:mod:`rl_kernels.integrations.verl_modes`; for processes that never import this package,
+  the ``verl.plugins`` entry point :mod:`rl_kernels.integrations.verl_plugin`).
 * **Σπ² on the fused paths** (``calculate_sum_pi_squared=True`` with ``use_fused_kernels=True``,
   which verl refuses): where verl's engine step asks for it, rl-kernels' fused head (FSDP with
   ``impl_backend=rl_kernels``, Megatron) computes it in the same pass, and the refusal is lifted for

@@ -15,8 +15,22 @@ and dtypes; verl's nested-tensor handling and Ulysses slicing through verl's own
 student's top-K ids from ``torch.topk`` of the logits, without gradient, as verl's
 ``use_chunked_topk`` path takes them) but takes the student's log-probs at the teacher's ids from
 :func:`rl_kernels.topk_log_probs_from_logits`: float32, no N x V tensor in forward, the gradient
-as the one N x V tensor of backward. verl's Megatron distillation (vocab-parallel logits shards,
-``verl.trainer.distillation.megatron.losses``) stays verl's.
+as the one N x V tensor of backward. verl's Megatron distillation
+(``verl.trainer.distillation.megatron.losses.compute_forward_kl_topk``: this rank's vocab-parallel
+logits shard, verl's own autograd Function with TP all-reduces) is replaced the same way (issue 45):
+the teacher's tensors laid out by verl's ``preprocess_thd_engine`` / ``preprocess_bshd_engine`` as
+verl's function lays them out, the student's log-probs from
+:func:`rl_kernels.topk_log_probs_from_logits` with ``process_group=<the TP group>`` (identical bits
+on every rank, each rank its shard's gradient), verl's Megatron definitions (masses after the clamp,
+float32) and its overlap metrics (the student's top K over the group: one all_gather of K
+candidates per rank).
+
+``loss_mode=forward_kl_topk_tail`` (:mod:`rl_kernels.integrations.verl_modes`, registered in verl's
+registry) is computed by the same replacements, on both engines: the student's log-probs at the
+teacher's ids and its log-mass outside them (``return_tail=True``), :func:`tail_terms`; outputs
+``distillation_losses`` (the (K+1)-category KL), ``student_mass``, ``teacher_mass``, the overlap
+metrics, ``tail_loss`` and ``student_tail_mass``. It takes no ``log_prob_min_clamp`` (ValueError),
+and a call outside rl-kernels' kernels raises (verl has no tail-aware function to hand it to).
 
 On the FSDP fused path (``use_fused_kernels=True``, ``impl_backend=rl_kernels``, remove-padding),
 :func:`patch_fused_distillation` makes the served model's forward fill the ``fused_linear_aux``
@@ -25,7 +39,10 @@ the same :func:`topk_terms` as above) from one fused head call that also gives v
 (:func:`serve_fused_topk`): no N x V tensor in forward or backward. On verl's Megatron fused path
 (whose fused forward computes no distillation outputs), :func:`_megatron_fused_entry` makes
 rl-kernels' fused head compute them, vocab-parallel, as verl's Megatron logits path defines them,
-and puts them into the engine's forward_step output (:func:`serve_megatron_topk`).
+and puts them into the engine's forward_step output (:func:`serve_megatron_topk`). Both fused routes
+serve the tail mode too (``linear_log_probs_at_ids(return_tail=True)``; on the FSDP route the two tail
+outputs, which verl's engine does not read from ``fused_linear_aux``, are laid out by
+:func:`_checked_outputs` with the engine's own ``_gather_and_unpad_packed``).
 """
 from __future__ import annotations
 
@@ -41,10 +58,12 @@ from typing import NamedTuple
 import torch
 
 from ..._logging import log_once
-from ...distill import linear_log_probs_at_ids
+from ...distill import linear_log_probs_at_ids, topk_kl_per_token
 from ...logits import topk_log_probs_from_logits
-from .common import (VerlIntegrationError, check_signature, record, replace_by_name, set_attr, verl_fallback,
-                     with_context)
+from .. import verl_modes
+from ..verl_modes import TAIL_MODE, check_tail_config, is_tail_mode
+from .common import (VerlIntegrationError, check_signature, left_to_verl, outside_kernels, record, replace_by_name,
+                     set_attr, with_context)
 from .settings import options
 from .signatures import has_module
 
@@ -58,7 +77,45 @@ FSDP_PART = "distillation (FSDP, VeOmni)"
 FUSED_PART = "distillation (FSDP fused path)"
 MEGATRON_PART = "distillation (Megatron)"
 MEGATRON_FUSED_PART = "distillation (Megatron fused path)"
+TAIL_PART = f"distillation loss_mode={TAIL_MODE}"
 NOT_IN_THIS_VERL = "not in this verl (no verl.trainer.distillation: verl 0.7.x)"
+
+
+def _library_has_tail() -> str | None:
+    """Why this rl-kernels' library cannot compute the student's tail log-mass (None: it can)."""
+    missing = [f"{fn.__module__}.{fn.__name__}" for fn in (topk_log_probs_from_logits, linear_log_probs_at_ids)
+               if "return_tail" not in inspect.signature(fn).parameters]
+    return f"this rl-kernels' {', '.join(missing)} take(s) no return_tail" if missing else None
+
+
+def tail_entry(report: dict) -> tuple[bool, str]:
+    """The report entry of ``loss_mode=forward_kl_topk_tail``: where verl's registry stands
+    (:func:`rl_kernels.integrations.verl_modes.status`, after :func:`~rl_kernels.integrations.verl_modes.register`)
+    and which of the four distillation parts of ``report`` serve it (served where they are)."""
+    status = verl_modes.register()
+    if status.startswith(("not registered", "verl's own")):
+        return False, f"not served: verl's registry: {status}"
+    lacking = _library_has_tail()
+    if lacking is not None:
+        return False, f"not served: {lacking} (verl's registry: {status})"
+    parts = {FSDP_PART: "FSDP / VeOmni logits path", FUSED_PART: "FSDP fused path (impl_backend=rl_kernels)",
+             MEGATRON_PART: "Megatron logits path", MEGATRON_FUSED_PART: "Megatron fused path"}
+    ok = {part: bool(report.get(part, (False,))[0]) for part in parts}
+    if ok[FUSED_PART]:  # the tail outputs are laid out with the engine's own helper (verl 0.9.1, main; not 0.8.0)
+        try:
+            engine = getattr(importlib.import_module(ENGINE_MODULE), ENGINE_CLASS, None)
+        except ImportError:
+            engine = None
+        ok[FUSED_PART] = hasattr(engine, "_gather_and_unpad_packed")
+    served = [name for part, name in parts.items() if ok[part]]
+    left = [name for part, name in parts.items() if not ok[part]]
+    if not served:
+        return False, f"not served on any path (verl's registry: {status})"
+    what = (f"served on the {', '.join(served)} (the (K+1)-category KL, no clamp at 0; log_prob_min_clamp=null "
+            f"required); verl's registry: {status}")
+    if left:
+        what += f"; NOT on the {', '.join(left)}: such a micro-batch raises in the loss"
+    return True, what
 
 
 def _import_fsdp_losses():
@@ -75,45 +132,37 @@ def _import_fsdp_losses():
 
 
 def _megatron_entry() -> tuple[bool, str]:
-    """The Megatron part's report entry. Where verl's Megatron losses import, their
-    ``compute_forward_kl_topk`` is wrapped to say once, at its first call, that verl's own code runs
-    it (the wrapper changes nothing else)."""
+    """Replace verl's Megatron ``compute_forward_kl_topk`` (vocab-parallel logits shards) by
+    rl-kernels' (:func:`_replacement` with ``megatron=True``) where verl's Megatron losses import and
+    the function has :data:`PARAMETERS`. Returns the report entry (replaced?, what)."""
     if not has_module(MEGATRON_MODULE):
         return False, NOT_IN_THIS_VERL
-    why = ("not replaced: verl's Megatron top-K loss (verl/trainer/distillation/megatron/losses.py) takes this "
-           "rank's vocab-parallel logits shard, with its own tensor-parallel all-reduces in a custom autograd "
-           "Function; it stays verl's")
     try:
         megatron_losses = importlib.import_module(MEGATRON_MODULE)
     except ImportError as exc:  # megatron-core missing: verl's Megatron engine cannot run here either
-        return False, f"{why} (not importable here: {exc})"
-    original = getattr(megatron_losses, FUNCTION, None)
-    if original is not None and getattr(original, "_rl_kernels_original", None) is None:
-        set_attr(megatron_losses, FUNCTION, _said_once(original))
-    return False, why + " (a WARNING at its first call)"
-
-
-def _said_once(original):
-    """``original``, logging at its first call that verl's own Megatron distillation loss runs."""
-
-    @functools.wraps(original)
-    def compute_forward_kl_topk(*args, **kwargs):
-        log_once(logging.WARNING, "rl_kernels: verl's Megatron top-K distillation loss is not served by "
-                 "rl-kernels: verl's own code computes it (vocab-parallel logits shards)")
-        return original(*args, **kwargs)
-
-    compute_forward_kl_topk._rl_kernels_original = original
-    return compute_forward_kl_topk
+        return False, f"not replaced: {MEGATRON_MODULE} not importable here ({exc})"
+    current = getattr(megatron_losses, FUNCTION, None)
+    if current is None:
+        return False, f"not replaced (this verl's {MEGATRON_MODULE} has no {FUNCTION})"
+    what = (f"{FUNCTION} in {MEGATRON_MODULE}: the student's top-K log-probs from "
+            f"rl_kernels.topk_log_probs_from_logits on this rank's vocab shard over the TP group (verl's Megatron "
+            f"definitions: log_prob_min_clamp on both sides, masses after it; float32; no N x V_r log-softmax kept "
+            f"for backward); {TAIL_MODE} too")
+    if getattr(current, "_rl_kernels_original", None) is None:
+        check_signature(f"{MEGATRON_MODULE}.{FUNCTION}", current, PARAMETERS)
+        places = replace_by_name(megatron_losses, {FUNCTION: _replacement(megatron_losses, current, megatron=True)})
+        if places:
+            what += f"; {len(places)} by-name import(s) ({', '.join(places)})"
+    return True, what
 
 
 def patch_distillation() -> dict[str, tuple[bool, str]]:
-    """Replace verl's ``compute_forward_kl_topk`` of the FSDP / VeOmni distillation losses by
-    :func:`compute_forward_kl_topk` (through :func:`~.common.replace_by_name`, so
-    :func:`~.common.restore` undoes it). Returns the report entries ``{FSDP_PART:
-    (replaced?, what), MEGATRON_PART: (False, why)}``; a verl without distillation (0.7.x)
-    gets ``(False, "not in this verl ...")`` for both, one whose module lacks the function
-    ``(False, "not replaced ...")``. Raises VerlIntegrationError when the function has other
-    parameters than :data:`PARAMETERS`. Idempotent:
+    """Replace verl's ``compute_forward_kl_topk`` of the FSDP / VeOmni distillation losses and of the
+    Megatron ones by :func:`_replacement` (through :func:`~.common.replace_by_name`, so
+    :func:`~.common.restore` undoes it). Returns the report entries ``{FSDP_PART: (replaced?, what),
+    MEGATRON_PART: (replaced?, what)}``; a verl without distillation (0.7.x) gets ``(False, "not in
+    this verl ...")``, one whose module lacks the function ``(False, "not replaced ...")``. Raises
+    VerlIntegrationError when the function has other parameters than :data:`PARAMETERS`. Idempotent:
     a second call while patched changes nothing."""
     fsdp, why = _import_fsdp_losses()
     if fsdp is None:
@@ -123,11 +172,11 @@ def patch_distillation() -> dict[str, tuple[bool, str]]:
         return {FSDP_PART: (False, f"not replaced (this verl's {FSDP_MODULE} has no {FUNCTION})"),
                 MEGATRON_PART: _megatron_entry()}
     what = (f"{FUNCTION} in {FSDP_MODULE}: the student's top-K log-probs from rl_kernels.topk_log_probs_from_logits "
-            f"(float32; no N x V log_softmax kept for backward)")
+            f"(float32; no N x V log_softmax kept for backward); {TAIL_MODE} too")
     if getattr(current, "_rl_kernels_original", None) is not None:  # already ours
         return {FSDP_PART: (True, what), MEGATRON_PART: _megatron_entry()}
     check_signature(f"{FSDP_MODULE}.{FUNCTION}", current, PARAMETERS)
-    places = replace_by_name(fsdp, {FUNCTION: _replacement(fsdp, current)})
+    places = replace_by_name(fsdp, {FUNCTION: _replacement(fsdp, current, megatron=False)})
     if places:
         what += f"; {len(places)} by-name import(s) ({', '.join(places)})"
     return {FSDP_PART: (True, what), MEGATRON_PART: _megatron_entry()}
@@ -145,67 +194,162 @@ def _ulysses(fsdp):
     return world_size, slice_input
 
 
-def _replacement(fsdp, original):
-    """:func:`compute_forward_kl_topk` bound to verl's loss module (Ulysses helpers) and verl's
-    original function (which runs the calls this one does not serve)."""
+def _replacement(module, original, *, megatron: bool):
+    """rl-kernels' ``compute_forward_kl_topk`` for verl's FSDP / VeOmni (``megatron=False``) or
+    Megatron (``megatron=True``) loss module ``module`` (its own helpers for the teacher's layout,
+    read per call), with verl's ``original`` for the calls outside rl-kernels' kernels: student
+    logits outside them (float64, ...: logged once, counted) or a layout this path does not take
+    (verl's own function then runs and asserts as verl's does). With ``loss_mode=forward_kl_topk_tail``
+    there is no verl function to hand a call to: such a call raises instead."""
+    label = f"{module.__name__}.{FUNCTION}"
+    path = "distillation megatron" if megatron else "distillation fsdp"
 
     @torch.compiler.disable
     def compute_forward_kl_topk(student_logits, teacher_topk_log_probs, teacher_topk_ids, config, data_format):
-        """rl-kernels replacement for verl's ``compute_forward_kl_topk`` (FSDP / VeOmni): the same
-        arguments and outputs (see :mod:`rl_kernels.integrations.verl.distill`)."""
-        out = _forward_kl_topk(fsdp, student_logits, teacher_topk_log_probs, teacher_topk_ids, config)
-        if out is None:  # not a layout this path serves: verl's own function (and its checks)
+        """rl-kernels replacement for verl's ``compute_forward_kl_topk``: the same arguments and outputs
+        (see :mod:`rl_kernels.integrations.verl.distill`), and the tail-aware terms of
+        ``loss_mode=forward_kl_topk_tail``."""
+        loss_config = getattr(config, "distillation_loss", None)
+        tail = is_tail_mode(loss_config)
+        why = outside_kernels(student_logits)
+        if tail:
+            check_tail_config(loss_config)
+            if why is not None:
+                raise VerlIntegrationError(f"rl_kernels: distillation loss_mode={TAIL_MODE} got {why}, outside "
+                                           f"rl-kernels' kernels (bfloat16 / float16 / float32 student logits), and "
+                                           f"verl has no tail-aware computation to hand it to")
+        elif left_to_verl(label, why):
+            return original(student_logits, teacher_topk_log_probs, teacher_topk_ids, config, data_format)
+        teacher = _teacher_layout(module, teacher_topk_log_probs, teacher_topk_ids, data_format, megatron)
+        if teacher is None or not isinstance(student_logits, torch.Tensor) or student_logits.dim() != 3 \
+                or not teacher[0].shape[:2] == teacher[1].shape[:2] == student_logits.shape[:2]:
+            if tail:
+                raise VerlIntegrationError(
+                    f"rl_kernels: distillation loss_mode={TAIL_MODE}: the teacher's top-K tensors (nested, one row "
+                    f"per token) do not match the student logits {tuple(getattr(student_logits, 'shape', ()))}")
             log_once(logging.WARNING, "rl_kernels: verl's compute_forward_kl_topk got inputs rl-kernels does not "
                      "serve (teacher tensors not nested, student_logits not 3-D, or mismatched shapes): verl's "
                      "own function runs them")
             return original(student_logits, teacher_topk_log_probs, teacher_topk_ids, config, data_format)
-        record("distillation_calls", "distillation fsdp", student_logits.shape[0] * student_logits.shape[1])
+        out = logits_topk_outputs(student_logits, teacher[0], teacher[1], loss_config, megatron=megatron,
+                                  rows=teacher[2])
+        record("distillation_calls", path, student_logits.shape[0] * student_logits.shape[1])
         return out
 
     compute_forward_kl_topk._rl_kernels_original = original
-    return verl_fallback(FSDP_MODULE, FUNCTION)(compute_forward_kl_topk)  # float64 student logits: verl's
+    compute_forward_kl_topk._rl_kernels_fallback = (module.__name__, FUNCTION)
+    return compute_forward_kl_topk
 
 
-def _forward_kl_topk(fsdp, student_logits, teacher_log_probs, teacher_ids, config) -> dict | None:
-    """verl's outputs with the student's log-probs from rl-kernels; None for inputs verl's
-    function asserts against (it then runs and raises as verl does)."""
-    tensors = (student_logits, teacher_log_probs, teacher_ids)
-    if not all(isinstance(t, torch.Tensor) for t in tensors) or not teacher_log_probs.is_nested \
-            or not teacher_ids.is_nested or student_logits.dim() != 3:
+def _teacher_layout(module, teacher_log_probs, teacher_ids, data_format, megatron: bool):
+    """The teacher's (log-probs, ids) laid out as this rank's student logits, with verl's own helpers
+    as verl's function lays them out: FSDP, the packed tokens (1, total, K) sliced for this Ulysses
+    rank; Megatron, ``preprocess_thd_engine`` / ``preprocess_bshd_engine`` (context-parallel split),
+    and, third, which of those rows are tokens (False: padding those helpers added, :func:`_token_rows`).
+    None for tensors that are not nested (verl's function asserts against them)."""
+    if not (isinstance(teacher_log_probs, torch.Tensor) and isinstance(teacher_ids, torch.Tensor)
+            and teacher_log_probs.is_nested and teacher_ids.is_nested):
         return None
-    # the packed tokens of every sequence: (1, total_nnz, K), as the student's (1, total_nnz, V)
-    teacher_log_probs = teacher_log_probs.values().unsqueeze(0)
+    if megatron:
+        preprocess = module.preprocess_thd_engine if data_format == "thd" else module.preprocess_bshd_engine
+        return tuple(preprocess(t, pre_process=True)[0] for t in (teacher_log_probs, teacher_ids,
+                                                                   _token_rows(teacher_ids)))
+    teacher_log_probs = teacher_log_probs.values().unsqueeze(0)  # the packed tokens, as the student's (1, total, V)
     teacher_ids = teacher_ids.values().unsqueeze(0)
-    world_size, slice_input = _ulysses(fsdp)
-    if world_size() > 1:  # this rank's slice of the sequence, as verl slices the student's input
+    rows = torch.ones(teacher_ids.shape[:2], dtype=torch.int8, device=teacher_ids.device)
+    world_size, slice_input = _ulysses(module)
+    if world_size() > 1:  # this rank's slice of the sequence, as verl slices the student's input (zero padding)
         teacher_log_probs = slice_input(teacher_log_probs, dim=1)
         teacher_ids = slice_input(teacher_ids, dim=1)
-    if not teacher_log_probs.shape[:2] == teacher_ids.shape[:2] == student_logits.shape[:2]:
-        return None
-    loss_config = config.distillation_loss
-    k = teacher_ids.shape[-1]
-    log_q = topk_log_probs_from_logits(student_logits, teacher_ids, backend=options().backend)
-    with torch.no_grad():  # the student's own top K (the overlap metric): the logits' order is log q's
-        student_ids = torch.topk(student_logits, k=k, dim=-1).indices
-    distillation_losses, student_mass, teacher_mass, log_q, teacher_log_probs = topk_terms(
-        log_q, teacher_log_probs, loss_config.log_prob_min_clamp)
+        rows = slice_input(rows, dim=1)
+    return teacher_log_probs, teacher_ids, rows
 
-    # the teacher's ids that are among the student's top K, and the mean of -p_t (log p_t - log q)
-    # over them (0 where there is none): verl's overlap diagnostics
+
+def _token_rows(nested_ids):
+    """A nested (B, j) int8 tensor of ones beside the teacher's nested (B, j, K) ids: laid out with the
+    same helper and arguments, its zeros are the padding rows the helper adds."""
+    values = torch.ones(nested_ids.values().shape[0], dtype=torch.int8, device=nested_ids.values().device)
+    return torch.nested.nested_tensor_from_jagged(values, offsets=nested_ids.offsets())
+
+
+def distinct_on_padding(teacher_ids, rows):
+    """``teacher_ids`` with the padding rows' ids (``rows`` 0: rows verl's layout added, whose outputs
+    it drops) replaced by 0..K-1: the library's tail log-mass needs distinct ids in each row, and those
+    rows hold K zeros. Token rows are left as they are (a repeated id there is refused by the library)."""
+    if rows is None:
+        return teacher_ids
+    filler = torch.arange(teacher_ids.shape[-1], device=teacher_ids.device, dtype=teacher_ids.dtype)
+    return torch.where(rows.to(teacher_ids.device).bool()[..., None], teacher_ids, filler)
+
+
+def _tensor_parallel(logits) -> dict:
+    """The vocab-parallel arguments for this rank's logits shard (Megatron's TP group; empty with one rank)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return {}
+    return {"process_group": parallel_state.get_tensor_model_parallel_group(),
+            "vocab_start_index": parallel_state.get_tensor_model_parallel_rank() * logits.shape[-1]}
+
+
+def _student_top_ids(logits, k: int, tp: dict):
+    """The student's top-``k`` ids (global) from its logits, without gradient; over the TP group from
+    each rank's shard candidates (one all_gather of k values and ids per token: the same bits on
+    every rank)."""
+    with torch.no_grad():
+        if not tp:
+            return torch.topk(logits, k=k, dim=-1).indices
+        group = tp["process_group"]
+        values, ids = torch.topk(logits.float(), k=min(k, logits.shape[-1]), dim=-1)
+        ids = ids + tp["vocab_start_index"]
+        world = torch.distributed.get_world_size(group)
+        all_values = [torch.empty_like(values) for _ in range(world)]
+        all_ids = [torch.empty_like(ids) for _ in range(world)]
+        torch.distributed.all_gather(all_values, values.contiguous(), group=group)
+        torch.distributed.all_gather(all_ids, ids.contiguous(), group=group)
+        values, ids = torch.cat(all_values, -1), torch.cat(all_ids, -1)
+        return ids.gather(-1, torch.topk(values, k=k, dim=-1).indices)
+
+
+def logits_topk_outputs(student_logits, teacher_log_probs, teacher_ids, loss_config, *, megatron: bool,
+                        rows=None) -> dict:
+    """verl's ``compute_forward_kl_topk`` outputs ((B, T) each) from the student logits (this rank's
+    vocab shard for ``megatron``) and the teacher's tensors laid out as them, the student's log-probs
+    at the teacher's ids from :func:`rl_kernels.topk_log_probs_from_logits`. forward_kl_topk: verl's
+    FSDP definitions (:func:`topk_terms`; student_mass in the logits' dtype) or its Megatron ones
+    (masses after the clamp, float32). forward_kl_topk_tail: :func:`tail_terms` (float32). The overlap
+    metrics as verl defines them: the teacher's ids among the student's top K, and the mean of -p_t
+    (log p_t - log q) over them (0 where there is none; the clamped values where a clamp is set).
+    ``rows``: which rows are tokens (:func:`_teacher_layout`; None: all)."""
+    tp = _tensor_parallel(student_logits) if megatron else {}
+    k = teacher_ids.shape[-1]
+    backend = options().backend
+    if is_tail_mode(loss_config):
+        log_q, tail_log_probs = topk_log_probs_from_logits(student_logits, distinct_on_padding(teacher_ids, rows),
+                                                           backend=backend, return_tail=True, **tp)
+        out = tail_terms(log_q, tail_log_probs, teacher_log_probs)
+        slot_q, slot_t = log_q, teacher_log_probs.float()
+    else:
+        log_q = topk_log_probs_from_logits(student_logits, teacher_ids, backend=backend, **tp)
+        losses, student_mass, teacher_mass, slot_q, slot_t = topk_terms(
+            log_q, teacher_log_probs, loss_config.log_prob_min_clamp, clamp_masses=megatron)
+        if megatron:  # verl's Megatron outputs are float32 (its teacher side is cast after the clamp)
+            slot_t = slot_t.float()
+            out = {"distillation_losses": losses, "student_mass": student_mass.detach(), "teacher_mass": teacher_mass}
+        else:  # verl's FSDP dtypes: its student log-probs are in the logits' dtype (ours float32, rounded once)
+            out = {"distillation_losses": losses, "student_mass": student_mass.to(student_logits.dtype),
+                   "teacher_mass": teacher_mass}
+    student_ids = _student_top_ids(student_logits, k, tp)
     in_student_topk = (teacher_ids[..., :, None] == student_ids[..., None, :]).any(-1)
     overlap_count = in_student_topk.sum(-1)
     # (a product with the 0/1 selection, as verl's: a non-finite term outside it gives NaN there too)
-    advantage = (-(teacher_log_probs.exp() * (teacher_log_probs - log_q)) * in_student_topk).sum(-1)
+    advantage = (-(slot_t.exp() * (slot_t - slot_q)) * in_student_topk).sum(-1).detach()
     advantage = advantage / overlap_count.clamp_min(1)
     advantage = torch.where(overlap_count > 0, advantage, torch.zeros((), device=advantage.device))
-    # verl's dtypes: its student log-probs are in the logits' dtype (ours float32, rounded here once)
-    return {
-        "distillation_losses": distillation_losses,
-        "student_mass": student_mass.to(student_logits.dtype),
-        "teacher_mass": teacher_mass,
-        "overlap_count": overlap_count,
-        "overlap_token_advantage": advantage.to(torch.promote_types(teacher_log_probs.dtype, student_logits.dtype)),
-    }
+    if not megatron and not is_tail_mode(loss_config):
+        advantage = advantage.to(torch.promote_types(teacher_log_probs.dtype, student_logits.dtype))
+    out.update(overlap_count=overlap_count, overlap_token_advantage=advantage)
+    return out
 
 
 def topk_terms(log_q, teacher_log_probs, clamp, *, clamp_masses: bool = False) -> tuple:
@@ -230,6 +374,29 @@ def topk_terms(log_q, teacher_log_probs, clamp, *, clamp_masses: bool = False) -
     log_p = teacher_log_probs.float()
     distillation_losses = (log_p.exp() * (log_p - log_q)).sum(-1)  # forward KL over the K ids (float32)
     return distillation_losses, student_mass, teacher_mass, log_q, teacher_log_probs
+
+
+def tail_terms(log_q, tail_log_probs, teacher_log_probs) -> dict:
+    """The per-token outputs of ``loss_mode=forward_kl_topk_tail`` from the student's log-probs at the
+    teacher's ids ``log_q`` (..., K) float32 and its log-mass outside them ``tail_log_probs`` (...)
+    (both differentiable), and the teacher's ``teacher_log_probs`` (..., K): ``distillation_losses``,
+    the tail-aware KL of :func:`rl_kernels.distill.topk_kl_per_token` (the (K+1)-category forward
+    KL, no clamp); ``student_mass`` / ``teacher_mass``, the K slots' probability (as verl's
+    forward_kl_topk, no clamp: the mode takes none); ``tail_loss``, the tail bucket's term (the loss
+    minus the K slots' sum); ``student_tail_mass``, exp of ``tail_log_probs``. float32; all but the
+    loss without gradient."""
+    k = log_q.shape[-1]
+    lead = log_q.shape[:-1]
+    teacher = teacher_log_probs.detach().float().reshape(-1, k)
+    losses = topk_kl_per_token(log_q.reshape(-1, k), teacher, kind="forward",
+                               tail_log_probs=tail_log_probs.reshape(-1)).view(lead)
+    with torch.no_grad():
+        slots = topk_kl_per_token(log_q.detach().reshape(-1, k), teacher, kind="forward").view(lead)
+    return {"distillation_losses": losses,
+            "student_mass": log_q.detach().exp().sum(-1),
+            "teacher_mass": teacher.exp().sum(-1).view(lead),
+            "tail_loss": losses.detach() - slots,
+            "student_tail_mass": tail_log_probs.detach().float().exp()}
 
 
 
@@ -267,6 +434,7 @@ class TopKRequest:
     micro_batch: object
     loss_function: object
     aux: FusedLinearAux | None = None
+    extra: dict | None = None  # forward_kl_topk_tail's outputs that verl's engine does not read from the aux
 
 
 _request = contextvars.ContextVar("rl_kernels_topk_request", default=None)
@@ -305,10 +473,11 @@ def fused_topk_on_request(method):
                         lambda arguments: _request_for(arguments["micro_batch"], arguments.get("loss_function")))
 
 
-def _clamp(loss_function):
-    """verl's ``log_prob_min_clamp``, from the ``distillation_config`` that verl's worker binds into
-    the loss function it hands the engine (``partial(distillation_ppo_loss, ...,
-    distillation_config=...)``); VerlIntegrationError when the loss function carries none."""
+def _loss_config(loss_function):
+    """verl's ``DistillationLossConfig`` (its ``log_prob_min_clamp``, ``loss_mode``), from the
+    ``distillation_config`` that verl's worker binds into the loss function it hands the engine
+    (``partial(distillation_ppo_loss, ..., distillation_config=...)``); VerlIntegrationError when the
+    loss function carries none."""
     config = (getattr(loss_function, "keywords", None) or {}).get("distillation_config")
     loss_config = getattr(config, "distillation_loss", None)
     if loss_config is None or not hasattr(loss_config, "log_prob_min_clamp"):
@@ -317,7 +486,9 @@ def _clamp(loss_function):
             "(its log_prob_min_clamp), which verl's worker binds into the engine's loss function as "
             f"distillation_config=...; the loss function here ({loss_function!r}) carries none. Use "
             "use_fused_kernels=False (verl's logits path) for this run.")
-    return loss_config.log_prob_min_clamp
+    if is_tail_mode(loss_config):
+        check_tail_config(loss_config)
+    return loss_config
 
 
 def serve_fused_topk(request: TopKRequest, hidden_states, weight, labels, *, temperature: float, softcap,
@@ -336,16 +507,18 @@ def serve_fused_topk(request: TopKRequest, hidden_states, weight, labels, *, tem
             "rl_kernels.integrations.verl: top-K distillation on the fused path with a soft-capped model "
             f"(softcap={softcap}) is not served (the gradient of the logits at the teacher's ids under a cap "
             "is not implemented); use use_fused_kernels=False (verl's logits path) for this model")
-    clamp = _clamp(request.loss_function)
+    loss_config = _loss_config(request.loss_function)
     fsdp, why = _import_fsdp_losses()
     if fsdp is None:
         raise VerlIntegrationError(f"rl_kernels.integrations.verl: top-K distillation on the fused path: {why}")
     teacher_log_probs = request.micro_batch["teacher_logprobs"].values().unsqueeze(0)  # (1, total, K)
     teacher_ids = request.micro_batch["teacher_ids"].values().unsqueeze(0)
+    rows = torch.ones(teacher_ids.shape[:2], dtype=torch.int8)
     world_size, slice_input = _ulysses(fsdp)
     if world_size() > 1:  # this rank's slice (padded as verl pads the student's inputs)
         teacher_log_probs = slice_input(teacher_log_probs, dim=1)
         teacher_ids = slice_input(teacher_ids, dim=1)
+        rows = slice_input(rows, dim=1)
     device = hidden_states.device
     teacher_log_probs = teacher_log_probs.to(device, non_blocking=True)
     teacher_ids = teacher_ids.to(device, non_blocking=True)
@@ -354,11 +527,19 @@ def serve_fused_topk(request: TopKRequest, hidden_states, weight, labels, *, tem
             f"rl_kernels.integrations.verl: top-K distillation on the fused path: the teacher's top-K tensors "
             f"(ids {tuple(teacher_ids.shape)}, log-probs {tuple(teacher_log_probs.shape)}) do not match the "
             f"student's tokens {tuple(labels.shape)} on this rank")
-    log_probs, entropy, log_q = linear_log_probs_at_ids(hidden_states, weight, labels, teacher_ids,
-                                                        temperature=temperature, return_entropy=return_entropy,
-                                                        backend=backend)
-    losses, student_mass, teacher_mass, _, _ = topk_terms(log_q, teacher_log_probs, clamp)
-    request.aux = FusedLinearAux(losses, student_mass.detach(), teacher_mass.float())
+    if is_tail_mode(loss_config):
+        log_probs, entropy, log_q, tail_log_probs = linear_log_probs_at_ids(
+            hidden_states, weight, labels, distinct_on_padding(teacher_ids, rows), temperature=temperature,
+            return_entropy=return_entropy, backend=backend, return_tail=True)
+        terms = tail_terms(log_q, tail_log_probs, teacher_log_probs)
+        request.aux = FusedLinearAux(*(terms.pop(key) for key in FusedLinearAux._fields))
+        request.extra = terms
+    else:
+        log_probs, entropy, log_q = linear_log_probs_at_ids(hidden_states, weight, labels, teacher_ids,
+                                                            temperature=temperature, return_entropy=return_entropy,
+                                                            backend=backend)
+        losses, student_mass, teacher_mass, _, _ = topk_terms(log_q, teacher_log_probs, loss_config.log_prob_min_clamp)
+        request.aux = FusedLinearAux(losses, student_mass.detach(), teacher_mass.float())
     record("distillation_calls", "distillation fused fsdp", labels.numel())
     return log_probs, entropy
 
@@ -367,16 +548,24 @@ def _checked_outputs(method):
     """Wrap the FSDP engine's ``prepare_model_outputs``: a fused top-K distillation micro-batch
     whose model output comes back without ``distillation_losses`` (a fused forward that is not
     rl-kernels', remove-padding off, or an engine that reads no ``fused_linear_aux``) gets one
-    WARNING saying so; verl's own code then runs on (its loss finds no ``distillation_losses``)."""
+    WARNING saying so; verl's own code then runs on (its loss finds no ``distillation_losses``).
+    With ``loss_mode=forward_kl_topk_tail``, the tail outputs the fused head delivered
+    (:attr:`TopKRequest.extra`, which verl's engine does not read from ``fused_linear_aux``) are laid
+    out as verl lays out the aux outputs: the engine's ``_gather_and_unpad_packed`` (Ulysses gather,
+    padding dropped), then per sequence (``input_ids``' offsets)."""
     sig = inspect.signature(method)
 
     @functools.wraps(method)
     def prepare_model_outputs(*args, **kwargs):
         model_output = method(*args, **kwargs)
-        micro_batch = sig.bind(*args, **kwargs).arguments.get("micro_batch")
+        arguments = sig.bind(*args, **kwargs).arguments
+        micro_batch = arguments.get("micro_batch")
+        request = topk_request()
+        if request is not None and request.extra and isinstance(model_output, dict) \
+                and "distillation_losses" in model_output:
+            _lay_out_extra(arguments, micro_batch, request, model_output)
         if micro_batch is not None and _wants_fused_topk(micro_batch) and isinstance(model_output, dict) \
                 and "distillation_losses" not in model_output:
-            request = topk_request()
             if not _flag(micro_batch, "use_remove_padding", True):
                 why = "use_remove_padding=False (verl's engine reads fused_linear_aux only with remove-padding)"
             elif request is not None and request.aux is not None:
@@ -391,6 +580,22 @@ def _checked_outputs(method):
 
     prepare_model_outputs._rl_kernels_original = method
     return prepare_model_outputs
+
+
+def _lay_out_extra(arguments, micro_batch, request, model_output) -> None:
+    """The tail outputs of a fused micro-batch into ``model_output``, laid out as verl's FSDP engine
+    lays out the ``fused_linear_aux`` outputs; VerlIntegrationError where this verl's engine has no
+    ``_gather_and_unpad_packed`` or the output args no ``pad_size``."""
+    gather = getattr(arguments.get("self"), "_gather_and_unpad_packed", None)
+    output_args = arguments.get("output_args")
+    if gather is None or not isinstance(output_args, dict) or "pad_size" not in output_args:
+        raise VerlIntegrationError(
+            f"rl_kernels: distillation loss_mode={TAIL_MODE} on the FSDP fused path: this verl's engine has no "
+            f"_gather_and_unpad_packed / pad_size to lay out the tail outputs; use use_fused_kernels=False")
+    offsets = micro_batch["input_ids"].offsets()
+    for key, value in request.extra.items():
+        value = gather(value.squeeze(0), output_args["pad_size"])
+        model_output[key] = torch.nested.nested_tensor_from_jagged(value, offsets)
 
 
 def patch_fused_distillation() -> dict[str, tuple[bool, str]]:
@@ -425,16 +630,17 @@ STEP_PARAMETERS = ["self", "batch_iter", "model", "logits_processor_func", "post
 
 class MegatronTopKRequest:
     """One fused top-K distillation micro-batch of verl's Megatron engine: the micro-batch (its
-    nested ``teacher_logprobs`` / ``teacher_ids``), verl's ``log_prob_min_clamp``, the teacher's
+    nested ``teacher_logprobs`` / ``teacher_ids``), verl's distillation loss config (its
+    ``log_prob_min_clamp`` and ``loss_mode``), the teacher's
     tensors laid out as this rank's packed tokens ((1, T, K) each, :func:`_laying_out_teacher`),
     the terms the fused head delivers with its log-probs, and those terms as the engine lays them
     out (per-sequence nested tensors, :func:`_laying_out_terms`)."""
 
-    __slots__ = ("batch", "clamp", "teacher", "log_probs", "terms", "calls", "laid_out")
+    __slots__ = ("batch", "loss_config", "teacher", "rows", "log_probs", "terms", "calls", "laid_out")
 
-    def __init__(self, batch, clamp):
-        self.batch, self.clamp = batch, clamp
-        self.teacher = self.log_probs = self.terms = self.laid_out = None
+    def __init__(self, batch, loss_config):
+        self.batch, self.loss_config = batch, loss_config
+        self.teacher = self.rows = self.log_probs = self.terms = self.laid_out = None
         self.calls = 0
 
     def deliver(self, log_probs, terms: dict) -> None:
@@ -464,7 +670,8 @@ def serve_megatron_topk(request: MegatronTopKRequest, h2, weight, labels1, label
     None)`` at ``labels1`` (N,) from ``h2`` (N, H) and this rank's weight shard (``tp_kwargs``: the
     vocab-parallel arguments of ``rl_kernels.linear_log_probs``, empty with one TP rank), and
     ``request`` given verl's Megatron distillation terms ((N,) float32 each, :func:`topk_terms` with
-    ``clamp_masses``) from the student's log-probs at the teacher's laid-out ids: one
+    ``clamp_masses``, or :func:`tail_terms` for ``forward_kl_topk_tail``) from the student's log-probs
+    at the teacher's laid-out ids (and its tail log-mass): one
     :func:`rl_kernels.distill.linear_log_probs_at_ids` call, or, for the entropy on a vocab shard
     (not implemented with gathered logits), ``linear_log_probs`` and a second pass for the ids. No
     N x V tensor. VerlIntegrationError when the teacher's tensors do not match the tokens."""
@@ -479,23 +686,30 @@ def serve_megatron_topk(request: MegatronTopKRequest, h2, weight, labels1, label
             f"do not match the student's tokens {tuple(labels_shape)} on this rank")
     ids = teacher_ids.reshape(-1, k).to(h2.device).long()
     teacher_log_probs = teacher_log_probs.reshape(-1, k).to(h2.device)
+    tail = is_tail_mode(request.loss_config)
+    extra = {"return_tail": True} if tail else {}
+    if tail and request.rows is not None:  # (verl's layout pads with rows of K zero ids)
+        ids = distinct_on_padding(ids, request.rows.reshape(-1))
     if return_entropy and tp_kwargs:
         out = rl_kernels.linear_log_probs(h2, weight, labels1, temperature=temperature, return_entropy=True,
                                           backend=backend, **tp_kwargs)
         log_probs, entropy = out.log_probs, out.entropy
         # (labels: only which rows count, as in the one-call branch below; the ids give the columns)
         row_labels = torch.where(labels1 != -100, ids[:, 0], -100)
-        _, _, log_q = linear_log_probs_at_ids(h2, weight, row_labels, ids, temperature=temperature, backend=backend,
-                                              **tp_kwargs)
+        _, _, *student = linear_log_probs_at_ids(h2, weight, row_labels, ids, temperature=temperature,
+                                                 backend=backend, **tp_kwargs, **extra)
     else:
-        log_probs, entropy, log_q = linear_log_probs_at_ids(h2, weight, labels1, ids, temperature=temperature,
-                                                            return_entropy=return_entropy, backend=backend,
-                                                            **tp_kwargs)
-    losses, student_mass, teacher_mass, _, _ = topk_terms(log_q, teacher_log_probs, request.clamp, clamp_masses=True)
-    request.deliver(log_probs.view(labels_shape), {
-        "distillation_losses": losses.view(labels_shape),
-        "student_mass": student_mass.detach().view(labels_shape),  # metrics only, as verl's
-        "teacher_mass": teacher_mass.view(labels_shape)})
+        log_probs, entropy, *student = linear_log_probs_at_ids(h2, weight, labels1, ids, temperature=temperature,
+                                                               return_entropy=return_entropy, backend=backend,
+                                                               **tp_kwargs, **extra)
+    if tail:
+        terms = tail_terms(student[0], student[1], teacher_log_probs)
+    else:
+        losses, student_mass, teacher_mass, _, _ = topk_terms(student[0], teacher_log_probs,
+                                                              request.loss_config.log_prob_min_clamp, clamp_masses=True)
+        terms = {"distillation_losses": losses, "student_mass": student_mass.detach(),  # metrics only, as verl's
+                 "teacher_mass": teacher_mass}
+    request.deliver(log_probs.view(labels_shape), {key: value.view(labels_shape) for key, value in terms.items()})
     record("distillation_calls", "distillation fused megatron", labels1.numel())
     return log_probs, entropy
 
@@ -518,6 +732,7 @@ def _laying_out_teacher(preprocess):
                 arguments.update(pre_process=True, need_roll=False)
                 request.teacher = tuple(preprocess(request.batch[key].to(device), **arguments)[0]
                                         for key in ("teacher_logprobs", "teacher_ids"))
+                request.rows = preprocess(_token_rows(request.batch["teacher_ids"]).to(device), **arguments)[0]
         return result
 
     preprocess_thd_engine._rl_kernels_original = preprocess
@@ -555,7 +770,7 @@ def _megatron_forward_step(method, served: bool):
         wanted = bool(_flag(batch, "distillation_use_topk") and _flag(batch, "use_fused_kernels", default))
         request = None
         if wanted and served and "teacher_ids" in batch.keys() and "teacher_logprobs" in batch.keys():
-            request = MegatronTopKRequest(batch, _clamp(logits_processor_func))
+            request = MegatronTopKRequest(batch, _loss_config(logits_processor_func))
         token = _megatron_request.set(request)
         try:
             output, postprocess = method(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func)
@@ -614,7 +829,8 @@ def _megatron_fused_entry() -> tuple[bool, str]:
                   f"the teacher's ids, vocab-parallel over the TP group, laid out by verl's preprocess_thd_engine / "
                   f"postprocess_thd_engine ({MEGATRON_FUSED_MODULE}) into {MEGATRON_ENGINE_CLASS}.forward_step's "
                   f"output (no N x V tensor); distillation_only drops log_probs as verl's logits path; verl's "
-                  f"overlap metrics are not computed on this path; a WARNING where a fused top-K batch is not served")
+                  f"overlap metrics are not computed on this path; {TAIL_MODE} too; a WARNING where a fused top-K "
+                  f"batch is not served")
 
 
 def _patch_fsdp_fused() -> tuple[bool, str]:
@@ -650,4 +866,5 @@ def _patch_fsdp_fused() -> tuple[bool, str]:
                   f"(distillation_losses, student_mass, teacher_mass, read by {ENGINE_CLASS}.prepare_model_outputs) "
                   f"from one rl_kernels.distill.linear_log_probs_at_ids call with verl's log-probs (no N x V "
                   f"tensor); verl's overlap metrics are not computed on this path (verl's engine reads none); "
-                  f"a WARNING where a fused micro-batch is not served")
+                  f"{TAIL_MODE} too (its tail outputs laid out by the engine's _gather_and_unpad_packed); a WARNING "
+                  f"where a fused micro-batch is not served")

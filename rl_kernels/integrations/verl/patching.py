@@ -17,7 +17,7 @@ from . import settings
 from .common import VerlIntegrationError, restore, set_attr, verl_version
 from .distill import FSDP_PART as DISTILLATION_FSDP
 from .distill import MEGATRON_PART as DISTILLATION_MEGATRON
-from .distill import patch_distillation, patch_fused_distillation
+from .distill import TAIL_PART, patch_distillation, patch_fused_distillation, tail_entry
 from .fsdp_fused import FUSED_SUM_PI_SQUARED_PART, patch_fused_path, wrap_sum_pi_squared_requests
 from .hooks import (registry_classmethod, wrap_dp_actor, wrap_engine_new, wrap_legacy_workers,
                     wrap_model_config)
@@ -200,6 +200,7 @@ def _patch_all(monkey_patch, experimental_tf, torch_functional) -> dict:
         report.update(dict.fromkeys((DISTILLATION_FSDP, DISTILLATION_MEGATRON),
                                     (False, "not replaced (patch_logits_path=False)")))
     report.update(patch_fused_distillation())
+    report[TAIL_PART] = tail_entry(report)
     legacy_megatron = "verl.workers.megatron_workers"  # verl 0.7.x's legacy Megatron workers (no engine report)
     if legacy_megatron in sys.modules and not any(ok for ok, _ in megatron.values()):
         log_once(logging.WARNING, f"rl_kernels: verl's legacy Megatron workers ({legacy_megatron}) are not served: "
@@ -251,7 +252,8 @@ def report() -> dict:
     "sum_pi_squared (FSDP)", "Megatron logits path", "Megatron fused path", "Megatron fused
     sum_pi_squared", "Megatron fused per-sample temperature" (where the Megatron fused path is
     patched), "sum_pi_squared (Megatron)", "distillation (FSDP, VeOmni)", "distillation (FSDP fused
-    path)", "distillation (Megatron)", "distillation (Megatron fused path)". Empty while unpatched."""
+    path)", "distillation (Megatron)", "distillation (Megatron fused path)", "distillation
+    loss_mode=forward_kl_topk_tail". Empty while unpatched."""
     return dict(_report) if _patched else {}
 
 
