@@ -19,7 +19,8 @@ import rl_kernels.autograd.linear as linear_autograd
 from rl_kernels import linear_topk_kl
 from rl_kernels.backends import get_backend
 from rl_kernels.distill import linear_log_probs_at_ids
-from rl_kernels.ops.common import among_ids, sorted_tail_ids
+from rl_kernels.autograd.common import sorted_tail_ids
+from rl_kernels.ops.common import among_ids
 
 N, H, V, K = 11, 20, 203, 5
 LOG_TINY = math.log(2.0 ** -126)

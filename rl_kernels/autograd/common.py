@@ -256,3 +256,14 @@ def or_empty(outputs, like: torch.Tensor) -> tuple:
 def _shares_storage(t: torch.Tensor) -> bool:
     """Whether ``t`` covers only part of its storage (a view, e.g. one row of a block)."""
     return t.untyped_storage().nbytes() != t.numel() * t.element_size()
+
+
+def sorted_tail_ids(ids: torch.Tensor, vocab_start: int = 0, local_vocab: int | None = None) -> torch.Tensor:
+    """(N, K) int32 contiguous, each row sorted ascending: the ids ``among_ids`` reads, made local to
+    a vocab shard starting at ``vocab_start`` (ids of other shards become -1 or values >= the shard's
+    width after the shift: they never match a column of this shard when the kernel's columns are
+    local). ``ids``: (N, K) int64/int32 global ids."""
+    local = ids.to(torch.int64) - vocab_start
+    if local_vocab is not None:
+        local = torch.where((local >= 0) & (local < local_vocab), local, -1)
+    return torch.sort(local.to(torch.int32), dim=1).values.contiguous()

@@ -22,7 +22,7 @@ from ..validation import check_label_values, warn_fp16_temperature
 from ..torch_ops.linear import per_row, torch_dlogits, torch_forward, torch_gathered_logits
 from .backward_schedule import chunked_backward, full_precision_reduction
 from .common import (OpArgs, as_float_grad, custom_op_pair, fake_grads, first_order_only, grads_or_empty,
-                     hidden_for_weight_grad, or_empty, rl_op)
+                     hidden_for_weight_grad, or_empty, rl_op, sorted_tail_ids)
 from .vocab_parallel import (all_gather_rows, finish_hidden_grad, group_from_op, local_labels, merge_lse,
                              merge_shards)
 
@@ -72,7 +72,6 @@ class TritonHead:
     @staticmethod
     def forward(hidden_states, weight, labels, params: HeadParams, label_check, tail_ids=None) -> HeadOutputs:
         from .. import ops
-        from ..ops.common import sorted_tail_ids
 
         n = hidden_states.shape[0]
         if n == 0:
@@ -92,7 +91,6 @@ class TritonHead:
                 tail_ids=None):
         """(window function, dlogits dtype, column-width multiple) for ``chunked_backward``."""
         from .. import ops
-        from ..ops.common import sorted_tail_ids
 
         cfg = ops.default_config(hidden_states.device, hidden_states.dtype)
         sorted_ids = sorted_tail_ids(tail_ids, 0, weight.shape[0]) if tail_ids is not None else None

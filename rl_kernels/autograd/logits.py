@@ -23,11 +23,10 @@ import torch
 from .._logging import log_once
 from ..backends import Backend, implements
 from ..label_check import deferred_label_check, raise_if_interpreted, raise_label_errors
-from ..ops.common import sorted_tail_ids
 from ..torch_ops.logits import torch_logits_backward, torch_logits_forward
 from ..validation import check_label_values, check_token_id_values
 from .positions import check_tail_teacher
-from .common import OpArgs, as_float_grad, custom_op_pair, first_order_only, or_empty, rl_op
+from .common import OpArgs, as_float_grad, custom_op_pair, first_order_only, or_empty, rl_op, sorted_tail_ids
 from .vocab_parallel import all_gather_rows, group_from_op, local_labels, merge_lse, merge_shards
 
 
@@ -100,7 +99,7 @@ class TorchLogits:
 def logits_stats_forward(logits, labels, params: LogitsParams, label_check=None, tail_ids=None) -> dict:
     """The forward's per-row statistics (a dict of (N,) float32 tensors, as ``ops.logits_forward``:
     ``row_max``, ``log_sum``, ``lse``, the outputs asked and, with ``tail_ids`` (sorted local ids,
-    ``ops.common.sorted_tail_ids``), ``tail_lse``) on the backend, no label check, no autograd."""
+    ``autograd.common.sorted_tail_ids``), ``tail_lse``) on the backend, no label check, no autograd."""
     return params.backend.family("logits").forward(logits, labels, params, label_check, tail_ids)
 
 

@@ -371,7 +371,7 @@ def among_ids(ids_ptr, stride_ids, rows64, row_mask, cols, col0, width, n_ids, B
     top-K KL's exclusion mask: the tail is the vocabulary outside the row's K ids).
 
     ``ids_ptr``: (N, n_ids) int32 row-major with ``stride_ids``, each row sorted ascending
-    (``sorted_tail_ids``; entries outside the vocabulary never match); ``rows64``: the tile's rows
+    (``autograd.common.sorted_tail_ids``; entries outside the vocabulary never match); ``rows64``: the tile's rows
     (int64) with ``row_mask``; ``cols``: the tile's column ids, all inside [col0, col0 + width);
     BLOCK_IDS: a power of two >= n_ids. Sorted ids make the row's ids inside the tile one run
     [lo, lo + count): 2 x BLOCK_IDS compares per row find it, then one compare per element per id
@@ -386,14 +386,3 @@ def among_ids(ids_ptr, stride_ids, rows64, row_mask, cols, col0, width, n_ids, B
         row_id = tl.load(ids_ptr + rows64 * stride_ids + lo + j, mask=row_mask & (j < count), other=-1)
         hit = hit | (cols[None, :] == row_id[:, None])
     return hit
-
-
-def sorted_tail_ids(ids: torch.Tensor, vocab_start: int = 0, local_vocab: int | None = None) -> torch.Tensor:
-    """(N, K) int32 contiguous, each row sorted ascending: the ids ``among_ids`` reads, made local to
-    a vocab shard starting at ``vocab_start`` (ids of other shards become -1 or values >= the shard's
-    width after the shift: they never match a column of this shard when the kernel's columns are
-    local). ``ids``: (N, K) int64/int32 global ids."""
-    local = ids.to(torch.int64) - vocab_start
-    if local_vocab is not None:
-        local = torch.where((local >= 0) & (local < local_vocab), local, -1)
-    return torch.sort(local.to(torch.int32), dim=1).values.contiguous()

@@ -257,7 +257,7 @@ def linear_split_stats(
     uninitialised without ``return_entropy``), the label logits z_y (N,) float32, and q = sum
     exp(2 (z - m)) (S, N) with ``return_sum_pi_squared`` (else None): the input of
     :func:`split_combine`. ``label_check``: see :func:`label_logits`. ``tail_ids``: (N, K) int32
-    contiguous, each row sorted (``common.sorted_tail_ids``): a 6th output, the (2, S, N) float32
+    contiguous, each row sorted (``autograd.common.sorted_tail_ids``): a 6th output, the (2, S, N) float32
     tail partials (m_t, s_t) over the columns that are not among the row's ids (the TAIL variant;
     FLATTEN and WARP_SPEC are off in it: ``among_ids``' inner loop stays out of the pipeliner).
     """
@@ -293,7 +293,7 @@ def linear_split_stats(
 
 def tail_kernel_args(tail_ids: torch.Tensor, **pointers) -> dict:
     """The TAIL variant's launch arguments for the sorted (N, K) int32 ``tail_ids``
-    (``common.sorted_tail_ids``), plus ``pointers``."""
+    (``autograd.common.sorted_tail_ids``), plus ``pointers``."""
     if tail_ids.dtype != torch.int32 or tail_ids.dim() != 2 or not tail_ids.is_contiguous():
         raise ValueError(f"tail_ids: expected (N, K) int32 contiguous, got {tuple(tail_ids.shape)} {tail_ids.dtype}")
     k = tail_ids.shape[1]
@@ -511,7 +511,7 @@ def linear_dlogits(
     float32), each None when absent (``autograd.linear.HeadOutputs`` records). ``params``: the
     head's parameter record (``inv_temperature``, ``ignore_index``, ``softcap``: the logits are
     soft-capped before the temperature when it is not None). ``tail_ids``: the sorted (N, K) int32 ids
-    of ``common.sorted_tail_ids`` (columns local to ``weight``), with ``saved.tail_lse`` and
+    of ``autograd.common.sorted_tail_ids`` (columns local to ``weight``), with ``saved.tail_lse`` and
     ``grads.tail_lse`` (N,) float32 contiguous: the TAIL variant adds
     g_tail * [j not among the ids] * exp(z_j - tail_lse) (FLATTEN off in it).
     """

@@ -372,3 +372,22 @@ def verl_fallback(module: str, name: str):
         return torch.compiler.disable(guarded)
 
     return decorate
+
+
+# The storage of the logits that rl-kernels' top-K distillation saved for its backward (the last
+# logits-path top-K call: verl's FSDP engine computes the top-K terms on its logits, then the
+# log-probs with inplace_backward=True, whose backward runs first and would overwrite them; the
+# top-K backward would then raise autograd's "modified by an inplace operation"). The log-probs
+# replacement writes its gradient elsewhere for those logits (:func:`saved_for_backward`).
+_SAVED_LOGITS_STORAGE: list[int] = []
+
+
+def save_logits_for_backward(logits: torch.Tensor) -> None:
+    """Record that ``logits``' storage is saved for a backward (replacing the previous record)."""
+    _SAVED_LOGITS_STORAGE[:] = [logits.untyped_storage().data_ptr()]
+
+
+def saved_for_backward(logits: torch.Tensor) -> bool:
+    """Whether ``logits`` share the storage recorded by :func:`save_logits_for_backward` (a stale
+    record that matches a later allocation only costs that call its in-place gradient)."""
+    return logits.untyped_storage().data_ptr() in _SAVED_LOGITS_STORAGE

@@ -63,7 +63,7 @@ from ...logits import topk_log_probs_from_logits
 from .. import verl_modes
 from ..verl_modes import TAIL_MODE, check_tail_config, is_tail_mode
 from .common import (VerlIntegrationError, check_signature, left_to_verl, outside_kernels, record, replace_by_name,
-                     set_attr, with_context)
+                     save_logits_for_backward, set_attr, with_context)
 from .settings import options
 from .signatures import has_module
 
@@ -324,6 +324,8 @@ def logits_topk_outputs(student_logits, teacher_log_probs, teacher_ids, loss_con
     tp = _tensor_parallel(student_logits) if megatron else {}
     k = teacher_ids.shape[-1]
     backend = options().backend
+    if student_logits.requires_grad:
+        save_logits_for_backward(student_logits)  # (verl's in-place log-probs backward must not overwrite them)
     if is_tail_mode(loss_config):
         log_q, tail_log_probs = topk_log_probs_from_logits(student_logits, distinct_on_padding(teacher_ids, rows),
                                                            backend=backend, return_tail=True, **tp)

@@ -21,8 +21,8 @@ from ..._logging import log_once
 from ...logits import _overlaps
 from ...logits import entropy_from_logits as _rk_entropy_from_logits
 from ...logits import log_probs_from_logits as _rk_log_probs_from_logits
-from .common import (VerlIntegrationError, check_chunk_size, record, replace_by_name, verl_fallback,
-                     verl_version)
+from .common import (VerlIntegrationError, check_chunk_size, record, replace_by_name, saved_for_backward,
+                     verl_fallback, verl_version)
 from .signatures import check_verl_signature
 
 LOGITS_FUNCTIONS = ("logprobs_from_logits", "entropy_from_logits", "entropy_from_logits_with_chunking")
@@ -63,6 +63,10 @@ def logprobs_from_logits(logits, labels, inplace_backward=True):
         # verl's flash-attn path reshapes such logits (a copy, e.g. verl 0.7.x dp_actor's
         # logits[:, -response_length - 1:-1] slice) and writes the gradient into that copy:
         # the same as not writing in place; expanded logits likewise get a gradient of their own
+        inplace_backward = False
+    if inplace_backward and saved_for_backward(logits):
+        # rl-kernels' top-K distillation (verl's logits path) saved these logits for its backward,
+        # which runs after this one's: its gradient goes to a tensor of its own
         inplace_backward = False
     out = _rk_log_probs_from_logits(logits, labels, inplace_backward=bool(inplace_backward))
     record("logits_log_probs_calls", "logits fsdp", labels.numel())
