@@ -69,7 +69,9 @@ def topk_tiles(cfg: KernelConfig, kp: int) -> TopkTiles:
     """The top-K kernel's tiles on a device whose linear-head configuration is ``cfg``: the head's
     forward tile and split (the lse chunk), with half the rows for KP = 128 (the candidate list,
     2 x BLOCK_M x KP registers' worth, would otherwise crowd out the accumulator), and the head's
-    FLATTEN (H200, 16384 x 3584 x 152064, K = 64: 1.63x -> 1.54x mm with it, same ids)."""
+    FLATTEN (H200, 16384 x 3584 x 152064, K = 64: 1.63x -> 1.54x mm with it, same ids), applied
+    with TMA loads and 16-bit inputs only (Triton 3.6 fails to compile the flattened loop for float32
+    inputs: "scf.if op region control flow edge ... operands", H200, 2026-11-28)."""
     block_m = cfg.block_m if kp <= 64 else max(16, cfg.block_m // 2)
     return TopkTiles(block_m, cfg.block_n, cfg.split_v, cfg.num_warps, cfg.num_stages, cfg.flatten)
 
@@ -223,7 +225,8 @@ def linear_topk_select(
         K=k, KP=kp, CHUNK=tiles.chunk,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=cfg.block_k,
         UPCAST=cfg.upcast(hidden_states.dtype), DOT_PRECISION=cfg.dot_precision(hidden_states.dtype),
-        GROUP_M=cfg.group_m, USE_TMA=use_tma, EVEN_V=v % tiles.block_n == 0, FLATTEN=tiles.flatten,
+        GROUP_M=cfg.group_m, USE_TMA=use_tma, EVEN_V=v % tiles.block_n == 0,
+        FLATTEN=tiles.flatten and use_tma and hidden_states.dtype != torch.float32,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     lse = torch.empty(n, dtype=torch.float32, device=device)
