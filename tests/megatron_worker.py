@@ -117,9 +117,6 @@ def run(rank, world, init_file):
     logging.getLogger("rl_kernels").addHandler(records)
     import rl_kernels.integrations.verl as rkv  # the import patches verl
     import rl_kernels.integrations.verl.megatron as rkm
-    from verl_helpers import use_tail_standins
-
-    use_tail_standins(setattr)  # until the library computes the tail log-mass (and from-logits over a TP group)
 
     try:
         _check_patched(rkv, rkm, vtp, mti, fused, overlap, verl_F, mcore_tp)

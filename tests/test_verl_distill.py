@@ -23,7 +23,7 @@ import torch
 import rl_kernels.integrations.verl as rkv
 from rl_kernels.integrations.verl import common, distill
 from rl_kernels.integrations.verl_schema import VerlIntegrationError
-from verl_helpers import tail_library, verl_unpatched  # noqa: F401 - a fixture
+from verl_helpers import verl_unpatched
 
 pytestmark = pytest.mark.verl_matrix
 
@@ -272,7 +272,7 @@ def _tail_reference(student, t_lp, t_ids, weights):
 
 @needs_distillation
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_tail_mode_matches_float64(patched, tail_library, backend):  # noqa: F811 - the fixture
+def test_tail_mode_matches_float64(patched, backend):
     """loss_mode=forward_kl_topk_tail through rl-kernels' FSDP replacement: every tail output and the
     logits' gradient of a random weighting of the losses against float64 within 1e-5; the overlap
     metrics as in forward_kl_topk (no clamp). Tokens whose truncated top-K sum is negative (verl's
@@ -304,7 +304,7 @@ def test_tail_mode_matches_float64(patched, tail_library, backend):  # noqa: F81
 
 
 @needs_distillation
-def test_tail_mode_refuses_a_clamp_and_inputs_outside_the_kernels(patched, tail_library):  # noqa: F811
+def test_tail_mode_refuses_a_clamp_and_inputs_outside_the_kernels(patched):
     fsdp, _, _ = patched
     student, t_lp, t_ids, _ = _inputs(seed=6)
     with pytest.raises(ValueError, match=r"log_prob_min_clamp: loss_mode=forward_kl_topk_tail takes no"):
@@ -336,7 +336,7 @@ def _nested(values, lengths):
 
 
 @needs_distillation
-def test_registered_tail_loss_is_not_clamped_and_raises_on_verls_own_terms(patched, tail_library):  # noqa: F811
+def test_registered_tail_loss_is_not_clamped_and_raises_on_verls_own_terms(patched):
     """verl's registry holds rl-kernels' forward_kl_topk_tail (use_topk=True, so verl's config
     validates it and its trainer asks for the teacher's top K); verl's compute_topk_loss dispatches
     the logits processor to rl-kernels' replacement; the registered loss returns the per-token
@@ -402,10 +402,10 @@ def test_the_plugin_registers_at_verls_import_of_its_losses_and_patches_nothing(
 
 
 @needs_distillation
-def test_the_report_says_where_the_tail_mode_is_served(monkeypatch, tail_library):  # noqa: F811
+def test_the_report_says_where_the_tail_mode_is_served(monkeypatch):
     """The report's forward_kl_topk_tail part: served on the paths whose distillation part is served
-    (and the rest named), where verl's registry holds rl-kernels' mode and the library computes the
-    tail; not served, saying why, where the library has no return_tail or verl registers its own."""
+    (and the rest named), where verl's registry holds rl-kernels' mode; not served, saying why, where
+    verl registers its own."""
     from verl.trainer.distillation import losses
 
     from rl_kernels.integrations import verl_modes
@@ -416,21 +416,14 @@ def test_the_report_says_where_the_tail_mode_is_served(monkeypatch, tail_library
     assert served and what.startswith("served on the FSDP / VeOmni logits path, FSDP fused path (impl_backend="
                                       "rl_kernels), Megatron logits path"), what
     assert "NOT on the Megatron fused path" in what and "registered by rl-kernels" in what, what
-    assert rkv.report()[distill.TAIL_PART][1].startswith(("served on the", "not served: this rl-kernels'"))
-
-    def linear_log_probs_at_ids(hidden_states, weight, labels, token_ids):  # a library without the tail
-        raise AssertionError("not called")
-
-    monkeypatch.setattr(distill, "linear_log_probs_at_ids", linear_log_probs_at_ids)
-    served, what = distill.tail_entry(parts)
-    assert not served and "linear_log_probs_at_ids take(s) no return_tail" in what, what
+    assert rkv.report()[distill.TAIL_PART][1].startswith("served on the"), rkv.report()[distill.TAIL_PART]
     monkeypatch.setitem(losses.DISTILLATION_LOSS_REGISTRY, verl_modes.TAIL_MODE, lambda **kwargs: None)  # verl's own
     served, what = distill.tail_entry(parts)
     assert not served and "verl's own" in what, what
 
 
 @needs_distillation
-def test_tail_mode_under_ulysses_padding(patched, tail_library, monkeypatch):  # noqa: F811
+def test_tail_mode_under_ulysses_padding(patched, monkeypatch):
     """Sequence parallelism with verl's zero padding (19 tokens over 2 ranks: rank 1's slice ends with
     one padding row of K zero ids, which the library's tail could not take): the padding row gets
     distinct ids, the token rows equal float64 (values and gradient)."""

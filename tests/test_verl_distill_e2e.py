@@ -91,14 +91,7 @@ def _params(self):
             for n, p in self.actor.engine.module.named_parameters()}
 
 
-def _standins(self):
-    """In the worker: the library's tail log-mass, or its plain-torch stand-ins until it has one."""
-    from verl_helpers import use_tail_standins
-
-    return use_tail_standins(setattr)
-
-
-def _run_worker(ray, config, standins=False):
+def _run_worker(ray, config):
     """init_model, update_actor: the parameters before and after, the counts; the update's error
     (a Ray error) under "error" where it raises."""
     from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
@@ -112,8 +105,6 @@ def _run_worker(ray, config, standins=False):
     try:
         worker = group.workers[0]
         group.init_model()
-        if standins:
-            ray.get(worker.__ray_call__.remote(_standins))
         out["before"] = ray.get(worker.__ray_call__.remote(_params))
         try:
             group.update_actor(_update_batch())
@@ -136,15 +127,14 @@ def runs(ray_cluster, model):  # noqa: F811 - the fixtures of test_verl_e2e
     tail = "forward_kl_topk_tail"
     with pytest.MonkeyPatch.context() as monkeypatch:
         use_torch_padding(monkeypatch)
-        configs = {option: (_distillation(_compose(model[1], option)), False) for option in (None, "fused")}
-        configs.update({(tail, option): (_distillation(_compose(model[1], option), tail, None), True)
+        configs = {option: _distillation(_compose(model[1], option)) for option in (None, "fused")}
+        configs.update({(tail, option): _distillation(_compose(model[1], option), tail, None)
                         for option in ("fused", "logits")})
         plugin_only = _distillation(_compose(model[1], None), tail, None)
         OmegaConf.update(plugin_only, "actor_rollout_ref.model.external_lib", "rl_kernels.integrations.verl_plugin")
-        configs[(tail, "plugin only")] = (plugin_only, False)
+        configs[(tail, "plugin only")] = plugin_only
         with concurrent.futures.ThreadPoolExecutor(len(configs)) as pool:
-            futures = {option: pool.submit(_run_worker, ray_cluster, config, standins)
-                       for option, (config, standins) in configs.items()}
+            futures = {option: pool.submit(_run_worker, ray_cluster, config) for option, config in configs.items()}
         return {option: future.result() for option, future in futures.items()}
 
 

@@ -28,7 +28,7 @@ import torch
 import rl_kernels.integrations.verl as rkv
 from rl_kernels import _logging
 from rl_kernels.integrations.verl import distill
-from verl_helpers import VOCAB, qwen2_forward, tail_library, tiny_qwen2, verl_unpatched  # noqa: F401 - fixtures
+from verl_helpers import VOCAB, qwen2_forward, tiny_qwen2, verl_unpatched  # noqa: F401 - qwen2_forward: a fixture
 
 pytestmark = pytest.mark.verl_matrix
 
@@ -176,7 +176,7 @@ def test_fused_forward_fills_fused_linear_aux_as_verls_logits_path(qwen2_forward
 
 
 @needs_fused_distillation
-def test_tail_mode_on_the_fused_path_equals_the_logits_path(qwen2_forward, cpu_engine, tail_library):  # noqa: F811
+def test_tail_mode_on_the_fused_path_equals_the_logits_path(qwen2_forward, cpu_engine):
     """loss_mode=forward_kl_topk_tail through verl's FSDP engine forward_step: the fused head
     (fused_linear_aux plus the tail outputs laid out by the engine's own _gather_and_unpad_packed)
     against the logits path (rl-kernels' compute_forward_kl_topk, checked against float64 in

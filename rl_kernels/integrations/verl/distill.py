@@ -81,13 +81,6 @@ TAIL_PART = f"distillation loss_mode={TAIL_MODE}"
 NOT_IN_THIS_VERL = "not in this verl (no verl.trainer.distillation: verl 0.7.x)"
 
 
-def _library_has_tail() -> str | None:
-    """Why this rl-kernels' library cannot compute the student's tail log-mass (None: it can)."""
-    missing = [f"{fn.__module__}.{fn.__name__}" for fn in (topk_log_probs_from_logits, linear_log_probs_at_ids)
-               if "return_tail" not in inspect.signature(fn).parameters]
-    return f"this rl-kernels' {', '.join(missing)} take(s) no return_tail" if missing else None
-
-
 def tail_entry(report: dict) -> tuple[bool, str]:
     """The report entry of ``loss_mode=forward_kl_topk_tail``: where verl's registry stands
     (:func:`rl_kernels.integrations.verl_modes.status`, after :func:`~rl_kernels.integrations.verl_modes.register`)
@@ -95,9 +88,6 @@ def tail_entry(report: dict) -> tuple[bool, str]:
     status = verl_modes.register()
     if status.startswith(("not registered", "verl's own")):
         return False, f"not served: verl's registry: {status}"
-    lacking = _library_has_tail()
-    if lacking is not None:
-        return False, f"not served: {lacking} (verl's registry: {status})"
     parts = {FSDP_PART: "FSDP / VeOmni logits path", FUSED_PART: "FSDP fused path (impl_backend=rl_kernels)",
              MEGATRON_PART: "Megatron logits path", MEGATRON_FUSED_PART: "Megatron fused path"}
     ok = {part: bool(report.get(part, (False,))[0]) for part in parts}
