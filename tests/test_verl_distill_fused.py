@@ -355,3 +355,18 @@ def test_megatron_fused_top_k_reported_and_says_so_where_not_served(monkeypatch,
     assert calls == batches
     said = [m for m in caplog.messages if "top-K distillation on verl's Megatron fused path is not served" in m]
     assert len(said) == 1, caplog.messages
+
+
+def test_fused_overlap_metrics_beyond_what_linear_topk_selects_are_left_out(caplog, monkeypatch):
+    """topk above rl_kernels.linear_topk's 128: no overlap metrics on the fused paths (verl's loss logs
+    none) and one WARNING saying so, never an error in the training step."""
+    monkeypatch.setattr(_logging, "_seen", set())  # (log_once: once per process)
+    g = torch.Generator().manual_seed(6)
+    hidden, weight = torch.randn(3, 8, generator=g), torch.randn(300, 8, generator=g)
+    teacher_ids, terms = torch.randint(0, 300, (3, 129), generator=g), torch.zeros(3, 129)
+    with caplog.at_level("WARNING", logger="rl_kernels"):
+        got = distill.fused_overlap_metrics(hidden, weight, teacher_ids, terms, terms, temperature=1.0,
+                                            backend="torch", path="FSDP fused path")
+    assert got == {}
+    said = [m for m in caplog.messages if "overlap metrics are not computed with topk=129" in m]
+    assert len(said) == 1 and "at most 128" in said[0], caplog.messages
