@@ -376,6 +376,16 @@ class _StandInGPT(torch.nn.Module):
         return (hidden @ self.weight_shard.T).transpose(0, 1)
 
 
+ENGINE_LENGTHS = (7, 5)  # the two packed sequences of _engine_step
+
+
+def _engine_input_ids(vocab):
+    """The input ids of :func:`_engine_step` (nested, ENGINE_LENGTHS), the same on every call."""
+    gen = torch.Generator().manual_seed(7)
+    return torch.nested.nested_tensor([torch.randint(0, vocab, (n,), generator=gen) for n in ENGINE_LENGTHS],
+                                      layout=torch.jagged)
+
+
 def _engine_step(mti, model, fused, tensors=None, flags=None, logits_processor_func=None, grad=False):
     """verl's MegatronEngineWithLMHead.forward_step (without its __init__) on two packed sequences,
     with calculate_sum_pi_squared=True unless ``flags`` say otherwise (``tensors``: more nested
@@ -383,11 +393,8 @@ def _engine_step(mti, model, fused, tensors=None, flags=None, logits_processor_f
     from tensordict import TensorDict
     from verl.utils import tensordict_utils as tu
 
-    gen = torch.Generator().manual_seed(7)
-    lengths = (7, 5)
-    ids = torch.nested.nested_tensor([torch.randint(0, model.embedding.shape[0], (n,), generator=gen)
-                                      for n in lengths], layout=torch.jagged)
-    mask = torch.nested.nested_tensor([torch.ones(n) for n in lengths], layout=torch.jagged)
+    ids = _engine_input_ids(model.embedding.shape[0])
+    mask = torch.nested.nested_tensor([torch.ones(n) for n in ENGINE_LENGTHS], layout=torch.jagged)
     batch = TensorDict({"input_ids": ids, "loss_mask": mask, **(tensors or {})}, batch_size=[2])
     flags = {"calculate_entropy": True, "calculate_sum_pi_squared": True, **(flags or {})}
     tu.assign_non_tensor(batch, temperature=TEMPERATURE, use_fused_kernels=fused, **flags)
@@ -536,15 +543,30 @@ def _check_engine_fused_topk(rkv, mti, rank, world):
             assert _same_on_all_ranks(ours[key].values().detach())
         torch.testing.assert_close(ours_emb, ref_emb, **GRAD)
         torch.testing.assert_close(ours_w, ref_w, **GRAD)
-        assert set(got) == set(ref) - {"overlap_count", "overlap_token_advantage"}, (set(got), set(ref))
+        # the fused path: every output of verl's logits path, the overlap metrics included (the student's top K
+        # from rl_kernels.linear_topk over the TP group)
+        assert set(got) == set(ref), (set(got), set(ref))
         assert ("log_probs" in got) is not flags["distillation_only"]
         for key in got:
             assert got[key].is_nested and torch.equal(got[key].offsets(), ids.offsets()), key
-            torch.testing.assert_close(got[key].values(), ref[key].values().float(), **VAL, msg=key)
+            if key == "overlap_count":
+                assert got[key].dtype == ref[key].dtype and torch.equal(got[key].values(), ref[key].values())
+            else:
+                torch.testing.assert_close(got[key].values(), ref[key].values().float(), **VAL, msg=key)
             assert _same_on_all_ranks(got[key].values().detach())
+        counts = got["overlap_count"].values()
+        assert int(counts.min()) < int(counts.max()) and float(got["overlap_token_advantage"].values().abs().max()) > 0
         torch.testing.assert_close(d_emb, ref_emb, **GRAD)
         torch.testing.assert_close(d_w, ref_w, **GRAD)
         assert float(d_w.abs().max()) > 1e-2 and float(got["distillation_losses"].values().abs().max()) > 1e-2
+    # the option off: the fused path leaves the overlap metrics out, the rest as it was
+    rkv.configure(overlap_metrics=False)
+    try:
+        off, _, _, _ = _topk_step(mti, True, embedding, weight, rank, tensors, flags, g)
+    finally:
+        rkv.configure(overlap_metrics=True)
+    assert set(off) == set(got) - {"overlap_count", "overlap_token_advantage"}, set(off)
+    assert torch.equal(off["distillation_losses"].values(), got["distillation_losses"].values())
     # the clamp matters here: some (not most) of the student's log-probs at the teacher's ids lie below it
     log_q = torch.log_softmax(embedding.double()[ids.values()] @ weight.double().T / TEMPERATURE, -1)
     below = (log_q.gather(1, tensors["teacher_ids"].values()) < CLAMP).double().mean()
@@ -803,7 +825,9 @@ def _check_engine_tail(rkv, mti, rank, world):
     vocab = world * V_R
     embedding = torch.randn(vocab, H, generator=gen)
     weight = torch.randn(vocab, H, generator=gen) * 0.5
-    teacher = [torch.log_softmax(torch.randn(n, vocab, generator=gen) * 2, -1).topk(TOPK, -1) for n in (7, 5)]
+    # the teacher's top K from the student's logits plus noise: some of its ids among the student's top K
+    student = (embedding[_engine_input_ids(vocab).values()] @ weight.T / TEMPERATURE).split(list(ENGINE_LENGTHS))
+    teacher = [torch.log_softmax(z + torch.randn(z.shape, generator=gen) * 2, -1).topk(TOPK, -1) for z in student]
     tensors = {"teacher_logprobs": torch.nested.nested_tensor([t.values for t in teacher], layout=torch.jagged),
                "teacher_ids": torch.nested.nested_tensor([t.indices for t in teacher], layout=torch.jagged)}
     g = torch.rand(12, generator=gen) + 0.5
@@ -833,3 +857,11 @@ def _check_engine_tail(rkv, mti, rank, world):
         torch.testing.assert_close(d_emb.double(), e64.grad, **GRAD)
         torch.testing.assert_close(d_w.double(), w64.grad[rank * V_R:(rank + 1) * V_R], **GRAD)
         assert _same_on_all_ranks(out["distillation_losses"].values().detach())
+    # the overlap metrics of the tail mode (its unclamped terms): the fused path's (rl_kernels.linear_topk over the
+    # TP group) equal the logits path's (the student's top K from the logits shards)
+    fused, logits = results[True][0], results[False][0]
+    assert torch.equal(fused["overlap_count"].values(), logits["overlap_count"].values())
+    torch.testing.assert_close(fused["overlap_token_advantage"].values(), logits["overlap_token_advantage"].values(),
+                               **VAL)
+    assert torch.equal(fused["overlap_count"].offsets(), ids.offsets())
+    assert int(fused["overlap_count"].values().max()) > 0

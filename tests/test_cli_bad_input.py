@@ -429,6 +429,7 @@ def test_verl_configure_validates_and_is_atomic(tmp_path):
     cases = [
         (dict(patch_logits_path="no"), TypeError, "patch_logits_path: expected a bool .*'no'"),
         (dict(patch_logits_path=1), TypeError, "patch_logits_path: expected a bool"),
+        (dict(overlap_metrics="false"), TypeError, "overlap_metrics: expected a bool .*'false'"),
         (dict(backend=3), ValueError, "backend: expected one of"),
         (dict(anomaly_dir=5), TypeError, "anomaly_dir: expected a path"),
         (dict(anomaly_dir=""), ValueError, "anomaly_dir: expected a non-empty path"),

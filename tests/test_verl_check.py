@@ -169,6 +169,11 @@ def test_the_check_leaves_verl_unpatched():
                          "fused path of strategy 'veomni'"),
     ("fsdp", False, {}, "WARNING: top-K distillation (loss_mode=forward_kl_topk) is NOT served on the fused path with "
                         "use_remove_padding=False"),
+    ("fsdp2", True, {}, "; the overlap metrics too (overlap_count, overlap_token_advantage: rl_kernels.linear_topk"),
+    ("megatron", True, {}, "; the overlap metrics too (overlap_count, overlap_token_advantage: rl_kernels.linear_topk"),
+    ("fsdp2", True, {"overlap_metrics": False}, "; the overlap metrics off (overlap_metrics=false: verl logs no "
+                                                "distillation/overlap_ratio)"),
+    ("megatron", True, {"overlap_metrics": False}, "; the overlap metrics off (overlap_metrics=false"),
 ])
 def test_fused_line_says_whether_top_k_distillation_is_served(strategy, rmpad, options, expected):
     model = {"external_lib": "rl_kernels.integrations.verl", "use_fused_kernels": True, "use_remove_padding": rmpad,

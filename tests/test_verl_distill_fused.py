@@ -173,6 +173,36 @@ def test_fused_forward_fills_fused_linear_aux_as_verls_logits_path(qwen2_forward
     torch.testing.assert_close(got[2], ref[2], **GRAD_TOL, msg="d loss / d lm_head.weight")
     # the clamp is active on both sides somewhere, so its (zero) gradient rule is exercised
     assert bool((t_lp < CLAMP).any()) and bool((student_lq < CLAMP).any())
+    # verl's overlap metrics, the student's top K from rl_kernels.linear_topk, equal verl's own (torch.topk of
+    # the logits), and verl's registered loss logs them
+    _assert_same_overlap(got[0], ref[0])
+    _assert_loss_logs_same_overlap("forward_kl_topk", _config(), got[0], ref[0])
+
+
+def _assert_same_overlap(got, ref):
+    """The two overlap metrics of the model outputs ``got`` (fused) and ``ref`` (a logits path): laid out
+    per sequence alike, the counts equal (and not all alike), the advantages within TOL."""
+    for key in distill.OVERLAP_KEYS:
+        assert key in got and got[key].is_nested and torch.equal(got[key].offsets(), ref[key].offsets()), key
+    assert got["overlap_count"].dtype == ref["overlap_count"].dtype == torch.int64
+    assert torch.equal(got["overlap_count"].values(), ref["overlap_count"].values())
+    counts = ref["overlap_count"].values()
+    assert int(counts.min()) < int(counts.max()) and int(counts.max()) > 0  # several values
+    torch.testing.assert_close(got["overlap_token_advantage"].values(),
+                               ref["overlap_token_advantage"].values().float(), **TOL)
+
+
+def _assert_loss_logs_same_overlap(loss_mode, config, got, ref):
+    """verl's registered loss function on the model outputs: the overlap metrics logged from ``got`` as
+    from ``ref``."""
+    from test_verl_distill import _loss_data
+    from verl.trainer.distillation.losses import get_distillation_loss_fn
+
+    loss_fn, data = get_distillation_loss_fn(loss_mode), _loss_data(LENGTHS)
+    metrics, want = (loss_fn(SimpleNamespace(), config, output, data)[1] for output in (got, ref))
+    for name in ("distillation/overlap_ratio", "distillation/overlap_token_advantage"):
+        assert metrics[name] == pytest.approx(want[name], abs=1e-6), name
+    assert 0 < metrics["distillation/overlap_ratio"] < 1 and metrics["distillation/overlap_token_advantage"] != 0
 
 
 @needs_fused_distillation
@@ -202,6 +232,23 @@ def test_tail_mode_on_the_fused_path_equals_the_logits_path(qwen2_forward, cpu_e
     torch.testing.assert_close(got[1], ref[1], **GRAD_TOL, msg="d loss / d hidden_states")
     torch.testing.assert_close(got[2], ref[2], **GRAD_TOL, msg="d loss / d lm_head.weight")
     assert float(got[0]["tail_loss"].values().abs().max()) > 1e-2
+    _assert_same_overlap(got[0], ref[0])  # the tail mode's (unclamped) terms
+    _assert_loss_logs_same_overlap("forward_kl_topk_tail", config, got[0], ref[0])
+    # the option off: no overlap metrics on the fused path (verl's loss then logs none), the rest as before
+    rkv.configure(overlap_metrics=False)
+    try:
+        off = _step(cpu_engine(model), _micro_batch(input_ids, t_lp, t_ids, True, False), weights, config)
+    finally:
+        rkv.configure(overlap_metrics=True)
+    assert set(off[0]) == set(got[0]) - set(distill.OVERLAP_KEYS), set(off[0])
+    torch.testing.assert_close(off[0]["distillation_losses"].values(), got[0]["distillation_losses"].values(),
+                               atol=0, rtol=0)
+    from test_verl_distill import _loss_data
+    from verl.trainer.distillation.losses import get_distillation_loss_fn
+
+    metrics = get_distillation_loss_fn(config.distillation_loss.loss_mode)(SimpleNamespace(), config, off[0],
+                                                                          _loss_data(LENGTHS))[1]
+    assert "distillation/overlap_ratio" not in metrics and "distillation/student_mass" in metrics
 
 
 @needs_fused_distillation
@@ -308,3 +355,18 @@ def test_megatron_fused_top_k_reported_and_says_so_where_not_served(monkeypatch,
     assert calls == batches
     said = [m for m in caplog.messages if "top-K distillation on verl's Megatron fused path is not served" in m]
     assert len(said) == 1, caplog.messages
+
+
+def test_fused_overlap_metrics_beyond_what_linear_topk_selects_are_left_out(caplog, monkeypatch):
+    """topk above rl_kernels.linear_topk's 128: no overlap metrics on the fused paths (verl's loss logs
+    none) and one WARNING saying so, never an error in the training step."""
+    monkeypatch.setattr(_logging, "_seen", set())  # (log_once: once per process)
+    g = torch.Generator().manual_seed(6)
+    hidden, weight = torch.randn(3, 8, generator=g), torch.randn(300, 8, generator=g)
+    teacher_ids, terms = torch.randint(0, 300, (3, 129), generator=g), torch.zeros(3, 129)
+    with caplog.at_level("WARNING", logger="rl_kernels"):
+        got = distill.fused_overlap_metrics(hidden, weight, teacher_ids, terms, terms, temperature=1.0,
+                                            backend="torch", path="FSDP fused path")
+    assert got == {}
+    said = [m for m in caplog.messages if "overlap metrics are not computed with topk=129" in m]
+    assert len(said) == 1 and "at most 128" in said[0], caplog.messages

@@ -47,6 +47,11 @@ class VerlOptions:
         FSDP and Megatron engines, and the sum-of-squared-probabilities functions).
     patch_megatron_fused: replace ``linear_cross_entropy`` in verl's Megatron fused forwards
         (``use_fused_kernels=True`` with the Megatron engine); False keeps verl's kernel there.
+    overlap_metrics: on the fused top-K distillation paths (FSDP and Megatron), compute verl's
+        overlap metrics (``overlap_count``, ``overlap_token_advantage``) from the student's top K by
+        :func:`rl_kernels.linear_topk` (about 1.5 matmuls of the head's shape more per micro-batch
+        forward); False leaves them out there (verl's loss then logs none). verl's logits path
+        computes them always, with or without rl-kernels.
     anomaly_dir: turn on anomaly capture (:mod:`rl_kernels.integrations.anomaly`), writing samples here.
     anomaly_max_count, anomaly_max_bytes: per-process bounds on what capture writes.
     anomaly_max_log_prob: a log-prob above this is an anomaly.
@@ -57,6 +62,7 @@ class VerlOptions:
     backend: str = "auto"
     patch_logits_path: bool = True
     patch_megatron_fused: bool = True
+    overlap_metrics: bool = True
     anomaly_dir: str | None = None
     # the capture settings' defaults are AnomalyCapture's own (one place)
     anomaly_max_count: int = _CAPTURE_DEFAULTS["max_count"]
@@ -74,6 +80,7 @@ class VerlOptions:
         check_choice(name("backend"), self.backend, BACKENDS)
         check_bool_arg(name("patch_logits_path"), self.patch_logits_path)
         check_bool_arg(name("patch_megatron_fused"), self.patch_megatron_fused)
+        check_bool_arg(name("overlap_metrics"), self.overlap_metrics)
         if self.anomaly_dir is not None:  # None: no capture
             check_path_arg(name("anomaly_dir"), self.anomaly_dir)
         for field in ("anomaly_max_count", "anomaly_max_bytes", "anomaly_recheck_every",

@@ -196,10 +196,13 @@ def _fused_distillation_note(cfg: dict, model: dict, opts: VerlOptions) -> str:
         return (f". WARNING: top-K distillation (loss_mode={mode}) is NOT served on the Megatron fused path with "
                 f"patch_megatron_fused=False (verl's fused forward computes no distillation outputs). Fix: drop "
                 f"patch_megatron_fused=False, or use_fused_kernels=False")
+    overlap = ("the overlap metrics too (overlap_count, overlap_token_advantage: rl_kernels.linear_topk, about 1.5 "
+               "head matmuls more per micro-batch; overlap_metrics=false turns them off)" if opts.overlap_metrics
+               else "the overlap metrics off (overlap_metrics=false: verl logs no distillation/overlap_ratio)")
     if strategy == "megatron":
         return (f"; top-K distillation (loss_mode={mode}) served on the Megatron fused path (distillation_losses, "
                 f"student_mass, teacher_mass from rl-kernels' vocab-parallel fused head; needs "
-                f"patch_megatron_fused, the default)")
+                f"patch_megatron_fused, the default; {overlap})")
     if strategy not in ("fsdp", "fsdp2"):
         return (f". WARNING: top-K distillation (loss_mode={mode}) is NOT served by rl-kernels on the fused path of "
                 f"strategy {strategy!r} (that engine's own fused forward). {fix}")
@@ -208,7 +211,7 @@ def _fused_distillation_note(cfg: dict, model: dict, opts: VerlOptions) -> str:
                 f"use_remove_padding=False (verl's engine reads no fused distillation outputs then). Fix: "
                 f"use_remove_padding=True, or use_fused_kernels=False")
     return (f"; top-K distillation (loss_mode={mode}) served on the fused path (distillation_losses, student_mass, "
-            f"teacher_mass from rl-kernels' fused head)")
+            f"teacher_mass from rl-kernels' fused head; {overlap})")
 
 
 def _per_sample_temperature_note(cfg: dict, opts: VerlOptions) -> str:

@@ -42,7 +42,11 @@ rl-kernels' fused head compute them, vocab-parallel, as verl's Megatron logits p
 and puts them into the engine's forward_step output (:func:`serve_megatron_topk`). Both fused routes
 serve the tail mode too (``linear_log_probs_at_ids(return_tail=True)``; on the FSDP route the two tail
 outputs, which verl's engine does not read from ``fused_linear_aux``, are laid out by
-:func:`_checked_outputs` with the engine's own ``_gather_and_unpad_packed``).
+:func:`_checked_outputs` with the engine's own ``_gather_and_unpad_packed``). Both fused routes give
+verl's overlap metrics too (:func:`fused_overlap_metrics`, the same :func:`overlap_metrics` as the
+logits paths, the student's top K from :func:`rl_kernels.linear_topk` of the same head: no logits,
+one more pass over the head), laid out as the other outputs, unless the option ``overlap_metrics``
+is off.
 """
 from __future__ import annotations
 
@@ -59,6 +63,7 @@ import torch
 
 from ..._logging import log_once
 from ...distill import linear_log_probs_at_ids, topk_kl_per_token
+from ...linear import MAX_TOPK, linear_topk
 from ...logits import topk_log_probs_from_logits
 from .. import verl_modes
 from ..verl_modes import TAIL_MODE, check_tail_config, is_tail_mode
@@ -92,11 +97,7 @@ def tail_entry(report: dict) -> tuple[bool, str]:
              MEGATRON_PART: "Megatron logits path", MEGATRON_FUSED_PART: "Megatron fused path"}
     ok = {part: bool(report.get(part, (False,))[0]) for part in parts}
     if ok[FUSED_PART]:  # the tail outputs are laid out with the engine's own helper (verl 0.9.1, main; not 0.8.0)
-        try:
-            engine = getattr(importlib.import_module(ENGINE_MODULE), ENGINE_CLASS, None)
-        except ImportError:
-            engine = None
-        ok[FUSED_PART] = hasattr(engine, "_gather_and_unpad_packed")
+        ok[FUSED_PART] = _engine_lays_out_extra()
     served = [name for part, name in parts.items() if ok[part]]
     left = [name for part, name in parts.items() if not ok[part]]
     if not served:
@@ -331,17 +332,62 @@ def logits_topk_outputs(student_logits, teacher_log_probs, teacher_ids, loss_con
         else:  # verl's FSDP dtypes: its student log-probs are in the logits' dtype (ours float32, rounded once)
             out = {"distillation_losses": losses, "student_mass": student_mass.to(student_logits.dtype),
                    "teacher_mass": teacher_mass}
-    student_ids = _student_top_ids(student_logits, k, tp)
-    in_student_topk = (teacher_ids[..., :, None] == student_ids[..., None, :]).any(-1)
-    overlap_count = in_student_topk.sum(-1)
-    # (a product with the 0/1 selection, as verl's: a non-finite term outside it gives NaN there too)
-    advantage = (-(slot_t.exp() * (slot_t - slot_q)) * in_student_topk).sum(-1).detach()
-    advantage = advantage / overlap_count.clamp_min(1)
-    advantage = torch.where(overlap_count > 0, advantage, torch.zeros((), device=advantage.device))
+    overlap = overlap_metrics(teacher_ids, _student_top_ids(student_logits, k, tp), slot_t, slot_q)
     if not megatron and not is_tail_mode(loss_config):
-        advantage = advantage.to(torch.promote_types(teacher_log_probs.dtype, student_logits.dtype))
-    out.update(overlap_count=overlap_count, overlap_token_advantage=advantage)
+        overlap[OVERLAP_KEYS[1]] = overlap[OVERLAP_KEYS[1]].to(
+            torch.promote_types(teacher_log_probs.dtype, student_logits.dtype))
+    out.update(overlap)
     return out
+
+
+OVERLAP_KEYS = ("overlap_count", "overlap_token_advantage")
+"""verl's top-K overlap metrics (arXiv:2604.13016), the model-output keys its ``forward_kl_topk`` loss
+reads (optional: it logs ``distillation/overlap_ratio`` and ``distillation/overlap_token_advantage``
+when both are there)."""
+
+
+def overlap_metrics(teacher_ids, student_ids, slot_t, slot_q) -> dict:
+    """verl's overlap metrics per token, on every path (logits and fused): ``overlap_count``, how many
+    of the teacher's ids ``teacher_ids`` (..., K) are among the student's top-K ids ``student_ids``
+    (..., K) (int64), and ``overlap_token_advantage``, the mean over those ids of -p_t (log p_t -
+    log q) from the teacher's and the student's log-probs at the teacher's ids ``slot_t`` / ``slot_q``
+    (..., K) as the loss mode takes them (forward_kl_topk: after ``log_prob_min_clamp``; the tail mode:
+    unclamped), 0 where there is none. No gradient; the advantage in the dtype of the terms."""
+    with torch.no_grad():
+        in_student_topk = (teacher_ids[..., :, None] == student_ids[..., None, :]).any(-1)
+        overlap_count = in_student_topk.sum(-1)
+        # (a product with the 0/1 selection, as verl's: a non-finite term outside it gives NaN there too)
+        advantage = (-(slot_t.exp() * (slot_t - slot_q)) * in_student_topk).sum(-1)
+        advantage = advantage / overlap_count.clamp_min(1)
+        advantage = torch.where(overlap_count > 0, advantage, torch.zeros((), device=advantage.device))
+    return dict(zip(OVERLAP_KEYS, (overlap_count, advantage)))
+
+
+def fused_overlap_metrics(hidden_states, weight, teacher_ids, slot_t, slot_q, *, temperature, backend: str,
+                          path: str, process_group=None, vocab_start_index=None) -> dict:
+    """:func:`overlap_metrics` on a fused path (no logits): the student's top-K ids from
+    :func:`rl_kernels.linear_topk` of the same head (``hidden_states`` (..., H), ``weight`` the full
+    head or this rank's vocab shard with ``process_group`` / ``vocab_start_index``; ``temperature``
+    as the fused head takes it), without gradient. Empty where the option ``overlap_metrics`` is off,
+    or where K exceeds what ``linear_topk`` selects (one WARNING: verl's loss then logs none)."""
+    k = teacher_ids.shape[-1]
+    on = options().overlap_metrics
+    if not on or k > MAX_TOPK:
+        if on:
+            log_once(logging.WARNING, f"rl_kernels: top-K distillation on the {path}: the overlap metrics are not "
+                     f"computed with topk={k} (rl_kernels.linear_topk selects at most {MAX_TOPK}); verl's loss logs "
+                     f"none (verl's logits path, use_fused_kernels=False, computes them)")
+        else:
+            log_once(logging.INFO, f"rl_kernels: top-K distillation on the {path}: overlap metrics off "
+                     f"(fused_kernel_options.rl_kernels.overlap_metrics=false)")
+        return {}
+    log_once(logging.INFO, f"rl_kernels: top-K distillation on the {path}: overlap metrics from the student's top "
+             f"K by rl_kernels.linear_topk (fused_kernel_options.rl_kernels.overlap_metrics=false turns them off)")
+    with torch.no_grad():
+        _, student_ids = linear_topk(hidden_states.detach(), weight.detach(), temperature=temperature, k=k,
+                                     backend=backend, process_group=process_group,
+                                     vocab_start_index=vocab_start_index)
+    return overlap_metrics(teacher_ids, student_ids, slot_t, slot_q)
 
 
 def topk_terms(log_q, teacher_log_probs, clamp, *, clamp_masses: bool = False) -> tuple:
@@ -407,6 +453,17 @@ ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
 ENGINE_CLASS = "FSDPEngineWithLMHead"
 
 
+def _engine_lays_out_extra() -> bool:
+    """Whether verl's FSDP engine has ``_gather_and_unpad_packed`` (verl 0.9.1, main; not 0.8.0), with
+    which :func:`_lay_out_extra` lays out the outputs it does not read from ``fused_linear_aux``
+    (the tail mode's, the overlap metrics)."""
+    try:
+        engine = getattr(importlib.import_module(ENGINE_MODULE), ENGINE_CLASS, None)
+    except ImportError:
+        return False
+    return hasattr(engine, "_gather_and_unpad_packed")
+
+
 class FusedLinearAux(NamedTuple):
     """What verl's FSDP engine reads from ``output.fused_linear_aux`` on a top-K distillation
     micro-batch: (1, n) float32 each, n the tokens of this rank (Ulysses padding included). The
@@ -426,7 +483,7 @@ class TopKRequest:
     micro_batch: object
     loss_function: object
     aux: FusedLinearAux | None = None
-    extra: dict | None = None  # forward_kl_topk_tail's outputs that verl's engine does not read from the aux
+    extra: dict | None = None  # outputs verl's engine does not read from the aux: the tail mode's, the overlap metrics
 
 
 _request = contextvars.ContextVar("rl_kernels_topk_request", default=None)
@@ -490,6 +547,9 @@ def serve_fused_topk(request: TopKRequest, hidden_states, weight, labels, *, tem
     distillation outputs (:func:`topk_terms`, as verl's logits path defines them) from the
     student's log-probs at the teacher's ids, all from one call of
     :func:`rl_kernels.distill.linear_log_probs_at_ids` (no N x V tensor in forward or backward).
+    ``request.extra``: the tail mode's other outputs, and verl's overlap metrics
+    (:func:`fused_overlap_metrics`: one more pass over the head, :func:`rl_kernels.linear_topk`,
+    unless the option ``overlap_metrics`` is off), which :func:`_checked_outputs` lays out.
     The teacher's packed (1, total, K) tensors are sliced for this Ulysses rank with verl's helpers,
     as verl's logits path slices them. VerlIntegrationError for a soft-capped model (the gathered
     logits' gradient under a cap is not implemented), a loss function without verl's distillation
@@ -525,13 +585,19 @@ def serve_fused_topk(request: TopKRequest, hidden_states, weight, labels, *, tem
             return_entropy=return_entropy, backend=backend, return_tail=True)
         terms = tail_terms(log_q, tail_log_probs, teacher_log_probs)
         request.aux = FusedLinearAux(*(terms.pop(key) for key in FusedLinearAux._fields))
-        request.extra = terms
+        slot_t, slot_q = teacher_log_probs.float(), log_q
     else:
         log_probs, entropy, log_q = linear_log_probs_at_ids(hidden_states, weight, labels, teacher_ids,
                                                             temperature=temperature, return_entropy=return_entropy,
                                                             backend=backend)
-        losses, student_mass, teacher_mass, _, _ = topk_terms(log_q, teacher_log_probs, loss_config.log_prob_min_clamp)
+        losses, student_mass, teacher_mass, slot_q, slot_t = topk_terms(log_q, teacher_log_probs,
+                                                                        loss_config.log_prob_min_clamp)
         request.aux = FusedLinearAux(losses, student_mass.detach(), teacher_mass.float())
+        terms = {}
+    if _engine_lays_out_extra():  # (float32 advantage, as the aux outputs of this path)
+        terms.update(fused_overlap_metrics(hidden_states, weight, teacher_ids, slot_t, slot_q,
+                                           temperature=temperature, backend=backend, path="FSDP fused path"))
+    request.extra = terms or None
     record("distillation_calls", "distillation fused fsdp", labels.numel())
     return log_probs, entropy
 
@@ -541,10 +607,10 @@ def _checked_outputs(method):
     whose model output comes back without ``distillation_losses`` (a fused forward that is not
     rl-kernels', remove-padding off, or an engine that reads no ``fused_linear_aux``) gets one
     WARNING saying so; verl's own code then runs on (its loss finds no ``distillation_losses``).
-    With ``loss_mode=forward_kl_topk_tail``, the tail outputs the fused head delivered
-    (:attr:`TopKRequest.extra`, which verl's engine does not read from ``fused_linear_aux``) are laid
-    out as verl lays out the aux outputs: the engine's ``_gather_and_unpad_packed`` (Ulysses gather,
-    padding dropped), then per sequence (``input_ids``' offsets)."""
+    The outputs the fused head delivered that verl's engine does not read from ``fused_linear_aux``
+    (:attr:`TopKRequest.extra`: the tail mode's, the overlap metrics) are laid out as verl lays out
+    the aux outputs: the engine's ``_gather_and_unpad_packed`` (Ulysses gather, padding dropped),
+    then per sequence (``input_ids``' offsets)."""
     sig = inspect.signature(method)
 
     @functools.wraps(method)
@@ -575,15 +641,22 @@ def _checked_outputs(method):
 
 
 def _lay_out_extra(arguments, micro_batch, request, model_output) -> None:
-    """The tail outputs of a fused micro-batch into ``model_output``, laid out as verl's FSDP engine
-    lays out the ``fused_linear_aux`` outputs; VerlIntegrationError where this verl's engine has no
-    ``_gather_and_unpad_packed`` or the output args no ``pad_size``."""
+    """The outputs of a fused micro-batch that verl's engine does not read from ``fused_linear_aux``
+    (the tail mode's, the overlap metrics) into ``model_output``, laid out as verl's FSDP engine lays
+    out the ``fused_linear_aux`` outputs; VerlIntegrationError where this verl's engine has no
+    ``_gather_and_unpad_packed`` or the output args no ``pad_size`` (for the overlap metrics alone:
+    one WARNING, and verl's loss logs none)."""
     gather = getattr(arguments.get("self"), "_gather_and_unpad_packed", None)
     output_args = arguments.get("output_args")
     if gather is None or not isinstance(output_args, dict) or "pad_size" not in output_args:
+        if set(request.extra) <= set(OVERLAP_KEYS):
+            log_once(logging.WARNING, "rl_kernels: top-K distillation on the FSDP fused path: this verl's engine has "
+                     "no _gather_and_unpad_packed / pad_size to lay out the overlap metrics; verl's loss logs none")
+            return
         raise VerlIntegrationError(
-            f"rl_kernels: distillation loss_mode={TAIL_MODE} on the FSDP fused path: this verl's engine has no "
-            f"_gather_and_unpad_packed / pad_size to lay out the tail outputs; use use_fused_kernels=False")
+            f"rl_kernels: top-K distillation on the FSDP fused path: this verl's engine has no "
+            f"_gather_and_unpad_packed / pad_size to lay out {', '.join(request.extra)}; use "
+            f"use_fused_kernels=False")
     offsets = micro_batch["input_ids"].offsets()
     for key, value in request.extra.items():
         value = gather(value.squeeze(0), output_args["pad_size"])
@@ -599,7 +672,7 @@ def patch_fused_distillation() -> dict[str, tuple[bool, str]]:
 MEGATRON_ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
 MEGATRON_ENGINE_CLASS = "MegatronEngineWithLMHead"
 MEGATRON_FUSED_MODULE = "verl.models.mcore.model_forward_fused"
-MEGATRON_KEYS = ("distillation_losses", "student_mass", "teacher_mass")
+MEGATRON_KEYS = ("distillation_losses", "student_mass", "teacher_mass", *OVERLAP_KEYS)
 STEP_PARAMETERS = ["self", "batch_iter", "model", "logits_processor_func", "postprocess_micro_batch_func"]
 
 # ----------------------------------------------------------------------------- the Megatron fused path
@@ -663,7 +736,9 @@ def serve_megatron_topk(request: MegatronTopKRequest, h2, weight, labels1, label
     vocab-parallel arguments of ``rl_kernels.linear_log_probs``, empty with one TP rank), and
     ``request`` given verl's Megatron distillation terms ((N,) float32 each, :func:`topk_terms` with
     ``clamp_masses``, or :func:`tail_terms` for ``forward_kl_topk_tail``) from the student's log-probs
-    at the teacher's laid-out ids (and its tail log-mass): one
+    at the teacher's laid-out ids (and its tail log-mass), and verl's overlap metrics unless the option
+    ``overlap_metrics`` is off (:func:`fused_overlap_metrics`: :func:`rl_kernels.linear_topk` over the
+    TP group, one more pass over the head): one
     :func:`rl_kernels.distill.linear_log_probs_at_ids` call, or, for the entropy on a vocab shard
     (not implemented with gathered logits), ``linear_log_probs`` and a second pass for the ids. No
     N x V tensor. VerlIntegrationError when the teacher's tensors do not match the tokens."""
@@ -676,7 +751,7 @@ def serve_megatron_topk(request: MegatronTopKRequest, h2, weight, labels1, label
             f"rl_kernels.integrations.verl: top-K distillation on the Megatron fused path: the teacher's top-K "
             f"tensors as laid out (ids {tuple(teacher_ids.shape)}, log-probs {tuple(teacher_log_probs.shape)}) "
             f"do not match the student's tokens {tuple(labels_shape)} on this rank")
-    ids = teacher_ids.reshape(-1, k).to(h2.device).long()
+    teacher_ids = ids = teacher_ids.reshape(-1, k).to(h2.device).long()
     teacher_log_probs = teacher_log_probs.reshape(-1, k).to(h2.device)
     tail = is_tail_mode(request.loss_config)
     extra = {"return_tail": True} if tail else {}
@@ -696,11 +771,17 @@ def serve_megatron_topk(request: MegatronTopKRequest, h2, weight, labels1, label
                                                                **tp_kwargs, **extra)
     if tail:
         terms = tail_terms(student[0], student[1], teacher_log_probs)
+        slot_t, slot_q = teacher_log_probs.float(), student[0]
     else:
-        losses, student_mass, teacher_mass, _, _ = topk_terms(student[0], teacher_log_probs,
-                                                              request.loss_config.log_prob_min_clamp, clamp_masses=True)
+        losses, student_mass, teacher_mass, slot_q, slot_t = topk_terms(
+            student[0], teacher_log_probs, request.loss_config.log_prob_min_clamp, clamp_masses=True)
         terms = {"distillation_losses": losses, "student_mass": student_mass.detach(),  # metrics only, as verl's
                  "teacher_mass": teacher_mass}
+        slot_t = slot_t.float()  # (verl's Megatron teacher side is cast after the clamp)
+    terms.update(fused_overlap_metrics(h2, weight, teacher_ids, slot_t, slot_q, temperature=temperature,
+                                       backend=backend, path="Megatron fused path",
+                                       process_group=tp_kwargs.get("process_group"),
+                                       vocab_start_index=tp_kwargs.get("vocab_start_index")))
     request.deliver(log_probs.view(labels_shape), {key: value.view(labels_shape) for key, value in terms.items()})
     record("distillation_calls", "distillation fused megatron", labels1.numel())
     return log_probs, entropy
@@ -820,9 +901,13 @@ def _megatron_fused_entry() -> tuple[bool, str]:
                   f"teacher_mass (verl's Megatron definitions, log_prob_min_clamp) from the student's log-probs at "
                   f"the teacher's ids, vocab-parallel over the TP group, laid out by verl's preprocess_thd_engine / "
                   f"postprocess_thd_engine ({MEGATRON_FUSED_MODULE}) into {MEGATRON_ENGINE_CLASS}.forward_step's "
-                  f"output (no N x V tensor); distillation_only drops log_probs as verl's logits path; verl's "
-                  f"overlap metrics are not computed on this path; {TAIL_MODE} too; a WARNING where a fused top-K "
-                  f"batch is not served")
+                  f"output (no N x V tensor); distillation_only drops log_probs as verl's logits path; {_OVERLAP}, "
+                  f"over the TP group; {TAIL_MODE} too; a WARNING where a fused top-K batch is not served")
+
+
+_OVERLAP = ("verl's overlap metrics (overlap_count, overlap_token_advantage) from the student's top K by "
+            "rl_kernels.linear_topk (about 1.5 head matmuls more per micro-batch forward) unless "
+            "fused_kernel_options.rl_kernels.overlap_metrics=false (read per call)")
 
 
 def _patch_fsdp_fused() -> tuple[bool, str]:
@@ -854,9 +939,13 @@ def _patch_fsdp_fused() -> tuple[bool, str]:
                        f"from a fused forward, so its loss finds no distillation_losses (a WARNING at the first "
                        f"such micro-batch); verl's logits path (use_fused_kernels=False) is served")
     set_attr(engine, "forward_step", fused_topk_on_request(step))
+    if _engine_lays_out_extra():
+        overlap = f"{_OVERLAP}, laid out by the engine's _gather_and_unpad_packed (verl's engine reads none)"
+    else:
+        overlap = (f"verl's overlap metrics are not computed on this path (this verl's {ENGINE_CLASS} has no "
+                   f"_gather_and_unpad_packed to lay them out, and reads none)")
     return True, (f"models with impl_backend=rl_kernels and use_remove_padding=True fill fused_linear_aux "
                   f"(distillation_losses, student_mass, teacher_mass, read by {ENGINE_CLASS}.prepare_model_outputs) "
                   f"from one rl_kernels.distill.linear_log_probs_at_ids call with verl's log-probs (no N x V "
-                  f"tensor); verl's overlap metrics are not computed on this path (verl's engine reads none); "
-                  f"{TAIL_MODE} too (its tail outputs laid out by the engine's _gather_and_unpad_packed); a WARNING "
-                  f"where a fused micro-batch is not served")
+                  f"tensor); {overlap}; {TAIL_MODE} too (its tail outputs laid out by the engine's "
+                  f"_gather_and_unpad_packed); a WARNING where a fused micro-batch is not served")
