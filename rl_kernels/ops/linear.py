@@ -444,6 +444,14 @@ def _linear_dlogits_kernel(
             tile_scale, cap_scale = row_scales(row_inv_temperature[:, None], logit_scale, softcap_scale, SOFTCAP)
         # z2 = log2(e) z, so log2 p = z2 - log2(e) lse is one multiply-add with the GEMM's scale
         # and p = 2^(log2 p) one ex2 (flushing p < 2^-126); t: the cap's tanh with SOFTCAP
+        if TAIL:  # (before the GEMM: the ids' loads and searches are not spent with the tile in registers)
+            # tiles in grouped order, not ascending per row: each finds its rows' first id >= col0
+            tail_at = ids_below(tail_ids_ptr, stride_tail_ids, rows64, row_mask, n_tail_ids, col0, BLOCK_IDS)
+            # the row's first two ids from col0 on, as tile offsets (>= BLOCK_N: none); a tile where a
+            # row has a third id walks them all (``fill_ids``; a second tile of registers, rare)
+            first = next_id(tail_ids_ptr, stride_tail_ids, rows64, row_mask, n_tail_ids, tail_at) - col0
+            second = next_id(tail_ids_ptr, stride_tail_ids, rows64, row_mask, n_tail_ids, tail_at + 1) - col0
+            third = next_id(tail_ids_ptr, stride_tail_ids, rows64, row_mask, n_tail_ids, tail_at + 2) - col0
         z2, t = logits_tile_log2(h_ptr, w_ptr, rows, cols, row_mask, col_mask, H,
                                  stride_hn, stride_hk, stride_wv, stride_wk, tile_scale, cap_scale,
                                  BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PRECISION, USE_TMA, row0, col0,
@@ -474,8 +482,6 @@ def _linear_dlogits_kernel(
         if HAS_GRAD_SUM_PI_SQUARED:
             inner = inner + (twice_grad_sum_pi_squared * row_inv_temperature)[:, None] * p
         if TAIL:  # exp(z - tail_lse) = p exp(lse - tail_lse): + g_tail exp(lse - tail_lse) / T outside the ids
-            # (tiles in grouped order, not ascending per row: each finds its rows' first id >= col0)
-            tail_at = ids_below(tail_ids_ptr, stride_tail_ids, rows64, row_mask, n_tail_ids, col0, BLOCK_IDS)
             tail_lse = tl.load(tail_lse_ptr + rows64, mask=row_mask, other=0.0)
             g_tail = tl.load(g_tail_ptr + rows64, mask=row_mask, other=0.0)
             # 1 / q_tail = exp(lse - tail_lse), its exponent capped at 126 (no inf: 0 * inf would be NaN
@@ -485,28 +491,27 @@ def _linear_dlogits_kernel(
                                             propagate_nan=tl.PropagateNan.ALL))
             tail_coef = tl.clamp(g_tail * row_inv_temperature * inv_q_tail, -1e38, 1e38,
                                  propagate_nan=tl.PropagateNan.ALL)
-            # the row's first two ids from col0 on, as tile offsets (>= BLOCK_N: none); a tile where a
-            # row has a third id walks them all (``fill_ids``; a second tile of registers, rare)
-            first = next_id(tail_ids_ptr, stride_tail_ids, rows64, row_mask, n_tail_ids, tail_at) - col0
-            second = next_id(tail_ids_ptr, stride_tail_ids, rows64, row_mask, n_tail_ids, tail_at + 1) - col0
-            third = next_id(tail_ids_ptr, stride_tail_ids, rows64, row_mask, n_tail_ids, tail_at + 2) - col0
-            if tl.max((third < BLOCK_N).to(tl.int32)) > 0:
-                tail_f, _, _ = fill_ids(tail_coef[:, None] + tl.zeros((BLOCK_M, BLOCK_N), tl.float32), 0.0,
-                                        tail_ids_ptr, stride_tail_ids, rows64, row_mask, n_tail_ids, tail_at,
+            if tl.max((third < BLOCK_N).to(tl.int32)) > 0:  # p * the coefficient, the ids' columns to 0
+                tail_p, _, _ = fill_ids(p, 0.0, tail_ids_ptr, stride_tail_ids, rows64, row_mask, n_tail_ids, tail_at,
                                         first + col0, col0, BLOCK_N)
-                tail_inner = inner + tail_f
+                tail_dz = p * inner + tail_p * tail_coef[:, None]
             else:
                 offs = tl.arange(0, BLOCK_N)[None, :]
-                tail_inner = tl.where((offs == first[:, None]) | (offs == second[:, None]), inner,
-                                      inner + tail_coef[:, None])
-            inner = tail_inner
+                tail_dz = p * tl.where((offs == first[:, None]) | (offs == second[:, None]), inner,
+                                       inner + tail_coef[:, None])
         if HAS_GRAD_LOG_PROBS:
             # the label's column inside this tile (int32, -1 when elsewhere): a 32-bit compare per
             # element against the tile's own column offsets, not a 64-bit one against ``cols``
             label_at = labels - col0
             label_at = tl.where((label_at >= 0) & (label_at < BLOCK_N), label_at, -1).to(tl.int32)
             hit = tl.arange(0, BLOCK_N)[None, :] == label_at[:, None]
-            dz = p * inner + tl.where(hit, (g_lp * row_inv_temperature)[:, None], 0.0)
+            label_dz = tl.where(hit, (g_lp * row_inv_temperature)[:, None], 0.0)
+            if TAIL:
+                dz = tail_dz + label_dz
+            else:
+                dz = p * inner + label_dz
+        elif TAIL:
+            dz = tail_dz
         else:
             dz = p * inner
         if SOFTCAP:  # d z / d(h.w / T) = 1 - tanh^2
