@@ -62,9 +62,11 @@ cancel: p_j / q_tail there can be ~1 / q_tail). exp(lse - tail_lse) has its expo
 and the row's coefficient is clamped to +-1e38 (NaN-propagating): no inf, so no 0 * inf = NaN when
 g_tail = 0 or the tail is empty (tail_lse = -inf), and a tail column's p_j <= q_tail keeps the
 product finite; a tail mass below ~2^-126 keeps finite gradients, not accurate ones. The ids' columns
-of a tile: each row's first id >= the tile's first column by a binary search (the tiles come in
-grouped order), then its first two ids compared per element; a tile where some row has three or
-more walks them all (``common.fill_ids``, rarer: K = 64 over V = 152064 and 256-wide tiles).
+of a tile: each row's first id >= the tile's first column by a binary search and its next three ids,
+loaded before the GEMM (the tiles come in grouped order, no walk carries over), then its first two
+ids compared per element; a tile where some row has three or more (rarer: K = 64 over V = 152064
+and 256-wide tiles) walks them all on a copy of p with the ids' columns selected to 0
+(``common.fill_ids``) and adds that times the coefficient.
 With ``KernelConfig.bwd_programs_per_sm`` > 0 the launch is persistent: a few programs per
 multiprocessor each walk the window's tiles (same grouped order, same per-tile arithmetic, so the
 same bits), in one flattened software pipeline that overlaps a tile's epilogue (exp, store) with
