@@ -386,3 +386,50 @@ def among_ids(ids_ptr, stride_ids, rows64, row_mask, cols, col0, width, n_ids, B
         row_id = tl.load(ids_ptr + rows64 * stride_ids + lo + j, mask=row_mask & (j < count), other=-1)
         hit = hit | (cols[None, :] == row_id[:, None])
     return hit
+
+
+@triton.jit
+def ids_below(ids_ptr, stride_ids, rows64, row_mask, n_ids, x, BLOCK_IDS: tl.constexpr):
+    """(rows,) int32: how many of each row's sorted ids are < ``x`` (the index of its first id >= x),
+    by a branchless binary search: log2(BLOCK_IDS) + 1 dependent one-id loads per row, no
+    (rows x BLOCK_IDS) block in registers (``ids_in_tile``'s starting point; arguments as in
+    ``among_ids``, BLOCK_IDS a power of two >= n_ids)."""
+    at = tl.zeros(rows64.shape, tl.int32)
+    for i in tl.static_range(31):
+        if (BLOCK_IDS >> i) > 0:  # steps BLOCK_IDS, BLOCK_IDS / 2, ..., 1 (constexpr: unrolled)
+            cand = at + (BLOCK_IDS >> i)
+            ok = row_mask & (cand <= n_ids)
+            below = tl.load(ids_ptr + rows64 * stride_ids + tl.where(ok, cand - 1, 0), mask=ok, other=2147483647) < x
+            at = tl.where(ok & below, cand, at)
+    return at
+
+
+@triton.jit
+def next_id(ids_ptr, stride_ids, rows64, row_mask, n_ids, at):
+    """(rows,) int32: each row's id number ``at`` (2147483647 past its last id or for a masked row)."""
+    ok = row_mask & (at < n_ids)
+    return tl.load(ids_ptr + rows64 * stride_ids + tl.where(ok, at, 0), mask=ok, other=2147483647)
+
+
+@triton.jit
+def fill_ids(x, fill, ids_ptr, stride_ids, rows64, row_mask, n_ids, at, nxt, col0, BLOCK_N: tl.constexpr):
+    """(x', at, nxt): the (rows x BLOCK_N) tile ``x`` of the columns [col0, col0 + BLOCK_N) with
+    ``fill`` (a scalar or a (rows, 1) column) where the column is one of the row's sorted ids (the
+    mask of ``among_ids``), walked from each row's pointer ``at`` into its ids (no id of the row at or
+    after ``at`` is below col0; ``nxt``: its id number ``at``, from ``next_id``); returned with the
+    pointer and next id past the tile, so a walk across consecutive tiles (the forward's split)
+    carries (at, nxt) and loads each id once. Per element: one 32-bit compare and one select per id
+    of the tile's fullest row (0 to 2 at K = 64 over V = 152064 and 256-wide tiles), the selects
+    applied to ``x`` itself (no boolean tile kept across the loop); per row: one id load per id and
+    a reduction over the rows per id plus one to stop."""
+    offs = tl.arange(0, BLOCK_N)[None, :]
+    local = nxt - col0  # >= 0; the past-the-end 2147483647 stays >= BLOCK_N
+    while tl.max((local < BLOCK_N).to(tl.int32)) > 0:
+        inside = local < BLOCK_N
+        x = tl.where(offs == local[:, None], fill, x)
+        at = at + inside.to(tl.int32)
+        ok = inside & row_mask & (at < n_ids)  # only the rows that moved load
+        nxt = tl.where(inside, tl.load(ids_ptr + rows64 * stride_ids + tl.where(ok, at, 0), mask=ok,
+                                       other=2147483647), nxt)
+        local = nxt - col0
+    return x, at, nxt

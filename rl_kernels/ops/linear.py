@@ -20,11 +20,15 @@ next tile's loads overlap this tile's softmax epilogue), WARP_SPEC (producer/con
 EVEN_V (V is a multiple of BLOCK_N: no column masks in the epilogue). One flag changes the
 arithmetic: SOFTCAP, the logit soft-capping of Gemma-2-style heads (z = (c / T) tanh(h . w / c),
 ``common.soft_cap``); without it the kernels are the uncapped ones, bit for bit.
-TAIL (the tail-aware top-K KL, verl RFC #7856) adds per-split tail statistics (m_t, s_t) over the
-columns that are not among the row's sorted ids (``common.among_ids``; those columns set to -inf
-before the tail's own max, so a tail far below the row's max keeps its digits; identity (-inf, 0) for
-a row with no tail column in the split); FLATTEN and WARP_SPEC are off with it. Without TAIL the
-kernel is the one above, bit for bit.
+TAIL (the tail-aware top-K KL, verl RFC #7856) adds a per-split tail sum s_t = sum exp(z - m) over the
+columns that are not among the row's sorted ids, relative to the same running max m as s: the tile's
+e = exp(z - tile max) with the ids' columns selected to 0 (``common.fill_ids``: each row's pointer
+into its ids walks the split's tiles in column order, one compare and one select per element per id
+of the tile's fullest row), summed, and rescaled with s when m moves on. It writes (m, s_t), which
+the combine merges like (m, s) (s_t = 0: a row with no tail column in the split). Tail terms below
+2^-126 of the split's max flush to 0 (as the lse's do), so a tail mass below ~1e-33 of the row loses
+digits (finite; the tests' contract is 1e-5 of float64 for tail masses >= 1e-6). FLATTEN and
+WARP_SPEC are off with it. Without TAIL the kernel is the one above, bit for bit.
 
 Combine: merges per-split softmax partials into log-probs, entropy and lse.
 
@@ -36,7 +40,7 @@ Per row: lse = m + log s, log p(y) = min(z_y - lse, 0), entropy = log s - b / s,
 sum_j p_j^2 = q / s^2 from the partials q = sum exp(2 (z - m)).
 Rows whose label equals ``ignore_index`` get log-prob 0 and entropy 0 (lse is still written).
 TAIL: the tail partials merged the same way into tail_lse = m_t + log s_t (-inf when the row's ids
-cover the vocabulary).
+cover the vocabulary; no clamp of log s_t: s_t < 1 is the normal case, relative to the row's max).
 
 Backward: recompute logit tiles and write d(loss)/d(logits) chunks.
 
@@ -51,9 +55,18 @@ second form is what runs (per-row scalars times 1 / T; per element log2 p = log2
 multiply-add, p = 2^(log2 p) and up to three multiply-adds).
 With SOFTCAP (z = (c / T) tanh(h.w / c), ``common.soft_cap``) the stored gradient is
 dz (1 - tanh^2) / T, the chain rule through the cap.
-TAIL adds g_tail * [j not among the row's ids] * exp(z_j - tail_lse) (d tail_lse / dz_j), the
-mask applied before the exp: at the ids exp(z - tail_lse) can be ~1 / q_tail, which no later
-subtraction could cancel in a 16-bit window.
+TAIL adds g_tail * [j not among the row's ids] * exp(z_j - tail_lse) (d tail_lse / dz_j) with no exp
+of its own: exp(z_j - tail_lse) = p_j / q_tail, so the per-row g_tail exp(lse - tail_lse) / T joins the
+inner factor by a select at the tail's columns (at the ids it is never added, so nothing has to
+cancel: p_j / q_tail there can be ~1 / q_tail). exp(lse - tail_lse) has its exponent capped at 126
+and the row's coefficient is clamped to +-1e38 (NaN-propagating): no inf, so no 0 * inf = NaN when
+g_tail = 0 or the tail is empty (tail_lse = -inf), and a tail column's p_j <= q_tail keeps the
+product finite; a tail mass below ~2^-126 keeps finite gradients, not accurate ones. The ids' columns
+of a tile: each row's first id >= the tile's first column by a binary search and its next three ids,
+loaded before the GEMM (the tiles come in grouped order, no walk carries over), then its first two
+ids compared per element; a tile where some row has three or more (rarer: K = 64 over V = 152064
+and 256-wide tiles) walks them all on a copy of p with the ids' columns selected to 0
+(``common.fill_ids``) and adds that times the coefficient.
 With ``KernelConfig.bwd_programs_per_sm`` > 0 the launch is persistent: a few programs per
 multiprocessor each walk the window's tiles (same grouped order, same per-tile arithmetic, so the
 same bits), in one flattened software pipeline that overlaps a tile's epilogue (exp, store) with
@@ -69,10 +82,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (TensorDescriptor, among_ids, gemm_meta, grouped_tile, log_sum_lse, logits_tile_log2,
-                     merge_max_sum, merge_q, merge_stats, persistent_programs, row_scales, scalar_inv_temperature,
-                     soft_cap, softcap_args, stats_entropy, store_window, tma_ok, tma_operands, window_grid,
-                     window_tile)
+from .common import (TensorDescriptor, fill_ids, gemm_meta, grouped_tile, ids_below, log_sum_lse, logits_tile_log2,
+                     merge_max_sum, merge_q, merge_scales, merge_stats, next_id, persistent_programs, row_scales,
+                     scalar_inv_temperature, soft_cap, softcap_args, stats_entropy, store_window, tma_ok,
+                     tma_operands, window_grid, window_tile)
 from .config import BwdTile, KernelConfig, interpreting
 
 
@@ -94,8 +107,8 @@ def _linear_split_stats_kernel(
 ):
     # logit_scale: 1 / T, or 1 / softcap with SOFTCAP (then z = softcap_scale * tanh(tile)); with
     # ROW_TEMPERATURE each row's 1 / T (inv_temperature_ptr) multiplies the temperature's scale.
-    # TAIL: also the statistics (m_t, s_t) of the columns that are not among the row's sorted ids
-    # (tail_ids_ptr, ``common.among_ids``), the tail-aware top-K KL's tail bucket
+    # TAIL: also the tail sum s_t of the columns that are not among the row's sorted ids (tail_ids_ptr),
+    # the tail-aware top-K KL's tail bucket, relative to m (written as the partials (m, s_t))
     pid_m, pid_s = grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_M), tl.cdiv(V, SPLIT_V), GROUP_M)
     row0 = pid_m * BLOCK_M
     rows = row0 + tl.arange(0, BLOCK_M)
@@ -109,13 +122,13 @@ def _linear_split_stats_kernel(
     s = tl.zeros((BLOCK_M,), tl.float32)
     b = tl.zeros((BLOCK_M,), tl.float32)
     q = tl.zeros((BLOCK_M,), tl.float32)
-    if TAIL:
-        m_t = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-        s_t = tl.zeros((BLOCK_M,), tl.float32)
-        rows64 = rows.to(tl.int64)
-
     v_begin = pid_s * SPLIT_V
     v_end = tl.minimum(v_begin + SPLIT_V, V)
+    if TAIL:  # s_t: the tail's sum relative to the same running max m; (at, nxt): each row's next id
+        s_t = tl.zeros((BLOCK_M,), tl.float32)
+        rows64 = rows.to(tl.int64)
+        tail_at = ids_below(tail_ids_ptr, stride_tail_ids, rows64, row_mask, n_tail_ids, v_begin, BLOCK_IDS)
+        tail_next = next_id(tail_ids_ptr, stride_tail_ids, rows64, row_mask, n_tail_ids, tail_at)
     for v0 in tl.range(v_begin, v_end, BLOCK_N, flatten=FLATTEN, warp_specialize=WARP_SPEC):
         cols = v0 + tl.arange(0, BLOCK_N)
         col_mask = cols < v_end
@@ -144,15 +157,12 @@ def _linear_split_stats_kernel(
             tile_b = tl.zeros((BLOCK_M,), tl.float32)
         if SUM_PI_SQUARED:  # sum exp(2 (z - m)), merged before m and s move on
             q = merge_q(m, s, q, tile_m, tile_s, tl.sum(e * e, axis=1))
+        if TAIL:  # the same e without the row's ids (a select), rescaled as s is (before m moves on)
+            e_t, tail_at, tail_next = fill_ids(e, 0.0, tail_ids_ptr, stride_tail_ids, rows64, row_mask, n_tail_ids,
+                                               tail_at, tail_next, v0, BLOCK_N)
+            _, _, _, a_run, a_tile = merge_scales(m, s, tile_m, tile_s)
+            s_t = a_run * s_t + a_tile * tl.sum(e_t, axis=1)
         m, s, b = merge_stats(m, s, b, tile_m, tile_s, tile_b)
-        if TAIL:  # the tile without the row's ids: its own max, so a tiny tail keeps its digits
-            excluded = among_ids(tail_ids_ptr, stride_tail_ids, rows64, row_mask, cols, v0, BLOCK_N, n_tail_ids,
-                                 BLOCK_IDS)
-            zt2 = tl.where(excluded, float("-inf"), z2)
-            tail_m2 = tl.max(zt2, axis=1)
-            # a row with no tail column here: shift by 0, so exp2(-inf) = 0 (not -inf - -inf = NaN)
-            tail_s = tl.sum(tl.exp2(zt2 - tl.where(tail_m2 == float("-inf"), 0.0, tail_m2)[:, None]), axis=1)
-            m_t, s_t = merge_max_sum(m_t, s_t, tail_m2 * 0.6931471805599453, tail_s)
 
     out = pid_s.to(tl.int64) * N + rows
     tl.store(part_m_ptr + out, m, mask=row_mask)
@@ -161,8 +171,8 @@ def _linear_split_stats_kernel(
         tl.store(part_b_ptr + out, b, mask=row_mask)
     if SUM_PI_SQUARED:
         tl.store(part_q_ptr + out, q, mask=row_mask)
-    if TAIL:
-        tl.store(part_mt_ptr + out, m_t, mask=row_mask)
+    if TAIL:  # (m, s_t): the tail's partials share the split's max
+        tl.store(part_mt_ptr + out, m, mask=row_mask)
         tl.store(part_st_ptr + out, s_t, mask=row_mask)
 
 
@@ -258,8 +268,9 @@ def linear_split_stats(
     exp(2 (z - m)) (S, N) with ``return_sum_pi_squared`` (else None): the input of
     :func:`split_combine`. ``label_check``: see :func:`label_logits`. ``tail_ids``: (N, K) int32
     contiguous, each row sorted (``autograd.common.sorted_tail_ids``): a 6th output, the (2, S, N) float32
-    tail partials (m_t, s_t) over the columns that are not among the row's ids (the TAIL variant;
-    FLATTEN and WARP_SPEC are off in it: ``among_ids``' inner loop stays out of the pipeliner).
+    tail partials (m_t, s_t) over the columns that are not among the row's ids, m_t the split's max m
+    (the TAIL variant; FLATTEN and WARP_SPEC are off in it: ``fill_ids``' loop stays out of the
+    pipeliner).
     """
     inv_temperature, softcap = params.inv_temperature, params.softcap
     return_entropy, return_sum_pi_squared = params.return_entropy, params.return_sum_pi_squared
@@ -347,7 +358,8 @@ def _split_combine_kernel(
         lse = tl.where(valid & (zy != zy), zy, lse)
     tl.store(lse_ptr + rows, lse, mask=row_mask)
     if TAIL:  # tail_lse = m_t + log s_t (-inf for a row with no tail); NaN with a bad label's lse
-        _, tail_lse = log_sum_lse(m_t, s_t)
+        # (no clamp of log s_t at 0: the forward's s_t is relative to the row's max, so s_t < 1)
+        tail_lse = m_t + tl.log(s_t)
         if MARK_BAD:
             tail_lse = tl.where(valid & (zy != zy), zy, tail_lse)
         tl.store(tail_lse_ptr + rows, tail_lse, mask=row_mask)
@@ -419,7 +431,8 @@ def _linear_dlogits_kernel(
 ):
     # logit_scale: inv_temperature, or 1 / softcap with SOFTCAP (then z = softcap_scale * tanh(tile));
     # with ROW_TEMPERATURE (inv_temperature = 1) each row's 1 / T from inv_temperature_ptr.
-    # TAIL: + g_tail * [j not among the row's sorted ids] * exp(z_j - tail_lse) (d tail_lse / dz)
+    # TAIL: + g_tail * [j not among the row's sorted ids] * exp(z_j - tail_lse) (d tail_lse / dz), as
+    # p_j times the row's g_tail exp(lse - tail_lse) (a select, no second exp)
     num_tiles = tl.cdiv(n_rows, BLOCK_M) * tl.cdiv(n_cols, BLOCK_N)
     # one tile per program (num_programs = num_tiles), or a persistent loop over tiles whose
     # flattened pipeline loads the next tile's operands during this tile's epilogue
@@ -433,6 +446,14 @@ def _linear_dlogits_kernel(
             tile_scale, cap_scale = row_scales(row_inv_temperature[:, None], logit_scale, softcap_scale, SOFTCAP)
         # z2 = log2(e) z, so log2 p = z2 - log2(e) lse is one multiply-add with the GEMM's scale
         # and p = 2^(log2 p) one ex2 (flushing p < 2^-126); t: the cap's tanh with SOFTCAP
+        if TAIL:  # (before the GEMM: the ids' loads and searches are not spent with the tile in registers)
+            # tiles in grouped order, not ascending per row: each finds its rows' first id >= col0
+            tail_at = ids_below(tail_ids_ptr, stride_tail_ids, rows64, row_mask, n_tail_ids, col0, BLOCK_IDS)
+            # the row's first two ids from col0 on, as tile offsets (>= BLOCK_N: none); a tile where a
+            # row has a third id walks them all (``fill_ids``; a second tile of registers, rare)
+            first = next_id(tail_ids_ptr, stride_tail_ids, rows64, row_mask, n_tail_ids, tail_at) - col0
+            second = next_id(tail_ids_ptr, stride_tail_ids, rows64, row_mask, n_tail_ids, tail_at + 1) - col0
+            third = next_id(tail_ids_ptr, stride_tail_ids, rows64, row_mask, n_tail_ids, tail_at + 2) - col0
         z2, t = logits_tile_log2(h_ptr, w_ptr, rows, cols, row_mask, col_mask, H,
                                  stride_hn, stride_hk, stride_wv, stride_wk, tile_scale, cap_scale,
                                  BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PRECISION, USE_TMA, row0, col0,
@@ -462,22 +483,39 @@ def _linear_dlogits_kernel(
             inner = inner - (g_ent * (row_inv_temperature * 0.6931471805599453))[:, None] * log2_p
         if HAS_GRAD_SUM_PI_SQUARED:
             inner = inner + (twice_grad_sum_pi_squared * row_inv_temperature)[:, None] * p
+        if TAIL:  # exp(z - tail_lse) = p exp(lse - tail_lse): + g_tail exp(lse - tail_lse) / T outside the ids
+            tail_lse = tl.load(tail_lse_ptr + rows64, mask=row_mask, other=0.0)
+            g_tail = tl.load(g_tail_ptr + rows64, mask=row_mask, other=0.0)
+            # 1 / q_tail = exp(lse - tail_lse), its exponent capped at 126 (no inf: 0 * inf would be NaN
+            # for a zero g_tail or an empty tail, tail_lse = -inf) and the coefficient at +-1e38, both
+            # NaN-propagating; a tail column's p <= q_tail keeps p * coefficient <= |g_tail| / T
+            inv_q_tail = tl.exp2(tl.minimum((lse - tail_lse) * 1.4426950408889634, 126.0,
+                                            propagate_nan=tl.PropagateNan.ALL))
+            tail_coef = tl.clamp(g_tail * row_inv_temperature * inv_q_tail, -1e38, 1e38,
+                                 propagate_nan=tl.PropagateNan.ALL)
+            if tl.max((third < BLOCK_N).to(tl.int32)) > 0:  # p * the coefficient, the ids' columns to 0
+                tail_p, _, _ = fill_ids(p, 0.0, tail_ids_ptr, stride_tail_ids, rows64, row_mask, n_tail_ids, tail_at,
+                                        first + col0, col0, BLOCK_N)
+                tail_dz = p * inner + tail_p * tail_coef[:, None]
+            else:
+                offs = tl.arange(0, BLOCK_N)[None, :]
+                tail_dz = p * tl.where((offs == first[:, None]) | (offs == second[:, None]), inner,
+                                       inner + tail_coef[:, None])
         if HAS_GRAD_LOG_PROBS:
             # the label's column inside this tile (int32, -1 when elsewhere): a 32-bit compare per
             # element against the tile's own column offsets, not a 64-bit one against ``cols``
             label_at = labels - col0
             label_at = tl.where((label_at >= 0) & (label_at < BLOCK_N), label_at, -1).to(tl.int32)
             hit = tl.arange(0, BLOCK_N)[None, :] == label_at[:, None]
-            dz = p * inner + tl.where(hit, (g_lp * row_inv_temperature)[:, None], 0.0)
+            label_dz = tl.where(hit, (g_lp * row_inv_temperature)[:, None], 0.0)
+            if TAIL:
+                dz = tail_dz + label_dz
+            else:
+                dz = p * inner + label_dz
+        elif TAIL:
+            dz = tail_dz
         else:
             dz = p * inner
-        if TAIL:  # masked before the exp: at the ids exp(z - tail_lse) may be ~1 / q_tail (no cancelling)
-            excluded = among_ids(tail_ids_ptr, stride_tail_ids, rows64, row_mask, cols, col0, BLOCK_N, n_tail_ids,
-                                 BLOCK_IDS)
-            tail_lse2 = tl.load(tail_lse_ptr + rows64, mask=row_mask, other=0.0) * 1.4426950408889634
-            g_tail = tl.load(g_tail_ptr + rows64, mask=row_mask, other=0.0)
-            p_tail = tl.exp2(tl.where(excluded, float("-inf"), z2 - tail_lse2[:, None]))
-            dz += (g_tail * row_inv_temperature)[:, None] * p_tail
         if SOFTCAP:  # d z / d(h.w / T) = 1 - tanh^2
             dz = dz * ((1.0 - t) * (1.0 + t))
         if STORE_TMA:  # dz_ptr: a descriptor of the window; the copy engine clips its bounds
