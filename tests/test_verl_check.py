@@ -4,6 +4,7 @@ config (``main_ppo --cfg job``, in process), as the run would.
 
 Marked ``verl_matrix``: the same overrides on verl 0.7.1 and 0.8.0 (.ci/run).
 """
+import importlib.util
 import os
 import subprocess
 import sys
@@ -234,6 +235,15 @@ def test_distillation_note_per_engine_path_and_entry(cfg, entry, expected, monke
     assert distillation_note(cfg, entry) is None
 
 
+def _has_distillation() -> bool:
+    try:
+        return importlib.util.find_spec("verl.trainer.distillation") is not None
+    except ModuleNotFoundError:  # (no verl at all)
+        return False
+
+
+@pytest.mark.skipif(not _has_distillation(),
+                    reason="this verl has no distillation (0.7.x): its config has no distillation group")
 def test_the_tail_mode_is_reported_for_the_composed_config(capsys):
     code = main(["verl-check", SEARCH, "+rl_kernels=logits", "distillation.enabled=True",
                  "distillation.distillation_loss.loss_mode=forward_kl_topk_tail",
