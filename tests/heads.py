@@ -329,3 +329,24 @@ HEADS = {h.name: h for h in [
     Head("linear_jsd", "linear_jsd", "hidden", _linear_jsd, _linear_jsd_ref, reduction="sum", loss=True,
          grad_rel_16bit=1e-2),
 ]}
+
+
+# the floor of a probability inside a logarithm in the tail-aware top-K KL (2^-126), as documented
+LOG_TINY = -87.33654475055310898657
+
+
+def reference_tail_kl(log_q, log_q_tail, t_lp, kind):
+    """float64 per-token (K+1)-category KL (verl RFC #7856) from its definition, before T^2 and the
+    reduction: p_tail = max(0, 1 - P), a zero mass floored at 2^-126 inside a logarithm, 0 log 0 = 0.
+    ``log_q`` (N, K) and ``log_q_tail`` (N,): the student's float64 log-probs at the ids and outside
+    them; ``t_lp`` (N, K) the teacher's log-probs."""
+    log_p = t_lp.double()
+    p = log_p.exp()
+    p_tail = (1 - p.sum(-1)).clamp_min(0)
+    log_p_tail = p_tail.log()
+    q_tail_floored = log_q_tail.clamp_min(LOG_TINY)
+    if kind == "forward":
+        slots = torch.where(p > 0, p * (log_p - log_q), 0.0).sum(-1)
+        return slots + torch.where(p_tail > 0, p_tail * (log_p_tail - q_tail_floored), 0.0)
+    slots = (log_q.exp() * (log_q - log_p.clamp_min(LOG_TINY))).sum(-1)
+    return slots + q_tail_floored.exp() * (q_tail_floored - log_p_tail.clamp_min(LOG_TINY))

@@ -21,6 +21,7 @@ import math
 import pytest
 import torch
 import torch._dynamo.testing
+from heads import reference_tail_kl
 
 import rl_kernels.torch_ops.logits as torch_logits
 from rl_kernels import topk_kl_from_logits, topk_log_probs_from_logits
@@ -28,7 +29,6 @@ from rl_kernels.autograd.logits import OP_ARGS, LogitsParams
 from rl_kernels.backends import get_backend
 
 BACKENDS = ["torch", "triton"]
-LOG_TINY = math.log(2.0 ** -126)  # the documented floor of a probability inside a logarithm
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 
@@ -49,20 +49,6 @@ def _reference(x64, ids, temperature):
     lse = torch.logsumexp(z, -1)
     outside = torch.ones_like(z, dtype=torch.bool).scatter(1, ids, False)
     return z.gather(1, ids) - lse[:, None], torch.logsumexp(z.masked_fill(~outside, -math.inf), -1) - lse
-
-
-def _reference_kl(log_q, log_q_tail, t_lp, kind):
-    """float64 per-token (K+1)-category KL (module docstring), before T^2 and the reduction."""
-    lp = t_lp.double()
-    p = lp.exp()
-    p_tail = (1.0 - p.sum(-1)).clamp(0.0, 1.0)
-    log_p_tail = p_tail.log()
-    lqt = log_q_tail.clamp_min(LOG_TINY)
-    if kind == "forward":
-        slots = torch.where(p > 0, p * (lp - log_q), 0.0).sum(-1)
-        return slots + torch.where(p_tail > 0, p_tail * (log_p_tail - lqt), 0.0)
-    slots = (log_q.exp() * (log_q - lp.clamp_min(LOG_TINY))).sum(-1)
-    return slots + lqt.exp() * (lqt - log_p_tail.clamp_min(LOG_TINY))
 
 
 # ----------------------------------------------------------------------------- log q at the ids and the tail
@@ -196,7 +182,7 @@ def test_tail_kl_values_and_gradients(poison, backend, kind):
     (got * up).sum().backward()
     x64 = base.double().requires_grad_()
     log_q, log_q_tail = _reference(x64, ids, temperature)
-    ref = torch.where(valid, _reference_kl(log_q, log_q_tail, t_lp, kind) * temperature ** 2, 0.0)
+    ref = torch.where(valid, reference_tail_kl(log_q, log_q_tail, t_lp, kind) * temperature ** 2, 0.0)
     (ref * up.reshape(n).double()).sum().backward()
     assert got.shape == lead and got.dtype == torch.float32
     torch.testing.assert_close(got.reshape(n).double(), ref.detach(), **TOL)
@@ -226,7 +212,7 @@ def test_a_non_finite_row_stays_in_its_row(backend):
     assert not torch.isfinite(got[1]) and bool(torch.isfinite(got[ok]).all())
     assert bool(torch.isfinite(x.grad[ok]).all()) and not bool(torch.isfinite(x.grad[1]).all())
     log_q, log_q_tail = _reference(base[ok].double(), ids[ok], 1.0)
-    torch.testing.assert_close(got[ok].double(), _reference_kl(log_q, log_q_tail, t_lp[ok], "reverse"), **TOL)
+    torch.testing.assert_close(got[ok].double(), reference_tail_kl(log_q, log_q_tail, t_lp[ok], "reverse"), **TOL)
 
 
 # ----------------------------------------------------------------------------- ill-conditioned
@@ -266,7 +252,7 @@ def test_ill_conditioned_tail_mass(backend, q_tail):
         got = topk_kl_from_logits(x, ids, t_lp, kind=kind, tail=True, reduction="none", backend=backend)
         (got * up).sum().backward()
         x64.grad = None
-        ref = _reference_kl(*_reference(x64, ids, 1.0), t_lp, kind)
+        ref = reference_tail_kl(*_reference(x64, ids, 1.0), t_lp, kind)
         (ref * up.double()).sum().backward()
         torch.testing.assert_close(got.double(), ref.detach(), **TOL)
         torch.testing.assert_close(x.grad.double(), x64.grad, **TOL)
@@ -289,7 +275,7 @@ def test_k_equal_to_v_has_no_tail_and_a_finite_loss(backend):
         got = topk_kl_from_logits(x, ids, t_lp, kind=kind, tail=True, reduction="sum", backend=backend)
         got.backward()
         x64 = base.double().requires_grad_()
-        ref = _reference_kl(*_reference(x64, ids, 1.0), t_lp, kind).sum()
+        ref = reference_tail_kl(*_reference(x64, ids, 1.0), t_lp, kind).sum()
         ref.backward()
         assert bool(torch.isfinite(got)) and bool(torch.isfinite(x.grad).all())
         torch.testing.assert_close(got.double(), ref.detach(), **TOL)

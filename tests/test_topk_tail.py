@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 import torch._dynamo.testing
+from heads import reference_tail_kl
 import triton
 import triton.language as tl
 
@@ -23,7 +24,6 @@ from rl_kernels.autograd.common import sorted_tail_ids
 from rl_kernels.ops.common import among_ids
 
 N, H, V, K = 11, 20, 203, 5
-LOG_TINY = math.log(2.0 ** -126)
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 
@@ -59,25 +59,10 @@ def _log_q(h64, w64, ids, temperature):
     return z.gather(1, ids) - lse[:, None], tail - lse
 
 
-def _kl(log_q, log_q_tail, t_lp, kind):
-    """The (K+1)-category KL in float64 from its definition (p_tail = max(0, 1 - P); a zero mass
-    floored at 2^-126 inside a logarithm; 0 log 0 = 0)."""
-    log_p = t_lp.double()
-    p = log_p.exp()
-    p_tail = (1 - p.sum(-1)).clamp_min(0)
-    log_p_tail = p_tail.log()
-    q_tail_floored = log_q_tail.clamp_min(LOG_TINY)
-    if kind == "forward":
-        slots = torch.where(p > 0, p * (log_p - log_q), 0.0).sum(-1)
-        return slots + torch.where(p_tail > 0, p_tail * (log_p_tail - q_tail_floored), 0.0)
-    slots = (log_q.exp() * (log_q - log_p.clamp_min(LOG_TINY))).sum(-1)
-    return slots + q_tail_floored.exp() * (q_tail_floored - log_p_tail.clamp_min(LOG_TINY))
-
-
 def _reference(h, w, ids, t_lp, mask, temperature, kind, reduction):
     h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
     log_q, log_q_tail = _log_q(h64, w64, ids, temperature)
-    per = torch.where(mask, _kl(log_q, log_q_tail, t_lp, kind) * temperature ** 2, 0.0)
+    per = torch.where(mask, reference_tail_kl(log_q, log_q_tail, t_lp, kind) * temperature ** 2, 0.0)
     out = {"none": per, "sum": per.sum(), "mean": per.sum() / mask.sum(), "batchmean": per.sum() / N}[reduction]
     return out, h64, w64
 
@@ -150,7 +135,7 @@ def test_tiny_student_tail_1e6_within_tolerance_where_one_minus_q_fails(backend,
     assert error.max() > 0.1, error  # the cancellation's error in log q_tail
     torch.testing.assert_close(tail32.double()[1:], log_q_tail[1:], atol=2e-5, rtol=0)
     if kind == "forward":  # p_tail log q_tail: the naive formula's loss is wrong (the reverse weighs it by q_tail)
-        naive_loss = _kl(log_q32.double(), naive.clamp_max(0), t_lp, kind)
+        naive_loss = reference_tail_kl(log_q32.double(), naive.clamp_max(0), t_lp, kind)
         assert (naive_loss - ref.detach()).abs().nan_to_num(float("inf")).max() > 1e-2
 
 
