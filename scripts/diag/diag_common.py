@@ -210,3 +210,32 @@ def tiny_steps(mod, seed: int = 0) -> dict:
         torch.autograd.backward([out.log_probs, out.entropy], [g_n, g_n])
     return {"logits_stats": stats, "topk_log_probs_from_logits": topk, "topk_kl_from_logits": topk_kl,
             "linear_log_probs": head}
+
+
+def bench(fn, rep=1000):
+    """(median ms of ``fn`` by triton.testing.do_bench with ``rep`` ms, peak extra GiB of one call), after
+    one warm-up call."""
+    import triton.testing
+
+    from rl_kernels.tools.bench import peak_extra_gib
+
+    fn()
+    peak = peak_extra_gib(fn)
+    return triton.testing.do_bench(fn, rep=rep, return_mode="median"), peak
+
+
+def topk_teacher(hidden, weight, k, seed=3):
+    """(ids (N, K) int64, float32 log-probs (N, K)): the top K of the student's float32 logits plus
+    N(0, 1) noise, log-softmaxed over the vocabulary (row chunks)."""
+    n, v = hidden.shape[0], weight.shape[0]
+    ids = torch.empty(n, k, dtype=torch.int64, device="cuda")
+    log_probs = torch.empty(n, k, device="cuda")
+    g = torch.Generator("cuda").manual_seed(seed)
+    with torch.no_grad():
+        for r0 in range(0, n, 2048):
+            r1 = min(n, r0 + 2048)
+            z = (hidden[r0:r1] @ weight.T).float() + torch.randn(r1 - r0, v, device="cuda", generator=g)
+            top, ids[r0:r1] = z.topk(k, -1)
+            log_probs[r0:r1] = top - torch.logsumexp(z, -1, keepdim=True)
+            del z, top
+    return ids, log_probs

@@ -28,36 +28,9 @@ import time
 
 import torch
 
-from diag_common import head_inputs, require_cuda
+from diag_common import bench, head_inputs, require_cuda, topk_teacher
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-
-def bench(fn, rep=1000):
-    import triton.testing
-
-    from rl_kernels.tools.bench import peak_extra_gib
-
-    fn()
-    peak = peak_extra_gib(fn)
-    return triton.testing.do_bench(fn, rep=rep, return_mode="median"), peak
-
-
-def teacher(hidden, weight, k, seed=3):
-    """(ids (N, K) int64, float32 log-probs (N, K)): the top K of the student's float32 logits plus
-    N(0, 1) noise, log-softmaxed over the vocabulary (row chunks)."""
-    n, v = hidden.shape[0], weight.shape[0]
-    ids = torch.empty(n, k, dtype=torch.int64, device="cuda")
-    log_probs = torch.empty(n, k, device="cuda")
-    g = torch.Generator("cuda").manual_seed(seed)
-    with torch.no_grad():
-        for r0 in range(0, n, 2048):
-            r1 = min(n, r0 + 2048)
-            z = (hidden[r0:r1] @ weight.T).float() + torch.randn(r1 - r0, v, device="cuda", generator=g)
-            top, ids[r0:r1] = z.topk(k, -1)
-            log_probs[r0:r1] = top - torch.logsumexp(z, -1, keepdim=True)
-            del z, top
-    return ids, log_probs
 
 
 def tail_reference(hidden, weight, ids, t_lp, kind):
@@ -85,7 +58,7 @@ def checks(n, h, v, k):
 
     hidden, weight, _, _, _ = head_inputs(n, h, v, seed=1)
     hidden, weight = hidden.float(), weight.float()
-    ids, t_lp = teacher(hidden, weight, k, seed=5)
+    ids, t_lp = topk_teacher(hidden, weight, k, seed=5)
     res = {}
     ref, dh, dw = tail_reference(hidden, weight, ids, t_lp, "forward")
     for name in ("fused", "from logits"):
@@ -131,7 +104,7 @@ def main() -> int:
     print("checks:", head["checks"], flush=True)
 
     hidden, weight, _, _, _ = head_inputs(n, args.hidden, v)
-    ids, t_lp = teacher(hidden, weight, k)
+    ids, t_lp = topk_teacher(hidden, weight, k)
     head["teacher_topk_mass_mean"] = t_lp.exp().sum(-1).mean().item()
     hx, wx = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     verl_losses, how = load_verl_losses()

@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from diag_common import head_inputs, require_cuda
+from diag_common import bench, head_inputs, require_cuda, topk_teacher
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -58,16 +58,6 @@ def load_verl_functional():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module, f"torch_functional.py alone (full import failed: {reason})"
-
-
-def bench(fn, rep=1000):
-    import triton.testing
-
-    from rl_kernels.tools.bench import peak_extra_gib
-
-    fn()
-    peak = peak_extra_gib(fn)
-    return triton.testing.do_bench(fn, rep=rep, return_mode="median"), peak
 
 
 def checks(n, h, v):
@@ -174,15 +164,7 @@ def main() -> int:
     verl_losses, how = load_verl_losses()
     head["verl"] = how
     k = args.topk
-    ids = torch.empty(n, k, dtype=torch.int64, device="cuda")
-    t_lp = torch.empty(n, k, device="cuda")
-    g = torch.Generator("cuda").manual_seed(3)
-    with torch.no_grad():
-        for r0 in range(0, n, 2048):
-            z = (hidden[r0:r0 + 2048] @ weight.T).float() + torch.randn(min(2048, n - r0), v, device="cuda", generator=g)
-            top, ids[r0:r0 + 2048] = z.topk(k, -1)
-            t_lp[r0:r0 + 2048] = top - torch.logsumexp(z, -1, keepdim=True)
-            del z, top
+    ids, t_lp = topk_teacher(hidden, weight, k)
     lengths = [n // 8] * 7 + [n - 7 * (n // 8)]
     nested = [torch.nested.as_nested_tensor(list(t.split(lengths)), layout=torch.jagged) for t in (t_lp, ids)]
     cfg = config(False, None)
