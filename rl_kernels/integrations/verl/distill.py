@@ -672,7 +672,6 @@ def patch_fused_distillation() -> dict[str, tuple[bool, str]]:
 MEGATRON_ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
 MEGATRON_ENGINE_CLASS = "MegatronEngineWithLMHead"
 MEGATRON_FUSED_MODULE = "verl.models.mcore.model_forward_fused"
-MEGATRON_KEYS = ("distillation_losses", "student_mass", "teacher_mass", *OVERLAP_KEYS)
 STEP_PARAMETERS = ["self", "batch_iter", "model", "logits_processor_func", "postprocess_micro_batch_func"]
 
 # ----------------------------------------------------------------------------- the Megatron fused path
