@@ -151,8 +151,10 @@ def _linear_split_stats_kernel(
         if ENTROPY:
             if EVEN_V:
                 tile_b = tl.sum(e * shifted2, axis=1) * 0.6931471805599453
-            else:  # exp(-inf) * -inf is NaN: zero the padded columns
-                tile_b = tl.sum(tl.where(col_mask[None, :], e * shifted2, 0.0), axis=1) * 0.6931471805599453
+            else:  # exp(-inf) * -inf is NaN: zero the padded columns (their shift made finite first, so
+                # the interpreter's numpy does not warn; the select after the product is kept)
+                tile_b = tl.sum(tl.where(col_mask[None, :], e * tl.where(col_mask[None, :], shifted2, 0.0), 0.0),
+                                axis=1) * 0.6931471805599453
         else:
             tile_b = tl.zeros((BLOCK_M,), tl.float32)
         if SUM_PI_SQUARED:  # sum exp(2 (z - m)), merged before m and s move on
@@ -333,8 +335,8 @@ def _split_combine_kernel(
         s_t = tl.zeros((BLOCK,), tl.float32)
     for sp in range(0, num_splits):
         off = sp * N + rows.to(tl.int64)
-        pm = tl.load(part_m_ptr + off, mask=row_mask, other=float("-inf"))
-        ps = tl.load(part_s_ptr + off, mask=row_mask, other=0.0)
+        pm = tl.load(part_m_ptr + off, mask=row_mask, other=0.0)  # (rows past N: lse 0, not log 0)
+        ps = tl.load(part_s_ptr + off, mask=row_mask, other=1.0)
         if ENTROPY:
             pb = tl.load(part_b_ptr + off, mask=row_mask, other=0.0)
         else:
@@ -343,8 +345,8 @@ def _split_combine_kernel(
             q = merge_q(m, s, q, pm, ps, tl.load(part_q_ptr + off, mask=row_mask, other=0.0))
         m, s, b = merge_stats(m, s, b, pm, ps, pb)
         if TAIL:
-            m_t, s_t = merge_max_sum(m_t, s_t, tl.load(part_mt_ptr + off, mask=row_mask, other=float("-inf")),
-                                     tl.load(part_st_ptr + off, mask=row_mask, other=0.0))
+            m_t, s_t = merge_max_sum(m_t, s_t, tl.load(part_mt_ptr + off, mask=row_mask, other=0.0),
+                                     tl.load(part_st_ptr + off, mask=row_mask, other=1.0))
     zy = tl.load(zy_ptr + rows, mask=row_mask, other=0.0)
 
     log_s, lse = log_sum_lse(m, s)
@@ -359,7 +361,9 @@ def _split_combine_kernel(
     tl.store(lse_ptr + rows, lse, mask=row_mask)
     if TAIL:  # tail_lse = m_t + log s_t (-inf for a row with no tail); NaN with a bad label's lse
         # (no clamp of log s_t at 0: the forward's s_t is relative to the row's max, so s_t < 1)
-        tail_lse = m_t + tl.log(s_t)
+        # (log s_t spelled so that s_t = 0, a row with no tail (K = V), gives log 0 = -inf without the
+        # interpreter's numpy warning about the log of 0)
+        tail_lse = m_t + tl.where(s_t == 0.0, float("-inf"), tl.log(tl.where(s_t == 0.0, 1.0, s_t)))
         if MARK_BAD:
             tail_lse = tl.where(valid & (zy != zy), zy, tail_lse)
         tl.store(tail_lse_ptr + rows, tail_lse, mask=row_mask)
