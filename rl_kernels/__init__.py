@@ -14,11 +14,15 @@ Conventions, the same in every function:
     (``linear_topk_kl``, ``topk_kl_from_logits``, ``linear_jsd``), which need no labels, also take
     a ``mask`` (1 = counts), and with both given a position counts when both say so;
   * losses default to ``reduction='mean'`` over the positions that count;
-  * ``weight`` is always an lm_head weight (V, H); outputs are float32 in nats;
+  * ``weight`` is always an lm_head weight (V, H); outputs are float32 in nats (``cross_entropy``'s
+    loss: the logits' dtype, as torch's);
   * every function traces under ``torch.compile(fullgraph=True)`` without a graph break (it then
     calls the ``torch.ops.rl_kernels`` custom ops, which run the same kernels: the same bits as
     eager), with the temperature a runtime value of the graph (no graph per temperature), and
-    can be captured in a CUDA graph (README, "torch.compile and CUDA graphs").
+    can be captured in a CUDA graph.
+
+Each function's docstring is its contract (shapes, dtypes, units, errors, the formula's source);
+why the kernels compute it as they do is in docs/design.md.
 """
 import inspect as _inspect
 

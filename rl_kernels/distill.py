@@ -1,28 +1,13 @@
-"""Distillation losses on the fused linear head (no N x V logits stored).
+"""Distillation losses on the fused linear head (the (tokens x vocab) logits never stored).
 
-``linear_jsd``: generalized Jensen-Shannon divergence between a student head and a teacher head
-in the same process (``ops.linear_jsd`` for the math and kernels); both heads' logits are
-recomputed tile by tile, gradients reach the student only.
+``linear_topk_kl``: KL divergence between a teacher given by its top-K log-probs per token (e.g. from an
+inference server) and the student's full-vocabulary softmax, over the teacher's K ids, or with one more
+bucket for the rest of the vocabulary (the tail-aware KL of verl RFC #7856).
 
-``linear_topk_kl``: KL divergence between a teacher given only by its top-K log-probs per token
-(for example from an inference server) and the student's full-vocabulary distribution, restricted
-to the teacher's K ids:
+``linear_jsd``: generalized Jensen-Shannon divergence between a student head and a teacher head in the same
+process (GKD, Agarwal et al. 2024); gradients reach the student only.
 
-    z = h W^T / T,  log q_k = z_{id_k} - logsumexp(z)        (student, full-vocabulary softmax)
-    forward KL:  T^2 * sum_k p_t,k (log p_t,k - log q_k)
-    reverse KL:  T^2 * sum_k q_k (log q_k - log p_t,k)        (over the teacher's K ids)
-
-The logsumexp comes from the fused split-vocab kernels (``rl_kernels.linear_log_probs``' forward
-and backward with an lse gradient, d lse / dz = softmax(z)); the K logits z_{id_k} are K dot
-products per token (``ops.linear.label_logits``) whose gradients are added as sparse
-entries to the same recomputed dlogits windows, so dh and dW come from the head's own matmuls. The T^2 factor keeps gradient magnitudes comparable
-across temperatures (Hinton, Vinyals, Dean 2015, "Distilling the Knowledge in a Neural Network",
-sec. 2). Restricting the sums to the teacher's K ids is the usual sparse-teacher approximation
-when only top-K log-probs are available; with K = V and a renormalized teacher it is the full KL.
-With ``tail=True`` the loss is the tail-aware (K+1)-category KL of verl RFC #7856 (the K ids and one
-bucket for the rest of the vocabulary, :func:`topk_kl_per_token`), the student's tail log-mass being
-tail_lse - lse with tail_lse the logsumexp over the columns outside the K ids, computed by the same
-kernels with those columns masked (the head's ``return_tail``): no 1 - sum_k q_k cancellation.
+How they are computed: docs/design.md, section "Distillation".
 """
 from __future__ import annotations
 
@@ -88,70 +73,45 @@ def linear_topk_kl(
     vocab_start_index: int | None = None,
     reduce_hidden_grad: bool = False,
 ) -> torch.Tensor:
-    """KL divergence to a top-K teacher, student log-probs over the full vocabulary (fused).
+    """KL divergence between a top-K teacher and the student's softmax(z), z = hidden_states @ weight.T / T
+    (T = temperature), over the teacher's K ids, without storing the (tokens x vocab) logits. With log q_k =
+    z_(id_k) - logsumexp(z), p_k = exp(teacher_log_probs_k), per position: forward: T^2 sum_k p_k (log p_k - log q_k),
+    reverse: T^2 sum_k q_k (log q_k - log p_k) (the T^2 of Hinton, Vinyals, Dean 2015, "Distilling the Knowledge
+    in a Neural Network", sec. 2). ``tail``: the exact KL of the (K+1)-category distributions, the K ids and one
+    bucket for the rest (verl RFC #7856, "Tail-aware top-k KL for on-policy distillation"), p_tail = max(0,
+    1 - sum_k p_k), q_tail = exp(tail_lse - lse); a zero probability inside a log is floored at 2^-126.
 
     Args:
-        hidden_states: (..., H) bfloat16/float16/float32 student final hidden states.
-        weight: (vocab_size, H) student lm_head weight, same dtype.
-        teacher_token_ids: (..., K) int64/int32 ids in [0, vocab_size) (K >= 1, any K <= V).
-        teacher_log_probs: (..., K) float teacher log-probs (nats) at those ids, taken as given:
-            they should already be at ``temperature`` (inference servers return the log-probs of
-            the distribution they sampled from). No gradient flows to them. -inf marks a
-            zero-probability slot (a token the server filtered): it is out of the teacher's
-            support and adds exactly 0 to the loss and the gradient, for both kinds (forward:
-            0 log 0 = 0, the ``xlogy`` convention; reverse: the slot is left out, like an id
-            outside the top K); ``renormalize_teacher`` renormalizes over the other slots. NaN
-            or +inf entries raise ValueError.
-        temperature: positive Python number: the student logits are divided by it and the loss
-            is multiplied by temperature^2 (Hinton et al. 2015).
-        labels: optional (...) int64/int32; positions whose label is ``ignore_index`` contribute
-            0 and get no gradient (other values must lie in [0, vocab_size) and are not used
-            otherwise). The package-wide rule for which positions count.
-        ignore_index: int, see ``labels``.
-        mask: optional (...) bool or 0/1, the same selection for callers that hold a response
-            mask (verl): positions with mask 0 contribute 0 and get no gradient. With both
-            ``labels`` and ``mask``, a position counts when both say so.
-        kind: 'forward' = sum_k p_t (log p_t - log q) (mode covering), 'reverse' =
-            sum_k q (log q - log p_t) over the K ids (mode seeking).
-        renormalize_teacher: log-softmax the teacher log-probs over the K ids first (the K
-            probabilities then sum to 1; with K = V and True, the loss is the full KL).
-        tail: the tail-aware loss (verl RFC #7856, "Tail-aware top-k KL for on-policy
-            distillation"): the exact KL of the two (K+1)-category distributions, the K ids and one
-            tail bucket holding the rest of the vocabulary (``topk_kl_per_token``), with the
-            teacher's p_tail = max(0, 1 - sum_k p_k) and the student's q_tail = exp(tail_lse - lse),
-            tail_lse the logsumexp of z over the vocabulary without the K ids, computed by the
-            kernels with those columns masked (no 1 - sum_k q_k cancellation). Inside a logarithm a
-            zero mass (K = V: q_tail = 0; reverse: a zero teacher slot or tail) is floored at 2^-126
-            (``LOG_TINY``). Needs distinct ids per counted position, a top-K mass <= 1 + 1e-2
-            (above 1 by rounding: p_tail = 0) and ``renormalize_teacher=False`` (renormalizing makes
-            the teacher's tail 0).
-        reduction: 'mean' (default, as every loss of rl_kernels: sum over the positions that
-            count / their number, the per-token mean of RL and distillation recipes), 'sum',
-            'none' (shape ``...``), 'batchmean' (sum / size of the first dim, as
-            ``torch.nn.functional.kl_div``).
-        backend: 'auto' | 'triton' | 'torch', as for ``linear_log_probs``.
-        process_group: vocab-parallel student head, as for ``linear_log_probs``: ``weight`` is
-            this rank's contiguous vocab shard, ``teacher_token_ids`` are global ids; the
-            student's lse and the K logits are merged after one all_gather of (N, 1 + 2K)
-            float32 (``rl_kernels.autograd.vocab_parallel``), so every rank returns the same loss. Backward:
-            this shard's dW and a partial dh (Megatron convention, see ``rl_kernels.autograd.vocab_parallel``).
-        vocab_start_index: global id of the shard's first row; None derives it from the group.
-        reduce_hidden_grad: with ``process_group``, all-reduce dh over the group in backward.
+        hidden_states: (..., H) bfloat16, float16 or float32 (at least 2-D), H >= 1. Differentiable.
+        weight: (V, H) student lm_head weight, same dtype and device. Differentiable.
+        teacher_token_ids: (..., K) int64/int32 ids in [0, V), K >= 1. With ``tail``: distinct per position.
+        teacher_log_probs: (..., K) float, nats, at ``temperature`` already; no NaN or +inf; -inf: a slot of
+            probability 0 (adds 0 without ``tail``). No gradient. With ``tail``: sum_k p_k <= 1 + 1e-2.
+        temperature: a positive Python number in [2.9e-39, 8.5e37]; divides the student's logits.
+        labels: None or (...) int64/int32 in [0, V) or ``ignore_index``; positions labelled ``ignore_index``
+            do not count (0 loss, exactly zero gradient).
+        ignore_index: int (negative with ``process_group``); see ``labels``.
+        mask: None or (...) bool or 0/1: positions at 0 do not count (with ``labels``: both must count them).
+        kind: 'forward' or 'reverse'.
+        renormalize_teacher: bool; True: log-softmax the teacher over its K ids first (not with ``tail``).
+        tail: bool; True: the tail-aware loss above.
+        reduction: 'mean' (over the positions that count), 'sum', 'none' (shape (...)), 'batchmean' (the sum
+            divided by the size of the first dim).
+        backend: 'auto' (Triton on CUDA, torch elsewhere), 'triton' (CUDA, or TRITON_INTERPRET=1), 'torch'.
+        process_group: a torch.distributed group sharding the vocabulary: ``weight`` is this rank's contiguous
+            (V_r, H) shard (group-rank order), ids are global; every rank returns the same loss.
+        vocab_start_index: int >= 0, global id of ``weight``'s first row (only with ``process_group``); None
+            derives it from the group.
+        reduce_hidden_grad: bool (only with ``process_group``): all-reduce the hidden gradient over the group.
 
     Returns:
-        float32 loss (nats x T^2): shape ``hidden_states.shape[:-1]`` for 'none', a scalar
-        otherwise; differentiable w.r.t. ``hidden_states`` and ``weight``.
+        float32 loss in nats x T^2, shape (...) for 'none', else a scalar; differentiable in hidden_states, weight.
 
     Raises:
-        TypeError / ValueError naming the argument for wrong types, dtypes, shapes (H = 0
-        included), devices, ids outside [0, vocab_size), NaN / +inf teacher log-probs, or a bad
-        ``kind`` / ``reduction`` / ``temperature``; with ``tail``: ValueError naming
-        ``teacher_token_ids`` for an id repeated in a counted position, ``teacher_log_probs`` for a
-        top-K mass above 1 + 1e-2, ``renormalize_teacher`` when True; RuntimeError on double backward;
-        an id held by no shard (or several) with ``process_group``; RuntimeError when the
-        backend cannot run or ``torch.distributed`` is not initialized.
-
-    Memory: O(N K) besides the fused head's own (``linear_log_probs``' bounds).
+        TypeError: an argument of the wrong type or dtype (the message names it).
+        ValueError: an argument outside the domain stated above: shape, device, value; an id that no shard holds.
+        RuntimeError: backend 'triton' without CUDA or TRITON_INTERPRET=1, or without triton;
+            ``process_group`` with torch.distributed not initialized; a double backward.
     """
     if extra_positional:  # a keyword-only argument given by position
         raise_extra_positional(linear_topk_kl, extra_positional)
@@ -391,60 +351,45 @@ def linear_jsd(
     vocab_start_index: int | None = None,
     reduce_hidden_grad: bool = False,
 ) -> torch.Tensor:
-    """Generalized Jensen-Shannon divergence between a student and a teacher linear head (fused).
+    """Generalized Jensen-Shannon divergence between a student and a teacher lm_head, per position, without
+    storing either head's (tokens x vocab) logits; gradients reach the student only.
 
-    With q = softmax(student_hidden @ student_weight.T / T), p = softmax(teacher_hidden @
-    teacher_weight.T / T) and M = beta p + (1 - beta) q, per token:
-
-        JSD_beta = beta KL(p || M) + (1 - beta) KL(q || M)      (0 < beta < 1)
-        beta = 0: KL(p || q) (forward KL),  beta = 1: KL(q || p) (reverse KL)
-
-    (Agarwal et al. 2024, "On-Policy Distillation of Language Models" (GKD), generalized JSD;
-    beta = 0 / 1 are the KL limits, the convention of Liger-Kernel's JSD.) The result is
-    multiplied by T^2, as in ``linear_topk_kl`` (Hinton et al. 2015); divide by temperature**2
-    for the unscaled value that Liger / TRL report. Neither head's N x V logits are stored: both
-    are recomputed tile by tile (``rl_kernels.ops.linear_jsd``).
+    With T = temperature, q = softmax(student_hidden @ student_weight.T / T), p = softmax(teacher_hidden @
+    teacher_weight.T / T) and M = beta p + (1 - beta) q: JSD = T^2 (beta KL(p || M) + (1 - beta) KL(q || M));
+    beta = 0 gives T^2 KL(p || q), beta = 1 T^2 KL(q || p) (Agarwal et al. 2024, "On-Policy Distillation of
+    Language Models: Learning from Self-Generated Mistakes" (GKD), generalized JSD; the T^2 of Hinton, Vinyals,
+    Dean 2015, "Distilling the Knowledge in a Neural Network").
 
     Args:
-        student_hidden: (..., Hs) bfloat16/float16/float32. Differentiable.
-        student_weight: (vocab_size, Hs), same dtype and device. Differentiable.
-        teacher_hidden: (..., Ht) with the student's leading shape and dtype (Ht may differ).
-            No gradient flows to it.
-        teacher_weight: (vocab_size, Ht), the student's vocab_size. No gradient flows to it.
-        temperature: positive Python number dividing both heads' logits; the loss is x T^2.
-        labels: optional int64/int32 of the leading shape; positions equal to ``ignore_index``
-            are excluded (0 loss, no gradient). Other values must lie in [0, vocab_size) and are
-            not used otherwise. The package-wide rule for which positions count.
-        ignore_index: int, see ``labels``.
-        mask: optional bool or 0/1 of the leading shape, the same selection for callers that
-            hold a response mask: positions with mask 0 are excluded. With both ``labels`` and
-            ``mask``, a position counts when both say so.
-        beta: Python number in [0, 1] (weight of the teacher in M).
-        reduction: 'mean' (default, as every loss of rl_kernels: sum / number of positions that
-            count), 'sum', 'none' (the leading shape), 'batchmean' (sum / size of the first dim).
-        backend: 'auto' | 'triton' | 'torch', as for ``linear_log_probs``.
-        process_group: vocab-parallel heads, as for ``linear_log_probs``: both weights are this
-            rank's shard of the same vocab rows. Two all_gathers of (2, N) float32 (the heads'
-            lse, then the shard sums) give every rank the same loss; backward gives the student
-            shard's dW and a partial dh (``rl_kernels.autograd.vocab_parallel``).
-        vocab_start_index: global id of the shards' first row; None derives it from the group.
-        reduce_hidden_grad: with ``process_group``, all-reduce dh over the group in backward.
+        student_hidden: (..., Hs) bfloat16, float16 or float32 (at least 2-D), Hs >= 1. Differentiable.
+        student_weight: (V, Hs), same dtype and device. Differentiable.
+        teacher_hidden: (..., Ht): the student's leading shape, dtype and device (Ht may differ). No gradient.
+        teacher_weight: (V, Ht): the student's V, dtype and device. No gradient.
+        temperature: a positive Python number in [2.9e-39, 8.5e37]; divides both heads' logits.
+        labels: None or int64/int32 of the leading shape, in [0, V) or ``ignore_index``; positions labelled
+            ``ignore_index`` do not count (0 loss, exactly zero gradient, even when non-finite).
+        ignore_index: int (negative with ``process_group``); see ``labels``.
+        mask: None or bool or 0/1 of the leading shape: positions at 0 do not count (with ``labels``: both must
+            count them).
+        beta: Python number in [0, 1], the teacher's weight in M.
+        reduction: 'mean' (over the positions that count), 'sum', 'none' (the leading shape), 'batchmean'
+            (sum / the size of the first dim).
+        backend: 'auto' (Triton on CUDA, torch elsewhere), 'triton' (CUDA, or TRITON_INTERPRET=1), 'torch'.
+        process_group: a torch.distributed group sharding the vocabulary: both weights are this rank's contiguous
+            shard of the same rows (group-rank order); every rank returns the same loss.
+        vocab_start_index: int >= 0, global id of the shards' first row (only with ``process_group``); None
+            derives it from the group.
+        reduce_hidden_grad: bool (only with ``process_group``): all-reduce the student's hidden gradient.
 
     Returns:
-        float32 loss in nats x T^2 (shape per ``reduction``), differentiable w.r.t.
-        ``student_hidden`` and ``student_weight``.
+        float32 loss in nats x T^2, shape per ``reduction``; differentiable w.r.t. ``student_hidden`` and
+        ``student_weight``. A position whose hidden states are non-finite gets a non-finite loss.
 
     Raises:
-        TypeError / ValueError naming the argument for wrong types, dtypes, shapes (vocab sizes
-        that differ and H = 0 included), devices, ``beta`` outside [0, 1], a bad ``reduction`` or
-        ``temperature``; RuntimeError when the backend cannot run, ``process_group`` is given
-        without an initialized ``torch.distributed``, or on double backward. A token whose hidden
-        states are non-finite gets a non-finite loss; an excluded token (``labels`` ==
-        ``ignore_index``) contributes exactly nothing to the gradients, even when non-finite.
-
-    Cost: two fused forward passes (lse of each head), one pass of both GEMMs for the divergence,
-    and a backward recomputing both GEMM tiles per dlogits window (memory bounds as
-    ``linear_log_probs``' backward). Extra memory O(N).
+        TypeError: an argument of the wrong type or dtype (the message names it).
+        ValueError: an argument outside the domain stated above: shape, device, value (the message names it).
+        RuntimeError: backend 'triton' without CUDA or TRITON_INTERPRET=1, or without triton;
+            ``process_group`` with torch.distributed not initialized; a double backward.
     """
     if extra_positional:  # a keyword-only argument given by position
         raise_extra_positional(linear_jsd, extra_positional)

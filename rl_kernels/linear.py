@@ -44,84 +44,45 @@ def linear_log_probs(
     vocab_start_index: int | None = None,
     reduce_hidden_grad: bool = False,
 ) -> LogProbsOutput:
-    """Log-probability of ``labels`` and entropy of softmax(hidden_states @ weight.T / temperature),
-    without materializing the (tokens x vocab) logits.
+    """Log-probability of ``labels``, entropy and sum of squared probabilities of p = softmax(z),
+    z = hidden_states @ weight.T / temperature, without storing the (tokens x vocab) logits.
 
-    With z_v = (h . w_v) / T:  log p(y) = z_y - logsumexp(z),  entropy = -sum_v p_v log p_v.
-    With ``softcap`` c:  z_v = c tanh((h . w_v) / c) / T  (the final-logit soft-capping of
-    Gemma 2, "Gemma 2: Improving Open Language Models at a Practical Size", 2024, section 2:
-    the cap is applied to the model's logits, then the temperature).
+    log p_y = z_y - logsumexp(z), entropy = -sum_v p_v log p_v, sum_pi_squared = sum_v p_v^2; gradients from the
+    softmax derivative d p_v / d z_j = p_v ([v = j] - p_j). With ``softcap`` c: z_v = c tanh((h . w_v) / c) / T
+    (final-logit soft-capping of "Gemma 2: Improving Open Language Models at a Practical Size", 2024, sec. 2).
 
     Args:
-        hidden_states: (..., H) bfloat16, float16 or float32, any strides (e.g. (B, T, H) or the
-            (total_nnz, H) of remove-padding). Differentiable.
-        weight: (V, H) like ``lm_head.weight``, same dtype and device. Differentiable.
-        labels: int64/int32 with shape ``hidden_states.shape[:-1]``; each in [0, V) or
-            ``ignore_index``.
-        temperature: positive finite Python number (int accepted); logits are divided by it. Or a
-            float tensor shaped like ``labels`` on their device: row i's logits are divided by its
-            own temperature (verl's per-sample temperature), forward and backward, vocab-parallel
-            and compiled alike (a runtime input of the graph); its values are checked (positive,
-            finite, in ``TEMPERATURE_RANGE``) with one host read, and it gets no gradient.
-            A constant multiplier s of the logits (Cohere's ``logit_scale``, Granite's
-            ``1 / logits_scaling``) is the same as ``temperature=T / s``; one of the hidden
-            state inside the cap is the same as ``softcap=c / s, temperature=T / s``.
-        softcap: None (default: no cap) or a positive finite Python number c: each logit h . w
-            becomes c tanh(h . w / c) before the division by the temperature, forward and
-            backward (the backward multiplies by 1 - tanh^2). 1 / c and c / T must be normal
-            float32 numbers. A logit that is +-inf before the cap gives NaN (not +-c), so a
-            non-finite hidden row stays non-finite.
-        ignore_index: label value whose position gets log-prob 0, entropy 0 and zero gradient.
-        return_entropy: when False, entropy is not computed and returned as None.
-        return_sum_pi_squared: also return sum_v p_v^2 (the collision probability used by verl's
-            optimal-token-baseline estimators): one more accumulator in the same GEMM tiles,
-            merged by the same split tree; differentiable (d/dz_v = 2 p_v (p_v - sum p^2)).
-        backend: "auto" (Triton on CUDA, torch elsewhere; the choice is logged once), "triton"
-            (CUDA, or the CPU interpreter when TRITON_INTERPRET=1 was set before import), "torch".
-        process_group: a ``torch.distributed`` group over which the vocabulary is sharded
-            (Megatron-style vocab-parallel ``lm_head``; ``rl_kernels.autograd.vocab_parallel``). ``weight`` is
-            then this rank's contiguous shard (V_r, H) (shards may differ in size, ordered by
-            group rank), ``labels`` are global ids and ``ignore_index`` must be negative. One
-            all_gather of four (N,) float32 rows merges the shards; every rank returns the same
-            bits. Backward gives this shard's dW and this rank's partial dh.
-        vocab_start_index: global id of ``weight``'s first row; None derives it (and the total
-            vocab_size, for the label check) from the group with one small all_gather.
-        reduce_hidden_grad: with ``process_group``, all-reduce (sum) dh over the group in the
-            backward. Leave False under Megatron's ``ColumnParallelLinear`` convention, where
-            the head's input region all-reduces it (``rl_kernels.autograd.vocab_parallel``).
+        hidden_states: (..., H) bfloat16, float16 or float32, any strides, H >= 1. Differentiable.
+        weight: (V, H) lm_head weight, same dtype and device. Differentiable.
+        labels: int64/int32 of shape ``hidden_states.shape[:-1]``, each in [0, V) or ``ignore_index``.
+        temperature: a Python number in [2.9e-39, 8.5e37] (1 / T a normal float32), or a float
+            tensor shaped like ``labels`` of such values (one per row, read once on the host; no gradient).
+        softcap: None (no cap) or a positive Python number c with 1 / c and c / T normal float32 numbers.
+        ignore_index: int that fits the labels' dtype (negative with ``process_group``): the label of rows that
+            get 0 for every output and contribute nothing to either gradient, even when non-finite.
+        return_entropy: bool; False: entropy is None (not computed).
+        return_sum_pi_squared: bool; True: also sum_pi_squared (differentiable).
+        backend: 'auto' (Triton on CUDA, torch elsewhere), 'triton' (CUDA, or TRITON_INTERPRET=1), 'torch'.
+        process_group: a torch.distributed group sharding the vocabulary: ``weight`` is this rank's contiguous
+            (V_r, H) shard (group-rank order) and ``labels`` are global ids. Every rank returns the same outputs;
+            backward gives this shard's weight gradient and a partial hidden gradient.
+        vocab_start_index: int >= 0, global id of ``weight``'s first row (only with ``process_group``); None
+            derives it from the group (one small all_gather).
+        reduce_hidden_grad: bool (only with ``process_group``): all-reduce the hidden gradient over the group;
+            leave False under Megatron's ColumnParallelLinear, whose input region does it.
 
     Returns:
-        ``LogProbsOutput(log_probs, entropy, sum_pi_squared)``: float32 tensors shaped like
-        ``labels``, in nats (sum_pi_squared: a probability; None unless asked). Rows whose label
-        is ``ignore_index`` get 0 for all three.
-        Logits are accumulated and kept in float32 on every backend. A row whose hidden state
-        holds NaN/inf gets a non-finite log-prob and entropy; other rows are unaffected (in the
-        backward, such a row's gradient reaches every dW row, as in any matmul). A row whose
-        label is ``ignore_index`` contributes exactly nothing to dW and dh, even when its hidden
-        state is non-finite (it is selected out, not multiplied by 0).
+        ``LogProbsOutput(log_probs, entropy, sum_pi_squared)``: float32 shaped like ``labels`` (log_probs and
+        entropy in nats, sum_pi_squared a probability in (0, 1]; None where not asked), the logits accumulated in
+        float32 on every backend. A row whose hidden state is non-finite gets non-finite outputs (that row only).
 
     Raises:
-        TypeError: a non-tensor input, unsupported dtype, ``weight``/``hidden_states`` dtype
-            mismatch, non-integer ``ignore_index``, non-number ``temperature`` or ``softcap``.
-        ValueError: shape mismatch (a per-row ``temperature`` included), hidden size H = 0, labels outside [0, V) other than
-            ``ignore_index`` (on CUDA with the Triton backend found by the kernel without a host
-            sync: that row's log-prob and gradients are NaN, and the error is raised by the next
-            rl_kernels call or backward; ``RL_KERNELS_SYNC_LABEL_CHECK=1`` raises in the call), an ``ignore_index`` that does not fit the labels' dtype, a
-            temperature <= 0, non-finite or outside ``TEMPERATURE_RANGE`` (1/T must be a normal
-            float32: about [2.9e-39, 8.5e37]), a ``softcap`` <= 0, non-finite, or whose inverse or
-            ratio to the temperature is not a normal float32, inputs on different devices,
-            unknown backend.
-        RuntimeError: backend "triton" on CPU without TRITON_INTERPRET=1, or without triton;
-            ``process_group`` without an initialized ``torch.distributed``; differentiating the
-            gradient again (``create_graph=True`` gives correct first derivatives, whose own
-            backward raises "double backward is not supported by rl_kernels.linear_log_probs").
-
-    Formula: with p = softmax(z), log p(y) = z_y - logsumexp(z) and H = log s - b / s where
-    s = sum exp(z - m), b = sum exp(z - m)(z - m), m = max z (no lse - E[z] cancellation);
-    gradients d log p/dz = onehot - p, dH/dz = -p (log p + H) (Shannon entropy; softmax
-    derivative), divided by T for the raw logits h.w (times 1 - tanh^2(h.w / c) under a cap).
-    Bug cases covered: verl #2656/#2899 (padded vocab columns), verl PR #7439 (all-negative
-    logits), verl #6913 (3-D hidden keeps its gradient).
+        TypeError: an argument of the wrong type or dtype (the message names it).
+        ValueError: an argument outside the domain stated above: shape, device, value (the message names it).
+            On CUDA with the Triton backend a label outside [0, V) is found without a host sync (the row's outputs
+            are NaN) and raised by the next rl_kernels call or backward (RL_KERNELS_SYNC_LABEL_CHECK=1: the call).
+        RuntimeError: backend 'triton' without CUDA or TRITON_INTERPRET=1, or without triton;
+            ``process_group`` with torch.distributed not initialized; a double backward.
     """
     if extra_positional:  # a keyword-only argument given by position
         raise_extra_positional(linear_log_probs, extra_positional)
@@ -160,63 +121,39 @@ def linear_topk(
     process_group=None,
     vocab_start_index: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest logits of each row, as log-probs and token ids, without materializing the
-    (tokens x vocab) logits: the student's top-K of the top-K overlap metrics of on-policy
-    distillation ("Rethinking On-Policy Distillation", arXiv:2604.13016: student top-K vs teacher
-    top-K).
+    """The k most probable tokens of each row of p = softmax(hidden_states @ weight.T / temperature), as
+    log-probs and ids, without storing the (tokens x vocab) logits: the student's top-K of the overlap metrics
+    of "Rethinking On-Policy Distillation" (arXiv:2604.13016).
 
-    With z_v = (h . w_v) / T (with ``softcap`` c: z_v = c tanh((h . w_v) / c) / T, as
-    ``linear_log_probs``): the k ids v with the largest z_v, in the order (z descending, id
-    ascending), i.e. ``torch.topk`` of the logits with ties broken by the smaller id, and their
-    log-probs log p_v = z_v - logsumexp(z). The logits are float32 sums of the products (as in
-    ``linear_log_probs``); the selection is exact on those float32 values (two logits closer than
-    their float32 rounding may rank otherwise than in float64).
+    Ids in the order of ``torch.topk`` of the float32 logits (descending, ties to the smaller id); their
+    log-probs log p_v = z_v - logsumexp(z). Logits closer than their float32 rounding may rank otherwise than
+    in float64.
 
     Args:
-        hidden_states: (..., H) bfloat16, float16 or float32, any strides.
-        weight: (V, H) like ``lm_head.weight``, same dtype and device.
-        temperature: positive finite Python number, or a float tensor of shape
-            ``hidden_states.shape[:-1]`` (one per row), as for ``linear_log_probs``. It scales
-            the log-probs, not the order of the ids (without a cap, and with one).
-        softcap: None or a positive finite number c (Gemma-2 logit soft-capping), as for
-            ``linear_log_probs``.
-        k: int, 1 <= k <= min(128, vocab_size). Required (keyword-only, like every argument after
-            the tensors; None, the default, raises).
-        backend: "auto" (Triton on CUDA, else torch), "triton" or "torch"; both give the same
-            ids (up to float32 near-ties between their logits' roundings).
-        process_group: a ``torch.distributed`` group over which the vocabulary is sharded
-            (``weight`` is this rank's contiguous shard, ordered by group rank, as for
-            ``linear_log_probs``). Each rank selects its shard's top-k; one all_gather of
-            (N, 2k + 1) float32 merges them identically on every rank: every rank returns the same
-            bits, the ids global.
-        vocab_start_index: global id of ``weight``'s first row; None derives it (and the total
-            vocab_size, which k is checked against) from the group with one small all_gather.
+        hidden_states: (..., H) bfloat16, float16 or float32, any strides, H >= 1. No gradient.
+        weight: (V, H) lm_head weight, same dtype and device. No gradient.
+        temperature: a Python number in [2.9e-39, 8.5e37] (1 / T a normal float32), or a float
+            tensor of such values shaped ``hidden_states.shape[:-1]`` (one per row). Scales the log-probs only.
+        softcap: None (no cap) or a positive Python number c: z_v = c tanh((h . w_v) / c) / T (the Gemma 2 cap),
+            1 / c and c / T normal float32 numbers.
+        k: int in [1, min(128, V)] (V: the whole vocabulary with ``process_group``). Required.
+        backend: 'auto' (Triton on CUDA, torch elsewhere), 'triton' (CUDA, or TRITON_INTERPRET=1), 'torch'.
+        process_group: a torch.distributed group sharding the vocabulary: ``weight`` is this rank's contiguous
+            (V_r, H) shard (group-rank order). Every rank returns the same outputs, with global ids.
+        vocab_start_index: int >= 0, global id of ``weight``'s first row (only with ``process_group``); None
+            derives it from the group (one small all_gather).
 
     Returns:
-        ``(log_probs, token_ids)``: log_probs (..., k) float32 in nats, sorted descending;
-        token_ids (..., k) int64 global ids. Neither requires grad (no gradient flows: for
-        differentiable log-probs at these ids, pass ``token_ids`` to
-        ``rl_kernels.distill.linear_log_probs_at_ids``).
-        Non-finite input: a NaN or -inf logit is never selected, and a row whose logits hold NaN
-        (a non-finite hidden row: every logit of the row) gets NaN log-probs (its logsumexp is
-        NaN), its ids being the top-k of its other logits; slots that nothing fills (fewer than k
-        logits that are neither NaN nor -inf in the row, e.g. an all-NaN row) get id -1 and
-        log-prob NaN. Other rows are unaffected.
+        ``(log_probs, token_ids)``: (..., k) float32 in nats, descending, and (..., k) int64; neither has a
+        gradient (for differentiable log-probs at these ids: ``rl_kernels.distill.linear_log_probs_at_ids``).
+        A NaN or -inf logit is never selected; a row with a NaN logit gets NaN log-probs; a slot that nothing
+        fills (fewer than k logits neither NaN nor -inf) gets id -1 and log-prob NaN. Other rows are unaffected.
 
     Raises:
-        TypeError: a non-tensor input, unsupported dtype, ``weight``/``hidden_states`` dtype
-            mismatch, ``k`` not an int (None, the default, or a bool included), non-number
-            ``temperature`` or ``softcap``.
-        ValueError: a shape mismatch, H = 0, ``k`` outside [1, min(128, vocab_size)] (the whole
-            vocabulary with ``process_group``, when known), a temperature or softcap outside the
-            ranges of ``linear_log_probs``, inputs on different devices, an unknown backend,
-            ``vocab_start_index`` without ``process_group``.
-        RuntimeError: backend "triton" on CPU without TRITON_INTERPRET=1, or without triton;
-            ``process_group`` without an initialized ``torch.distributed``.
-
-    Formula: log p_v = z_v - logsumexp(z) (softmax); the kernel keeps each row's running top-k
-    (exact order above) and (max z, sum exp(z - max)) over the GEMM tiles, merged over vocab splits
-    and shards (``rl_kernels.ops.linear_topk``).
+        TypeError: an argument of the wrong type or dtype, ``k`` not an int (the message names the argument).
+        ValueError: an argument outside the domain stated above: shape, device, value (the message names it).
+        RuntimeError: backend 'triton' without CUDA or TRITON_INTERPRET=1, or without triton;
+            ``process_group`` with torch.distributed not initialized.
     """
     if extra_positional:  # a keyword-only argument given by position
         raise_extra_positional(linear_topk, extra_positional)

@@ -1,32 +1,15 @@
-"""Log-probs, entropy, logsumexp and cross-entropy from already-materialized logits.
+"""Log-probs, entropy, logsumexp, sum of squared probabilities, cross-entropy and top-K log-probs and KL
+from already-materialized logits: one read of the logits forward, one backward (which writes the gradient
+once, in the logits' dtype), O(N) saved in between. Backends: ``triton`` (CUDA, or Triton's CPU interpreter
+with TRITON_INTERPRET=1) and ``torch`` (any device), with the same results.
 
-Two backends compute the same per-row statistics from one read of the logits and save only O(N)
-state for backward, which reads the logits once more and writes the gradient once, in the logits
-dtype (optionally into the logits' own storage):
-
-* ``triton`` (CUDA, or Triton's CPU interpreter): ``rl_kernels.ops.logits``, a one-level
-  online-softmax kernel for many rows and a two-level split (per-split partials, then a combine)
-  for few rows, chosen automatically and bitwise identical to each other;
-* ``torch`` (any device): ``rl_kernels.torch_ops.logits``, float32 row chunks.
-
-Torch eager (verl's ``logprobs_from_logits`` + ``entropy_from_logits``) instead keeps several
-N x V copies (softmax, ``softmax * logits``, per-row log-softmax outputs) alive until backward.
-
-Formulas (z = logits / temperature, p = softmax(z), lse = logsumexp(z)):
-    log p_y = z_y - lse
-    H = -sum_j p_j log p_j                       (computed as log s - b / s: no cancellation)
-    d log p_y / dz = onehot(y) - p,   d lse / dz = p,   dH/dz_j = -p_j (log p_j + H)
-    cross-entropy with label smoothing eps: (1 - eps) (-log p_y) + eps (-(1/V) sum_j log p_j)
-Top-K log-probs at K given ids per row (distillation from a top-K teacher): log p_{id_k} =
-z_{id_k} - lse, with gradient d/dz_j = p_j g_lse + sum_{k: id_k = j} g_k, g_lse = -sum_k g_k (the
-lse from the same kernels; no N x V tensor in forward, the gradient alone in backward:
-``rl_kernels.autograd.logits``, section "top-K log-probs"), and the log-probability outside the K
-ids, log q_tail = tail_lse - lse with tail_lse the logsumexp of z over the other columns (the
-tail-aware top-K KL of verl RFC #7856).
-And d/dlogits = (d/dz) / temperature. Sources: the softmax derivative d p_j / dz_k = p_j ([j == k]
-- p_k), from which the three gradients follow (dH/dz_k = -sum_j (1 + log p_j) dp_j/dz_k); label
-smoothing as in Szegedy et al. 2016 ("Rethinking the Inception Architecture", sec. 7) and
-``torch.nn.functional.cross_entropy``.
+With z = logits / temperature, p = softmax(z), lse = logsumexp(z), S = sum_j p_j^2:
+    log p_y = z_y - lse,  H = -sum_j p_j log p_j
+    d log p_y / dz = onehot(y) - p,  d lse / dz = p,  dH / dz_j = -p_j (log p_j + H),  dS / dz_j = 2 p_j (p_j - S)
+from the softmax derivative d p_j / dz_k = p_j ([j = k] - p_k); d / dlogits = (d / dz) / temperature.
+Cross-entropy with label smoothing eps: (1 - eps) (-log p_y) + eps (-(1 / V) sum_j log p_j) (Szegedy et al.
+2016, "Rethinking the Inception Architecture for Computer Vision", sec. 7; ``torch.nn.functional.cross_entropy``).
+How the kernels compute them: docs/design.md, section "From materialized logits".
 """
 from __future__ import annotations
 
@@ -127,38 +110,39 @@ def _check_inplace_target(logits, logits2d) -> None:
 
 # ----------------------------------------------------------------------------- public functions
 
-_ARGS_DOC = """
-        logits: (..., vocab_size) bfloat16, float16 or float32, any leading shape and strides (a
-            layout that cannot be viewed as 2-D is copied once by ``reshape``).
-        temperature: positive Python number; logits are divided by it. The per-row functions (all
-            but the top-K ones) also take a float tensor shaped like ``logits.shape[:-1]`` on the
-            logits' device: each row divided by its own temperature (verl's per-sample temperature),
-            forward and backward; its values are checked (positive, finite, in the range) with one
-            host read, and it gets no gradient."""
-_BACKEND_DOC = """
-        backend: 'auto' (Triton on CUDA, the torch backend elsewhere; logged once), 'triton'
-            (CUDA or TRITON_INTERPRET=1) or 'torch'."""
-_TP_DOC = """
-        process_group: a ``torch.distributed`` group over which the vocabulary is sharded:
-            ``logits`` is then this rank's contiguous vocab shard (shards may differ in size,
-            ordered by group rank), labels are global ids and ``ignore_index`` must be negative;
-            one all_gather of four (N,) float32 rows merges the shards and every rank returns the
-            same bits (``rl_kernels.autograd.vocab_parallel``). Backward gives the gradient of the local shard.
-        vocab_start_index: global id of the shard's first column; None derives it from the group
-            (one small all_gather)."""
-_RAISES_DOC = """
-    Non-finite logits (NaN, +inf) in a row give non-finite outputs and gradient for that row
-    only; -inf logits are zero-probability columns.
-
+# The docstrings' shared entries (one text per concept), filled in by ``_fill_docs`` below.
+_DOC = dict(
+    logits="""logits: (..., V) bfloat16, float16 or float32, V >= 1, any leading shape and strides (a layout
+            that cannot be viewed as (N, V) is copied once). Differentiable.""",
+    temperature="""temperature: a Python number in [2.9e-39, 8.5e37] (1 / T a normal float32), or a float tensor
+            of such values shaped ``logits.shape[:-1]`` (one per row, read once on the host; not requiring grad).""",
+    inplace_backward="""inplace_backward: bool; True: backward writes the logits' gradient into their own storage
+            (no N x V allocation; autograd is told, so a later backward through the logits raises torch's "modified
+            by an inplace operation"). Not for vocab-sharded logits (a process group), logits that cannot be
+            viewed as (N, V) or whose elements overlap (expanded).""",
+    backend="""backend: 'auto' (Triton on CUDA, torch elsewhere), 'triton' (CUDA, or TRITON_INTERPRET=1), 'torch'.""",
+    process_group="""process_group: a torch.distributed group sharding the vocabulary: ``logits`` is this rank's
+            contiguous (..., V_r) shard (group-rank order), token ids are global; every rank returns the same
+            outputs, and backward gives each rank the gradient of its shard.""",
+    vocab_start_index="""vocab_start_index: int >= 0, global id of the shard's first column (only with
+            ``process_group``); None derives it from the group (one small all_gather).""",
+    nonfinite="""A row of non-finite logits (NaN, +inf) gets non-finite outputs (that row only); -inf logits are
+        columns of probability 0.""",
+    raises="""
     Raises:
-        TypeError / ValueError naming the argument for a wrong type, dtype, shape, device,
-        temperature (outside ``rl_kernels.validation.TEMPERATURE_RANGE`` included), a label outside
-        [0, vocab_size) that is not ``ignore_index`` (on CUDA with the Triton backend the kernel
-        finds it without a host sync: that row's log-prob and gradient are NaN and the ValueError
-        comes from the next rl_kernels call or backward; ``RL_KERNELS_SYNC_LABEL_CHECK=1`` raises
-        in the call itself), or an ``ignore_index`` that does not fit the labels' dtype; RuntimeError when the requested backend cannot run on the logits'
-        device, and when a gradient is differentiated again (double backward is not
-        supported: ``create_graph=True`` gives correct first derivatives only)."""
+        TypeError: an argument of the wrong type or dtype (the message names it).
+        ValueError: an argument outside the domain stated above: shape, device, value (the message names it).
+        RuntimeError: backend 'triton' without CUDA or TRITON_INTERPRET=1, or without triton;
+            ``process_group`` with torch.distributed not initialized; a double backward.""",
+    raises_labels="""
+    Raises:
+        TypeError: an argument of the wrong type or dtype (the message names it).
+        ValueError: an argument outside the domain stated above: shape, device, value (the message names it).
+            On CUDA with the Triton backend a label outside [0, V) is found without a host sync (the row's outputs
+            are NaN) and raised by the next rl_kernels call or backward (RL_KERNELS_SYNC_LABEL_CHECK=1: the call).
+        RuntimeError: backend 'triton' without CUDA or TRITON_INTERPRET=1, or without triton;
+            ``process_group`` with torch.distributed not initialized; a double backward.""",
+)
 
 
 @public_signature
@@ -175,33 +159,28 @@ def logits_stats(
     process_group=None,
     vocab_start_index: int | None = None,
 ) -> LogitsStats:
-    """Log-probs of ``labels``, entropy and logsumexp of ``softmax(logits / temperature)`` from a
-    single read of the logits (one kernel launch per level, O(N) extra memory).
+    """Log-probs of ``labels``, entropy, logsumexp and sum of squared probabilities of
+    softmax(logits / temperature), from one read of the logits (O(N) extra memory).
 
-    Args:{args}
-        labels: (...) int64 or int32 token ids in [0, vocab_size), or ``ignore_index``; None
-            skips the log-probs.
-        ignore_index: label value whose row gets log-prob 0 and entropy 0 (and no gradient
-            through them; lse is still computed).
-        return_entropy: when False the entropy is not computed (returned as None).
-        return_sum_pi_squared: also return sum_j p_j^2 (the collision probability; verl's
-            optimal-token-baseline estimators use it), from one more accumulator of the same
-            read, differentiable (d/dz_j = 2 p_j (p_j - sum_k p_k^2)).
-        inplace_backward: when True, backward writes d loss / d logits into the logits' own
-            storage instead of allocating an N x V tensor (saves one logits-sized buffer). The
-            write is reported to autograd (the logits' version counter), so a later backward that
-            still needs the logits (another consumer, ``retain_graph`` and a second backward)
-            raises torch's "modified by an inplace operation" error rather than reading the
-            gradient; expanded or overlapping logits are refused (ValueError) before anything is
-            written. Off by default because other consumers of the logits usually need them.{backend}{tp}
+    Args:
+        {logits}
+        labels: None (no log-probs) or int64/int32 of shape ``logits.shape[:-1]``, each in [0, V) or
+            ``ignore_index``.
+        {temperature}
+        ignore_index: int that fits the labels' dtype (negative with ``process_group``): the label of rows whose
+            log-prob, entropy and sum_pi_squared are 0 and pass no gradient (lse is still computed).
+        return_entropy: bool; False: entropy is None (not computed).
+        return_sum_pi_squared: bool; True: also sum_pi_squared (differentiable).
+        {inplace_backward}
+        {backend}
+        {process_group}
+        {vocab_start_index}
 
     Returns:
-        ``LogitsStats(log_probs, entropy, lse, sum_pi_squared)``: float32, shape
-        ``logits.shape[:-1]`` (nats, except sum_pi_squared: a probability, None unless asked), all
-        differentiable w.r.t. ``logits``; the gradient is written in the logits dtype.
-{raises}
-    Formula: log p_y = z_y - lse, H = -sum p log p, lse = log sum exp z with z = logits / T
-    (module docstring).
+        ``LogitsStats(log_probs, entropy, lse, sum_pi_squared)``: float32 shaped ``logits.shape[:-1]``, in nats
+        (sum_pi_squared: a probability; None where not asked), differentiable w.r.t. ``logits``.
+        {nonfinite}
+{raises_labels}
     """
     if extra_positional:  # a keyword-only argument given by position
         raise_extra_positional(logits_stats, extra_positional)
@@ -224,20 +203,24 @@ def log_probs_from_logits(
     process_group=None,
     vocab_start_index: int | None = None,
 ) -> torch.Tensor:
-    """Log-probabilities ``log softmax(logits / temperature)[labels]`` from materialized logits.
+    """Log-probabilities of ``labels`` under softmax(logits / temperature), log p_y = z_y - logsumexp(z) with
+    z = logits / temperature, from one read of the logits (O(N) saved for backward).
 
-    Args:{args}
-        labels: (...) int64 or int32 token ids in [0, vocab_size), or ``ignore_index``.
-        ignore_index: label value whose position gets log-prob 0 and gradient 0.
-        inplace_backward: when True, backward writes d loss / d logits into the logits' own
-            storage (as verl's flash-attn path does) instead of allocating a new N x V tensor;
-            autograd is told of the write, as for :func:`logits_stats`.{backend}{tp}
+    Args:
+        {logits}
+        labels: int64/int32 of shape ``logits.shape[:-1]``, each in [0, V) or ``ignore_index``.
+        {temperature}
+        ignore_index: int that fits the labels' dtype (negative with ``process_group``): the label of positions
+            that get log-prob 0 and pass no gradient.
+        {inplace_backward}
+        {backend}
+        {process_group}
+        {vocab_start_index}
 
     Returns:
-        float32 log-probs (nats), shape ``labels.shape``; differentiable w.r.t. ``logits``.
-{raises}
-    Memory: O(N) saved for backward. Formula: log p_y = z_y - logsumexp(z), gradient
-    onehot(y) - softmax(z) (module docstring).
+        float32 log-probs (nats) shaped like ``labels``, differentiable w.r.t. ``logits``.
+        {nonfinite}
+{raises_labels}
     """
     if extra_positional:  # a keyword-only argument given by position
         raise_extra_positional(log_probs_from_logits, extra_positional)
@@ -251,14 +234,20 @@ def log_probs_from_logits(
 def entropy_from_logits(logits: torch.Tensor, *extra_positional, temperature: float | torch.Tensor = 1.0,
                         backend: str = "auto",
                         process_group=None, vocab_start_index: int | None = None) -> torch.Tensor:
-    """Shannon entropy ``-sum p log p`` of ``softmax(logits / temperature)`` over the last dim.
+    """Shannon entropy H = -sum_j p_j log p_j of p = softmax(logits / temperature) over the last dim, from one read
+    of the logits (O(N) saved for backward).
 
-    Args:{args}{backend}{tp}
+    Args:
+        {logits}
+        {temperature}
+        {backend}
+        {process_group}
+        {vocab_start_index}
 
     Returns:
-        float32 entropy (nats), shape ``logits.shape[:-1]``; differentiable w.r.t. ``logits``.
+        float32 entropy (nats), shape ``logits.shape[:-1]``, differentiable w.r.t. ``logits``.
+        {nonfinite}
 {raises}
-    Formula: H = -sum_j p_j log p_j, dH/dz_j = -p_j (log p_j + H) (module docstring).
     """
     if extra_positional:  # a keyword-only argument given by position
         raise_extra_positional(entropy_from_logits, extra_positional)
@@ -269,14 +258,19 @@ def entropy_from_logits(logits: torch.Tensor, *extra_positional, temperature: fl
 @public_signature
 def logsumexp(logits: torch.Tensor, *extra_positional, temperature: float | torch.Tensor = 1.0, backend: str = "auto",
               process_group=None, vocab_start_index: int | None = None) -> torch.Tensor:
-    """``log sum_j exp(logits_j / temperature)`` over the last dim, in float32.
+    """log sum_j exp(logits_j / temperature) over the last dim, in float32 (not rounded to a 16-bit input dtype,
+    unlike ``torch.logsumexp``), from one read of the logits.
 
-    Args:{args}{backend}{tp}
+    Args:
+        {logits}
+        {temperature}
+        {backend}
+        {process_group}
+        {vocab_start_index}
 
     Returns:
-        float32 (nats), shape ``logits.shape[:-1]``; differentiable (d lse / d logits =
-        softmax / temperature). Unlike ``torch.logsumexp`` on bf16 input, the result is not
-        rounded to the input dtype.
+        float32 (nats), shape ``logits.shape[:-1]``, differentiable w.r.t. ``logits`` (d lse / dz = softmax(z)).
+        {nonfinite}
 {raises}
     """
     if extra_positional:  # a keyword-only argument given by position
@@ -289,18 +283,20 @@ def logsumexp(logits: torch.Tensor, *extra_positional, temperature: float | torc
 def sum_pi_squared_from_logits(logits: torch.Tensor, *extra_positional, temperature: float | torch.Tensor = 1.0,
                                backend: str = "auto", process_group=None,
                                vocab_start_index: int | None = None) -> torch.Tensor:
-    """Sum of squared probabilities ``sum_j softmax(logits / temperature)_j^2`` over the last dim
-    (the collision probability; verl's optimal-token-baseline advantage estimators use it).
+    """Sum of squared probabilities sum_j p_j^2 of p = softmax(logits / temperature) over the last dim (the
+    collision probability, used by verl's optimal-token-baseline advantage estimators), from one read of the logits.
 
-    Args:{args}{backend}{tp}
+    Args:
+        {logits}
+        {temperature}
+        {backend}
+        {process_group}
+        {vocab_start_index}
 
     Returns:
-        float32 in (0, 1], shape ``logits.shape[:-1]``; differentiable w.r.t. ``logits``.
+        float32 in (0, 1], shape ``logits.shape[:-1]``, differentiable w.r.t. ``logits``.
+        {nonfinite}
 {raises}
-    Formula: with m = max z, s = sum exp(z - m) and q = sum exp(2 (z - m)), sum_j p_j^2 = q / s^2
-    (one read, same split tree as the lse); d/dz_j = 2 p_j (p_j - sum_k p_k^2) (from the softmax
-    derivative d p_k / dz_j = p_k ([k == j] - p_j)). Vocab shards merge as sum_r w_r^2 S_r with
-    w_r the shard's probability mass (``rl_kernels.autograd.vocab_parallel``).
     """
     if extra_positional:  # a keyword-only argument given by position
         raise_extra_positional(sum_pi_squared_from_logits, extra_positional)
@@ -319,27 +315,31 @@ def cross_entropy(
     reduction: str = "mean",
     backend: str = "auto",
 ) -> torch.Tensor:
-    """Drop-in for ``torch.nn.functional.cross_entropy(logits, labels, ignore_index=...,
-    reduction=..., label_smoothing=...)`` on (N, C) logits and (N,) class-index labels, without
-    N x V float32 temporaries.
+    """Drop-in for ``torch.nn.functional.cross_entropy(logits, labels, ignore_index=..., reduction=...,
+    label_smoothing=...)`` on (N, V) logits, without N x V float32 temporaries (torch's per-class weights are not
+    offered). loss = (1 - eps) (-log p_y) + eps (-(1 / V) sum_j log p_j), p = softmax(logits), eps =
+    label_smoothing (Szegedy et al. 2016, "Rethinking the Inception Architecture for Computer Vision", sec. 7).
 
     Args:
-        logits: (N, vocab_size) bfloat16, float16 or float32, any strides.
-        labels: (N,) int64 or int32 class indices in [0, vocab_size), or ``ignore_index``.
-        ignore_index: rows with this label contribute 0 and are not counted by 'mean'.
-        reduction: 'none' (per row), 'sum', or 'mean' (over non-ignored rows; NaN when all are
-            ignored, as torch).
-        label_smoothing: eps in [0, 1]: loss = (1 - eps) (-log p_y) + eps (-(1/V) sum_j log p_j).
-        inplace_backward: write the logits' gradient into their storage (see
-            :func:`logits_stats`).{backend}
+        logits: (N, V) bfloat16, float16 or float32, V >= 1, any strides. Differentiable.
+        labels: (N,) int64/int32 class indices, each in [0, V) or ``ignore_index``.
+        ignore_index: int that fits the labels' dtype: rows with this label add 0 and are not counted by 'mean'.
+        label_smoothing: Python number eps in [0, 1].
+        {inplace_backward}
+        reduction: 'none' (per row), 'sum' or 'mean' (over the rows not ignored; NaN when all are, as torch).
+        {backend}
 
     Returns:
-        the loss in the logits dtype (as torch): shape (N,) for 'none', a scalar otherwise;
-        computed in float32 before that final rounding.
-{raises}
-        ValueError for a bad ``reduction`` or ``label_smoothing``, or logits that are not 2-D.
-        Class weights (torch's ``weight``) are not offered: every ``weight`` argument of
-        rl_kernels is an lm_head weight.
+        the loss in the logits' dtype (as torch; computed in float32, rounded once): (N,) for 'none', else a
+        scalar; differentiable w.r.t. ``logits``.
+        {nonfinite}
+
+    Raises:
+        TypeError: an argument of the wrong type or dtype (the message names it).
+        ValueError: an argument outside the domain stated above: shape, device, value (the message names it).
+            On CUDA with the Triton backend a label outside [0, V) is found without a host sync (the row's loss
+            is NaN) and raised by the next rl_kernels call or backward (RL_KERNELS_SYNC_LABEL_CHECK=1: the call).
+        RuntimeError: backend 'triton' without CUDA or TRITON_INTERPRET=1, or without triton; a double backward.
     """
     if extra_positional:  # a keyword-only argument given by position
         raise_extra_positional(cross_entropy, extra_positional)
@@ -376,57 +376,28 @@ def topk_log_probs_from_logits(
     process_group=None,
     vocab_start_index: int | None = None,
 ):
-    """Log-probabilities ``log softmax(logits / temperature)`` at K given token ids per row (the
-    student side of a top-K distillation loss), without an N x V intermediate; optionally the
-    log-probability of everything outside those K ids (the tail).
+    """Log-probabilities of softmax(logits / temperature) at K given ids per row (the student side of a top-K
+    distillation loss), without an N x V intermediate; optionally the log-probability outside those ids.
 
-    Args:{args}
-        token_ids: (..., K) int64 or int32 ids in [0, vocab_size), the logits' leading shape then
-            K >= 1 ids per row (any K, duplicates allowed: their gradients add up; with
-            ``return_tail`` they must be distinct in each row).
-        return_tail: also return log q_tail, the log of the probability outside the row's K ids
-            (the tail bucket of verl RFC #7856, "Tail-aware top-k KL for on-policy
-            distillation"): tail_lse - lse with tail_lse the logsumexp of z over the columns not
-            among the ids, computed by the kernels in the same read with those columns at -inf,
-            never as log(1 - sum_k q_k) (which cancels: q_tail ~ 1e-30 keeps its digits here), and
-            the difference formed relative to the row max (its error does not grow with the
-            logits' offset). -inf when the K ids are the whole vocabulary; at most 0.{backend}
-        process_group: a ``torch.distributed`` group over which the vocabulary is sharded:
-            ``logits`` is then this rank's contiguous (..., V_r) vocab shard (shards ordered by
-            group rank, sizes may differ; e.g. Megatron's vocab-parallel logits), ``token_ids``
-            are global ids. One all_gather of (N, 1 + 2K) float32 (the shard's lse, its logits at
-            the ids it owns and the ownership; with ``return_tail`` (N, 4 + 2K): also its row max,
-            log-sum and tail log-probability) merges the shards in rank order, so every rank
-            returns the same bits; backward gives each rank the gradient of its own shard (every
-            rank computes the same loss: the Megatron convention).
-        vocab_start_index: global id of the shard's first column; None derives it from the group
-            (one small all_gather) and checks the ids against the whole vocabulary.
+    log p_k = z_(id_k) - logsumexp(z), z = logits / temperature; log q_tail = tail_lse - logsumexp(z), tail_lse
+    the logsumexp of z over the columns not among the row's ids (the tail bucket of verl RFC #7856, "Tail-aware
+    top-k KL for on-policy distillation").
+
+    Args:
+        {logits}
+        token_ids: (..., K) int64/int32 ids in [0, V): the logits' leading shape, then K >= 1 ids per row
+            (repeated ids allowed: their gradients add up; with ``return_tail``, distinct in each row).
+        temperature: a positive Python number in [2.9e-39, 8.5e37] (1 / T a normal float32).
+        return_tail: bool; True: also return log q_tail (at most 0; -inf when the ids cover the vocabulary).
+        {backend}
+        {process_group}
+        {vocab_start_index}
 
     Returns:
-        float32 log-probs (nats), shape ``token_ids.shape``; with ``return_tail`` the pair
-        ``(log_probs, tail_log_probs)``, tail_log_probs float32 shaped ``token_ids.shape[:-1]``.
-        Both differentiable w.r.t. ``logits`` (the gradient is written in the logits dtype).
-
-    Memory: forward reads the logits once (the from-logits kernels' logsumexp) and gathers the K
-    logits; O(N) saved for backward, which writes the gradient as the one N x V tensor it
-    allocates: softmax times g_lse = -sum_k g_k from the same kernels, then the K columns of each
-    row overwritten with p g_lse + (sum of g over the slots with that id), computed in float32 and
-    rounded once (no atomic add into the gradient). With ``return_tail`` the same read also
-    keeps a second (max, sum) over the columns outside the row's ids (sorted ids, O(N K)), and
-    the backward adds g_tail exp(z_j - tail_lse) at every column before the K columns are
-    overwritten. Under ``torch.compile`` the same code runs inside the from-logits family's
-    ``rl_kernels::logits_forward`` / ``logits_backward`` custom ops.
-
-    Formula: log p_k = z_{{id_k}} - logsumexp(z), z = logits / T; d log p_k / dz_j = [j == id_k] - p_j
-    (the softmax derivative, module docstring), times 1 / T for the logits. Tail: d tail_lse / dz_j
-    = exp(z_j - tail_lse) outside the ids, 0 at them (``rl_kernels.autograd.logits``, "top-K
-    log-probs").
+        float32 log-probs (nats) shaped like ``token_ids``; with ``return_tail`` the pair (log_probs,
+        tail_log_probs), the latter float32 shaped ``token_ids.shape[:-1]``. Differentiable w.r.t. ``logits``.
+        {nonfinite}
 {raises}
-        ValueError naming ``token_ids`` for an id outside [0, vocab_size) (with
-        ``process_group``: of the whole vocabulary, or held by no shard), a wrong shape or device,
-        or, with ``return_tail``, an id repeated in a row; TypeError for a non-integer dtype;
-        TypeError / ValueError / RuntimeError naming ``process_group`` / ``vocab_start_index`` for
-        a bad group (not a ProcessGroup, torch.distributed not initialized) or start.
     """
     if extra_positional:  # a keyword-only argument given by position
         raise_extra_positional(topk_log_probs_from_logits, extra_positional)
@@ -467,69 +438,36 @@ def topk_kl_from_logits(
     process_group=None,
     vocab_start_index: int | None = None,
 ) -> torch.Tensor:
-    """KL divergence to a top-K teacher from materialized student logits: the from-logits twin of
-    :func:`rl_kernels.linear_topk_kl` (same semantics, options and checks).
+    """KL divergence between a top-K teacher and softmax(z), z = logits / T (T = temperature), over the teacher's
+    K ids: the from-logits twin of ``rl_kernels.linear_topk_kl`` (same options, checks and results). With
+    log q_k = z_(id_k) - logsumexp(z), p_k = exp(teacher_log_probs_k), per position: forward:
+    T^2 sum_k p_k (log p_k - log q_k), reverse: T^2 sum_k q_k (log q_k - log p_k) (the T^2 of Hinton, Vinyals,
+    Dean 2015, "Distilling the Knowledge in a Neural Network", sec. 2). ``tail``: the exact KL of the
+    (K+1)-category distributions, the K ids and one bucket for the rest (verl RFC #7856, "Tail-aware top-k KL for
+    on-policy distillation"), p_tail = max(0, 1 - sum_k p_k); a zero probability inside a log is floored at 2^-126.
 
-    With z = logits / T and log q_k = z_{{id_k}} - logsumexp(z) (:func:`topk_log_probs_from_logits`):
-        forward KL:  T^2 * sum_k p_t,k (log p_t,k - log q_k)
-        reverse KL:  T^2 * sum_k q_k (log q_k - log p_t,k)        (over the teacher's K ids)
-    The T^2 factor keeps gradient magnitudes comparable across temperatures (Hinton, Vinyals, Dean
-    2015, "Distilling the Knowledge in a Neural Network", sec. 2); with K = V and a renormalized
-    teacher it is the full KL.
-
-    With ``tail=True``, the tail-aware KL of verl RFC #7856 ("Tail-aware top-k KL for on-policy
-    distillation"): the exact KL of the (K+1)-category distributions (the K ids, then one bucket for
-    the rest of the vocabulary), adding T^2 p_tail log(p_tail / q_tail) (forward) or
-    T^2 q_tail log(q_tail / p_tail) (reverse), with P = sum_k p_t,k, p_tail = max(0, 1 - P) (float64)
-    and q_tail the student's mass outside the K ids, formed as exp(tail_lse - lse) with tail_lse the
-    logsumexp of z over the columns not among the ids, computed directly with those columns masked
-    (never 1 - sum_k q_k, which cancels). Inside a logarithm a probability is floored at 2^-126, so
-    q_tail = 0 (K = V) or a zero teacher probability (reverse) costs a finite amount; 0 log 0 = 0
-    (``rl_kernels.distill.topk_kl_per_token``).
-
-    Args:{args}
-        teacher_token_ids: (..., K) int64/int32 ids in [0, vocab_size) (K >= 1, any K <= V).
-        teacher_log_probs: (..., K) float teacher log-probs (nats) at those ids, taken as given
-            (already at ``temperature``); no gradient flows to them. -inf marks a zero-probability
-            slot, which adds exactly 0 to the loss and the gradient (forward: 0 log 0 = 0;
-            reverse: left out; with ``tail`` every slot is a category, so reverse adds
-            q_k log(q_k / 2^-126) there); ``renormalize_teacher`` renormalizes over the other
-            slots. NaN or +inf entries raise ValueError.
-        labels: optional (...) int64/int32; positions whose label is ``ignore_index`` contribute
-            0 and get exactly zero gradient (even when their logits are non-finite); other values
-            must lie in [0, vocab_size) and are not used otherwise.
-        ignore_index: int, see ``labels``.
-        mask: optional (...) bool or 0/1 (verl's response mask): positions with mask 0 are
-            excluded like ignored labels. With both ``labels`` and ``mask``, a position counts
-            when both say so.
-        kind: 'forward' (mode covering) or 'reverse' (mode seeking), as above.
-        renormalize_teacher: log-softmax the teacher log-probs over the K ids first (not with
-            ``tail``: a renormalized teacher has no tail).
-        tail: the tail-aware (K+1)-category KL above. The teacher's ids must then be distinct in
-            every position that counts and its top-K mass P at most 1 + 1e-2 there (a mass above 1
-            by rounding gives p_tail = 0).
-        reduction: 'mean' (default: sum over the positions that count / their number), 'sum',
-            'none' (shape ``...``), 'batchmean' (sum / size of the first dim, as
-            ``torch.nn.functional.kl_div``).{backend}
-        process_group: vocab-sharded student logits, as for :func:`topk_log_probs_from_logits`:
-            ``logits`` is this rank's (..., V_r) shard, ``teacher_token_ids`` global ids, and every
-            rank returns the same loss (bitwise); backward gives each rank its shard's gradient.
-        vocab_start_index: global id of the shard's first column; None derives it from the group.
+    Args:
+        {logits} At least 2-D.
+        teacher_token_ids: (..., K) int64/int32 ids in [0, V), K >= 1. With ``tail``: distinct per position.
+        teacher_log_probs: (..., K) float, nats, at ``temperature`` already; no NaN or +inf; -inf: a slot of
+            probability 0 (adds 0 without ``tail``). No gradient. With ``tail``: sum_k p_k <= 1 + 1e-2.
+        temperature: a positive Python number in [2.9e-39, 8.5e37] (1 / T a normal float32).
+        labels: None or (...) int64/int32 in [0, V) or ``ignore_index``; positions labelled ``ignore_index``
+            do not count (0 loss, exactly zero gradient).
+        ignore_index: int (negative with ``process_group``); see ``labels``.
+        mask: None or (...) bool or 0/1: positions at 0 do not count (with ``labels``: both must count them).
+        kind: 'forward' or 'reverse'.
+        renormalize_teacher: bool; True: log-softmax the teacher over its K ids first (not with ``tail``).
+        tail: bool; True: the tail-aware loss above.
+        reduction: 'mean' (over the positions that count), 'sum', 'none' (shape (...)), 'batchmean' (the sum
+            divided by the size of the first dim).
+        {backend}
+        {process_group}
+        {vocab_start_index}
 
     Returns:
-        float32 loss (nats x T^2): shape ``logits.shape[:-1]`` for 'none', a scalar otherwise;
-        differentiable w.r.t. ``logits`` (gradient in the logits dtype).
+        float32 loss in nats x T^2, shape (...) for 'none', else a scalar; differentiable w.r.t. ``logits``.
 {raises}
-        TypeError / ValueError naming the argument for 1-D logits (at least one token dim is
-        needed), teacher ids or log-probs of a wrong type, dtype, shape or device, ids outside
-        [0, vocab_size), NaN / +inf teacher log-probs, a bad ``labels`` / ``mask`` / ``kind`` /
-        ``reduction`` / ``renormalize_teacher`` / ``tail``; with ``tail``: ValueError for
-        ``renormalize_teacher=True``, naming ``teacher_token_ids`` for an id repeated in a position
-        that counts, naming ``teacher_log_probs`` for a top-K mass above 1 + 1e-2 there; with
-        ``process_group`` as :func:`topk_log_probs_from_logits`.
-
-    Memory: O(N K) besides the logits; backward allocates the gradient as its one N x V tensor
-    (:func:`topk_log_probs_from_logits`).
     """
     if extra_positional:  # a keyword-only argument given by position
         raise_extra_positional(topk_kl_from_logits, extra_positional)
@@ -566,7 +504,8 @@ def topk_kl_from_logits(
 
 
 def _fill_docs(fn):
-    fn.__doc__ = fn.__doc__.format(args=_ARGS_DOC, backend=_BACKEND_DOC, raises=_RAISES_DOC, tp=_TP_DOC)
+    if fn.__doc__ is not None:  # (python -OO strips docstrings)
+        fn.__doc__ = fn.__doc__.format(**_DOC)
 
 
 for _fn in (logits_stats, log_probs_from_logits, entropy_from_logits, logsumexp, sum_pi_squared_from_logits,
