@@ -5,8 +5,8 @@ result files committed in benchmarks/results/ (stdlib only: no GPU, torch or Tri
     python scripts/bench_tables.py --write   # rewrite every table from its files
 
 A table sits between two marker lines, ``<!-- table: NAME -->`` and ``<!-- /table -->``; everything between
-them is generated (a source line: device, date, versions, the command that reproduces it and the result
-files, then the table). Text outside the markers is written by hand and left alone. Every number in a
+them is generated (a source line: device, date, the command that reproduces it and the result files,
+then the table). Text outside the markers is written by hand and left alone. Every number in a
 generated cell is read from a result file, or computed from numbers read there (ratios, percentages).
 A new result: commit the file under benchmarks/results/, point the table's entry in TABLES at it, run
 ``--write``; the index in benchmarks/results/README.md follows.
@@ -80,18 +80,16 @@ def shape_text(shape):
 
 # ----------------------------------------------------------------------------- result files
 class Results:
-    """The result files, read once each; ``used`` records which ones the tables read."""
+    """The result files, each read once."""
 
     def __init__(self, root: Path):
         self.root = root
         self.cache = {}
-        self.used = set()
 
     def path(self, name):
         return self.root / RESULTS / name
 
     def json(self, name):
-        self.used.add(name)
         if name not in self.cache:
             path = self.path(name)
             if not path.is_file():
@@ -100,35 +98,34 @@ class Results:
         return self.cache[name]
 
     def meta(self, name):
-        """device, date, torch, triton of a result file: from its content where it says them, else
-        the device and date of its name (<what>_<device>_<date>...)."""
+        """device and date of a result file: the device its content names where it names one, and the
+        date of its name (<what>_<device>_<date>...), checked against the date its content gives."""
         found = re.search(r"_(h100|h200x2|h200)_(\d{4}-\d{2}-\d{2})", name)
         if not found:
             raise ResultError(f"{RESULTS}/{name}: the name does not say the device and date (<what>_<device>_<date>)")
-        device = {"h100": "H100", "h200": "H200", "h200x2": "2 × H200"}[found.group(1)]
-        meta = {"device": device, "date": found.group(2), "torch": None, "triton": None}
+        meta = {"device": {"h100": "H100", "h200": "H200", "h200x2": "2 × H200"}[found.group(1)],
+                "date": found.group(2)}
+        header = {}
         if name.endswith(".json"):
             data = self.json(name)
             header = data.get("header", data)
             if isinstance(header, str):  # "device[, notes] | torch X | date | ..."
-                parts = header.split(" | ")
-                meta["device"] = parts[0].split(", ")[0]
-                meta["torch"] = next((p.split()[1] for p in parts if p.startswith("torch ")), None)
-            else:
-                meta["device"] = header.get("device", meta["device"])
-                meta["torch"], meta["triton"] = header.get("torch"), header.get("triton")
-                if header.get("date", meta["date"]) != meta["date"]:
-                    raise ResultError(f"{RESULTS}/{name}: dated {header['date']}, named {meta['date']}")
+                header = {"device": header.split(" | ")[0].split(", ")[0]}
         elif name.endswith(".log"):  # the diag scripts' logs start with their header dict
-            self.used.add(name)
             path = self.path(name)
             if not path.is_file():
                 raise ResultError(f"{RESULTS}/{name}: missing (a table's text cites it)")
             first = path.read_text().split("\n", 1)[0]
-            if first.startswith("{"):
-                header = ast.literal_eval(first)
-                meta.update({k: header[k] for k in ("device", "torch", "triton") if k in header})
+            header = ast.literal_eval(first) if first.startswith("{") else {}
+        if header.get("date", meta["date"]) != meta["date"]:
+            raise ResultError(f"{RESULTS}/{name}: dated {header['date']}, named {meta['date']}")
+        meta["device"] = header.get("device", meta["device"])
         return meta
+
+
+def slug(heading):
+    """GitHub's anchor of a Markdown heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
 def link(name, document):
@@ -147,12 +144,14 @@ def source_line(results, document, names, command, device=None):
 # ----------------------------------------------------------------------------- the tables
 class Table:
     """One generated table: its result files (in the order its source line names them), the command
-    that reproduces it, the section of BENCHMARKS.md that shows it, and the function that renders it."""
+    that reproduces it, the heading of BENCHMARKS.md's section that shows it (the index links it), and
+    the function that renders it."""
 
-    def __init__(self, name, files, command, section, render, device=None, extra_files=(), source=None):
+    def __init__(self, name, files, command, section, render, device=None, extra_files=None, source=None):
         self.name, self.files, self.command, self.section = name, files, command, section
         self.render, self.device = render, device
-        self.extra_files = extra_files  # cited by the prose around the table (not read by the generator)
+        # cited by the text around the table, not read by the generator: {name: its command, None: the table's}
+        self.extra_files = dict(extra_files or {})
         self.source = source or (lambda results, document: source_line(results, document, self.files,
                                                                        self.command, self.device))
 
@@ -449,7 +448,7 @@ TABLES = [
           render_head_vs_liger),
     Table("varying_n", ["bench_h100_2026-11-26b_liger_cute.json", "bench_h100_2026-11-26_liger_cute.json"],
           'rl-kernels bench --varying-n --impls rl_kernels "liger ppo (CuTe sm90)" ... --json PATH',
-          "verl's dynamic micro-batches", render_varying_n),
+          "The fused head against Liger's CuTe head", render_varying_n),
     Table("head_vs_peers", ["bench_h100_2026-11-24b.json", "bench_h200_2026-11-24.json"],
           "rl-kernels bench --stub-verl --shapes 4096,3584,152064 16384,3584,152064 32768,4096,128256 "
           "512,3584,152064 --json PATH", "The fused head against every other peer", render_head_vs_peers,
@@ -457,33 +456,35 @@ TABLES = [
     Table("logits_ceilings", ["bench_logits_h100_2026-11-26c.json"],
           "rl-kernels bench --logits --shapes 16384,152064 4096,152064 --json PATH",
           "From logits against the bandwidth ceilings", render_logits,
-          extra_files=("logits_sweep_h100_2026-11-26c.log",)),
+          extra_files={"logits_sweep_h100_2026-11-26c.log": "python scripts/diag/logits_sweep.py"}),
     Table("small_calls", ["graph_launch_h100_2026-11-26_arch3.json"],
           "python scripts/diag/graph_launch.py 512,3584,152064 --json PATH",
           "Small calls: eager, CUDA graph, compiled", render_small_calls),
     Table("model_tokens", ["model_bench_h100_2026-11-24_rerun.json"],
           "python scripts/model_bench.py --models MODEL --steps 5 --warmup 2 --json PATH",
-          "Model level: tokens/s", render_model_tokens),
+          "Model level: a verl actor step", render_model_tokens),
     Table("model_largest", ["model_bench_h100_2026-11-24_small.json", "model_bench_h100_2026-11-24_7b.json",
                             "model_bench_h100_2026-11-24_8b.json"],
           "python scripts/model_bench.py --models MODEL ... --search --json PATH",
-          "Model level: the largest micro-batch", render_model_largest),
+          "Model level: a verl actor step", render_model_largest),
     Table("model_fsdp", ["model_bench_fsdp_h200x2_2026-11-24.json"],
           "torchrun --nproc_per_node 2 scripts/model_bench.py --fsdp --models qwen2.5-7b --tokens 8192 16384 "
-          "--steps 5 --search --json PATH", "Model level: two GPUs under FSDP2", render_model_fsdp),
+          "--steps 5 --search --json PATH", "Model level: a verl actor step", render_model_fsdp),
     Table("gpu_parity", ["gpu_parity_h100_2026-11-24.json"], "python scripts/gpu_parity.py --steps 30 --json PATH",
-          "Model level: training parity", render_parity),
+          "Model level: a verl actor step", render_parity),
     Table("distill_verl_topk", ["distill_h100_2026-11-26.json", "distill_clamp_h100_2026-11-26.json"],
-          "python scripts/distill_bench.py [--clamp -10] --json PATH", "verl's top-K distillation loss",
+          "python scripts/distill_bench.py [--clamp -10] --json PATH",
+          "Distillation: verl's top-K loss on the logits path",
           render_distill_verl),
     Table("fused_reach", ["fused_reach_h200_2026-11-28.json"],
           "python scripts/diag/fused_reach_bench.py --json PATH", "verl's fused path where verl refuses it",
           render_fused_reach,
-          extra_files=("fused_reach_h200_2026-11-28.log", "fused_reach_h200_2026-11-28_run1.log")),
+          extra_files=dict.fromkeys(("fused_reach_h200_2026-11-28.log", "fused_reach_h200_2026-11-28_run1.log"))),
     Table("distill_tail", ["distill_tail_h200_2026-11-28.json"],
-          "python scripts/diag/distill_tail_bench.py --json PATH", "Tail-aware top-K and the fused top-K selection",
+          "python scripts/diag/distill_tail_bench.py --json PATH",
+          "Distillation: the tail-aware top-K KL and the fused top-K selection",
           render_distill_tail,
-          extra_files=("distill_tail_h200_2026-11-28.log", "distill_tail_h200_2026-11-28_run1.json")),
+          extra_files=dict.fromkeys(("distill_tail_h200_2026-11-28.log", "distill_tail_h200_2026-11-28_run1.json"))),
     Table("readme_gain", README_GAIN_FILES, "python scripts/bench_tables.py --write", "README: what you gain",
           render_readme_gain, source=readme_gain_source),
 ]
@@ -491,18 +492,21 @@ TABLES = [
 
 def render_index(results, document):
     """benchmarks/results/README.md's index: every file, the tables that read or cite it, device, date, command."""
-    cited = {}
+    cited, commands = {}, {}
     for t in TABLES:
         if t.name == "readme_gain":
             continue
         for name in list(t.files) + list(t.extra_files):
             cited.setdefault(name, []).append(t)
+            commands.setdefault(name, t.extra_files.get(name) or t.command)
     rows = []
     for name in sorted(cited):
         meta = results.meta(name)
         tables = cited[name]
-        rows.append([link(name, document), "; ".join(dict.fromkeys(t.section for t in tables)),
-                     meta["device"], meta["date"], f"`{tables[0].command}`"])
+        sections = dict.fromkeys(t.section for t in tables)
+        target = os.path.relpath(ROOT / "BENCHMARKS.md", (ROOT / document).parent)
+        rows.append([link(name, document), "; ".join(f"[{s}]({target}#{slug(s)})" for s in sections),
+                     meta["device"], meta["date"], f"`{commands[name]}`"])
     return table(["file", "BENCHMARKS.md section", "device", "date", "command"], rows) + "\n"
 
 

@@ -103,7 +103,8 @@ def anchors(path):
 
 def test_slug_follows_github():
     assert slug("Check before launching: `rl-kernels verl-check`") == "check-before-launching-rl-kernels-verl-check"
-    assert slug("Distillation: verl's top-K loss on the logits path") == "distillation-verls-top-k-loss-on-the-logits-path"
+    heading = "Distillation: verl's top-K loss on the logits path"
+    assert slug(heading) == "distillation-verls-top-k-loss-on-the-logits-path"
 
 
 @pytest.mark.parametrize("document", LINKED_DOCUMENTS)
