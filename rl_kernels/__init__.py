@@ -19,7 +19,7 @@ Conventions, the same in every function:
   * every function traces under ``torch.compile(fullgraph=True)`` without a graph break (it then
     calls the ``torch.ops.rl_kernels`` custom ops, which run the same kernels: the same bits as
     eager), with the temperature a runtime value of the graph (no graph per temperature), and
-    can be captured in a CUDA graph.
+    can be captured in a CUDA graph (docs/compile.md).
 
 Each function's docstring is its contract (shapes, dtypes, units, errors, the formula's source);
 why the kernels compute it as they do is in docs/design.md.

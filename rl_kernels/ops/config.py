@@ -122,8 +122,8 @@ class LogitsConfig:
 # prefetched) 93% of copy at 16384 and 4096 rows against 91% with one (bitwise equal); 4 per program
 # 88-90%. Forward with the next block prefetched: 90-91% against 94-95% (not adopted here).
 # After the instruction-count change (base-2 exponents, folded gradient scalars; same script, H100,
-# 2026-11-26, docs/logits_sweep_h100_2026-11-26c.log): forward 4096 / 4 warps 100% of read at 16384
-# rows, 94% at 4096 (2048 / 2 warps 100% / 93%, prefetch 99% / 94%); backward 94% / 93% of copy with
+# 2026-11-26, benchmarks/results/logits_sweep_h100_2026-11-26c.log): forward 4096 / 4 warps 100% of read
+# at 16384 rows, 94% at 4096 (2048 / 2 warps 100% / 93%, prefetch 99% / 94%); backward 94% / 93% of copy with
 # 2 blocks per program (1: 93%, 4: 94%). The shipped tiles stay.
 LOGITS_CUDA_CONFIG = LogitsConfig(split_v=16384, block_v=4096, num_warps=4, bwd_block_v=4096,
                                   bwd_num_warps=4, rows_per_sm=4, bwd_blocks_per_program=2)

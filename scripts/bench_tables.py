@@ -1,0 +1,573 @@
+"""Regenerate the measured tables of BENCHMARKS.md, README.md and benchmarks/results/README.md from the
+result files committed in benchmarks/results/ (stdlib only: no GPU, torch or Triton needed).
+
+    python scripts/bench_tables.py --check   # exit 1 and print a diff if a table differs from its files
+    python scripts/bench_tables.py --write   # rewrite every table from its files
+
+A table sits between two marker lines, ``<!-- table: NAME -->`` and ``<!-- /table -->``; everything between
+them is generated (a source line: device, date, the command that reproduces it and the result files,
+then the table). Text outside the markers is written by hand and left alone. Every number in a
+generated cell is read from a result file, or computed from numbers read there (ratios, percentages).
+A new result: commit the file under benchmarks/results/, point the table's entry in TABLES at it, run
+``--write``; the index in benchmarks/results/README.md follows.
+"""
+import argparse
+import ast
+import difflib
+import json
+import os
+import re
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = "benchmarks/results"
+DOCUMENTS = ("BENCHMARKS.md", "README.md", f"{RESULTS}/README.md")
+MARKER = re.compile(r"^<!-- table: ([a-z0-9_]+) -->\n(.*?)^<!-- /table -->$", re.M | re.S)
+
+
+class ResultError(Exception):
+    """A result file is missing or does not hold what a table reads from it."""
+
+
+# ----------------------------------------------------------------------------- number formats
+def fixed(value, digits=2):
+    return f"{value:.{digits}f}"
+
+
+def sci(value):
+    """One decimal in scientific notation without the exponent's padding: 6.4e-6."""
+    mantissa, exponent = f"{value:.1e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def sig3(value):
+    """Three significant digits, trailing zeros kept: 0.690, 5.78, 34.3."""
+    return f"{value:#.3g}".rstrip(".")
+
+
+def thousands(value):
+    return f"{sig3(value / 1000)}k"
+
+
+def tokens(value):
+    return f"{value:,}"
+
+
+def pct(fraction):
+    return f"{round(100 * fraction)}%"
+
+
+def bold(text, on=True):
+    return f"**{text}**" if on else text
+
+
+def wrap(text):
+    """A paragraph in lines of at most 120 characters (a link or a word longer than that stays whole)."""
+    return textwrap.fill(text, 120, break_long_words=False, break_on_hyphens=False) + "\n"
+
+
+def table(header, rows):
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def shape_text(shape):
+    return " × ".join(str(n) for n in shape)
+
+
+# ----------------------------------------------------------------------------- result files
+class Results:
+    """The result files, each read once."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.cache = {}
+
+    def path(self, name):
+        return self.root / RESULTS / name
+
+    def json(self, name):
+        if name not in self.cache:
+            path = self.path(name)
+            if not path.is_file():
+                raise ResultError(f"{RESULTS}/{name}: missing (a table reads it)")
+            self.cache[name] = json.loads(path.read_text())
+        return self.cache[name]
+
+    def meta(self, name):
+        """device and date of a result file: the device its content names where it names one, and the
+        date of its name (<what>_<device>_<date>...), checked against the date its content gives."""
+        found = re.search(r"_(h100|h200x2|h200)_(\d{4}-\d{2}-\d{2})", name)
+        if not found:
+            raise ResultError(f"{RESULTS}/{name}: the name does not say the device and date (<what>_<device>_<date>)")
+        meta = {"device": {"h100": "H100", "h200": "H200", "h200x2": "2 × H200"}[found.group(1)],
+                "date": found.group(2)}
+        header = {}
+        if name.endswith(".json"):
+            data = self.json(name)
+            header = data.get("header", data)
+            if isinstance(header, str):  # "device[, notes] | torch X | date | ..."
+                header = {"device": header.split(" | ")[0].split(", ")[0]}
+        elif name.endswith(".log"):  # the diag scripts' logs start with their header dict
+            path = self.path(name)
+            if not path.is_file():
+                raise ResultError(f"{RESULTS}/{name}: missing (a table's text cites it)")
+            first = path.read_text().split("\n", 1)[0]
+            header = ast.literal_eval(first) if first.startswith("{") else {}
+        if header.get("date", meta["date"]) != meta["date"]:
+            raise ResultError(f"{RESULTS}/{name}: dated {header['date']}, named {meta['date']}")
+        meta["device"] = header.get("device", meta["device"])
+        return meta
+
+
+def slug(heading):
+    """GitHub's anchor of a Markdown heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def link(name, document):
+    target = os.path.relpath(ROOT / RESULTS / name, (ROOT / document).parent)
+    return f"[{name}]({target})"
+
+
+def source_line(results, document, names, command, device=None):
+    """'Device, date. `command` -> files' for the files a table reads (the first one's device and date)."""
+    meta = results.meta(names[0])
+    where = f"{device or meta['device']}, {meta['date']}"
+    files = ", ".join(link(n, document) for n in names)
+    return wrap(f"{where}. `{command}` → {files}")
+
+
+# ----------------------------------------------------------------------------- the tables
+class Table:
+    """One generated table: its result files (in the order its source line names them), the command
+    that reproduces it, the heading of BENCHMARKS.md's section that shows it (the index links it), and
+    the function that renders it."""
+
+    def __init__(self, name, files, command, section, render, device=None, extra_files=None, source=None):
+        self.name, self.files, self.command, self.section = name, files, command, section
+        self.render, self.device = render, device
+        # cited by the text around the table, not read by the generator: {name: its command, None: the table's}
+        self.extra_files = dict(extra_files or {})
+        self.source = source or (lambda results, document: source_line(results, document, self.files,
+                                                                       self.command, self.device))
+
+    def text(self, results, document):
+        body = self.render(results, *self.files)
+        return self.source(results, document) + "\n" + body + "\n"
+
+
+LIGER_CUTE = "liger ppo (CuTe sm90)"
+PEER_NAMES = {"rl_kernels": "rl_kernels", LIGER_CUTE: "Liger 0.8.5 CuTe sm90", "verl triton": "verl triton",
+              "verl torch": "verl torch", "liger (CE only)": "Liger (CE only)", "cce (CE only)": "CCE (CE only)",
+              "torch eager": "torch eager", "flash-attn (CE only)": "flash-attn (CE only)"}
+
+
+def render_head_vs_liger(results, name):
+    data = results.json(name)
+    rows = []
+    for entry in data["shapes"]:
+        impls = entry["impls"]
+        best = {key: min(v[key] for v in impls.values()) for key in
+                ("fwd_x_mm", "fwd_bwd_x_mm", "fwd_bwd_extra_gb", "max_err", "max_ent_err")}
+        for i, (impl, v) in enumerate(impls.items()):
+            def cell(key, fmt):
+                return bold(fmt(v[key]), fmt(v[key]) == fmt(best[key]))
+            rows.append([shape_text(entry["shape"]) if i == 0 else "", bold(PEER_NAMES[impl], impl == "rl_kernels"),
+                         cell("fwd_x_mm", fixed), cell("fwd_bwd_x_mm", fixed), fixed(v["fwd_bwd_ms"]),
+                         cell("fwd_bwd_extra_gb", fixed), cell("max_err", sci),
+                         f"{cell('max_ent_err', sci)} ({v['entropy_dtype']})"])
+    return table(["N × H × V", "impl", "fwd ×mm", "fwd+bwd ×mm", "fwd+bwd ms", "extra GB fwd+bwd",
+                  "max \\|Δlog p\\|", "max \\|Δentropy\\| (dtype)"], rows)
+
+
+def render_varying_n(results, cold, warm):
+    rows = []
+    for name, cache in ((cold, "cold"), (warm, "warm")):
+        data = results.json(name)["varying_n"]
+        for impl, v in data["impls"].items():
+            first, second = sum(v["first_s"]), sum(v["second_s"])
+            rows.append([f"{results.meta(name)['date']}, Triton cache {cache}",
+                         bold(PEER_NAMES[impl], impl == "rl_kernels"), bold(sig3(first), impl == "rl_kernels"),
+                         sig3(second), sig3(first - second), " ".join(fixed(s) for s in v["first_s"])])
+    return table(["run", "impl", "first pass s", "second pass s", "first − second s", "first pass per call s"], rows)
+
+
+PEER_SHAPES = ([16384, 3584, 152064], [32768, 4096, 128256])  # of the four the run measured
+
+
+def render_head_vs_peers(results, h100, h200):
+    runs = [results.json(h100), results.json(h200)]
+    rows = []
+    for i, entry in enumerate(runs[0]["shapes"]):
+        other = runs[1]["shapes"][i]
+        if other["shape"] != entry["shape"]:
+            raise ResultError(f"{h100} and {h200}: shape {i} differs")
+        if entry["shape"] not in PEER_SHAPES:
+            continue
+        order = sorted(entry["impls"], key=lambda k: (k != "rl_kernels", entry["impls"][k].get("fwd_bwd_x_mm", 1e9)))
+        for j, impl in enumerate(order):
+            a, b = entry["impls"][impl], other["impls"].get(impl, {})
+            if "fwd_bwd_x_mm" not in a:
+                cells = [a.get("error", "no result"), "", "", "", "", ""]
+            else:
+                cells = [fixed(a["fwd_x_mm"]), fixed(a["fwd_bwd_x_mm"]),
+                         fixed(b["fwd_x_mm"]) if "fwd_x_mm" in b else "", fixed(b["fwd_bwd_x_mm"]) if b else "",
+                         fixed(a["fwd_bwd_extra_gb"]), sci(a["max_err"])]
+            ours = impl == "rl_kernels"
+            rows.append([shape_text(entry["shape"]) if j == 0 else "", bold(PEER_NAMES[impl], ours)]
+                        + [bold(c, ours and c != "") for c in cells])
+    return table(["N × H × V", "impl", "H100 fwd ×mm", "H100 fwd+bwd ×mm", "H200 fwd ×mm", "H200 fwd+bwd ×mm",
+                  "H100 extra GB fwd+bwd", "max \\|Δlog p\\|"], rows)
+
+
+def render_logits(results, name):
+    data = results.json(name)
+    ceilings = data["ceilings"]
+    rows = []
+    for entry in data["shapes"]:
+        for i, (impl, v) in enumerate(entry["impls"].items()):
+            ours = impl == "rl_kernels"
+            if "fwd_ms" not in v:
+                cells = [v.get("error", "no result"), "", "", ""]
+            else:
+                cells = [f"{bold(pct(v['fwd_frac_read']), ours)} ({fixed(v['fwd_ms'], 3)} ms)",
+                         f"{bold(pct(v['bwd_frac_copy']), ours)} ({fixed(v['bwd_ms'], 3)} ms)",
+                         f"{fixed(v['fwd_bwd_extra_gb'])}", sci(v["max_err"])]
+            label = PEER_NAMES.get(impl, impl)
+            rows.append([shape_text(entry["shape"]) if i == 0 else "", bold(label, ours)] + cells)
+    text = table(["N × V bf16", "impl", "forward / read ceiling", "backward / copy ceiling", "extra GB fwd+bwd",
+                  "max \\|Δlog p\\|"], rows)
+    return text + "\n\n" + wrap(f"Ceilings measured in the same run: read {round(ceilings['read_gbps'])} GB/s (best of "
+                                f"`x.sum` / `amax` over {ceilings['bytes'] // 2**30} GiB), copy "
+                                f"{round(ceilings['copy_gbps'])} GB/s.").rstrip("\n")
+
+
+def render_small_calls(results, name):
+    data = results.json(name)["rows"]
+    columns = [("eager", "eager"), ("eager_b2b", "eager back to back"), ("graph", "CUDA graph replay"),
+               ("kernels", "kernels alone"), ("matmul", "cuBLAS matmul"), ("compiled", "inductor"),
+               ("reduce-overhead", "inductor `reduce-overhead`")]
+    rows = [[call] + [fixed(v[key], 3) if key in v else "–" for key, _ in columns] for call, v in data.items()]
+    return table(["call (ms)"] + [title for _, title in columns], rows)
+
+
+MODELS = {"qwen2.5-0.5b": "Qwen2.5-0.5B", "gemma2-2b": "Gemma-2-2B shape (256k vocabulary)",
+          "qwen2.5-7b": "Qwen2.5-7B", "llama3.1-8b": "Llama-3.1-8B"}
+VARIANTS = ("verl logits", "verl fused torch", "verl fused triton", "fused rl_kernels", "logits + rl_kernels")
+
+
+def by_model(rows):
+    out = {}
+    for row in rows:
+        out.setdefault(row["model"], {})[row["variant"]] = row
+    return out
+
+
+def render_model_tokens(results, name):
+    rows = []
+    for model, variants in by_model(results.json(name)["rows"]).items():
+        speed = {v: variants[v]["at_16384"]["tokens_per_s"] for v in VARIANTS}
+        best = max(speed.values())
+        base = speed["verl logits"]
+        rows.append([MODELS[model]] + [bold(thousands(speed[v]), speed[v] == best) for v in VARIANTS]
+                    + [f"{fixed(speed['fused rl_kernels'] / base)}× / {fixed(speed['logits + rl_kernels'] / base)}×"])
+    return table(["model (tokens/s at 16k)", "verl default (logits)", "verl fused torch", "verl fused triton",
+                  "fused rl_kernels", "logits + rl_kernels", "rl-kernels / verl default (fused / logits)"], rows)
+
+
+def render_model_largest(results, *names):
+    rows = []
+    for name in names:
+        for model, variants in by_model(results.json(name)["rows"]).items():
+            largest = {v: variants[v]["largest_tokens"] for v in VARIANTS}
+            rows.append([MODELS[model]] + [tokens(largest[v]) for v in VARIANTS]
+                        + [f"{largest['fused rl_kernels'] / largest['verl logits']:.1f}×"])
+    return table(["model (largest micro-batch, tokens)", "verl default (logits)", "verl fused torch",
+                  "verl fused triton", "fused rl_kernels", "logits + rl_kernels", "fused rl_kernels / verl default"],
+                 rows)
+
+
+def render_model_fsdp(results, name):
+    rows = []
+    variants = by_model(results.json(name)["rows"])
+    (model, rows_of), = variants.items()
+    base = rows_of["verl logits"]["at_16384"]["tokens_per_s"]
+    for variant in VARIANTS:
+        v = rows_of[variant]
+        largest = ("not searched" if "largest_tokens" not in v else
+                   ("≤ " if "error" in v else "") + tokens(v["largest_tokens"]))
+        rows.append([bold(variant, "rl_kernels" in variant),
+                     f"{thousands(v['at_8192']['tokens_per_s'])} / {thousands(v['at_16384']['tokens_per_s'])}",
+                     f"{fixed(v['at_16384']['tokens_per_s'] / base)}×",
+                     f"{fixed(v['at_8192']['peak_gb'], 1)} / {fixed(v['at_16384']['peak_gb'], 1)}", largest])
+    return table([f"{MODELS[model]}, per rank", "tokens/s @8k / @16k", "@16k vs verl default", "peak GB @8k / @16k",
+                  "largest micro-batch (tokens)"], rows)
+
+
+def render_parity(results, name):
+    rows = []
+    for head, v in results.json(name)["results"].items():
+        if head == "float32 head":
+            continue
+        rows.append([bold(head, "rl_kernels" in head), sci(v["drift_vs_float32_head"]), f"{v['rerun_drift']:g}",
+                     "yes" if v["rerun_bitwise"] else "no"])
+    return table(["head", "drift from the float32-head run", "rerun drift", "rerun bitwise identical"], rows)
+
+
+def render_distill_verl(results, *names):
+    rows = []
+    for name in names:
+        data = results.json(name)
+        clamp = data["header"]["log_prob_min_clamp"]
+        base = next(r for r in data["rows"] if r["variant"] == "verl")["fwd_bwd_ms"]
+        for r in data["rows"]:
+            ours = r["variant"] == "rl_kernels"
+            label = {"verl": "verl (`F.log_softmax`, default)", "verl chunked": "verl `use_chunked_topk=True`",
+                     "rl_kernels": "rl-kernels"}[r["variant"]]
+            rows.append(["None" if clamp is None else f"{clamp:g}", bold(label, ours)]
+                        + [bold(c, ours) for c in (fixed(r["fwd_bwd_ms"]), fixed(r["fwd_bwd_ms"] / base),
+                                                   fixed(r["peak_extra_gib"]), sci(r["max_abs_err_loss"]))]
+                        + [sci(r["max_abs_err_grad"])])
+    return table(["`log_prob_min_clamp`", "variant", "fwd+bwd ms", "× verl", "peak extra GiB", "max err loss",
+                  "max err d/dlogits"], rows)
+
+
+def rows_vs_mm(results, name, labels, bold_cells):
+    data = results.json(name)["rows"]
+    mm = data["mm"]["ms"]
+    missing = set(data) - set(labels)
+    if missing:
+        raise ResultError(f"{name}: rows without a label here: {sorted(missing)}")
+    rows = []
+    for key, label in labels.items():
+        v = data[key]
+        cells = [fixed(v["ms"]), fixed(v["ms"] / mm), fixed(v["peak_extra_gib"])]
+        rows.append([label] + [bold(c, (key, i) in bold_cells) for i, c in enumerate(cells)])
+    return table(["row", "ms", "x mm", "peak extra GiB"], rows)
+
+
+def render_fused_reach(results, name):
+    labels = {
+        "mm": "cuBLAS `hidden @ weight.T`",
+        "(a) verl logits path log-probs + sum_pi_squared": "(a) no grad: verl logits path, log-probs + Σπ²",
+        "(a) verl logits path sum_pi_squared alone": "(a) no grad: verl logits path, Σπ² alone",
+        "(a) fused log-probs + sum_pi_squared": "(a) no grad: **fused**, log-probs + Σπ²",
+        "(a) fused log-probs": "(a) no grad: fused, log-probs alone",
+        "(b) fwd+bwd scalar temperature": "(b) fwd+bwd log-probs + entropy, scalar temperature",
+        "(b) fwd+bwd per-row temperature": "(b) fwd+bwd log-probs + entropy, **per-row temperature**",
+        "(c) verl logits path compute_forward_kl_topk fwd+bwd":
+            "(c) fwd+bwd top-K distillation (K = 64): verl logits path (`compute_forward_kl_topk`)",
+        "(c) fused, as the verl integration serves it, fwd+bwd":
+            "(c) fwd+bwd top-K distillation: **fused**, as the verl integration serves it",
+        "(c) fused linear_topk_kl fwd+bwd": "(c) fwd+bwd top-K distillation: fused `linear_topk_kl`",
+    }
+    fused_sum = "(a) fused log-probs + sum_pi_squared"
+    return rows_vs_mm(results, name, labels, {(fused_sum, 0), (fused_sum, 1), (fused_sum, 2)})
+
+
+def render_distill_tail(results, name):
+    labels = {
+        "mm": "cuBLAS `hidden @ weight.T`",
+        "verl logits path forward_kl_topk fwd+bwd": "verl logits path, `forward_kl_topk`",
+        "from logits fwd+bwd": "ours from logits, `topk_kl_from_logits`",
+        "from logits, tail fwd+bwd": "ours from logits, **tail**",
+        "fused fwd+bwd": "ours fused, `linear_topk_kl`",
+        "fused, tail fwd+bwd": "ours fused, **tail**",
+        "fused top-K selection (no grad)": "fused top-K selection, `linear_topk` (no grad)",
+    }
+    return rows_vs_mm(results, name, labels, {("fused top-K selection (no grad)", 1)})
+
+
+def render_readme_gain(results, peers_liger, peers_all, varying_warm, model_rerun, model_7b, model_8b, distill):
+    cute = results.json(peers_liger)
+    big = next(s for s in cute["shapes"] if s["shape"] == [16384, 3584, 152064])["impls"]
+    older = next(s for s in results.json(peers_all)["shapes"] if s["shape"] == [16384, 3584, 152064])["impls"]
+    largest = {}
+    for name in (model_7b, model_8b):
+        for model, variants in by_model(results.json(name)["rows"]).items():
+            largest[model] = (variants["verl logits"]["largest_tokens"], variants["fused rl_kernels"]["largest_tokens"])
+    small = by_model(results.json(model_rerun)["rows"])["qwen2.5-0.5b"]
+    speed = {v: small[v]["at_16384"]["tokens_per_s"] for v in VARIANTS}
+    cold = results.json(peers_liger)["varying_n"]["impls"]
+    warm = results.json(varying_warm)["varying_n"]["impls"]
+    peer_err = [v["max_err"] for s in results.json(peers_all)["shapes"] for k, v in s["impls"].items()
+                if k in ("torch eager", "liger (CE only)", "cce (CE only)") and "max_err" in v]
+    ours_err = [s["impls"]["rl_kernels"][k] for s in cute["shapes"] for k in ("max_err", "max_ent_err")]
+    rows_d = {r["variant"]: r for r in results.json(distill)["rows"]}
+    q7, l8 = largest["qwen2.5-7b"], largest["llama3.1-8b"]
+    rows = [
+        ["Qwen2.5-7B / Llama-3.1-8B verl actor step: largest micro-batch (H100)",
+         f"{tokens(q7[0])} / {tokens(l8[0])} tokens",
+         f"**{tokens(q7[1])} / {tokens(l8[1])}** tokens "
+         f"(`+rl_kernels=fused`: {q7[1] / q7[0]:.1f}× / {l8[1] / l8[0]:.1f}×)"],
+        ["Qwen2.5-0.5B verl actor step at 16k tokens: tokens/s (H100)", "1.00×",
+         f"**{fixed(speed['fused rl_kernels'] / speed['verl logits'])}×** (fused) / "
+         f"{fixed(speed['logits + rl_kernels'] / speed['verl logits'])}× (logits)"],
+        ["fused head fwd+bwd, 16384 × 3584 × 152064 bf16, × one cuBLAS matmul (H100)",
+         f"Liger 0.8.5 CuTe (verl's `impl_backend=liger` on Hopper) {fixed(big[LIGER_CUTE]['fwd_bwd_x_mm'])}×; "
+         f"earlier run: verl triton {fixed(older['verl triton']['fwd_bwd_x_mm'])}×, "
+         f"CCE {fixed(older['cce (CE only)']['fwd_bwd_x_mm'])}×",
+         f"**{fixed(big['rl_kernels']['fwd_bwd_x_mm'])}×** "
+         f"(earlier run: {fixed(older['rl_kernels']['fwd_bwd_x_mm'])}×)"],
+        ["verl's dynamic micro-batches: 8 calls of 3000-20000 tokens, first pass with compilation (H100)",
+         f"Liger CuTe: {sig3(sum(cold[LIGER_CUTE]['first_s']))} s (compiles per new N)",
+         f"**{sig3(sum(warm['rl_kernels']['first_s']))} s** (Triton cache warm), "
+         f"{sig3(sum(cold['rl_kernels']['first_s']))} s (cold)"],
+        ["log-prob error vs float64, same bf16 inputs",
+         f"torch eager, Liger, CCE: {sci(min(peer_err))} to {sci(max(peer_err))} (bf16 logits); "
+         f"Liger CuTe {sci(big[LIGER_CUTE]['max_err'])}, entropy in bf16 ({sci(big[LIGER_CUTE]['max_ent_err'])})",
+         f"**{sci(min(ours_err))} to {sci(max(ours_err))}** (float32 logits; log-probs and entropy)"],
+        ["verl's top-K distillation loss, 4096 × 152064, K = 64 (H100)",
+         f"{fixed(rows_d['verl']['fwd_bwd_ms'])} ms, {fixed(rows_d['verl']['peak_extra_gib'])} GiB extra; "
+         f"loss error {sci(rows_d['verl']['max_abs_err_loss'])}",
+         f"**{fixed(rows_d['rl_kernels']['fwd_bwd_ms'])} ms, {fixed(rows_d['rl_kernels']['peak_extra_gib'])} GiB**; "
+         f"loss error {sci(rows_d['rl_kernels']['max_abs_err_loss'])}"],
+    ]
+    return table(["where", "verl's default or the best peer", "with rl-kernels"], rows)
+
+
+def readme_gain_source(results, document):
+    dates = sorted({results.meta(name)["date"] for name in README_GAIN_FILES})
+    return wrap(f"Lent H100s, {dates[0]} to {dates[-1]}; each row comes from a table of [BENCHMARKS.md](BENCHMARKS.md)"
+                f" (device, date and command there) and its result file in [{RESULTS}/]({RESULTS}/README.md).")
+
+
+README_GAIN_FILES = ["bench_h100_2026-11-26b_liger_cute.json", "bench_h100_2026-11-24b.json",
+                     "bench_h100_2026-11-26_liger_cute.json", "model_bench_h100_2026-11-24_rerun.json",
+                     "model_bench_h100_2026-11-24_7b.json", "model_bench_h100_2026-11-24_8b.json",
+                     "distill_h100_2026-11-26.json"]
+
+TABLES = [
+    Table("head_vs_liger_cute", ["bench_h100_2026-11-26b_liger_cute.json"],
+          'rl-kernels bench --varying-n --impls rl_kernels "liger ppo (CuTe sm90)" --shapes 4096,3584,152064 '
+          "16384,3584,152064 32768,4096,128256 --json PATH", "The fused head against Liger's CuTe head",
+          render_head_vs_liger),
+    Table("varying_n", ["bench_h100_2026-11-26b_liger_cute.json", "bench_h100_2026-11-26_liger_cute.json"],
+          'rl-kernels bench --varying-n --impls rl_kernels "liger ppo (CuTe sm90)" ... --json PATH',
+          "The fused head against Liger's CuTe head", render_varying_n),
+    Table("head_vs_peers", ["bench_h100_2026-11-24b.json", "bench_h200_2026-11-24.json"],
+          "rl-kernels bench --stub-verl --shapes 4096,3584,152064 16384,3584,152064 32768,4096,128256 "
+          "512,3584,152064 --json PATH", "The fused head against every other peer", render_head_vs_peers,
+          device="NVIDIA H100 80GB HBM3 and NVIDIA H200"),
+    Table("logits_ceilings", ["bench_logits_h100_2026-11-26c.json"],
+          "rl-kernels bench --logits --shapes 16384,152064 4096,152064 --json PATH",
+          "From logits against the bandwidth ceilings", render_logits,
+          extra_files={"logits_sweep_h100_2026-11-26c.log": "python scripts/diag/logits_sweep.py"}),
+    Table("small_calls", ["graph_launch_h100_2026-11-26_arch3.json"],
+          "python scripts/diag/graph_launch.py 512,3584,152064 --json PATH",
+          "Small calls: eager, CUDA graph, compiled", render_small_calls),
+    Table("model_tokens", ["model_bench_h100_2026-11-24_rerun.json"],
+          "python scripts/model_bench.py --models MODEL --steps 5 --warmup 2 --json PATH",
+          "Model level: a verl actor step", render_model_tokens),
+    Table("model_largest", ["model_bench_h100_2026-11-24_small.json", "model_bench_h100_2026-11-24_7b.json",
+                            "model_bench_h100_2026-11-24_8b.json"],
+          "python scripts/model_bench.py --models MODEL ... --search --json PATH",
+          "Model level: a verl actor step", render_model_largest),
+    Table("model_fsdp", ["model_bench_fsdp_h200x2_2026-11-24.json"],
+          "torchrun --nproc_per_node 2 scripts/model_bench.py --fsdp --models qwen2.5-7b --tokens 8192 16384 "
+          "--steps 5 --search --json PATH", "Model level: a verl actor step", render_model_fsdp),
+    Table("gpu_parity", ["gpu_parity_h100_2026-11-24.json"], "python scripts/gpu_parity.py --steps 30 --json PATH",
+          "Model level: a verl actor step", render_parity),
+    Table("distill_verl_topk", ["distill_h100_2026-11-26.json", "distill_clamp_h100_2026-11-26.json"],
+          "python scripts/distill_bench.py [--clamp -10] --json PATH",
+          "Distillation: verl's top-K loss on the logits path",
+          render_distill_verl),
+    Table("fused_reach", ["fused_reach_h200_2026-11-28.json"],
+          "python scripts/diag/fused_reach_bench.py --json PATH", "verl's fused path where verl refuses it",
+          render_fused_reach,
+          extra_files=dict.fromkeys(("fused_reach_h200_2026-11-28.log", "fused_reach_h200_2026-11-28_run1.log"))),
+    Table("distill_tail", ["distill_tail_h200_2026-11-28.json"],
+          "python scripts/diag/distill_tail_bench.py --json PATH",
+          "Distillation: the tail-aware top-K KL and the fused top-K selection",
+          render_distill_tail,
+          extra_files=dict.fromkeys(("distill_tail_h200_2026-11-28.log", "distill_tail_h200_2026-11-28_run1.json"))),
+    Table("readme_gain", README_GAIN_FILES, "python scripts/bench_tables.py --write", "README: what you gain",
+          render_readme_gain, source=readme_gain_source),
+]
+
+
+def render_index(results, document):
+    """benchmarks/results/README.md's index: every file, the tables that read or cite it, device, date, command."""
+    cited, commands = {}, {}
+    for t in TABLES:
+        if t.name == "readme_gain":
+            continue
+        for name in list(t.files) + list(t.extra_files):
+            cited.setdefault(name, []).append(t)
+            commands.setdefault(name, t.extra_files.get(name) or t.command)
+    rows = []
+    for name in sorted(cited):
+        meta = results.meta(name)
+        tables = cited[name]
+        sections = dict.fromkeys(t.section for t in tables)
+        target = os.path.relpath(ROOT / "BENCHMARKS.md", (ROOT / document).parent)
+        rows.append([link(name, document), "; ".join(f"[{s}]({target}#{slug(s)})" for s in sections),
+                     meta["device"], meta["date"], f"`{commands[name]}`"])
+    return table(["file", "BENCHMARKS.md section", "device", "date", "command"], rows) + "\n"
+
+
+def generate(root: Path):
+    """{document: (old text, new text)} for every document that holds a marker."""
+    results = Results(root)
+    by_name = {t.name: t for t in TABLES}
+    seen, out = set(), {}
+    for document in DOCUMENTS:
+        path = root / document
+        if not path.is_file():
+            continue
+        old = path.read_text()
+
+        def replace(match):
+            name = match.group(1)
+            if name == "results_index":
+                body = render_index(results, document)
+            elif name in by_name:
+                body = by_name[name].text(results, document)
+            else:
+                raise ResultError(f"{document}: unknown table {name!r} (known: {sorted(by_name)}, results_index)")
+            seen.add(name)
+            return f"<!-- table: {name} -->\n{body}\n<!-- /table -->"
+
+        out[document] = (old, MARKER.sub(replace, old))
+    missing = set(by_name) - seen
+    if missing:
+        raise ResultError(f"tables no document shows (add their markers): {sorted(missing)}")
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--check", action="store_true", help="exit 1 with a diff if a table differs (the default)")
+    mode.add_argument("--write", action="store_true", help="rewrite the tables from the result files")
+    ap.add_argument("--root", type=Path, default=ROOT, help="repository root (default: this script's checkout)")
+    args = ap.parse_args(argv)
+    try:
+        documents = generate(args.root)
+    except (ResultError, KeyError, ValueError) as exc:
+        print(f"bench_tables: {exc}", file=sys.stderr)
+        return 1
+    stale = [(doc, old, new) for doc, (old, new) in documents.items() if old != new]
+    if args.write:
+        for doc, _, new in stale:
+            (args.root / doc).write_text(new)
+            print(f"rewrote the tables of {doc}")
+        return 0
+    for doc, old, new in stale:
+        diff = difflib.unified_diff(old.splitlines(True), new.splitlines(True), doc, f"{doc} (generated)")
+        sys.stdout.writelines(diff)
+    if stale:
+        print(f"bench_tables: {len(stale)} document(s) differ from the result files; "
+              "python scripts/bench_tables.py --write rewrites them", file=sys.stderr)
+        return 1
+    print(f"tables match the result files in {RESULTS}/ ({', '.join(documents)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
