@@ -53,18 +53,41 @@ def test_verbose_before_or_after_the_command(command):
         assert parser.parse_args(argv).verbose is True, argv
 
 
-@pytest.mark.parametrize("name", ["rl-kernels", "rl-kernels repro", "rl-kernels bench"])
+def test_help_lists_every_command_with_what_it_does(capsys):
+    """``rl-kernels --help`` lists each command (verl-check was missing, issue 46) under 'commands:',
+    with the words of its own help."""
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    out = capsys.readouterr().out
+    commands = out.split("\ncommands:\n", 1)[1].split("\n\n", 1)[0]
+    names = [n.removeprefix("rl-kernels ") for n in _parsers() if n != "rl-kernels"]
+    assert exc.value.code == 0 and names == ["repro", "bench", "verl-check"], names
+    listed = {}  # name -> its help, wrapped lines joined
+    for line in commands.splitlines()[1:]:  # after the COMMAND line
+        if re.match(r" {4}\S", line):
+            name = line.split()[0]
+            listed[name] = line
+        else:
+            listed[name] += line
+    assert list(listed) == names, commands
+    helps = {a.dest: a.help for a in next(a for a in build_parser()._actions
+                                            if isinstance(a, argparse._SubParsersAction))._choices_actions}
+    for name in names:
+        assert " ".join(listed[name].split()) == f"{name} {' '.join(helps[name].split())}", (name, commands)
+
+
+@pytest.mark.parametrize("name", ["rl-kernels", "rl-kernels repro", "rl-kernels bench", "rl-kernels verl-check"])
 def test_help_is_plain_text(name):
     """argparse prints descriptions and help as they are: no ``literal`` or :func:`role` markup."""
     text = _parsers()[name].format_help()
     assert "`" not in text, text
     assert not re.search(r":(func|class|meth|mod|attr|data|ref):", text), text
     if name == "rl-kernels":
-        assert "--version" in text and "repro" in text and "bench" in text and "examples:" in text
+        assert "--version" in text and "examples:" in text
 
 
 def test_help_exits_zero_for_every_command(capsys):
-    for argv in (["--help"], ["repro", "--help"], ["bench", "--help"]):
+    for argv in (["--help"], ["repro", "--help"], ["bench", "--help"], ["verl-check", "--help"]):
         with pytest.raises(SystemExit) as exc:
             main(argv)
         out = capsys.readouterr().out
