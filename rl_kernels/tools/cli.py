@@ -9,10 +9,12 @@ INFO level and prints the traceback of any error.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import math
 import os
 import sys
+import textwrap
 import traceback
 
 import torch
@@ -157,6 +159,14 @@ def _sample_paths(paths: list[str]) -> list[tuple[str, str | None]]:
     return targets
 
 
+def _say(text: str, indent: str = "") -> None:
+    """Print prose wrapped to the repro table's width (words never broken: a path stays whole)."""
+    from .repro import TABLE_WIDTH
+
+    print(textwrap.fill(text, TABLE_WIDTH, initial_indent=indent, subsequent_indent=indent + "  ",
+                        break_long_words=False, break_on_hyphens=False))
+
+
 def _repro(args: argparse.Namespace) -> int:
     from .repro import (BASELINE_FAIL, INPUT_NON_FINITE, available_backends,
                         available_logits_backends, check_sample, error_row, format_table,
@@ -172,11 +182,11 @@ def _repro(args: argparse.Namespace) -> int:
     device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     backends = available_backends(device)
     logits_backends = available_logits_backends(device)
-    print(f"device: {device}; tolerance {args.atol:g} vs float64")
-    print(f"  backends, hidden-state samples: {', '.join(backends)}")
-    print(f"  backends, logits samples: {', '.join(logits_backends)}")
+    print(f"device: {device}; Δ: max |error| against float64; PASS: Δ <= {args.atol:g}, no NaN/inf, no log-prob > 0")
+    _say(f"backends, hidden-state samples: {', '.join(backends)}", "  ")
+    _say(f"backends, logits samples: {', '.join(logits_backends)}", "  ")
     for name, why in unavailable_backends(device).items():
-        print(f"  skipped: {name}: {why}")
+        _say(f"skipped: {name}: {why}", "  ")
 
     rows, errors = [], []
 
@@ -197,7 +207,7 @@ def _repro(args: argparse.Namespace) -> int:
     if not args.paths:
         for make in BUNDLED.values():
             s = make()
-            print(f"  {s.name}: {s.description}")
+            _say(f"{s.name}: {s.description}", "  ")
             run(s)
     for path, message in targets:
         if message:
@@ -211,21 +221,23 @@ def _repro(args: argparse.Namespace) -> int:
         except Exception as exc:  # noqa: BLE001 - an unforeseen way for a file to be bad
             error(path, f"{path}: {type(exc).__name__}: {_one_line(exc, None)}")
             continue
+        s = dataclasses.replace(s, name=path)  # a file's rows are named by its path, as given or in its directory
         if s.description:
-            print(f"  {s.name}: {s.description}")
+            _say(f"{s.name}: {s.description}", "  ")
         if set(s.metadata) - set(_METADATA_SHOWN_ELSEWHERE):
-            print(f"  {s.name}: metadata: {_describe_metadata(s.metadata)}")
+            print(f"  {s.name}: metadata: {_describe_metadata(s.metadata)}")  # data: in full, on one line
         run(s)
     print(format_table(rows))
+    print()
     failed = [r for r in rows if r.ours and not r.passed]
     if any(r.status == BASELINE_FAIL for r in rows):
-        print(f"{BASELINE_FAIL}: a baseline (not rl-kernels) further from float64 than the tolerance: "
-              f"that baseline's own error (the note says what it computes differently), not a failure "
-              f"of this run; only rl_kernels rows decide the exit status")
+        _say(f"{BASELINE_FAIL}: a baseline (not rl-kernels) further from float64 than the tolerance: "
+             f"that baseline's own error (the note says what it computes differently), not a failure "
+             f"of this run; only rl_kernels rows decide the exit status")
     non_finite = list(dict.fromkeys(r.sample for r in rows if "input holds NaN/inf" in r.note))
     if non_finite:
-        print(f"input NaN/inf: {', '.join(non_finite)}: the rows named in the note are not "
-              f"compared (a non-finite input, not a kernel failure)")
+        _say(f"input NaN/inf: {', '.join(non_finite)}: the rows named in the note are not "
+             f"compared (a non-finite input, not a kernel failure)")
     if failed or errors:
         what = ([f"{len(failed)} case(s) of ours failed"] if failed else []) + \
             ([f"{len(errors)} sample(s) could not be checked (ERROR rows)"] if errors else [])
@@ -323,10 +335,12 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Replay samples through every backend available here "
                            "(ours Triton and torch, torch eager, verl's kernel when importable on "
                            "CUDA) and print, per backend, the max |error| of log-probs and entropy "
-                           "against float64 and PASS / FAIL; a baseline further from float64 than "
-                           "the tolerance is FAIL (baseline), that baseline's own error, never a "
-                           "failure of the run. Exit status 1 when one of ours fails or a file "
-                           "cannot be replayed, 2 for a bad option.")
+                           "against float64 and PASS / FAIL, each row's note (a count of NaN/inf "
+                           "outputs or of log-probs > 0, an error) numbered under the table; a "
+                           "baseline further from float64 than the tolerance is FAIL (baseline), that "
+                           "baseline's own error, never a failure of the run. A file's rows are named "
+                           "by its path (a directory's files: DIR/NAME). Exit status 1 when one of ours "
+                           "fails or a file cannot be replayed, 2 for a bad option.")
     _add_verbose(repro, argparse.SUPPRESS)
     repro.add_argument("paths", nargs="*", metavar="PATH",
                        help=".safetensors/.pt sample files, each holding hidden_states/weight/labels "
