@@ -15,7 +15,7 @@ pytest.importorskip("verl", reason="verl is not installed (pip install -e '.[ver
 
 import rl_kernels
 from rl_kernels.tools.cli import main
-from rl_kernels.tools.verl_check import diagnose, distillation_note, sum_pi_squared_note
+from rl_kernels.tools.verl_check import compose, diagnose, distillation_note, sum_pi_squared_note
 
 pytestmark = pytest.mark.verl_matrix
 
@@ -107,9 +107,19 @@ def test_an_option_nothing_reads_is_caught_with_the_spelling_that_works(capsys, 
 
 
 def test_a_key_of_verl_named_like_an_option_is_not_stray(capsys):
-    """verl has keys named 'backend' of its own: overriding one is not a mistake."""
-    code, line = _check(capsys, SEARCH, "+rl_kernels=fused", "++transfer_queue.backend=simple")
-    assert code == 0 and line.startswith("rl-kernels is ON: fused path"), line
+    """verl has keys named 'backend' of its own (which ones depends on its version): overriding one
+    is not a mistake."""
+    def keys(node, path=()):
+        for key, value in node.items():
+            yield path + (key,), value
+            if isinstance(value, dict):
+                yield from keys(value, path + (key,))
+
+    verl_config, _ = compose([])
+    own = next(".".join(path) for path, value in keys(verl_config)
+               if path[-1] == "backend" and "fused_kernel_options" not in path and isinstance(value, (str, type(None))))
+    code, line = _check(capsys, SEARCH, "+rl_kernels=fused", f"++{own}=simple")
+    assert code == 0 and line.startswith("rl-kernels is ON: fused path"), (own, line)
 
 
 @pytest.mark.parametrize("override,fix", [
