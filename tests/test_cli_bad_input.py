@@ -19,6 +19,7 @@ import rl_kernels.tools.bundled_samples as bundled_samples
 from rl_kernels.integrations.anomaly import AnomalyCapture
 from rl_kernels.tools.cli import build_parser, main
 from rl_kernels.samples import SampleError, load_sample, save_logits_sample, save_sample
+from repro_rows import table_rows
 
 
 @pytest.fixture(autouse=True)
@@ -53,8 +54,8 @@ def _one_line_naming(err: str, name: str) -> str:
     return lines[0]
 
 
-def _table(out: str) -> list[str]:
-    return [line for line in out.splitlines() if line.startswith("| ")][1:]
+def _table(out: str) -> list[dict]:
+    return table_rows(out)
 
 
 # ----------------------------------------------------------------------------- bad sample files
@@ -130,7 +131,8 @@ def test_every_bad_sample_file_is_one_error_line(tmp_path, capsys):
         assert line.startswith("rl-kernels repro: error: ") and what in line, (case, line)
         assert "Traceback" not in out
         rows = _table(out)
-        assert len(rows) == 1 and "ERROR" in rows[0] and str(path) in rows[0], (case, out)
+        assert len(rows) == 1 and rows[0]["result"] == "ERROR" and rows[0]["sample"] == str(path), (case, out)
+        assert what in rows[0]["note"], (case, rows)
         with pytest.raises(SampleError, match=re.escape(str(path))):  # the API: a ValueError naming the path
             load_sample(path)
 
@@ -147,8 +149,9 @@ def test_repro_directory(tmp_path, capsys):
     (folder / "sub.pt").mkdir()
     assert main(["repro", "--device", "cpu", str(folder)]) == 0
     out, err = capsys.readouterr()
-    assert err == "" and [r.split("|")[1].strip() for r in _table(out)] == \
-        ["a.safetensors"] * 2 + ["b.pt"] * 2 + ["c.safetensors"] * 2
+    # a directory's files are named by their path in it, as files given by their path are
+    assert err == "" and [r["sample"] for r in _table(out)] == \
+        [str(folder / "a.safetensors")] * 2 + [str(folder / "b.pt")] * 2 + [str(folder / "c.safetensors")] * 2
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "readme.txt").write_text("x")
@@ -161,7 +164,7 @@ def test_repro_directory(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert "no sample files in this directory" in _one_line_naming(err, str(empty))
     rows = _table(out)
-    assert len(rows) == 3 and "ERROR" in rows[0] and str(empty) in rows[0]
+    assert len(rows) == 3 and rows[0]["result"] == "ERROR" and rows[0]["sample"] == str(empty)
     with pytest.raises(SampleError, match="is a directory"):  # the API reads files only
         load_sample(folder)
 
@@ -173,9 +176,8 @@ def test_one_bad_file_among_several_does_not_discard_the_others(tmp_path, capsys
     assert main(["repro", "--device", "cpu", str(good), str(bad), str(other)]) == 1
     out, err = capsys.readouterr()
     rows = _table(out)
-    assert [r.split("|")[1].strip() for r in rows] == ["good.safetensors"] * 2 + [str(bad)] + \
-        ["other.safetensors"] * 2
-    assert all("PASS" in r for r in rows if "ERROR" not in r)
+    assert [r["sample"] for r in rows] == [str(good)] * 2 + [str(bad)] + [str(other)] * 2  # one naming rule
+    assert [r["result"] for r in rows] == ["PASS"] * 2 + ["ERROR"] + ["PASS"] * 2
     assert "not a torch.save file" in _one_line_naming(err, str(bad))
     assert "1 sample(s) could not be checked" in err
 
@@ -193,7 +195,7 @@ def test_subprocess_bad_files_and_usage_errors(tmp_path):
     proc = run("repro", str(junk), str(good), "--atol", "1e-3")
     assert proc.returncode == 1 and "Traceback" not in proc.stdout + proc.stderr
     assert "not a torch.save file" in _one_line_naming(proc.stderr, str(junk))
-    assert sum("PASS" in r for r in _table(proc.stdout)) == 2
+    assert [r["result"] for r in _table(proc.stdout)] == ["ERROR", "PASS", "PASS"]
     proc = run("repro", "--atol", "-1", str(good))
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [
@@ -288,10 +290,10 @@ def test_nan_input_rows_are_reported_as_input_not_kernel_failure(tmp_path, capsy
                  str(tmp_path / "nan_logits.pt")]) == 0
     out, err = capsys.readouterr()
     rows = _table(out)
-    assert len(rows) == 4 and all("PASS" in r for r in rows), out
-    assert all("input holds NaN/inf in rows [(1, 2), (3, 0)]" in r for r in rows[:2])
-    assert all("input holds NaN/inf in rows [2]" in r for r in rows[2:])
-    assert "not a kernel failure" in out and "Traceback" not in out + err
+    assert len(rows) == 4 and all(r["result"] == "PASS" for r in rows), out
+    assert all("input holds NaN/inf in rows [(1, 2), (3, 0)]" in r["note"] for r in rows[:2])
+    assert all("input holds NaN/inf in rows [2]" in r["note"] for r in rows[2:])
+    assert "not a kernel failure" in " ".join(out.split()) and "Traceback" not in out + err
 
 
 def test_anomaly_sample_replays_with_its_metadata(tmp_path, capsys):
@@ -312,8 +314,8 @@ def test_anomaly_sample_replays_with_its_metadata(tmp_path, capsys):
                  "model=tiny"):
         assert part in meta, meta
     rows = _table(text)
-    assert rows and all("n/a: input NaN/inf" in r and "FAIL" not in r for r in rows)
-    assert all("input holds NaN/inf in weight rows (vocab ids) [3]" in r for r in rows)
+    assert rows and all(r["result"] == "n/a: input NaN/inf" for r in rows)
+    assert all("input holds NaN/inf in weight rows (vocab ids) [3]" in r["note"] for r in rows)
 
 
 EAGER_BF16 = "baseline's own error: logits computed in bfloat16 (the inputs' dtype), as verl's default path does"
@@ -337,12 +339,12 @@ def test_failing_baseline_reads_the_same_bundled_saved_or_captured(tmp_path, mon
     for argv in ([], [str(tmp_path / "mine.pt")], [str(captured)]):
         assert main(["repro", "--device", "cpu", *argv]) == 0, argv
         text = capsys.readouterr().out
-        rows = {r.split("|")[2].strip(): r for r in _table(text)}
-        assert "PASS" in rows["rl_kernels torch"], argv
-        eager = [c.strip() for c in rows["torch eager"].split("|")]
-        assert eager[7:9] == ["FAIL (baseline)", EAGER_BF16], (argv, eager)
-        assert "FAIL (baseline): a baseline (not rl-kernels) further from float64" in text
-        assert "only rl_kernels rows decide the exit status" in text
+        rows = {r["backend"]: r for r in _table(text)}
+        assert rows["rl_kernels torch"]["result"] == "PASS", argv
+        assert [rows["torch eager"][k] for k in ("result", "note")] == ["FAIL (baseline)", EAGER_BF16], argv
+        prose = " ".join(text.split())  # (wrapped to the width)
+        assert "FAIL (baseline): a baseline (not rl-kernels) further from float64" in prose
+        assert "only rl_kernels rows decide the exit status" in prose
         assert text.splitlines()[-1] == "all rl_kernels backends PASS"
 
 

@@ -15,6 +15,7 @@ import rl_kernels
 import rl_kernels.tools.repro as repro
 from rl_kernels.tools.cli import build_parser, main, report_written
 from rl_kernels.samples import save_logits_sample, save_sample
+from repro_rows import table_rows
 
 
 def _parsers():
@@ -53,18 +54,41 @@ def test_verbose_before_or_after_the_command(command):
         assert parser.parse_args(argv).verbose is True, argv
 
 
-@pytest.mark.parametrize("name", ["rl-kernels", "rl-kernels repro", "rl-kernels bench"])
+def test_help_lists_every_command_with_what_it_does(capsys):
+    """``rl-kernels --help`` lists each command (verl-check was missing, issue 46) under 'commands:',
+    with the words of its own help."""
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    out = capsys.readouterr().out
+    commands = out.split("\ncommands:\n", 1)[1].split("\n\n", 1)[0]
+    names = [n.removeprefix("rl-kernels ") for n in _parsers() if n != "rl-kernels"]
+    assert exc.value.code == 0 and names == ["repro", "bench", "verl-check"], names
+    listed = {}  # name -> its help, wrapped lines joined
+    for line in commands.splitlines()[1:]:  # after the COMMAND line
+        if re.match(r" {4}\S", line):
+            name = line.split()[0]
+            listed[name] = line
+        else:
+            listed[name] += line
+    assert list(listed) == names, commands
+    helps = {a.dest: a.help for a in next(a for a in build_parser()._actions
+                                            if isinstance(a, argparse._SubParsersAction))._choices_actions}
+    for name in names:
+        assert " ".join(listed[name].split()) == f"{name} {' '.join(helps[name].split())}", (name, commands)
+
+
+@pytest.mark.parametrize("name", ["rl-kernels", "rl-kernels repro", "rl-kernels bench", "rl-kernels verl-check"])
 def test_help_is_plain_text(name):
     """argparse prints descriptions and help as they are: no ``literal`` or :func:`role` markup."""
     text = _parsers()[name].format_help()
     assert "`" not in text, text
     assert not re.search(r":(func|class|meth|mod|attr|data|ref):", text), text
     if name == "rl-kernels":
-        assert "--version" in text and "repro" in text and "bench" in text and "examples:" in text
+        assert "--version" in text and "examples:" in text
 
 
 def test_help_exits_zero_for_every_command(capsys):
-    for argv in (["--help"], ["repro", "--help"], ["bench", "--help"]):
+    for argv in (["--help"], ["repro", "--help"], ["bench", "--help"], ["verl-check", "--help"]):
         with pytest.raises(SystemExit) as exc:
             main(argv)
         out = capsys.readouterr().out
@@ -72,20 +96,19 @@ def test_help_exits_zero_for_every_command(capsys):
 
 
 # ----------------------------------------------------------------------------- full values
-def _rows(out):
-    return [line for line in out.splitlines() if line.startswith("| ")][1:]
-
-
 def test_table_prints_long_values_in_full():
+    """A long name stays in its row; a long note is a numbered line under the table, in full."""
     note = "input holds NaN/inf in rows " + ", ".join(str(i) for i in range(120)) + " (end of note)"
     name = "a_sample_with_a_rather_long_file_name_" + "x" * 150 + ".safetensors"
+    message = "not a sample file " + "y" * 200 + " (end of message)"
     rows = [repro.Row(name, "rl_kernels torch", True, 1e-7, 2e-7, 0, 0, True, note),
-            repro.error_row("short.pt", "not a sample file " + "y" * 200 + " (end of message)")]
+            repro.error_row("short.pt", message)]
     table = repro.format_table(rows)
     lines = table.splitlines()
-    assert len(lines) == 2 + len(rows)  # header, rule, one line per row: no wrapped cells
-    assert name in lines[2] and note in lines[2] and "..." not in table
-    assert "y" * 200 + " (end of message)" in lines[3]
+    assert len(lines) == 2 + len(rows) + 3  # header, rule, one line per row, a blank line, the notes
+    assert name in lines[2] and lines[2].endswith(" | [1]    |") and "..." not in table
+    assert lines[-2:] == [f"[1] {note}", f"[2] {message}"]
+    assert [r["note"] for r in table_rows(table)] == [note, message]
 
 
 def test_bad_file_with_a_long_path_is_named_in_full(tmp_path, capsys):
@@ -95,9 +118,9 @@ def test_bad_file_with_a_long_path_is_named_in_full(tmp_path, capsys):
     bad.write_bytes(b"\x00" * 64)
     assert main(["repro", "--device", "cpu", str(bad)]) == 1
     out, err = capsys.readouterr()
-    (row,) = _rows(out)
-    assert row.split("|")[1].strip() == str(bad) and "ERROR" in row
-    assert "..." not in row and "..." not in err and str(bad) in err
+    (row,) = table_rows(out)
+    assert row["sample"] == str(bad) and row["result"] == "ERROR"
+    assert "..." not in out and "..." not in err and str(bad) in err
 
 
 def test_backend_error_note_in_full(tmp_path, monkeypatch, capsys):
@@ -114,8 +137,8 @@ def test_backend_error_note_in_full(tmp_path, monkeypatch, capsys):
                         lambda device: {**ours, "peer broken": (broken, False)})
     assert main(["repro", "--device", "cpu", str(path)]) == 0  # a peer failing is a result
     out = capsys.readouterr().out
-    (row,) = [r for r in _rows(out) if "peer broken" in r]
-    assert f"RuntimeError: {' '.join(message.split())}" in row
+    (row,) = [r for r in table_rows(out) if r["backend"] == "peer broken"]
+    assert row["note"].endswith(f"RuntimeError: {' '.join(message.split())}"), row
 
 
 def test_sample_metadata_printed_in_full(tmp_path, capsys):

@@ -14,6 +14,7 @@ from rl_kernels.reference import make_inputs, reference_logits_stats
 from rl_kernels.tools.bundled_samples import BUNDLED
 from rl_kernels.samples import (LogitsSample, Sample, SampleError, load_sample,
                                 save_logits_sample, save_sample)
+from repro_rows import table_rows
 
 
 
@@ -36,6 +37,42 @@ def test_bundled_repro_main_job_passes():
     if not torch.cuda.is_available():  # no interpreter in the main job: Triton rows are skipped
         assert "skipped: rl_kernels triton" in proc.stdout
         assert not any("triton" in line for line in table)
+    # the output fits the width: a baseline's long note is a numbered note under the table, once
+    assert max(len(line) for line in proc.stdout.splitlines()) <= repro.TABLE_WIDTH, proc.stdout
+    eager_notes = {row["note"] for row in table_rows(proc.stdout) if row["backend"] == "torch eager"}
+    assert eager_notes == {EAGER_BF16, EAGER_LOGITS}, eager_notes
+    assert sum(line.startswith("[") for line in proc.stdout.splitlines()) == 2
+
+
+EAGER_BF16 = "baseline's own error: logits computed in bfloat16 (the inputs' dtype), as verl's default path does"
+EAGER_LOGITS = "baseline's own error: logits divided by T in bfloat16 (the logits' dtype), as verl's logits path does"
+
+
+def test_the_table_fits_the_width_for_every_bundled_sample_and_backend():
+    """Every bundled sample with every backend name there can be (the interpreter's and CUDA's
+    included), each result: the table keeps to TABLE_WIDTH; the notes follow it, numbered."""
+    names = list(BUNDLED) + ["verl linear_cross_entropy"]
+    backends = list(repro.available_backends(torch.device("cpu"))) + ["verl linear_cross_entropy",
+                                                                      "rl_kernels triton 1-level",
+                                                                      "rl_kernels triton 2-level"]
+    rows = [repro.Row(sample, backend, True, 3.1e-6, 1.25e-13, 0, 0, True) for sample in names for backend in backends]
+    rows += [repro.Row("hidden_904", "torch eager", False, 0.17, 6.2e-14, 0, 0, False, EAGER_BF16,
+                       repro.BASELINE_FAIL),
+             repro.Row("hidden_904", "rl_kernels torch", True, 0.2, 0.1, 3, 2, False),
+             repro.Row("softcap_past_cap", "rl_kernels torch", True, 0, 0, 0, 0, True, "input holds NaN/inf",
+                       repro.INPUT_NON_FINITE),
+             repro.error_row("logits_bf16_temperature", "check failed: " + " ".join(["x"] * 100))]
+    text = repro.format_table(rows)
+    table = [line for line in text.splitlines() if line.startswith("|")]
+    assert len(table) == 2 + len(rows) and max(len(line) for line in table) <= repro.TABLE_WIDTH, text
+    read = table_rows(text)
+    assert [r["note"] for r in read[-4:]] == [
+        EAGER_BF16, "3 non-finite log_probs/entropy value(s); 2 log_probs > 0", "input holds NaN/inf",
+        "check failed: " + " ".join(["x"] * 100)]
+    assert [(r["log_probs"], r["entropy"], r["result"]) for r in read[-4:]] == [
+        ("0.17", "6.2e-14", "FAIL (baseline)"), ("0.2", "0.1", "FAIL"), ("-", "-", "n/a: input NaN/inf"),
+        ("-", "-", "ERROR")]
+    assert text.splitlines()[-5] == "" and text.splitlines()[-4].startswith("[1] ")
 
 
 @pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
@@ -88,17 +125,15 @@ def test_saved_bundled_sample_replays_through_every_backend(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "rl_kernels torch" in out and "PASS" in out
     if "rl_kernels triton" in repro.available_backends(torch.device("cpu")):
-        assert out.count("| ignore_index_3d") == 3  # triton (interpreter), torch, eager
+        path = str(tmp_path / "ignore_index_3d.safetensors")  # the row's name: the file's path, as given
+        assert [r["sample"] for r in table_rows(out)] == [path] * 3  # triton (interpreter), torch, eager
 
 
 def _rows(out):
     """(sample, backend) -> [result, note] of the table in ``out``; a file's sample name without
-    its suffix."""
-    rows = {}
-    for line in _table(out)[1:]:  # after the header
-        cells = [c.strip() for c in line.split("|")[1:-1]]
-        rows[(cells[0].removesuffix(".safetensors"), cells[1])] = cells[6:8]
-    return rows
+    its folder and suffix."""
+    return {(os.path.basename(r["sample"]).removesuffix(".safetensors"), r["backend"]): [r["result"], r["note"]]
+            for r in table_rows(out)}
 
 
 def test_saved_bundled_samples_replay_from_their_directory_as_bundled(tmp_path, monkeypatch, capsys):
@@ -126,7 +161,11 @@ def test_saved_bundled_samples_replay_from_their_directory_as_bundled(tmp_path, 
     assert bundled[("logits_bf16_temperature", "torch eager")] == [
         repro.BASELINE_FAIL, "baseline's own error: logits divided by T in bfloat16 (the logits' "
         "dtype), as verl's logits path does"]
-    assert "metadata:" not in out and "  hidden_904.safetensors: verl triton asserts H % 128 == 0" in out
+    described = f"{tmp_path / 'hidden_904.safetensors'}: verl triton asserts H % 128 == 0"
+    assert "metadata:" not in out and described in " ".join(out.split())  # (wrapped to the width)
+    # a directory's files are named by their path in it, as a file given by its path
+    assert {r["sample"] for r in table_rows(out)} == {str(tmp_path / f"{k}.safetensors") for k in
+                                                      ("logits_bf16_temperature", "hidden_904")}
 
 
 def test_failing_baseline_never_fails_the_run(tmp_path, monkeypatch, capsys):

@@ -15,7 +15,7 @@ pytest.importorskip("verl", reason="verl is not installed (pip install -e '.[ver
 
 import rl_kernels
 from rl_kernels.tools.cli import main
-from rl_kernels.tools.verl_check import diagnose, distillation_note, sum_pi_squared_note
+from rl_kernels.tools.verl_check import compose, diagnose, distillation_note, sum_pi_squared_note
 
 pytestmark = pytest.mark.verl_matrix
 
@@ -49,12 +49,13 @@ def test_on(capsys, overrides, path):
     ((SEARCH, "rl_kernels.backend=tritn"),
      ["did not compose", f"Fix: ++{MODEL}.fused_kernel_options.rl_kernels.backend=tritn"]),
     ((SEARCH, "+rl_kernels.backend=tritn"),
-     ["stray top-level 'rl_kernels' section (backend=tritn)", f"++{MODEL}.fused_kernel_options.rl_kernels.backend=tritn"]),
+     ["a key that nothing reads: rl_kernels.backend=tritn", f"++{MODEL}.fused_kernel_options.rl_kernels.backend=tritn",
+      "+rl_kernels=fused (or logits)"]),
     # the package of the search path misspelt: Hydra only warns
     (("hydra.searchpath=[pkg://rl_kernels.integration.conf]", "+rl_kernels=fused"),
      ["could not read the search path rl_kernels.integration.conf", f"Fix: {SEARCH}"]),
     # no search path at all
-    (("+rl_kernels=fused",), ["plain top-level 'rl_kernels: fused'", "hydra.searchpath=[pkg://rl_kernels.integrations.conf]"]),
+    (("+rl_kernels=fused",), ["plain top-level 'rl_kernels: fused'", f"Fix: add '{SEARCH}'"]),
     # impl_backend misspelt: verl prints "Skipping monkey patch" and runs the plain forward
     ((f"{MODEL}.external_lib=rl_kernels.integrations.verl", f"{MODEL}.use_fused_kernels=True",
       f"{MODEL}.fused_kernel_options.impl_backend=rl_kernel"),
@@ -71,6 +72,111 @@ def test_each_mistake_is_off_with_its_fix(capsys, overrides, expected):
     assert code == 1 and line.startswith("rl-kernels is OFF"), line
     for text in expected:
         assert text in line, (text, line)
+
+
+OPTIONS = f"{MODEL}.fused_kernel_options.rl_kernels"
+
+
+@pytest.mark.parametrize("stray,shown", [
+    ("+rl_kernels.backend=torch", "rl_kernels.backend=torch"),  # Hydra's own hint for rl_kernels.backend=torch
+    ("++rl_kernels.backend=torch", "rl_kernels.backend=torch"),
+    ("++rl_kernels.bakend=torch", "rl_kernels.bakend=torch"),  # and the option misspelt too
+    (f"++{MODEL}.rl_kernels.backend=torch", f"{MODEL}.rl_kernels.backend=torch"),
+    (f"++{MODEL}.fused_kernel_options.rl_kernel.backend=torch",
+     f"{MODEL}.fused_kernel_options.rl_kernel.backend=torch"),
+    (f"+{MODEL}.fused_kernel_options.backend=torch", f"{MODEL}.fused_kernel_options.backend=torch"),
+    ("+backend=torch", "backend=torch"),
+])
+@pytest.mark.parametrize("group", ["before", "after", "none"])
+def test_an_option_nothing_reads_is_caught_with_the_spelling_that_works(capsys, stray, shown, group):
+    """An option put where nothing reads it composes without an error and the run keeps the option's
+    default (issue 46: 'ON ... backend=auto', exit 0): exit 1, the line names the key as composed
+    and the override that works, and that override, in its place, makes the run ON with the option."""
+    selected = {"before": [SEARCH, "+rl_kernels=fused", stray], "after": [SEARCH, stray, "+rl_kernels=fused"],
+                "none": [SEARCH, stray]}[group]
+    code, line = _check(capsys, *selected)
+    fix = f"++{OPTIONS}.backend=torch"
+    assert code == 1 and f"nothing reads: {shown} (" in line and f"Fix: {fix}" in line, line
+    if group == "none":
+        assert line.startswith("rl-kernels is OFF") and "+rl_kernels=fused (or logits)" in line, line
+    else:
+        assert line.startswith("rl-kernels is ON but not as asked: ") and "backend=auto" in line, line
+    fixed = [fix if o == stray else o for o in selected] + (["+rl_kernels=fused"] if group == "none" else [])
+    code, line = _check(capsys, *fixed)
+    assert code == 0 and line.startswith("rl-kernels is ON: fused path") and "backend=torch" in line, line
+
+
+def test_a_key_of_verl_named_like_an_option_is_not_stray(capsys):
+    """verl has keys named 'backend' of its own (which ones depends on its version): overriding one
+    is not a mistake."""
+    def keys(node, path=()):
+        for key, value in node.items():
+            yield path + (key,), value
+            if isinstance(value, dict):
+                yield from keys(value, path + (key,))
+
+    verl_config, _ = compose([])
+    own = next(".".join(path) for path, value in keys(verl_config)
+               if path[-1] == "backend" and "fused_kernel_options" not in path and isinstance(value, (str, type(None))))
+    code, line = _check(capsys, SEARCH, "+rl_kernels=fused", f"++{own}=simple")
+    assert code == 0 and line.startswith("rl-kernels is ON: fused path"), (own, line)
+
+
+@pytest.mark.parametrize("override,fix", [
+    ("rl_kernels.backend=torch", f"++{OPTIONS}.backend=torch"),  # Hydra refuses; its hint would be stray
+    (f"{OPTIONS}.backnd=torch", f"++{OPTIONS}.backend=torch"),  # an option misspelt where it belongs
+])
+def test_an_option_hydra_refuses_gets_the_spelling_that_works(capsys, override, fix):
+    code, line = _check(capsys, SEARCH, "+rl_kernels=fused", override)
+    assert code == 1 and "did not compose" in line and f"Fix: {fix} " in line, line
+    code, line = _check(capsys, SEARCH, "+rl_kernels=fused", fix)
+    assert code == 0 and "backend=torch" in line, line
+
+
+CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+GROUP_OPTIONS = sorted(f.removesuffix(".yaml") for f in os.listdir(os.path.join(CONF, "rl_kernels")))
+
+
+@pytest.mark.parametrize("where", [(SEARCH,), ("--config-dir", CONF)])
+def test_an_unknown_group_option_lists_every_option_and_the_nearest(capsys, where):
+    """Hydra lists the group's options on several lines: every one is in the line, with a did-you-mean."""
+    code, line = _check(capsys, *where, "+rl_kernels=logit")
+    assert code == 1 and "Could not find 'rl_kernels/logit'" in line, line
+    assert f"options in 'rl_kernels': {', '.join(GROUP_OPTIONS)}." in line, line
+    assert line.endswith("Fix: did you mean +rl_kernels=logits?"), line
+    assert "logits" in GROUP_OPTIONS and len(GROUP_OPTIONS) >= 3
+
+
+def test_an_unknown_group_option_without_the_search_path_gets_the_nearest(capsys):
+    code, line = _check(capsys, "+rl_kernels=logit")
+    assert code == 1 and "with +rl_kernels=logits ('logit' is no option of the group; its options: " \
+        f"{', '.join(GROUP_OPTIONS)})" in line, line
+
+
+@pytest.mark.parametrize("argv", [
+    ["--config-dir", CONF, "+rl_kernels=fused"],
+    ["+rl_kernels=fused", "--config-dir", CONF],
+    [f"--config-dir={CONF}", "+rl_kernels=fused", "--entry", "verl.trainer.main_ppo", "-v",
+     f"{MODEL}.use_fused_kernels=False"],
+    ["-cd", CONF, "--config-name", "ppo_trainer", "+rl_kernels=fused", f"{MODEL}.use_fused_kernels=False"],
+])
+def test_own_options_anywhere_among_the_overrides(capsys, argv):
+    """verl-check's options (--config-dir first, as its help shows it) mix with the overrides in any order."""
+    code, line = _check(capsys, *argv)
+    path = "logits path" if f"{MODEL}.use_fused_kernels=False" in argv else "fused path"
+    assert code == 0 and line.startswith(f"rl-kernels is ON: {path}"), line
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["+rl_kernels=fused", "--cfg", "job"], "unrecognized arguments: --cfg"),
+    (["--config-dir", "/no/such/dir", "+rl_kernels=fused"], "argument --config-dir: '/no/such/dir' is not a directory"),
+])
+def test_a_bad_flag_is_a_one_line_usage_error(capsys, argv, message):
+    with pytest.raises(SystemExit) as err:
+        main(["verl-check", *argv])
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert err.value.code == 2 and len(lines) == 1 and message in lines[0] and not captured.out, lines
 
 
 def test_logits_path_switched_off_is_off():

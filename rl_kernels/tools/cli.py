@@ -1,4 +1,5 @@
-"""Command line: ``rl-kernels repro [PATH ...]`` and ``rl-kernels bench`` (also ``python -m rl_kernels``).
+"""Command line: ``rl-kernels repro [PATH ...]``, ``rl-kernels bench`` and ``rl-kernels verl-check
+[OVERRIDES ...]`` (also ``python -m rl_kernels``).
 
 Bad input never ends in a traceback: a usage error (a bad option value) is one line on stderr and
 exit status 2; a sample file that cannot be replayed is an ERROR row and one line on stderr, the
@@ -8,10 +9,12 @@ INFO level and prints the traceback of any error.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import math
 import os
 import sys
+import textwrap
 import traceback
 
 import torch
@@ -21,12 +24,6 @@ from ._common import DEFAULT_LOGITS_SHAPES, DEFAULT_SHAPES, VARYING_N_SHAPE, Usa
 # argparse prints these as they are: plain text, no reStructuredText markup
 DESCRIPTION = """\
 rl-kernels: fused linear + log-prob / entropy kernels for RL training of LLMs.
-
-commands:
-  repro   replay the bundled bug-catalogue samples (or sample files) through every backend
-          available here and compare with float64; exit status 1 when one of ours fails
-  bench   time the kernels against cuBLAS and their peers (needs a CUDA GPU; without one it
-          says so and exits 0)
 
 Bad input never ends in a traceback: a bad option value is one line on stderr and exit status 2;
 a sample file that cannot be replayed is an ERROR row plus one line on stderr, the other files
@@ -162,6 +159,14 @@ def _sample_paths(paths: list[str]) -> list[tuple[str, str | None]]:
     return targets
 
 
+def _say(text: str, indent: str = "") -> None:
+    """Print prose wrapped to the repro table's width (words never broken: a path stays whole)."""
+    from .repro import TABLE_WIDTH
+
+    print(textwrap.fill(text, TABLE_WIDTH, initial_indent=indent, subsequent_indent=indent + "  ",
+                        break_long_words=False, break_on_hyphens=False))
+
+
 def _repro(args: argparse.Namespace) -> int:
     from .repro import (BASELINE_FAIL, INPUT_NON_FINITE, available_backends,
                         available_logits_backends, check_sample, error_row, format_table,
@@ -177,11 +182,11 @@ def _repro(args: argparse.Namespace) -> int:
     device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     backends = available_backends(device)
     logits_backends = available_logits_backends(device)
-    print(f"device: {device}; tolerance {args.atol:g} vs float64")
-    print(f"  backends, hidden-state samples: {', '.join(backends)}")
-    print(f"  backends, logits samples: {', '.join(logits_backends)}")
+    print(f"device: {device}; Δ: max |error| against float64; PASS: Δ <= {args.atol:g}, no NaN/inf, no log-prob > 0")
+    _say(f"backends, hidden-state samples: {', '.join(backends)}", "  ")
+    _say(f"backends, logits samples: {', '.join(logits_backends)}", "  ")
     for name, why in unavailable_backends(device).items():
-        print(f"  skipped: {name}: {why}")
+        _say(f"skipped: {name}: {why}", "  ")
 
     rows, errors = [], []
 
@@ -202,7 +207,7 @@ def _repro(args: argparse.Namespace) -> int:
     if not args.paths:
         for make in BUNDLED.values():
             s = make()
-            print(f"  {s.name}: {s.description}")
+            _say(f"{s.name}: {s.description}", "  ")
             run(s)
     for path, message in targets:
         if message:
@@ -216,21 +221,23 @@ def _repro(args: argparse.Namespace) -> int:
         except Exception as exc:  # noqa: BLE001 - an unforeseen way for a file to be bad
             error(path, f"{path}: {type(exc).__name__}: {_one_line(exc, None)}")
             continue
+        s = dataclasses.replace(s, name=path)  # a file's rows are named by its path, as given or in its directory
         if s.description:
-            print(f"  {s.name}: {s.description}")
+            _say(f"{s.name}: {s.description}", "  ")
         if set(s.metadata) - set(_METADATA_SHOWN_ELSEWHERE):
-            print(f"  {s.name}: metadata: {_describe_metadata(s.metadata)}")
+            print(f"  {s.name}: metadata: {_describe_metadata(s.metadata)}")  # data: in full, on one line
         run(s)
     print(format_table(rows))
+    print()
     failed = [r for r in rows if r.ours and not r.passed]
     if any(r.status == BASELINE_FAIL for r in rows):
-        print(f"{BASELINE_FAIL}: a baseline (not rl-kernels) further from float64 than the tolerance: "
-              f"that baseline's own error (the note says what it computes differently), not a failure "
-              f"of this run; only rl_kernels rows decide the exit status")
+        _say(f"{BASELINE_FAIL}: a baseline (not rl-kernels) further from float64 than the tolerance: "
+             f"that baseline's own error (the note says what it computes differently), not a failure "
+             f"of this run; only rl_kernels rows decide the exit status")
     non_finite = list(dict.fromkeys(r.sample for r in rows if "input holds NaN/inf" in r.note))
     if non_finite:
-        print(f"input NaN/inf: {', '.join(non_finite)}: the rows named in the note are not "
-              f"compared (a non-finite input, not a kernel failure)")
+        _say(f"input NaN/inf: {', '.join(non_finite)}: the rows named in the note are not "
+             f"compared (a non-finite input, not a kernel failure)")
     if failed or errors:
         what = ([f"{len(failed)} case(s) of ours failed"] if failed else []) + \
             ([f"{len(errors)} sample(s) could not be checked (ERROR rows)"] if errors else [])
@@ -320,15 +327,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=version_text(),
                         help="print the version of rl-kernels (and of torch and Triton) and exit")
     _add_verbose(parser, False)
-    sub = parser.add_subparsers(dest="command", required=True)
-    repro = sub.add_parser("repro", help="compare every backend against float64 on samples",
+    # the commands' list in --help is argparse's, from each command's help: every command, once
+    sub = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
+    repro = sub.add_parser("repro", help="replay the bundled bug-catalogue samples (or sample files) through "
+                           "every backend available here and compare with float64; exit status 1 when one of "
+                           "ours fails",
                            description="Replay samples through every backend available here "
                            "(ours Triton and torch, torch eager, verl's kernel when importable on "
                            "CUDA) and print, per backend, the max |error| of log-probs and entropy "
-                           "against float64 and PASS / FAIL; a baseline further from float64 than "
-                           "the tolerance is FAIL (baseline), that baseline's own error, never a "
-                           "failure of the run. Exit status 1 when one of ours fails or a file "
-                           "cannot be replayed, 2 for a bad option.")
+                           "against float64 and PASS / FAIL, each row's note (a count of NaN/inf "
+                           "outputs or of log-probs > 0, an error) numbered under the table; a "
+                           "baseline further from float64 than the tolerance is FAIL (baseline), that "
+                           "baseline's own error, never a failure of the run. A file's rows are named "
+                           "by its path (a directory's files: DIR/NAME). Exit status 1 when one of ours "
+                           "fails or a file cannot be replayed, 2 for a bad option.")
     _add_verbose(repro, argparse.SUPPRESS)
     repro.add_argument("paths", nargs="*", metavar="PATH",
                        help=".safetensors/.pt sample files, each holding hidden_states/weight/labels "
@@ -342,8 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "150 MB; one line per file: its path and size) and exit")
     repro.set_defaults(func=_repro)
 
-    bench = sub.add_parser("bench", help="time the fused head vs cuBLAS matmul and its peers, or "
-                           "(--logits) the from-logits kernels vs bandwidth ceilings (GPU)",
+    bench = sub.add_parser("bench", help="time the fused head vs a cuBLAS matmul and its peers, or "
+                           "(--logits) the from-logits kernels vs bandwidth ceilings (needs a CUDA GPU; "
+                           "without one it says so and exits 0)",
                            description="Time the fused head against a cuBLAS matmul of the same "
                            "shape and its peers (torch eager; verl, Liger, CCE when importable), or "
                            "with --logits the from-logits kernels against the read / copy "
@@ -371,20 +384,45 @@ def build_parser() -> argparse.ArgumentParser:
                             "without a package index)")
     bench.set_defaults(func=_bench)
 
-    check = sub.add_parser("verl-check", help="say whether rl-kernels is on in the verl run these overrides make",
+    check = sub.add_parser("verl-check", help="say whether rl-kernels is on in the verl run these overrides "
+                           "make (needs verl); exit status 1 when off or when an override is lost",
                            description="Compose verl's config with these overrides the way the run does "
                            "(python -m verl.trainer.main_ppo --cfg job OVERRIDES; nothing is trained) and "
                            "say in one line whether rl-kernels is on (which path, backend, options) or off "
                            "and why, with the likely fix; then a line per optional feature the config asks "
-                           "for (sum_pi_squared), WARNING where it is not served. Exit status 0 when on, 1 "
-                           "when off, 2 for a usage error. Needs verl (the verl extra).")
+                           "for (sum_pi_squared, top-K distillation), WARNING where it is not served. Exit "
+                           "status 0 when on, 1 when off or when an override composes into a key that "
+                           "nothing reads (the run would not have that option), 2 for a usage error. The "
+                           "options below may come anywhere among the overrides. Needs verl (the verl extra).")
     _add_verbose(check, argparse.SUPPRESS)
     check.add_argument("--entry", default="verl.trainer.main_ppo",
                        help="verl's entry module that composes the config (default: %(default)s)")
-    check.add_argument("overrides", nargs=argparse.REMAINDER,
-                       help="the run's Hydra overrides, as on verl's command line (also --config-dir DIR)")
+    check.add_argument("--config-dir", "-cd", metavar="DIR",
+                       help="a directory of configs added to Hydra's search path, as on verl's command line "
+                            "(conf from the root of a clone holds the rl_kernels group)")
+    check.add_argument("--config-name", "-cn", metavar="NAME",
+                       help="verl's config to compose, as on verl's command line (default: the entry's own, "
+                            "e.g. ppo_trainer; ppo_megatron_trainer for the Megatron engine)")
+    check.add_argument("overrides", nargs="*", metavar="OVERRIDE",
+                       help="the run's Hydra overrides, as on verl's command line")
     check.set_defaults(func=_verl_check)
     return parser
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, except that verl-check's options may come anywhere among its
+    overrides: argparse stops filling the OVERRIDE list at the first option, and hands back the
+    overrides after it as unrecognized (in order), which are verl-check's too."""
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command == "verl-check":
+        flags = [a for a in rest if a.startswith("-")]
+        if not flags:
+            args.overrides = [*args.overrides, *rest]
+            return args
+        rest = flags
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return args
 
 
 def _verl_check(args: argparse.Namespace) -> int:
@@ -398,9 +436,13 @@ def _verl_check(args: argparse.Namespace) -> int:
         found = False
     if not found:
         raise UsageError(f"--entry: no module named {args.entry!r}")
+    if args.config_dir is not None and not os.path.isdir(args.config_dir):
+        raise UsageError(f"argument --config-dir: {args.config_dir!r} is not a directory")
     from .verl_check import check
 
-    verdict = check(list(args.overrides), args.entry)
+    flags = [*(("--config-dir", args.config_dir) if args.config_dir is not None else ()),
+             *(("--config-name", args.config_name) if args.config_name is not None else ())]
+    verdict = check(list(args.overrides), args.entry, tuple(flags))
     print(verdict.line)
     for note in verdict.notes:
         print(note)
@@ -409,7 +451,7 @@ def _verl_check(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command; returns the exit status (raises SystemExit(2) for a usage error)."""
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(name)s: %(message)s")
     prog = f"rl-kernels {args.command}"

@@ -272,21 +272,39 @@ def check_sample(sample: Sample | LogitsSample, device: torch.device, atol: floa
     return rows
 
 
+TABLE_WIDTH = 120
+"""The width the repro output keeps to: the table of the bundled samples, and the prose lines
+(wrapped); a sample's name, a note or metadata is printed in full, whatever its length."""
+
+
+def row_note(row: Row) -> str:
+    """Everything a row has to say besides its errors and result, in full: the count of non-finite
+    log-prob / entropy values and of log-probs > 0 (when not 0), then the row's note."""
+    counts = [] if row.status in (ERROR, INPUT_NON_FINITE) else [
+        text for n, text in ((row.non_finite, f"{row.non_finite} non-finite log_probs/entropy value(s)"),
+                             (row.positive_log_probs, f"{row.positive_log_probs} log_probs > 0")) if n > 0]
+    return "; ".join(counts + ([row.note] if row.note else []))
+
+
 def format_table(rows: list[Row]) -> str:
-    """The GitHub-markdown table of ``rows``: one line per row (to paste into an issue, or grep),
-    every value in full: a long note (an error message, the NaN rows) widens the table rather
-    than being cut."""
+    """The GitHub-markdown table of ``rows``, one line per row (to paste into an issue, or grep):
+    sample, backend, max |error| of log-probs and of entropy against float64 (Δ), result, and a
+    note's number; then, after a blank line, each note once, in full (``[1] text``): the same note
+    on several rows (a baseline's own error) is one number, and a long note (an error message, the
+    NaN rows) never widens the table."""
     from tabulate import tabulate
 
     def err(x: float, r: Row) -> str | None:
         return None if r.status in (ERROR, INPUT_NON_FINITE) else f"{x:.2e}"
 
-    def count(x: int, r: Row) -> int | None:
-        return None if r.status in (ERROR, INPUT_NON_FINITE) else x
-
-    table = [[r.sample, r.backend, err(r.err_log_probs, r), err(r.err_entropy, r),
-              count(r.non_finite, r), count(r.positive_log_probs, r), r.result, r.note]
-             for r in rows]
-    headers = ["sample", "backend", "max|Δ log_probs|", "max|Δ entropy|", "non-finite",
-               "log_probs>0", "result", "note"]
-    return tabulate(table, headers=headers, tablefmt="github", missingval="-")
+    notes: dict[str, int] = {}
+    table = []
+    for r in rows:
+        note = row_note(r)
+        ref = f"[{notes.setdefault(note, len(notes) + 1)}]" if note else ""
+        table.append([r.sample, r.backend, err(r.err_log_probs, r), err(r.err_entropy, r), r.result, ref])
+    headers = ["sample", "backend", "Δ log_probs", "Δ entropy", "result", "note"]
+    text = tabulate(table, headers=headers, tablefmt="github", missingval="-")
+    if notes:
+        text += "\n\n" + "\n".join(f"[{i}] {note}" for note, i in notes.items())
+    return text

@@ -1,15 +1,21 @@
 """``rl-kernels verl-check [OVERRIDES...]``: is rl-kernels on in the verl run these overrides make?
 
 verl's config is composed the way the run composes it: ``python -m verl.trainer.main_ppo --cfg job
-OVERRIDES`` (verl's own entry point and Hydra, run in this process; nothing is trained), then :func:`diagnose` reads the composed ``actor_rollout_ref.model`` section and says in
-one line whether rl-kernels is on (which path, which backend, which options) or off and why, with
-the likely fix. Hydra composes several mistakes without an error, each leaving rl-kernels off:
+OVERRIDES`` (verl's own entry point and Hydra, run in this process; nothing is trained), then
+:func:`diagnose` reads the composed ``actor_rollout_ref.model`` section and says in one line
+whether rl-kernels is on (which path, which backend, which options) or off and why, with the
+likely fix (exit status 1 when off or an option is lost). Hydra composes several mistakes without
+an error, each leaving rl-kernels off or an option unset:
 
 * a misspelt group (``+rl_kernel=fused``): a plain top-level key;
 * the group without its search path (or a ``pkg://`` path that does not resolve): a plain
   top-level ``rl_kernels: fused`` (and, for the path, Hydra's "is not available" UserWarning);
-* an option as a top-level key (``+rl_kernels.backend=triton``, which Hydra suggests for
-  ``rl_kernels.backend=triton``): a stray ``rl_kernels`` section that nothing reads;
+* an option put where nothing reads it (``+rl_kernels.backend=triton``, which Hydra suggests for
+  ``rl_kernels.backend=triton``; ``++actor_rollout_ref.model.rl_kernels.backend=...``;
+  ``+actor_rollout_ref.model.fused_kernel_options.backend=...``): with or without the group
+  selected, a key that nothing reads (:func:`stray_keys`), so the run keeps the option's default;
+* an unknown option of the group (``+rl_kernels=logit``): Hydra's error, with every option and the
+  nearest one;
 * ``impl_backend`` misspelt (``rl_kernel``): verl prints "Skipping monkey patch" and runs its
   plain forward;
 * a bad value under ``fused_kernel_options.rl_kernels`` (``backend=tritn``): otherwise refused only
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import re
 import sys
 from typing import NamedTuple
@@ -42,6 +49,8 @@ SEARCH_PATH = "pkg://rl_kernels.integrations.conf"
 ENTRY = "verl.trainer.main_ppo"
 EXTERNAL_LIB = "rl_kernels.integrations.verl"
 OPTIONS_KEY = "actor_rollout_ref.model.fused_kernel_options.rl_kernels"
+"""Where rl-kernels reads its options (:class:`VerlOptions`); the group's files set them there."""
+OPTION_NAMES = tuple(f.name for f in dataclasses.fields(VerlOptions))
 
 
 class Verdict(NamedTuple):
@@ -54,11 +63,12 @@ class ComposeError(RuntimeError):
     """verl's entry point could not compose the config (Hydra's message, one line)."""
 
 
-def compose(overrides: list[str], entry: str = ENTRY) -> tuple[dict, str]:
-    """(the composed config as a dict, what Hydra printed to stderr and warned) of ``python -m
-    ENTRY --cfg job OVERRIDES``, run in this process (``runpy``, as ``python -m`` runs it; ``--cfg
-    job`` makes verl's Hydra main print the config and return before anything starts). Raises
-    ComposeError with Hydra's own message when the overrides do not compose."""
+def compose(overrides: list[str], entry: str = ENTRY, flags: tuple[str, ...] = ()) -> tuple[dict, str]:
+    """(the composed config as a dict, what Hydra printed to stderr, logged and warned) of ``python
+    -m ENTRY --cfg job FLAGS OVERRIDES``, run in this process (``runpy``, as ``python -m`` runs it;
+    ``--cfg job`` makes verl's Hydra main print the config and return before anything starts;
+    ``flags``: Hydra's own, e.g. ``("--config-dir", "conf")``). Raises ComposeError with Hydra's
+    own message when the overrides do not compose."""
     import contextlib
     import io
     import runpy
@@ -67,7 +77,12 @@ def compose(overrides: list[str], entry: str = ENTRY) -> tuple[dict, str]:
     import yaml
 
     argv, out, err = sys.argv, io.StringIO(), io.StringIO()
-    sys.argv = [entry, "--cfg", "job", *overrides]
+    sys.argv = [entry, "--cfg", "job", *flags, *overrides]
+    root = logging.getLogger()
+    handlers = root.handlers[:]
+    captured = logging.StreamHandler(err)  # what verl logs at import: into ``stderr``, not the terminal
+    captured.setFormatter(logging.Formatter("%(levelname)s: %(name)s: %(message)s"))
+    root.handlers = [captured]
     code = 0
     try:
         with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(out), \
@@ -79,6 +94,7 @@ def compose(overrides: list[str], entry: str = ENTRY) -> tuple[dict, str]:
                 code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     finally:
         sys.argv = argv
+        root.handlers = handlers
         _clear_hydra()
     stderr = err.getvalue() + "".join(f"{w.category.__name__}: {w.message}\n" for w in caught)
     if code != 0:
@@ -102,11 +118,23 @@ def _clear_hydra() -> None:
 
 
 def _hydra_error(stderr: str) -> str:
-    """Hydra's error lines (not the log lines and warnings around them), joined into one."""
+    """Hydra's error message (not the log lines and warnings around it) on one line: every line of
+    it, a list (a line ending in ':' and the indented lines under it) as ``head: a, b, c``; the
+    config search path Hydra lists after a missing group option is left out."""
     skip = ("WARNING:", "INFO:", "Set the environment variable HYDRA_FULL_ERROR", "warnings.warn")
-    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip() and not ln.lstrip().startswith(skip)
-             and "Warning:" not in ln]
-    return "; ".join(lines[:4])
+    lines = [ln.rstrip() for ln in stderr.splitlines()
+             if ln.strip() and not ln.lstrip().startswith(skip) and "Warning:" not in ln]
+    parts: list[str] = []
+    i = 0
+    while i < len(lines):
+        head, i = lines[i].strip(), i + 1
+        items = []
+        while head.endswith(":") and i < len(lines) and lines[i][:1] in ("\t", " "):
+            items.append(lines[i].strip())
+            i += 1
+        if head != "Config search path:":
+            parts.append(f"{head} {', '.join(items)}" if items else head)
+    return "; ".join(parts)
 
 
 def _close(word: str, choices) -> str | None:
@@ -114,26 +142,146 @@ def _close(word: str, choices) -> str | None:
     return match[0] if match else None
 
 
-def _section(cfg: dict, dotted: str):
+_MISSING = object()
+
+
+def _lookup(cfg: dict, dotted: str):
+    """The value at ``dotted`` in ``cfg``, ``_MISSING`` where there is no such key (a value may be None)."""
     node = cfg
     for key in dotted.split("."):
         if not isinstance(node, dict) or key not in node:
-            return None
+            return _MISSING
         node = node[key]
     return node
 
 
-def diagnose(cfg: dict, stderr: str = "", overrides: list[str] = ()) -> Verdict:
+def _section(cfg: dict, dotted: str):
+    value = _lookup(cfg, dotted)
+    return None if value is _MISSING else value
+
+
+def group_options() -> list[str]:
+    """The options of the Hydra group (``fused``, ...): the group's files in this installation."""
+    from importlib import resources
+
+    try:
+        folder = resources.files(SEARCH_PATH.removeprefix("pkg://")) / GROUP
+        return sorted(f.name.removesuffix(".yaml") for f in folder.iterdir() if f.name.endswith(".yaml"))
+    except (ImportError, OSError):
+        return []
+
+
+def _hydra_value(value) -> str:
+    """``value`` spelt as a Hydra override's value (``true``, ``null``, ``'a b'``)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (int, float)):
+        return repr(value)
+    text = str(value)
+    if re.fullmatch(r"[\w./:+-]+", text):
+        return text
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _option_spelling(rest: tuple[str, ...], value: str) -> str:
+    """The override that sets rl-kernels' option ``rest`` (its name as given, the path below an
+    ``rl_kernels`` key, or a misspelling of one) to ``value`` (already spelt): ``++OPTIONS_KEY.NAME=VALUE``
+    (``++`` adds or overrides: it works with and without the group selected), or, for no option of
+    that name, what the options are."""
+    name = rest[0] if len(rest) == 1 else None
+    option = name if name in OPTION_NAMES else _close(str(name), OPTION_NAMES) if name else None
+    if option is None:
+        return (f"rl-kernels has no option {'.'.join(rest)!r} (its options, under {OPTIONS_KEY}: "
+                f"{', '.join(OPTION_NAMES)})")
+    return f"++{OPTIONS_KEY}.{option}={value}"
+
+
+def _is_group_name(key) -> bool:
+    return key == GROUP or _close(str(key), [GROUP]) is not None
+
+
+def stray_keys(cfg: dict, added: tuple[str, ...] = ()) -> list[tuple[str, str]]:
+    """(``key=value`` as composed, the override that works) per key of ``cfg`` that nothing reads:
+
+    * every key named ``rl_kernels`` (or a near spelling) except ``OPTIONS_KEY`` itself, at any
+      depth (verl's config has no such key: only an override or a user's config file makes one),
+      each value under it with the option it names;
+    * each key of ``added``: a key an override added that verl's own config does not have, named
+      as one of rl-kernels' options (``backend``, ...) outside ``OPTIONS_KEY`` (:func:`check` finds them).
+
+    Options under ``OPTIONS_KEY`` itself are checked by :func:`validated_options` (unknown names too)."""
+    found: list[tuple[str, str]] = []
+
+    def leaves(node, path: tuple[str, ...]):
+        if isinstance(node, dict) and node:
+            for key, value in node.items():
+                yield from leaves(value, path + (str(key),))
+        else:
+            yield path, node
+
+    def walk(node: dict, path: tuple[str, ...]) -> None:
+        for key, value in node.items():
+            here = path + (str(key),)
+            if ".".join(here) == OPTIONS_KEY:
+                continue
+            if _is_group_name(key):
+                for rest, leaf in leaves(value, ()):
+                    shown = f"{'.'.join(here + rest)}={_hydra_value(leaf)}"
+                    if rest:
+                        found.append((shown, _option_spelling(rest, _hydra_value(leaf))))
+                    elif str(leaf) in group_options():
+                        found.append((shown, f"+{GROUP}={leaf} (the group, with hydra.searchpath=[{SEARCH_PATH}])"))
+                    else:
+                        found.append((shown, "remove it"))
+            elif isinstance(value, dict):
+                walk(value, here)
+
+    walk(cfg, ())
+    for key in added:
+        value = _lookup(cfg, key)
+        if value is not _MISSING:
+            found.append((f"{key}={_hydra_value(value)}",
+                          _option_spelling((key.rsplit(".", 1)[-1],), _hydra_value(value))))
+    return found
+
+
+def _stray_text(strays: list[tuple[str, str]]) -> tuple[str, str]:
+    """(what the stray keys are, their fix) for a verdict's line."""
+    keys = "; ".join(key for key, _ in strays)
+    fixes = " ".join(dict.fromkeys(fix for _, fix in strays))
+    return (f"{'a key' if len(strays) == 1 else 'keys'} that nothing reads: {keys} (rl-kernels reads its options "
+            f"only under {OPTIONS_KEY})", fixes)
+
+
+def diagnose(cfg: dict, stderr: str = "", overrides: list[str] = (), added: tuple[str, ...] = ()) -> Verdict:
     """The verdict on a composed verl config (``cfg``: ``--cfg job``'s YAML as a dict; ``stderr``:
-    what Hydra printed while composing; ``overrides``: the user's, for the hints)."""
+    what Hydra printed while composing; ``overrides``: the user's, for the hints; ``added``: for
+    :func:`stray_keys`). A key that nothing reads (:func:`stray_keys`) makes the verdict negative
+    (exit status 1) even when rl-kernels is on: the run would not have the option asked for."""
     model = _section(cfg, "actor_rollout_ref.model")
     if not isinstance(model, dict):
         return Verdict(False, "rl-kernels is OFF: the composed config has no actor_rollout_ref.model section "
                               "(is this verl's PPO entry point?)")
+    strays = stray_keys(cfg, added)
     external_lib = model.get("external_lib")
-    if external_lib != EXTERNAL_LIB:
+    if external_lib != EXTERNAL_LIB:  # the reason names the stray keys too
         return Verdict(False, f"rl-kernels is OFF: actor_rollout_ref.model.external_lib is {external_lib!r}, not "
-                              f"{EXTERNAL_LIB!r}: {_why_not_imported(cfg, stderr, overrides)}")
+                              f"{EXTERNAL_LIB!r}: {_why_not_imported(cfg, stderr, overrides, strays)}")
+    verdict = _imported_verdict(cfg, model)
+    if not strays:
+        return verdict
+    what, fix = _stray_text(strays)
+    if verdict.on:
+        summary = verdict.line.removeprefix("rl-kernels is ON: ").split(";")[0]
+        return Verdict(False, f"rl-kernels is ON but not as asked: the composed config has {what}, so the run has "
+                              f"{summary}. Fix: {fix}")
+    return Verdict(False, f"{verdict.line}. Also, the composed config has {what}. Fix: {fix}")
+
+
+def _imported_verdict(cfg: dict, model: dict) -> Verdict:
+    """The verdict when ``external_lib`` imports rl-kernels: which path, with which options, or off and why."""
     fused_options = model.get("fused_kernel_options") or {}
     try:
         section = fused_options.get(BACKEND_NAME) if isinstance(fused_options, dict) else None
@@ -152,8 +300,8 @@ def diagnose(cfg: dict, stderr: str = "", overrides: list[str] = ()) -> Verdict:
                    else f"set actor_rollout_ref.model.fused_kernel_options.impl_backend={BACKEND_NAME}, or "
                         f"use_fused_kernels=False for rl-kernels' logits path")
             return Verdict(False, f"rl-kernels is OFF on the fused path: use_fused_kernels=True with impl_backend="
-                                  f"{impl_backend!r}, so verl's own fused kernel (or, for an unknown name, verl's plain "
-                                  f"forward, after printing 'Skipping monkey patch') computes the log-probs; "
+                                  f"{impl_backend!r}, so verl's own fused kernel (or, for an unknown name, verl's "
+                                  f"plain forward, after printing 'Skipping monkey patch') computes the log-probs; "
                                   f"rl-kernels is imported but replaces nothing on this path. Fix: {fix}")
         return Verdict(True, f"rl-kernels is ON: fused path (use_fused_kernels=True, impl_backend={BACKEND_NAME}), "
                              f"backend={opts.backend}, {options_text}; the actor and the reference model "
@@ -228,7 +376,22 @@ def _per_sample_temperature_note(cfg: dict, opts: VerlOptions) -> str:
     return ""
 
 
-def _why_not_imported(cfg: dict, stderr: str, overrides) -> str:
+def _nearest(word: str, choices) -> str | None:
+    match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return match[0] if match else None
+
+
+def _option_hint(value) -> str:
+    """``+rl_kernels=VALUE`` for an option of the group; for another value the nearest option, and
+    every option."""
+    options = group_options()
+    if str(value) in options or not options:
+        return f"+{GROUP}={value}"
+    return (f"+{GROUP}={_nearest(str(value), options) or options[0]} ('{value}' is no option of the group; "
+            f"its options: {', '.join(options)})")
+
+
+def _why_not_imported(cfg: dict, stderr: str, overrides, strays: list[tuple[str, str]]) -> str:
     """Why external_lib is not ours, from the top-level keys and Hydra's warnings; with the fix."""
     unavailable = re.findall(r"path=(\S+?) is not available", stderr)
     top = cfg.get(GROUP)
@@ -239,37 +402,91 @@ def _why_not_imported(cfg: dict, stderr: str, overrides) -> str:
     if isinstance(top, str):
         return (f"a plain top-level '{GROUP}: {top}' was composed: Hydra did not find the group '{GROUP}' (no "
                 f"search path to it). Fix: add 'hydra.searchpath=[{SEARCH_PATH}]' (or --config-dir conf from a "
-                f"clone's root), with +{GROUP}={top}")
-    if isinstance(top, dict):
-        keys = ", ".join(f"{k}={v}" for k, v in top.items())
-        return (f"a stray top-level '{GROUP}' section ({keys}) was composed, which nothing reads (the group is "
-                f"'@package _global_'; '+{GROUP}.<option>' makes such a section). Fix: put options under "
-                f"{OPTIONS_KEY}, e.g. " + " ".join(f"++{OPTIONS_KEY}.{k}={v}" for k, v in top.items())
-                + f", and select the group with +{GROUP}=fused (or logits)")
-    near = [k for k in cfg if k != GROUP and _close(str(k), [GROUP])]
+                f"clone's root), with {_option_hint(top)}")
+    near = [k for k in cfg if k != GROUP and _close(str(k), [GROUP]) and not isinstance(cfg[k], dict)]
     if near:
         return (f"a top-level '{near[0]}: {cfg[near[0]]}' was composed, which nothing reads. Fix: did you mean "
-                f"+{GROUP}={cfg[near[0]]}? (with hydra.searchpath=[{SEARCH_PATH}])")
+                f"{_option_hint(cfg[near[0]])}? (with hydra.searchpath=[{SEARCH_PATH}])")
+    if strays:
+        what, fix = _stray_text(strays)
+        return (f"the group is not selected, and the composed config has {what}. Fix: {fix}, with "
+                f"hydra.searchpath=[{SEARCH_PATH}] +{GROUP}=fused (or logits)")
     return (f"Fix: hydra.searchpath=[{SEARCH_PATH}] +{GROUP}=fused, or "
             f"actor_rollout_ref.model.external_lib={EXTERNAL_LIB} with use_fused_kernels=True and "
             f"fused_kernel_options.impl_backend={BACKEND_NAME}")
 
 
-def check(overrides: list[str], entry: str = ENTRY) -> Verdict:
-    """Compose (:func:`compose`) and :func:`diagnose`. A failed composition is a verdict too: OFF,
-    with Hydra's message and, for an option given without its path, where it goes."""
+def _parsed(overrides: list[str]) -> list:
+    """Hydra's parse of ``overrides`` (its ``Override`` objects); [] where Hydra cannot parse them."""
     try:
-        cfg, stderr = compose(overrides, entry)
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        return OverridesParser.create().parse_overrides(list(overrides))
+    except Exception:  # noqa: BLE001 - Hydra's own parse errors: the composition reports them
+        return []
+
+
+def _added_option_keys(overrides: list[str], cfg: dict, entry: str, flags: tuple[str, ...]) -> tuple[str, ...]:
+    """The keys that a ``+KEY=...`` / ``++KEY=...`` override put into ``cfg``, outside ``OPTIONS_KEY``,
+    named as one of rl-kernels' options (or a near spelling) and absent from verl's config composed
+    without those overrides (verl has keys named ``backend`` of its own): for :func:`stray_keys`."""
+    candidates = {}
+    for o in _parsed(overrides):
+        key = o.key_or_group
+        if ((o.is_add() or o.is_force_add()) and o.package is None and "/" not in key
+                and not key.startswith(f"{OPTIONS_KEY}.") and not any(_is_group_name(k) for k in key.split("."))
+                and _close(key.rsplit(".", 1)[-1], OPTION_NAMES) and _lookup(cfg, key) is not _MISSING):
+            candidates[o.input_line] = key
+    if not candidates:
+        return ()
+    try:
+        base, _ = compose([o for o in overrides if o not in candidates], entry, flags)
+    except ComposeError:  # the others need these keys: verl's config cannot say; none is called stray
+        return ()
+    return tuple(key for key in candidates.values() if _lookup(base, key) is _MISSING)
+
+
+def _failed_verdict(message: str, overrides: list[str]) -> Verdict:
+    """The verdict when the overrides do not compose (Hydra's ``message``), with the fix where the
+    message shows what was meant: an unknown option of a group (the nearest, every option), an
+    rl-kernels option given where Hydra finds no key (``++`` under ``OPTIONS_KEY``)."""
+    head = f"rl-kernels is OFF: verl's config did not compose: {message}"
+    missing = re.search(r"Could not find '([^']+)/([^'/]+)'", message)
+    listed = re.search(r"Available options in '[^']+': ([^;]*)", message)
+    if missing and listed:
+        group, value = missing.groups()
+        near = _nearest(value, [o.strip() for o in listed.group(1).split(",")])
+        typed = next((o.split("=", 1)[0] for o in overrides
+                      if "=" in o and o.split("=", 1)[0].lstrip("+~").split("@")[0] == group), f"+{group}")
+        return Verdict(False, f"{head}. Fix: did you mean {typed}={near}?" if near else head)
+    failed = re.search(r"Could not override '([\w.]+)'", message)
+    if failed:
+        key = failed.group(1)
+        path = key.split(".")
+        typed = next((o.split("=", 1)[1] for o in overrides if "=" in o and o.split("=", 1)[0].lstrip("+~") == key),
+                     "...")
+        at = next((i for i, k in enumerate(path) if _is_group_name(k)), None)
+        rest = tuple(path[at + 1:]) if at is not None else (path[-1],) if _close(path[-1], OPTION_NAMES) else None
+        if rest:
+            why = ("" if key.startswith(f"{OPTIONS_KEY}.") else
+                   f" Hydra's '+{key}' would compose a key that nothing reads (rl-kernels reads its options only under "
+                   f"{OPTIONS_KEY}).")
+            selected = any(o.split("=", 1)[0].lstrip("+") == GROUP or "external_lib=" in o for o in overrides)
+            turn_on = "" if selected else f", with hydra.searchpath=[{SEARCH_PATH}] +{GROUP}=fused (or logits)"
+            return Verdict(False, f"{head}.{why} Fix: {_option_spelling(rest, typed)} ('++' adds or overrides)"
+                                  f"{turn_on}")
+    return Verdict(False, head)
+
+
+def check(overrides: list[str], entry: str = ENTRY, flags: tuple[str, ...] = ()) -> Verdict:
+    """Compose (:func:`compose`; ``flags``: Hydra's own, e.g. ``("--config-dir", "conf")``) and
+    :func:`diagnose`. A failed composition is a verdict too: OFF, with Hydra's message and, where it
+    shows what was meant, the fix (:func:`_failed_verdict`)."""
+    try:
+        cfg, stderr = compose(overrides, entry, flags)
     except ComposeError as exc:
-        message = str(exc)
-        stray = re.search(rf"Could not override '{GROUP}\.([\w.]+)'", message)
-        if stray:
-            value = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+~").startswith(f"{GROUP}.")), "...")
-            return Verdict(False, f"rl-kernels is OFF: verl's config did not compose ({message}). Hydra's "
-                                  f"'+{GROUP}.{stray.group(1)}' would compose a top-level section that nothing "
-                                  f"reads. Fix: ++{OPTIONS_KEY}.{stray.group(1)}={value} ('++' adds or overrides)")
-        return Verdict(False, f"rl-kernels is OFF: verl's config did not compose: {message}")
-    verdict = diagnose(cfg, stderr, overrides)
+        return _failed_verdict(str(exc), overrides)
+    verdict = diagnose(cfg, stderr, overrides, _added_option_keys(overrides, cfg, entry, flags))
     return verdict._replace(notes=verdict.notes + tuple(filter(None, [sum_pi_squared_note(cfg),
                                                                       distillation_note(cfg, entry)])))
 
@@ -348,8 +565,9 @@ def plugin_unloaded() -> str | None:
         return f"VERL_USE_EXTERNAL_PLUGINS={policy} skips rl-kernels' verl.plugins entry point"
     spec = importlib.util.find_spec("verl")
     try:
-        loads = spec is not None and "verl.plugins" in open(spec.origin, encoding="utf-8").read()
-    except OSError:
+        with open(spec.origin, encoding="utf-8") as f:
+            loads = "verl.plugins" in f.read()
+    except (OSError, AttributeError, TypeError):  # no verl (spec None), or no source file
         loads = False
     return None if loads else "this verl loads no verl.plugins entry points at import"
 

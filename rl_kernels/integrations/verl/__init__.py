@@ -96,9 +96,28 @@ package imports it.
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
+import sys
 
-from ..._logging import logger
+
+def _require_verl() -> None:
+    """One clear ImportError, naming verl, where verl is not installed (before any module of the
+    package imports verl's dependencies, such as ``packaging``)."""
+    if "verl" in sys.modules:  # imported (or stubbed) already
+        return
+    try:
+        missing = importlib.util.find_spec("verl") is None
+    except ImportError:  # a finder that refuses it
+        missing = True
+    if missing:
+        raise ImportError("rl_kernels.integrations.verl patches verl, and verl is not installed here: "
+                          "pip install '/path/to/rl-kernels[verl]'", name="verl")
+
+
+_require_verl()
+
+from ..._logging import logger  # noqa: E402 - after the check: verl's absence named first
 from ..verl_schema import BACKEND_NAME, VerlIntegrationError, VerlOptions  # noqa: F401
 from . import patching as _patching
 from . import settings as _settings
