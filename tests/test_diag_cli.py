@@ -1,5 +1,5 @@
 """Every diagnostic script (scripts/diag/*.py) on a machine without CUDA: one line saying so and exit
-status 0, as the top-level scripts do (``diag_common.require_cuda``), never a CUDA traceback; the
+status 0, as the top-level scripts do (``rl_kernels.tools.diag.require_cuda``), never a CUDA traceback; the
 one that needs no GPU (sass_counts.py: it compiles for sm90 here) prints its table."""
 import glob
 import os
@@ -15,7 +15,6 @@ NO_GPU = {"sass_counts.py": 4}  # script -> lines of "... per element" it prints
 
 def test_every_diag_script_says_no_cuda_in_one_line(tmp_path):
     scripts = sorted(os.path.basename(p) for p in glob.glob(os.path.join(DIAG, "*.py")))
-    scripts.remove("diag_common.py")
     assert len(scripts) >= 12, scripts
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
     procs = {name: subprocess.Popen([sys.executable, os.path.join(DIAG, name), *ARGS.get(name, [])],
