@@ -29,48 +29,15 @@ stubbed at world size 1 (the table's header says which).
 """
 from __future__ import annotations
 
-import argparse
 import importlib
 import importlib.util
-import json
 import sys
 import time
 import types
-from types import SimpleNamespace
 
 import torch
 
-FSDP_MODULE = "verl.trainer.distillation.fsdp.losses"
-
-
-def load_verl_losses():
-    """(verl's FSDP distillation loss module, how it was imported)."""
-    try:
-        return importlib.import_module(FSDP_MODULE), "verl"
-    except Exception as exc:  # noqa: BLE001 - any failure of the full import: load the file alone
-        reason = f"{type(exc).__name__}: {str(exc)[:100]}"
-    for name in [m for m in sys.modules if m == "verl" or m.startswith("verl.")]:
-        del sys.modules[name]
-    spec = importlib.util.find_spec("verl")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("distill_bench: verl is not importable (put verl on PYTHONPATH)")
-    root = list(spec.submodule_search_locations)[0]
-    for name in ("verl", "verl.utils", "verl.workers", "verl.trainer", "verl.trainer.distillation",
-                 "verl.trainer.distillation.fsdp"):
-        mod = types.ModuleType(name)
-        mod.__path__ = [root + "/" + "/".join(name.split(".")[1:])]
-        sys.modules[name] = mod
-    ulysses = types.ModuleType("verl.utils.ulysses")
-    ulysses.get_ulysses_sequence_parallel_world_size = lambda *a, **k: 1
-    ulysses.slice_input_tensor = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no Ulysses in the bench"))
-    config = types.ModuleType("verl.workers.config")
-    config.DistillationConfig = config.DistillationLossConfig = object
-    sys.modules.update({"verl.utils.ulysses": ulysses, "verl.workers.config": config})
-    spec = importlib.util.spec_from_file_location(FSDP_MODULE, f"{root}/trainer/distillation/fsdp/losses.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[FSDP_MODULE] = module
-    spec.loader.exec_module(module)
-    return module, f"verl's loss file alone, Ulysses stubbed at world size 1 (full import failed: {reason})"
+from rl_kernels.tools import diag
 
 
 def make_inputs(n, v, k, seqs, device, seed=0):
@@ -89,12 +56,6 @@ def make_inputs(n, v, k, seqs, device, seed=0):
     lengths = [b - a for a, b in zip([0, *cuts], [*cuts, n])]
     nested = [torch.nested.as_nested_tensor(list(t.split(lengths)), layout=torch.jagged) for t in (log_probs, ids)]
     return logits.requires_grad_(), nested[0], nested[1], lengths
-
-
-def config(chunked, clamp):
-    """What verl's function reads of its DistillationConfig."""
-    return SimpleNamespace(distillation_loss=SimpleNamespace(
-        log_prob_min_clamp=clamp, use_chunked_topk=chunked, chunked_topk_chunk_size=4096))
 
 
 def load_replacement_module():
@@ -136,10 +97,11 @@ def reference(logits, log_probs, ids, clamp, chunk=256):
 def run(args, device):
     import rl_kernels
 
-    verl, how = load_verl_losses()
+    verl, how = diag.verl_losses()
     original = verl.compute_forward_kl_topk
-    ours = load_replacement_module()._replacement(verl, original)
+    ours = load_replacement_module()._replacement(verl, original, megatron=False)
     logits, t_lp, t_ids, lengths = make_inputs(args.n, args.vocab, args.topk, args.seqs, device)
+    config = diag.verl_loss_config
     variants = {"verl": (original, config(False, args.clamp)), "verl chunked": (original, config(True, args.clamp)),
                 "rl_kernels": (ours, config(False, args.clamp))}
 
@@ -163,9 +125,7 @@ def run(args, device):
         if device.type == "cuda":
             import triton.testing
 
-            from rl_kernels.tools.bench import peak_extra_gib
-
-            peak = peak_extra_gib(once)
+            peak = diag.peak_extra_gib(once)
             ms = triton.testing.do_bench(once, rep=1000, return_mode="median")
         else:  # --cpu-smoke: a plain loop
             peak, times = None, []
@@ -177,8 +137,7 @@ def run(args, device):
         logits.grad = None
         rows.append({"variant": name, "fwd_bwd_ms": ms, "peak_extra_gib": peak, "max_abs_err_loss": err_loss,
                      "max_abs_err_grad": err_grad})
-    header = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "CPU",
-              "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "rl_kernels": rl_kernels.__version__,
+    header = {**diag.header(device), "rl_kernels": rl_kernels.__version__,
               "verl": how, "n": args.n, "vocab": args.vocab, "topk": args.topk, "sequences": lengths,
               "log_prob_min_clamp": args.clamp, "max_abs_grad_float64": ref_grad.abs().max().item()}
     return header, rows
@@ -198,30 +157,24 @@ def table(header, rows) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--n", type=int, default=4096, help="tokens (packed over the sequences)")
-    ap.add_argument("--vocab", type=int, default=152064)
-    ap.add_argument("--topk", type=int, default=64)
-    ap.add_argument("--seqs", type=int, default=8, help="sequences the tokens are split into (nested teacher)")
+    ap = diag.parser(__doc__, json_out=True, n=4096, vocab=152064, topk=64)
+    ap.add_argument("--seqs", type=diag.positive_int, default=8,
+                    help="sequences the tokens are split into (nested teacher; default 8)")
     ap.add_argument("--clamp", type=float, default=None, help="log_prob_min_clamp (verl's default: -10)")
-    ap.add_argument("--json", default=None, help="write the header and rows here")
     ap.add_argument("--cpu-smoke", action="store_true", help="CPU: N=24, V=301, K=4, 3 sequences, timed by a loop")
     args = ap.parse_args(argv)
     if args.cpu_smoke:
         args.n, args.vocab, args.topk, args.seqs = 24, 301, 4, 3
         device = torch.device("cpu")
-    elif not torch.cuda.is_available():
-        print("distill_bench: no CUDA device (use --cpu-smoke for the CPU check); nothing to measure")
-        return 0
     else:
+        diag.require_cuda(ap.prog, "use --cpu-smoke for the CPU check")
         device = torch.device("cuda")
     if not (1 <= args.topk <= args.vocab and 1 <= args.seqs <= args.n):
         ap.error("need 1 <= --topk <= --vocab and 1 <= --seqs <= --n")
     header, rows = run(args, device)
     print(table(header, rows))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"header": header, "rows": rows}, f, indent=1)
+        diag.write_json(args.json, rows, device=device, header=header)
     return 0
 
 

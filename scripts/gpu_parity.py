@@ -14,7 +14,6 @@ moved the parameters.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -22,6 +21,8 @@ import sys
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import torch  # noqa: E402
+
+from rl_kernels.tools import diag  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from model_bench import MODELS, T, Bench, build, import_verl, per_sequence_body, ppo_loss  # noqa: E402
@@ -72,17 +73,14 @@ def run(variant, args, verl, device):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = diag.parser(__doc__, json_out=True)
     ap.add_argument("--model", default="qwen2.5-0.5b", choices=sorted(MODELS))
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--lr", type=float, default=1e-5)
-    ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("gpu_parity: no CUDA device; nothing to measure")
-        return 0
+    diag.require_cuda(ap.prog)
     torch.use_deterministic_algorithms(True)
     device = torch.device("cuda")
     verl = import_verl()
@@ -112,8 +110,7 @@ def main(argv=None):
         print(f"{variant:22s} drift vs float32 head {rec['drift_vs_float32_head']:.3e}   rerun drift "
               f"{rec['rerun_drift']:.3e} (bitwise {rec['rerun_bitwise']})   final loss {rec['losses'][-1]:+.4f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"header": header, "results": results}, f, indent=1)
+        diag.write_json(args.json, results, header=header)
     return 0
 
 

@@ -35,20 +35,22 @@ Variants (the same weights and batch):
 * ``fused rl_kernels``: verl's fused forward with ``impl_backend=rl_kernels``.
 
 The largest micro-batch: sequences of ``--seq`` tokens, doubling the count until two steps in a row
-no longer run without running out of memory, then bisecting (OOM caught and freed). The head's share: the head alone (last hidden state
-and lm_head weight in, loss and their gradients out) timed at the same tokens, over the step time.
+no longer run without running out of memory, then bisecting (OOM caught and freed). The head's
+share: the head alone (last hidden state and lm_head weight in, loss and their gradients out) timed
+at the same tokens, over the step time.
 verl is imported as on the GPU machine without a package index
 (``rl_kernels.tools.verl_kernels.import_verl_modules(stub=True)``).
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import sys
 import time
 
 import torch
+
+from rl_kernels.tools import diag
 
 MODELS = {  # transformers config class, sizes of the released models (random weights)
     "qwen2.5-0.5b": ("Qwen2", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -435,7 +437,7 @@ def plot(paths, png) -> None:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = diag.parser(__doc__, json_out=True)
     ap.add_argument("--models", nargs="+", default=["qwen2.5-0.5b"], choices=sorted(MODELS))
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     ap.add_argument("--tokens", nargs="+", type=int, default=[8192, 16384], help="micro-batch sizes timed")
@@ -450,7 +452,6 @@ def main(argv=None):
     ap.add_argument("--search-start", type=int, default=None, help="tokens the search doubles from "
                     "(default: the first --tokens)")
     ap.add_argument("--limit", type=int, default=1 << 20, help="stop the search at this many tokens")
-    ap.add_argument("--json", default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU: the tiny model, two steps per variant, no search")
     ap.add_argument("--plot", nargs="+", default=None, metavar="JSON", help="no timing: chart saved --json files")
     ap.add_argument("--png", default="model_bench.png", help="where --plot writes the chart")
@@ -463,10 +464,8 @@ def main(argv=None):
         args.models, args.tokens, args.seq, args.steps, args.search = ["tiny"], [64], 16, 1, False
         args.variants = [v for v in args.variants if v != "verl fused triton"]  # verl's kernel needs CUDA
         device = torch.device("cpu")
-    elif not torch.cuda.is_available():
-        print("model_bench: no CUDA device (use --smoke for the CPU check); nothing to measure")
-        return 0
     else:
+        diag.require_cuda(ap.prog, "use --smoke for the CPU check")
         device = torch.device("cuda")
     rank, ranks = 0, 1
     if args.fsdp:
@@ -500,8 +499,7 @@ def main(argv=None):
     print(header)
     print(table(rows, args.tokens))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"header": header, "tokens": args.tokens, "rows": rows}, f, indent=1)
+        diag.write_json(args.json, rows, device=device, header=header, tokens=args.tokens)
     return 0
 
 

@@ -16,7 +16,9 @@
 # tests/test_lm_heads.py` runs there. CI does not run this script (integrations/verl/README.md,
 # "## transformers audit", records the last run).
 set -euo pipefail
-[[ $# -le 2 ]] || { echo "usage: $0 [VENV] [TRANSFORMERS_VERSION]" >&2; exit 2; }
+usage="usage: $0 [VENV] [TRANSFORMERS_VERSION]"
+if [[ ${1:-} == -h || ${1:-} == --help ]]; then echo "$usage"; sed -n '2,/^set -euo/s/^# \{0,1\}//p' "$0"; exit 0; fi
+[[ $# -le 2 ]] || { echo "$usage" >&2; exit 2; }
 cd "$(dirname "$0")/.."
 [[ -x .venv/bin/python ]] || { echo "$0: no .venv here: run the README's test set-up first" >&2; exit 2; }
 venv=${1:-.venv-transformers}

@@ -16,7 +16,9 @@
 # run fails a test that the unpatched run passes. CI does not run this script: it cannot reach a
 # verl snapshot (integrations/verl/README.md's release table records the last run).
 set -euo pipefail
-[[ $# -ge 1 && $# -le 2 ]] || { echo "usage: $0 VERL_SOURCE [VENV]" >&2; exit 2; }
+usage="usage: $0 VERL_SOURCE [VENV]"
+if [[ ${1:-} == -h || ${1:-} == --help ]]; then echo "$usage"; sed -n '2,/^set -euo/s/^# \{0,1\}//p' "$0"; exit 0; fi
+[[ $# -ge 1 && $# -le 2 ]] || { echo "$usage" >&2; exit 2; }
 src=$(realpath "$1")
 [[ -f "$src/setup.py" || -f "$src/pyproject.toml" ]] && [[ -d "$src/verl" ]] || {
     echo "$0: $1 is not a verl source tree (no setup.py / pyproject.toml and verl/ there)" >&2; exit 2; }

@@ -1,6 +1,6 @@
 """Scripts that time collectives call them the same number of times on every rank (never
 ``triton.testing.do_bench``, whose repeat count each rank picks from its own timing: ranks that
-disagree hang). On the CPU with gloo: scripts/diag/diag_common.slowest_rank_ms with ranks of
+disagree hang). On the CPU with gloo: rl_kernels.tools.diag.slowest_rank_ms with ranks of
 different speed, and scripts/diag/tp_bench.py end to end (torch backend, timing included)."""
 import os
 import subprocess
@@ -16,7 +16,7 @@ pytest.importorskip("torch.distributed")
 
 def _torchrun(args, tmp_path, timeout=300):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([REPO, DIAG])}
+           "PYTHONPATH": REPO}
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -24,7 +24,7 @@ def _torchrun(args, tmp_path, timeout=300):
 AGREE = """
 import datetime, time
 import torch, torch.distributed as dist
-from diag_common import slowest_rank_ms
+from rl_kernels.tools.diag import slowest_rank_ms
 
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 rank = dist.get_rank()

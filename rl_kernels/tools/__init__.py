@@ -1,5 +1,7 @@
 """rl-kernels' tooling, apart from the library: the command line (``rl-kernels``, :mod:`.cli`), the
 benchmark (:mod:`.bench`), the regression repros (:mod:`.repro`) and their bundled samples
-(:mod:`.bundled_samples`), verl's own kernels as their comparison points (:mod:`.verl_kernels`) and
-``rl-kernels verl-check`` (:mod:`.verl_check`). None of them patches verl. Tooling imports the
-library and the integrations; neither imports tooling (``tests/test_layers.py``)."""
+(:mod:`.bundled_samples`), verl's own kernels as their comparison points (:mod:`.verl_kernels`),
+``rl-kernels verl-check`` (:mod:`.verl_check`) and the measuring scripts' harness and door into the
+kernels' internals (:mod:`.diag`, for ``scripts/``; not the library's API). None of them patches
+verl. Tooling imports the library and the integrations; neither imports tooling
+(``tests/test_layers.py``)."""

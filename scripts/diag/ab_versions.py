@@ -12,9 +12,8 @@ Cases: linear head forward (no grad) and forward+backward at 16384 x 3584 x 1520
 bound, no HBM traffic); the top-K from-logits functions' forward+backward at 4096 x 152064, K = 64
 and 512 x 152064, K = 1. Prints a table: ms of A and B, B / A, and x matmul; with ``--check``, whether
 A and B give bitwise equal outputs and gradients (a refactoring must), and by how much they differ
-where not. With ``--host``: host time per eager call instead (``diag_common.tiny_steps``).
+where not. With ``--host``: host time per eager call instead (``rl_kernels.tools.diag.tiny_steps``).
 """
-import argparse
 import importlib.util
 import statistics
 import sys
@@ -24,8 +23,7 @@ import torch
 import triton.testing
 
 import rl_kernels as new
-
-from diag_common import require_cuda
+from rl_kernels.tools import diag
 
 
 def load_old(path: Path):
@@ -137,10 +135,8 @@ def topk_cases(n, v, k):
 
 
 def host_main(old, rounds: int, cases: str = "") -> None:
-    from diag_common import TINY, per_call_us, tiny_steps
-
-    a_steps, b_steps = tiny_steps(old), tiny_steps(new)
-    print(f"host us per eager fwd+bwd call, rows x vocabulary x head H = {TINY}; A and B alternated, "
+    a_steps, b_steps = diag.tiny_steps(old), diag.tiny_steps(new)
+    print(f"host us per eager fwd+bwd call, rows x vocabulary x head H = {diag.TINY}; A and B alternated, "
           f"{rounds} rounds of 400 calls each; median (min-max)")
     for name in a_steps:
         if cases not in name:
@@ -149,23 +145,21 @@ def host_main(old, rounds: int, cases: str = "") -> None:
         for r in range(rounds):  # A B, then B A: neither always goes first
             order = ((a_steps, ta), (b_steps, tb)) if r % 2 == 0 else ((b_steps, tb), (a_steps, ta))
             for fns, out in order:
-                out.append(per_call_us(fns[name]))
+                out.append(diag.per_call_us(fns[name]))
         a, b = statistics.median(ta), statistics.median(tb)
         print(f"{name:28s} A {a:7.1f} ({min(ta):.0f}-{max(ta):.0f})  B {b:7.1f} ({min(tb):.0f}-{max(tb):.0f})  "
               f"B/A {b / a:.3f}", flush=True)
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = diag.parser(__doc__, rounds=5)
     ap.add_argument("--old", type=Path, required=True, help="directory of the older rl_kernels package")
-    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--cases", default="", help="run only the cases whose name contains this text")
     ap.add_argument("--check", action="store_true",
                     help="also compare A's and B's outputs and gradients bitwise (fwd+bwd cases)")
     ap.add_argument("--host", action="store_true",
-                    help="instead: host time per eager call at a tiny shape, A and B alternated (diag_common.tiny_steps)")
-    args = ap.parse_args()
-    require_cuda(__file__)
+                    help="instead: host time per eager call at a tiny shape, A and B alternated (diag.tiny_steps)")
+    args = diag.start(ap)
     old = load_old(args.old)
     if args.host:
         return host_main(old, args.rounds, args.cases)
@@ -176,7 +170,7 @@ def main():
         cases += logits_cases(*shape)
     for shape in ((4096, 152064, 64), (512, 152064, 1)):
         cases += topk_cases(*shape)
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; A = {args.old}, B = working tree")
+    print(f"A = {args.old}, B = working tree")
     print(f"{'case':36s} {'A ms':>9s} {'B ms':>9s} {'B/A':>7s} {'per-round B/A':>15s} {'A xmm':>7s} {'B xmm':>7s}")
     for name, make, mm, values in cases:
         if args.cases not in name:

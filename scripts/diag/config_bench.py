@@ -5,22 +5,18 @@ shape and dtype (torch's default precision: full fp32 products for float32), one
     python scripts/diag/config_bench.py [N,H,V]   (default 4096,3584,152064)
 """
 import os
-import sys
 
 import torch
 import triton.testing
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-import rl_kernels  # noqa: E402
-from rl_kernels.ops import config as config_mod  # noqa: E402
+import rl_kernels
+from rl_kernels.tools import diag
 
-from diag_common import require_cuda  # noqa: E402 - this script's folder is on sys.path
-
-require_cuda(__file__)
-
-n, h, v = (int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "4096,3584,152064").split(","))
+args = diag.start(diag.parser(__doc__, shapes=["4096,3584,152064"], one_shape=True))
+config_mod = diag.ops  # the configuration classes (CLASSES) and their environment variable
+n, h, v = args.shape
 bench = lambda f: triton.testing.do_bench(f, warmup=25, rep=300, return_mode="median")  # noqa: E731
-print(f"{torch.cuda.get_device_name()}, {n}x{h}x{v}; x = multiple of cuBLAS in the same dtype")
+print(f"{n}x{h}x{v}; x = multiple of cuBLAS in the same dtype")
 print(f"{'class':8s} {'dtype':9s} {'mm ms':>8s} {'fwd x':>7s} {'fwd+bwd x':>10s}")
 for dtype in (torch.bfloat16, torch.float16, torch.float32):
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -20,17 +20,11 @@ Checks first (--check-rows rows): the tail-aware loss, fused and from logits, ag
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
-import time
-
 import torch
 
-from diag_common import bench, head_inputs, require_cuda, topk_teacher
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import rl_kernels
+from rl_kernels.tools import diag
+from rl_kernels.tools.diag import bench, head_inputs, rel_err, topk_teacher
 
 
 def tail_reference(hidden, weight, ids, t_lp, kind):
@@ -53,9 +47,6 @@ def tail_reference(hidden, weight, ids, t_lp, kind):
 
 
 def checks(n, h, v, k):
-    import rl_kernels
-    from rl_kernels.reference import rel_err
-
     hidden, weight, _, _, _ = head_inputs(n, h, v, seed=1)
     hidden, weight = hidden.float(), weight.float()
     ids, t_lp = topk_teacher(hidden, weight, k, seed=5)
@@ -81,24 +72,10 @@ def checks(n, h, v, k):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--n", type=int, default=16384)
-    ap.add_argument("--hidden", type=int, default=3584)
-    ap.add_argument("--vocab", type=int, default=152064)
-    ap.add_argument("--topk", type=int, default=64)
-    ap.add_argument("--check-rows", type=int, default=512)
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    require_cuda(__file__)
-    import triton
-
-    import rl_kernels
-    from distill_bench import config, load_verl_losses
-
-    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    ap = diag.parser(__doc__, json_out=True, n=16384, hidden=3584, vocab=152064, topk=64, check_rows=512)
+    args = diag.start(ap, full_precision_bf16=True)
     n, v, k = args.n, args.vocab, args.topk
-    head = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "date": time.strftime("%Y-%m-%d"), "n": n, "hidden": args.hidden, "vocab": v, "topk": k}
+    head = {**diag.header(), "n": n, "hidden": args.hidden, "vocab": v, "topk": k}
     print(head, flush=True)
     head["checks"] = checks(args.check_rows, args.hidden, v, k)
     print("checks:", head["checks"], flush=True)
@@ -107,11 +84,11 @@ def main() -> int:
     ids, t_lp = topk_teacher(hidden, weight, k)
     head["teacher_topk_mass_mean"] = t_lp.exp().sum(-1).mean().item()
     hx, wx = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    verl_losses, how = load_verl_losses()
+    verl_losses, how = diag.verl_losses()
     head["verl"] = how
     lengths = [n // 8] * 7 + [n - 7 * (n // 8)]
     nested = [torch.nested.as_nested_tensor(list(t.split(lengths)), layout=torch.jagged) for t in (t_lp, ids)]
-    cfg = config(False, None)
+    cfg = diag.verl_loss_config(False, None)
 
     def verl_step():
         hx.grad = wx.grad = None
@@ -146,16 +123,10 @@ def main() -> int:
         rows["fused fwd+bwd"] = bench(fused(False))
         rows["fused, tail fwd+bwd"] = bench(fused(True))
 
-    mm = rows["mm"][0]
-    print(f"{head['device']} | torch {head['torch']} | Triton {head['triton']} | {head['date']} | "
-          f"N={n} H={args.hidden} V={v} K={k} bf16 | verl: {how}")
-    print(f"{'row':<44}{'ms':>10}{'x mm':>8}{'peak GiB':>10}")
-    for name, (ms, peak) in rows.items():
-        print(f"{name:<44}{ms:>10.3f}{ms / mm:>8.2f}{peak:>10.2f}")
+    print(f"{diag.device_line()} | N={n} H={args.hidden} V={v} K={k} bf16 | verl: {how}")
+    diag.print_bench_rows(rows)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"header": head, "rows": {r: {"ms": ms, "peak_extra_gib": p} for r, (ms, p) in rows.items()}},
-                      f, indent=1)
+        diag.write_json(args.json, diag.bench_records(rows), header=head)
     return 0
 
 

@@ -15,11 +15,7 @@ import statistics
 import torch
 import triton.testing
 
-import rl_kernels
-from rl_kernels import ops
-from rl_kernels.ops import config as ops_config
-
-from diag_common import head_inputs, head_params, head_shapes_cli, saved_and_grads
+from rl_kernels.tools import diag
 
 WINDOW = 4096
 VARIANTS = [  # every field set explicitly: the shipped config may have either
@@ -38,7 +34,7 @@ def bench(fn, rep=500):
 def variant_config(fields):
     fields = dict(fields)
     stages = fields.pop("bwd_tile_stages", None)
-    cfg = dataclasses.replace(ops_config.CUDA_CONFIG, **fields)
+    cfg = dataclasses.replace(diag.ops.CUDA_CONFIG, **fields)
     if stages:
         cfg = dataclasses.replace(cfg, bwd_cols=dataclasses.replace(cfg.bwd_cols, num_stages=stages),
                                   bwd_rows=dataclasses.replace(cfg.bwd_rows, num_stages=stages))
@@ -46,24 +42,18 @@ def variant_config(fields):
 
 
 def main():
-    args = head_shapes_cli(__file__)
-    for shape in args.shapes:
-        n, h, v = (int(x) for x in shape.split(","))
-        hid, w, lab, g_lp, g_ent = head_inputs(n, h, v)
+    args = diag.start(diag.parser(__doc__, shapes=diag.BENCH_SHAPES, rounds=3), full_precision_bf16=True)
+    ops = diag.ops
+    for n, h, v in args.shapes:
+        hid, w, lab, g_lp, g_ent = diag.head_inputs(n, h, v)
         t_mm = bench(lambda: hid @ w.T)
         t_win_mm = bench(lambda: hid @ w[:WINDOW].T)
-        base = ops_config.CUDA_CONFIG
-        hp = head_params(hid.device)
+        base = ops.CUDA_CONFIG
+        hp = diag.head_params(hid.device)
         _, ent, lse, _ = ops.split_combine(ops.linear_split_stats(hid, w, lab, hp, base), lab, hp)
-        saved, upstream = saved_and_grads(lse, ent, g_lp, g_ent)
+        saved, upstream = diag.saved_and_grads(lse, ent, g_lp, g_ent)
         win = torch.empty(n, WINDOW, dtype=hid.dtype, device="cuda")
-        hg = hid.detach().requires_grad_()
-        wg = w.detach().requires_grad_()
-
-        def step():
-            hg.grad = wg.grad = None
-            out = rl_kernels.linear_log_probs(hg, wg, lab)
-            torch.autograd.backward([out.log_probs, out.entropy], [g_lp, g_ent])
+        step, hg, wg = diag.head_step(hid, w, lab, g_lp, g_ent)
 
         print(f"\n{n}x{h}x{v}: cuBLAS {t_mm:.2f} ms ({2 * n * h * v / t_mm / 1e9:.0f} TFLOP/s); "
               f"window {n}x{WINDOW} cuBLAS {t_win_mm:.3f} ms", flush=True)
@@ -78,7 +68,7 @@ def main():
                 kernel()
                 dz = win.clone()
                 t_k = bench(kernel)
-                with ops_config.forced_config(cfg):
+                with ops.forced_config(cfg):
                     step()
                 grads = (hg.grad.clone(), wg.grad.clone())
             except Exception as e:  # noqa: BLE001
@@ -90,13 +80,13 @@ def main():
             rows[name] = (cfg, t_k, same)
         for _ in range(args.rounds):
             for name, (cfg, _, _) in rows.items():
-                with ops_config.forced_config(cfg):
+                with ops.forced_config(cfg):
                     times[name].append(bench(step, rep=1000))
         print(f"  {'variant':38s} {'window ×mm':>10s} {'fwd+bwd ms':>11s} {'×mm':>6s}  bitwise = first")
         for name, (cfg, t_k, same) in rows.items():
             t = statistics.median(times[name])
             print(f"  {name:38s} {t_k / t_win_mm:10.3f} {t:11.2f} {t / t_mm:6.3f}  {same}", flush=True)
-        del hid, w, hg, wg, win
+        del hid, w, step, hg, wg, win
         torch.cuda.empty_cache()
 
 

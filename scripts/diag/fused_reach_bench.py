@@ -22,49 +22,16 @@ and a constant per-row temperature against the scalar one, bitwise (fwd and bwd)
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
-import time
-
 import torch
 
-from diag_common import bench, head_inputs, require_cuda, topk_teacher
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-
-def load_verl_functional():
-    """verl's ``verl.utils.torch_functional`` (the logits path's functions), and how it was imported:
-    in full, or, where verl's full import fails (a GPU machine without Ray), its file alone with
-    ``verl.utils.device`` stubbed (the only verl module it imports; CUDA)."""
-    import importlib
-    import importlib.util
-    import types
-
-    try:
-        return importlib.import_module("verl.utils.torch_functional"), "verl"
-    except Exception as exc:  # noqa: BLE001 - any failure of the full import: load the file alone
-        reason = f"{type(exc).__name__}: {str(exc)[:80]}"
-    root = list(importlib.util.find_spec("verl").submodule_search_locations)[0]
-    device = types.ModuleType("verl.utils.device")
-    device.get_device_name = lambda: "cuda"
-    device.get_torch_device = lambda: torch.cuda
-    for name in ("verl", "verl.utils"):
-        sys.modules.setdefault(name, types.ModuleType(name))
-    sys.modules["verl.utils.device"] = device
-    spec = importlib.util.spec_from_file_location("verl.utils.torch_functional", f"{root}/utils/torch_functional.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module, f"torch_functional.py alone (full import failed: {reason})"
+import rl_kernels
+from rl_kernels.tools import diag
+from rl_kernels.tools.diag import (bench, head_inputs, reference_linear_grads, reference_linear_log_probs, rel_err,
+                                   topk_teacher)
 
 
 def checks(n, h, v):
     """Per-row temperature vs float64, and constant rows vs the scalar temperature (bitwise)."""
-    import rl_kernels
-    from rl_kernels.reference import reference_linear_grads, reference_linear_log_probs, rel_err
-
     hidden, weight, labels, g_lp, g_ent = head_inputs(n, h, v, seed=1)
     temperature = torch.rand(n, device="cuda", generator=torch.Generator("cuda").manual_seed(2)) * 1.5 + 0.4
     hx, wx = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
@@ -86,24 +53,9 @@ def checks(n, h, v):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--n", type=int, default=16384)
-    ap.add_argument("--hidden", type=int, default=3584)
-    ap.add_argument("--vocab", type=int, default=152064)
-    ap.add_argument("--topk", type=int, default=64)
-    ap.add_argument("--check-rows", type=int, default=1024)
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    require_cuda(__file__)
-    import triton
-
-    import rl_kernels
-    from distill_bench import config, load_verl_losses
-
-    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-    head = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "date": time.strftime("%Y-%m-%d"), "n": args.n, "hidden": args.hidden, "vocab": args.vocab,
-            "topk": args.topk}
+    ap = diag.parser(__doc__, json_out=True, n=16384, hidden=3584, vocab=152064, topk=64, check_rows=1024)
+    args = diag.start(ap, full_precision_bf16=True)
+    head = {**diag.header(), "n": args.n, "hidden": args.hidden, "vocab": args.vocab, "topk": args.topk}
     print(head, flush=True)
     head["checks"] = checks(args.check_rows, args.hidden, args.vocab)
     print("checks:", head["checks"], flush=True)
@@ -114,12 +66,12 @@ def main() -> int:
     rows["mm"] = bench(lambda: hidden @ weight.T)
 
     # (a) log-probs + sum_pi_squared, no grad
-    verl_F, how_f = load_verl_functional()
+    verl_F, how_f = diag.verl_functional()
     head["verl_functional"] = how_f
     # verl's log-probs: flash-attn's Triton cross-entropy when importable (as verl users run it),
     # else a per-row log_softmax loop (its fallback): the table says which
-    head["verl_log_probs"] = ("flash-attn Triton cross-entropy" if getattr(verl_F, "FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE",
-                                                                         False) else "fallback (no flash-attn)")
+    flash = getattr(verl_F, "FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE", False)
+    head["verl_log_probs"] = "flash-attn Triton cross-entropy" if flash else "fallback (no flash-attn)"
 
     def verl_sum_pi():
         with torch.no_grad():
@@ -161,13 +113,13 @@ def main() -> int:
         rows["(b) fwd+bwd per-row temperature"] = bench(step(row_t))
 
     # (c) top-K distillation, fwd+bwd
-    verl_losses, how = load_verl_losses()
+    verl_losses, how = diag.verl_losses()
     head["verl"] = how
     k = args.topk
     ids, t_lp = topk_teacher(hidden, weight, k)
     lengths = [n // 8] * 7 + [n - 7 * (n // 8)]
     nested = [torch.nested.as_nested_tensor(list(t.split(lengths)), layout=torch.jagged) for t in (t_lp, ids)]
-    cfg = config(False, None)
+    cfg = diag.verl_loss_config(False, None)
 
     def verl_distill():
         hx.grad = wx.grad = None
@@ -178,7 +130,7 @@ def main() -> int:
     def fused_distill():
         hx.grad = wx.grad = None
         rl_kernels.linear_topk_kl(hx, wx, ids, t_lp, reduction="sum").backward()
-    from rl_kernels.distill import linear_log_probs_at_ids
+    linear_log_probs_at_ids = diag.linear_log_probs_at_ids
 
     def served_distill():  # what the verl integration's fused forward computes (verl's three outputs)
         hx.grad = wx.grad = None
@@ -189,20 +141,15 @@ def main() -> int:
     rows["(c) fused, as the verl integration serves it, fwd+bwd"] = bench(served_distill)
     rows["(c) verl logits path compute_forward_kl_topk fwd+bwd"] = bench(verl_distill)
 
-    mm = rows["mm"][0]
-    print(f"{head['device']} | torch {head['torch']} | Triton {head['triton']} | {head['date']} | "
-          f"N={n} H={args.hidden} V={v} K={k} bf16 | verl: {how}; {how_f}; log-probs: {head['verl_log_probs']}")
-    print(f"{'row':<58}{'ms':>10}{'x mm':>8}{'peak GiB':>10}")
-    for name, (ms, peak) in rows.items():
-        print(f"{name:<58}{ms:>10.3f}{ms / mm:>8.2f}{peak:>10.2f}")
+    print(f"{diag.device_line()} | N={n} H={args.hidden} V={v} K={k} bf16 | verl: {how}; {how_f}; "
+          f"log-probs: {head['verl_log_probs']}")
+    diag.print_bench_rows(rows)
     a0, a1 = rows["(a) fused log-probs"][0], rows["(a) fused log-probs + sum_pi_squared"][0]
     b0, b1 = rows["(b) fwd+bwd scalar temperature"][0], rows["(b) fwd+bwd per-row temperature"][0]
     print(f"sum_pi_squared / fused forward: {a1 / a0:.4f}; per-row / scalar temperature fwd+bwd: {b1 / b0:.4f}")
     print("sum_pi_squared max |err| vs float64 (first 1024 rows):", head["sum_pi_squared_max_abs_err"])
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"header": head, "rows": {k: {"ms": ms, "peak_extra_gib": p} for k, (ms, p) in rows.items()}},
-                      f, indent=1)
+        diag.write_json(args.json, diag.bench_records(rows), header=head)
     return 0
 
 

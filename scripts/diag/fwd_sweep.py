@@ -7,22 +7,16 @@ Each variant is a set of ``KernelConfig`` fields replaced in the shipped CUDA co
 both outputs), with the variant installed as the CUDA config.
 """
 import dataclasses
-import sys
 
 import torch
 import triton.testing
 
-import rl_kernels
-from rl_kernels import ops
-from rl_kernels.ops import config as ops_config
+from rl_kernels.tools import diag
 
-from diag_common import head_inputs, head_params, require_cuda
-
-require_cuda(__file__)
-
-args = [a for a in sys.argv[1:] if not a.startswith("--")]
-WITH_BWD = "--bwd" in sys.argv
-SHAPES = args or ["512,3584,152064", "16384,3584,152064", "32768,4096,128256"]
+ap = diag.parser(__doc__, shapes=["512,3584,152064", "16384,3584,152064", "32768,4096,128256"])
+ap.add_argument("--bwd", action="store_true", help="also time the forward+backward with each variant installed")
+args = diag.start(ap)
+ops = diag.ops
 BASE = dict(tma=False, flatten=False, warp_specialize=False)
 VARIANTS = [
     ("pointer loads", BASE),
@@ -35,11 +29,10 @@ VARIANTS = [
 ]
 bench = lambda f: triton.testing.do_bench(f, warmup=25, rep=500, return_mode="median")  # noqa: E731
 
-shipped = ops_config.CUDA_CONFIG
-for shape in SHAPES:
-    n, h, v = (int(x) for x in shape.split(","))
-    hid, w, lab, g_lp, g_ent = head_inputs(n, h, v)
-    hp = head_params(hid.device)
+shipped = ops.CUDA_CONFIG
+for n, h, v in args.shapes:
+    hid, w, lab, g_lp, g_ent = diag.head_inputs(n, h, v)
+    hp = diag.head_params(hid.device)
     t_mm = bench(lambda: hid @ w.T)
     ref = None
     print(f"{n}x{h}x{v}: cuBLAS {t_mm:.2f} ms ({2 * n * h * v / t_mm / 1e9:.0f} TFLOP/s)", flush=True)
@@ -55,22 +48,16 @@ for shape in SHAPES:
         ref = lp if ref is None else ref
         line = (f"  {name:42s} fwd {t:7.3f} ms = {t / t_mm:.3f}x mm, "
                 f"max|Δ| vs first {(lp - ref).abs().max().item():.1e}")
-        if WITH_BWD:
-            hg = hid.detach().requires_grad_()
-            wg = w.detach().requires_grad_()
-
-            def step():
-                hg.grad = wg.grad = None
-                out = rl_kernels.linear_log_probs(hg, wg, lab)
-                torch.autograd.backward([out.log_probs, out.entropy], [g_lp, g_ent])
+        if args.bwd:
+            step, hg, wg = diag.head_step(hid, w, lab, g_lp, g_ent)
             try:
-                with ops_config.forced_config(cfg):
+                with ops.forced_config(cfg):
                     step()
                     tb = bench(step)
                 line += f", fwd+bwd {tb:.2f} ms = {tb / t_mm:.3f}x mm"
             except Exception as e:  # noqa: BLE001
                 line += f", fwd+bwd {type(e).__name__} {str(e)[:200]}"
-            del hg, wg
+            del step, hg, wg
         print(line, flush=True)
     del hid, w, lab
     torch.cuda.empty_cache()

@@ -14,8 +14,6 @@ kernels; and for the from-logits calls ``eager_b2b``: the eager call timed back 
 do_bench's L2 flush between calls (which overlaps part of a host-bound call's host time).
 Every graph is checked to give the eager call's bits before it is timed.
 """
-import datetime
-import json
 import statistics
 import sys
 
@@ -23,9 +21,7 @@ import torch
 import triton.testing
 
 import rl_kernels
-from rl_kernels import ops
-
-from diag_common import logits_params, per_call_us, require_cuda
+from rl_kernels.tools import diag
 
 
 def bench(f, rep: int = 300) -> float:
@@ -37,8 +33,8 @@ def back_to_back(f) -> float:
     """ms per call of ``f`` called back to back (no L2 flush between calls, unlike do_bench,
     whose flush kernel hides part of a host-bound call's host time): ``per_call_us``, the larger
     of the host's and the GPU's time per call; the median of 5 runs of max(20, 30 ms worth of) calls."""
-    reps = max(20, int(30e3 / per_call_us(f, reps=1, warmup=1)))
-    return statistics.median(per_call_us(f, reps=reps, warmup=0) for _ in range(5)) / 1e3
+    reps = max(20, int(30e3 / diag.per_call_us(f, reps=1, warmup=1)))
+    return statistics.median(diag.per_call_us(f, reps=reps, warmup=0) for _ in range(5)) / 1e3
 
 
 def graphed(step, check):
@@ -59,33 +55,32 @@ def graphed(step, check):
 
 
 def main():
-    args = [a for a in sys.argv[1:] if not a.startswith("--") and "," in a]
-    out_path = sys.argv[sys.argv.index("--json") + 1] if "--json" in sys.argv else None
-    require_cuda(__file__)
+    ap = diag.parser(__doc__, shapes=["512,3584,152064"], json_out=True)
+    ap.add_argument("--no-compile", action="store_true", help="leave out the torch.compile rows")
+    args = diag.start(ap)
     rows = {}
-    for shape in args or ["512,3584,152064"]:
-        rows.update(measure(*(int(x) for x in shape.split(","))))
+    for n, h, v in args.shapes:
+        rows.update(measure(n, h, v, compile_rows=not args.no_compile))
         torch.cuda.empty_cache()
-    dev = torch.cuda.get_device_name()
-    print(f"{dev}, torch {torch.__version__}, {datetime.date.today()}; ms (do_bench median); x = / kernels")
+    print("ms (do_bench median); x = / kernels")
     for name, r in rows.items():
         base = r.get("kernels")
         cells = [f"{k} {t:.3f}" + (f" ({t / base:.2f}x)" if base and k != "kernels" else "") for k, t in r.items()]
         print(f"{name:36s} " + " | ".join(cells))
-    if out_path:
-        with open(out_path, "w") as f:
-            json.dump(dict(device=dev, date=str(datetime.date.today()), torch=torch.__version__, rows=rows), f, indent=1)
+    if args.json:
+        diag.write_json(args.json, rows)
 
 
-def measure(n: int, h: int, v: int) -> dict:
-    """The rows of one shape."""
+def measure(n: int, h: int, v: int, compile_rows: bool = True) -> dict:
+    """The rows of one shape (``compile_rows``: with the torch.compile rows)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     hid = torch.randn(n, h, device="cuda", generator=g).bfloat16()
     w = (0.02 * torch.randn(v, h, device="cuda", generator=g)).bfloat16()
     lab = torch.randint(0, v, (n,), device="cuda", generator=g)
     logits = (3 * torch.randn(n, v, device="cuda", generator=g)).bfloat16()
     g_lp, g_ent = torch.randn(n, device="cuda", generator=g), torch.randn(n, device="cuda", generator=g)
-    lp, lcfg = logits_params(logits.device), ops.logits_config(logits.device)
+    ops = diag.ops
+    lp, lcfg = diag.logits_params(logits.device), ops.logits_config(logits.device)
     rows = {}
 
     # --- from-logits forward
@@ -116,7 +111,7 @@ def measure(n: int, h: int, v: int) -> dict:
         ops.logits_backward(logits, grad, lab, stats, grads, lp, lcfg)
 
     row = dict(eager=bench(fwd_bwd), graph=bench(replay), kernels=bench(kernels), eager_b2b=back_to_back(fwd_bwd))
-    if "--no-compile" not in sys.argv:
+    if compile_rows:
         for mode in ("default", "reduce-overhead"):  # inductor; and inductor with its CUDA graphs
             torch._dynamo.reset()
             compiled = torch.compile(lambda z, y: rl_kernels.logits_stats(z, y), fullgraph=True, mode=mode)

@@ -11,28 +11,23 @@ python scripts/diag/host_overhead.py [N,H,V] [--cprofile]   (default 512,3584,15
 python scripts/diag/host_overhead.py --tiny [--profile]
     Host cost per call of the public functions and of their parts, at a tiny shape (8 x 4096, head
     H = 256) where the GPU finishes each kernel in a few microseconds, so that the loop's wall time
-    is the host's time (``diag_common.per_call_us``); with the autograd engine's own floor (an
+    is the host's time (``rl_kernels.tools.diag.per_call_us``); with the autograd engine's own floor (an
     identity Function). With --profile: a cProfile of the public calls (where the host time goes,
     by Python function).
 """
 import cProfile
 import pstats
-import sys
 
 import torch
 import triton.testing
 
 import rl_kernels
-from rl_kernels import ops
-from rl_kernels.autograd.logits import LogitsStatsFunction
-from rl_kernels.validation import check_label_values
-
-from diag_common import TINY, head_params, logits_params, per_call_us, require_cuda, tiny_steps
+from rl_kernels.tools import diag
+from rl_kernels.tools.diag import LogitsStatsFunction, check_label_values, per_call_us
 
 
-def small_n():
-    shape_args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    n, h, v = (int(x) for x in (shape_args[0] if shape_args else "512,3584,152064").split(","))
+def small_n(n, h, v, cprofile=False):
+    ops = diag.ops
     g = torch.Generator(device="cuda").manual_seed(0)
     hid = torch.randn(n, h, device="cuda", generator=g).bfloat16()
     w = (0.02 * torch.randn(v, h, device="cuda", generator=g)).bfloat16()
@@ -50,7 +45,7 @@ def small_n():
         out = rl_kernels.logits_stats(xg, lab)
         torch.autograd.backward([out.log_probs, out.entropy], [g_lp, g_ent])
 
-    hp, lp = head_params(logits.device), logits_params(logits.device)
+    hp, lp = diag.head_params(logits.device), diag.logits_params(logits.device)
     stats = ops.logits_forward(logits, lab, lp, lcfg)
     grad = torch.empty_like(logits)
     rows = {
@@ -64,13 +59,13 @@ def small_n():
         "logits backward kernel only": lambda: ops.logits_backward(
             logits, grad, lab, stats, {"log_probs": g_lp, "entropy": g_ent}, lp, lcfg),
     }
-    print(f"{torch.cuda.get_device_name()} {n}x{h}x{v} bf16: cuBLAS mm {t_mm * 1e3:.1f} us")
+    print(f"{n}x{h}x{v} bf16: cuBLAS mm {t_mm * 1e3:.1f} us")
     for name, f in rows.items():
         with torch.no_grad() if "fwd+bwd" not in name else torch.enable_grad():
             t = bench(f)
         print(f"{name:38s} {t * 1e3:8.1f} us = {t / t_mm:.3f}x mm")
 
-    if "--cprofile" in sys.argv:
+    if cprofile:
         reps = 300
         print(f"\nlogits API fwd+bwd, {reps} back-to-back calls: {per_call_us(logits_fwd_bwd, reps):.1f} us per call")
         prof = cProfile.Profile()
@@ -83,7 +78,8 @@ def small_n():
         rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:25]
         print(f"{'own us/call':>11s} {'cum us/call':>11s} {'calls/step':>10s}  function")
         for (file, line, fn), (cc, nc, tt, ct, _) in rows:
-            print(f"{tt / reps * 1e6:11.1f} {ct / reps * 1e6:11.1f} {nc / reps:10.1f}  {file.split('/')[-1]}:{line} {fn}")
+            print(f"{tt / reps * 1e6:11.1f} {ct / reps * 1e6:11.1f} {nc / reps:10.1f}  "
+                  f"{file.split('/')[-1]}:{line} {fn}")
 
 
 class _Identity(torch.autograd.Function):  # the autograd engine's own floor: one Function, no kernels
@@ -96,8 +92,9 @@ class _Identity(torch.autograd.Function):  # the autograd engine's own floor: on
         return g
 
 
-def tiny():
-    n, v, h = TINY
+def tiny(profile=False):
+    ops = diag.ops
+    n, v, h = diag.TINY
     dev = torch.device("cuda")
     g = torch.Generator(device="cuda").manual_seed(0)
     logits = torch.randn(n, v, device=dev, generator=g).bfloat16()
@@ -107,10 +104,10 @@ def tiny():
     lcfg = ops.logits_config(dev)
     cfg = ops.default_config(dev)
     g_lp, g_ent = torch.randn(n, device=dev), torch.randn(n, device=dev)
-    hp, lp = head_params(dev), logits_params(dev, name="logits_stats")
+    hp, lp = diag.head_params(dev), diag.logits_params(dev, name="logits_stats")
     stats = ops.logits_forward(logits, lab, lp, lcfg)
     grad = torch.empty_like(logits)
-    steps = tiny_steps(rl_kernels)  # the public calls' forward+backward (shared with ab_versions --host)
+    steps = diag.tiny_steps(rl_kernels)  # the public calls' forward+backward (shared with ab_versions --host)
 
     def nograd(f):
         def run():
@@ -144,11 +141,11 @@ def tiny():
         torch.autograd.backward([_Identity.apply(x_small)], [g_lp])
 
     rows["autograd floor (identity Function fwd+bwd)"] = identity_step
-    print(f"{torch.cuda.get_device_name()} torch {torch.__version__}; host us per call, {n}x{v} (head H={h})")
+    print(f"host us per call, {n}x{v} (head H={h})")
     for name, f in rows.items():
         print(f"{name:44s} {per_call_us(f):8.1f}")
 
-    if "--profile" in sys.argv:
+    if profile:
         for name in ("logits_stats fwd+bwd", "linear_log_probs fwd+bwd"):
             f = rows[name]
             per_call_us(f, 50)
@@ -162,6 +159,14 @@ def tiny():
             pstats.Stats(prof).sort_stats("tottime").print_stats(22)
 
 
+def main():
+    ap = diag.parser(__doc__, shapes=["512,3584,152064"], one_shape=True)
+    ap.add_argument("--cprofile", action="store_true", help="default mode: also a cProfile of the from-logits fwd+bwd")
+    ap.add_argument("--tiny", action="store_true", help="host us per call at a tiny shape instead")
+    ap.add_argument("--profile", action="store_true", help="with --tiny: also a cProfile of the public calls")
+    args = diag.start(ap)
+    tiny(args.profile) if args.tiny else small_n(*args.shape, cprofile=args.cprofile)
+
+
 if __name__ == "__main__":
-    require_cuda(__file__)
-    tiny() if "--tiny" in sys.argv else small_n()
+    main()

@@ -5,23 +5,19 @@ and a sweep of the JSD kernels' tiles.
 python scripts/diag/jsd_bench.py [N,H,V] [--sweep] [--no-final]   (default 4096,3584,152064: a Qwen2.5-7B head)
 """
 import dataclasses
-import sys
 
 import torch
 import triton.testing
 
 import rl_kernels
-import rl_kernels.distill
-import rl_kernels.ops as ops
-from rl_kernels.tools.bench import peak_extra_gib as peak_extra
-from rl_kernels.ops.config import BwdTile, forced_config
+from rl_kernels.tools import diag
 
-from diag_common import require_cuda  # this script's folder is on sys.path
-
-require_cuda(__file__)
-
-args = [a for a in sys.argv[1:] if not a.startswith("--")]
-n, h, v = (int(x) for x in (args[0] if args else "4096,3584,152064").split(","))
+ap = diag.parser(__doc__, shapes=["4096,3584,152064"], one_shape=True)
+ap.add_argument("--sweep", action="store_true", help="also sweep the JSD kernels' tiles")
+ap.add_argument("--no-final", action="store_true", help="leave out the per-beta accuracy, time and memory rows")
+args = diag.start(ap)
+ops, peak_extra = diag.ops, diag.peak_extra_gib
+n, h, v = args.shape
 dev = "cuda"
 g = torch.Generator(device=dev).manual_seed(0)
 hs = torch.randn(n, h, device=dev, generator=g).bfloat16()
@@ -105,7 +101,7 @@ def rel(a, b):
 
 t_mm = bench(lambda: hs @ ws.T)
 t_head = bench(head)
-print(f"{torch.cuda.get_device_name()} {n}x{h}x{v} bf16 T={T}: cuBLAS mm {t_mm:.2f} ms; "
+print(f"{n}x{h}x{v} bf16 T={T}: cuBLAS mm {t_mm:.2f} ms; "
       f"linear_log_probs fwd+bwd {t_head:.2f} ms ({t_head / t_mm:.2f}x mm)")
 
 liger = None
@@ -115,24 +111,24 @@ try:
 except Exception as e:  # noqa: BLE001
     print(f"Liger not importable: {type(e).__name__}: {e}")
 
-if "--sweep" in sys.argv:
+if args.sweep:
     base = ops.default_config(torch.device(dev))
 
     def run_with(cfg):
-        with forced_config(cfg):
+        with ops.forced_config(cfg):
             with torch.no_grad():
                 tf = bench(lambda: rl_kernels.linear_jsd(hs, ws, ht, wt, beta=0.5, temperature=T, labels=labels))
             return tf, bench(ours(0.5))
 
     for fused in (False, True):  # forward kernel tiles (backward fixed at the default)
-        for fwd in (BwdTile(128, 128, 8, 3), BwdTile(128, 256, 16, 2), BwdTile(256, 128, 16, 2),
-                    BwdTile(128, 128, 8, 2), BwdTile(128, 128, 4, 3)):
+        for fwd in (ops.BwdTile(128, 128, 8, 3), ops.BwdTile(128, 256, 16, 2), ops.BwdTile(256, 128, 16, 2),
+                    ops.BwdTile(128, 128, 8, 2), ops.BwdTile(128, 128, 4, 3)):
             try:
                 tf, t = run_with(dataclasses.replace(base, jsd_fwd=fwd, jsd_fused_k=fused))
                 print(f"  sweep fused={fused} fwd {fwd}: fwd {tf / t_mm:.2f}x mm, fwd+bwd {t / t_mm:.2f}x mm")
             except Exception as e:  # noqa: BLE001
                 print(f"  sweep fused={fused} fwd {fwd}: failed {type(e).__name__}: {str(e)[:150]}")
-        for bwd in (BwdTile(128, 256, 16, 2), BwdTile(256, 128, 16, 2), BwdTile(128, 128, 8, 2)):
+        for bwd in (ops.BwdTile(128, 256, 16, 2), ops.BwdTile(256, 128, 16, 2), ops.BwdTile(128, 128, 8, 2)):
             try:
                 tf, t = run_with(dataclasses.replace(base, jsd_bwd=bwd, jsd_fused_k=fused))
                 print(f"  sweep fused={fused} bwd {bwd}: fwd {tf / t_mm:.2f}x mm, fwd+bwd {t / t_mm:.2f}x mm, "
@@ -140,7 +136,7 @@ if "--sweep" in sys.argv:
             except Exception as e:  # noqa: BLE001
                 print(f"  sweep fused={fused} bwd {bwd}: failed {type(e).__name__}: {str(e)[:150]}")
 
-for beta in (() if "--no-final" in sys.argv else (0.0, 0.5, 1.0)):
+for beta in (() if args.no_final else (0.0, 0.5, 1.0)):
     f = ours(beta)
     mem = peak_extra(f)
     got = rl_kernels.linear_jsd(hsx, wsx, ht, wt, beta=beta, temperature=T, labels=labels)

@@ -6,14 +6,13 @@ slower than Triton's own path on the H100 host, 2026-11-24, and was not kept: BE
 
 python scripts/diag/launch_floor.py
 """
-
 import torch
 import triton
 import triton.language as tl
 
-import diag_common
+from rl_kernels.tools import diag
 
-diag_common.require_cuda(__file__)
+diag.start(diag.parser(__doc__))
 
 
 @triton.jit
@@ -32,13 +31,13 @@ def _many_ints(p0, n, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, B:
 
 
 def per_call_us(f):
-    return diag_common.per_call_us(f, reps=2000, warmup=50)
+    return diag.per_call_us(f, reps=2000, warmup=50)
 
 
 x = [torch.empty(64, device="cuda") for _ in range(14)]
 cases = {"1 pointer": (_one, (x[0], 8)), "14 pointers": (_many, (*x, 8)),
          "1 pointer + 13 ints": (_many_ints, (x[0], 8, *range(3, 16)))}
-print(f"{torch.cuda.get_device_name()}, triton {triton.__version__}: host us per launch")
+print("host us per launch")
 print(f"{'kernel':24s} {'kernel[grid]':>12s} {'runner':>8s}")
 for name, (kern, args) in cases.items():
     plain = per_call_us(lambda: kern[(1,)](*args, B=64))

@@ -16,19 +16,15 @@ linear_topk (and of the matmul's logits), the splits, and the check.
 """
 import argparse
 import dataclasses
-import time
 
 import torch
 
-from diag_common import BENCH_SHAPES, require_cuda  # this script's folder is on sys.path
+from rl_kernels.tools import diag
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("shapes", nargs="*", default=["16384,3584,152064", *BENCH_SHAPES[:1]],
-                        help="N,H,V (default: 16384,3584,152064 and 4096,3584,152064)")
-    parser.add_argument("--k", type=int, nargs="+", default=[64], help="top-K sizes (default 64)")
-    parser.add_argument("--rounds", type=int, default=3, help="timing rounds (the median is printed)")
+    parser = diag.parser(__doc__, shapes=["16384,3584,152064", diag.BENCH_SHAPES[0]], rounds=3)
+    parser.add_argument("--k", type=diag.positive_int, nargs="+", default=[64], help="top-K sizes (default 64)")
     parser.add_argument("--splits", type=int, default=None, help="vocab splits per row block (default: auto)")
     parser.add_argument("--block-m", type=int, default=None)
     parser.add_argument("--block-n", type=int, default=None)
@@ -38,18 +34,13 @@ def main():
                         help="flatten the tile loop's pipeline or not (default: the head configuration's)")
     parser.add_argument("--trend", type=float, default=0.0, help="logit trend along the vocabulary (see above)")
     parser.add_argument("--check-rows", type=int, default=512, help="rows checked against the torch backend")
-    args = parser.parse_args()
-    require_cuda(__file__)
+    args = diag.start(parser, full_precision_bf16=True)
 
-    import triton
     import triton.testing
 
     import rl_kernels
-    import rl_kernels.ops.linear_topk as topk_ops
-    from rl_kernels.tools.bench import head_inputs, peak_extra_gib
 
-    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-    print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, time.strftime("%Y-%m-%d"))
+    topk_ops, head_inputs, peak_extra_gib = diag.topk_ops, diag.head_inputs, diag.peak_extra_gib
     tiles, splits = topk_ops.topk_tiles, topk_ops.topk_splits
     chosen = {}
 
@@ -74,8 +65,8 @@ def main():
 
     print(f"{'shape':>20} {'k':>4} {'topk ms':>8} {'mm ms':>7} {'ratio':>6} {'peak GiB':>9} {'mm GiB':>7} "
           f"{'splits':>6}  check (ids differing from torch's float32, where: max |logit gap|)")
-    for shape in args.shapes:
-        n, h, v = (int(x) for x in shape.split(","))
+    for n, h, v in args.shapes:
+        shape = f"{n},{h},{v}"
         hidden, weight = head_inputs(n, h, v)[:2]
         if args.trend:
             hidden[:, 0] = 1.0

@@ -7,22 +7,16 @@ gradient kernel alone (read logits + write the gradient): GB/s = 2*N*V*2 / t. Ce
 best of torch sum / amax over 4 GiB bf16; copy = y.copy_(x) (read + write bytes).
 """
 import dataclasses
-import sys
 
 import torch
 import triton.testing
 
 import rl_kernels
-from rl_kernels import ops
-from rl_kernels.ops import config as ops_config
-from rl_kernels.ops import logits as kernels
+from rl_kernels.tools import diag
 
-from diag_common import logits_params, require_cuda  # noqa: E402 - this script's folder is on sys.path
-
-require_cuda(__file__)
-
+args = diag.start(diag.parser(__doc__, shapes=["16384,152064", "512,152064"], form="N,V"))
+ops = diag.ops
 bench = lambda f: triton.testing.do_bench(f, warmup=25, rep=300, return_mode="median")  # noqa: E731
-shapes = [a for a in sys.argv[1:] if not a.startswith("--")] or ["16384,152064", "512,152064"]
 
 big = torch.randn(1 << 31, device="cuda", dtype=torch.bfloat16)  # 4 GiB
 nbytes = big.numel() * 2
@@ -34,8 +28,8 @@ del big, out
 torch.cuda.empty_cache()
 print(f"ceilings: read {read_bw:.0f} GB/s, copy (read+write) {copy_bw:.0f} GB/s", flush=True)
 
-base = ops_config.LOGITS_CUDA_CONFIG  # the H100's tiles; "shipped" is this device's class
-shipped = ops_config.logits_config(torch.device("cuda"))
+base = ops.config.LOGITS_CUDA_CONFIG  # the H100's tiles; "shipped" is this device's class
+shipped = ops.logits_config(torch.device("cuda"))
 VARIANTS = [("shipped", {f.name: getattr(shipped, f.name) for f in dataclasses.fields(shipped)}),
             ("h100 class", {})] + [
     (f"block {b}, {w} warps{', prefetch' if pf else ''}", dict(block_v=b, num_warps=w, prefetch=pf))
@@ -45,11 +39,10 @@ VARIANTS = [("shipped", {f.name: getattr(shipped, f.name) for f in dataclasses.f
 BWD = [(b, w, k) for b, w, k in ((4096, 4, 1), (4096, 4, 2), (4096, 4, 4), (2048, 4, 2), (2048, 4, 4),
                                  (2048, 2, 4), (1024, 4, 4), (8192, 8, 1), (8192, 8, 2), (8192, 4, 2))]
 
-for shape in shapes:
-    n, v = (int(x) for x in shape.split(","))
+for n, v in args.shapes:
     g = torch.Generator(device="cuda").manual_seed(0)
     x = (3 * torch.randn(n, v, device="cuda", generator=g)).bfloat16()
-    lp = logits_params(x.device)
+    lp = diag.logits_params(x.device)
     lab = torch.randint(0, v, (n,), device="cuda", generator=g)
     rows = slice(0, min(n, 256))
     z64 = x[rows].double()
@@ -57,7 +50,7 @@ for shape in shapes:
     p64 = z64.softmax(-1)
     ref_ent = -(p64 * z64.log_softmax(-1)).sum(-1)
     print(f"\n{n} x {v} bf16 ({n * v * 2 / 1e9:.2f} GB): two-level auto = "
-          f"{kernels.use_two_level(n, v, base, x.device)}", flush=True)
+          f"{ops.use_two_level(n, v, base, x.device)}", flush=True)
     ref = None
     for name, fields in VARIANTS:
         cfg = dataclasses.replace(base, **fields)

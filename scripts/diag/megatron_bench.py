@@ -24,12 +24,9 @@ import torch
 import torch.distributed as dist
 import triton.testing
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-import rl_kernels  # noqa: E402
-from rl_kernels.tools.bench import peak_extra_gib as peak_extra  # noqa: E402
-from rl_kernels.reference import reference_linear_log_probs  # noqa: E402
-
-from diag_common import require_cuda  # noqa: E402 - this script's folder is on sys.path
+import rl_kernels
+from rl_kernels.tools import diag
+from rl_kernels.tools.diag import peak_extra_gib as peak_extra, reference_linear_log_probs
 
 
 def import_verl(*names):
@@ -48,7 +45,7 @@ def bench(fn):
 
 
 def main():
-    require_cuda(__file__)
+    diag.start(diag.parser(__doc__))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29531")
     dist.init_process_group("nccl", rank=0, world_size=1)
@@ -59,7 +56,6 @@ def main():
     tp = parallel_state.get_tensor_model_parallel_group()
     vtp, vlce = import_verl("verl.utils.megatron.tensor_parallel", "verl.utils.kernel.linear_cross_entropy")
     rows = []
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
 
     # ---------------------------------------------------------------- logits path
     n, v = 16384, 152064

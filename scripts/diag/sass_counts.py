@@ -31,8 +31,7 @@ import triton  # noqa: E402 - after the environment above
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from rl_kernels.ops import linear, logits  # noqa: E402
-from rl_kernels.ops.config import CUDA_CONFIG, LOGITS_CUDA_CONFIG  # noqa: E402
+from rl_kernels.tools import diag  # noqa: E402
 
 FP = ("FADD", "FMUL", "FFMA", "FMNMX", "FSEL", "FSETP", "MUFU", "F2FP", "FCHK", "FRND")
 
@@ -99,9 +98,10 @@ def report(name: str, ins: list[tuple[str, str]], elements: int, only_fp: bool) 
 
 
 def main() -> None:
-    lc = LOGITS_CUDA_CONFIG
+    diag.parser(__doc__).parse_args()
+    lc = diag.ops.config.LOGITS_CUDA_CONFIG
     fwd = compile_sass(
-        logits._logits_fwd_kernel,
+        diag.jit_kernel("logits_fwd"),
         dict(x_ptr="*bf16", labels_ptr="*i64", counter_ptr="*i32", label_flag_ptr="*i32",
              inv_temperature="fp32", stride_n="i64"),
         dict(SPLIT_V=lc.split_v, BLOCK_V=lc.block_v, TWO_LEVEL=False, LAST_COMBINES=False, LOG_PROBS=True,
@@ -111,7 +111,7 @@ def main() -> None:
     report("from logits, forward (chunk loop body)", innermost_loop(instructions(fwd)),
            lc.block_v // (32 * lc.num_warps), only_fp=False)
     bwd = compile_sass(
-        logits._logits_bwd_kernel,
+        diag.jit_kernel("logits_bwd"),
         dict(x_ptr="*bf16", grad_ptr="*bf16", labels_ptr="*i64", inv_temperature="fp32",
              stride_n="i64", stride_gn="i64"),
         dict(BLOCK_V=lc.bwd_block_v, HAS_LABELS=True, HAS_GRAD_LOG_PROBS=True, HAS_GRAD_ENTROPY=True,
@@ -121,14 +121,14 @@ def main() -> None:
         lc.bwd_num_warps)
     report("from logits, backward (whole program)", instructions(bwd),
            lc.bwd_block_v * lc.bwd_blocks_per_program // (32 * lc.bwd_num_warps), only_fp=False)
-    cfg = CUDA_CONFIG
+    cfg = diag.ops.CUDA_CONFIG
     gemm = dict(h_ptr="*bf16", w_ptr="*bf16", logit_scale="fp32", softcap_scale="fp32",
                 stride_hn="i64", stride_wv="i64")
     meta = dict(BLOCK_K=cfg.block_k, UPCAST=False, DOT_PRECISION="tf32", GROUP_M=cfg.group_m, USE_TMA=False,
                 stride_hk=1, stride_wk=1)
     tile = cfg.bwd_cols
     dl = compile_sass(
-        linear._linear_dlogits_kernel,
+        diag.jit_kernel("linear_dlogits"),
         dict(gemm, labels_ptr="*i64", dz_ptr="*bf16", inv_temperature="fp32", stride_dzm="i64"),
         dict(meta, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HAS_GRAD_LOG_PROBS=True, HAS_GRAD_ENTROPY=True,
              HAS_GRAD_LSE=False, HAS_GRAD_SUM_PI_SQUARED=False, FLATTEN=False, STORE_TMA=False, OUT_DTYPE=None,
@@ -137,7 +137,7 @@ def main() -> None:
     report("fused dlogits (fp / select / compare)", instructions(dl),
            tile.block_m * tile.block_n // (32 * tile.num_warps), only_fp=True)
     fs = compile_sass(
-        linear._linear_split_stats_kernel, gemm,
+        diag.jit_kernel("linear_split_stats"), gemm,
         dict(meta, SPLIT_V=cfg.split_v, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ENTROPY=True, EVEN_V=True,
              FLATTEN=False, WARP_SPEC=False, SUM_PI_SQUARED=False, SOFTCAP=False, LIBDEVICE=False,
              ROW_TEMPERATURE=False, TAIL=False, BLOCK_IDS=1),

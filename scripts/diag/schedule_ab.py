@@ -16,27 +16,18 @@ import statistics
 import torch
 import triton.testing
 
-import rl_kernels
-import rl_kernels.autograd.backward_schedule as schedule
-
-from diag_common import head_inputs, head_shapes_cli
+from rl_kernels.tools import diag
+from rl_kernels.tools.diag import backward_schedule as schedule
 
 VARIANTS = (("tail (re-recompute)", 0.0), ("spare accumulator", 0.25))
 
 
 def main():
-    args = head_shapes_cli(__file__)
-    for shape in args.shapes:
-        n, h, v = (int(x) for x in shape.split(","))
-        hid, w, lab, g_lp, g_ent = head_inputs(n, h, v)
+    args = diag.start(diag.parser(__doc__, shapes=diag.BENCH_SHAPES, rounds=3), full_precision_bf16=True)
+    for n, h, v in args.shapes:
+        hid, w, lab, g_lp, g_ent = diag.head_inputs(n, h, v)
         t_mm = triton.testing.do_bench(lambda: hid @ w.T, rep=500, return_mode="median")
-        hg, wg = hid.detach().requires_grad_(), w.detach().requires_grad_()
-
-        def step():
-            hg.grad = wg.grad = None
-            out = rl_kernels.linear_log_probs(hg, wg, lab)
-            torch.autograd.backward([out.log_probs, out.entropy], [g_lp, g_ent])
-            return out
+        step, hg, wg = diag.head_step(hid, w, lab, g_lp, g_ent)
 
         results, times = {}, {name: [] for name, _ in VARIANTS}
         for name, frac in VARIANTS:
@@ -73,7 +64,7 @@ def main():
             print(f"  {name:22s} fwd+bwd {t:8.2f} ms = {t / t_mm:5.3f}x mm (rounds "
                   f"{' '.join(f'{x / t_mm:.3f}' for x in times[name])}); peak extra {peak:.2f} GiB; "
                   f"dh[:64] err vs float64 {rel(dh[rows], dh_ref):.1e}", flush=True)
-        del hid, w, hg, wg, results
+        del hid, w, step, hg, wg, results
         torch.cuda.empty_cache()
     schedule.SPARE_ACCUMULATOR_FRACTION = 0.25
 

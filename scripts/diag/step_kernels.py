@@ -6,47 +6,33 @@ One ``torch.profiler`` trace of 3 steps (after 2 warm-up steps) per shape; GPU k
 by kernel name (cuBLAS kernels grouped by their shape class), per step, as a multiple of one
 cuBLAS ``hidden @ W.T`` of the same shape timed in the same run.
 """
-import argparse
 import collections
 import dataclasses
-import time
 
 import torch
-import triton
 import triton.testing
 from torch.profiler import ProfilerActivity, profile
 
-import rl_kernels
-from rl_kernels.ops import config as ops_config
-
-from diag_common import head_inputs, require_cuda
+from rl_kernels.tools import diag
 
 STEPS = 3
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("shapes", nargs="*", default=["4096,3584,152064", "32768,4096,128256"])
-    parser.add_argument("--programs-per-sm", type=int, default=None)
-    args = parser.parse_args()
-    require_cuda(__file__)
-    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-    cfg = ops_config.CUDA_CONFIG
+    parser = diag.parser(__doc__, shapes=["4096,3584,152064", "32768,4096,128256"])
+    parser.add_argument("--programs-per-sm", type=int, default=None,
+                        help="the backward's persistent programs per SM (default: the shipped configuration's)")
+    args = diag.start(parser, full_precision_bf16=True)
+    ops = diag.ops
+    cfg = ops.CUDA_CONFIG
     if args.programs_per_sm is not None:
         cfg = dataclasses.replace(cfg, bwd_programs_per_sm=args.programs_per_sm)
-    print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, time.strftime("%Y-%m-%d"))
-    for shape in args.shapes:
-        n, h, v = (int(x) for x in shape.split(","))
-        hid, w, lab, g_lp, g_ent = head_inputs(n, h, v)
-        hid, w = hid.requires_grad_(), w.requires_grad_()
-        t_mm = triton.testing.do_bench(lambda: hid.detach() @ w.detach().T, rep=300, return_mode="median")
+    for n, h, v in args.shapes:
+        hid, w, lab, g_lp, g_ent = diag.head_inputs(n, h, v)
+        t_mm = triton.testing.do_bench(lambda: hid @ w.T, rep=300, return_mode="median")
+        step, hg, wg = diag.head_step(hid, w, lab, g_lp, g_ent)
 
-        def step():
-            hid.grad = w.grad = None
-            out = rl_kernels.linear_log_probs(hid, w, lab)
-            torch.autograd.backward([out.log_probs, out.entropy], [g_lp, g_ent])
-
-        with ops_config.forced_config(cfg):
+        with ops.forced_config(cfg):
             for _ in range(2):
                 step()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -79,7 +65,8 @@ def main():
         gaps = sorted(((b[0] - a[1]) / 1e3, a[2][:40], b[2][:40]) for a, b in zip(kernels, kernels[1:]))
         idle = sum(g for g, _, _ in gaps) / STEPS
         print(f"\n{n}x{h}x{v}: cuBLAS mm {t_mm:.2f} ms; step (events, no profiler) {wall:.2f} ms = "
-              f"{wall / t_mm:.3f}x mm; do_bench (L2 flushed before each step) {t_bench / t_mm:.3f}x mm; GPU kernel time per step {total:.2f} ms = {total / t_mm:.3f}x mm")
+              f"{wall / t_mm:.3f}x mm; do_bench (L2 flushed before each step) {t_bench / t_mm:.3f}x mm; "
+              f"GPU kernel time per step {total:.2f} ms = {total / t_mm:.3f}x mm")
         print(f"  GPU idle between kernels (profiled run): {idle:.2f} ms per step; largest gaps:")
         for gap, before, after in gaps[::-1][:6]:
             print(f"    {gap:7.3f} ms after {before} before {after}")
@@ -88,7 +75,7 @@ def main():
         for key, (t, count) in sorted(per_name.items(), key=lambda kv: -kv[1][0]):
             if t / t_mm >= 0.003:
                 print(f"  {t / t_mm:6.3f}x  {t:8.2f} ms  {count // STEPS:4d} calls  {key}")
-        del hid, w
+        del hid, w, step, hg, wg
         torch.cuda.empty_cache()
 
 

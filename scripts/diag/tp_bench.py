@@ -12,14 +12,13 @@ unsharded kernel on one GPU; dW shard and the all-reduced dh vs the unsharded gr
 Frobenius) and vs float64 on the first 1024 tokens. Times forward and forward+backward
 (reduce_hidden_grad=True, so the dh all-reduce is included) against the unsharded run on one GPU.
 
-Timing (``diag_common.slowest_rank_ms``, not ``triton.testing.do_bench``, whose repeat count each
+Timing (``rl_kernels.tools.diag.slowest_rank_ms``, not ``triton.testing.do_bench``, whose repeat count each
 rank picks from its own timing: with a cold Triton cache the two ranks called different numbers of
 collectives and hung): 5 warm-up calls on every rank (they compile), a barrier, then the same
 number of calls on every rank (``--iters``, or the count that fills 500 ms at the slowest rank's
 time of one call, all-reduced), CUDA events around each; the time is the slowest rank's median.
-The unsharded baseline on rank 0 is timed the same way (``diag_common.local_ms``).
+The unsharded baseline on rank 0 is timed the same way (``diag.local_ms``).
 """
-import argparse
 import os
 import sys
 import time
@@ -28,17 +27,16 @@ import torch
 import torch.distributed as dist
 
 import rl_kernels
+from rl_kernels.tools import diag
+from rl_kernels.tools.diag import local_ms, slowest_rank_ms
 
-from diag_common import local_ms, require_cuda, slowest_rank_ms
-
-ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-ap.add_argument("shape", nargs="?", default="16384,3584,152064", help="N,H,V")
-ap.add_argument("--iters", type=int, default=None,
+ap = diag.parser(__doc__, shapes=["16384,3584,152064"], one_shape=True)
+ap.add_argument("--iters", type=diag.positive_int, default=None,
                 help="timed calls per case, the same on every rank (default: as many as fill 500 ms)")
 ap.add_argument("--cpu", action="store_true", help="run on the CPU (gloo, torch backend): a check of the code")
 args = ap.parse_args()
 if not args.cpu:
-    require_cuda(__file__, "--cpu runs the same code on the CPU")
+    diag.require_cuda(ap.prog, "--cpu runs the same code on the CPU")
 dist.init_process_group(os.environ.get("TP_BACKEND", "gloo" if args.cpu else "nccl"))
 rank, world = dist.get_rank(), dist.get_world_size()
 if args.cpu:
@@ -48,7 +46,7 @@ else:
     shared_gpu = torch.cuda.device_count() < world
     dev = torch.device("cuda")
     device_name = f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()}"
-n, h, v = (int(x) for x in args.shape.split(","))
+n, h, v = args.shape
 g = torch.Generator(device=dev).manual_seed(0)
 hidden = torch.randn(n, h, device=dev, generator=g).bfloat16()
 weight = (0.02 * torch.randn(v, h, device=dev, generator=g)).bfloat16()
@@ -84,7 +82,8 @@ for t in (out.log_probs, out.entropy, hx.grad):
     same.append(all(torch.equal(x, all_t[0]) for x in all_t))
 hu, wu = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
 ref = step(hu, wu)
-say(f"{device_name}, {world} ranks, {dist.get_backend()}, {n}x{h}x{v} bf16, shards {bounds}, {time.strftime('%Y-%m-%d')}")
+say(f"{device_name}, {world} ranks, {dist.get_backend()}, {n}x{h}x{v} bf16, shards {bounds}, "
+    f"{time.strftime('%Y-%m-%d')}")
 say(f"  identical bits on all ranks: log_probs {same[0]}, entropy {same[1]}, dh {same[2]}")
 say(f"  vs unsharded kernel: max|dlogp| {(out.log_probs - ref.log_probs).abs().max().item():.2e}, "
     f"max|dent| {(out.entropy - ref.entropy).abs().max().item():.2e}, "
@@ -110,7 +109,8 @@ with torch.no_grad():
     full = rl_kernels.logits_stats(hidden @ weight.T, labels, temperature=0.9)
 say(f"  logits_stats on a logits shard: identical on all ranks {all(torch.equal(x, all_lp[0]) for x in all_lp)}, "
     f"vs unsharded max|dlogp| {(st.log_probs - full.log_probs).abs().max().item():.2e}, "
-    f"max|dent| {(st.entropy - full.entropy).abs().max().item():.2e}, max|dlse| {(st.lse - full.lse).abs().max().item():.2e}")
+    f"max|dent| {(st.entropy - full.entropy).abs().max().item():.2e}, "
+    f"max|dlse| {(st.lse - full.lse).abs().max().item():.2e}")
 del st, full
 if dev.type == "cuda":
     torch.cuda.empty_cache()

@@ -1,5 +1,5 @@
-"""GPU check of the verl integration: a random ~0.5B Qwen2 (Qwen2.5-0.5B shape, bf16) forward +
-backward through verl's patched model, per log-prob backend: step time, peak memory, accuracy.
+"""A verl step of a random ~0.5B Qwen2 (Qwen2.5-0.5B shape, bf16) on the GPU: forward + backward
+through verl's patched model, per log-prob backend: step time, peak memory, accuracy.
 
 Variants (same weights, same batch, PPO-style clipped loss minus an entropy bonus):
   logits/verl       use_fused_kernels=False, verl's own logprobs_from_logits + entropy_from_logits
@@ -14,17 +14,16 @@ The GPU machine has no package index: verl's wheel is installed with --no-deps, 
 package imports fail (Ray / tensordict / omegaconf stack), ``verl/__init__`` and a few package
 ``__init__`` files are bypassed and tensordict is stubbed; this affects this check only.
 
-    python scripts/verl_gpu_check.py [--batch 8 --seq 1024 --json out.json]
+    python scripts/verl_qwen_step.py [--batch 8 --seq 1024 --json out.json]
 """
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
 
 import torch
 
+from rl_kernels.tools import diag
 from rl_kernels.tools.verl_kernels import import_verl_modules
 
 
@@ -48,16 +47,13 @@ def ppo_loss(log_probs, entropy, adv, old):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = diag.parser(__doc__, json_out=True)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("verl_gpu_check: no CUDA device; nothing to measure")
-        return 0
+    diag.require_cuda(ap.prog)
     how = import_verl_modules(stub=True)
     import rl_kernels.integrations.verl as rkv
     import verl.utils.torch_functional as verl_F
@@ -175,8 +171,7 @@ def main(argv=None):
     print(tabulate(rows, headers=["variant", "fwd+bwd ms", "x rl_kernels", "peak extra GB",
                                   "max |logp err|", "max |H err|", "logp dtype", "error"]))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"header": header, "results": results}, f, indent=1)
+        diag.write_json(args.json, results, header=header)
     return 0
 
 
