@@ -3,7 +3,7 @@ random weights, per log-prob path, on one GPU: step time and tokens/s at common 
 peak memory, the largest micro-batch that fits, and the head's share of the step.
 
     python scripts/model_bench.py --models qwen2.5-0.5b qwen2.5-7b llama3.1-8b gemma2-2b \
-        --tokens 8192 16384 --search --json docs/model_bench.json
+        --tokens 8192 16384 --search --json benchmarks/results/model_bench_DEVICE_DATE.json
     python scripts/model_bench.py --smoke      # CPU: a tiny model, two steps per variant (a test runs it)
     torchrun --nproc_per_node 2 scripts/model_bench.py --fsdp --models qwen2.5-7b --tokens 8192 16384
     torchrun --nproc_per_node 2 scripts/model_bench.py --fsdp --smoke   # CPU (gloo): the same code path
