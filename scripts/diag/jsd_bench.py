@@ -12,7 +12,7 @@ import triton.testing
 import rl_kernels
 from rl_kernels.tools import diag
 
-ap = diag.parser(__doc__, shapes=["4096,3584,152064"], one_shape=True)
+ap = diag.parser(__doc__, shapes=["4096,3584,152064"], one_shape=True, json_out=True)
 ap.add_argument("--sweep", action="store_true", help="also sweep the JSD kernels' tiles")
 ap.add_argument("--no-final", action="store_true", help="leave out the per-beta accuracy, time and memory rows")
 args = diag.start(ap)
@@ -136,7 +136,10 @@ if args.sweep:
             except Exception as e:  # noqa: BLE001
                 print(f"  sweep fused={fused} bwd {bwd}: failed {type(e).__name__}: {str(e)[:150]}")
 
+rows = []
 for beta in (() if args.no_final else (0.0, 0.5, 1.0)):
+    row = {"beta": beta, "shape": [n, h, v], "temperature": T, "mm_ms": t_mm, "linear_log_probs_fwd_bwd_ms": t_head}
+    rows.append(row)
     f = ours(beta)
     mem = peak_extra(f)
     got = rl_kernels.linear_jsd(hsx, wsx, ht, wt, beta=beta, temperature=T, labels=labels)
@@ -145,14 +148,17 @@ for beta in (() if args.no_final else (0.0, 0.5, 1.0)):
     ref, dh, dw = reference(beta)
     print(f"beta={beta}: loss {got.item():.6f} vs float64 {ref:.6f} (rel {abs(got.item() - ref) / abs(ref):.1e}); "
           f"dh rel {rel(hsx.grad, dh):.2e}, dW rel {rel(wsx.grad, dw):.2e}")
+    row.update(loss=got.item(), loss_float64=ref, dh_rel=rel(hsx.grad, dh), dw_rel=rel(wsx.grad, dw))
     del dh, dw
     torch.cuda.empty_cache()
     t = bench(f)
+    row.update(ours_ms=t, ours_peak_extra_gib=mem)
     print(f"  ours fwd+bwd {t:.2f} ms = {t / t_head:.3f}x linear_log_probs fwd+bwd ({t / t_mm:.2f}x mm); "
           f"peak extra {mem:.2f} GiB (grads {2 * (n + v) * h / 2**30:.2f} GiB)")
     try:
         me = peak_extra(eager(beta))
         te = bench(eager(beta))
+        row.update(eager_ms=te, eager_peak_extra_gib=me)
         print(f"  torch eager fwd+bwd {te:.2f} ms ({te / t:.2f}x ours), peak extra {me:.2f} GiB")
     except torch.OutOfMemoryError:
         print("  torch eager: out of memory")
@@ -167,8 +173,17 @@ for beta in (() if args.no_final else (0.0, 0.5, 1.0)):
             val = mod(hsx, wsx, ht, wt, labels).item()
             ml = peak_extra(lig)
             tl_ = bench(lig)
+            row.update(liger_ms=tl_, liger_peak_extra_gib=ml, liger_loss=val)
             print(f"  Liger fused linear JSD fwd+bwd {tl_:.2f} ms ({tl_ / t:.2f}x ours), peak extra {ml:.2f} GiB; "
                   f"value {val:.6f} (x T^2 = {val * T * T:.6f})")
         except Exception as e:  # noqa: BLE001
             print(f"  Liger failed: {type(e).__name__}: {str(e)[:300]}")
         torch.cuda.empty_cache()
+if args.json:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        liger_version = version("liger-kernel") if liger is not None else None
+    except PackageNotFoundError:  # importable without its metadata (unzipped onto PYTHONPATH)
+        liger_version = "unknown version"
+    diag.write_json(args.json, rows, liger=liger_version)

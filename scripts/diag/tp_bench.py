@@ -30,7 +30,7 @@ import rl_kernels
 from rl_kernels.tools import diag
 from rl_kernels.tools.diag import local_ms, slowest_rank_ms
 
-ap = diag.parser(__doc__, shapes=["16384,3584,152064"], one_shape=True)
+ap = diag.parser(__doc__, shapes=["16384,3584,152064"], one_shape=True, json_out=True)
 ap.add_argument("--iters", type=diag.positive_int, default=None,
                 help="timed calls per case, the same on every rank (default: as many as fill 500 ms)")
 ap.add_argument("--cpu", action="store_true", help="run on the CPU (gloo, torch backend): a check of the code")
@@ -82,6 +82,11 @@ for t in (out.log_probs, out.entropy, hx.grad):
     same.append(all(torch.equal(x, all_t[0]) for x in all_t))
 hu, wu = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
 ref = step(hu, wu)
+record = {"ranks": world, "backend": dist.get_backend(), "shape": [n, h, v], "shards": bounds,
+          "bitwise_on_all_ranks": {"log_probs": same[0], "entropy": same[1], "dh": same[2]},
+          "vs_unsharded": {"log_probs": (out.log_probs - ref.log_probs).abs().max().item(),
+                           "entropy": (out.entropy - ref.entropy).abs().max().item(),
+                           "dh_rel": rel(hx.grad, hu.grad), "dw_shard_rel": rel(wx.grad, wu.grad[lo:hi])}}
 say(f"{device_name}, {world} ranks, {dist.get_backend()}, {n}x{h}x{v} bf16, shards {bounds}, "
     f"{time.strftime('%Y-%m-%d')}")
 say(f"  identical bits on all ranks: log_probs {same[0]}, entropy {same[1]}, dh {same[2]}")
@@ -96,6 +101,9 @@ valid = labels[:m] != -100
 lp_ref = torch.where(valid, lp64.gather(1, labels[:m].clamp_min(0)[:, None])[:, 0], 0.0)
 ent_ref = torch.where(valid, -(lp64.exp() * lp64).sum(-1), 0.0)
 (lp_ref * g_lp[:m] + ent_ref * g_ent[:m]).sum().backward()
+record["vs_float64"] = {"tokens": m, "log_probs": (out.log_probs[:m].double() - lp_ref).abs().max().item(),
+                        "entropy": (out.entropy[:m].double() - ent_ref).abs().max().item(),
+                        "dh_rel": rel(hx.grad[:m], h64.grad), "dh_rel_unsharded": rel(hu.grad[:m], h64.grad)}
 say(f"  vs float64 (first {m} tokens): max|dlogp| {(out.log_probs[:m].double() - lp_ref).abs().max().item():.2e}, "
     f"max|dent| {(out.entropy[:m].double() - ent_ref).abs().max().item():.2e}, dh rel {rel(hx.grad[:m], h64.grad):.2e}")
 del h64, w64, lp64
@@ -111,6 +119,10 @@ say(f"  logits_stats on a logits shard: identical on all ranks {all(torch.equal(
     f"vs unsharded max|dlogp| {(st.log_probs - full.log_probs).abs().max().item():.2e}, "
     f"max|dent| {(st.entropy - full.entropy).abs().max().item():.2e}, "
     f"max|dlse| {(st.lse - full.lse).abs().max().item():.2e}")
+record["logits_stats_shard"] = {"bitwise_on_all_ranks": all(torch.equal(x, all_lp[0]) for x in all_lp),
+                                "log_probs": (st.log_probs - full.log_probs).abs().max().item(),
+                                "entropy": (st.entropy - full.entropy).abs().max().item(),
+                                "lse": (st.lse - full.lse).abs().max().item()}
 del st, full
 if dev.type == "cuda":
     torch.cuda.empty_cache()
@@ -139,6 +151,8 @@ def tp_fb():
 
 if shared_gpu:
     say("  timing skipped: the ranks share one GPU")
+    if args.json and rank == 0:
+        diag.write_json(args.json, [record], device=dev)
     dist.destroy_process_group()
     sys.exit(0)
 
@@ -167,6 +181,10 @@ if rank == 0:
           f"fwd {t_tp_f:.2f} ms ({t_f / t_tp_f:.2f}x speed-up), "
           f"fwd+bwd {t_tp_fb:.2f} ms ({t_fb / t_tp_fb:.2f}x speed-up, ideal {world}x; "
           f"{t_tp_fb_partial:.2f} ms with the partial dh, no all-reduce inside)")
+    record["ms"] = {"mm": t_mm, "fwd_unsharded": t_f, "fwd_bwd_unsharded": t_fb, "fwd_tp": t_tp_f,
+                    "fwd_bwd_tp": t_tp_fb, "fwd_bwd_tp_partial_dh": t_tp_fb_partial}
+    if args.json:
+        diag.write_json(args.json, [record], device=dev)
 dist.barrier()
 # The normal exit, on the CPU too: the SIGABRT at rank 1's exit that an os._exit(0) here used to hide
 # (a gloo worker thread freeing a collective's tensors during finalization) is fixed at its cause,
