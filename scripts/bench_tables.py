@@ -196,7 +196,7 @@ def render_varying_n(results, cold, warm):
     return table(["run", "impl", "first pass s", "second pass s", "first − second s", "first pass per call s"], rows)
 
 
-PEER_SHAPES = ([16384, 3584, 152064], [32768, 4096, 128256])  # of the four the run measured
+PEER_SHAPES = ([16384, 3584, 152064],)  # of the four the run measured
 
 
 def render_head_vs_peers(results, h100, h200):
@@ -224,26 +224,71 @@ def render_head_vs_peers(results, h100, h200):
                   "H100 extra GB fwd+bwd", "max \\|Δlog p\\|"], rows)
 
 
-def render_logits(results, name):
-    data = results.json(name)
-    ceilings = data["ceilings"]
-    rows = []
-    for entry in data["shapes"]:
-        for i, (impl, v) in enumerate(entry["impls"].items()):
-            ours = impl == "rl_kernels"
-            if "fwd_ms" not in v:
-                cells = [v.get("error", "no result"), "", "", ""]
-            else:
+def render_logits(results, *names):
+    """One block of rows per result file (device): our call and the peers that read the logits once (torch eager,
+    2-3% of the ceilings or out of memory, in the prose)."""
+    rows, notes = [], []
+    for name in names:
+        data = results.json(name)
+        device = results.meta(name)["device"].replace("NVIDIA ", "").replace(" 80GB HBM3", "")
+        for entry in data["shapes"]:
+            first = True
+            for impl, v in entry["impls"].items():
+                if impl == "torch eager" or "fwd_ms" not in v:
+                    continue
+                ours = impl == "rl_kernels"
                 cells = [f"{bold(pct(v['fwd_frac_read']), ours)} ({fixed(v['fwd_ms'], 3)} ms)",
                          f"{bold(pct(v['bwd_frac_copy']), ours)} ({fixed(v['bwd_ms'], 3)} ms)",
                          f"{fixed(v['fwd_bwd_extra_gb'])}", sci(v["max_err"])]
-            label = PEER_NAMES.get(impl, impl)
-            rows.append([shape_text(entry["shape"]) if i == 0 else "", bold(label, ours)] + cells)
-    text = table(["N × V bf16", "impl", "forward / read ceiling", "backward / copy ceiling", "extra GB fwd+bwd",
-                  "max \\|Δlog p\\|"], rows)
-    return text + "\n\n" + wrap(f"Ceilings measured in the same run: read {round(ceilings['read_gbps'])} GB/s (best of "
-                                f"`x.sum` / `amax` over {ceilings['bytes'] // 2**30} GiB), copy "
-                                f"{round(ceilings['copy_gbps'])} GB/s.").rstrip("\n")
+                rows.append([f"{device}, {shape_text(entry['shape'])}" if first else "",
+                             bold(PEER_NAMES.get(impl, impl), ours)] + cells)
+                first = False
+        c = data["ceilings"]
+        notes.append(f"{device} read {round(c['read_gbps'])} GB/s, copy {round(c['copy_gbps'])} GB/s")
+    text = table(["device, N × V bf16", "impl", "forward / read ceiling", "backward / copy ceiling",
+                  "extra GB fwd+bwd", "max \\|Δlog p\\|"], rows)
+    return text + "\n\n" + wrap(f"Ceilings measured in the same run (best of `x.sum` / `amax` over "
+                                f"{c['bytes'] // 2**30} GiB): {'; '.join(notes)}.").rstrip("\n")
+
+
+def render_tp(results, name):
+    (r,) = results.json(name)["rows"]
+    u, f64, lg, ms = r["vs_unsharded"], r["vs_float64"], r["logits_stats_shard"], r["ms"]
+    same = r["bitwise_on_all_ranks"]
+    rows = [["identical bits on both ranks (log-probs, entropy, all-reduced dh)",
+             "yes" if all(same.values()) else f"no: {same}"],
+            ["vs the unsharded kernel", f"max \\|Δlog p\\| {sci(u['log_probs'])}, max \\|Δentropy\\| "
+             f"{sci(u['entropy'])}, dh rel {sci(u['dh_rel'])}, dW shard rel {sci(u['dw_shard_rel'])}"],
+            [f"vs float64 (first {f64['tokens']} tokens)", f"max \\|Δlog p\\| {sci(f64['log_probs'])}, "
+             f"max \\|Δentropy\\| {sci(f64['entropy'])}, dh rel {sci(f64['dh_rel'])} "
+             f"(unsharded: {sci(f64['dh_rel_unsharded'])})"],
+            ["`logits_stats` on a logits shard vs the unsharded logits",
+             f"{'identical on both ranks' if lg['bitwise_on_all_ranks'] else 'ranks differ'}; max \\|Δlog p\\| "
+             f"{sci(lg['log_probs'])}, max \\|Δentropy\\| {sci(lg['entropy'])}, max \\|Δlse\\| {sci(lg['lse'])}"],
+            ["forward, 2 GPUs vs one (no grad)", f"{fixed(ms['fwd_tp'])} vs {fixed(ms['fwd_unsharded'])} ms: "
+             f"**{fixed(ms['fwd_unsharded'] / ms['fwd_tp'])}×** speed-up"],
+            ["forward+backward (dh all-reduced), 2 GPUs vs one",
+             f"{fixed(ms['fwd_bwd_tp'])} vs {fixed(ms['fwd_bwd_unsharded'])} ms: "
+             f"**{fixed(ms['fwd_bwd_unsharded'] / ms['fwd_bwd_tp'])}×** (partial dh, Megatron's convention: "
+             f"{fixed(ms['fwd_bwd_tp_partial_dh'])} ms)"]]
+    return table([f"{shape_text(r['shape'])} bf16, T = 0.9, shards {r['shards']}", "result"], rows)
+
+
+def render_jsd(results, name):
+    data = results.json(name)
+    rows = []
+    for r in data["rows"]:
+        cells = [fixed(r["beta"], 1), f"**{fixed(r['ours_ms'])}** ({fixed(r['ours_ms'] / r['linear_log_probs_fwd_bwd_ms'])}×)",
+                 bold(fixed(r["ours_peak_extra_gib"])), sci(abs(r["loss"] - r["loss_float64"]) / abs(r["loss_float64"])),
+                 f"{sci(r['dh_rel'])} / {sci(r['dw_rel'])}"]
+        for key in ("eager", "liger"):
+            cells.append(f"{fixed(r[key + '_ms'])} / {fixed(r[key + '_peak_extra_gib'])}" if key + "_ms" in r
+                         else "–")
+        rows.append(cells)
+    liger = data.get("liger") or "not importable"
+    return table(["β", "ours fwd+bwd ms (× `linear_log_probs`)", "peak extra GiB", "loss rel. err",
+                  "dh / dW rel. err", "torch eager ms / GiB", f"Liger `LigerFusedLinearJSD` ({liger}) ms / GiB"],
+                 rows)
 
 
 def render_small_calls(results, name):
@@ -453,9 +498,9 @@ TABLES = [
           "rl-kernels bench --stub-verl --shapes 4096,3584,152064 16384,3584,152064 32768,4096,128256 "
           "512,3584,152064 --json PATH", "The fused head against every other peer", render_head_vs_peers,
           device="NVIDIA H100 80GB HBM3 and NVIDIA H200"),
-    Table("logits_ceilings", ["bench_logits_h100_2026-11-26c.json"],
+    Table("logits_ceilings", ["bench_logits_h200_2026-11-28.json", "bench_logits_h100_2026-11-26c.json"],
           "rl-kernels bench --logits --shapes 16384,152064 4096,152064 --json PATH",
-          "From logits against the bandwidth ceilings", render_logits,
+          "From logits against the bandwidth ceilings", render_logits, device="NVIDIA H200 and H100 80GB HBM3",
           extra_files={"logits_sweep_h100_2026-11-26c.log": "python scripts/diag/logits_sweep.py"}),
     Table("small_calls", ["graph_launch_h100_2026-11-26_arch3.json"],
           "python scripts/diag/graph_launch.py 512,3584,152064 --json PATH",
@@ -470,8 +515,6 @@ TABLES = [
     Table("model_fsdp", ["model_bench_fsdp_h200x2_2026-11-24.json"],
           "torchrun --nproc_per_node 2 scripts/model_bench.py --fsdp --models qwen2.5-7b --tokens 8192 16384 "
           "--steps 5 --search --json PATH", "Model level: a verl actor step", render_model_fsdp),
-    Table("gpu_parity", ["gpu_parity_h100_2026-11-24.json"], "python scripts/gpu_parity.py --steps 30 --json PATH",
-          "Model level: a verl actor step", render_parity),
     Table("distill_verl_topk", ["distill_h100_2026-11-26.json", "distill_clamp_h100_2026-11-26.json"],
           "python scripts/distill_bench.py [--clamp -10] --json PATH",
           "Distillation: verl's top-K loss on the logits path",
@@ -485,6 +528,11 @@ TABLES = [
           "Distillation: the tail-aware top-K KL and the fused top-K selection",
           render_distill_tail,
           extra_files=dict.fromkeys(("distill_tail_h200_2026-11-28.log", "distill_tail_h200_2026-11-28_run1.json"))),
+    Table("vocab_parallel", ["tp_h200x2_2026-11-28.json"],
+          "torchrun --nproc_per_node=2 scripts/diag/tp_bench.py 16384,3584,152064 --json PATH",
+          "Vocab tensor parallelism", render_tp, device="2 × NVIDIA H200 (NCCL)"),
+    Table("jsd", ["jsd_h200_2026-11-28.json"], "python scripts/diag/jsd_bench.py 4096,3584,152064 --json PATH",
+          "Distillation: fused linear JSD", render_jsd),
     Table("readme_gain", README_GAIN_FILES, "python scripts/bench_tables.py --write", "README: what you gain",
           render_readme_gain, source=readme_gain_source),
 ]

@@ -25,7 +25,10 @@ SHELL = sorted(glob.glob(os.path.join(REPO, "scripts", "*.sh")))
 ARGS = {"ab_versions.py": ["--old", REPO]}  # a required option: without it, argparse's usage error
 HINTS = {"tp_bench.py": " (--cpu runs the same code on the CPU)", "model_bench.py": " (use --smoke for the CPU check)",
          "distill_bench.py": " (use --cpu-smoke for the CPU check)"}
-OTHER_LINES = {"bench.py": "rl-kernels bench: no CUDA device here; nothing to benchmark (the timings need a GPU)"}
+OTHER_LINES = {"bench.py": "rl-kernels bench: no CUDA device here; nothing to benchmark (the timings need a GPU)",
+               # no GPU needed: it checks BENCHMARKS' tables against the committed results (tests/test_docs.py)
+               "bench_tables.py": "tables match the result files in benchmarks/results/ (BENCHMARKS.md, README.md, "
+                                  "benchmarks/results/README.md)"}
 NO_GPU = {"sass_counts.py": 4}  # script -> lines of "... per element" it prints without a GPU
 
 # Every script run twice (--help, then without arguments) in one interpreter: one import of torch

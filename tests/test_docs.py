@@ -64,11 +64,11 @@ def test_a_missing_result_file_is_one_line_and_exit_1(tmp_path):
     for name in ("README.md", "BENCHMARKS.md"):
         shutil.copy(ROOT / name, tmp_path / name)
     shutil.copytree(RESULTS, tmp_path / "benchmarks" / "results")
-    (tmp_path / "benchmarks" / "results" / "gpu_parity_h100_2026-11-24.json").unlink()
+    (tmp_path / "benchmarks" / "results" / "jsd_h200_2026-11-28.json").unlink()
     failed = tables("--check", root=tmp_path)
     assert failed.returncode == 1
     assert failed.stderr.strip().splitlines() == [
-        "bench_tables: benchmarks/results/gpu_parity_h100_2026-11-24.json: missing (a table reads it)"]
+        "bench_tables: benchmarks/results/jsd_h200_2026-11-28.json: missing (a table reads it)"]
     assert "Traceback" not in failed.stderr
 
 
