@@ -99,7 +99,7 @@ def run(args, device):
 
     verl, how = diag.verl_losses()
     original = verl.compute_forward_kl_topk
-    ours = load_replacement_module()._replacement(verl, original, megatron=False)
+    ours = load_replacement_module().replacement(verl, original, megatron=False)
     logits, t_lp, t_ids, lengths = make_inputs(args.n, args.vocab, args.topk, args.seqs, device)
     config = diag.verl_loss_config
     variants = {"verl": (original, config(False, args.clamp)), "verl chunked": (original, config(True, args.clamp)),

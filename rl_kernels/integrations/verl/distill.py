@@ -124,7 +124,7 @@ def _import_fsdp_losses():
 
 def _megatron_entry() -> tuple[bool, str]:
     """Replace verl's Megatron ``compute_forward_kl_topk`` (vocab-parallel logits shards) by
-    rl-kernels' (:func:`_replacement` with ``megatron=True``) where verl's Megatron losses import and
+    rl-kernels' (:func:`replacement` with ``megatron=True``) where verl's Megatron losses import and
     the function has :data:`PARAMETERS`. Returns the report entry (replaced?, what)."""
     if not has_module(MEGATRON_MODULE):
         return False, NOT_IN_THIS_VERL
@@ -141,7 +141,7 @@ def _megatron_entry() -> tuple[bool, str]:
             f"for backward); {TAIL_MODE} too")
     if getattr(current, "_rl_kernels_original", None) is None:
         check_signature(f"{MEGATRON_MODULE}.{FUNCTION}", current, PARAMETERS)
-        places = replace_by_name(megatron_losses, {FUNCTION: _replacement(megatron_losses, current, megatron=True)})
+        places = replace_by_name(megatron_losses, {FUNCTION: replacement(megatron_losses, current, megatron=True)})
         if places:
             what += f"; {len(places)} by-name import(s) ({', '.join(places)})"
     return True, what
@@ -149,7 +149,7 @@ def _megatron_entry() -> tuple[bool, str]:
 
 def patch_distillation() -> dict[str, tuple[bool, str]]:
     """Replace verl's ``compute_forward_kl_topk`` of the FSDP / VeOmni distillation losses and of the
-    Megatron ones by :func:`_replacement` (through :func:`~.common.replace_by_name`, so
+    Megatron ones by :func:`replacement` (through :func:`~.common.replace_by_name`, so
     :func:`~.common.restore` undoes it). Returns the report entries ``{FSDP_PART: (replaced?, what),
     MEGATRON_PART: (replaced?, what)}``; a verl without distillation (0.7.x) gets ``(False, "not in
     this verl ...")``, one whose module lacks the function ``(False, "not replaced ...")``. Raises
@@ -167,7 +167,7 @@ def patch_distillation() -> dict[str, tuple[bool, str]]:
     if getattr(current, "_rl_kernels_original", None) is not None:  # already ours
         return {FSDP_PART: (True, what), MEGATRON_PART: _megatron_entry()}
     check_signature(f"{FSDP_MODULE}.{FUNCTION}", current, PARAMETERS)
-    places = replace_by_name(fsdp, {FUNCTION: _replacement(fsdp, current, megatron=False)})
+    places = replace_by_name(fsdp, {FUNCTION: replacement(fsdp, current, megatron=False)})
     if places:
         what += f"; {len(places)} by-name import(s) ({', '.join(places)})"
     return {FSDP_PART: (True, what), MEGATRON_PART: _megatron_entry()}
@@ -185,13 +185,14 @@ def _ulysses(fsdp):
     return world_size, slice_input
 
 
-def _replacement(module, original, *, megatron: bool):
+def replacement(module, original, *, megatron: bool):
     """rl-kernels' ``compute_forward_kl_topk`` for verl's FSDP / VeOmni (``megatron=False``) or
     Megatron (``megatron=True``) loss module ``module`` (its own helpers for the teacher's layout,
     read per call), with verl's ``original`` for the calls outside rl-kernels' kernels: student
     logits outside them (float64, ...: logged once, counted) or a layout this path does not take
     (verl's own function then runs and asserts as verl's does). With ``loss_mode=forward_kl_topk_tail``
-    there is no verl function to hand a call to: such a call raises instead."""
+    there is no verl function to hand a call to: such a call raises instead. Public for the benchmark
+    (``scripts/distill_bench.py``), which times it against ``original`` without patching verl."""
     label = f"{module.__name__}.{FUNCTION}"
     path = "distillation megatron" if megatron else "distillation fsdp"
 
