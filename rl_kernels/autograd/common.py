@@ -3,7 +3,10 @@ raises), the selection of ignored non-finite rows out of the weight gradient, an
 conventions (the runtime temperature, a parameter record as plain arguments: ``OpArgs``)."""
 from __future__ import annotations
 
+import collections
 import functools
+import inspect
+import operator
 import types
 import typing
 
@@ -11,7 +14,7 @@ import torch
 
 from ..backends import Backend, backend_by_name
 from ..validation import row_inv_temperature
-from .vocab_parallel import GROUP_SCHEMA, op_group
+from .vocab_parallel import GROUP_SCHEMA, group_from_op, op_group
 
 
 def first_order_only(backward):
@@ -110,6 +113,9 @@ class CustomOpPair:
         self.ops = (torch.library.custom_op(qualname, fn, mutates_args=(), schema=schema),
                     torch.library.custom_op(qualname + RUNTIME_TEMPERATURE_SUFFIX, fn, mutates_args=(),
                                             schema=schema, tags=_CUDAGRAPH_UNSAFE))
+        name = qualname.split("::")[1]
+        for op_name in (name, name + RUNTIME_TEMPERATURE_SUFFIX):  # (no samples: HeadFamily gives them)
+            OPS.setdefault(op_name, None)
 
     def register_fake(self, fn):
         for op in self.ops:
@@ -166,6 +172,410 @@ def custom_op_pair(qualname: str, schema: str):
     """Decorator: ``fn`` as the body of a :class:`CustomOpPair` (for the ops that take
     ``RUNTIME_TEMPERATURE_SCHEMA``)."""
     return lambda fn: CustomOpPair(qualname, schema, fn)
+
+
+# ------------------------------------------------------------------ a family's wiring, generated once
+class Out(typing.NamedTuple):
+    """One output of a family's forward op (a "slot"), declared for :class:`HeadFamily` (and
+    :func:`plain_op`): what its fake implementation makes and what the Function does with it.
+
+    ``shape``: a tuple of sizes, each an int, ``"x[i]"`` (dim i of the input ``x``) or the name of a
+    field of the parameter record (``"k"``); or ``"x"`` (the input's whole shape); or a callable of
+    the call's arguments (``a.<input>``, ``a.params``, ``a.sharded``: a vocab-parallel layout is
+    given) giving the shape. ``dtype``: a ``torch.dtype`` or ``"x"`` (that input's dtype).
+    ``when``: None (always made), the name of an optional input (made when it is given), the name of
+    a record field (made when it is true), or a callable of the arguments; a slot not made is None
+    in the Function and an empty float32 tensor in the op. ``saved``: the backward reads it.
+    ``output``: returned by the Function (False: state the forward hands to the backward only)."""
+
+    name: str
+    shape: object
+    dtype: object = torch.float32
+    when: object = None
+    saved: bool = False
+    output: bool = True
+
+
+class OpSample(typing.NamedTuple):
+    """Arguments for ``torch.library.opcheck`` of one op; ``same_as``: other arguments the op must
+    answer with the same bits (a runtime temperature against the float)."""
+
+    args: tuple
+    same_as: tuple | None = None
+
+
+# Every op of the ``rl_kernels::`` namespace that this module made: its name (without the
+# namespace) -> a function giving its ``OpSample``s (None: an op made without samples).
+# tests/test_compile.py runs opcheck on each and fails on an op of the namespace not found here.
+OPS: dict = {}
+
+
+def _getter(spec: str):
+    """``"x[i]"`` -> size i of argument x; ``"x"`` -> argument x."""
+    name, _, dim = spec.partition("[")
+    if dim:
+        i = int(dim.rstrip("]"))
+        return lambda a: getattr(a, name).shape[i]
+    return lambda a: getattr(a, name)
+
+
+def _shape_fn(spec, arg_names):
+    if callable(spec):
+        return spec
+    if isinstance(spec, str):  # an argument's whole shape
+        return lambda a: getattr(a, spec).shape
+    sizes = [(lambda a, s=s: s) if isinstance(s, int) else _getter(s) if s.split("[")[0] in arg_names
+             else (lambda a, f=s: getattr(a.params, f)) for s in spec]
+    return lambda a: tuple(s(a) for s in sizes)
+
+
+def _dtype_fn(spec):
+    return (lambda a: spec) if isinstance(spec, torch.dtype) else (lambda a: getattr(a, spec).dtype)
+
+
+def _when_fn(spec, arg_names):
+    if spec is None or callable(spec):
+        return spec
+    if spec in arg_names:
+        return lambda a: getattr(a, spec) is not None
+    return lambda a: bool(getattr(a.params, spec))
+
+
+def _fake_outputs(shapes, dtypes, whens, a, like):
+    """The fake implementation's tensors: each made slot with its declared shape and dtype, the
+    others empty float32 (as :func:`or_empty` makes them)."""
+    made = [w is None or w(a) for w in whens]
+    return tuple(like.new_empty(s(a), dtype=d(a)) if m else like.new_empty(0, dtype=torch.float32)
+                 for s, d, m in zip(shapes, dtypes, made))
+
+
+def _tensor_args(schema: str) -> tuple:
+    """(names, optional flags) of a schema fragment of tensors: ``"Tensor x, Tensor? y"``."""
+    parts = [p.split() for p in schema.split(",")]
+    return tuple(n for _, n in parts), tuple(t == "Tensor?" for t, _ in parts)
+
+
+def _picker(indices: tuple):
+    """A function giving the tuple of a sequence's items at ``indices`` (eager code only)."""
+    if not indices:
+        return lambda seq: ()
+    if len(indices) == 1:
+        i = indices[0]
+        return lambda seq: (seq[i],)
+    return operator.itemgetter(*indices)
+
+
+def _all_grads(asked: tuple, output_grads: tuple, n_outputs: int):
+    """One gradient (or None) per output slot, from the Function's returned outputs' (``asked``)."""
+    if len(asked) == n_outputs:
+        return output_grads
+    grads = [None] * n_outputs
+    for p, g in zip(asked, output_grads):
+        grads[p] = g
+    return grads
+
+
+def _placed(res, positions: tuple, n_args: int) -> tuple:
+    """The Function's backward result: ``res[k]`` at argument ``positions[k]``, None elsewhere."""
+    out = [None] * n_args
+    for i, r in zip(positions, res):
+        out[i] = r
+    return tuple(out)
+
+
+class HeadFamily:
+    """A head family's wiring, made once from its declaration: the forward and backward custom ops
+    (``rl_kernels::<forward_op>`` / ``<backward_op>`` and their ``_runtime_temperature`` twins:
+    :class:`CustomOpPair`), their fake implementations (from the declared outputs, :class:`Out`),
+    the autograd Function (``function``; ``apply`` is its ``apply``) and ``forward_call`` (the
+    forward alone, no autograd node), each eager and compiled. The family writes its math only.
+
+    The recipe (``autograd/linear_jsd.py`` is the example):
+
+    1. the parameter record, a NamedTuple with ``backend`` and ``inv_temperature`` (``OpArgs``
+       derives the ops' trailing arguments from it);
+    2. ``forward(*inputs, params, tp) -> slots``: one backend call, eager code (host reads and
+       checks here, ``raise_label_errors()`` first): a tuple with one tensor (or None) per declared
+       ``Out``, in order; with ``refines_params`` ``(slots, params)``, the record the eager
+       backward then reads (e.g. what a host check of the labels learnt);
+    3. ``backward(*saved_inputs, *saved_slots, *grads, params, tp, *needs)`` -> one gradient (or
+       None) per input of ``grads``: ``saved_inputs`` are the inputs named in ``saves``, in input
+       order, ``saved_slots`` the slots declared ``saved`` (None where not made), ``grads`` one per
+       slot declared ``output`` (None where none came: the Function does not materialize them; the
+       body makes them float32 contiguous as it needs), ``needs`` one bool per input of ``grads``;
+    4. the declaration::
+
+           FAMILY = HeadFamily(
+               JSDParams, "Tensor student_hidden, Tensor student_weight, ..., Tensor valid",
+               outputs=(Out("per_token", ("student_hidden[0]",)), Out("lse_s", ..., saved=True, output=False), ...),
+               forward=jsd_forward, backward=jsd_backward, grads=("student_hidden", "student_weight"),
+               forward_op="jsd_forward", backward_op="jsd_backward", name="linear_jsd",
+               vocab=("student_weight", 0), examples=_op_examples)
+
+       then ``FAMILY.apply(*inputs, params, temperature, tp)`` (every argument, by position: the
+       Function, ``FAMILY.function``, named after the record: ``JSDFunction``) returns
+       the made ``output`` slots, a tuple of tensors (Dynamo's rule: no None among a Function's
+       outputs); ``temperature``: None or the runtime temperature of ``split_temperature``; ``tp``:
+       the vocab-parallel layout or None (``vocab`` None: the family has no shard form, no ``tp``).
+
+    Eagerly the Function calls the bodies directly (no dispatcher on the host path); while
+    torch.compile traces, the ops (``rl_op``: the twin with a runtime temperature), whose bodies
+    unpack the record, derive the layout (``group_from_op``, the local vocabulary from ``vocab``:
+    (input, dim)) and call the same bodies: the same kernels in the same order, the same bits. The
+    backward is ``first_order_only`` (errors name ``params.name`` when the record has one, else
+    ``name``). ``in_op(params, forward)``: the record as the ops' bodies use it (None: as passed).
+    ``examples()``: a list of (inputs, params) on CPU, torch backend, no layout, for opcheck
+    (``OPS``: the forward op with the float and the runtime temperature, per row too with
+    ``row_temperature``, and the backward op). No backward (``backward=None``): no Function, no
+    backward op; ``forward_call`` is the family's route."""
+
+    def __init__(self, params, inputs: str, outputs, forward, forward_op: str, name: str, *, backward=None,
+                 backward_op: str | None = None, grads: tuple = (), saves: tuple | None = None, vocab=None,
+                 reduce_hidden_grad: bool = True, refines_params: bool = False, in_op=None, examples=None,
+                 row_temperature: bool = False):
+        self.input_names, optional = _tensor_args(inputs)
+        self.forward, self.backward, self.forward_op, self.backward_op = forward, backward, forward_op, backward_op
+        self.name, self.refines_params, self.in_op, self.vocab = name, refines_params, in_op, vocab
+        self.reduce_hidden_grad, self.examples, self.row_temperature = reduce_hidden_grad, examples, row_temperature
+        self.op_args = OpArgs(params, group=vocab is not None)
+        self.outputs = tuple(outputs)
+        names = self.input_names
+        self.args_type = collections.namedtuple(f"{name}_args", names + ("params", "sharded"))
+        self._shapes = [_shape_fn(o.shape, names) for o in self.outputs]
+        self._dtypes = [_dtype_fn(o.dtype) for o in self.outputs]
+        self._whens = [_when_fn(o.when, names) for o in self.outputs]
+        self.conditional = any(w is not None for w in self._whens)
+        self.output_slots = tuple(j for j, o in enumerate(self.outputs) if o.output)
+        n = len(names)
+        self.n_args = n + 3  # the inputs, params, temperature, tp
+        returns = "(" + ", ".join(["Tensor"] * len(self.outputs)) + ")" if len(self.outputs) > 1 else "Tensor"
+        self.forward_pair = CustomOpPair(f"rl_kernels::{forward_op}", f"({inputs}, {self.op_args.schema}) -> {returns}",
+                                         self._forward_op)
+        self.forward_pair.register_fake(self._forward_fake)
+        OPS[forward_op] = OPS[forward_op + RUNTIME_TEMPERATURE_SUFFIX] = self._samples_of
+        self.function = self.apply = None
+        if backward is None:
+            return
+        saves = names if saves is None else saves
+        self.saved_inputs = tuple(i for i, k in enumerate(names) if k in saves)
+        self.saved_slots = tuple(j for j, o in enumerate(self.outputs) if o.saved)
+        self.grad_inputs = tuple(names.index(k) for k in grads)
+        assert set(grads) <= set(saves), "a gradient's input must be saved (its shape and dtype)"
+        schema = [f"{'Tensor?' if optional[i] else 'Tensor'} {names[i]}" for i in self.saved_inputs]
+        schema += [f"{'Tensor?' if self._whens[j] else 'Tensor'} {self.outputs[j].name}" for j in self.saved_slots]
+        schema += [f"Tensor? grad_{self.outputs[j].name}" for j in self.output_slots]
+        schema += [f"bool need_{k}" for k in grads] + [self.op_args.schema]
+        returns = "(" + ", ".join(["Tensor"] * len(grads)) + ")" if len(grads) > 1 else "Tensor"
+        self.backward_pair = CustomOpPair(f"rl_kernels::{backward_op}", f"({', '.join(schema)}) -> {returns}",
+                                          self._backward_op)
+        self.backward_pair.register_fake(self._backward_fake)
+        OPS[backward_op] = OPS[backward_op + RUNTIME_TEMPERATURE_SUFFIX] = self._samples_of
+        self.function = self._make_function(params.__name__.removesuffix("Params") + "Function")
+        self.apply = self.function.apply
+
+    # -------------------------------------------------------------- what is made
+    def made(self, inputs, params, sharded: bool):
+        """One bool per slot: whether the call makes it (the declaration's ``when``)."""
+        a = self.args_type(*inputs, params, sharded)
+        return [w is None or w(a) for w in self._whens]
+
+    def forward_call(self, *args):
+        """``(*inputs, params, temperature, tp)`` -> the slots (None where not made), no autograd:
+        the forward body eagerly, the forward op while torch.compile traces."""
+        inputs, (params, temperature, tp) = args[:-3], args[-3:]
+        if not torch.compiler.is_compiling():
+            slots = self.forward(*inputs, params, tp)
+            return slots[0] if self.refines_params else slots
+        slots = self._traced_forward(inputs, params, temperature, tp)
+        return tuple(slots) if not self.conditional else \
+            tuple(t if m else None for t, m in zip(slots, self.made(inputs, params, tp is not None)))
+
+    def _traced_forward(self, inputs, params, temperature, tp):
+        out = rl_op(self.forward_op, temperature)(*inputs, *self.op_args.pack(params, temperature, tp))
+        return (out,) if len(self.outputs) == 1 else out
+
+    # -------------------------------------------------------------- the Function
+    def _make_function(self, class_name: str):
+        """The Function. Its eager route picks tensors with ``operator.itemgetter`` (the wiring's
+        host time: ~1 us a call less than comprehensions; Dynamo does not trace itemgetter, so the
+        traced route, and a family with conditional slots, take the general code below)."""
+        family, n, name = self, len(self.input_names), self.name
+        out_slots, saved_inputs, saved_slots = self.output_slots, self.saved_inputs, self.saved_slots
+        grad_inputs, n_args, n_outputs = self.grad_inputs, self.n_args, len(self.output_slots)
+        every, nones = tuple(range(n_outputs)), (None,) * n_args
+        named = "name" in self.op_args.record_type._fields  # (errors name the public function)
+        pick_inputs, pick_saved, pick_outputs = _picker(saved_inputs), _picker(saved_slots), _picker(out_slots)
+        pick_needs = _picker(grad_inputs)
+        leading = grad_inputs == tuple(range(len(grad_inputs)))  # the gradients are the first inputs'
+
+        def forward(ctx, *args):
+            inputs, (params, temperature, tp) = args[:n], args[n:]
+            if torch.compiler.is_compiling() or family.conditional:
+                return general_forward(ctx, inputs, params, temperature, tp)
+            slots = family.forward(*inputs, params, tp)
+            if family.refines_params:
+                slots, params = slots
+            ctx.save_for_backward(*pick_inputs(inputs), *pick_saved(slots), temperature)
+            ctx.params, ctx.tp, ctx.fn_name = params, tp, params.name if named else name
+            ctx.set_materialize_grads(False)
+            ctx.asked = every
+            return pick_outputs(slots)
+
+        def general_forward(ctx, inputs, params, temperature, tp):
+            made = family.made(inputs, params, tp is not None) if family.conditional else None
+            if torch.compiler.is_compiling():
+                slots = family._traced_forward(inputs, params, temperature, tp)
+            else:
+                slots = family.forward(*inputs, params, tp)
+                if family.refines_params:
+                    slots, params = slots
+            if made is not None:
+                slots = [t if m else None for t, m in zip(slots, made)]
+            ctx.save_for_backward(*[inputs[i] for i in saved_inputs], *[slots[j] for j in saved_slots], temperature)
+            ctx.params, ctx.tp, ctx.fn_name = params, tp, params.name if named else name
+            ctx.set_materialize_grads(False)
+            ctx.asked = every if made is None else tuple([p for p, j in enumerate(out_slots) if made[j]])
+            return tuple([slots[out_slots[p]] for p in ctx.asked])
+
+        @first_order_only
+        def backward(ctx, *output_grads):
+            if torch.compiler.is_compiling():
+                return traced_backward(ctx, output_grads)
+            needs = pick_needs(ctx.needs_input_grad)
+            if True not in needs:
+                return nones
+            for g in output_grads:
+                if g is not None:
+                    break
+            else:
+                return nones
+            *saved, temperature = ctx.saved_tensors
+            res = family.backward(*saved, *_all_grads(ctx.asked, output_grads, n_outputs), ctx.params, ctx.tp, *needs)
+            res = (res,) if len(needs) == 1 else res
+            return (*res, *nones[len(res):]) if leading else _placed(res, grad_inputs, n_args)
+
+        def traced_backward(ctx, output_grads):
+            needs = tuple([ctx.needs_input_grad[i] for i in grad_inputs])
+            if not any(needs) or all(g is None for g in output_grads):
+                return nones
+            *saved, temperature = ctx.saved_tensors
+            grads = _all_grads(ctx.asked, output_grads, n_outputs)
+            res = rl_op(family.backward_op, temperature)(*saved, *grads, *needs,
+                                                         *family.op_args.pack(ctx.params, temperature, ctx.tp))
+            res = [r if need else None for r, need in zip((res,) if len(needs) == 1 else res, needs)]
+            return _placed(res, grad_inputs, n_args)
+
+        return type(class_name, (torch.autograd.Function,), {
+            "forward": staticmethod(forward), "backward": staticmethod(backward),
+            "__doc__": f"The {self.name} family's Function (``autograd.common.HeadFamily``): inputs "
+                       f"({', '.join(self.input_names)}, params, temperature, tp), outputs "
+                       f"({', '.join(self.outputs[j].name for j in out_slots)}) where made.",
+            "__module__": getattr(self.forward, "__module__", __name__)})
+
+    # -------------------------------------------------------------- the ops' bodies and fakes
+    def _unpacked(self, args, forward: bool):
+        params, group = self.op_args.unpack(args)
+        return (self.in_op(params, forward) if self.in_op is not None else params), group
+
+    def _forward_op(self, *args):
+        n = len(self.input_names)
+        inputs = args[:n]
+        params, group = self._unpacked(args[n:], True)
+        tp = None
+        if group is not None:
+            name, dim = self.vocab
+            local_vocab = inputs[self.input_names.index(name)].shape[dim]
+            tp = group_from_op(*group, getattr(params, "ignore_index", -100), local_vocab, inputs[0].device,
+                               self.reduce_hidden_grad)
+        slots = self.forward(*inputs, params, tp)
+        if self.refines_params:
+            slots = slots[0]
+        if self.conditional:
+            slots = [t if m else None for t, m in zip(slots, self.made(inputs, params, tp is not None))]
+        out = or_empty(slots, inputs[0], inputs)
+        return out[0] if len(out) == 1 else out
+
+    def _forward_fake(self, *args):
+        n = len(self.input_names)
+        params, group = self.op_args.unpack(args[n:], read_temperature=False)
+        a = self.args_type(*args[:n], params, group is not None and group[0] is not None)
+        out = _fake_outputs(self._shapes, self._dtypes, self._whens, a, args[0])
+        return out[0] if len(out) == 1 else out
+
+    def _backward_op(self, *args):
+        k = len(self.saved_inputs) + len(self.saved_slots) + len(self.output_slots)
+        g = len(self.grad_inputs)
+        needs = args[k:k + g]
+        params, group = self._unpacked(args[k + g:], False)
+        res = self.backward(*args[:k], params, group_from_op(*group) if group is not None else None, *needs)
+        res = (res,) if g == 1 else res
+        grad_of = [args[self.saved_inputs.index(i)] for i in self.grad_inputs]
+        out = tuple(x.new_empty(0) if r is None or not need else r.clone() if r is x else r.contiguous()
+                    for r, x, need in zip(res, grad_of, needs))  # (as grads_or_empty)
+        return out[0] if g == 1 else out
+
+    def _backward_fake(self, *args):
+        k = len(self.saved_inputs) + len(self.saved_slots) + len(self.output_slots)
+        needs = args[k:k + len(self.grad_inputs)]
+        grad_of = [args[self.saved_inputs.index(i)] for i in self.grad_inputs]
+        out = tuple(x.new_empty(x.shape if need else (0,)) for x, need in zip(grad_of, needs))
+        return out[0] if len(out) == 1 else out
+
+    # -------------------------------------------------------------- opcheck samples
+    @functools.cache
+    def op_samples(self) -> dict:
+        """{op name: [OpSample]} of the family's ops, from ``examples()`` (see the class docstring)."""
+        samples = collections.defaultdict(list)
+        gen = torch.Generator().manual_seed(0)
+        for inputs, params in (self.examples() if self.examples is not None else ()):
+            t = 1.0 / params.inv_temperature
+            as_float = (*inputs, *self.op_args.pack(params, None))
+            runtime = [torch.tensor(t, dtype=torch.float64)]
+            if self.row_temperature:
+                runtime.append(torch.full((inputs[0].shape[0],), t))
+            unit = params._replace(inv_temperature=1.0)
+            twin = self.forward_op + RUNTIME_TEMPERATURE_SUFFIX
+            samples[self.forward_op].append(OpSample(as_float))
+            samples[twin] += [OpSample((*inputs, *self.op_args.pack(unit, r)), as_float) for r in runtime]
+            if self.backward is None:
+                continue
+            slots = getattr(torch.ops.rl_kernels, self.forward_op)(*as_float)
+            slots = (slots,) if len(self.outputs) == 1 else slots
+            made = self.made(inputs, params, False)
+            grads = [torch.randn(slots[j].shape, generator=gen) if made[j] else None for j in self.output_slots]
+            tensors = ([inputs[i] for i in self.saved_inputs] + [slots[j] if made[j] else None
+                                                                 for j in self.saved_slots] + grads)
+            needs = [True] * len(self.grad_inputs)
+            as_float = (*tensors, *needs, *self.op_args.pack(params, None))
+            samples[self.backward_op].append(OpSample(as_float))
+            samples[self.backward_op + RUNTIME_TEMPERATURE_SUFFIX] += [
+                OpSample((*tensors, *needs, *self.op_args.pack(unit, r)), as_float) for r in runtime]
+        return dict(samples)
+
+    def _samples_of(self, op: str) -> list:
+        return self.op_samples().get(op, [])
+
+
+def plain_op(qualname: str, schema: str, outputs, examples=None):
+    """Decorator: ``fn`` as the custom op ``qualname`` (no record, no runtime temperature, no twin:
+    a value check as an opaque step of a traced function), its fake implementation made from
+    ``outputs`` (one :class:`Out`, whose shape / dtype / when name ``fn``'s arguments), listed in
+    ``OPS`` with ``examples()`` (a list of argument tuples) for opcheck."""
+    def make(fn):
+        op = torch.library.custom_op(qualname, fn, mutates_args=(), schema=schema)
+        signature = inspect.signature(fn)
+        names = tuple(signature.parameters)
+        shape, dtype = _shape_fn(outputs.shape, names), _dtype_fn(outputs.dtype)
+
+        def fake(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            a = types.SimpleNamespace(**bound.arguments)
+            return next(iter(args)).new_empty(shape(a), dtype=dtype(a))
+        op.register_fake(fake)
+        OPS[qualname.split("::")[1]] = lambda op_name: [OpSample(tuple(a)) for a in examples()] if examples else []
+        return op
+    return make
 
 
 def rl_op(name: str, temperature):
@@ -237,16 +647,17 @@ def fake_grads(hidden_states: torch.Tensor, weight: torch.Tensor, need_dh: bool,
             weight.new_empty(weight.shape if need_dw else (0,)))
 
 
-def or_empty(outputs, like: torch.Tensor) -> tuple:
+def or_empty(outputs, like: torch.Tensor, inputs=()) -> tuple:
     """A custom op's outputs: each tensor as it is, a view (e.g. a row of the from-logits
-    forward's one output block) or a tensor already among the outputs as a copy, each None as a
-    new empty float32 tensor on ``like``'s device (outputs may alias neither each other nor the
-    inputs)."""
+    forward's one output block), a tensor already among the outputs or one of ``inputs`` (the op's
+    arguments) as a copy, each None as a new empty float32 tensor on ``like``'s device (outputs may
+    alias neither each other nor the inputs)."""
     out, seen = [], set()
+    storages = {x.untyped_storage().data_ptr() for x in inputs if isinstance(x, torch.Tensor) and x.numel()}
     for t in outputs:
         if t is None:
             t = like.new_empty(0, dtype=torch.float32)
-        elif id(t) in seen or _shares_storage(t):
+        elif id(t) in seen or _shares_storage(t) or (t.numel() and t.untyped_storage().data_ptr() in storages):
             t = t.clone()
         seen.add(id(t))
         out.append(t)
