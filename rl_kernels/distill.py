@@ -16,7 +16,7 @@ import numbers
 import torch
 
 from .autograd.common import split_temperature
-from .autograd.linear_jsd import JSDParams, LinearJSDFunction
+from .autograd.linear_jsd import FAMILY as JSD_FAMILY, JSDParams
 from .autograd.linear import HeadParams, linear_head
 from .autograd.positions import check_tail_teacher, check_teacher_log_probs, checked_positions
 from .autograd.vocab_parallel import parallel_params
@@ -409,8 +409,8 @@ def linear_jsd(
     hs = student_hidden.reshape(-1, student_hidden.shape[-1])
     ht = teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1])
     inv_temperature, runtime_temperature = split_temperature(t)
-    params = JSDParams(backend=backend, inv_temperature=inv_temperature, beta=float(beta), tp=tp,
+    params = JSDParams(backend=backend, inv_temperature=inv_temperature, beta=float(beta),
                        may_have_ignored=any_excluded is not False)
-    per_token = LinearJSDFunction.apply(hs, student_weight, ht, teacher_weight.detach(), valid, params,
-                                        runtime_temperature)  # (one route, eager and compiled)
+    (per_token,) = JSD_FAMILY.apply(hs, student_weight, ht, teacher_weight.detach(), valid, params,
+                                    runtime_temperature, tp)  # (one route, eager and compiled)
     return _reduce(per_token, valid, lead, reduction)

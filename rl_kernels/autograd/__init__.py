@@ -7,10 +7,13 @@ compiler traces and plain calls otherwise:
   the distillation losses; ``head_forward`` / ``head_backward`` are also the JSD's building blocks);
 * ``logits``: statistics of materialized logits and their log-probs at given token ids (the
   top-K losses) (``LogitsStatsFunction``);
-* ``linear_jsd``: the two-head Jensen-Shannon divergence (``LinearJSDFunction``);
+* ``linear_jsd``: the two-head Jensen-Shannon divergence (``FAMILY``: its Function and custom ops,
+  declared with ``common.HeadFamily``);
+* ``linear_topk``: the fused top-K selection (``FAMILY``: forward only, no Function);
 * ``vocab_parallel``: what the families share for a vocab shard: the layout, the collectives and
   the merge of the shards' statistics (no Function of its own);
 * ``positions``: the losses' rule for which positions count, and its value checks;
 * ``backward_schedule``: how dh and dW are made from recomputed dlogits windows (shared);
-* ``common``: first-order-only backward, the custom-op helpers, the ignored-row selection (shared).
+* ``common``: first-order-only backward, the wiring of a family from its declaration (``HeadFamily``:
+  Function, custom ops, fakes; ``plain_op``; ``OPS``, every op made), the ignored-row selection (shared).
 """

@@ -1,10 +1,11 @@
 """Autograd of ``linear_jsd``: the generalized Jensen-Shannon divergence of two linear heads.
 
 The head family "linear_jsd": its parameter record (``JSDParams``), two backend implementations
-(``TritonJSD``, ``TorchJSD``) and Function. Forward: each head's lse (the fused head's forward),
-then one pass of both GEMMs for the per-row divergence sums (Triton ``ops.linear_jsd`` or the
-torch twin ``torch_ops.linear_jsd``); with a vocab-parallel group, the shard lse and the shard
-sums are merged over the group. Backward:
+(``TritonJSD``, ``TorchJSD``), its two bodies and their declaration (``FAMILY``, an
+``autograd.common.HeadFamily``: the Function and the ``rl_kernels::jsd_forward`` / ``jsd_backward``
+custom ops). Forward: each head's lse (the fused head's forward), then one pass of both GEMMs for
+the per-row divergence sums (Triton ``ops.linear_jsd`` or the torch twin ``torch_ops.linear_jsd``);
+with a vocab-parallel group, the shard lse and the shard sums are merged over the group. Backward:
 dlogits windows of the student recomputed from both heads and consumed by the shared schedule
 (``autograd.backward_schedule``); gradients reach the student only.
 """
@@ -18,10 +19,9 @@ from ..backends import Backend, implements
 from ..label_check import raise_label_errors
 from ..torch_ops.linear_jsd import torch_jsd_dlogits, torch_jsd_sums
 from .backward_schedule import chunked_backward, full_precision_reduction
-from .common import (OpArgs, custom_op_pair, fake_grads, first_order_only, grads_or_empty, hidden_for_weight_grad,
-                     rl_op)
+from .common import HeadFamily, Out, hidden_for_weight_grad
 from .linear import HeadParams, head_forward
-from .vocab_parallel import all_gather_rows, finish_hidden_grad, group_from_op, merge_lse
+from .vocab_parallel import all_gather_rows, finish_hidden_grad, merge_lse
 
 
 class JSDParams(NamedTuple):
@@ -30,7 +30,6 @@ class JSDParams(NamedTuple):
     backend: Backend  # resolved (backends.get_backend)
     inv_temperature: float
     beta: float
-    tp: object = None  # vocab_parallel.ParallelParams for vocab-sharded heads
     may_have_ignored: bool = True  # False: no token is excluded (no ignored-row check in backward)
 
 
@@ -78,10 +77,10 @@ class TorchJSD:
         return window, torch.float32, 1
 
 
-def jsd_forward(student_hidden, student_weight, teacher_hidden, teacher_weight, valid, params: JSDParams):
-    """The forward without autograd: (per-token divergence x T^2 (N,) float32, 0 where not valid;
-    the student's lse, the teacher's lse and the g sum (the student's lse when there is none),
-    which the backward reads)."""
+def jsd_forward(student_hidden, student_weight, teacher_hidden, teacher_weight, valid, params: JSDParams, tp):
+    """The forward body: (per-token divergence x T^2 (N,) float32, 0 where not valid; the
+    student's lse, the teacher's lse and the g sum (the student's lse when there is none), which the
+    backward reads). ``tp``: the vocab-parallel layout (both heads sharded alike) or None."""
     raise_label_errors()  # a bad label that an earlier call's kernel reported (every backend call)
     n = student_hidden.shape[0]
     zeros = torch.zeros(n, dtype=torch.long, device=student_hidden.device)
@@ -89,7 +88,6 @@ def jsd_forward(student_hidden, student_weight, teacher_hidden, teacher_weight, 
                       ignore_index=-100, return_entropy=False)
     lse_s = head_forward(student_hidden, student_weight, zeros, head).lse.contiguous()
     lse_t = head_forward(teacher_hidden, teacher_weight, zeros, head).lse.contiguous()
-    tp = params.tp
     if tp is not None:  # shard lse -> global lse of both heads (one all_gather)
         lse_w = all_gather_rows(tp.process_group, torch.stack([lse_s, lse_t]))
         lse_s, lse_t = (merge_lse(lse_w[:, i])[0].contiguous() for i in (0, 1))
@@ -106,106 +104,44 @@ def jsd_forward(student_hidden, student_weight, teacher_hidden, teacher_weight, 
     return per_token, lse_s, lse_t, g_sum if g_sum is not None else lse_s
 
 
-def jsd_backward(hs, ws, ht, wt, lse_s, lse_t, g_sum, valid, grad, params: JSDParams, need_dh, need_dw):
-    """(dh or None, dW or None) of the student from the forward's saved statistics
-    (:func:`jsd_forward`) and the per-token upstream gradient ``grad`` (N,)."""
+def jsd_backward(hs, ws, ht, wt, valid, lse_s, lse_t, g_sum, grad, params: JSDParams, tp, need_dh, need_dw):
+    """The backward body: (dh or None, dW or None) of the student from the forward's saved
+    statistics (:func:`jsd_forward`) and the per-token upstream gradient ``grad`` (N,)."""
     raise_label_errors()  # as every backend call's body, backward too
     scale = torch.where(valid, grad.float() / params.inv_temperature ** 2,
                         torch.zeros((), device=grad.device)).contiguous()
     g_sum = None if params.beta == 0.0 else g_sum
     dlogits, dz_dtype, width = params.backend.family("linear_jsd").dlogits(hs, ws, ht, wt, lse_s, lse_t, g_sum,
                                                                            scale, params)
-    reduce_dh = params.tp is not None and params.tp.reduce_hidden_grad
+    reduce_dh = tp is not None and tp.reduce_hidden_grad
     h_dw = hidden_for_weight_grad(hs, ~valid, lse_s) if need_dw and params.may_have_ignored else hs
     with full_precision_reduction():
         dh, dw = chunked_backward(dlogits, hs, ws, dz_dtype, need_dh, need_dw, reduce_dh, h_dw,
                                   width_multiple=width)
     if reduce_dh:
-        dh = finish_hidden_grad(dh, params.tp, hs.dtype)
+        dh = finish_hidden_grad(dh, tp, hs.dtype)
     return dh, dw
 
 
-class LinearJSDFunction(torch.autograd.Function):
-    """Inputs: student_hidden (N, Hs), student_weight (V, Hs), teacher_hidden (N, Ht),
-    teacher_weight (V, Ht), valid (N,) bool, JSDParams, runtime temperature (None, or the 0-d
-    tensor of a compiled graph). Output: (N,) float32 per-token divergence x T^2, 0 where not
-    valid. Gradients to the student's two inputs only. The family's one route, eager and under
-    ``torch.compile(fullgraph=True)``: its backend calls are the ``rl_kernels::jsd_forward`` /
-    ``jsd_backward`` custom ops while the compiler traces (a process group travels by name, its
-    layout derived in the op's body), :func:`jsd_forward` / :func:`jsd_backward` directly
-    otherwise."""
+def _op_examples() -> list:
+    """opcheck's inputs (``HeadFamily``): CPU, the torch backend, beta strictly inside (0, 1)."""
+    from ..backends import get_backend
 
-    @staticmethod
-    def forward(ctx, student_hidden, student_weight, teacher_hidden, teacher_weight, valid, params, temperature=None):
-        if torch.compiler.is_compiling():
-            out = rl_op("jsd_forward", temperature)(student_hidden, student_weight, teacher_hidden, teacher_weight,
-                                                    valid, *OP_ARGS.pack(params, temperature, params.tp))
-        else:
-            out = jsd_forward(student_hidden, student_weight, teacher_hidden, teacher_weight, valid, params)
-        per_token, lse_s, lse_t, g_sum = out
-        ctx.save_for_backward(student_hidden, student_weight, teacher_hidden, teacher_weight,
-                              lse_s, lse_t, g_sum, valid, temperature)
-        ctx.params, ctx.fn_name = params, "linear_jsd"
-        return per_token
-
-    @staticmethod
-    @first_order_only
-    def backward(ctx, grad):
-        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if grad is None or not (need_dh or need_dw):
-            return None, None, None, None, None, None, None
-        *saved, temperature = ctx.saved_tensors
-        if torch.compiler.is_compiling():
-            dh, dw = rl_op("jsd_backward", temperature)(*saved, grad.float().contiguous(), need_dh, need_dw,
-                                                        *OP_ARGS.pack(ctx.params, temperature, ctx.params.tp))
-            return dh if need_dh else None, dw if need_dw else None, None, None, None, None, None
-        dh, dw = jsd_backward(*saved, grad, ctx.params, need_dh, need_dw)
-        return dh, dw, None, None, None, None, None
+    g = torch.Generator().manual_seed(0)
+    hs, ws, ht, wt = (torch.randn(shape, generator=g) for shape in ((5, 8), (11, 8), (5, 6), (11, 6)))
+    valid = torch.tensor([True, False, True, True, True])
+    return [((hs, ws, ht, wt, valid), JSDParams(get_backend("torch", hs.device), 1 / 0.7, 0.3))]
 
 
-# ------------------------------------------------------------------ the backend calls as custom ops
-# What torch.compile sees of the family (see the same section of ``autograd/linear.py``): its
-# forward and backward as torch.library custom ops, not differentiable themselves (the Function is
-# the autograd); their trailing arguments are the parameter record, the vocab-parallel layout (a
-# process group travels by name) and the runtime temperature (``OP_ARGS``, ``autograd.common.OpArgs``).
-
-OP_ARGS = OpArgs(JSDParams, skip=("tp",))  # (the layout travels as the group's values)
-
-
-def _unpacked(args, local_vocab=None, device=None) -> JSDParams:
-    """The record back from an op's trailing arguments, its layout derived again
-    (``autograd.vocab_parallel.group_from_op``: ``local_vocab`` and ``device`` given for the
-    forward, with its all_gather when ``vocab_start_index`` is None)."""
-    params, group = OP_ARGS.unpack(args)
-    return params._replace(tp=group_from_op(*group, -100, local_vocab, device))
-
-
-@custom_op_pair(
-    "rl_kernels::jsd_forward",
-    schema="(Tensor student_hidden, Tensor student_weight, Tensor teacher_hidden, Tensor teacher_weight, "
-           "Tensor valid, " + OP_ARGS.schema + ") -> (Tensor, Tensor, Tensor, Tensor)")
-def _jsd_forward_op(hs, ws, ht, wt, valid, *args):
-    """-> (per-token divergence x T^2, student lse, teacher lse, g sum), (N,) float32 each."""
-    per_token, lse_s, lse_t, g_sum = jsd_forward(hs, ws, ht, wt, valid, _unpacked(args, ws.shape[0], hs.device))
-    return per_token, lse_s, lse_t, g_sum.clone() if g_sum is lse_s else g_sum
-
-
-@_jsd_forward_op.register_fake
-def _(hs, *rest):
-    return tuple(hs.new_empty(hs.shape[0], dtype=torch.float32) for _ in range(4))
-
-
-@custom_op_pair(
-    "rl_kernels::jsd_backward",
-    schema="(Tensor student_hidden, Tensor student_weight, Tensor teacher_hidden, Tensor teacher_weight, "
-           "Tensor lse_s, Tensor lse_t, Tensor g_sum, Tensor valid, Tensor grad, bool need_dh, bool need_dw, "
-           + OP_ARGS.schema + ") -> (Tensor, Tensor)")
-def _jsd_backward_op(hs, ws, ht, wt, lse_s, lse_t, g_sum, valid, grad, need_dh, need_dw, *args):
-    """-> (dh, dW) of the student in the input dtypes, empty where not needed."""
-    dh, dw = jsd_backward(hs, ws, ht, wt, lse_s, lse_t, g_sum, valid, grad, _unpacked(args), need_dh, need_dw)
-    return grads_or_empty(dh, dw, hs, ws)
-
-
-@_jsd_backward_op.register_fake
-def _(hs, ws, ht, wt, lse_s, lse_t, g_sum, valid, grad, need_dh, need_dw, *params):
-    return fake_grads(hs, ws, need_dh, need_dw)
+_ROWS = ("student_hidden[0]",)  # (N,) float32: every slot
+# Inputs: student_hidden (N, Hs), student_weight (V, Hs), teacher_hidden (N, Ht), teacher_weight
+# (V, Ht), valid (N,) bool; output: the per-token divergence x T^2, 0 where not valid; gradients to
+# the student's two inputs only.
+FAMILY = HeadFamily(
+    JSDParams, "Tensor student_hidden, Tensor student_weight, Tensor teacher_hidden, Tensor teacher_weight, "
+               "Tensor valid",
+    outputs=(Out("per_token", _ROWS), Out("lse_s", _ROWS, saved=True, output=False),
+             Out("lse_t", _ROWS, saved=True, output=False), Out("g_sum", _ROWS, saved=True, output=False)),
+    forward=jsd_forward, backward=jsd_backward, grads=("student_hidden", "student_weight"),
+    forward_op="jsd_forward", backward_op="jsd_backward", name="linear_jsd", vocab=("student_weight", 0),
+    examples=_op_examples)

@@ -3,8 +3,8 @@ their log-probs, without the (N x V) logits. No gradient (the outputs are select
 differentiable log-probs at these ids come from ``rl_kernels.distill.linear_log_probs_at_ids``),
 so the family has no autograd Function: its one backend call is :func:`topk_body`, run directly
 eagerly and as the ``rl_kernels::linear_topk`` custom op while torch.compile traces (opaque: no
-graph break; a temperature that Dynamo holds symbolically travels as the op's runtime tensor,
-``autograd.common``).
+graph break; a temperature that Dynamo holds symbolically travels as the op's runtime tensor):
+``FAMILY.forward_call``, declared with ``autograd.common.HeadFamily``.
 
 The family "linear_topk": its parameter record (``TopkParams``) and its two backends
 (``TritonTopk``: ``ops.linear_topk``, one pass over the GEMM tiles keeping each row's candidates
@@ -26,8 +26,8 @@ import torch
 
 from ..backends import Backend, implements
 from ..torch_ops.linear_topk import merge_candidates, torch_topk_select
-from .common import OpArgs, custom_op_pair, rl_op
-from .vocab_parallel import all_gather_rows, group_from_op, merge_lse
+from .common import HeadFamily, Out
+from .vocab_parallel import all_gather_rows, merge_lse
 
 
 class TopkParams(NamedTuple):
@@ -91,30 +91,19 @@ def topk_body(hidden_states, weight, params: TopkParams, tp=None) -> tuple[torch
     return log_probs, ids
 
 
-def linear_topk_call(hidden_states, weight, params: TopkParams, temperature=None, tp=None) -> tuple:
-    """:func:`topk_body` eagerly, or its custom op while torch.compile traces (``temperature``:
-    None, or the runtime temperature tensor of ``autograd.common.split_temperature``)."""
-    if torch.compiler.is_compiling():
-        return rl_op("linear_topk", temperature)(hidden_states, weight, *OP_ARGS.pack(params, temperature, tp))
-    return topk_body(hidden_states, weight, params, tp)
+def _op_examples() -> list:
+    """opcheck's inputs (``HeadFamily``): CPU, the torch backend."""
+    from ..backends import get_backend
+
+    g = torch.Generator().manual_seed(0)
+    hidden_states, weight = torch.randn(5, 8, generator=g), torch.randn(11, 8, generator=g)
+    return [((hidden_states, weight), TopkParams(get_backend("torch", hidden_states.device), 1 / 0.7, 3))]
 
 
-# ------------------------------------------------------------------ the backend call as a custom op
-OP_ARGS = OpArgs(TopkParams)
-
-
-@custom_op_pair("rl_kernels::linear_topk",
-                schema="(Tensor hidden_states, Tensor weight, " + OP_ARGS.schema + ") -> (Tensor, Tensor)")
-def _linear_topk_op(hidden_states, weight, *args):
-    """:func:`topk_body` -> (log_probs, token_ids)."""
-    params, group = OP_ARGS.unpack(args)
-    tp = group_from_op(*group, -100, weight.shape[0], hidden_states.device)
-    return topk_body(hidden_states, weight, params, tp)
-
-
-@_linear_topk_op.register_fake
-def _(hidden_states, weight, *args):
-    params, _ = OP_ARGS.unpack(args, read_temperature=False)
-    n = hidden_states.shape[0]
-    return (hidden_states.new_empty((n, params.k), dtype=torch.float32),
-            hidden_states.new_empty((n, params.k), dtype=torch.int64))
+# Inputs: hidden_states (N, H), weight (V, H) (a vocab shard with a layout); outputs: log_probs (N, k)
+# float32 and token_ids (N, k) int64 (:func:`topk_body`); no backward.
+FAMILY = HeadFamily(
+    TopkParams, "Tensor hidden_states, Tensor weight",
+    outputs=(Out("log_probs", ("hidden_states[0]", "k")), Out("token_ids", ("hidden_states[0]", "k"), torch.int64)),
+    forward=topk_body, forward_op="linear_topk", name="linear_topk", vocab=("weight", 0), examples=_op_examples,
+    row_temperature=True)

@@ -26,7 +26,8 @@ from ..label_check import deferred_label_check, raise_if_interpreted, raise_labe
 from ..torch_ops.logits import torch_logits_backward, torch_logits_forward
 from ..validation import check_label_values, check_token_id_values
 from .positions import check_tail_teacher
-from .common import OpArgs, as_float_grad, custom_op_pair, first_order_only, or_empty, rl_op, sorted_tail_ids
+from .common import (OpArgs, Out, as_float_grad, custom_op_pair, first_order_only, or_empty, plain_op, rl_op,
+                     sorted_tail_ids)
 from .vocab_parallel import all_gather_rows, group_from_op, local_labels, merge_lse, merge_shards
 
 
@@ -586,19 +587,15 @@ def topk_log_probs(logits, token_ids, labels, params: LogitsParams, temperature=
     return stats["topk_log_probs"], stats.get("tail_log_probs")
 
 
-@torch.library.custom_op("rl_kernels::checked_token_ids", mutates_args=(),
-                         schema="(Tensor token_ids, SymInt vocab_size, str name) -> Tensor")
+@plain_op("rl_kernels::checked_token_ids", schema="(Tensor token_ids, SymInt vocab_size, str name) -> Tensor",
+          outputs=Out("token_ids", "token_ids", torch.int64),
+          examples=lambda: [(torch.tensor([[0, 10, 3], [5, 5, 1]]), 11, "token_ids")])
 def _checked_token_ids_op(token_ids, vocab_size, name):
     """torch.compile's route of the id check: ValueError as in eager (the host reads the ids inside
     this opaque op) -> the ids as a new int64 tensor, which the traced function then gathers with
     (so the op is not dropped as unused)."""
     check_token_id_values(token_ids, vocab_size, name)
     return token_ids.to(torch.int64, copy=True)
-
-
-@_checked_token_ids_op.register_fake
-def _(token_ids, vocab_size, name):
-    return token_ids.new_empty(token_ids.shape, dtype=torch.int64)
 
 
 def checked_token_ids(token_ids, vocab_size: int, name: str) -> torch.Tensor:

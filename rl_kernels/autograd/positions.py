@@ -13,6 +13,7 @@ import math
 import torch
 
 from ..validation import check_labels, check_mask, check_token_id_values
+from .common import Out, plain_op
 from .vocab_parallel import group_from_op
 
 
@@ -79,11 +80,24 @@ def counted_positions(hidden_states, labels, ignore_index, mask, vocab_size, che
     return valid, any_excluded
 
 
-@torch.library.custom_op(
-    "rl_kernels::counted_positions", mutates_args=(),
-    schema="(Tensor hidden_states, Tensor? labels, Tensor? mask, Tensor? teacher_token_ids, "
-           "Tensor? teacher_log_probs, SymInt vocab_size, int ignore_index, str hidden_name, str? group_name, "
-           "int? vocab_start_index, bool tail=False) -> Tensor")
+def _op_examples() -> list:
+    """opcheck's arguments (``autograd.common.plain_op``): labels with an ignored row and the
+    top-K teacher; a mask and the tail's checks."""
+    g = torch.Generator().manual_seed(0)
+    hidden_states = torch.randn(5, 8, generator=g)
+    labels = torch.tensor([1, -100, 3, 0, 10])
+    ids = torch.stack([torch.randperm(11, generator=g)[:3] for _ in range(5)])
+    teacher_log_probs = torch.log_softmax(torch.randn(5, 3, generator=g), -1) - 0.5
+    mask = torch.tensor([1, 1, 0, 1, 1])
+    return [(hidden_states, labels, None, ids, teacher_log_probs, 11, -100, "hidden_states", None, None),
+            (hidden_states, None, mask, ids, teacher_log_probs, 11, -100, "hidden_states", None, None, True)]
+
+
+@plain_op("rl_kernels::counted_positions",
+          schema="(Tensor hidden_states, Tensor? labels, Tensor? mask, Tensor? teacher_token_ids, "
+                 "Tensor? teacher_log_probs, SymInt vocab_size, int ignore_index, str hidden_name, str? group_name, "
+                 "int? vocab_start_index, bool tail=False) -> Tensor",
+          outputs=Out("valid", lambda a: (math.prod(a.hidden_states.shape[:-1]),), torch.bool), examples=_op_examples)
 def _counted_positions_op(hidden_states, labels, mask, teacher_token_ids, teacher_log_probs, vocab_size,
                           ignore_index, hidden_name, group_name, vocab_start_index, tail=False):
     """torch.compile's route of :func:`checked_positions` (ValueError as in eager) -> (N,) bool,
@@ -93,11 +107,6 @@ def _counted_positions_op(hidden_states, labels, mask, teacher_token_ids, teache
     tp = group_from_op(group_name, vocab_start_index, False, ignore_index, vocab_size, hidden_states.device)
     return eager_positions(hidden_states, labels, ignore_index, mask, vocab_size if tp is None else tp.vocab_size,
                            hidden_name, teacher_token_ids, teacher_log_probs, tail)[0]
-
-
-@_counted_positions_op.register_fake
-def _(hidden_states, *rest):
-    return hidden_states.new_empty(math.prod(hidden_states.shape[:-1]), dtype=torch.bool)
 
 
 def eager_positions(hidden_states, labels, ignore_index, mask, vocab_size, hidden_name="hidden_states",
