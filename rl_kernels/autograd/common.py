@@ -396,9 +396,10 @@ class HeadFamily:
 
     # -------------------------------------------------------------- the Function
     def _make_function(self, class_name: str):
-        """The Function. Its eager route picks tensors with ``operator.itemgetter`` (the wiring's
-        host time: ~1 us a call less than comprehensions; Dynamo does not trace itemgetter, so the
-        traced route, and a family with conditional slots, take the general code below)."""
+        """The Function. Its eager route picks tensors with ``operator.itemgetter`` (on CPU, 0.5 us
+        less per forward and 1.5 us less per forward and backward than comprehensions); Dynamo does
+        not trace itemgetter, so the traced route, and a family with conditional slots, take the
+        general code below."""
         family, n, name = self, len(self.input_names), self.name
         out_slots, saved_inputs, saved_slots = self.output_slots, self.saved_inputs, self.saved_slots
         grad_inputs, n_args, n_outputs = self.grad_inputs, self.n_args, len(self.output_slots)
