@@ -182,7 +182,8 @@ class Out(typing.NamedTuple):
     ``shape``: a tuple of sizes, each an int, ``"x[i]"`` (dim i of the input ``x``) or the name of a
     field of the parameter record (``"k"``); or ``"x"`` (the input's whole shape); or a callable of
     the call's arguments (``a.<input>``, ``a.params``, ``a.sharded``: a vocab-parallel layout is
-    given) giving the shape. ``dtype``: a ``torch.dtype`` or ``"x"`` (that input's dtype).
+    given) giving the shape. ``dtype``: a ``torch.dtype``, ``"x"`` (that input's dtype) or a callable of
+    the arguments.
     ``when``: None (always made), the name of an optional input (made when it is given), the name of
     a record field (made when it is true), or a callable of the arguments; a slot not made is None
     in the Function and an empty float32 tensor in the op. ``saved``: the backward reads it.
@@ -230,6 +231,8 @@ def _shape_fn(spec, arg_names):
 
 
 def _dtype_fn(spec):
+    if callable(spec) and not isinstance(spec, torch.dtype):
+        return spec
     return (lambda a: spec) if isinstance(spec, torch.dtype) else (lambda a: getattr(a, spec).dtype)
 
 
