@@ -26,9 +26,9 @@ TORCH = get_backend("torch", torch.device("cpu"))
 
 
 def _head_args(return_entropy, name, inv_temperature=1.0, **fields):
-    """The fused head's ops' trailing arguments (``OP_ARGS.pack``: record, no group, no runtime T)."""
+    """The fused head's ops' trailing arguments (``FAMILY.op_args.pack``: record, no group, no runtime T)."""
     params = linear_autograd.HeadParams(TORCH, inv_temperature, -100, return_entropy, name, **fields)
-    return linear_autograd.OP_ARGS.pack(params, None)
+    return linear_autograd.FAMILY.op_args.pack(params, None)
 
 
 def _logits_args(inv_temperature, **fields):
@@ -359,15 +359,6 @@ def _unported_samples() -> dict:
     def twins(float_args, runtime_args, row=True):
         return [OpSample((*runtime_args, t), float_args) for t in (rt if row else rt[:1])]
 
-    head, head_1 = _head_args(True, "linear_log_probs", 1 / T, return_sum_pi_squared=True), \
-        _head_args(True, "linear_log_probs", 1.0, return_sum_pi_squared=True)
-    gather, gather_1 = _head_args(False, "linear_topk_kl", 1 / T), _head_args(False, "linear_topk_kl", 1.0)
-    fwd = (hidden, weight, labels, None, *head)
-    fwd_gather = (hidden, weight, labels, ids, *gather)
-    out = torch.ops.rl_kernels.linear_forward(*fwd)
-    grads = (torch.randn(N, generator=g), torch.randn(N, generator=g), torch.randn(N, generator=g),
-             torch.randn(N, generator=g), None, None)
-    bwd = (hidden, weight, labels, None, out[2], out[1], out[3], None, *grads, True, True)
     stats, stats_1 = _logits_args(1 / T, return_sum_pi_squared=True), _logits_args(1.0, return_sum_pi_squared=True)
     topk, topk_1 = _logits_args(1 / T), _logits_args(1.0)
     lfwd, lfwd_topk = (logits, labels, None, *stats), (logits, labels, ids, *topk)
@@ -375,11 +366,6 @@ def _unported_samples() -> dict:
     lbwd = (logits, labels, None, lo[6], lo[7], lo[2], lo[1], lo[4], None, torch.randn(N, generator=g), None,
             torch.randn(N, generator=g), None, None, None, None)
     return {
-        "linear_forward": [OpSample(fwd), OpSample(fwd_gather)],
-        "linear_forward_runtime_temperature": twins(fwd, (hidden, weight, labels, None, *head_1[:-1]))
-        + twins(fwd_gather, (hidden, weight, labels, ids, *gather_1[:-1]), row=False),
-        "linear_backward": [OpSample((*bwd, *head))],
-        "linear_backward_runtime_temperature": twins((*bwd, *head), (*bwd, *head_1[:-1]), row=False),
         "logits_forward": [OpSample(lfwd), OpSample(lfwd_topk)],
         "logits_forward_runtime_temperature": twins(lfwd, (logits, labels, None, *stats_1[:-1]))
         + twins(lfwd_topk, (logits, labels, ids, *topk_1[:-1]), row=False),
@@ -471,7 +457,7 @@ def test_op_arguments_carry_every_field_of_each_record():
     from rl_kernels.autograd.common import OpArgs
 
     found = _every_op_args()
-    assert {"linear.OP_ARGS", "logits.OP_ARGS", "linear_jsd.FAMILY.op_args"} <= {n for n, _ in found}
+    assert {"linear.FAMILY.op_args", "logits.OP_ARGS", "linear_jsd.FAMILY.op_args"} <= {n for n, _ in found}
     found.append(("no group", OpArgs(logits_autograd.LogitsParams, group=False)))  # a head without a shard form
     for name, op_args in found:
         record = _unusual_record(op_args)
@@ -479,7 +465,8 @@ def test_op_arguments_carry_every_field_of_each_record():
         assert op_args.unpack(op_args.pack(record, None))[0] == record, name
         runtime = op_args.pack(record, torch.tensor(4.0, dtype=torch.float64))
         assert op_args.unpack(runtime)[0] == record._replace(inv_temperature=0.25), name
-    assert "float? softcap" in linear_autograd.OP_ARGS.schema and "str backend" in linear_autograd.OP_ARGS.schema
+    head_schema = linear_autograd.FAMILY.op_args.schema
+    assert "float? softcap" in head_schema and "str backend" in head_schema
 
 
 @pytest.mark.parametrize("fullgraph", [False, True])

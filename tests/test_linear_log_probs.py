@@ -466,3 +466,29 @@ def test_bad_softcap(softcap, exc, words):
     hidden, weight, labels = make_inputs(3, 8, 11, torch.float32)
     with pytest.raises(exc, match=re.escape(words)):
         linear_log_probs(hidden, weight, labels, softcap=softcap, backend="torch")
+
+
+def test_linear_head_reads_the_outputs_that_the_family_declares():
+    """``autograd.linear.linear_head`` writes out which of ``HeadOutputs``' fields a call makes (host
+    time); they are the output slots that ``FAMILY.made`` derives from the declaration, for every
+    combination of the optional outputs (a vocab shard changes only the slots the backward reads)."""
+    import itertools
+
+    import rl_kernels.autograd.linear as linear_autograd
+    from rl_kernels.backends import get_backend
+
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(5, 8, generator=g), torch.randn(11, 8, generator=g)
+    labels, ids = torch.tensor([3, -100, 0, 10, 7]), torch.tensor([[1, 2], [3, 4], [5, 6], [7, 8], [9, 0]])
+    family, n_out = linear_autograd.FAMILY, len(linear_autograd.HeadOutputs._fields)
+    assert tuple(family.outputs[j].name for j in family.output_slots) == linear_autograd.HeadOutputs._fields
+    for entropy, spp, gather, tail in itertools.product((False, True), repeat=4):
+        if tail and not gather:
+            continue
+        params = linear_autograd.HeadParams(get_backend("torch", h.device), 1.0, -100, entropy,
+                                            return_sum_pi_squared=spp, return_tail=tail)
+        gather_ids = ids if gather else None
+        out = linear_autograd.linear_head(h, w, labels, params, gather_ids)
+        made = [family.made((h, w, labels, gather_ids), params, sharded) for sharded in (False, True)]
+        assert made[0][:n_out] == made[1][:n_out]
+        assert [o is not None for o in out] == made[0][:n_out], (entropy, spp, gather, tail)

@@ -3,8 +3,8 @@ twin each calls). A family's Function is its one route, eager and under torch.co
 over a vocab-parallel group or not: its backend calls are ``torch.library`` custom ops while the
 compiler traces and plain calls otherwise:
 
-* ``linear``: the fused linear head (``LinearLogProbsFunction``, with the logits at given ids for
-  the distillation losses; ``head_forward`` / ``head_backward`` are also the JSD's building blocks);
+* ``linear``: the fused linear head (``FAMILY``, declared with ``common.HeadFamily``, with the logits at
+  given ids for the distillation losses; ``head_forward`` / ``head_backward`` are also the JSD's building blocks);
 * ``logits``: statistics of materialized logits and their log-probs at given token ids (the
   top-K losses) (``LogitsStatsFunction``);
 * ``linear_jsd``: the two-head Jensen-Shannon divergence (``FAMILY``: its Function and custom ops,

@@ -3,8 +3,10 @@
 The head family "linear": its parameter record (``HeadParams``), its output record
 (``HeadOutputs``), its two backend implementations (``TritonHead``: the split-vocab kernels of
 ``ops.linear``, forward split statistics, their combine and the dlogits windows; ``TorchHead``: the
-twin ``torch_ops.linear``) and its one autograd Function, eager and compiled, sharded over a
-vocab-parallel group or not (``vp_forward``). Forward: per-row log-prob, entropy, lse (and
+twin ``torch_ops.linear``), its two bodies and their declaration (``FAMILY``, an
+``autograd.common.HeadFamily``: the one autograd Function, eager and compiled, sharded over a
+vocab-parallel group or not (``vp_forward``), and the ``rl_kernels::linear_forward`` /
+``linear_backward`` custom ops; ``linear_head`` applies it). Forward: per-row log-prob, entropy, lse (and
 sum_pi_squared; and the logits at given ids, and the tail lse outside them); saved state is O(N).
 Backward: ``head_backward`` recomputes d loss / d logits windows on the backend and hands them to
 the shared schedule (``autograd.backward_schedule``), which turns them into dh and dW without an
@@ -21,10 +23,8 @@ from ..label_check import checked_labels, raise_if_interpreted, raise_label_erro
 from ..validation import check_label_values, warn_fp16_temperature
 from ..torch_ops.linear import per_row, torch_dlogits, torch_forward, torch_gathered_logits
 from .backward_schedule import chunked_backward, full_precision_reduction
-from .common import (OpArgs, as_float_grad, custom_op_pair, fake_grads, first_order_only, grads_or_empty,
-                     hidden_for_weight_grad, or_empty, rl_op, sorted_tail_ids)
-from .vocab_parallel import (all_gather_rows, finish_hidden_grad, group_from_op, local_labels, merge_lse,
-                             merge_shards)
+from .common import HeadFamily, Out, as_float_grad, hidden_for_weight_grad, sorted_tail_ids
+from .vocab_parallel import all_gather_rows, finish_hidden_grad, local_labels, merge_lse, merge_shards
 
 
 class HeadParams(NamedTuple):
@@ -183,16 +183,16 @@ def _with_gathered(dlogits, ids, grad, valid, inv_temperature):
     return wrapped
 
 
-def forward_body(hidden_states, weight, labels, params: HeadParams, gather_ids=None, tp=None) -> tuple:
-    """The family's forward as one backend call runs it -> (HeadOutputs, the params the backward
-    uses, the labels and ids the backward reads): a bad label reported by an earlier call raised,
-    the fp16 temperature warning, this call's label values checked unless ``params.labels_checked``
-    (in the Triton kernels without a host sync, else on the host, which also tells whether any
-    label is ignore_index: ``may_have_ignored``), the statistics (:func:`head_forward`) and, with
-    ``gather_ids`` (N, K), the logits at those ids. With ``tp`` (a vocab shard) the shard's
-    statistics merged over the group (:func:`vp_forward`), labels and ids then global. Eagerly
-    :class:`LinearLogProbsFunction` calls it directly; under torch.compile the
-    ``rl_kernels::linear_forward`` custom op's body does."""
+def forward_body(hidden_states, weight, labels, gather_ids, params: HeadParams, tp) -> tuple:
+    """The family's forward as one backend call runs it -> (slots, the params the backward uses):
+    the slots of :data:`FAMILY` (``HeadOutputs``' fields, then the shard's own labels and ids that
+    the backward reads: None without ``tp``, where it reads the inputs). A bad label reported by an
+    earlier call raised, the fp16 temperature warning, this call's label values checked unless
+    ``params.labels_checked`` (in the Triton kernels without a host sync, else on the host, which
+    also tells whether any label is ignore_index: ``may_have_ignored``), the statistics
+    (:func:`head_forward`) and, with ``gather_ids`` (N, K), the logits at those ids. With ``tp`` (a
+    vocab shard) the shard's statistics merged over the group (:func:`vp_forward`), labels and ids
+    then global."""
     raise_label_errors()  # a bad label that an earlier call's kernel reported
     warn_fp16_temperature(hidden_states.dtype, 1.0 / params.inv_temperature)
     if params.return_tail and gather_ids is None:
@@ -209,18 +209,23 @@ def forward_body(hidden_states, weight, labels, params: HeadParams, gather_ids=N
     if gather_ids is not None:
         out = out._replace(gathered_logits=gathered_logits(hidden_states, weight, gather_ids, params))
     raise_if_interpreted(label_check, hidden_states.device)
-    return out, params, labels, gather_ids
+    return (*out, None, None), params
 
 
-def backward_body(hidden_states, weight, labels, gather_ids, saved: HeadOutputs, grads: HeadOutputs,
-                  params: HeadParams, tp, need_dh: bool, need_dw: bool) -> tuple:
-    """(dh or None, dW or None) in the input dtypes from the forward's ``saved`` statistics and the
-    float32 upstream ``grads``; ``labels`` / ``gather_ids``: what :func:`forward_body` returned for
-    the backward (a shard's own with ``tp``, whose partial dh is then summed over the group when
-    ``tp.reduce_hidden_grad``, in float32 and rounded once: as accurate as the unsharded head).
-    Eagerly :class:`LinearLogProbsFunction` calls it directly; under torch.compile the
-    ``rl_kernels::linear_backward`` custom op's body does."""
+def backward_body(hidden_states, weight, labels, gather_ids, entropy, lse, sum_pi_squared, tail_lse, shard_labels,
+                  shard_ids, grad_log_probs, grad_entropy, grad_lse, grad_sum_pi_squared, grad_gathered_logits,
+                  grad_tail_lse, params: HeadParams, tp, need_dh: bool, need_dw: bool) -> tuple:
+    """(dh or None, dW or None) in the input dtypes from the forward's saved statistics (None where
+    not made) and the upstream gradients (None where none came; made float32 contiguous here);
+    ``shard_labels`` / ``shard_ids``: what :func:`forward_body` made for the backward (a shard's
+    own, with ``tp``: the partial dh is then summed over the group when ``tp.reduce_hidden_grad``,
+    in float32 and rounded once, as accurate as the unsharded head), else None (the inputs')."""
     raise_label_errors()  # a bad label reported by this call's (or an earlier) forward kernel
+    grads = HeadOutputs(*[g if g is None else as_float_grad(g) for g in (
+        grad_log_probs, grad_entropy, grad_lse, grad_sum_pi_squared, grad_gathered_logits, grad_tail_lse)])
+    saved = HeadOutputs(None, entropy, lse, sum_pi_squared, tail_lse=tail_lse)
+    if shard_labels is not None:
+        labels, gather_ids = shard_labels, shard_ids
     tail_ids = None
     if params.return_tail and grads.tail_lse is not None:  # the ids (a shard's: after its label's column)
         tail_ids = gather_ids if tp is None else gather_ids[:, 1:]
@@ -232,72 +237,19 @@ def backward_body(hidden_states, weight, labels, gather_ids, saved: HeadOutputs,
     return (finish_hidden_grad(dh, tp, hidden_states.dtype) if reduce_dh else dh), dw
 
 
-def asked_outputs(params: HeadParams, gather: bool) -> tuple:
-    """The ``HeadOutputs`` fields a call computes, in order: what :class:`LinearLogProbsFunction`
-    returns (tensors only: torch.compile's tracing of a Function handles no None outputs)."""
-    asked = (True, params.return_entropy, True, params.return_sum_pi_squared, gather, params.return_tail)
-    return tuple([k for k, a in zip(HeadOutputs._fields, asked) if a])
-
-
-class LinearLogProbsFunction(torch.autograd.Function):
-    """Inputs: hidden_states (N, H), weight (V, H) (a vocab shard (V_r, H) with ``tp``), labels
-    (N,), HeadParams, optional ids (N, K) (the logits at those ids are returned too:
-    distillation), runtime temperature (None, or the 0-d tensor of a compiled graph), the
-    vocab-parallel layout (``autograd.vocab_parallel.ParallelParams``) or None. Outputs: the asked
-    fields of ``HeadOutputs`` (:func:`asked_outputs`), identical on every rank of a group. The one
-    route of the family, eager and under ``torch.compile(fullgraph=True)``, sharded or not: its
-    backend calls are the ``rl_kernels::linear_forward`` / ``linear_backward`` custom ops while the
-    compiler traces (a group travels by name), their bodies (:func:`forward_body`,
-    :func:`backward_body`) called directly otherwise (the same code, the same bits)."""
-
-    @staticmethod
-    def forward(ctx, hidden_states, weight, labels, params: HeadParams, gather_ids=None, temperature=None, tp=None):
-        if torch.compiler.is_compiling():
-            *out, shard_labels, shard_ids = rl_op("linear_forward", temperature)(
-                hidden_states, weight, labels, gather_ids, *OP_ARGS.pack(params, temperature, tp))
-            out = HeadOutputs(*out)
-            if tp is None:  # (the op returns a shard's own labels and ids only)
-                shard_labels, shard_ids = labels, gather_ids
-        else:
-            out, params, shard_labels, shard_ids = forward_body(hidden_states, weight, labels, params, gather_ids, tp)
-        ctx.save_for_backward(hidden_states, weight, shard_labels, out.lse,
-                              out.entropy if params.return_entropy else None,
-                              out.sum_pi_squared if params.return_sum_pi_squared else None,
-                              shard_ids if gather_ids is not None else None, temperature,
-                              out.tail_lse if params.return_tail else None)
-        ctx.params, ctx.tp, ctx.fn_name = params, tp, params.name
-        ctx.outputs = asked_outputs(params, gather_ids is not None)
-        ctx.set_materialize_grads(False)
-        return tuple([getattr(out, k) for k in ctx.outputs])
-
-    @staticmethod
-    @first_order_only
-    def backward(ctx, *output_grads):
-        hidden_states, weight, labels, lse, entropy, sum_pi_squared, gather_ids, temperature, tail_lse = \
-            ctx.saved_tensors
-        got = {k: g for k, g in zip(ctx.outputs, output_grads) if g is not None}
-        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        none = (None,) * 5
-        if not got or not (need_dh or need_dw):
-            return (None, None) + none
-        grads = HeadOutputs(*(as_float_grad(got[k]) if k in got else None for k in HeadOutputs._fields))
-        if torch.compiler.is_compiling():
-            dh, dw = rl_op("linear_backward", temperature)(
-                hidden_states, weight, labels, gather_ids, lse, entropy, sum_pi_squared, tail_lse, *grads, need_dh,
-                need_dw,
-                *OP_ARGS.pack(ctx.params, temperature, ctx.tp))
-            return (dh if need_dh else None, dw if need_dw else None) + none
-        saved = HeadOutputs(None, entropy, lse, sum_pi_squared, tail_lse=tail_lse)
-        return backward_body(hidden_states, weight, labels, gather_ids, saved, grads, ctx.params, ctx.tp, need_dh,
-                             need_dw) + none
-
-
 def linear_head(hidden_states, weight, labels, params: HeadParams, gather_ids=None, temperature=None,
                 tp=None) -> HeadOutputs:
-    """:class:`LinearLogProbsFunction`'s outputs as a ``HeadOutputs`` record (None where not asked)."""
-    outs = dict(zip(asked_outputs(params, gather_ids is not None),
-                    LinearLogProbsFunction.apply(hidden_states, weight, labels, params, gather_ids, temperature, tp)))
-    return HeadOutputs(*(outs.get(k) for k in HeadOutputs._fields))
+    """The family's Function (:data:`FAMILY`), the one route, eager and compiled, sharded or not:
+    ``hidden_states`` (N, H), ``weight`` (V, H) (a vocab shard (V_r, H) with ``tp``), ``labels``
+    (N,), optional ``gather_ids`` (N, K) (the logits at those ids too: distillation), the runtime
+    temperature (None, or the 0-d tensor of a compiled graph), the vocab-parallel layout or None
+    -> a ``HeadOutputs`` record (None where not asked), identical on every rank of a group."""
+    outs = iter(FAMILY.apply(hidden_states, weight, labels, gather_ids, params, temperature, tp))
+    # which fields FAMILY.made gives (its output slots: HeadOutputs' fields), written out: 0.8 us less
+    # per call on the host; tests/test_linear_log_probs.py checks that the two agree
+    made = (True, params.return_entropy, True, params.return_sum_pi_squared, gather_ids is not None,
+            params.return_tail)
+    return HeadOutputs(*[next(outs) if m else None for m in made])
 
 
 def gathered_logits(hidden_states, weight, ids, params: HeadParams) -> torch.Tensor:
@@ -312,14 +264,15 @@ def gathered_logits(hidden_states, weight, ids, params: HeadParams) -> torch.Ten
 
 def vp_forward(hidden_states, weight, labels, params: HeadParams, gather_ids, tp) -> tuple:
     """:func:`forward_body` on a vocab shard: global ``labels`` (their values checked on the host
-    against the whole vocabulary when it is known, unless ``params.labels_checked``) -> (HeadOutputs
-    merged over the group, params, the labels and ids of this shard that the backward reads)."""
+    against the whole vocabulary when it is known, unless ``params.labels_checked``) -> (slots:
+    HeadOutputs' fields merged over the group, then the labels and ids of this shard that the
+    backward reads; params)."""
     if not params.labels_checked and tp.vocab_size is not None:
         has_ignored = check_label_values(labels, tp.vocab_size, params.ignore_index, report_ignored=True)
         params = params._replace(may_have_ignored=has_ignored is not False)
     if gather_ids is not None:
         out, shard_labels, shard_ids = vp_gather_forward(hidden_states, weight, labels, gather_ids, params, tp)
-        return out, params, shard_labels, shard_ids
+        return (*out, shard_labels, shard_ids), params
     v_r = weight.shape[0]
     local, owned = local_labels(labels, tp.start, v_r, params.ignore_index)
     shard = head_forward(hidden_states, weight, local, params)
@@ -328,7 +281,7 @@ def vp_forward(hidden_states, weight, labels, params: HeadParams, gather_ids, tp
         tp.process_group, shard.lse, shard.entropy, z_y, owned, labels, params.ignore_index, tp.vocab_size,
         shard.sum_pi_squared)
     # the merged entropy of ignored rows is 0 here; the backward masks those rows anyway
-    return HeadOutputs(log_probs, entropy, lse, sum_pi_squared), params, local, None
+    return (log_probs, entropy, lse, sum_pi_squared, None, None, local, None), params
 
 
 def vp_gather_forward(hidden_states, weight, labels, ids, params: HeadParams, tp) -> tuple:
@@ -384,69 +337,40 @@ def vp_gather_grads(shard_labels, shard_ids, grads: HeadOutputs, ignore_index: i
     return grads._replace(gathered_logits=torch.cat([g[:, None], rest], 1)), shard_ids
 
 
-# ------------------------------------------------------------------ the backend calls as custom ops
-# What torch.compile sees of the family: its forward and backward backend calls as torch.library
-# custom ops (opaque, so no graph break; fake implementations give the output shapes, symbolic sizes
-# included). Autograd is the Function's on both routes; the ops themselves are not differentiable
-# (called directly on inputs that require grad, their backward raises). Their trailing arguments are
-# the parameter record, the vocab-parallel layout and the runtime temperature (``OP_ARGS``,
-# ``autograd.common.OpArgs``: a temperature that Dynamo holds as a symbolic float travels as a 0-d
-# tensor, a runtime value, so a temperature schedule runs one graph).
+# ------------------------------------------------------------------ the declaration
+def _op_examples() -> list:
+    """opcheck's inputs (``HeadFamily``): CPU, the torch backend; the statistics with entropy and
+    sum_pi_squared (an ignored row), and the logits at given ids with the tail."""
+    from ..backends import get_backend
 
-OP_ARGS = OpArgs(HeadParams)
-
-
-@custom_op_pair(
-    "rl_kernels::linear_forward",
-    schema="(Tensor hidden_states, Tensor weight, Tensor labels, Tensor? gather_ids, " + OP_ARGS.schema
-           + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
-def _linear_forward_op(hidden_states, weight, labels, gather_ids, *args):
-    """:func:`forward_body` -> (log_probs, entropy, lse, sum_pi_squared, gathered_logits, tail_lse, the
-    shard's labels, the shard's ids), empty where not asked (the last two: with a group only)."""
-    params, group = OP_ARGS.unpack(args)
-    tp = group_from_op(*group, params.ignore_index, weight.shape[0], hidden_states.device)
-    out, _, shard_labels, shard_ids = forward_body(hidden_states, weight, labels, params, gather_ids, tp)
-    shard = (shard_labels, shard_ids) if tp is not None else (None, None)
-    return or_empty(tuple(out) + shard, hidden_states)
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(5, 8, generator=g), torch.randn(11, 8, generator=g)
+    labels = torch.tensor([3, -100, 0, 10, 7])
+    ids = torch.stack([torch.randperm(11, generator=g)[:3] for _ in range(5)])
+    backend = get_backend("torch", h.device)
+    return [((h, w, labels, None), HeadParams(backend, 1 / 0.7, -100, True, return_sum_pi_squared=True)),
+            ((h, w, labels, ids), HeadParams(backend, 1 / 0.7, -100, False, "linear_topk_kl", return_tail=True))]
 
 
-@_linear_forward_op.register_fake
-def _(hidden_states, weight, labels, gather_ids, *args):
-    params, (group_name, _, _) = OP_ARGS.unpack(args, read_temperature=False)
-    n = hidden_states.shape[0]
-
-    def rows(asked):
-        return hidden_states.new_empty(n if asked else 0, dtype=torch.float32)
-    gathered = hidden_states.new_empty((n, gather_ids.shape[1]) if gather_ids is not None else (0,),
-                                       dtype=torch.float32)
-    sharded = group_name is not None
-    shard_labels = torch.empty_like(labels) if sharded else hidden_states.new_empty(0, dtype=torch.float32)
-    shard_ids = (gather_ids.new_empty(n, 1 + gather_ids.shape[1]) if sharded and gather_ids is not None
-                 else hidden_states.new_empty(0, dtype=torch.float32))
-    return (rows(True), rows(params.return_entropy), rows(True), rows(params.return_sum_pi_squared), gathered,
-            rows(params.return_tail), shard_labels, shard_ids)
+def _shard_labels_dtype(a):  # (vp_forward: the labels' dtype; vp_gather_forward: int64)
+    return a.labels.dtype if a.gather_ids is None else torch.int64
 
 
-@custom_op_pair(
-    "rl_kernels::linear_backward",
-    schema="(Tensor hidden_states, Tensor weight, Tensor labels, Tensor? gather_ids, Tensor lse, Tensor? entropy, "
-           "Tensor? sum_pi_squared, Tensor? tail_lse, Tensor? grad_log_probs, Tensor? grad_entropy, Tensor? grad_lse, "
-           "Tensor? grad_sum_pi_squared, Tensor? grad_gathered_logits, Tensor? grad_tail_lse, bool need_dh, "
-           "bool need_dw, " + OP_ARGS.schema + ") -> (Tensor, Tensor)")
-def _linear_backward_op(hidden_states, weight, labels, gather_ids, lse, entropy, sum_pi_squared, tail_lse,
-                        grad_log_probs, grad_entropy, grad_lse, grad_sum_pi_squared, grad_gathered_logits,
-                        grad_tail_lse, need_dh, need_dw, *args):
-    """:func:`backward_body` -> (dh, dW) in the input dtypes, empty where not needed."""
-    params, group = OP_ARGS.unpack(args)
-    grads = HeadOutputs(grad_log_probs, grad_entropy, grad_lse, grad_sum_pi_squared, grad_gathered_logits,
-                        grad_tail_lse)
-    saved = HeadOutputs(None, entropy, lse, sum_pi_squared, tail_lse=tail_lse)
-    dh, dw = backward_body(hidden_states, weight, labels, gather_ids, saved, grads, params, group_from_op(*group),
-                           need_dh, need_dw)
-    return grads_or_empty(dh, dw, hidden_states, weight)
-
-
-@_linear_backward_op.register_fake
-def _(hidden_states, weight, labels, gather_ids, lse, entropy, sum_pi_squared, tail_lse, grad_log_probs, grad_entropy,
-      grad_lse, grad_sum_pi_squared, grad_gathered_logits, grad_tail_lse, need_dh, need_dw, *args):
-    return fake_grads(hidden_states, weight, need_dh, need_dw)
+_ROWS = ("hidden_states[0]",)  # (N,) float32
+# What torch.compile sees of the family: the rl_kernels::linear_forward / linear_backward custom ops
+# (and their runtime-temperature twins), whose bodies are forward_body / backward_body. Outputs:
+# HeadOutputs' fields where made, then a shard's own labels (N,) and ids (N, 1 + K) for the backward
+# (made with a layout only: the backward reads the inputs otherwise).
+FAMILY = HeadFamily(
+    HeadParams, "Tensor hidden_states, Tensor weight, Tensor labels, Tensor? gather_ids",
+    outputs=(Out("log_probs", _ROWS), Out("entropy", _ROWS, when="return_entropy", saved=True),
+             Out("lse", _ROWS, saved=True),
+             Out("sum_pi_squared", _ROWS, when="return_sum_pi_squared", saved=True),
+             Out("gathered_logits", ("hidden_states[0]", "gather_ids[1]"), when="gather_ids"),
+             Out("tail_lse", _ROWS, when="return_tail", saved=True),
+             Out("shard_labels", "labels", _shard_labels_dtype, when=lambda a: a.sharded, saved=True, output=False),
+             Out("shard_ids", lambda a: (a.gather_ids.shape[0], 1 + a.gather_ids.shape[1]), "gather_ids",
+                 when=lambda a: a.sharded and a.gather_ids is not None, saved=True, output=False)),
+    forward=forward_body, backward=backward_body, grads=("hidden_states", "weight"),
+    forward_op="linear_forward", backward_op="linear_backward", name="linear", vocab=("weight", 0),
+    refines_params=True, examples=_op_examples, row_temperature=True)
