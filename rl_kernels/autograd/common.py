@@ -327,16 +327,23 @@ class HeadFamily:
     ``examples()``: a list of (inputs, params) on CPU, torch backend, no layout, for opcheck
     (``OPS``: the forward op with the float and the runtime temperature, per row too with
     ``row_temperature``, and the backward op). No backward (``backward=None``): no Function, no
-    backward op; ``forward_call`` is the family's route."""
+    backward op; ``forward_call`` is the family's route. ``row_temperature``: True, or a function of
+    an example's (inputs, params) saying whether that example takes a per-row temperature.
+    ``eager_asked(inputs, params, sharded)``: for a family with conditional slots, the positions
+    (among the ``output`` slots) of the outputs a call makes, as its ``when``s say, computed more
+    cheaply than :meth:`made` (host time of small calls); the eager Function then takes the fast
+    route: no call of :meth:`made`, the slots saved as the body returns them (None where not
+    made). Keep it equal to the ``when``s (a family's test compares them)."""
 
     def __init__(self, params, inputs: str, outputs, forward, forward_op: str, name: str, *, backward=None,
                  backward_op: str | None = None, grads: tuple = (), saves: tuple | None = None, vocab=None,
                  reduce_hidden_grad: bool = True, refines_params: bool = False, in_op=None, examples=None,
-                 row_temperature: bool = False):
+                 row_temperature: bool = False, eager_asked=None):
         self.input_names, optional = _tensor_args(inputs)
         self.forward, self.backward, self.forward_op, self.backward_op = forward, backward, forward_op, backward_op
         self.name, self.refines_params, self.in_op, self.vocab = name, refines_params, in_op, vocab
         self.reduce_hidden_grad, self.examples, self.row_temperature = reduce_hidden_grad, examples, row_temperature
+        self.eager_asked = eager_asked
         self.op_args = OpArgs(params, group=vocab is not None)
         self.outputs = tuple(outputs)
         names = self.input_names
@@ -408,10 +415,11 @@ class HeadFamily:
         pick_inputs, pick_saved, pick_outputs = _picker(saved_inputs), _picker(saved_slots), _picker(out_slots)
         pick_needs = _picker(grad_inputs)
         leading = grad_inputs == tuple(range(len(grad_inputs)))  # the gradients are the first inputs'
+        asked = self.eager_asked
 
         def forward(ctx, *args):
             inputs, (params, temperature, tp) = args[:n], args[n:]
-            if torch.compiler.is_compiling() or family.conditional:
+            if torch.compiler.is_compiling() or (family.conditional and asked is None):
                 return general_forward(ctx, inputs, params, temperature, tp)
             slots = family.forward(*inputs, params, tp)
             if family.refines_params:
@@ -419,8 +427,11 @@ class HeadFamily:
             ctx.save_for_backward(*pick_inputs(inputs), *pick_saved(slots), temperature)
             ctx.params, ctx.tp, ctx.fn_name = params, tp, params.name if named else name
             ctx.set_materialize_grads(False)
-            ctx.asked = every
-            return pick_outputs(slots)
+            if asked is None:
+                ctx.asked = every
+                return pick_outputs(slots)
+            ctx.asked = made = asked(inputs, params, tp is not None)
+            return tuple([slots[out_slots[p]] for p in made])
 
         def general_forward(ctx, inputs, params, temperature, tp):
             made = family.made(inputs, params, tp is not None) if family.conditional else None
@@ -532,7 +543,7 @@ class HeadFamily:
             t = 1.0 / params.inv_temperature
             as_float = (*inputs, *self.op_args.pack(params, None))
             runtime = [torch.tensor(t, dtype=torch.float64)]
-            if self.row_temperature:
+            if self.row_temperature(inputs, params) if callable(self.row_temperature) else self.row_temperature:
                 runtime.append(torch.full((inputs[0].shape[0],), t))
             unit = params._replace(inv_temperature=1.0)
             twin = self.forward_op + RUNTIME_TEMPERATURE_SUFFIX
