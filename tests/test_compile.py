@@ -33,7 +33,7 @@ def _head_args(return_entropy, name, inv_temperature=1.0, **fields):
 
 def _logits_args(inv_temperature, **fields):
     params = logits_autograd.LogitsParams(TORCH, inv_temperature, -100, True, "logits_stats", **fields)
-    return logits_autograd.OP_ARGS.pack(params, None)
+    return logits_autograd.FAMILY.op_args.pack(params, None)
 
 
 def _inputs(n=N, seed=0):
@@ -368,23 +368,12 @@ def _unported_samples() -> dict:
     grads = (torch.randn(N, generator=g), torch.randn(N, generator=g), torch.randn(N, generator=g),
              torch.randn(N, generator=g), None, None)
     bwd = (hidden, weight, labels, None, out[2], out[1], out[3], None, *grads, True, True)
-    stats, stats_1 = _logits_args(1 / T, return_sum_pi_squared=True), _logits_args(1.0, return_sum_pi_squared=True)
-    topk, topk_1 = _logits_args(1 / T), _logits_args(1.0)
-    lfwd, lfwd_topk = (logits, labels, None, *stats), (logits, labels, ids, *topk)
-    lo = torch.ops.rl_kernels.logits_forward(*lfwd)
-    lbwd = (logits, labels, None, lo[6], lo[7], lo[2], lo[1], lo[4], None, torch.randn(N, generator=g), None,
-            torch.randn(N, generator=g), None, None, None, None)
     return {
         "linear_forward": [OpSample(fwd), OpSample(fwd_gather)],
         "linear_forward_runtime_temperature": twins(fwd, (hidden, weight, labels, None, *head_1[:-1]))
         + twins(fwd_gather, (hidden, weight, labels, ids, *gather_1[:-1]), row=False),
         "linear_backward": [OpSample((*bwd, *head))],
         "linear_backward_runtime_temperature": twins((*bwd, *head), (*bwd, *head_1[:-1]), row=False),
-        "logits_forward": [OpSample(lfwd), OpSample(lfwd_topk)],
-        "logits_forward_runtime_temperature": twins(lfwd, (logits, labels, None, *stats_1[:-1]))
-        + twins(lfwd_topk, (logits, labels, ids, *topk_1[:-1]), row=False),
-        "logits_backward": [OpSample((*lbwd, *stats))],
-        "logits_backward_runtime_temperature": twins((*lbwd, *stats), (*lbwd, *stats_1[:-1]), row=False),
     }
 
 
@@ -471,7 +460,7 @@ def test_op_arguments_carry_every_field_of_each_record():
     from rl_kernels.autograd.common import OpArgs
 
     found = _every_op_args()
-    assert {"linear.OP_ARGS", "logits.OP_ARGS", "linear_jsd.FAMILY.op_args"} <= {n for n, _ in found}
+    assert {"linear.OP_ARGS", "logits.FAMILY.op_args", "linear_jsd.FAMILY.op_args"} <= {n for n, _ in found}
     found.append(("no group", OpArgs(logits_autograd.LogitsParams, group=False)))  # a head without a shard form
     for name, op_args in found:
         record = _unusual_record(op_args)
