@@ -33,7 +33,7 @@ def _head_args(return_entropy, name, inv_temperature=1.0, **fields):
 
 def _logits_args(inv_temperature, **fields):
     params = logits_autograd.LogitsParams(TORCH, inv_temperature, -100, True, "logits_stats", **fields)
-    return logits_autograd.OP_ARGS.pack(params, None)
+    return logits_autograd.FAMILY.op_args.pack(params, None)
 
 
 def _inputs(n=N, seed=0):
@@ -343,41 +343,10 @@ def _ops_of_the_namespace() -> set:
     return {n.split("::", 1)[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("rl_kernels::")}
 
 
-def _unported_samples() -> dict:
-    """TEMPORARY (issue 47, step 1): samples of the ops still made by ``custom_op_pair`` (the fused
-    head's and the from-logits family's), whose ``OPS`` entry is None until they are declared with
-    ``HeadFamily``; the porter of each family deletes its entries here (``test_every_op_is_found``
-    fails while an entry is left for an op that has samples of its own)."""
-    from rl_kernels.autograd.common import OpSample
-
-    hidden, weight, logits, labels = _inputs()
-    hidden, weight, logits = hidden.detach(), weight.detach(), logits.detach()
-    ids, _ = _teacher(N)
-    g = torch.Generator().manual_seed(4)
-    rt = (torch.tensor(T, dtype=torch.float64), torch.full(labels.shape, T))  # 0-d and per-row runtime T
-
-    def twins(float_args, runtime_args, row=True):
-        return [OpSample((*runtime_args, t), float_args) for t in (rt if row else rt[:1])]
-
-    stats, stats_1 = _logits_args(1 / T, return_sum_pi_squared=True), _logits_args(1.0, return_sum_pi_squared=True)
-    topk, topk_1 = _logits_args(1 / T), _logits_args(1.0)
-    lfwd, lfwd_topk = (logits, labels, None, *stats), (logits, labels, ids, *topk)
-    lo = torch.ops.rl_kernels.logits_forward(*lfwd)
-    lbwd = (logits, labels, None, lo[6], lo[7], lo[2], lo[1], lo[4], None, torch.randn(N, generator=g), None,
-            torch.randn(N, generator=g), None, None, None, None)
-    return {
-        "logits_forward": [OpSample(lfwd), OpSample(lfwd_topk)],
-        "logits_forward_runtime_temperature": twins(lfwd, (logits, labels, None, *stats_1[:-1]))
-        + twins(lfwd_topk, (logits, labels, ids, *topk_1[:-1]), row=False),
-        "logits_backward": [OpSample((*lbwd, *stats))],
-        "logits_backward_runtime_temperature": twins((*lbwd, *stats), (*lbwd, *stats_1[:-1]), row=False),
-    }
-
-
 def _samples(name: str) -> list:
     from rl_kernels.autograd.common import OPS
 
-    return OPS[name](name) if OPS.get(name) is not None else _unported_samples().get(name, [])
+    return OPS[name](name) if OPS.get(name) is not None else []
 
 
 def _as_tuple(out) -> tuple:
@@ -386,13 +355,12 @@ def _as_tuple(out) -> tuple:
 
 def test_every_op_is_found():
     """Every op of the namespace is made by ``autograd.common`` (``OPS`` lists exactly those) and has
-    opcheck samples; no temporary entry stays for an op that has its own."""
+    opcheck samples."""
     from rl_kernels.autograd.common import OPS
 
     ops = _ops_of_the_namespace()
     assert ops == set(OPS), (ops ^ set(OPS))
     assert all(_samples(name) for name in ops), [name for name in ops if not _samples(name)]
-    assert not [name for name in _unported_samples() if OPS[name] is not None]
 
 
 @pytest.mark.parametrize("name", sorted(_ops_of_the_namespace()))
@@ -457,7 +425,7 @@ def test_op_arguments_carry_every_field_of_each_record():
     from rl_kernels.autograd.common import OpArgs
 
     found = _every_op_args()
-    assert {"linear.FAMILY.op_args", "logits.OP_ARGS", "linear_jsd.FAMILY.op_args"} <= {n for n, _ in found}
+    assert {"linear.FAMILY.op_args", "logits.FAMILY.op_args", "linear_jsd.FAMILY.op_args"} <= {n for n, _ in found}
     found.append(("no group", OpArgs(logits_autograd.LogitsParams, group=False)))  # a head without a shard form
     for name, op_args in found:
         record = _unusual_record(op_args)

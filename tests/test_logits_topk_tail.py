@@ -25,7 +25,7 @@ from heads import reference_tail_kl
 
 import rl_kernels.torch_ops.logits as torch_logits
 from rl_kernels import topk_kl_from_logits, topk_log_probs_from_logits
-from rl_kernels.autograd.logits import OP_ARGS, LogitsParams
+from rl_kernels.autograd.logits import FAMILY, LogitsParams
 from rl_kernels.backends import get_backend
 
 BACKENDS = ["torch", "triton"]
@@ -391,18 +391,22 @@ def test_custom_ops_pass_opcheck(op):
     x = x.detach()
     record = LogitsParams(get_backend("torch", x.device), 1 / 0.7, -100, False, "topk_kl_from_logits",
                           return_tail=True, ids_name="teacher_token_ids")
-    params = OP_ARGS.pack(record, None)
+    params = FAMILY.op_args.pack(record, None)
     rows = torch.where(mask, ids[:, 0], -100)
     n, k = ids.shape
-    stats = [torch.randn(n) for _ in range(3)]  # row_max, log_sum, lse (their values do not matter here)
-    tail_lse = stats[2] - torch.rand(n)
+    row_max, log_sum, lse = (torch.randn(n) for _ in range(3))  # (their values do not matter here)
+    tail_lse = lse - torch.rand(n)
     grad_topk = None if op.endswith("tail_only") else torch.randn(n, k)
+    # the backward's saved slots (entropy, lse, sum_pi_squared, row_max, log_sum, shard_labels, tail_lse,
+    # shard_ids), then one gradient per output (log_probs, entropy, lse, mean_log_p, sum_pi_squared,
+    # topk_log_probs, tail_log_probs), then need_logits
+    saved = (None, lse, None, row_max, log_sum, None, tail_lse, None)
     args = {"logits_forward": (x, None, ids, *params),
             "logits_forward-labels": (x, rows, ids, *params),
-            "logits_backward": (x, rows, ids, *stats, None, None, tail_lse, None, None, torch.randn(n), None, None,
-                                grad_topk, torch.randn(n), *params),
+            "logits_backward": (x, rows, ids, *saved, None, None, torch.randn(n), None, None, grad_topk, torch.randn(n),
+                                True, *params),
             "counted_positions": (x, None, mask, ids, t_lp, 37, -100, "logits", None, None, True)}
     args["logits_backward-tail_only"] = args["logits_backward"]
     torch.library.opcheck(getattr(torch.ops.rl_kernels, op.split("-")[0]).default, args[op])
     if op.startswith("logits"):
-        assert OP_ARGS.unpack(params)[0] == record
+        assert FAMILY.op_args.unpack(params)[0] == record

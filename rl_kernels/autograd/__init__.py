@@ -6,7 +6,8 @@ compiler traces and plain calls otherwise:
 * ``linear``: the fused linear head (``FAMILY``, declared with ``common.HeadFamily``, with the logits at
   given ids for the distillation losses; ``head_forward`` / ``head_backward`` are also the JSD's building blocks);
 * ``logits``: statistics of materialized logits and their log-probs at given token ids (the
-  top-K losses) (``LogitsStatsFunction``);
+  top-K losses) (``FAMILY``: its Function, ``LogitsStatsFunction``, and custom ops, declared with
+  ``common.HeadFamily``);
 * ``linear_jsd``: the two-head Jensen-Shannon divergence (``FAMILY``: its Function and custom ops,
   declared with ``common.HeadFamily``);
 * ``linear_topk``: the fused top-K selection (``FAMILY``: forward only, no Function);

@@ -168,12 +168,6 @@ class OpArgs:
         return self.record_type(**values), (tuple(args[n:n + g]) if self.group else None)
 
 
-def custom_op_pair(qualname: str, schema: str):
-    """Decorator: ``fn`` as the body of a :class:`CustomOpPair` (for the ops that take
-    ``RUNTIME_TEMPERATURE_SCHEMA``)."""
-    return lambda fn: CustomOpPair(qualname, schema, fn)
-
-
 # ------------------------------------------------------------------ a family's wiring, generated once
 class Out(typing.NamedTuple):
     """One output of a family's forward op (a "slot"), declared for :class:`HeadFamily` (and
@@ -330,16 +324,23 @@ class HeadFamily:
     ``examples()``: a list of (inputs, params) on CPU, torch backend, no layout, for opcheck
     (``OPS``: the forward op with the float and the runtime temperature, per row too with
     ``row_temperature``, and the backward op). No backward (``backward=None``): no Function, no
-    backward op; ``forward_call`` is the family's route."""
+    backward op; ``forward_call`` is the family's route. ``row_temperature``: True, or a function of
+    an example's (inputs, params) saying whether that example takes a per-row temperature.
+    ``eager_asked(inputs, params, sharded)``: for a family with conditional slots, the positions
+    (among the ``output`` slots) of the outputs a call makes, as its ``when``s say, computed more
+    cheaply than :meth:`made` (host time of small calls); the eager Function then takes the fast
+    route: no call of :meth:`made`, the slots saved as the body returns them (None where not
+    made). Keep it equal to the ``when``s (a family's test compares them)."""
 
     def __init__(self, params, inputs: str, outputs, forward, forward_op: str, name: str, *, backward=None,
                  backward_op: str | None = None, grads: tuple = (), saves: tuple | None = None, vocab=None,
                  reduce_hidden_grad: bool = True, refines_params: bool = False, in_op=None, examples=None,
-                 row_temperature: bool = False):
+                 row_temperature: bool = False, eager_asked=None):
         self.input_names, optional = _tensor_args(inputs)
         self.forward, self.backward, self.forward_op, self.backward_op = forward, backward, forward_op, backward_op
         self.name, self.refines_params, self.in_op, self.vocab = name, refines_params, in_op, vocab
         self.reduce_hidden_grad, self.examples, self.row_temperature = reduce_hidden_grad, examples, row_temperature
+        self.eager_asked = eager_asked
         self.op_args = OpArgs(params, group=vocab is not None)
         self.outputs = tuple(outputs)
         names = self.input_names
@@ -411,10 +412,11 @@ class HeadFamily:
         pick_inputs, pick_saved, pick_outputs = _picker(saved_inputs), _picker(saved_slots), _picker(out_slots)
         pick_needs = _picker(grad_inputs)
         leading = grad_inputs == tuple(range(len(grad_inputs)))  # the gradients are the first inputs'
+        asked = self.eager_asked
 
         def forward(ctx, *args):
             inputs, (params, temperature, tp) = args[:n], args[n:]
-            if torch.compiler.is_compiling() or family.conditional:
+            if torch.compiler.is_compiling() or (family.conditional and asked is None):
                 return general_forward(ctx, inputs, params, temperature, tp)
             slots = family.forward(*inputs, params, tp)
             if family.refines_params:
@@ -422,8 +424,11 @@ class HeadFamily:
             ctx.save_for_backward(*pick_inputs(inputs), *pick_saved(slots), temperature)
             ctx.params, ctx.tp, ctx.fn_name = params, tp, params.name if named else name
             ctx.set_materialize_grads(False)
-            ctx.asked = every
-            return pick_outputs(slots)
+            if asked is None:
+                ctx.asked = every
+                return pick_outputs(slots)
+            ctx.asked = made = asked(inputs, params, tp is not None)
+            return tuple([slots[out_slots[p]] for p in made])
 
         def general_forward(ctx, inputs, params, temperature, tp):
             made = family.made(inputs, params, tp is not None) if family.conditional else None
@@ -535,7 +540,7 @@ class HeadFamily:
             t = 1.0 / params.inv_temperature
             as_float = (*inputs, *self.op_args.pack(params, None))
             runtime = [torch.tensor(t, dtype=torch.float64)]
-            if self.row_temperature:
+            if self.row_temperature(inputs, params) if callable(self.row_temperature) else self.row_temperature:
                 runtime.append(torch.full((inputs[0].shape[0],), t))
             unit = params._replace(inv_temperature=1.0)
             twin = self.forward_op + RUNTIME_TEMPERATURE_SUFFIX
@@ -637,18 +642,6 @@ def as_float_grad(g: torch.Tensor) -> torch.Tensor:
     """``g`` as a float32 contiguous tensor (itself when it is one: no torch call at all, which
     matters for the host time of small calls)."""
     return g if g.dtype is torch.float32 and g.is_contiguous() else g.float().contiguous()
-
-
-def grads_or_empty(dh, dw, hidden_states: torch.Tensor, weight: torch.Tensor) -> tuple:
-    """A backward op's (dh, dW): contiguous, or an empty tensor for one that was not needed."""
-    return (hidden_states.new_empty(0) if dh is None else dh.contiguous(),
-            weight.new_empty(0) if dw is None else dw.contiguous())
-
-
-def fake_grads(hidden_states: torch.Tensor, weight: torch.Tensor, need_dh: bool, need_dw: bool) -> tuple:
-    """The fake (shape-only) twin of :func:`grads_or_empty`."""
-    return (hidden_states.new_empty(hidden_states.shape if need_dh else (0,)),
-            weight.new_empty(weight.shape if need_dw else (0,)))
 
 
 def or_empty(outputs, like: torch.Tensor, inputs=()) -> tuple:

@@ -2,7 +2,8 @@
 
 The head family "logits": its parameter record (``LogitsParams``), output record
 (``LogitsOutputs``), two backend implementations (``TritonLogits``, ``TorchLogits``) and its one
-Function, ``LogitsStatsFunction``.
+Function, ``LogitsStatsFunction`` (``FAMILY.function``: declared with ``autograd.common.HeadFamily``,
+which makes the Function and the custom ops from the forward and backward bodies).
 Forward: one read of the logits (Triton ``ops.logits_forward`` or its torch twin
 ``torch_ops.logits``) gives per-row float32 statistics; only O(N) of them are saved.
 Backward: one more read of the logits writes d loss / d logits once, in the logits' dtype (into
@@ -26,9 +27,8 @@ from ..label_check import deferred_label_check, raise_if_interpreted, raise_labe
 from ..torch_ops.logits import torch_logits_backward, torch_logits_forward
 from ..validation import check_label_values, check_token_id_values
 from .positions import check_tail_teacher
-from .common import (OpArgs, Out, as_float_grad, custom_op_pair, first_order_only, or_empty, plain_op, rl_op,
-                     sorted_tail_ids)
-from .vocab_parallel import all_gather_rows, group_from_op, local_labels, merge_lse, merge_shards
+from .common import HeadFamily, Out, as_float_grad, plain_op, sorted_tail_ids
+from .vocab_parallel import all_gather_rows, local_labels, merge_lse, merge_shards
 
 
 class LogitsParams(NamedTuple):
@@ -104,20 +104,19 @@ def logits_stats_forward(logits, labels, params: LogitsParams, label_check=None,
     return params.backend.family("logits").forward(logits, labels, params, label_check, tail_ids)
 
 
-def forward_body(logits, labels, params: LogitsParams, tp=None, token_ids=None) -> dict:
-    """The family's forward as one backend call runs it: a bad label reported by an earlier call
-    raised, this call's label values checked (in the Triton kernel without a host sync, else on
-    the host), the statistics (:func:`logits_stats_forward`). With ``tp`` (a vocab shard, global
-    labels checked on the host against the whole vocabulary when it is known) the shard's
-    statistics merged over the group (:func:`vp_forward`). With ``token_ids`` (N, K) int64 (checked
-    by the caller without ``tp``; global ids with ``tp``, checked in :func:`vp_topk_forward`) also
-    ``topk_log_probs``, z[ids] - lse, and with ``params.return_tail`` ``tail_log_probs`` =
-    tail_lse - lse (at most 0; the backend's, formed without rounding at the lse's magnitude; the
-    Function's backward is written by hand, so that clamp zeroes no gradient) and ``tail_lse``
-    (the ids distinct in every row that counts: :func:`check_distinct_ids`); ``labels`` then only
-    mark the rows to ignore (not checked here: the callers pass checked ids or ``ignore_index``).
-    Eagerly :func:`forward_call` runs it directly; under torch.compile the
-    ``rl_kernels::logits_forward`` custom op's body does."""
+def forward_body(logits, labels, token_ids, params: LogitsParams, tp=None) -> tuple:
+    """The family's forward as one backend call runs it (``FAMILY``'s forward): a bad label reported
+    by an earlier call raised, this call's label values checked (in the Triton kernel without a host
+    sync, else on the host), the statistics (:func:`logits_stats_forward`). With ``tp`` (a vocab
+    shard, global labels checked on the host against the whole vocabulary when it is known) the
+    shard's statistics merged over the group (:func:`vp_forward`). With ``token_ids`` (N, K) int64
+    (checked by the caller without ``tp``; global ids with ``tp``, checked in
+    :func:`vp_topk_forward`) also ``topk_log_probs``, z[ids] - lse, and with ``params.return_tail``
+    ``tail_log_probs`` = tail_lse - lse (at most 0; the backend's, formed without rounding at the
+    lse's magnitude; the Function's backward is written by hand, so that clamp zeroes no gradient)
+    and ``tail_lse`` (the ids distinct in every row that counts: :func:`check_distinct_ids`);
+    ``labels`` then only mark the rows to ignore (not checked here: the callers pass checked ids or
+    ``ignore_index``). -> one tensor or None per slot of ``_STAT_KEYS``, in order."""
     raise_label_errors()  # a bad label that an earlier call's kernel reported
     if token_ids is not None and params.inplace_backward:
         raise NotImplementedError(f"rl_kernels.{params.name}: token ids with inplace_backward")
@@ -127,22 +126,23 @@ def forward_body(logits, labels, params: LogitsParams, tp=None, token_ids=None) 
                                       f"statistics (entropy, mean log p, sum of squared probabilities)")
         check_distinct_ids(token_ids, labels, params)
     if tp is not None and token_ids is not None:
-        return vp_topk_forward(logits, labels, params, tp, token_ids)
-    if tp is not None:
+        stats = vp_topk_forward(logits, labels, params, tp, token_ids)
+    elif tp is not None:
         if labels is not None and tp.vocab_size is not None:
             check_label_values(labels, tp.vocab_size, params.ignore_index)
-        return vp_forward(logits, labels, params, tp)
-    label_check = None
-    if labels is not None and token_ids is None:
-        label_check = deferred_label_check(labels, logits.shape[-1], params.ignore_index, params.name,
-                                           in_kernel=params.backend.checks_labels_in_kernel)
-    tail_ids = sorted_tail_ids(token_ids) if params.return_tail else None
-    stats = logits_stats_forward(logits, labels, params, label_check, tail_ids)
-    raise_if_interpreted(label_check, logits.device)
-    if token_ids is not None:  # (the labels only mark rows: their log-probs are not an output)
-        stats.pop("log_probs", None)
-        stats["topk_log_probs"] = gather_logits(logits, token_ids, params.inv_temperature) - stats["lse"][:, None]
-    return stats
+        stats = vp_forward(logits, labels, params, tp)
+    else:
+        label_check = None
+        if labels is not None and token_ids is None:
+            label_check = deferred_label_check(labels, logits.shape[-1], params.ignore_index, params.name,
+                                               in_kernel=params.backend.checks_labels_in_kernel)
+        tail_ids = sorted_tail_ids(token_ids) if params.return_tail else None
+        stats = logits_stats_forward(logits, labels, params, label_check, tail_ids)
+        raise_if_interpreted(label_check, logits.device)
+        if token_ids is not None:  # (the labels only mark rows: their log-probs are not an output)
+            stats.pop("log_probs", None)
+            stats["topk_log_probs"] = gather_logits(logits, token_ids, params.inv_temperature) - stats["lse"][:, None]
+    return tuple(map(stats.get, _STAT_KEYS))
 
 
 def check_distinct_ids(token_ids, labels, params: LogitsParams) -> None:
@@ -156,48 +156,30 @@ def check_distinct_ids(token_ids, labels, params: LogitsParams) -> None:
     check_tail_teacher(token_ids, None, valid, params.ids_name)
 
 
-def forward_call(logits, labels, params: LogitsParams, temperature=None, tp=None, token_ids=None) -> dict:
-    """:func:`forward_body`, eagerly a plain call (no dispatcher on the host path), and while
-    torch.compile traces the ``rl_kernels::logits_forward`` custom op (opaque: no graph break, its
-    fake gives the shapes) with the same body: the same bits either way. ``temperature``: None, or
-    the runtime 0-d temperature of a compiled graph (``autograd.common.split_temperature``);
-    ``tp``: the vocab-parallel layout or None; ``token_ids``: (N, K) int64 or None."""
-    if not torch.compiler.is_compiling():
-        return forward_body(logits, labels, params, tp, token_ids)
-    out = rl_op("logits_forward", temperature)(logits, labels, token_ids, *OP_ARGS.pack(params, temperature, tp))
-    # (the op's empties dropped)
-    keep = asked_outputs(params, labels is not None, token_ids is not None) + ("row_max", "log_sum")
-    if params.return_tail and token_ids is not None:
-        keep += ("tail_lse",)
-    if tp is not None and labels is not None and token_ids is None:
-        keep += ("shard_labels",)
-    if tp is not None and token_ids is not None:
-        keep += ("shard_ids",)
-    return {k: t for k, t in zip(_STAT_KEYS, out) if k in keep}
+def backward_body(logits, labels, token_ids, entropy, lse, sum_pi_squared, row_max, log_sum, shard_labels, tail_lse,
+                  shard_ids, grad_log_probs, grad_entropy, grad_lse, grad_mean_log_p, grad_sum_pi_squared,
+                  grad_topk_log_probs, grad_tail_log_probs, params: LogitsParams, tp, need_logits):
+    """The family's backward (``FAMILY``'s: the saved inputs and slots, one upstream gradient or
+    None per output, float32 here) -> d loss / d logits (:func:`dlogits`); a shard's own labels or
+    ids where the forward made them."""
+    grads = {k: as_float_grad(g) for k, g in zip(LogitsOutputs._fields, (
+        grad_log_probs, grad_entropy, grad_lse, grad_mean_log_p, grad_sum_pi_squared, grad_topk_log_probs,
+        grad_tail_log_probs)) if g is not None}
+    stats = {"row_max": row_max, "log_sum": log_sum, "lse": lse, "entropy": entropy, "sum_pi_squared": sum_pi_squared,
+             "tail_lse": tail_lse}
+    return dlogits(logits, labels if shard_labels is None else shard_labels, stats, grads, params, tp,
+                   token_ids if shard_ids is None else shard_ids)
 
 
-def backward_call(logits, labels, stats: dict, grads: dict, params: LogitsParams, temperature=None, tp=None,
-                  token_ids=None):
+def dlogits(logits, labels, stats: dict, grads: dict, params: LogitsParams, tp=None, token_ids=None):
     """d loss / d logits from the forward's ``stats`` and the float32 upstream ``grads`` (both
     dicts keyed as ``LogitsOutputs``' fields; ``stats["lse"]`` with ``token_ids``, and
-    ``stats["tail_lse"]`` with the tail): eagerly :func:`backward_body` directly, under
-    torch.compile through the ``rl_kernels::logits_backward`` custom op (a new tensor) with the same
-    body. ``labels``: a shard's own (``stats["shard_labels"]``) with ``tp``; ``token_ids``: a
-    shard's own (``stats["shard_ids"]``, -1 where another shard owns the id) with ``tp``."""
-    if torch.compiler.is_compiling():
-        return rl_op("logits_backward", temperature)(
-            logits, labels, token_ids, stats["row_max"], stats["log_sum"], stats.get("lse"), stats.get("entropy"),
-            stats.get("sum_pi_squared"), stats.get("tail_lse"), *(grads.get(k) for k in LogitsOutputs._fields),
-            *OP_ARGS.pack(params, temperature, tp))
-    return backward_body(logits, labels, stats, grads, params, tp, token_ids)
-
-
-def backward_body(logits, labels, stats: dict, grads: dict, params: LogitsParams, tp=None, token_ids=None):
-    """The family's backward as one backend call runs it (:func:`backward_call`'s arguments): into
-    the logits' own storage with ``inplace_backward`` (reported to autograd by a version bump),
-    else a new tensor in the logits' dtype; a vocab shard's by :func:`vp_backward` (with token ids:
-    this same path on the merged statistics, the shard's own ids); with a gradient of
-    ``topk_log_probs`` or ``tail_log_probs`` the K columns of each row by :func:`topk_columns`."""
+    ``stats["tail_lse"]`` with the tail; ``labels``: a shard's own with ``tp``; ``token_ids``: a
+    shard's own, -1 where another shard owns the id, with ``tp``): into the logits' own storage
+    with ``inplace_backward`` (reported to autograd by a version bump), else a new tensor in the
+    logits' dtype; a vocab shard's by :func:`vp_backward` (with token ids: this same path on the
+    merged statistics, the shard's own ids); with a gradient of ``topk_log_probs`` or
+    ``tail_log_probs`` the K columns of each row by :func:`topk_columns`."""
     raise_label_errors()  # a bad label reported by this call's (or an earlier) forward kernel
     if tp is not None and token_ids is None:
         return vp_backward(logits, labels, stats, LogitsOutputs(*(grads.get(k) for k in LogitsOutputs._fields)),
@@ -227,48 +209,15 @@ def backward_body(logits, labels, stats: dict, grads: dict, params: LogitsParams
 def asked_outputs(params: LogitsParams, has_labels: bool, has_token_ids: bool = False) -> tuple:
     """The ``LogitsOutputs`` fields a call computes, in order (lse always; with token ids their
     log-probs, then with ``return_tail`` the tail's log-probability, last, and no log-probs at the
-    labels, which then only mark ignored rows): what :class:`LogitsStatsFunction` returns, no None
-    among them (torch.compile's tracing of a Function handles tensors only)."""
-    asked = (has_labels and not has_token_ids, params.return_entropy, True, params.return_mean_log_p,
-             params.return_sum_pi_squared, has_token_ids, has_token_ids and params.return_tail)
-    return tuple([k for k, a in zip(LogitsOutputs._fields, asked) if a])
+    labels, which then only mark ignored rows): what ``FAMILY.apply`` returns, no None among them
+    (torch.compile's tracing of a Function handles tensors only). As the declared ``when``s say
+    (tests/test_logits.py compares them)."""
+    return tuple([k for k, a in zip(LogitsOutputs._fields, _asked_flags(params, has_labels, has_token_ids)) if a])
 
 
-class LogitsStatsFunction(torch.autograd.Function):
-    """2-D logits (N, V) (a vocab shard (N, V_r) with ``tp``), labels (N,) or None, LogitsParams,
-    runtime temperature (None, or the 0-d tensor of a compiled graph), the vocab-parallel layout
-    (``autograd.vocab_parallel.ParallelParams``) or None, token ids (N, K) int64 in [0, V) (global
-    ids with a layout) or None -> the asked outputs (:func:`asked_outputs`), float32, (N,) each and
-    (N, K) at the token ids, identical on every rank of a group. With token ids, rows whose label
-    is ``ignore_index`` get exactly zero gradient when no gradient reaches them (even if
-    non-finite). The one route of the family, eager and under ``torch.compile(fullgraph=True)``,
-    sharded or not: the backend calls inside it are custom ops while the compiler traces
-    (:func:`forward_call`, :func:`backward_call`). Saves O(N) statistics (and the inputs)."""
-
-    @staticmethod
-    def forward(ctx, logits, labels, params: LogitsParams, temperature=None, tp=None, token_ids=None):
-        stats = forward_call(logits, labels, params, temperature, tp, token_ids)
-        lse = stats["lse"] if token_ids is not None else None  # (the K columns' softmax in the backward)
-        ctx.save_for_backward(logits, stats.get("shard_labels", labels), stats.get("shard_ids", token_ids),
-                              stats["row_max"], stats["log_sum"], lse, stats.get("entropy"),
-                              stats.get("sum_pi_squared"), stats.get("tail_lse"), temperature)
-        ctx.params, ctx.tp, ctx.fn_name = params, tp, params.name
-        ctx.outputs = asked_outputs(params, labels is not None, token_ids is not None)
-        ctx.set_materialize_grads(False)
-        return tuple([stats[k] for k in ctx.outputs])
-
-    @staticmethod
-    @first_order_only
-    def backward(ctx, *output_grads):
-        (logits, labels, token_ids, row_max, log_sum, lse, entropy, sum_pi_squared, tail_lse,
-         temperature) = ctx.saved_tensors
-        grads = {k: as_float_grad(g) for k, g in zip(ctx.outputs, output_grads) if g is not None}
-        none = (None,) * 5
-        if not ctx.needs_input_grad[0] or not grads:
-            return (None,) + none
-        stats = {"row_max": row_max, "log_sum": log_sum, "lse": lse, "entropy": entropy,
-                 "sum_pi_squared": sum_pi_squared, "tail_lse": tail_lse}
-        return (backward_call(logits, labels, stats, grads, ctx.params, temperature, ctx.tp, token_ids),) + none
+def _asked_flags(params: LogitsParams, has_labels: bool, has_token_ids: bool) -> tuple:
+    return (has_labels and not has_token_ids, params.return_entropy, True, params.return_mean_log_p,
+            params.return_sum_pi_squared, has_token_ids, has_token_ids and params.return_tail)
 
 
 # ------------------------------------------------------------------ a vocab shard (tensor parallelism)
@@ -403,89 +352,76 @@ def vp_topk_forward(logits, labels, params: LogitsParams, tp, token_ids) -> dict
     return out
 
 
-# ------------------------------------------------------------------ the backend calls as custom ops
-# What torch.compile sees of the family: its forward and backward backend calls as torch.library
-# custom ops (opaque, so no graph break; fake implementations give the shapes, symbolic sizes
-# included). Autograd is the Function's, on both routes; the ops themselves are not differentiable.
-# A custom op takes no Python objects: the parameter record, the vocab-parallel layout and the
-# runtime temperature travel as plain values (``OP_ARGS``, ``autograd.common.OpArgs``), and the
-# body rebuilds them. The forward op also returns the saved statistics (row max, log-sum, the
-# tail's lse) and a shard's own labels or ids. ``inplace_backward`` is not honoured by the backward
-# op (a custom op cannot return its input's storage as a new gradient; the forward op says so once).
-# The ops' last argument is the runtime temperature (``autograd.common.op_temperature``).
-
-_STAT_KEYS = ("log_probs", "entropy", "lse", "mean_log_p", "sum_pi_squared", "topk_log_probs", "row_max", "log_sum",
-              "shard_labels", "tail_log_probs", "tail_lse", "shard_ids")
-OP_ARGS = OpArgs(LogitsParams)
+# ------------------------------------------------------------------ the family's wiring (HeadFamily)
+# ``FAMILY`` (``autograd.common.HeadFamily``) makes, from the declaration below, the Function
+# (``FAMILY.apply(logits, labels, token_ids, params, temperature, tp)``: the made outputs, in
+# ``LogitsOutputs``' order), the custom ops ``rl_kernels::logits_forward`` / ``logits_backward`` (and
+# their runtime-temperature twins) that torch.compile sees (opaque, fake implementations from the
+# declared shapes; autograd is the Function's on both routes), their opcheck samples and
+# ``FAMILY.forward_call`` (the forward without autograd). The forward's slots beyond the outputs are
+# the state its backward reads: the row max and log-sum, the tail's lse, and a shard's own labels or
+# ids. ``inplace_backward`` is not honoured by the ops (a custom op cannot return its input's
+# storage as a new gradient; the forward op says so once: :func:`_in_op`).
 
 
-def unpacked(op_args: OpArgs, args, warn_inplace: bool = False) -> tuple:
-    """(LogitsParams, layout values) of an op's trailing arguments, as an op's body runs: with
-    ``inplace_backward`` off (asked by the caller, it is reported once with ``warn_inplace``, the
-    forward op's, and not honoured: this route's gradient is a new tensor) and the two-level forward
-    combining in a second launch (no state kept across calls: see ``combine_in_one_launch``)."""
-    params, group = op_args.unpack(args)
-    if warn_inplace and params.inplace_backward:
+def _in_op(params: LogitsParams, forward: bool) -> LogitsParams:
+    """The record as the ops' bodies use it: ``inplace_backward`` off (asked, it is reported once by
+    the forward op and not honoured: this route's gradient is a new tensor) and the two-level
+    forward combining in a second launch (no state kept across calls: see ``combine_in_one_launch``)."""
+    if forward and params.inplace_backward:
         log_once(logging.WARNING, f"rl_kernels.{params.name}: inplace_backward=True is not honoured under "
                  f"torch.compile; the gradient is written to a new tensor (the same values)")
-    return params._replace(inplace_backward=False, combine_in_one_launch=False), group
+    return params._replace(inplace_backward=False, combine_in_one_launch=False)
 
 
-@custom_op_pair(
-    "rl_kernels::logits_forward",
-    schema="(Tensor logits, Tensor? labels, Tensor? token_ids, " + OP_ARGS.schema
-           + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
-def _logits_forward_op(logits, labels, token_ids, *args):
-    """:func:`forward_body` -> (log_probs, entropy, lse, mean_log_p, sum_pi_squared,
-    topk_log_probs, row_max, log_sum, a shard's labels, tail_log_probs, tail_lse, a shard's ids),
-    empty where not asked."""
-    params, group = unpacked(OP_ARGS, args, warn_inplace=True)
-    tp = group_from_op(*group, params.ignore_index, logits.shape[1], logits.device, allow_reduce_hidden_grad=False)
-    stats = forward_body(logits, labels, params, tp, token_ids)
-    return or_empty((stats.get(k) for k in _STAT_KEYS), logits)
+def _op_examples() -> list:
+    """opcheck's inputs (``HeadFamily``): CPU, the torch backend; the statistics at labels (one row
+    ignored), and the top-K log-probs with the tail (the labels marking an ignored row)."""
+    from ..backends import get_backend
+
+    g = torch.Generator().manual_seed(0)
+    logits, labels = torch.randn(5, 11, generator=g), torch.tensor([3, -100, 0, 10, 7])
+    ids = torch.tensor([[0, 10, 3], [5, 4, 1], [2, 9, 8], [6, 7, 0], [1, 2, 3]])
+    backend = get_backend("torch", logits.device)
+    stats = LogitsParams(backend, 1 / 0.7, -100, True, "logits_stats", return_mean_log_p=True,
+                         return_sum_pi_squared=True)
+    topk = LogitsParams(backend, 1 / 0.7, -100, False, "topk_kl_from_logits", return_tail=True)
+    return [((logits, labels, None), stats), ((logits, labels, ids), topk)]
 
 
-@_logits_forward_op.register_fake
-def _(logits, labels, token_ids, *args):
-    params, (group_name, _, _) = OP_ARGS.unpack(args, read_temperature=False)
-    n = logits.shape[0]
-    asked = (labels is not None and token_ids is None, params.return_entropy, True, params.return_mean_log_p,
-             params.return_sum_pi_squared)
-    topk = (logits.new_empty(token_ids.shape, dtype=torch.float32) if token_ids is not None
-            else logits.new_empty(0, dtype=torch.float32))
-    shard_labels = (torch.empty_like(labels) if group_name is not None and labels is not None and token_ids is None
-                    else logits.new_empty(0, dtype=torch.float32))
-    tail = logits.new_empty(n if params.return_tail and token_ids is not None else 0, dtype=torch.float32)
-    shard_ids = (token_ids.new_empty(token_ids.shape, dtype=torch.int64)
-                 if group_name is not None and token_ids is not None else logits.new_empty(0, dtype=torch.float32))
-    return (*(logits.new_empty(n if a else 0, dtype=torch.float32) for a in asked), topk,
-            logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32), shard_labels,
-            tail, torch.empty_like(tail), shard_ids)
+def _tail(a) -> bool:
+    return a.token_ids is not None and a.params.return_tail
 
 
-@custom_op_pair(
-    "rl_kernels::logits_backward",
-    schema="(Tensor logits, Tensor? labels, Tensor? token_ids, Tensor row_max, Tensor log_sum, Tensor? lse, "
-           "Tensor? entropy, Tensor? sum_pi_squared, Tensor? tail_lse, Tensor? grad_log_probs, Tensor? grad_entropy, "
-           "Tensor? grad_lse, Tensor? grad_mean_log_p, Tensor? grad_sum_pi_squared, Tensor? grad_topk_log_probs, "
-           "Tensor? grad_tail_log_probs, " + OP_ARGS.schema + ") -> Tensor")
-def _logits_backward_op(logits, labels, token_ids, row_max, log_sum, lse, entropy, sum_pi_squared, tail_lse,
-                        grad_log_probs, grad_entropy, grad_lse, grad_mean_log_p, grad_sum_pi_squared,
-                        grad_topk_log_probs, grad_tail_log_probs, *args):
-    """:func:`backward_body` -> d loss / d logits, a new contiguous tensor in the logits' dtype."""
-    grads = {k: g for k, g in zip(LogitsOutputs._fields, (grad_log_probs, grad_entropy, grad_lse, grad_mean_log_p,
-                                                           grad_sum_pi_squared, grad_topk_log_probs,
-                                                           grad_tail_log_probs))
-             if g is not None}
-    stats = {"row_max": row_max, "log_sum": log_sum, "lse": lse, "entropy": entropy, "sum_pi_squared": sum_pi_squared,
-             "tail_lse": tail_lse}
-    params, group = unpacked(OP_ARGS, args)
-    return backward_body(logits, labels, stats, grads, params, group_from_op(*group), token_ids)
+def _asked(inputs, params: LogitsParams, sharded: bool) -> tuple:
+    """``HeadFamily``'s ``eager_asked``: the positions of :func:`asked_outputs` among the outputs."""
+    return tuple([p for p, a in enumerate(_asked_flags(params, inputs[1] is not None, inputs[2] is not None)) if a])
 
 
-@_logits_backward_op.register_fake
-def _(logits, *rest):
-    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+_ROWS = ("logits[0]",)  # (N,) float32
+_OUTPUTS = (
+    Out("log_probs", _ROWS, when=lambda a: a.labels is not None and a.token_ids is None),
+    Out("entropy", _ROWS, when="return_entropy", saved=True), Out("lse", _ROWS, saved=True),
+    Out("mean_log_p", _ROWS, when="return_mean_log_p"),
+    Out("sum_pi_squared", _ROWS, when="return_sum_pi_squared", saved=True),
+    Out("topk_log_probs", "token_ids", when="token_ids"),
+    Out("row_max", _ROWS, saved=True, output=False), Out("log_sum", _ROWS, saved=True, output=False),
+    Out("shard_labels", "labels", "labels", when=lambda a: a.sharded and a.labels is not None and a.token_ids is None,
+        saved=True, output=False),
+    Out("tail_log_probs", _ROWS, when=_tail), Out("tail_lse", _ROWS, when=_tail, saved=True, output=False),
+    Out("shard_ids", "token_ids", torch.int64, when=lambda a: a.sharded and a.token_ids is not None, saved=True,
+        output=False))
+_STAT_KEYS = tuple(o.name for o in _OUTPUTS)  # the forward body's slots
+# Inputs: logits (N, V) (a vocab shard (N, V_r) with a layout), labels (N,) or None, token ids (N, K)
+# int64 or None; outputs: float32, (N,) each and (N, K) at the token ids, identical on every rank of a
+# group (the made ones: :func:`asked_outputs`); the gradient to the logits only. A per-row
+# temperature only without token ids (the top-K functions take a number).
+FAMILY = HeadFamily(
+    LogitsParams, "Tensor logits, Tensor? labels, Tensor? token_ids", outputs=_OUTPUTS,
+    forward=forward_body, backward=backward_body, grads=("logits",), forward_op="logits_forward",
+    backward_op="logits_backward", name="logits", vocab=("logits", 1), reduce_hidden_grad=False, in_op=_in_op,
+    examples=_op_examples, row_temperature=lambda inputs, params: inputs[2] is None, eager_asked=_asked)
+LogitsStatsFunction = FAMILY.function  # (its former name: tools.diag, scripts)
 
 
 # ------------------------------------------------------------------ top-K log-probs of the logits
@@ -577,14 +513,17 @@ def topk_log_probs(logits, token_ids, labels, params: LogitsParams, temperature=
     """(log-probs (N, K) float32, tail log-probs (N,) float32 or None) of 2-D ``logits`` at int64
     ``token_ids`` (N, K) (checked; global ids with ``tp``, a vocab shard's layout, checked there)
     (``labels``: None, or (N,) marking the rows to ignore); the tail with ``params.return_tail``:
-    :class:`LogitsStatsFunction` with the ids when a gradient is wanted, its forward's body alone
-    otherwise (eager: no autograd node). ``temperature``: the runtime temperature of a compiled
-    graph (``autograd.common.split_temperature``) or None."""
+    the family's Function with the ids when a gradient is wanted, its forward alone otherwise
+    (``FAMILY.forward_call``; eager: no autograd node). ``temperature``: the runtime temperature of
+    a compiled graph (``autograd.common.split_temperature``) or None."""
     if torch.is_grad_enabled() and logits.requires_grad:
-        outs = LogitsStatsFunction.apply(logits, labels, params, temperature, tp, token_ids)
+        outs = FAMILY.apply(logits, labels, token_ids, params, temperature, tp)
         return (outs[-2], outs[-1]) if params.return_tail else (outs[-1], None)
-    stats = forward_call(logits, labels, params, temperature, tp, token_ids)
-    return stats["topk_log_probs"], stats.get("tail_log_probs")
+    slots = FAMILY.forward_call(logits, labels, token_ids, params, temperature, tp)
+    return slots[_TOPK], slots[_TAIL]
+
+
+_TOPK, _TAIL = _STAT_KEYS.index("topk_log_probs"), _STAT_KEYS.index("tail_log_probs")
 
 
 @plain_op("rl_kernels::checked_token_ids", schema="(Tensor token_ids, SymInt vocab_size, str name) -> Tensor",

@@ -123,7 +123,8 @@ def tiny(profile=False):
         "ops.logits_forward (2 levels)": lambda: ops.logits_forward(logits, lab, lp, lcfg, two_level=True),
         "ops.logits_backward": lambda: ops.logits_backward(logits, grad, lab, stats,
                                                            {"log_probs": g_lp, "entropy": g_ent}, lp, lcfg),
-        "LogitsStatsFunction.apply no grad": nograd(lambda: LogitsStatsFunction.apply(logits, lab, lp)),
+        "LogitsStatsFunction.apply no grad": nograd(
+            lambda: LogitsStatsFunction.apply(logits, lab, None, lp, None, None)),
         "logits_stats no grad, labels": nograd(lambda: rl_kernels.logits_stats(logits, lab)),
         "logits_stats no grad, no labels": nograd(lambda: rl_kernels.logits_stats(logits)),
         "logits_stats fwd+bwd": steps["logits_stats"],
