@@ -275,20 +275,6 @@ def test_double_backward_raises(name):
         grad.sum().backward()
 
 
-@pytest.mark.parametrize("op", ["linear_forward", "logits_forward"])
-def test_backend_call_ops_are_not_differentiable_by_themselves(op):
-    """A family's custom ops are backend calls inside its Function (which does the autograd on both
-    routes): called directly on inputs that require grad, their output's backward raises (torch:
-    no autograd formula), never a silently missing gradient."""
-    hidden, weight, logits, labels = _inputs()
-    if op == "linear_forward":
-        out = torch.ops.rl_kernels.linear_forward(hidden, weight, labels, None, *_head_args(True, "linear_log_probs"))
-    else:
-        out = torch.ops.rl_kernels.logits_forward(logits, labels, None, *_logits_args(1.0))
-    with pytest.raises(RuntimeError, match="no autograd formula"):
-        out[0].sum().backward()
-
-
 def test_compiled_inplace_backward_is_out_of_place_and_says_so(caplog):
     def f(logits, labels):
         return rl_kernels.log_probs_from_logits(logits, labels, inplace_backward=True, backend="torch")
@@ -381,6 +367,24 @@ def test_custom_ops_pass_opcheck(name):
         if sample.same_as is not None:
             got, expected = _as_tuple(op(*sample.args)), _as_tuple(op(*sample.same_as))
             assert all(torch.equal(a, b) for a, b in zip(got, expected)), name
+
+
+@pytest.mark.parametrize("name", sorted(_ops_of_the_namespace()))
+def test_backend_call_ops_are_not_differentiable_by_themselves(name):
+    """Every op of the namespace is a backend call inside a Function (which does the autograd on
+    both routes) or a check: called directly on floating inputs that require grad, a floating
+    output's backward raises (torch: no autograd formula), never a silently missing gradient."""
+    sample = _samples(name)[0]
+    args = [a.detach().clone().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point()
+            and a.dim() > 0 else a for a in sample.args]
+    if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        pytest.skip(f"rl_kernels::{name} takes no floating tensor")
+    outs = [o for o in _as_tuple(getattr(torch.ops.rl_kernels, name)(*args)) if o.is_floating_point() and o.numel()]
+    if not outs:
+        pytest.skip(f"rl_kernels::{name} gives no floating tensor (a check)")
+    assert all(o.requires_grad for o in outs), f"rl_kernels::{name}: an output is cut from its inputs' graph"
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        outs[0].sum().backward()
 
 
 def _every_op_args():

@@ -520,7 +520,7 @@ class HeadFamily:
         res = (res,) if g == 1 else res
         grad_of = [args[self.saved_inputs.index(i)] for i in self.grad_inputs]
         out = tuple(x.new_empty(0) if r is None or not need else r.clone() if r is x else r.contiguous()
-                    for r, x, need in zip(res, grad_of, needs))  # (as grads_or_empty)
+                    for r, x, need in zip(res, grad_of, needs))  # (contiguous; empty where not needed)
         return out[0] if g == 1 else out
 
     def _backward_fake(self, *args):
