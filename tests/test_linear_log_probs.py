@@ -469,9 +469,10 @@ def test_bad_softcap(softcap, exc, words):
 
 
 def test_linear_head_reads_the_outputs_that_the_family_declares():
-    """``autograd.linear.linear_head`` writes out which of ``HeadOutputs``' fields a call makes (host
-    time); they are the output slots that ``FAMILY.made`` derives from the declaration, for every
-    combination of the optional outputs (a vocab shard changes only the slots the backward reads)."""
+    """``autograd.linear.linear_head`` and the family's eager Function (``eager_asked``) write out which of
+    ``HeadOutputs``' fields a call makes (host time); they are the output slots that ``FAMILY.made``
+    derives from the declaration, for every combination of the optional outputs (a vocab shard changes
+    only the slots the backward reads)."""
     import itertools
 
     import rl_kernels.autograd.linear as linear_autograd
@@ -492,3 +493,6 @@ def test_linear_head_reads_the_outputs_that_the_family_declares():
         made = [family.made((h, w, labels, gather_ids), params, sharded) for sharded in (False, True)]
         assert made[0][:n_out] == made[1][:n_out]
         assert [o is not None for o in out] == made[0][:n_out], (entropy, spp, gather, tail)
+        for sharded in (False, True):
+            assert linear_autograd._asked((h, w, labels, gather_ids), params, sharded) == tuple(
+                p for p in range(n_out) if made[0][p])

@@ -245,11 +245,18 @@ def linear_head(hidden_states, weight, labels, params: HeadParams, gather_ids=No
     temperature (None, or the 0-d tensor of a compiled graph), the vocab-parallel layout or None
     -> a ``HeadOutputs`` record (None where not asked), identical on every rank of a group."""
     outs = iter(FAMILY.apply(hidden_states, weight, labels, gather_ids, params, temperature, tp))
-    # which fields FAMILY.made gives (its output slots: HeadOutputs' fields), written out: 0.8 us less
-    # per call on the host; tests/test_linear_log_probs.py checks that the two agree
-    made = (True, params.return_entropy, True, params.return_sum_pi_squared, gather_ids is not None,
-            params.return_tail)
-    return HeadOutputs(*[next(outs) if m else None for m in made])
+    return HeadOutputs(*[next(outs) if m else None for m in _made_flags(params, gather_ids is not None)])
+
+
+def _made_flags(params: HeadParams, has_gather_ids: bool) -> tuple:
+    """Which of ``HeadOutputs``' fields a call makes, written out (the declaration's ``when``s give the
+    same, at 0.8 us more per call on the host; tests/test_linear_log_probs.py checks that they agree)."""
+    return (True, params.return_entropy, True, params.return_sum_pi_squared, has_gather_ids, params.return_tail)
+
+
+def _asked(inputs, params: HeadParams, sharded: bool) -> tuple:
+    """``HeadFamily``'s ``eager_asked``: the positions of the made fields among the outputs."""
+    return tuple([p for p, m in enumerate(_made_flags(params, inputs[3] is not None)) if m])
 
 
 def gathered_logits(hidden_states, weight, ids, params: HeadParams) -> torch.Tensor:
@@ -373,4 +380,4 @@ FAMILY = HeadFamily(
                  when=lambda a: a.sharded and a.gather_ids is not None, saved=True, output=False)),
     forward=forward_body, backward=backward_body, grads=("hidden_states", "weight"),
     forward_op="linear_forward", backward_op="linear_backward", name="linear", vocab=("weight", 0),
-    refines_params=True, examples=_op_examples, row_temperature=True)
+    refines_params=True, examples=_op_examples, row_temperature=True, eager_asked=_asked)
