@@ -137,8 +137,9 @@ def _hydra_error(stderr: str) -> str:
     return "; ".join(parts)
 
 
-def _close(word: str, choices) -> str | None:
-    match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.75)
+def _close(word: str, choices, cutoff: float = 0.75) -> str | None:
+    """The nearest of ``choices`` to ``word`` (difflib's ratio >= ``cutoff``), or None."""
+    match = difflib.get_close_matches(word, list(choices), n=1, cutoff=cutoff)
     return match[0] if match else None
 
 
@@ -376,18 +377,13 @@ def _per_sample_temperature_note(cfg: dict, opts: VerlOptions) -> str:
     return ""
 
 
-def _nearest(word: str, choices) -> str | None:
-    match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return match[0] if match else None
-
-
 def _option_hint(value) -> str:
     """``+rl_kernels=VALUE`` for an option of the group; for another value the nearest option, and
     every option."""
     options = group_options()
     if str(value) in options or not options:
         return f"+{GROUP}={value}"
-    return (f"+{GROUP}={_nearest(str(value), options) or options[0]} ('{value}' is no option of the group; "
+    return (f"+{GROUP}={_close(str(value), options, cutoff=0.6) or options[0]} ('{value}' is no option of the group; "
             f"its options: {', '.join(options)})")
 
 
@@ -455,7 +451,7 @@ def _failed_verdict(message: str, overrides: list[str]) -> Verdict:
     listed = re.search(r"Available options in '[^']+': ([^;]*)", message)
     if missing and listed:
         group, value = missing.groups()
-        near = _nearest(value, [o.strip() for o in listed.group(1).split(",")])
+        near = _close(value, [o.strip() for o in listed.group(1).split(",")], cutoff=0.6)
         typed = next((o.split("=", 1)[0] for o in overrides
                       if "=" in o and o.split("=", 1)[0].lstrip("+~").split("@")[0] == group), f"+{group}")
         return Verdict(False, f"{head}. Fix: did you mean {typed}={near}?" if near else head)
