@@ -113,9 +113,6 @@ class CustomOpPair:
         self.ops = (torch.library.custom_op(qualname, fn, mutates_args=(), schema=schema),
                     torch.library.custom_op(qualname + RUNTIME_TEMPERATURE_SUFFIX, fn, mutates_args=(),
                                             schema=schema, tags=_CUDAGRAPH_UNSAFE))
-        name = qualname.split("::")[1]
-        for op_name in (name, name + RUNTIME_TEMPERATURE_SUFFIX):  # (no samples: HeadFamily gives them)
-            OPS.setdefault(op_name, None)
 
     def register_fake(self, fn):
         for op in self.ops:
@@ -200,8 +197,8 @@ class OpSample(typing.NamedTuple):
 
 
 # Every op of the ``rl_kernels::`` namespace that this module made: its name (without the
-# namespace) -> a function giving its ``OpSample``s (None: an op made without samples).
-# tests/test_compile.py runs opcheck on each and fails on an op of the namespace not found here.
+# namespace) -> a function giving its ``OpSample``s. tests/test_compile.py runs opcheck on each and
+# fails on an op of the namespace not found here or without samples.
 OPS: dict = {}
 
 
