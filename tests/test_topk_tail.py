@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch._dynamo.testing
 from heads import reference_tail_kl
+from tolerances import assert_close_f32, head_magnitude
 import triton
 import triton.language as tl
 
@@ -24,7 +25,9 @@ from rl_kernels.autograd.common import sorted_tail_ids
 from rl_kernels.ops.common import among_ids
 
 N, H, V, K = 11, 20, 203, 5
-TOL = dict(atol=1e-5, rtol=1e-5)
+# float32 rounding bounds (tests/support/tolerances.py): a loss or log-prob passes through a logit's dot
+# product (H) and its row's sums (V); a gradient then through dh's sum over the V columns or dW's over the N rows
+FWD, GRAD = H + V, H + V + max(V, N)
 
 
 @pytest.fixture(autouse=True)
@@ -67,7 +70,7 @@ def _reference(h, w, ids, t_lp, mask, temperature, kind, reduction):
     return out, h64, w64
 
 
-def _check(h, w, ids, t_lp, mask, temperature, kind, reduction, backend, tol=TOL):
+def _check(h, w, ids, t_lp, mask, temperature, kind, reduction, backend):
     hx, wx = h.clone().requires_grad_(), w.clone().requires_grad_()
     got = linear_topk_kl(hx, wx, ids, t_lp, mask=mask, temperature=temperature, kind=kind, tail=True,
                          reduction=reduction, backend=backend)
@@ -76,9 +79,10 @@ def _check(h, w, ids, t_lp, mask, temperature, kind, reduction, backend, tol=TOL
     (up * ref).sum().backward()
     (up.float() * got).sum().backward()
     assert got.dtype == torch.float32 and got.shape == ref.shape
-    torch.testing.assert_close(got.double(), ref.detach(), **tol)
-    torch.testing.assert_close(hx.grad.double(), h64.grad, **tol)
-    torch.testing.assert_close(wx.grad.double(), w64.grad, **tol)
+    m = head_magnitude(h, w, temperature) * (N if reduction == "sum" else 1)
+    assert_close_f32(got, ref, depth=FWD, logits=m, msg="loss")
+    assert_close_f32(hx.grad, h64.grad, depth=GRAD, logits=m, floor=0, msg="dh")
+    assert_close_f32(wx.grad, w64.grad, depth=GRAD, logits=m, floor=0, msg="dw")
     assert torch.all(hx.grad[~mask] == 0)  # excluded rows: exactly no gradient
     return got, ref
 
@@ -133,7 +137,7 @@ def test_tiny_student_tail_1e6_within_tolerance_where_one_minus_q_fails(backend,
     naive = torch.log1p(-log_q32.exp().sum(-1)).double()  # (NaN where sum_k q_k rounds above 1)
     error = (naive[1:] - log_q_tail[1:]).abs().nan_to_num(float("inf"))
     assert error.max() > 0.1, error  # the cancellation's error in log q_tail
-    torch.testing.assert_close(tail32.double()[1:], log_q_tail[1:], atol=2e-5, rtol=0)
+    assert_close_f32(tail32[1:], log_q_tail[1:], depth=FWD, logits=head_magnitude(h, w))
     if kind == "forward":  # p_tail log q_tail: the naive formula's loss is wrong (the reverse weighs it by q_tail)
         naive_loss = reference_tail_kl(log_q32.double(), naive.clamp_max(0), t_lp, kind)
         assert (naive_loss - ref.detach()).abs().nan_to_num(float("inf")).max() > 1e-2
@@ -150,7 +154,7 @@ def test_student_tail_1e30_and_k_equals_v_are_finite(backend):
         got.sum().backward()
         assert torch.isfinite(got).all() and torch.isfinite(hx.grad).all() and torch.isfinite(wx.grad).all()
         ref, _, _ = _reference(h, w, ids, t_lp, mask, 1.0, kind, "none")
-        torch.testing.assert_close(got.double(), ref.detach(), atol=1e-4, rtol=1e-5)
+        assert_close_f32(got, ref, depth=FWD, logits=head_magnitude(h, w), msg=kind)
     g = torch.Generator().manual_seed(2)
     hs, ws = torch.randn(3, H, generator=g), 0.4 * torch.randn(V, H, generator=g)
     ids = torch.stack([torch.randperm(V, generator=g) for _ in range(3)])
@@ -162,8 +166,9 @@ def test_student_tail_1e30_and_k_equals_v_are_finite(backend):
         assert torch.isfinite(got) and torch.isfinite(hx.grad).all() and torch.isfinite(wx.grad).all()
         ref, h64, w64 = _reference(hs, ws, ids, t_lp, torch.ones(3, dtype=torch.bool), 1.0, kind, "sum")
         ref.backward()
-        torch.testing.assert_close(got.double(), ref.detach(), **TOL)
-        torch.testing.assert_close(hx.grad.double(), h64.grad, **TOL)
+        m = head_magnitude(hs, ws) * 3  # reduction "sum" over 3 rows
+        assert_close_f32(got, ref, depth=FWD, logits=m, msg=f"{kind} loss, K = V")
+        assert_close_f32(hx.grad, h64.grad, depth=GRAD, logits=m, floor=0, msg=f"{kind} dh, K = V")
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -187,11 +192,12 @@ def test_log_probs_at_ids_return_tail(poison, backend):
     log_p = torch.log_softmax(h64 @ w64.T / temperature.double()[:, None], -1).gather(1, labels.clamp_min(0)[:, None])
     valid = labels != -100
     ref_lp = torch.where(valid, log_p[:, 0], 0.0)
-    torch.testing.assert_close(tail[0].double(), log_q_tail.detach(), **TOL)
-    torch.testing.assert_close(lq[0].double(), log_q.detach(), **TOL)
+    m = head_magnitude(h, w, temperature)
+    assert_close_f32(tail[0], log_q_tail, depth=FWD, logits=m, msg="log q_tail")
+    assert_close_f32(lq[0], log_q, depth=FWD, logits=m, msg="log q at the ids")
     (torch.where(valid, ref_lp * g_lp + log_q_tail * g_tail + (log_q * g_q).sum(-1), 0.0)).sum().backward()
-    torch.testing.assert_close(hx.grad.double(), h64.grad, **TOL)
-    torch.testing.assert_close(wx.grad.double(), w64.grad, **TOL)
+    assert_close_f32(hx.grad, h64.grad, depth=GRAD, logits=m, floor=0, msg="dh")
+    assert_close_f32(wx.grad, w64.grad, depth=GRAD, logits=m, floor=0, msg="dw")
     assert torch.all(hx.grad[4] == 0)
     plain = linear_log_probs_at_ids(h, w, labels, ids, temperature=temperature, backend=backend)
     assert len(plain) == 3 and torch.equal(plain[2], lq[0].detach()) and torch.equal(plain[0], lp[0].detach())
@@ -218,7 +224,7 @@ def test_errors_name_the_argument():
     heavy[0] = math.log(1.005 / K)  # rounding-sized excess: clamped (p_tail = 0), the reference's value
     got = linear_topk_kl(h, w, ids, heavy, mask=mask, tail=True, reduction="none", backend="torch")
     ref, _, _ = _reference(h, w, ids, heavy, mask, 1.0, "forward", "none")
-    torch.testing.assert_close(got.double(), ref.detach(), **TOL)
+    assert_close_f32(got, ref, depth=FWD, logits=head_magnitude(h, w))
     labels = ids[:, 0].clone()
     with pytest.raises(ValueError, match="token_ids: .*distinct"):
         linear_log_probs_at_ids(h, w, labels, dup, return_tail=True, backend="torch")
@@ -292,8 +298,9 @@ def test_non_finite_row_stays_in_its_row(backend):
     h_clean[4] = 0.0
     ref, _, w64 = _reference(h_clean, w, ids, t_lp, mask, 1.0, "forward", "sum")
     ref.backward()
-    torch.testing.assert_close(loss.double(), ref.detach(), **TOL)
-    torch.testing.assert_close(wx.grad.double(), w64.grad, **TOL)
+    m = head_magnitude(h_clean, w) * N  # reduction "sum"
+    assert_close_f32(loss, ref, depth=FWD, logits=m, msg="loss")
+    assert_close_f32(wx.grad, w64.grad, depth=GRAD, logits=m, floor=0, msg="dw")
 
 
 @triton.jit
