@@ -489,13 +489,14 @@ def test_logits_path_capture_saves_the_anomalous_rows(tmp_path, monkeypatch, cap
 
 
 def test_capture_of_from_logits_calls_with_a_per_row_temperature(tmp_path, capsys):
-    """AnomalyCapture.check_logits: the re-check saves only the sampled rows that differ, with their
-    temperature rows (a per-row temperature round-trips: `rl-kernels repro` PASS); max_bytes keeps
+    """AnomalyCapture.check_logits: the re-check saves only the sampled rows that differ (taken from
+    strided logits without flattening them), with their temperature rows (a per-row temperature
+    round-trips: `rl-kernels repro` PASS); max_bytes keeps
     the first anomalous rows that fit; a capture that cannot write logs and never raises."""
     from rl_kernels.integrations.anomaly import AnomalyCapture
 
     g = torch.Generator().manual_seed(9)
-    logits = 4 * torch.randn(3, 5, 64, generator=g)
+    logits = (4 * torch.randn(3, 5, 70, generator=g))[..., 3:67]  # a strided slice, as verl's can be
     labels = torch.randint(0, 64, (3, 5), generator=g)
     labels[0, 1] = -100
     temperature = 0.5 + torch.rand(3, 5, generator=g)

@@ -79,6 +79,14 @@ def _gather(t: torch.Tensor, group, dim: int) -> torch.Tensor:
     return torch.cat(parts, dim)
 
 
+def _rows_of(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The (len(rows), V) rows of ``logits`` (..., V) at flat row indices ``rows``, without
+    flattening the logits (a copy of all of them, when they are a strided slice)."""
+    if logits.dim() <= 2:
+        return logits.reshape(-1, logits.shape[-1])[rows]  # (a view)
+    return logits[torch.unravel_index(rows, logits.shape[:-1])]
+
+
 def _positions(idx: list[int], limit: int = 16) -> str:
     return ", ".join(map(str, idx[:limit])) + (f", ... ({len(idx)} in all)" if len(idx) > limit else "")
 
@@ -270,51 +278,55 @@ class AnomalyCapture:
         self.calls += 1
         try:
             with torch.no_grad():
-                x = logits.detach().reshape(-1, logits.shape[-1])
+                key, logits = logits, logits.detach()  # (key: the caller's tensor, for _last_saved)
+                n = logits.shape[:-1].numel()
                 y = None if labels is None else labels.detach().reshape(-1)
-                valid = torch.ones(x.shape[0], dtype=torch.bool, device=x.device) if y is None else y != ignore_index
+                valid = torch.ones(n, dtype=torch.bool, device=logits.device) if y is None else y != ignore_index
                 lp = None if log_probs is None else log_probs.detach().float().reshape(-1)
                 ent = None if entropy is None else entropy.detach().float().reshape(-1)
                 reason, rows = self._flags(lp, ent, valid)
-                if reason is None and self._recheck_due() and x.shape[0]:
-                    sampled = self._sampled(x.shape[0], x.device)
-                    z = _gather(x[sampled].float(), process_group, -1) * self._inv_temperature(temperature, sampled)
+                if reason is None and self._recheck_due() and n:
+                    sampled = self._sampled(n, logits.device)
+                    z = _gather(_rows_of(logits, sampled).float(), process_group, -1) * \
+                        self._inv_temperature(temperature, sampled)
                     diff, off = self._differing(z, y, valid, lp, ent, sampled)
                     if bool(off.any()):
                         reason = f"float32 re-check differs by {diff:.3g} > {self.recheck_tolerance:g}"
                         rows = torch.zeros_like(valid)
                         rows[sampled[off]] = True
                 if reason is not None:
-                    self._save_logits(reason, rows, logits, x, y, temperature, ignore_index, metadata, process_group)
+                    self._save_logits(reason, rows, key, logits, y, temperature, ignore_index, metadata,
+                                      process_group)
             return reason
         except Exception as exc:  # capture must never stop training
             log_once(logging.WARNING, f"rl_kernels anomaly capture failed and is skipped: {exc!r}")
             return None
 
-    def _save_logits(self, reason, rows, logits, x, y, temperature, ignore_index, metadata, group):
+    def _save_logits(self, reason, rows, key, logits, y, temperature, ignore_index, metadata, group):
         from ..samples import save_logits_sample
 
         idx = rows.nonzero()[:, 0].tolist()
         last, last_rows = self._last_saved
-        if last is not None and last() is logits and set(idx) <= last_rows:
+        if last is not None and last() is key and set(idx) <= last_rows:
             logger.warning("rl_kernels anomaly: %s, in rows of these logits already saved", reason)
             return
+        n = logits.shape[:-1].numel()
         per_row = isinstance(temperature, torch.Tensor)
-        row_bytes = (x.shape[1] * _group_size(group) * x.element_size() + 8
+        row_bytes = (logits.shape[-1] * _group_size(group) * logits.element_size() + 8
                      + (temperature.element_size() if per_row else 0))
         fit = min(len(idx), max(0, self.max_bytes - self.saved_bytes) // row_bytes)
         if not self._room(max(fit, 1) * row_bytes):
             logger.warning("rl_kernels anomaly (not saved): %s", reason)
             return
-        kept = torch.tensor(idx[:fit], dtype=torch.long, device=x.device)
-        rows_logits = _gather(x[kept], group, -1)
+        kept = torch.tensor(idx[:fit], dtype=torch.long, device=logits.device)
+        rows_logits = _gather(_rows_of(logits, kept), group, -1)
         self.saved += 1
         self.saved_bytes += fit * row_bytes
-        self._last_saved = (weakref.ref(logits), frozenset(idx))
+        self._last_saved = (weakref.ref(key), frozenset(idx))
         path, meta = self._target(metadata, group)
         if path is None:
             return
-        meta["rows"] = f"{_positions(idx[:fit])} of the call's {x.shape[0]} rows" + (
+        meta["rows"] = f"{_positions(idx[:fit])} of the call's {n} rows" + (
             f" (the first {fit} of its {len(idx)} anomalous rows: max_bytes)" if fit < len(idx) else "")
         if y is None:
             labels = rows_logits.argmax(-1)
