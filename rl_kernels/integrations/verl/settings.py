@@ -4,8 +4,8 @@ options are (:class:`VerlOptions`, :data:`BACKEND_NAME`, :func:`validated_option
 :mod:`rl_kernels.integrations.verl_schema`, which patches nothing on import.
 
 The options in force and the anomaly capture built from them are process-wide state, read per
-call by the fused paths (``backend``, ``overlap_metrics``, the capture) and at :func:`~.patching.patch` time by the
-patch (``patch_logits_path``, ``patch_megatron_fused``).
+call by the fused paths (``backend``, ``overlap_metrics``), by every served path (the capture) and at
+:func:`~.patching.patch` time by the patch (``patch_logits_path``, ``patch_megatron_fused``).
 """
 from __future__ import annotations
 
