@@ -241,15 +241,25 @@ def reference_jsd(student_hidden, student_weight, teacher_hidden, teacher_weight
     raise KeyError(reduction)
 
 
+def _eager_divisor(temperature, logits):
+    """The baselines' divisor of ``logits`` (..., V): a number as it is; a per-row tensor (shaped
+    like ``logits.shape[:-1]``) as a column in the logits' dtype (verl's
+    ``logits / temperature.unsqueeze(-1).to(logits.dtype)``)."""
+    if isinstance(temperature, torch.Tensor) and temperature.dim() > 0:
+        return temperature.to(logits.dtype).unsqueeze(-1)
+    return temperature
+
+
 def torch_eager(hidden_states, weight, labels, temperature=1.0, ignore_index=-100, softcap=None):
     """What an HF model + verl's default logits path computes: logits materialized in the input
     dtype (lm_head output; soft-capped in that dtype with ``softcap``, as Gemma 2's forward does),
-    divided by the temperature, then log_softmax / entropy in float32. Differentiable; the
-    comparison point of ``repro`` and the GPU benchmark."""
+    divided by the temperature (a number, or a per-row tensor shaped like ``labels``, cast to the
+    logits' dtype first, as verl's logits path casts its per-token temperature), then log_softmax /
+    entropy in float32. Differentiable; the comparison point of ``repro`` and the GPU benchmark."""
     logits = hidden_states @ weight.T
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
-    logits = logits / temperature
+    logits = logits / _eager_divisor(temperature, logits)
     log_p = torch.log_softmax(logits.float(), dim=-1)
     valid = labels != ignore_index
     lp = log_p.gather(-1, torch.where(valid, labels, 0).unsqueeze(-1)).squeeze(-1)
@@ -260,13 +270,15 @@ def torch_eager(hidden_states, weight, labels, temperature=1.0, ignore_index=-10
 def torch_eager_logits(logits, labels, temperature=1.0, ignore_index=-100):
     """verl's default from-logits path (``use_fused_kernels=False``) in float32, as
     :func:`torch_eager` is for the linear head: logits divided by the temperature in their own
-    dtype (verl's ``logits / temperature``; skipped at T = 1 as verl does), then
+    dtype (verl's ``logits / temperature``; skipped at a number T = 1 as verl does; a per-row
+    temperature shaped like ``labels`` is cast to the logits' dtype first, as verl does), then
     ``logprobs_from_logits`` as float32 log_softmax + gather and ``entropy_from_logits`` as
     logsumexp(z) - sum(softmax(z) * z) on the float32 logits; ``ignore_index`` masked to 0.
     (verl's own ``entropy_from_logits``, and its ``logprobs_from_logits`` without flash-attn, run
     in the logits dtype, so verl's errors are at least these.) Differentiable; the comparison
     point of ``repro`` for logits samples and of ``rl-kernels bench --logits``."""
-    z = (logits if temperature == 1.0 else logits / temperature).float()
+    unit = not isinstance(temperature, torch.Tensor) and temperature == 1.0
+    z = (logits if unit else logits / _eager_divisor(temperature, logits)).float()
     valid = labels != ignore_index
     lp = torch.log_softmax(z, dim=-1).gather(-1, torch.where(valid, labels, 0).unsqueeze(-1)).squeeze(-1)
     ent = torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)

@@ -7,9 +7,12 @@ A sample file is ``.safetensors`` or ``.pt`` holding either
 * ``logits`` (..., V), ``labels`` (...): a from-logits sample (:class:`LogitsSample`, replayed
   through ``logits_stats``),
 
-and optionally ``temperature`` (0-d tensor or number) and ``ignore_index``; a linear-head sample
+and optionally ``temperature`` and ``ignore_index``; a linear-head sample
 also ``softcap`` (the cap c of logits c tanh(h . w / c), e.g. Gemma 2's
-``final_logit_softcapping``; absent or NaN: none). ``save_sample`` /
+``final_logit_softcapping``; absent or NaN: none). ``temperature`` is a 0-d tensor (or a number): one
+temperature for every row, or a float tensor shaped like ``labels``: a temperature per row (a
+per-sample temperature laid out per token, as the heads take it; float32 / float64, or bfloat16 /
+float16, stored in its own dtype). ``save_sample`` /
 ``save_logits_sample`` write one from tensors captured in training; ``load_sample`` reads either
 kind back; ``sample_files`` lists those of a directory. Both check the tensors with the public
 API's rules (TypeError / ValueError naming the argument; :class:`SampleError`, a ValueError naming
@@ -37,7 +40,7 @@ class Sample:
     hidden_states: torch.Tensor
     weight: torch.Tensor
     labels: torch.Tensor
-    temperature: float = 1.0
+    temperature: float | torch.Tensor = 1.0  # a number, or a per-row float tensor shaped like labels
     ignore_index: int = -100
     description: str = ""
     metadata: dict = dataclasses.field(default_factory=dict)
@@ -47,12 +50,13 @@ class Sample:
 
 @dataclasses.dataclass
 class LogitsSample:
-    """A from-logits sample: ``logits`` (..., V) in their captured dtype, ``labels`` (...)."""
+    """A from-logits sample: ``logits`` (..., V) in their captured dtype, ``labels`` (...);
+    ``temperature`` a number or a per-row float tensor shaped like ``labels``."""
 
     name: str
     logits: torch.Tensor
     labels: torch.Tensor
-    temperature: float = 1.0
+    temperature: float | torch.Tensor = 1.0
     ignore_index: int = -100
     description: str = ""
     metadata: dict = dataclasses.field(default_factory=dict)
@@ -106,7 +110,7 @@ def _umask() -> int:
     return mask
 
 
-def _write(path: str, tensors: dict, temperature: float, ignore_index: int, metadata: dict,
+def _write(path: str, tensors: dict, temperature, ignore_index: int, metadata: dict,
            softcap: float | None = None) -> None:
     """Write the sample file. It ends with the mode of a file the user creates with ``open``
     (0o666 & ~umask), or keeps the mode of the file it replaces: safetensors writes through a
@@ -117,7 +121,8 @@ def _write(path: str, tensors: dict, temperature: float, ignore_index: int, meta
     except OSError:
         mode = 0o666 & ~_umask()
     tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-    tensors["temperature"] = torch.tensor(float(temperature), dtype=torch.float64)
+    tensors["temperature"] = (temperature.detach().cpu().contiguous() if isinstance(temperature, torch.Tensor)
+                              else torch.tensor(float(temperature), dtype=torch.float64))
     tensors["ignore_index"] = torch.tensor(int(ignore_index), dtype=torch.int64)
     if softcap is not None:
         tensors["softcap"] = torch.tensor(float(softcap), dtype=torch.float64)
@@ -132,26 +137,46 @@ def _write(path: str, tensors: dict, temperature: float, ignore_index: int, meta
         os.chmod(path, mode)
 
 
-def _check_options(temperature, ignore_index, metadata) -> tuple[float, dict]:
+def _check_options(temperature, ignore_index, metadata) -> tuple:
+    """(temperature, metadata) checked; a tensor temperature is left to :func:`_row_temperature`
+    (its shape is that of tensors not checked yet), a number checked here, first."""
     from .validation import check_metadata_arg
     from .validation import check_ignore_index, check_temperature
 
-    temperature = check_temperature(temperature)
+    if not isinstance(temperature, torch.Tensor):
+        temperature = check_temperature(temperature)
     check_ignore_index(ignore_index)
     return temperature, check_metadata_arg("metadata", metadata)
 
 
+def _row_temperature(temperature, rows: torch.Tensor, rows_name: str = "labels"):
+    """A tensor ``temperature`` checked with the heads' rules for a per-row temperature shaped like
+    ``rows`` (:func:`~rl_kernels.validation.check_temperature`; its values with
+    :func:`~rl_kernels.validation.row_inv_temperature`, one host read); a number as it is."""
+    from .validation import check_temperature, row_inv_temperature
+
+    if not isinstance(temperature, torch.Tensor):
+        return temperature
+    temperature = check_temperature(temperature, rows, rows_name)
+    row_inv_temperature(temperature)
+    return temperature
+
+
 def save_sample(path: str | os.PathLike, hidden_states: torch.Tensor, weight: torch.Tensor,
-                labels: torch.Tensor, *, temperature: float = 1.0, softcap: float | None = None,
+                labels: torch.Tensor, *, temperature: float | torch.Tensor = 1.0, softcap: float | None = None,
                 ignore_index: int = -100, metadata: dict | None = None) -> None:
     """Write a sample file that ``rl-kernels repro PATH`` loads.
 
     ``.safetensors`` (recommended) or ``.pt`` by the path's suffix; tensors are detached, moved to
     CPU and stored in their own dtypes; ``metadata`` values are stored as strings.
-    Every argument is checked first, with the rules of :func:`rl_kernels.linear_log_probs`
-    (tensors of matching shapes, dtypes and device, labels in [0, V) or ``ignore_index``, a
-    positive finite temperature, a positive finite ``softcap`` or None): TypeError / ValueError
-    naming it; ValueError for another suffix.
+    hidden_states (..., H), weight (V, H), labels int (...); temperature: a positive finite
+    Python number, or a float tensor shaped like ``labels`` (a temperature per row, e.g. verl's
+    per-sample temperature laid out per token; float32, float64, bfloat16 or float16, stored in
+    its dtype); softcap: None or a positive finite number. Every argument is checked first, with the
+    rules of :func:`rl_kernels.linear_log_probs` (tensors of matching shapes, dtypes and device,
+    labels in [0, V) or ``ignore_index``, every temperature positive and finite with 1 / T a normal
+    float32, a per-row one on the labels' device and without grad): TypeError / ValueError naming
+    it; ValueError for another suffix.
     """
     from .validation import check_head_inputs, check_softcap
 
@@ -159,18 +184,21 @@ def save_sample(path: str | os.PathLike, hidden_states: torch.Tensor, weight: to
     temperature, metadata = _check_options(temperature, ignore_index, metadata)
     softcap = check_softcap(softcap, temperature)
     check_head_inputs(hidden_states, weight, labels, ignore_index)
+    temperature = _row_temperature(temperature, labels)
     _write(path, {"hidden_states": hidden_states, "weight": weight, "labels": labels},
            temperature, ignore_index, metadata, softcap)
 
 
 def save_logits_sample(path: str | os.PathLike, logits: torch.Tensor, labels: torch.Tensor, *,
-                       temperature: float = 1.0, ignore_index: int = -100,
+                       temperature: float | torch.Tensor = 1.0, ignore_index: int = -100,
                        metadata: dict | None = None) -> None:
     """Write a from-logits sample (``logits`` (..., V), ``labels`` (...)) that
     ``rl-kernels repro PATH`` loads; same file rules as :func:`save_sample`. Pass the logits as
-    they were before the division by the temperature (the replay divides by ``temperature``).
+    they were before the division by the temperature (the replay divides by ``temperature``: a
+    positive finite number, or a float tensor shaped like ``labels``, one temperature per row).
     Arguments are checked with the rules of :func:`rl_kernels.logits_stats`: TypeError /
-    ValueError naming the argument (labels not shaped ``logits.shape[:-1]``, a bad suffix ...)."""
+    ValueError naming the argument (labels not shaped ``logits.shape[:-1]``, a temperature tensor
+    of another shape, a bad suffix ...)."""
     from .validation import check_labels
     from .validation import check_logits as _check_logits
 
@@ -181,6 +209,7 @@ def save_logits_sample(path: str | os.PathLike, logits: torch.Tensor, labels: to
         raise ValueError(f"labels: expected shape {tuple(logits.shape[:-1])} (logits.shape[:-1]), "
                          f"got {tuple(labels.shape)}")
     check_labels(labels, logits, "logits", logits.shape[-1], ignore_index)
+    temperature = _row_temperature(temperature, logits[..., 0], "logits.shape[:-1]")
     _write(path, {"logits": logits, "labels": labels}, temperature, ignore_index, metadata)
 
 
@@ -282,6 +311,13 @@ def _scalar(data: dict, key: str, default):
     return value
 
 
+def _per_row(temperature, labels) -> bool:
+    """Whether a file's ``temperature`` is a temperature per row: a tensor of more than one element, or
+    of the labels' shape (a one-element tensor of another shape is a scalar, as older files hold)."""
+    return isinstance(temperature, torch.Tensor) and temperature.dim() > 0 and (
+        temperature.numel() != 1 or (isinstance(labels, torch.Tensor) and temperature.shape == labels.shape))
+
+
 def _validated(path: str, data: dict, meta: dict) -> Sample | LogitsSample:
     from .validation import check_head_inputs, check_labels, check_softcap, check_temperature
     from .validation import check_logits as _check_logits
@@ -298,7 +334,8 @@ def _validated(path: str, data: dict, meta: dict) -> Sample | LogitsSample:
                                 f"{list(LOGITS_SAMPLE_TENSORS)} for a from-logits sample) and "
                                 f"optionally 'temperature', 'ignore_index'")
     try:
-        temperature = check_temperature(_scalar(data, "temperature", 1.0))
+        per_row = _per_row(data.get("temperature"), data["labels"])
+        temperature = data["temperature"] if per_row else check_temperature(_scalar(data, "temperature", 1.0))
         softcap = _scalar(data, "softcap", None)
         if is_logits and softcap is not None:
             raise ValueError("softcap: a from-logits sample holds the model's logits, already capped; "
@@ -312,8 +349,10 @@ def _validated(path: str, data: dict, meta: dict) -> Sample | LogitsSample:
                 raise ValueError(f"labels {tuple(labels.shape)} do not match logits "
                                  f"{tuple(logits.shape)} (expected logits.shape[:-1])")
             check_labels(labels, logits, "logits", logits.shape[-1], ignore_index)
+            temperature = _row_temperature(temperature, logits[..., 0], "logits.shape[:-1]")
         else:
             check_head_inputs(data["hidden_states"], data["weight"], data["labels"], ignore_index)
+            temperature = _row_temperature(temperature, data["labels"])
     except (TypeError, ValueError) as exc:
         raise SampleError(path, str(exc)) from exc
     common = dict(name=os.path.basename(path), labels=data["labels"], temperature=temperature,
@@ -345,7 +384,8 @@ def load_sample(path: str | os.PathLike) -> Sample | LogitsSample:
 
     The sample is validated with the public API's rules (those of ``linear_log_probs`` /
     ``logits_stats``: tensor dtypes, shapes that fit together, labels in [0, V) or
-    ``ignore_index``, a positive finite scalar temperature). Raises :class:`SampleError` (a
+    ``ignore_index``, a positive finite temperature: a scalar, or a float tensor shaped like the
+    labels, one per row, kept in its stored dtype). Raises :class:`SampleError` (a
     ValueError) naming the path and what is wrong: no such file, a directory, an empty or
     unreadable file, a missing key, inputs the API rejects."""
     path = _fspath(path)

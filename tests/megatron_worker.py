@@ -143,6 +143,7 @@ def run(rank, world, init_file):
         _check_topk_function(rkv, megatron_losses, originals[(megatron_losses, "compute_forward_kl_topk")], rank, world)
         _check_engine_tail(rkv, mti, rank, world)
         _check_engine_per_sample_temperature(rkv, rank, world)
+        _check_anomaly_capture(rkv, rkm, rank, world, os.path.join(os.path.dirname(init_file), "anomalies"))
 
         _check_unpatch_restores(rkv, rkm, originals)
         if rank == 0:
@@ -723,6 +724,80 @@ def _check_engine_per_sample_temperature(rkv, rank, world):
         assert "outside the engine forward" in str(e), e
     else:
         raise AssertionError("a per-sample stand-in outside the engine forward was not refused")
+
+
+# ----------------------------------------------------------------------------- anomaly capture
+def _check_anomaly_capture(rkv, rkm, rank, world, directory):
+    """The anomaly capture on both Megatron paths, TP over every rank. Clean calls (re-checked every
+    call) save nothing. A planted kernel bug, the same on every rank (a log-prob > 0 at token 5),
+    saves on the logits path that token's bf16 logits gathered over the TP group (the whole
+    vocabulary, as one row), and on the fused path the call with the weight gathered over the group
+    and its per-token temperature (as the engine forward lays verl's per-sample temperature out:
+    stood in for here, tested in _check_engine_per_sample_temperature). Only TP rank 0 writes; each
+    sample replays in this one process with every CPU backend against float64: PASS."""
+    from megatron.core import parallel_state
+
+    import rl_kernels
+    from rl_kernels.integrations.verl.temperature import PerSampleTemperature
+    from rl_kernels.samples import LogitsSample, load_sample, sample_files
+    from rl_kernels.tools import repro
+
+    gen = torch.Generator().manual_seed(5)
+    full = torch.randn(1, T_SEQ, world * V_R, generator=gen) * 3
+    labels = torch.randint(0, world * V_R, (1, T_SEQ), generator=gen)
+    shard = full[..., rank * V_R:(rank + 1) * V_R].bfloat16()
+    hidden, weight, fused_labels, _, _ = _fused_inputs(world)
+    w_shard = weight[rank * V_R:(rank + 1) * V_R]
+    per_token = 0.5 + torch.rand(1, T_SEQ, generator=gen)
+    group = parallel_state.get_tensor_model_parallel_group()
+    real_log_probs, real_linear = rl_kernels.log_probs_from_logits, rl_kernels.linear_log_probs
+    real_row_temperature = rkm.megatron_row_temperature
+
+    def planted(t):
+        t = t.clone()
+        t.view(-1)[5] = 0.01
+        return t
+
+    def fused_call():
+        return rkm.linear_cross_entropy(hidden, w_shard, fused_labels, PerSampleTemperature(torch.tensor([0.5, 1.3])),
+                                        "none", group)
+
+    previous = rkv.options()
+    try:
+        rkm.megatron_row_temperature = lambda temperature, lab: per_token.reshape(lab.shape)
+        rkv.configure(anomaly_dir=directory, anomaly_recheck_every=1, anomaly_recheck_rows=T_SEQ)
+        rkm.vocab_parallel_log_probs_from_logits(shard, labels)
+        rkm.vocab_parallel_entropy(shard)
+        fused_call()
+        dist.barrier()
+        assert not os.path.isdir(directory) or sample_files(directory) == [], sample_files(directory)
+        rl_kernels.log_probs_from_logits = lambda *a, **k: planted(real_log_probs(*a, **k))
+        rkm.vocab_parallel_log_probs_from_logits(shard, labels)
+        rl_kernels.log_probs_from_logits = real_log_probs
+        rl_kernels.linear_log_probs = lambda *a, **k: (lambda out: out._replace(log_probs=planted(out.log_probs)))(
+            real_linear(*a, **k))
+        fused_call()
+    finally:
+        rl_kernels.log_probs_from_logits, rl_kernels.linear_log_probs = real_log_probs, real_linear
+        rkm.megatron_row_temperature = real_row_temperature
+        rkv.configure(**{f: getattr(previous, f) for f in previous.__dataclass_fields__})
+    dist.barrier()
+    files = sample_files(directory)
+    assert len(files) == 2 and all("-rank0-" in f for f in files), files  # TP rank 0 (global rank 0) wrote both
+    if rank != 0:
+        return
+    by_kind = {isinstance(s, LogitsSample): s for s in map(load_sample, files)}
+    logits_sample, fused_sample = by_kind[True], by_kind[False]
+    assert torch.equal(logits_sample.logits, full[0, 5][None].bfloat16())  # the whole row, in the shards' dtype
+    assert torch.equal(logits_sample.labels, labels[0, 5][None]) and logits_sample.temperature == 1.0
+    assert "Megatron logits path" in logits_sample.metadata["function"]
+    assert torch.equal(fused_sample.weight, weight) and torch.equal(fused_sample.hidden_states, hidden[:, 0])
+    assert torch.equal(fused_sample.labels, fused_labels[0]) and torch.equal(fused_sample.temperature, per_token[0])
+    for sample in (logits_sample, fused_sample):
+        assert sample.metadata["reason"] == "log-prob above 1e-05 (max 0.01)", sample.metadata
+        assert f"a process group of {world} ranks" in sample.metadata["vocab_parallel"]
+        rows = repro.check_sample(sample, torch.device("cpu"))
+        assert rows and all(r.passed for r in rows if r.ours), rows
 
 
 # ----------------------------------------------------------------------------- top-K distillation, logits path

@@ -105,7 +105,11 @@ def _bad_files(tmp_path):
                             "temperature: expected a positive finite number, got nan"),
         "vector temperature": (_write(tmp_path / "tvec.safetensors", hidden_states=hidden,
                                       weight=weight, labels=labels, temperature=torch.ones(2)),
-                               "temperature: expected a scalar (0-d tensor or number)"),
+                               "temperature: a per-row temperature must have the shape of labels, (4, 8), got (2,)"),
+        "bad row temperature": (_write(tmp_path / "trow.safetensors", hidden_states=hidden, weight=weight,
+                                       labels=labels, temperature=torch.ones(4, 8).index_put_(
+                                           (torch.tensor([1]), torch.tensor([2])), torch.tensor(-1.0))),
+                                "temperature: row 10 is -1.0; every per-row temperature must be positive"),
         "float ignore_index": (_write(tmp_path / "ii.safetensors", hidden_states=hidden, weight=weight,
                                       labels=labels, ignore_index=torch.tensor(1.5)),
                                "ignore_index: expected an int"),

@@ -100,6 +100,79 @@ def test_save_load_logits_round_trip(tmp_path, suffix):
     assert s.temperature == 0.6 and s.ignore_index == -1 and s.metadata["step"] == "3"
 
 
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def _f64_stats(z, labels, ignore_index=-100):
+    """float64 log-probs and entropy of softmax(z) (z already divided by the temperature), written
+    here from the definition; 0 at ignored positions."""
+    log_p = torch.log_softmax(z, -1)
+    valid = labels != ignore_index
+    lp = log_p.gather(-1, torch.where(valid, labels, 0)[..., None])[..., 0]
+    ent = -(log_p.exp() * log_p).sum(-1)
+    return torch.where(valid, lp, 0.0), torch.where(valid, ent, 0.0), valid
+
+
+@pytest.mark.parametrize("kind,suffix,t_dtype", [("linear", ".safetensors", torch.float64),
+                                                 ("logits", ".pt", torch.float32)])
+def test_per_row_temperature_round_trips_and_replays(tmp_path, capsys, kind, suffix, t_dtype):
+    """A temperature per row (verl's per-sample temperature laid out per token: a float tensor shaped
+    like labels) is saved in its dtype, loads back bit for bit, and `rl-kernels repro` replays it
+    through every backend against float64 with that temperature: PASS. Each of our backends is also
+    compared here with a float64 computation written from the definition, divided row by row; a
+    scalar temperature (the rows' mean) would be far off it, so a replay that lost the rows fails."""
+    g = torch.Generator().manual_seed(11)
+    temperature = (0.4 + 1.2 * torch.rand(2, 3, generator=g, dtype=torch.float64)).to(t_dtype)
+    path = tmp_path / f"rows{suffix}"
+    if kind == "linear":
+        hidden, weight, labels = make_inputs(6, 24, 77, torch.bfloat16, seed=4, lead=(2, 3))
+        labels[1, 1] = -100
+        save_sample(path, hidden, weight, labels, temperature=temperature, metadata={"step": 5})
+        raw = hidden.double() @ weight.double().T
+    else:
+        logits = (3.0 * torch.randn(2, 3, 77, generator=g)).bfloat16()
+        labels = torch.randint(0, 77, (2, 3), generator=g)
+        labels[0, 2] = -100
+        save_logits_sample(path, logits, labels, temperature=temperature, metadata={"step": 5})
+        raw = logits.double()
+    s = load_sample(path)
+    assert isinstance(s, LogitsSample) == (kind == "logits")
+    assert s.temperature.dtype == t_dtype and torch.equal(s.temperature, temperature)
+    z = raw / temperature.double()[..., None]
+    want_lp, want_ent, valid = _f64_stats(z, labels)
+    # float32 logits of magnitude |z| and log-sum-exp: a few float32 roundings of max(|z|, lse)
+    atol = 64 * EPS32 * float(torch.logsumexp(z, -1).abs().max().clamp(min=1) + z.abs().max())
+    scalar_lp = _f64_stats(raw / float(temperature.double().mean()), labels)[0]
+    assert float((scalar_lp - want_lp)[valid].abs().max()) > 100 * atol  # the rows matter
+    backends = (repro.available_logits_backends if kind == "logits" else repro.available_backends)(
+        torch.device("cpu"))
+    for name, (fn, ours) in backends.items():
+        if ours:
+            lp, ent = fn(s)
+            torch.testing.assert_close(lp.double()[valid], want_lp[valid], atol=atol, rtol=0, msg=name)
+            torch.testing.assert_close(ent.double()[valid], want_ent[valid], atol=atol, rtol=0, msg=name)
+    assert main(["repro", "--device", "cpu", str(path)]) == 0
+    out = capsys.readouterr().out
+    rows = table_rows(out)
+    assert {r["backend"] for r in rows} == set(backends)
+    assert all(r["result"] == "PASS" for r in rows if r["backend"].startswith("rl_kernels")), out
+    assert out.splitlines()[-1] == "all rl_kernels backends PASS"
+
+
+def test_older_sample_files_keep_a_scalar_temperature(tmp_path):
+    """A 0-d temperature, or a one-element tensor of another shape than the labels (what older files
+    may hold), still loads as a number; a tensor of the labels' shape is a temperature per row."""
+    hidden, weight, labels = make_inputs(6, 8, 30, torch.float32, seed=1, lead=(2, 3))
+    for i, (t, want) in enumerate([(torch.tensor(0.7, dtype=torch.float64), 0.7),
+                                   (torch.tensor([0.7], dtype=torch.float64), 0.7)]):
+        torch.save({"hidden_states": hidden, "weight": weight, "labels": labels, "temperature": t}, tmp_path / f"{i}.pt")
+        assert load_sample(tmp_path / f"{i}.pt").temperature == want
+    one = make_inputs(1, 8, 30, torch.float32, seed=1)
+    torch.save({"hidden_states": one[0], "weight": one[1], "labels": one[2], "temperature": torch.tensor([0.5])},
+               tmp_path / "one.pt")
+    assert torch.equal(load_sample(tmp_path / "one.pt").temperature, torch.tensor([0.5]))
+
+
 def test_saved_bundled_sample_replays_through_every_backend(tmp_path, capsys):
     old_umask = os.umask(0o027)
     try:

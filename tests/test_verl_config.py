@@ -109,3 +109,50 @@ def test_recipe_composes():
     assert model["use_fused_kernels"] is True
     assert model["fused_kernel_options"]["impl_backend"] == rkv.BACKEND_NAME
     assert cfg["algorithm"]["adv_estimator"] == "grpo"
+
+
+def test_fused_anomaly_directory_is_absolute_and_the_same_on_every_worker(tmp_path, monkeypatch):
+    """fused_anomaly's default directory as verl hands it to its workers: main_ppo's TaskRunner
+    resolves the config once (``OmegaConf.resolve(config)``, in verl's source on every tested
+    release) and every worker gets the resolved string: ``$HOME/rl_kernels_anomalies``, absolute,
+    whatever a worker's own working directory or environment (``$RL_KERNELS_ANOMALY_DIR`` wins).
+    verl-check's ON line names that directory, on the fused and the logits path; a relative one
+    gets a WARNING with the absolute fix."""
+    import inspect
+    import pickle
+
+    import verl.trainer.main_ppo as main_ppo
+    from omegaconf import OmegaConf
+
+    from rl_kernels.integrations.anomaly import AnomalyCapture
+    from rl_kernels.tools import verl_check
+
+    assert "OmegaConf.resolve(config)" in inspect.getsource(main_ppo)
+    home = tmp_path / "home"
+    default = str(home / "rl_kernels_anomalies")
+    monkeypatch.delenv("RL_KERNELS_ANOMALY_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(home))
+    cfg = _compose_in_process("+rl_kernels=fused_anomaly")
+    resolved = OmegaConf.create(cfg)
+    OmegaConf.resolve(resolved)  # verl's TaskRunner, once
+    handed = pickle.loads(pickle.dumps(resolved.actor_rollout_ref))  # Ray pickles it to each worker
+    monkeypatch.setenv("HOME", "/elsewhere")  # a worker's own environment and working directory
+    monkeypatch.chdir(tmp_path)
+    directory = handed.model.fused_kernel_options.rl_kernels.anomaly_dir
+    assert directory == default and AnomalyCapture(directory).directory == default
+
+    monkeypatch.setenv("HOME", str(home))  # verl-check, in the launching shell
+    verdict = verl_check.diagnose(cfg)
+    assert verdict.on and verdict.line.endswith(
+        f"; anomaly capture on every path served, samples to {default} on every worker (with several nodes, on "
+        f"each node's own disk unless that directory is shared)"), verdict.line
+    monkeypatch.setenv("RL_KERNELS_ANOMALY_DIR", "/data/anomalies")
+    logits = _compose_in_process("+rl_kernels=fused_anomaly", "actor_rollout_ref.model.use_fused_kernels=False")
+    verdict = verl_check.diagnose(logits)
+    assert verdict.on and "logits path" in verdict.line and "samples to /data/anomalies on every worker" in verdict.line
+    monkeypatch.setenv("RL_KERNELS_ANOMALY_DIR", "anomalies")
+    verdict = verl_check.diagnose(cfg)
+    assert verdict.on and ("WARNING: anomaly_dir='anomalies' is relative: each Ray worker resolves it against its "
+                           "own working directory") in verdict.line, verdict.line
+    assert verdict.line.endswith(f"Fix: an absolute path, ++{verl_check.OPTIONS_KEY}.anomaly_dir={tmp_path}/anomalies")
+    assert verl_check.diagnose(_compose_in_process("+rl_kernels=fused")).line.count("anomaly") == 0

@@ -20,7 +20,12 @@ Checked, for each option:
   relative;
 * on the engine workers (0.8+), the actor's ``compute_log_prob`` once more with
   ``calculate_sum_pi_squared=True``: Σπ² on the fused path (which verl refuses without
-  rl-kernels) and on the logits path against the unpatched worker's and float64.
+  rl-kernels) and on the logits path against the unpatched worker's and float64;
+* the anomaly capture on verl's logits path: the logits worker runs with it on (``anomaly_dir``, every
+  call re-checked in float32), and no call of the run above leaves a sample; then a kernel bug is
+  planted in that worker (a log-prob > 0 at one token, the phantom-column bug's symptom) and the
+  actor's ``compute_log_prob`` runs once more: it leaves one sample, that token's logits as verl
+  passed them, which ``rl-kernels repro`` replays (PASS against float64).
 
 verl 0.7.x runs its legacy workers (``verl.workers.fsdp_workers``: ``DataProto`` batches; its
 reference returns no entropy), 0.8.0 and 0.9.1 the engine workers (``verl.workers.engine_workers``:
@@ -86,9 +91,10 @@ def model(tmp_path_factory):
     return model, path
 
 
-def _compose(model_dir, option):
+def _compose(model_dir, option, anomaly_dir=None):
     """verl's ppo_trainer config with ``+rl_kernels=<option>`` (the group's ``fused`` / ``logits``;
-    None: verl unpatched) and the test's overrides."""
+    None: verl unpatched) and the test's overrides (``anomaly_dir``: the capture on, every call
+    re-checked)."""
     import verl
     from hydra import compose, initialize_config_dir
 
@@ -109,6 +115,9 @@ def _compose(model_dir, option):
             *([f"+rl_kernels={option}"] if option else []),
             # fused: the log-probs by the Triton kernel (its CPU interpreter here), not the torch fallback
             *(["actor_rollout_ref.model.fused_kernel_options.rl_kernels.backend=triton"] if option == "fused" else []),
+            *([f"++actor_rollout_ref.model.fused_kernel_options.rl_kernels.anomaly_dir={anomaly_dir}",
+               "++actor_rollout_ref.model.fused_kernel_options.rl_kernels.anomaly_recheck_every=1"]
+              if anomaly_dir else []),
             f"actor_rollout_ref.model.path={model_dir}",
             "++actor_rollout_ref.model.load_tokenizer=False",
             "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
@@ -214,9 +223,37 @@ def _params(self):
             for n, p in module.named_parameters()}
 
 
-def _run_worker(ray, config):
+PLANTED_ROW = 4
+"""The row of the from-logits log-prob call that the planted bug sets to 0.01: token 4 of the first
+sequence (the rows are the unpadded tokens, sequence after sequence)."""
+
+
+def _plant_anomaly(self):
+    """In the worker: rl-kernels' from-logits log-probs get a planted kernel bug, a log-prob of 0.01 (a
+    probability > 1) at row PLANTED_ROW of every call."""
+    import rl_kernels.integrations.verl.logits as rk_logits
+
+    real = rk_logits._rk_log_probs_from_logits
+
+    def planted(*args, **kwargs):
+        out = real(*args, **kwargs).clone()
+        out.view(-1)[PLANTED_ROW] = 0.01
+        return out
+
+    rk_logits._rk_log_probs_from_logits = planted
+
+
+def _samples(directory):
+    from rl_kernels.samples import sample_files
+
+    return sample_files(directory) if os.path.isdir(directory) else []
+
+
+def _run_worker(ray, config, anomaly_dir=None):
     """One worker process (actor + reference, colocated) with ``config``: its outputs, parameters
-    before / after the update, and its counts after each call."""
+    before / after the update, and its counts after each call. With ``anomaly_dir`` (the capture on
+    in ``config``), the samples there after those calls, and after one more compute_log_prob with
+    a planted anomaly (:func:`_plant_anomaly`)."""
     from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
     from verl.single_controller.ray.base import create_colocated_worker_cls
 
@@ -252,26 +289,39 @@ def _run_worker(ray, config):
         groups["actor"].update_actor(update)
         out["after"] = ray.get(worker.__ray_call__.remote(_params))
         out["counts_update"], _ = ray.get(worker.__ray_call__.remote(_counts))
+        if anomaly_dir:
+            out["anomalies_clean"] = _samples(anomaly_dir)
+            ray.get(worker.__ray_call__.remote(_plant_anomaly))
+            groups["actor"].compute_log_prob(infer)
+            out["anomalies_planted"] = _samples(anomaly_dir)
     finally:  # the cluster has 3 CPUs, each run reserves one
         release(group, pool)
     return out
 
 
 @pytest.fixture(scope="module")
-def runs(ray_cluster, model):
+def anomaly_dir(tmp_path_factory):
+    """Where the logits worker's anomaly capture writes (an absolute path, as the workers need)."""
+    return str(tmp_path_factory.mktemp("anomalies"))
+
+
+@pytest.fixture(scope="module")
+def runs(ray_cluster, model, anomaly_dir):
     """{None (unpatched), "fused", "logits"}: each worker process's results (or its exception),
-    the three run side by side."""
+    the three run side by side; the logits worker with the anomaly capture on."""
     with pytest.MonkeyPatch.context() as monkeypatch:  # the driver pads / unpads verl 0.8's batches
         use_torch_padding(monkeypatch)
-        return _runs(ray_cluster, model)
+        return _runs(ray_cluster, model, anomaly_dir)
 
 
-def _runs(ray_cluster, model):
-    configs = {option: _compose(model[1], option) for option in (None, *OPTIONS)}  # Hydra: one thread
+def _runs(ray_cluster, model, anomaly_dir):
+    dirs = {"logits": anomaly_dir}
+    configs = {option: _compose(model[1], option, dirs.get(option)) for option in (None, *OPTIONS)}  # Hydra: one thread
     for option, config in configs.items():
         assert config.actor_rollout_ref.model.get("external_lib") == (option and "rl_kernels.integrations.verl")
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        futures = {option: pool.submit(_run_worker, ray_cluster, config) for option, config in configs.items()}
+        futures = {option: pool.submit(_run_worker, ray_cluster, config, dirs.get(option))
+                   for option, config in configs.items()}
     results = {}
     for option, future in futures.items():
         exc = future.exception()
@@ -442,3 +492,49 @@ def test_verl_worker_sum_pi_squared_on_ray(runs, driver_sum_pi_squared, option):
         assert counts["sum_pi_squared_calls"] >= 1 and counts["fused_calls"] == 0, counts
     print(f"\nsum_pi_squared {option}: max |got - float64| {float((got[mask].double() - want).abs().max()):.1e}, "
           f"verl's logits path {float((ref[mask].double() - want).abs().max()):.1e}")
+
+
+def test_planted_anomaly_on_verls_logits_path_leaves_a_sample_that_replays(runs, model, anomaly_dir, capsys):
+    """verl's logits path in its Ray worker with the anomaly capture on: the run's clean calls (the
+    reference's and the actor's log-probs, Σπ², one update; every call re-checked in float32) leave
+    no sample. With a kernel bug planted in that worker (a log-prob > 0 at one token), one more
+    compute_log_prob leaves one sample: that token's row of logits, as verl passed them (divided by
+    T = 0.7), and its label, which `rl-kernels repro` replays: every rl-kernels backend PASS against
+    float64 (the planted bug is not in the replay), and float64's log-prob is the true one."""
+    from repro_rows import table_rows
+    from rl_kernels.samples import LogitsSample, load_sample
+    from rl_kernels.tools.cli import main
+
+    out = _result(runs, "logits")
+    assert out["anomalies_clean"] == [], out["anomalies_clean"]
+    files = out["anomalies_planted"]
+    assert len(files) == 1 and os.path.dirname(files[0]) == anomaly_dir, files
+    sample = load_sample(files[0])
+    assert isinstance(sample, LogitsSample) and sample.logits.shape == (1, VOCAB) and sample.temperature == 1.0
+    meta = sample.metadata
+    assert meta["reason"] == "log-prob above 1e-05 (max 0.01)", meta
+    assert "logprobs_from_logits" in meta["function"] and meta["rows"].startswith(f"{PLANTED_ROW} of the call's")
+    assert meta["source"] == "rl_kernels.integrations.verl" and meta["verl_version"] == verl_version()
+    # the token: position PLANTED_ROW of the first sequence (its 9 real tokens come first), label the
+    # next token; the logits of the model as the update left it (the planted call came after it)
+    import copy
+
+    updated = copy.deepcopy(model[0])
+    assert set(out["after"]) == {n for n, _ in updated.named_parameters()}
+    updated.load_state_dict(out["after"], strict=False)
+    ids = rollout_tensors()[0]["input_ids"][0][:9]
+    with torch.no_grad():
+        want = type(updated).forward(updated, input_ids=ids[None], return_dict=True).logits[0, PLANTED_ROW] / T
+    torch.testing.assert_close(sample.logits[0], want, atol=1e-4, rtol=0)
+    assert sample.labels.tolist() == [int(ids[PLANTED_ROW + 1])]
+    assert main(["repro", "--device", "cpu", files[0]]) == 0
+    text = capsys.readouterr().out
+    rows = table_rows(text)
+    assert {r["backend"] for r in rows} >= {"rl_kernels torch", "torch eager"}, text
+    assert all(r["result"] == "PASS" for r in rows if r["backend"].startswith("rl_kernels")), text
+    true_lp = float(torch.log_softmax(want.double(), -1)[ids[PLANTED_ROW + 1]])
+    assert true_lp < -1e-3  # the planted 0.01 is not what the replay computes
+    import rl_kernels
+
+    replayed = float(rl_kernels.log_probs_from_logits(sample.logits, sample.labels, backend="torch")[0])
+    assert abs(replayed - true_lp) < 1e-4, (replayed, true_lp)

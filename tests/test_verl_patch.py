@@ -425,6 +425,140 @@ def test_anomaly_recheck_catches_a_wrong_kernel(tmp_path, monkeypatch):
     assert len(os.listdir(tmp_path)) == 1
 
 
+def _configured(**options):
+    """rkv.configure(**options) for a test; the options in force before, restored by the caller."""
+    previous = rkv.options()
+    rkv.configure(**options)
+    return {f: getattr(previous, f) for f in previous.__dataclass_fields__}
+
+
+def _replay(path, capsys):
+    """`rl-kernels repro PATH` on CPU: (exit status, the table's rows)."""
+    from repro_rows import table_rows
+    from rl_kernels.tools.cli import main
+
+    status = main(["repro", "--device", "cpu", str(path)])
+    return status, table_rows(capsys.readouterr().out)
+
+
+def test_logits_path_capture_saves_the_anomalous_rows(tmp_path, monkeypatch, capsys):
+    """verl's logits path (rl-kernels' logprobs_from_logits / entropy_from_logits in verl's place)
+    with the capture on: a planted log-prob > 0 in one row saves that row only (its bf16 logits as
+    verl passed them, its label), which `rl-kernels repro` replays: PASS. A NaN logit row makes the
+    entropy NaN: that row is saved with its argmax as the label (entropy takes none), once, although
+    the log-probs of the same logits are NaN there too."""
+    import rl_kernels.integrations.verl.logits as rk_logits
+
+    g = torch.Generator().manual_seed(8)
+    logits = (3 * torch.randn(2, 7, 101, generator=g)).bfloat16()
+    labels = torch.randint(0, 101, (2, 7), generator=g)
+    real = rk_logits._rk_log_probs_from_logits
+
+    def planted(*args, **kwargs):  # a kernel bug: a probability > 1 at token (1, 4)
+        out = real(*args, **kwargs).clone()
+        out[1, 4] = 0.01
+        return out
+
+    restore = _configured(anomaly_dir=str(tmp_path), anomaly_recheck_every=0)
+    try:
+        monkeypatch.setattr(rk_logits, "_rk_log_probs_from_logits", planted)
+        verl_F.logprobs_from_logits(logits, labels)
+        (first,) = os.listdir(tmp_path)
+        monkeypatch.setattr(rk_logits, "_rk_log_probs_from_logits", real)
+        nan_logits = logits.clone()
+        nan_logits[0, 3, 17] = float("nan")
+        assert torch.isnan(verl_F.entropy_from_logits(nan_logits)[0, 3])
+        verl_F.logprobs_from_logits(nan_logits, labels)  # the same row of the same logits: not saved again
+        files = sorted(os.listdir(tmp_path))
+    finally:
+        rkv.configure(**restore)
+    assert len(files) == 2, files
+    sample = load_sample(tmp_path / first)
+    assert sample.logits.dtype == torch.bfloat16 and torch.equal(sample.logits, logits[1, 4][None])
+    assert torch.equal(sample.labels, labels[1, 4][None]) and sample.temperature == 1.0
+    meta = sample.metadata
+    assert meta["reason"] == "log-prob above 1e-05 (max 0.01)" and meta["rows"] == "11 of the call's 14 rows"
+    assert meta["function"] == "verl logprobs_from_logits (FSDP logits path)" and "temperature 1" in meta["logits"]
+    status, rows = _replay(tmp_path / first, capsys)
+    assert status == 0 and all(r["result"] == "PASS" for r in rows if r["backend"].startswith("rl_kernels")), rows
+    (second,) = [f for f in files if f != first]
+    sample = load_sample(tmp_path / second)
+    torch.testing.assert_close(sample.logits, nan_logits[0, 3][None], rtol=0, atol=0, equal_nan=True)
+    assert sample.labels.tolist() == [17]  # argmax of a row holding NaN: the NaN's column
+    assert sample.metadata["reason"] == "non-finite log-prob or entropy" and "argmax" in sample.metadata["labels"]
+
+
+def test_capture_of_from_logits_calls_with_a_per_row_temperature(tmp_path, capsys):
+    """AnomalyCapture.check_logits: the re-check saves only the sampled rows that differ (taken from
+    strided logits without flattening them), with their temperature rows (a per-row temperature
+    round-trips: `rl-kernels repro` PASS); max_bytes keeps
+    the first anomalous rows that fit; a capture that cannot write logs and never raises."""
+    from rl_kernels.integrations.anomaly import AnomalyCapture
+
+    g = torch.Generator().manual_seed(9)
+    logits = (4 * torch.randn(3, 5, 70, generator=g))[..., 3:67]  # a strided slice, as verl's can be
+    labels = torch.randint(0, 64, (3, 5), generator=g)
+    labels[0, 1] = -100
+    temperature = 0.5 + torch.rand(3, 5, generator=g)
+    out = rl_kernels.logits_stats(logits, labels, temperature=temperature, backend="torch")
+    wrong = out.log_probs.clone()
+    wrong[2, 3] -= 0.01  # finite and < 0: only the float32 re-check sees it
+    capture = AnomalyCapture(str(tmp_path / "a"), recheck_every=1, recheck_rows=15)
+    assert capture.check_logits(logits, labels, log_probs=out.log_probs, entropy=out.entropy,
+                                temperature=temperature) is None
+    reason = capture.check_logits(logits, labels, log_probs=wrong, entropy=out.entropy, temperature=temperature)
+    assert reason.startswith("float32 re-check differs by 0.01")
+    (path,) = (tmp_path / "a").iterdir()
+    sample = load_sample(path)
+    assert torch.equal(sample.logits, logits[2, 3][None]) and torch.equal(sample.temperature, temperature[2, 3][None])
+    assert sample.metadata["rows"] == "13 of the call's 15 rows" and sample.metadata["call"] == "2"
+    status, rows = _replay(path, capsys)
+    assert status == 0 and all(r["result"] == "PASS" for r in rows if r["backend"].startswith("rl_kernels")), rows
+
+    high = out.log_probs.clone()
+    high[1:] = 0.5  # 10 anomalous rows; room for 3
+    row_bytes = 64 * 4 + 8 + 4
+    capture = AnomalyCapture(str(tmp_path / "b"), max_bytes=3 * row_bytes + 5)
+    capture.check_logits(logits, labels, log_probs=high, entropy=None, temperature=temperature)
+    (path,) = (tmp_path / "b").iterdir()
+    sample = load_sample(path)
+    assert torch.equal(sample.logits, logits[1, :3]) and capture.saved_bytes == 3 * row_bytes
+    assert sample.metadata["rows"] == "5, 6, 7 of the call's 15 rows (the first 3 of its 10 anomalous rows: max_bytes)"
+    capture.check_logits(logits, labels, log_probs=high, entropy=None)  # no room left: logged only
+    assert len(list((tmp_path / "b").iterdir())) == 1
+
+    (tmp_path / "file").write_text("")
+    capture = AnomalyCapture(str(tmp_path / "file"))  # a file where the directory should be
+    assert capture.check_logits(logits, labels, log_probs=high, entropy=None) is None  # logged, not raised
+
+
+def test_fused_capture_with_a_per_sample_temperature(tmp_path, capsys):
+    """The fused path's capture takes the per-token temperature as the head does (it skipped such
+    calls before): the call is saved whole with its temperature rows and replays: PASS."""
+    from rl_kernels.integrations.verl import fsdp_fused
+
+    g = torch.Generator().manual_seed(10)
+    hidden, weight = torch.randn(1, 9, 16, generator=g), torch.randn(50, 16, generator=g)
+    labels = torch.randint(0, 50, (1, 9), generator=g)
+    temperature = torch.tensor([[0.5] * 4 + [1.3] * 5])
+    restore = _configured(anomaly_dir=str(tmp_path), anomaly_recheck_every=1, anomaly_recheck_rows=9,
+                          backend="torch")
+    try:
+        lp, _ = fsdp_fused.fused_log_probs_entropy(hidden, weight, labels, temperature)
+        assert os.listdir(tmp_path) == []  # clean: re-checked, nothing saved
+        hidden[0, 6, 3] = float("inf")
+        fsdp_fused.fused_log_probs_entropy(hidden, weight, labels, temperature)
+    finally:
+        rkv.configure(**restore)
+    (name,) = os.listdir(tmp_path)
+    sample = load_sample(tmp_path / name)
+    assert torch.equal(sample.temperature, temperature) and torch.equal(sample.weight, weight)
+    assert sample.metadata["reason"] == "non-finite log-prob or entropy"
+    status, rows = _replay(tmp_path / name, capsys)
+    assert status == 0 and rows and all(r["result"] == "PASS" for r in rows if r["backend"].startswith("rl_kernels"))
+    assert all("input holds NaN/inf in rows [(0, 6)]" in r["note"] for r in rows)  # the others compared
+
+
 def test_signature_table_matches_installed_verl():
     """The signatures the patch checks are those of the installed verl 0.9.1 (guards the table)."""
     import verl.models.transformers.monkey_patch as mp

@@ -52,10 +52,12 @@ class VerlOptions:
         :func:`rl_kernels.linear_topk` (about 1.5 matmuls of the head's shape more per micro-batch
         forward); False leaves them out there (verl's loss then logs none). verl's logits path
         computes them always, with or without rl-kernels.
-    anomaly_dir: turn on anomaly capture (:mod:`rl_kernels.integrations.anomaly`), writing samples here.
+    anomaly_dir: turn on anomaly capture (:mod:`rl_kernels.integrations.anomaly`) on every path
+        rl-kernels serves (fused and logits, FSDP and Megatron), writing samples here (an absolute
+        path: a relative one is resolved by each worker against its own working directory).
     anomaly_max_count, anomaly_max_bytes: per-process bounds on what capture writes.
     anomaly_max_log_prob: a log-prob above this is an anomaly.
-    anomaly_recheck_every: every k-th fused call re-checks sampled rows in float32 (0 = never).
+    anomaly_recheck_every: every k-th checked call re-checks sampled rows in float32 (0 = never).
     anomaly_recheck_rows, anomaly_recheck_tolerance: rows per re-check and allowed difference (nats).
     """
 

@@ -1,5 +1,8 @@
 """Replay samples through every available backend and compare against a float64 reference.
 
+A sample's temperature (a number, or a tensor with one temperature per row) goes to every backend
+and to the reference as it is.
+
 Linear-head samples (:class:`~rl_kernels.samples.Sample`) run through ``linear_log_probs`` (ours:
 Triton and torch backends), torch eager and verl's fused kernels; from-logits samples
 (:class:`~rl_kernels.samples.LogitsSample`) through ``logits_stats`` (ours: torch backend, and the
@@ -82,7 +85,12 @@ def _verl_backends() -> dict[str, Backend]:
         return {}
     # verl's head has no soft-capping: on a capped sample it computes the uncapped logits, as
     # verl's fused forwards do for such models (the bundled sample's baseline_bugs says so)
-    return {"verl linear_cross_entropy": lambda s: head(s.hidden_states, s.weight, s.labels, s.temperature)}
+    def run(s: Sample):
+        if isinstance(s.temperature, torch.Tensor):
+            raise ValueError("verl's linear_cross_entropy takes one temperature per call; this sample has one per row")
+        return head(s.hidden_states, s.weight, s.labels, s.temperature)
+
+    return {"verl linear_cross_entropy": run}
 
 
 def _torch_eager_logits(s: LogitsSample):
@@ -100,11 +108,13 @@ def _ours_logits_triton(two_level: bool) -> LogitsBackend:
     the public API's checks (a label out of range must not reach the kernel)."""
     def run(s: LogitsSample):
         from .. import ops
+        from ..autograd.common import split_temperature
         from ..autograd.logits import LogitsParams
         from ..backends import get_backend
 
         check_logits(s.logits)
-        inv_temperature = 1.0 / check_temperature(s.temperature)
+        # a number: 1 / T; a per-row tensor: its (N,) float32 1 / T (values checked), as logits_stats
+        inv_temperature, _ = split_temperature(check_temperature(s.temperature, s.logits[..., 0], "logits.shape[:-1]"))
         check_labels(s.labels, s.logits, "logits", s.logits.shape[-1], s.ignore_index)
         x = s.logits.reshape(-1, s.logits.shape[-1])
         params = LogitsParams(backend=get_backend("triton", x.device), inv_temperature=inv_temperature,
@@ -160,10 +170,12 @@ def available_backends(device: torch.device) -> dict[str, tuple[Backend, bool]]:
 
 
 def _to(s: Sample | LogitsSample, device: torch.device) -> Sample | LogitsSample:
+    """The sample on ``device``: its tensors, a per-row temperature too."""
+    t = s.temperature.to(device) if isinstance(s.temperature, torch.Tensor) else s.temperature
     if isinstance(s, LogitsSample):
-        return dataclasses.replace(s, logits=s.logits.to(device), labels=s.labels.to(device))
+        return dataclasses.replace(s, logits=s.logits.to(device), labels=s.labels.to(device), temperature=t)
     return dataclasses.replace(s, hidden_states=s.hidden_states.to(device),
-                               weight=s.weight.to(device), labels=s.labels.to(device))
+                               weight=s.weight.to(device), labels=s.labels.to(device), temperature=t)
 
 
 def _positions(mask: torch.Tensor, limit: int = 8) -> str:
@@ -205,8 +217,9 @@ def baseline_error(sample: Sample | LogitsSample, backend: str) -> str:
     known bug of that baseline which the sample reproduces, when it names one (``baseline_bugs``)."""
     if backend.startswith("torch eager"):
         if isinstance(sample, LogitsSample):
-            how = (f"logits divided by T in {_dtype(sample.logits)} (the logits' dtype), as verl's "
-                   f"logits path does" if sample.temperature != 1.0 else
+            per_row = isinstance(sample.temperature, torch.Tensor)
+            how = (f"logits divided by {'the per-row ' if per_row else ''}T in {_dtype(sample.logits)} (the "
+                   f"logits' dtype), as verl's logits path does" if per_row or sample.temperature != 1.0 else
                    f"float32 log-softmax of the {_dtype(sample.logits)} logits")
         else:
             how = (f"logits computed in {_dtype(sample.hidden_states)} (the inputs' dtype), as "

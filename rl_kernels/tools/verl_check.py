@@ -307,13 +307,43 @@ def _imported_verdict(cfg: dict, model: dict) -> Verdict:
         return Verdict(True, f"rl-kernels is ON: fused path (use_fused_kernels=True, impl_backend={BACKEND_NAME}), "
                              f"backend={opts.backend}, {options_text}; the actor and the reference model "
                              f"(actor_rollout_ref.model){_fused_distillation_note(cfg, model, opts)}"
-                             f"{_per_sample_temperature_note(cfg, opts)}")
+                             f"{_per_sample_temperature_note(cfg, opts)}{anomaly_dir_note(cfg, opts)}")
     if not opts.patch_logits_path:
         return Verdict(False, "rl-kernels is OFF: use_fused_kernels=False (verl's logits path) with "
                               "patch_logits_path=False, so nothing is replaced. Fix: use_fused_kernels=True with "
                               f"impl_backend={BACKEND_NAME}, or drop patch_logits_path=False")
     return Verdict(True, f"rl-kernels is ON: logits path (use_fused_kernels=False: verl's from-logits functions "
-                         f"replaced), {options_text}; the actor and the reference model (actor_rollout_ref.model)")
+                         f"replaced), {options_text}; the actor and the reference model (actor_rollout_ref.model)"
+                         f"{anomaly_dir_note(cfg, opts)}")
+
+
+def anomaly_dir_note(cfg: dict, opts: VerlOptions) -> str:
+    """For the ON line, with anomaly capture on (``anomaly_dir`` set; '' otherwise): the directory
+    the workers will write to, absolute. The composed value (``--cfg job`` leaves ``${oc.env:...}``
+    unresolved) is resolved here, in the whole config, with this process's environment: verl resolves
+    it once, in its TaskRunner (a Ray actor), and hands the result to every worker; the TaskRunner
+    has this environment when verl starts Ray itself (one node), not on a cluster started with
+    ``ray start``. A WARNING, with the fix, for a relative directory (each worker would resolve it
+    against its own working directory) or one that does not resolve here."""
+    if opts.anomaly_dir is None:
+        return ""
+    import os
+
+    from omegaconf import OmegaConf
+
+    fix = f"Fix: an absolute path, ++{OPTIONS_KEY}.anomaly_dir=/path/to/anomalies"
+    try:
+        value = OmegaConf.select(OmegaConf.create(cfg), f"{OPTIONS_KEY}.anomaly_dir",
+                                 throw_on_resolution_failure=True)
+    except Exception as exc:  # noqa: BLE001 - OmegaConf's resolution errors (a missing variable, ...)
+        return f". WARNING: anomaly_dir={opts.anomaly_dir!r} does not resolve here ({' '.join(str(exc).split())}). {fix}"
+    path = os.path.expanduser(str(value))
+    if not os.path.isabs(path):
+        return (f". WARNING: anomaly_dir={value!r} is relative: each Ray worker resolves it against its own working "
+                f"directory (from here: {os.path.abspath(path)}). Fix: an absolute path, ++{OPTIONS_KEY}.anomaly_dir="
+                f"{os.path.abspath(path)}")
+    return (f"; anomaly capture on every path served, samples to {os.path.normpath(path)} on every worker (with "
+            f"several nodes, on each node's own disk unless that directory is shared)")
 
 
 def _topk_distillation(cfg: dict) -> str | None:

@@ -140,13 +140,11 @@ def fused_log_probs_entropy(hidden_states: torch.Tensor, weight: torch.Tensor, l
             count("fused_sum_pi_squared_calls")
     record("fused_fsdp_calls", "fused fsdp", labels.numel())
     capture = settings.capture()
-    if capture is not None and isinstance(temperature, torch.Tensor):
-        log_once(logging.INFO, "rl_kernels: the anomaly capture skips fused calls with a per-sample temperature "
-                 "(its samples hold one temperature)")
-    elif capture is not None:
-        capture.check(hidden_states, weight, labels, temperature=float(temperature),
+    if capture is not None:  # the effective temperature: a number, or the per-token tensor shaped like labels
+        capture.check(hidden_states, weight, labels, temperature=temperature,
                       softcap=head.softcap, ignore_index=-100, log_probs=log_probs, entropy=entropy,
-                      metadata={"model": _model_names[-1] if _model_names else "unknown"})
+                      metadata={"model": _model_names[-1] if _model_names else "unknown",
+                                "function": "verl FusedLinearForPPO (FSDP fused path)"})
     return log_probs, (entropy if return_entropy else entropy_placeholder(log_probs))
 
 

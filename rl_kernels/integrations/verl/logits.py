@@ -5,7 +5,8 @@ functions in place of verl's ``logprobs_from_logits``, ``entropy_from_logits``,
 They replace verl's in ``verl.utils.torch_functional`` and in every loaded module that imported
 them by name (:func:`~.common.replace_by_name`); modules imported later take them from
 ``verl.utils.torch_functional``. Each is float32 (verl's non-flash-attn path returns the logits
-dtype), chunked, with O(N) saved state, and counted in :func:`~.common.call_counts`. Each takes
+dtype), chunked, with O(N) saved state, counted in :func:`~.common.call_counts`, and checked by the
+anomaly capture when it is on (:func:`capture_logits`: the anomalous rows' logits saved). Each takes
 what verl's takes (:func:`~.common.verl_fallback`): logits outside rl-kernels' kernels (float64,
 meta, nested) go to verl's own function, with a WARNING logged once.
 """
@@ -21,6 +22,7 @@ from ..._logging import log_once
 from ...logits import _overlaps
 from ...logits import entropy_from_logits as _rk_entropy_from_logits
 from ...logits import log_probs_from_logits as _rk_log_probs_from_logits
+from . import settings
 from .common import (VerlIntegrationError, check_chunk_size, record, replace_by_name, saved_for_backward,
                      verl_fallback, verl_version)
 from .signatures import check_verl_signature
@@ -38,6 +40,22 @@ def _gradient_fits(logits: torch.Tensor) -> bool:
     except RuntimeError:
         return False
     return not _overlaps(logits2d)
+
+
+LOGITS_AS_PASSED = ("as verl passed them: already divided by verl's temperature (per sample or not), so "
+                    "replayed with temperature 1")
+"""The metadata of a logits-path anomaly sample: what its logits are."""
+
+
+def capture_logits(function: str, logits, labels=None, log_probs=None, entropy=None, process_group=None) -> None:
+    """The anomaly capture (when on) on one from-logits call of verl's logits path (``function``:
+    verl's name, for the sample's metadata): its anomalous rows saved (:meth:`~rl_kernels.
+    integrations.anomaly.AnomalyCapture.check_logits`; gathered over ``process_group``, a
+    vocab-parallel shard's group)."""
+    capture = settings.capture()
+    if capture is not None:
+        capture.check_logits(logits, labels, log_probs=log_probs, entropy=entropy, process_group=process_group,
+                             metadata={"function": f"verl {function}", "logits": LOGITS_AS_PASSED})
 
 
 def _check_tensor(name: str, value) -> None:
@@ -70,6 +88,7 @@ def logprobs_from_logits(logits, labels, inplace_backward=True):
         inplace_backward = False
     out = _rk_log_probs_from_logits(logits, labels, inplace_backward=bool(inplace_backward))
     record("logits_log_probs_calls", "logits fsdp", labels.numel())
+    capture_logits("logprobs_from_logits (FSDP logits path)", logits, labels, log_probs=out)
     return out
 
 
@@ -80,6 +99,7 @@ def entropy_from_logits(logits):
     :func:`rl_kernels.entropy_from_logits`."""
     out = _rk_entropy_from_logits(logits)
     record("logits_entropy_calls", "logits fsdp", logits.shape[:-1].numel())
+    capture_logits("entropy_from_logits (FSDP logits path)", logits, entropy=out)
     return out
 
 
@@ -91,6 +111,7 @@ def entropy_from_logits_with_chunking(logits, chunk_size=2048):
     check_chunk_size(chunk_size)
     out = _rk_entropy_from_logits(logits)
     record("logits_entropy_calls", "logits fsdp", logits.shape[:-1].numel())
+    capture_logits("entropy_from_logits_with_chunking (FSDP logits path)", logits, entropy=out)
     return out
 
 

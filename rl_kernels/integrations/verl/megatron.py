@@ -94,7 +94,9 @@ from .common import (SumPiSquaredRequest, VerlIntegrationError, check_chunk_size
                      entropy_on_request, entropy_placeholder, entropy_wanted, record, replace_by_name, set_attr,
                      sum_pi_squared_request, verl_fallback,
                      verl_version)
+from . import settings
 from .distill import megatron_topk_request, serve_megatron_topk
+from .logits import capture_logits
 from .settings import options
 from .temperature import PerSampleTemperature, megatron_row_temperature
 
@@ -133,6 +135,13 @@ def _shard_kwargs(logits) -> dict:
     return {"process_group": group, "vocab_start_index": rank * logits.shape[-1]}
 
 
+def _capture(function: str, logits, kwargs: dict, labels=None, log_probs=None, entropy=None) -> None:
+    """The anomaly capture on a Megatron logits-path call: the anomalous rows gathered over the TP
+    group (the whole vocabulary), written by the group's rank 0 (:func:`~.logits.capture_logits`)."""
+    capture_logits(f"{function} (Megatron logits path)", logits, labels, log_probs=log_probs, entropy=entropy,
+                   process_group=kwargs.get("process_group"))
+
+
 def _rows(t) -> int:
     return t.shape[:-1].numel()
 
@@ -142,16 +151,20 @@ def _rows(t) -> int:
 def vocab_parallel_log_probs_from_logits(logits, labels):
     """rl-kernels replacement for verl's ``vocab_parallel_log_probs_from_logits`` (float32,
     shape ``labels.shape``; the logits are left untouched)."""
-    out = rl_kernels.log_probs_from_logits(logits, labels, **_shard_kwargs(logits))
+    kwargs = _shard_kwargs(logits)
+    out = rl_kernels.log_probs_from_logits(logits, labels, **kwargs)
     record("megatron_logits_log_probs_calls", "logits megatron", labels.numel())
+    _capture("vocab_parallel_log_probs_from_logits", logits, kwargs, labels, log_probs=out)
     return out
 
 
 @verl_fallback(TENSOR_PARALLEL_MODULE, "vocab_parallel_entropy")
 def vocab_parallel_entropy(vocab_parallel_logits):
     """rl-kernels replacement for verl's ``vocab_parallel_entropy`` (float32, non-destructive)."""
-    out = rl_kernels.entropy_from_logits(vocab_parallel_logits, **_shard_kwargs(vocab_parallel_logits))
+    kwargs = _shard_kwargs(vocab_parallel_logits)
+    out = rl_kernels.entropy_from_logits(vocab_parallel_logits, **kwargs)
     record("megatron_logits_entropy_calls", "logits megatron", _rows(vocab_parallel_logits))
+    _capture("vocab_parallel_entropy", vocab_parallel_logits, kwargs, entropy=out)
     return out
 
 
@@ -160,8 +173,10 @@ def vocab_parallel_entropy_with_chunking(vocab_parallel_logits, chunk_size=2048)
     """rl-kernels replacement for verl's ``vocab_parallel_entropy_with_chunking``; rl-kernels
     always chunks (by elements), so ``chunk_size`` is only validated."""
     check_chunk_size(chunk_size)
-    out = rl_kernels.entropy_from_logits(vocab_parallel_logits, **_shard_kwargs(vocab_parallel_logits))
+    kwargs = _shard_kwargs(vocab_parallel_logits)
+    out = rl_kernels.entropy_from_logits(vocab_parallel_logits, **kwargs)
     record("megatron_logits_entropy_calls", "logits megatron", _rows(vocab_parallel_logits))
+    _capture("vocab_parallel_entropy_with_chunking", vocab_parallel_logits, kwargs, entropy=out)
     return out
 
 
@@ -255,6 +270,12 @@ def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="non
                                           temperature=temperature, return_entropy=return_entropy,
                                           return_sum_pi_squared=request is not None, backend=backend, **kwargs)
     record("fused_megatron_calls", "fused megatron", labels.numel())
+    capture = settings.capture()
+    if capture is not None:  # the whole call, its weight gathered over the TP group (written by its rank 0)
+        capture.check(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), temperature=temperature,
+                      ignore_index=-100, log_probs=out.log_probs, entropy=out.entropy if return_entropy else None,
+                      process_group=kwargs.get("process_group"),
+                      metadata={"function": "verl linear_cross_entropy (Megatron fused path)"})
     entropy = out.entropy if return_entropy else entropy_placeholder(out.log_probs)
     log_probs = out.log_probs.view(labels.shape)
     if request is not None:

@@ -4,12 +4,13 @@ options are (:class:`VerlOptions`, :data:`BACKEND_NAME`, :func:`validated_option
 :mod:`rl_kernels.integrations.verl_schema`, which patches nothing on import.
 
 The options in force and the anomaly capture built from them are process-wide state, read per
-call by the fused paths (``backend``, ``overlap_metrics``, the capture) and at :func:`~.patching.patch` time by the
-patch (``patch_logits_path``, ``patch_megatron_fused``).
+call by the fused paths (``backend``, ``overlap_metrics``), by every served path (the capture) and at
+:func:`~.patching.patch` time by the patch (``patch_logits_path``, ``patch_megatron_fused``).
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 
 from ..._logging import logger
@@ -66,7 +67,20 @@ def configure(**kwargs) -> VerlOptions:
                                "next patch() (call unpatch() and patch())", field, getattr(new, field))
         _options, _capture = new, new_capture
         logger.info("rl_kernels verl options: %s", new)
+        if new_capture is not None:
+            _log_capture_directory(str(new.anomaly_dir), new_capture.directory)
     return _options
+
+
+def _log_capture_directory(given: str, directory: str) -> None:
+    """Say where this process's anomaly capture writes; a WARNING when ``anomaly_dir`` was relative
+    (each Ray worker resolves it against its own working directory)."""
+    if os.path.isabs(os.path.expanduser(given)):
+        logger.info("rl_kernels: anomaly capture on (every path rl-kernels serves): samples go to %s", directory)
+        return
+    logger.warning("rl_kernels: anomaly_dir=%r is relative: this process writes to %s (its working directory); "
+                   "other workers resolve it against theirs (another node, a Ray job's working_dir copy). Give "
+                   "an absolute path", given, directory)
 
 
 def _plain(value):
