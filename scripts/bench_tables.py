@@ -623,7 +623,8 @@ def draw(spec):
             else:  # measured points joined by a solid line, the largest micro-batch by a dotted one
                 for series in panel["series"]:
                     ours = "rl_kernels" in series["label"]
-                    style = dict(color=VARIANT_COLORS[series["label"]], lw=2.0 if ours else 1.2, zorder=3 if ours else 2)
+                    style = dict(color=VARIANT_COLORS[series["label"]], lw=2.0 if ours else 1.2,
+                                 zorder=3 if ours else 2)
                     ax.plot(series["x"], series["y"], marker="o", markersize=3.5, label=series["label"], **style)
                     ax.plot([series["x"][-1], series["largest_x"]], [series["y"][-1], series["largest_y"]], ls=":",
                             **style)
@@ -634,9 +635,8 @@ def draw(spec):
                 ax.grid(True, axis="x", alpha=0.35)
             if panel.get("hline") is not None:
                 ax.axhline(panel["hline"], color="#4d4d4d", lw=0.8, ls="--", zorder=1)
-            if panel.get("ylog"):
-                ax.set_yscale("log", base=2)
-            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _, digits=panel.get("ydigits", 0): f"{v:,.{digits}f}"))
+            digits = panel.get("ydigits", 0)
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _, digits=digits: f"{v:,.{digits}f}"))
             ax.set_title(panel["title"])
             ax.set_xlabel(panel["xlabel"])
             ax.set_ylabel(panel["ylabel"])
@@ -715,14 +715,15 @@ def spec_model_memory(results, *names):
         series = []
         for variant in VARIANTS:
             r = rows[variant]
-            points = sorted((int(k[3:]), v["peak_gb"]) for k, v in r.items() if k.startswith("at_") and k != "at_largest")
+            points = sorted((int(k[3:]), v["peak_gb"]) for k, v in r.items()
+                            if k.startswith("at_") and k != "at_largest")
             series.append({"label": VARIANT_NAMES[variant], "x": [p[0] for p in points], "y": [p[1] for p in points],
                            "largest_x": r["largest_tokens"], "largest_y": r["at_largest"]["peak_gb"]})
         top = max(s["largest_x"] for s in series)
         ticks = [8192 * 2 ** i for i in range(12) if 8192 * 2 ** i <= top * 1.05]
-        panels.append({"kind": "lines", "title": SHORT_MODELS[model].replace("\n", " "), "xlabel": "micro-batch, tokens",
-                       "ylabel": "peak GPU memory allocated, GiB" if not panels else "", "xticks": ticks,
-                       "series": series})
+        ylabel = "" if panels else "peak GPU memory allocated, GiB"
+        panels.append({"kind": "lines", "title": SHORT_MODELS[model].replace("\n", " "),
+                       "xlabel": "micro-batch, tokens", "ylabel": ylabel, "xticks": ticks, "series": series})
     return {"title": plot_head(results, names[0], "peak memory against micro-batch size"),
             "size": [9.6, 3.4], "panels": panels, "sharey": True,
             "note": "●: timed micro-batches; ★: the largest that fits (Qwen2.5-0.5B fused: 262,144 tokens, the "

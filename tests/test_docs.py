@@ -112,7 +112,8 @@ def test_plot_check_is_byte_for_byte_under_the_renderer_that_drew_it(tmp_path):
     results = copy_tree(tmp_path)
     assert tables("--write", root=tmp_path).returncode == 0
     done = tables("--check", root=tmp_path)
-    assert done.returncode == 0 and "plots: 3 match byte for byte (matplotlib " in done.stdout, done.stdout + done.stderr
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "plots: 3 match byte for byte (matplotlib " in done.stdout, done.stdout
     byte_changed(results / "model_memory_h100_2026-11-24.svg")
     failed = tables("--check", root=tmp_path)
     assert failed.returncode == 1
