@@ -1,24 +1,47 @@
-"""Regenerate the measured tables of BENCHMARKS.md, README.md and benchmarks/results/README.md from the
-result files committed in benchmarks/results/ (stdlib only: no GPU, torch or Triton needed).
+"""Regenerate the measured tables of BENCHMARKS.md, README.md and benchmarks/results/README.md, and the plots
+beside them, from the result files committed in benchmarks/results/ (no GPU, torch or Triton needed; the
+tables need the stdlib only, drawing the plots needs matplotlib: the ``bench`` extra).
 
-    python scripts/bench_tables.py --check   # exit 1 and print a diff if a table differs from its files
-    python scripts/bench_tables.py --write   # rewrite every table from its files
+    python scripts/bench_tables.py --check   # exit 1 and print a diff if a table or plot differs from its files
+    python scripts/bench_tables.py --write   # rewrite every table and draw every plot from its files
 
 A table sits between two marker lines, ``<!-- table: NAME -->`` and ``<!-- /table -->``; everything between
 them is generated (a source line: device, date, the command that reproduces it and the result files,
-then the table). Text outside the markers is written by hand and left alone. Every number in a
-generated cell is read from a result file, or computed from numbers read there (ratios, percentages).
-A new result: commit the file under benchmarks/results/, point the table's entry in TABLES at it, run
-``--write``; the index in benchmarks/results/README.md follows.
+then the table, then the image line of its plot if it has one). Text outside the markers is written by hand
+and left alone. Every number in a generated cell or plot is read from a result file, or computed from
+numbers read there (ratios, percentages). A new result: commit the file under benchmarks/results/, point
+the table's entry in TABLES at it, run ``--write``; the index in benchmarks/results/README.md follows.
+
+Plots are SVG files in benchmarks/results/ beside the result files they are drawn from (never in docs/).
+SVG, not PNG: text that diffs and stays sharp at any zoom, and no rasterization (anti-aliasing, FreeType's
+hinting), which is what changes a PNG's bytes most often between releases; glyphs are written as paths, so
+the file looks the same in every browser without the font. A plot is computed in two steps: its spec (every
+number, label and title it shows, from the result files, stdlib only) and the drawing of that spec
+(:func:`draw`, styling only). The drawing is deterministic for one matplotlib: no date in the file, ids from
+a fixed ``svg.hashsalt``, matplotlib's own defaults (no matplotlibrc of the machine), the DejaVu Sans that
+matplotlib ships. The SVG records the spec (as JSON, ``<dc:description>``) and the renderer that drew it
+(``matplotlib X, FreeType Y``, ``<dc:creator>``: the one version string in the file, kept on purpose).
+
+The check of a plot, so that it is byte for byte and yet does not fail because CI installed a newer
+matplotlib (the ``bench`` extra sets only a lower bound) that draws a byte differently:
+
+* the spec recorded in the file must equal the spec computed from the result files, always (with or
+  without matplotlib): a changed result, label or title fails with a diff of the spec;
+* where this interpreter's renderer is the one recorded in the file, the file must equal a fresh drawing
+  byte for byte (a change of the drawing code, or a nondeterministic drawing, fails);
+* under another renderer (or without matplotlib) the bytes are not compared, and the closing line says so
+  (``N by their data only``); ``--write`` draws them again with the renderer at hand.
 """
 import argparse
 import ast
 import difflib
+import io
 import json
 import os
 import re
 import sys
 import textwrap
+import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -147,17 +170,23 @@ class Table:
     that reproduces it, the heading of BENCHMARKS.md's section that shows it (the index links it), and
     the function that renders it."""
 
-    def __init__(self, name, files, command, section, render, device=None, extra_files=None, source=None):
+    def __init__(self, name, files, command, section, render, device=None, extra_files=None, source=None,
+                 plot=None, document="BENCHMARKS.md"):
         self.name, self.files, self.command, self.section = name, files, command, section
-        self.render, self.device = render, device
+        self.render, self.device, self.plot, self.document = render, device, plot, document
         # cited by the text around the table, not read by the generator: {name: its command, None: the table's}
         self.extra_files = dict(extra_files or {})
         self.source = source or (lambda results, document: source_line(results, document, self.files,
                                                                        self.command, self.device))
 
     def text(self, results, document):
-        body = self.render(results, *self.files)
-        return self.source(results, document) + "\n" + body + "\n"
+        """The source line, the table (if it has one), the plot's image line (if it has one)."""
+        parts = [self.source(results, document)]
+        if self.render is not None:
+            parts.append(self.render(results, *self.files) + "\n")
+        if self.plot is not None:
+            parts.append(self.plot.image(document) + "\n")
+        return "\n".join(parts)
 
 
 LIGER_CUTE = "liger ppo (CuTe sm90)"
@@ -197,6 +226,21 @@ def render_varying_n(results, cold, warm):
 
 
 PEER_SHAPES = ([16384, 3584, 152064],)  # of the four the run measured
+PEER_ERROR_IMPLS = ("torch eager", "liger (CE only)", "cce (CE only)")  # README's "torch eager, Liger, CCE"
+
+
+def max_err_range(data, impl):
+    """(smallest, largest) max |Δlog p| of ``impl`` over the run's shapes (those it ran at)."""
+    errors = [s["impls"][impl]["max_err"] for s in data["shapes"] if "max_err" in s["impls"].get(impl, {})]
+    return min(errors), max(errors)
+
+
+def max_err_cell(data, impl, here):
+    """'this shape's error (range over the run's shapes[; n of m shapes])'."""
+    low, high = max_err_range(data, impl)
+    ran = sum("max_err" in s["impls"].get(impl, {}) for s in data["shapes"])
+    some = "" if ran == len(data["shapes"]) else f"; {ran} of {len(data['shapes'])} shapes"
+    return f"{sci(here)} ({sci(low)} to {sci(high)}{some})"
 
 
 def render_head_vs_peers(results, h100, h200):
@@ -216,12 +260,12 @@ def render_head_vs_peers(results, h100, h200):
             else:
                 cells = [fixed(a["fwd_x_mm"]), fixed(a["fwd_bwd_x_mm"]),
                          fixed(b["fwd_x_mm"]) if "fwd_x_mm" in b else "", fixed(b["fwd_bwd_x_mm"]) if b else "",
-                         fixed(a["fwd_bwd_extra_gb"]), sci(a["max_err"])]
+                         fixed(a["fwd_bwd_extra_gb"]), max_err_cell(runs[0], impl, a["max_err"])]
             ours = impl == "rl_kernels"
             rows.append([shape_text(entry["shape"]) if j == 0 else "", bold(PEER_NAMES[impl], ours)]
                         + [bold(c, ours and c != "") for c in cells])
     return table(["N × H × V", "impl", "H100 fwd ×mm", "H100 fwd+bwd ×mm", "H200 fwd ×mm", "H200 fwd+bwd ×mm",
-                  "H100 extra GB fwd+bwd", "max \\|Δlog p\\|"], rows)
+                  "H100 extra GB fwd+bwd", "max \\|Δlog p\\| (range over the run's shapes)"], rows)
 
 
 def render_logits(results, *names):
@@ -302,6 +346,8 @@ def render_small_calls(results, name):
 
 MODELS = {"qwen2.5-0.5b": "Qwen2.5-0.5B", "gemma2-2b": "Gemma-2-2B shape (256k vocabulary)",
           "qwen2.5-7b": "Qwen2.5-7B", "llama3.1-8b": "Llama-3.1-8B"}
+SHORT_MODELS = {"qwen2.5-0.5b": "Qwen2.5-0.5B", "gemma2-2b": "Gemma-2-2B shape\n(256k vocabulary)",
+                "qwen2.5-7b": "Qwen2.5-7B", "llama3.1-8b": "Llama-3.1-8B"}  # the plots' labels
 VARIANTS = ("verl logits", "verl fused torch", "verl fused triton", "fused rl_kernels", "logits + rl_kernels")
 
 
@@ -439,8 +485,7 @@ def render_readme_gain(results, peers_liger, peers_all, varying_warm, model_reru
     speed = {v: small[v]["at_16384"]["tokens_per_s"] for v in VARIANTS}
     cold = results.json(peers_liger)["varying_n"]["impls"]
     warm = results.json(varying_warm)["varying_n"]["impls"]
-    peer_err = [v["max_err"] for s in results.json(peers_all)["shapes"] for k, v in s["impls"].items()
-                if k in ("torch eager", "liger (CE only)", "cce (CE only)") and "max_err" in v]
+    peer_err = [e for impl in PEER_ERROR_IMPLS for e in max_err_range(results.json(peers_all), impl)]
     ours_err = [s["impls"]["rl_kernels"][k] for s in cute["shapes"] for k in ("max_err", "max_ent_err")]
     rows_d = {r["variant"]: r for r in results.json(distill)["rows"]}
     q7, l8 = largest["qwen2.5-7b"], largest["llama3.1-8b"]
@@ -463,7 +508,8 @@ def render_readme_gain(results, peers_liger, peers_all, varying_warm, model_reru
          f"**{sig3(sum(warm['rl_kernels']['first_s']))} s** (Triton cache warm), "
          f"{sig3(sum(cold['rl_kernels']['first_s']))} s (cold)"],
         ["log-prob error vs float64, same bf16 inputs",
-         f"torch eager, Liger, CCE: {sci(min(peer_err))} to {sci(max(peer_err))} (bf16 logits); "
+         f"torch eager, Liger, CCE over the peers' shapes: {sci(min(peer_err))} to {sci(max(peer_err))} "
+         f"(bf16 logits); "
          f"Liger CuTe {sci(big[LIGER_CUTE]['max_err'])}, entropy in bf16 ({sci(big[LIGER_CUTE]['max_ent_err'])})",
          f"**{sci(min(ours_err))} to {sci(max(ours_err))}** (float32 logits; log-probs and entropy)"],
         ["verl's top-K distillation loss, 4096 × 152064, K = 64 (H100)",
@@ -481,6 +527,219 @@ def readme_gain_source(results, document):
                 f" (device, date and command there) and its result file in [{RESULTS}/]({RESULTS}/README.md).")
 
 
+# ----------------------------------------------------------------------------- the plots
+# A plot is drawn in two steps: its spec (a JSON-able dict: every number, label and title the figure shows,
+# computed from the result files with the stdlib alone) and the drawing of that spec with matplotlib
+# (``draw``: styling only, no number of its own). The SVG keeps the spec, as indented JSON, in its
+# ``<dc:description>`` and the renderer that drew it in ``<dc:creator>`` (see the module docstring).
+PLOT_RC = {"font.family": "DejaVu Sans", "font.size": 8.5, "svg.fonttype": "path", "svg.hashsalt": "rl-kernels",
+           "axes.spines.top": False, "axes.spines.right": False, "axes.axisbelow": True, "axes.grid": True,
+           "axes.grid.axis": "y", "grid.alpha": 0.35, "axes.titlesize": 9, "legend.frameon": False}
+VARIANT_NAMES = {"verl logits": "verl default (logits)", "verl fused torch": "verl fused torch",
+                 "verl fused triton": "verl fused triton", "fused rl_kernels": "fused rl_kernels",
+                 "logits + rl_kernels": "logits + rl_kernels"}
+VARIANT_COLORS = {"verl default (logits)": "#4d4d4d", "verl fused torch": "#9ecae1", "verl fused triton": "#4292c6",
+                  "fused rl_kernels": "#d94801", "logits + rl_kernels": "#fdae6b"}
+SVG_NS = {"dc": "http://purl.org/dc/elements/1.1/", "cc": "http://creativecommons.org/ns#"}
+DRAWN_BY = ", drawn by scripts/bench_tables.py"
+
+
+def renderer():
+    """'matplotlib X, FreeType Y' of this interpreter, or None where matplotlib is not importable."""
+    try:
+        import matplotlib
+        from matplotlib import ft2font
+    except ImportError:
+        return None
+    return f"matplotlib {matplotlib.__version__}, FreeType {ft2font.__freetype_version__}"
+
+
+class Plot:
+    """One generated SVG under benchmarks/results/: its file name, the function that computes its spec from
+    the table's result files, and the image's alt text."""
+
+    def __init__(self, file, spec, alt):
+        self.file, self.spec, self.alt = file, spec, alt
+
+    def image(self, document):
+        target = os.path.relpath(ROOT / RESULTS / self.file, (ROOT / document).parent)
+        return f"![{self.alt}]({target})"
+
+
+def spec_text(spec):
+    return json.dumps(spec, indent=1, ensure_ascii=False) + "\n"
+
+
+def recorded(svg):
+    """(renderer, spec text) that an SVG of ours records, or None where it records none (or is no SVG)."""
+    try:
+        root = ElementTree.fromstring(svg)
+    except ElementTree.ParseError:
+        return None
+    creator = root.find(".//dc:creator/cc:Agent/dc:title", SVG_NS)
+    description = root.find(".//dc:description", SVG_NS)
+    if creator is None or description is None or not (creator.text or "").endswith(DRAWN_BY):
+        return None
+    return creator.text[: -len(DRAWN_BY)], description.text or ""
+
+
+def draw(spec):
+    """The SVG bytes of a spec. Deterministic for one renderer: no date (metadata Date=None), ids from a
+    fixed salt (svg.hashsalt), matplotlib's own defaults (rcdefaults: no matplotlibrc of the machine), the
+    DejaVu Sans that matplotlib ships, glyphs as paths (no font needed to view it)."""
+    import matplotlib
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter
+    from matplotlib.transforms import blended_transform_factory
+
+    with matplotlib.rc_context():
+        matplotlib.rcdefaults()
+        matplotlib.rcParams.update(PLOT_RC)
+        fig = Figure(figsize=spec["size"], layout="constrained")
+        widths = [len(panel.get("groups") or "x") for panel in spec["panels"]]  # bar panels: by their groups
+        axes = fig.subplots(1, len(spec["panels"]), squeeze=False, sharey=bool(spec.get("sharey")),
+                            width_ratios=widths)[0]
+        for ax, panel in zip(axes, spec["panels"]):
+            if panel["kind"] == "bars":
+                groups = panel["groups"]
+                width = 0.84 / len(panel["series"])
+                for i, series in enumerate(panel["series"]):
+                    offset = (i - (len(panel["series"]) - 1) / 2) * width
+                    bars = ax.bar([g + offset for g in range(len(groups))], series["values"], width * 0.92,
+                                  label=series["label"], color=VARIANT_COLORS[series["label"]])
+                    texts = [t or "" for t in series.get("texts") or ()]
+                    if any(texts) and panel.get("texts_inside"):  # at the foot of each bar, read upwards
+                        color = VARIANT_COLORS[series["label"]]
+                        dark = sum(int(color[i:i + 2], 16) * w for i, w in ((1, 0.3), (3, 0.59), (5, 0.11))) < 140
+                        foot = blended_transform_factory(ax.transData, ax.transAxes)
+                        for bar, text in zip(bars, texts):
+                            ax.text(bar.get_x() + bar.get_width() / 2, 0.02, text, transform=foot, rotation=90,
+                                    ha="center", va="bottom", fontsize=6.5, color="white" if dark else "black")
+                    elif any(texts):
+                        ax.bar_label(bars, labels=texts, padding=1.5, fontsize=6.5,
+                                     rotation=90 if panel.get("vertical_texts") else 0)
+                ax.set_xticks(range(len(groups)), groups)
+                ax.margins(y=0.16)
+            else:  # measured points joined by a solid line, the largest micro-batch by a dotted one
+                for series in panel["series"]:
+                    ours = "rl_kernels" in series["label"]
+                    style = dict(color=VARIANT_COLORS[series["label"]], lw=2.0 if ours else 1.2,
+                                 zorder=3 if ours else 2)
+                    ax.plot(series["x"], series["y"], marker="o", markersize=3.5, label=series["label"], **style)
+                    ax.plot([series["x"][-1], series["largest_x"]], [series["y"][-1], series["largest_y"]], ls=":",
+                            **style)
+                    ax.plot([series["largest_x"]], [series["largest_y"]], marker="*", markersize=8, **style)
+                ax.set_xscale("log", base=2)
+                ax.set_xticks(panel["xticks"], [f"{x // 1024}k" for x in panel["xticks"]])
+                ax.set_ylim(bottom=0)
+                ax.grid(True, axis="x", alpha=0.35)
+            if panel.get("hline") is not None:
+                ax.axhline(panel["hline"], color="#4d4d4d", lw=0.8, ls="--", zorder=1)
+            digits = panel.get("ydigits", 0)
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _, digits=digits: f"{v:,.{digits}f}"))
+            ax.set_title(panel["title"])
+            ax.set_xlabel(panel["xlabel"])
+            ax.set_ylabel(panel["ylabel"])
+        fig.suptitle(spec["title"], fontsize=9.5)
+        handles, labels = axes[0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="outside lower center", ncols=len(labels), fontsize=8,
+                   title=spec.get("note"), title_fontsize=7.5)
+        out = io.BytesIO()
+        fig.savefig(out, format="svg", metadata={"Title": spec["title"], "Date": None,
+                                                  "Creator": renderer() + DRAWN_BY, "Description": spec_text(spec)})
+    return out.getvalue()
+
+
+def plot_head(results, name, what):
+    meta = results.meta(name)
+    return f"verl actor step, {what}: {meta['device']}, {meta['date']}"
+
+
+def bar_series(by, models, value, text=None):
+    """One bar series per variant over ``models``: value(row) and text(row, row of verl's default)."""
+    return [{"label": VARIANT_NAMES[v], "values": [value(by[m][v]) for m in models],
+             "texts": [text(by[m][v], by[m]["verl logits"]) if text else None for m in models]} for v in VARIANTS]
+
+
+def speed_panel(by, at, texts):
+    models = list(by)
+    ratio = lambda r, base: r[at]["tokens_per_s"] / base[at]["tokens_per_s"]  # noqa: E731
+    series = bar_series(by, models, lambda r: ratio(r, by[r["model"]]["verl logits"]),
+                        (lambda r, base: thousands(r[at]["tokens_per_s"])) if texts == "all" else
+                        (lambda r, base: f"{fixed(ratio(r, base))}×" if "rl_kernels" in r["variant"] else None))
+    return {"kind": "bars", "title": f"tokens/s at {tokens(int(at[3:]))} tokens per micro-batch",
+            "xlabel": "", "ylabel": "tokens/s ÷ verl default's", "groups": [SHORT_MODELS[m] for m in models],
+            "series": series, "hline": 1.0, "ydigits": 1, "vertical_texts": True, "texts_inside": texts == "all"}
+
+
+def largest_rows(results, names):
+    by = {}
+    for name in names:
+        by.update(by_model(results.json(name)["rows"]))
+    return by
+
+
+def spec_model_gain(results, speed_name, *largest_names):
+    """README: the largest micro-batch per model (the model_largest table's files) and tokens/s at 16k
+    relative to verl's default (the model_tokens table's file)."""
+    by = largest_rows(results, largest_names)
+    models = list(by)
+    largest = {"kind": "bars", "title": "largest micro-batch that fits (memory)", "xlabel": "",
+               "ylabel": "tokens per micro-batch", "groups": [SHORT_MODELS[m] for m in models],
+               "series": bar_series(by, models, lambda r: r["largest_tokens"],
+                                    lambda r, base: (f"{r['largest_tokens'] / base['largest_tokens']:.1f}×"
+                                                     if r["variant"] == "fused rl_kernels" else None))}
+    speed = speed_panel(by_model(results.json(speed_name)["rows"]), "at_16384", texts="ours")
+    return {"title": plot_head(results, speed_name, "per model size (× verl default on the bars)"),
+            "size": [9.6, 3.4], "panels": [largest, speed],
+            "note": "Qwen2.5-0.5B: 262,144 tokens was the search's limit; Gemma-2-2B shape: verl's fused backends "
+                    "skip its soft cap (wrong log-probs). Tables: BENCHMARKS.md, Model level."}
+
+
+def spec_model_tokens(results, name):
+    """BENCHMARKS' model_tokens table as bars: tokens/s at each timed micro-batch, relative to verl's default."""
+    by = by_model(results.json(name)["rows"])
+    ats = sorted({k for rows in by.values() for r in rows.values() for k in r if k.startswith("at_")},
+                 key=lambda k: int(k[3:]))
+    return {"title": plot_head(results, name, "tokens/s per model and micro-batch (tokens/s on the bars)"),
+            "size": [9.6, 3.5], "panels": [speed_panel(by, at, texts="all") for at in ats], "sharey": True,
+            "note": None}
+
+
+def spec_model_memory(results, *names):
+    """BENCHMARKS' model_largest table as lines: peak memory against micro-batch tokens per model, the timed
+    points and the largest micro-batch that fits."""
+    by = largest_rows(results, names)
+    panels = []
+    for model, rows in by.items():
+        series = []
+        for variant in VARIANTS:
+            r = rows[variant]
+            points = sorted((int(k[3:]), v["peak_gb"]) for k, v in r.items()
+                            if k.startswith("at_") and k != "at_largest")
+            series.append({"label": VARIANT_NAMES[variant], "x": [p[0] for p in points], "y": [p[1] for p in points],
+                           "largest_x": r["largest_tokens"], "largest_y": r["at_largest"]["peak_gb"]})
+        top = max(s["largest_x"] for s in series)
+        ticks = [8192 * 2 ** i for i in range(12) if 8192 * 2 ** i <= top * 1.05]
+        ylabel = "" if panels else "peak GPU memory allocated, GiB"
+        panels.append({"kind": "lines", "title": SHORT_MODELS[model].replace("\n", " "),
+                       "xlabel": "micro-batch, tokens", "ylabel": ylabel, "xticks": ticks, "series": series})
+    return {"title": plot_head(results, names[0], "peak memory against micro-batch size"),
+            "size": [9.6, 3.4], "panels": panels, "sharey": True,
+            "note": "●: timed micro-batches; ★: the largest that fits (Qwen2.5-0.5B fused: 262,144 tokens, the "
+                    "search's limit); k = 1,024 tokens\nverl's fused torch / triton lie under fused rl_kernels "
+                    "(the same memory)"}
+
+
+def readme_plot_source(results, document):
+    meta = results.meta(README_PLOT_FILES[0])
+    return wrap(f"Per model size, a verl actor step ({meta['device']}, {meta['date']}): the model-level tables of "
+                f"[BENCHMARKS.md](BENCHMARKS.md#model-level-a-verl-actor-step), drawn from their result files by "
+                f"`python scripts/bench_tables.py --write`.")
+
+
+README_PLOT_FILES = ["model_bench_h100_2026-11-24_rerun.json", "model_bench_h100_2026-11-24_small.json",
+                     "model_bench_h100_2026-11-24_7b.json", "model_bench_h100_2026-11-24_8b.json"]
 README_GAIN_FILES = ["bench_h100_2026-11-26b_liger_cute.json", "bench_h100_2026-11-24b.json",
                      "bench_h100_2026-11-26_liger_cute.json", "model_bench_h100_2026-11-24_rerun.json",
                      "model_bench_h100_2026-11-24_7b.json", "model_bench_h100_2026-11-24_8b.json",
@@ -507,11 +766,17 @@ TABLES = [
           "Small calls: eager, CUDA graph, compiled", render_small_calls),
     Table("model_tokens", ["model_bench_h100_2026-11-24_rerun.json"],
           "python scripts/model_bench.py --models MODEL --steps 5 --warmup 2 --json PATH",
-          "Model level: a verl actor step", render_model_tokens),
+          "Model level: a verl actor step", render_model_tokens,
+          plot=Plot("model_tokens_h100_2026-11-24.svg", spec_model_tokens,
+                    "Bars: a verl actor step's tokens/s per model at 8k and 16k tokens, each path relative to "
+                    "verl's default")),
     Table("model_largest", ["model_bench_h100_2026-11-24_small.json", "model_bench_h100_2026-11-24_7b.json",
                             "model_bench_h100_2026-11-24_8b.json"],
           "python scripts/model_bench.py --models MODEL ... --search --json PATH",
-          "Model level: a verl actor step", render_model_largest),
+          "Model level: a verl actor step", render_model_largest,
+          plot=Plot("model_memory_h100_2026-11-24.svg", spec_model_memory,
+                    "Lines: a verl actor step's peak GPU memory against micro-batch tokens per model, each path's "
+                    "line ending at its largest micro-batch")),
     Table("model_fsdp", ["model_bench_fsdp_h200x2_2026-11-24.json"],
           "torchrun --nproc_per_node 2 scripts/model_bench.py --fsdp --models qwen2.5-7b --tokens 8192 16384 "
           "--steps 5 --search --json PATH", "Model level: a verl actor step", render_model_fsdp),
@@ -535,27 +800,34 @@ TABLES = [
           "Distillation: fused linear JSD", render_jsd),
     Table("readme_gain", README_GAIN_FILES, "python scripts/bench_tables.py --write", "README: what you gain",
           render_readme_gain, source=readme_gain_source),
+    Table("readme_model_plot", README_PLOT_FILES, "python scripts/bench_tables.py --write", "What you gain", None,
+          source=readme_plot_source, document="README.md",
+          plot=Plot("model_gain_h100_2026-11-24.svg", spec_model_gain,
+                    "Bars: the largest micro-batch and the tokens/s at 16k tokens of a verl actor step per model "
+                    "size, verl's paths and rl-kernels'")),
 ]
 
 
 def render_index(results, document):
     """benchmarks/results/README.md's index: every file, the tables that read or cite it, device, date, command."""
-    cited, commands = {}, {}
+    cited, commands, drawn_from = {}, {}, {}
     for t in TABLES:
-        if t.name == "readme_gain":
+        if t.plot is not None:  # a plot: the device and date of the first file it is drawn from
+            cited.setdefault(t.plot.file, []).append(t)
+            commands[t.plot.file] = "python scripts/bench_tables.py --write"
+            drawn_from[t.plot.file] = t.files[0]
+        if t.document == "README.md" or t.name == "readme_gain":  # its files are in BENCHMARKS' tables
             continue
         for name in list(t.files) + list(t.extra_files):
             cited.setdefault(name, []).append(t)
             commands.setdefault(name, t.extra_files.get(name) or t.command)
     rows = []
     for name in sorted(cited):
-        meta = results.meta(name)
-        tables = cited[name]
-        sections = dict.fromkeys(t.section for t in tables)
-        target = os.path.relpath(ROOT / "BENCHMARKS.md", (ROOT / document).parent)
-        rows.append([link(name, document), "; ".join(f"[{s}]({target}#{slug(s)})" for s in sections),
-                     meta["device"], meta["date"], f"`{commands[name]}`"])
-    return table(["file", "BENCHMARKS.md section", "device", "date", "command"], rows) + "\n"
+        meta = results.meta(drawn_from.get(name, name))
+        sections = dict.fromkeys((t.document, t.section) for t in cited[name])
+        links = [f"[{s}]({os.path.relpath(ROOT / d, (ROOT / document).parent)}#{slug(s)})" for d, s in sections]
+        rows.append([link(name, document), "; ".join(links), meta["device"], meta["date"], f"`{commands[name]}`"])
+    return table(["file", "section", "device", "date", "command"], rows) + "\n"
 
 
 def generate(root: Path):
@@ -587,6 +859,36 @@ def generate(root: Path):
     return out
 
 
+def plot_specs(root: Path):
+    """[(plot, its path, its bytes or None, its spec from the result files)] for every table's plot."""
+    results = Results(root)
+    out = []
+    for t in TABLES:
+        if t.plot is not None:
+            path = root / RESULTS / t.plot.file
+            out.append((t.plot, path, path.read_bytes() if path.is_file() else None, t.plot.spec(results, *t.files)))
+    return out
+
+
+def check_plot(plot, old, spec, here):
+    """(what is wrong or None, the renderer that drew it when only its data could be compared, else None)."""
+    name = f"{RESULTS}/{plot.file}"
+    got = recorded(old) if old is not None else None
+    if got is None:
+        return f"{name}: {'missing' if old is None else 'records no spec of this script (not drawn by it)'}", None
+    by, text = got
+    if text != spec_text(spec):
+        diff = difflib.unified_diff(text.splitlines(True), spec_text(spec).splitlines(True),
+                                    f"{name} (its data)", f"{name} (from the result files)")
+        sys.stdout.writelines(diff)
+        return f"{name}: the data it shows differ from the result files", None
+    if here is not None and by == here:
+        if draw(spec) != old:
+            return f"{name}: differs from a fresh drawing by the same renderer ({here})", None
+        return None, None
+    return None, by
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -597,23 +899,45 @@ def main(argv=None):
     args = ap.parse_args(argv)
     try:
         documents = generate(args.root)
+        drawn = plot_specs(args.root)
     except (ResultError, KeyError, ValueError) as exc:
         print(f"bench_tables: {exc}", file=sys.stderr)
         return 1
+    here = renderer()
     stale = [(doc, old, new) for doc, (old, new) in documents.items() if old != new]
     if args.write:
+        if here is None and drawn:
+            print("bench_tables: --write draws the plots with matplotlib, which is not importable here "
+                  "(pip install -e '.[bench]')", file=sys.stderr)
+            return 1
         for doc, _, new in stale:
             (args.root / doc).write_text(new)
             print(f"rewrote the tables of {doc}")
+        for plot, path, old, spec in drawn:
+            new = draw(spec)
+            if new != old:
+                path.write_bytes(new)
+                print(f"drew {RESULTS}/{plot.file} ({here})")
         return 0
     for doc, old, new in stale:
         diff = difflib.unified_diff(old.splitlines(True), new.splitlines(True), doc, f"{doc} (generated)")
         sys.stdout.writelines(diff)
-    if stale:
-        print(f"bench_tables: {len(stale)} document(s) differ from the result files; "
+    wrong, data_only = [], []
+    for plot, _, old, spec in drawn:
+        problem, by = check_plot(plot, old, spec, here)
+        wrong += [problem] if problem else []
+        data_only += [by] if by else []
+    for problem in wrong:
+        print(f"bench_tables: {problem}", file=sys.stderr)
+    if stale or wrong:
+        print(f"bench_tables: {len(stale)} document(s) and {len(wrong)} plot(s) differ from the result files; "
               "python scripts/bench_tables.py --write rewrites them", file=sys.stderr)
         return 1
-    print(f"tables match the result files in {RESULTS}/ ({', '.join(documents)})")
+    plots = f"plots: {len(drawn) - len(data_only)} match byte for byte ({here or 'no matplotlib here'})"
+    if data_only:
+        plots += (f", {len(data_only)} by their data only (drawn by {'; '.join(sorted(set(data_only)))}: the bytes "
+                  f"are compared under the renderer that drew them)")
+    print(f"tables match the result files in {RESULTS}/ ({', '.join(documents)}); {plots}")
     return 0
 
 

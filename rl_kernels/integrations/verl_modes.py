@@ -13,8 +13,10 @@ the student's log-probs at the teacher's ids and ``log q_tail``, the student's l
 computed directly (no ``1 - Q`` cancellation) by :func:`rl_kernels.topk_log_probs_from_logits` /
 :func:`rl_kernels.distill.linear_log_probs_at_ids` with ``return_tail=True``, and the KL by
 :func:`rl_kernels.distill.topk_kl_per_token`. As in verl PR #7855, the mode takes no per-entry
-clamp: ``distillation.distillation_loss.log_prob_min_clamp=null`` (verl's default, -10, is refused
-with a ValueError at the first micro-batch; a clamped tail bucket is no longer a distribution).
+clamp: ``distillation.distillation_loss.log_prob_min_clamp=null``, verl's composed default (its
+``distillation.yaml``, 0.8.0 and 0.9.1); a clamp set there, or the -10 that ``DistillationLossConfig``
+defaults to when built in Python, is refused with a ValueError at the first micro-batch (a clamped tail
+bucket is no longer a distribution).
 
 Registration (:func:`register`): verl validates ``loss_mode`` when it builds a
 ``DistillationLossConfig`` (its ``__post_init__`` calls ``get_distillation_loss_settings``,
