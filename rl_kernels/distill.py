@@ -11,8 +11,6 @@ How they are computed: docs/design.md, section "Distillation".
 """
 from __future__ import annotations
 
-import numbers
-
 import torch
 
 from .autograd.common import split_temperature
@@ -23,8 +21,8 @@ from .autograd.vocab_parallel import parallel_params
 from .backends import get_backend
 from .validation import (FLOAT_DTYPES, check_bool_arg, check_choice, check_dtype, check_head_inputs,
                          check_hidden_weight, check_no_grad, check_same_device, check_softcap, check_temperature,
-                         check_tensor_arg, check_token_id_values, check_token_ids, describe, public_signature,
-                         raise_extra_positional)
+                         check_tensor_arg, check_token_id_values, check_token_ids, check_unit_interval, describe,
+                         public_signature, raise_extra_positional)
 
 __all__ = ["linear_topk_kl", "linear_jsd"]  # the public names (rl_kernels/__init__.py exports them)
 
@@ -395,8 +393,7 @@ def linear_jsd(
     """
     if extra_positional:  # a keyword-only argument given by position
         raise_extra_positional(linear_jsd, extra_positional)
-    if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not 0.0 <= float(beta) <= 1.0:
-        raise ValueError(f"beta: expected a Python number in [0, 1], got {beta!r}")
+    beta = check_unit_interval("beta", beta)
     check_choice("reduction", reduction, REDUCTIONS)
     t = check_temperature(temperature)
     check_hidden_weight(student_hidden, student_weight, "student_hidden", "student_weight", min_dim=2)

@@ -24,7 +24,7 @@ from .backends import get_backend
 from .autograd.positions import checked_positions
 from .distill import KINDS, REDUCTIONS as LOSS_REDUCTIONS, _check_teacher, topk_kl_loss
 from .validation import (check_bool_arg, check_choice, check_labels, check_logits, check_temperature,
-                         check_token_ids, describe, public_signature, raise_extra_positional)
+                         check_token_ids, check_unit_interval, describe, public_signature, raise_extra_positional)
 
 __all__ = ["LogitsStats", "logits_stats", "log_probs_from_logits", "entropy_from_logits", "logsumexp",
            "sum_pi_squared_from_logits", "cross_entropy", "topk_log_probs_from_logits",
@@ -345,9 +345,7 @@ def cross_entropy(
     if labels is None:
         raise TypeError("labels: expected a torch.Tensor of class indices, got None")
     check_choice("reduction", reduction, REDUCTIONS)
-    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) \
-            or not 0.0 <= float(label_smoothing) <= 1.0:
-        raise ValueError(f"label_smoothing: expected a float in [0, 1], got {label_smoothing!r}")
+    check_unit_interval("label_smoothing", label_smoothing)
     if isinstance(logits, torch.Tensor) and logits.dim() != 2:
         raise ValueError(f"logits: expected 2-D (N, vocab_size), got {describe(logits)}")
     eps = float(label_smoothing)

@@ -273,6 +273,16 @@ def check_float_arg(name: str, value, minimum: float = 0.0, inclusive: bool = Tr
     return f
 
 
+def check_unit_interval(name: str, value) -> float:
+    """``value`` as a float in [0, 1]; TypeError unless it is a Python number (bool rejected),
+    ValueError outside [0, 1] (NaN included), both naming ``name`` (``beta``, ``label_smoothing``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a Python number in [0, 1], got {_got(value)}")
+    if not 0.0 <= float(value) <= 1.0:
+        raise ValueError(f"{name}: expected a Python number in [0, 1], got {value!r}")
+    return float(value)
+
+
 def check_path_arg(name: str, value) -> str:
     """A non-empty str / os.PathLike as a str; TypeError / ValueError naming ``name``."""
     if not isinstance(value, (str, os.PathLike)):

@@ -689,3 +689,14 @@ def test_a_bad_label_found_by_a_cpu_kernel_is_raised_by_that_call_saying_so(name
     with pytest.raises(ValueError, match="this error comes from the next rl_kernels call or backward"):
         call(labels)
     assert label_word()[0] == 0
+
+
+def test_a_fraction_of_the_wrong_type_is_a_type_error():
+    """``beta`` and ``label_smoothing``, numbers in [0, 1]: a str or a bool is a TypeError (it was a
+    ValueError), a number outside [0, 1] a ValueError."""
+    hidden, weight, labels = make_inputs(3, 8, 10, torch.float32, seed=28)
+    for bad, error in (("0.5", TypeError), (True, TypeError), (1.5, ValueError), (math.nan, ValueError)):
+        with pytest.raises(error, match=r"beta: expected a Python number in \[0, 1\], got"):
+            linear_jsd(hidden, weight, hidden * 0.5, weight, beta=bad, backend="torch")
+        with pytest.raises(error, match=r"label_smoothing: expected a Python number in \[0, 1\], got"):
+            cross_entropy(hidden @ weight.T, labels, label_smoothing=bad, backend="torch")
