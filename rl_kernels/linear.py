@@ -130,8 +130,9 @@ def linear_topk(
     in float64.
 
     Args:
-        hidden_states: (..., H) bfloat16, float16 or float32, any strides, H >= 1. No gradient (may require grad).
-        weight: (V, H) lm_head weight, same dtype and device. No gradient (may require grad: no output has one).
+        hidden_states: (..., H) bfloat16, float16 or float32, any strides, H >= 1. No gradient (none of the
+            outputs has one), so it may require grad.
+        weight: (V, H) lm_head weight, same dtype and device. No gradient, so it may require grad.
         temperature: a Python number in [2.9e-39, 8.5e37] (1 / T a normal float32), or a float
             tensor of such values shaped ``hidden_states.shape[:-1]`` (one per row). Scales the log-probs only.
         softcap: None (no cap) or a positive Python number c: z_v = c tanh((h . w_v) / c) / T (the Gemma 2 cap),
