@@ -11,19 +11,17 @@ How they are computed: docs/design.md, section "Distillation".
 """
 from __future__ import annotations
 
-import numbers
-
 import torch
 
 from .autograd.common import split_temperature
 from .autograd.linear_jsd import FAMILY as JSD_FAMILY, JSDParams
 from .autograd.linear import HeadParams, linear_head
-from .autograd.positions import check_tail_teacher, check_teacher_log_probs, checked_positions
+from .autograd.positions import check_tail_teacher, checked_positions
 from .autograd.vocab_parallel import parallel_params
 from .backends import get_backend
-from .validation import (FLOAT_DTYPES, LABEL_DTYPES, check_bool_arg, check_choice, check_head_inputs,
-                         check_hidden_weight, check_labels, check_mask, check_same_device, check_softcap,
-                         check_temperature, check_tensor_arg, check_token_id_values, check_token_ids, describe,
+from .validation import (FLOAT_DTYPES, check_bool_arg, check_choice, check_dtype, check_head_inputs,
+                         check_hidden_weight, check_no_grad, check_same_device, check_softcap, check_temperature,
+                         check_tensor_arg, check_token_id_values, check_token_ids, check_unit_interval, describe,
                          public_signature, raise_extra_positional)
 
 __all__ = ["linear_topk_kl", "linear_jsd"]  # the public names (rl_kernels/__init__.py exports them)
@@ -32,25 +30,21 @@ KINDS = ("forward", "reverse")
 REDUCTIONS = ("none", "sum", "mean", "batchmean")
 
 
-def _check_teacher(hidden_states, ids, teacher_log_probs, check_values: bool = True,
-                   like_name: str = "hidden_states") -> None:
-    """The top-K teacher: ids (..., K) int, log-probs of the same shape, float, on the student's
-    device (the log-probs' values read on the host unless ``check_values`` is False; the ids'
-    values are checked once the vocabulary is known). ``like_name``: the student tensor's name
-    (``hidden_states``, or ``logits`` for the from-logits loss), for the messages."""
-    check_tensor_arg("teacher_token_ids", ids)
+def _check_teacher(like, ids, teacher_log_probs, like_name: str = "hidden_states") -> None:
+    """The top-K teacher of the top-K KL losses: ``teacher_token_ids`` (..., K) int64/int32 with
+    ``like``'s leading shape (``like``: the student's hidden states or logits, named ``like_name``)
+    and K >= 1, ``teacher_log_probs`` of the same shape, bfloat16/float16/float32, not requiring
+    grad (the teacher is a fixed target); both on ``like``'s device. TypeError (type, dtype) /
+    ValueError (shape, device, requires grad) naming the argument. Their values are checked with the
+    positions (``autograd.positions.checked_positions``), once the vocabulary is known."""
+    check_token_ids("teacher_token_ids", ids, like, like_name)
     check_tensor_arg("teacher_log_probs", teacher_log_probs)
-    lead = tuple(hidden_states.shape[:-1])
-    if ids.dtype not in LABEL_DTYPES or ids.dim() != len(lead) + 1 or tuple(ids.shape[:-1]) != lead \
-            or ids.shape[-1] == 0:
-        raise ValueError(f"teacher_token_ids: expected {lead + ('K',)} int64/int32 with K >= 1, got {describe(ids)}")
-    if teacher_log_probs.dtype not in FLOAT_DTYPES or teacher_log_probs.shape != ids.shape:
-        raise ValueError(f"teacher_log_probs: expected shape {tuple(ids.shape)} (as teacher_token_ids), "
-                         f"float, got {describe(teacher_log_probs)}")
-    for name, t in (("teacher_token_ids", ids), ("teacher_log_probs", teacher_log_probs)):
-        check_same_device(name, t, hidden_states, like_name)
-    if check_values:
-        check_teacher_log_probs(teacher_log_probs)
+    check_dtype("teacher_log_probs", teacher_log_probs, FLOAT_DTYPES)
+    if teacher_log_probs.shape != ids.shape:
+        raise ValueError(f"teacher_log_probs: expected shape {tuple(ids.shape)} (as teacher_token_ids), got "
+                         f"{describe(teacher_log_probs)}")
+    check_same_device("teacher_log_probs", teacher_log_probs, like, like_name)
+    check_no_grad("teacher_log_probs", teacher_log_probs, "the teacher is a fixed target of the loss")
 
 
 @public_signature
@@ -85,13 +79,14 @@ def linear_topk_kl(
         hidden_states: (..., H) bfloat16, float16 or float32 (at least 2-D), H >= 1. Differentiable.
         weight: (V, H) student lm_head weight, same dtype and device. Differentiable.
         teacher_token_ids: (..., K) int64/int32 ids in [0, V), K >= 1. With ``tail``: distinct per position.
-        teacher_log_probs: (..., K) float, nats, at ``temperature`` already; no NaN or +inf; -inf: a slot of
-            probability 0 (adds 0 without ``tail``). No gradient. With ``tail``: sum_k p_k <= 1 + 1e-2.
+        teacher_log_probs: (..., K) bfloat16/float16/float32 nats at ``temperature`` already; no NaN or +inf; -inf:
+            a slot of probability 0 (adds 0 without ``tail``). Not requiring grad. With ``tail``: sum_k p_k <= 1 + 1e-2.
         temperature: a positive Python number in [2.9e-39, 8.5e37]; divides the student's logits.
         labels: None or (...) int64/int32 in [0, V) or ``ignore_index``; positions labelled ``ignore_index``
             do not count (0 loss, exactly zero gradient).
         ignore_index: int (negative with ``process_group``); see ``labels``.
-        mask: None or (...) bool or 0/1: positions at 0 do not count (with ``labels``: both must count them).
+        mask: None or (...) bool or 0/1, not requiring grad: positions at 0 do not count (with ``labels``: both
+            must count them).
         kind: 'forward' or 'reverse'.
         renormalize_teacher: bool; True: log-softmax the teacher over its K ids first (not with ``tail``).
         tail: bool; True: the tail-aware loss above.
@@ -124,7 +119,7 @@ def linear_topk_kl(
                          "ids sets its tail mass to 0, which the tail-aware KL would then fit)")
     t = check_temperature(temperature)
     check_hidden_weight(hidden_states, weight, min_dim=2)
-    _check_teacher(hidden_states, teacher_token_ids, teacher_log_probs, check_values=False)
+    _check_teacher(hidden_states, teacher_token_ids, teacher_log_probs)
     tp = parallel_params(process_group, vocab_start_index, reduce_hidden_grad, ignore_index, weight.shape[0],
                          hidden_states.device)
     # ids and labels are global with a group: checked against the whole vocabulary when known
@@ -318,7 +313,8 @@ def _reduce(per_token, valid, lead, reduction):
 
 def _check_teacher_head(student_hidden, student_weight, teacher_hidden, teacher_weight) -> None:
     """The teacher head of ``linear_jsd``: a valid (hidden, weight) pair with the student's
-    leading shape, dtype, device and vocabulary (its hidden size may differ)."""
+    leading shape, dtype, device and vocabulary (its hidden size may differ), neither requiring
+    grad (:func:`rl_kernels.validation.check_no_grad`)."""
     check_hidden_weight(teacher_hidden, teacher_weight, "teacher_hidden", "teacher_weight", min_dim=2)
     lead = tuple(student_hidden.shape[:-1])
     if tuple(teacher_hidden.shape[:-1]) != lead:
@@ -331,6 +327,10 @@ def _check_teacher_head(student_hidden, student_weight, teacher_hidden, teacher_
     if teacher_weight.shape[0] != student_weight.shape[0]:
         raise ValueError(f"teacher_weight: vocab_size {teacher_weight.shape[0]} differs from "
                          f"student_weight's {student_weight.shape[0]}; the heads must share a vocabulary")
+    check_no_grad("teacher_hidden", teacher_hidden, "linear_jsd's gradient reaches the student only",
+                  "compute it under torch.no_grad()")
+    check_no_grad("teacher_weight", teacher_weight, "linear_jsd's gradient reaches the student only",
+                  "freeze the teacher (teacher.requires_grad_(False))")
 
 
 @public_signature
@@ -363,14 +363,14 @@ def linear_jsd(
     Args:
         student_hidden: (..., Hs) bfloat16, float16 or float32 (at least 2-D), Hs >= 1. Differentiable.
         student_weight: (V, Hs), same dtype and device. Differentiable.
-        teacher_hidden: (..., Ht): the student's leading shape, dtype and device (Ht may differ). No gradient.
-        teacher_weight: (V, Ht): the student's V, dtype and device. No gradient.
+        teacher_hidden: (..., Ht): the student's leading shape, dtype and device (Ht may differ). Not requiring grad.
+        teacher_weight: (V, Ht): the student's V, dtype and device. Not requiring grad (e.g. a frozen teacher's).
         temperature: a positive Python number in [2.9e-39, 8.5e37]; divides both heads' logits.
         labels: None or int64/int32 of the leading shape, in [0, V) or ``ignore_index``; positions labelled
             ``ignore_index`` do not count (0 loss, exactly zero gradient, even when non-finite).
         ignore_index: int (negative with ``process_group``); see ``labels``.
-        mask: None or bool or 0/1 of the leading shape: positions at 0 do not count (with ``labels``: both must
-            count them).
+        mask: None or bool or 0/1 of the leading shape, not requiring grad: positions at 0 do not count (with
+            ``labels``: both must count them).
         beta: Python number in [0, 1], the teacher's weight in M.
         reduction: 'mean' (over the positions that count), 'sum', 'none' (the leading shape), 'batchmean'
             (sum / the size of the first dim).
@@ -393,8 +393,7 @@ def linear_jsd(
     """
     if extra_positional:  # a keyword-only argument given by position
         raise_extra_positional(linear_jsd, extra_positional)
-    if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not 0.0 <= float(beta) <= 1.0:
-        raise ValueError(f"beta: expected a Python number in [0, 1], got {beta!r}")
+    beta = check_unit_interval("beta", beta)
     check_choice("reduction", reduction, REDUCTIONS)
     t = check_temperature(temperature)
     check_hidden_weight(student_hidden, student_weight, "student_hidden", "student_weight", min_dim=2)

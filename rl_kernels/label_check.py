@@ -1,5 +1,6 @@
 """The deferred label check: label values checked inside the Triton kernels, without a host
-synchronisation, and reported as a ValueError at the next rl_kernels call or backward.
+synchronisation, and reported as a ValueError at the next rl_kernels call or backward (under the
+CPU interpreter, whose kernels have run before the call returns: by the call itself).
 
 A kernel that meets a label outside [0, vocab_size) that is not ``ignore_index`` makes that row's
 outputs NaN (never a finite wrong value) and writes its call's id into a process-wide flag word in
@@ -53,29 +54,39 @@ def deferred_label_check(labels: torch.Tensor, vocab_size: int, ignore_index: in
     return label_flag(labels.device), call_id
 
 
-def raise_label_errors() -> None:
+def raise_label_errors(this_call: int = 0) -> None:
     """Raise the ValueError of a bad label that a kernel has reported since the last check (see
-    :func:`deferred_label_check`); O(1), no host sync. The flag is cleared first."""
+    :func:`deferred_label_check`); O(1), no host sync. The flag is cleared first. ``this_call``:
+    the id of the call that is raising, when its own kernel has run already (the CPU interpreter:
+    :func:`raise_if_interpreted`); the message then says that this call found it, otherwise that
+    the error comes from a later call than the one given the label."""
     word = label_word()
     if word is None or not word[0]:
         return
     call_id = int(word[0])
     word[0] = 0
-    fn_name, shape, vocab_size, ignore_index, device = _label_calls.pop(
-        call_id, ("an earlier call", "?", "vocab_size", "ignore_index", "?"))
+    known = _label_calls.pop(call_id, None)
+    if known is None:  # (older than the calls kept)
+        what = ("labels: a value outside [0, vocab_size) that is not ignore_index was passed to an earlier "
+                "rl_kernels call.")
+    else:
+        fn_name, shape, vocab_size, ignore_index, device = known
+        what = (f"labels: a value outside [0, vocab_size={vocab_size}) that is not ignore_index={ignore_index} "
+                f"was passed to rl_kernels.{fn_name} (labels of shape {shape} on {device}).")
+    if call_id == this_call:
+        raise ValueError(f"{what} Its kernel found it during this call (on the CPU the Triton interpreter has run "
+                         f"the kernel before the call returns).")
     raise ValueError(
-        f"labels: a value outside [0, vocab_size={vocab_size}) that is not ignore_index={ignore_index} "
-        f"was passed to rl_kernels.{fn_name} (labels of shape {shape} on {device}). The kernel found "
-        f"it after that call returned, so this error comes from the next rl_kernels call or backward; "
-        f"the offending rows' log-probs (and their gradient) are NaN. Set "
+        f"{what} The kernel found it after that call returned, so this error comes from the next rl_kernels "
+        f"call or backward; the offending rows' log-probs (and their gradient) are NaN. Set "
         f"{SYNC_LABEL_CHECK_ENV}=1 to check on the host inside the call instead (one sync per call).")
 
 
 def raise_if_interpreted(label_check, device: torch.device) -> None:
     """After a launch with the deferred check: under the CPU interpreter the kernel has run
-    already, so raise its label error in this call (on CUDA the next call raises)."""
+    already, so raise its label error in this call, saying so (on CUDA the next call raises)."""
     if label_check is not None and device.type == "cpu":
-        raise_label_errors()
+        raise_label_errors(this_call=label_check[1])
 
 
 def checked_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int, fn_name: str,

@@ -56,7 +56,7 @@ def linear_log_probs(
         weight: (V, H) lm_head weight, same dtype and device. Differentiable.
         labels: int64/int32 of shape ``hidden_states.shape[:-1]``, each in [0, V) or ``ignore_index``.
         temperature: a Python number in [2.9e-39, 8.5e37] (1 / T a normal float32), or a float
-            tensor shaped like ``labels`` of such values (one per row, read once on the host; no gradient).
+            tensor shaped like ``labels`` of such values (one per row, read once on the host; not requiring grad).
         softcap: None (no cap) or a positive Python number c with 1 / c and c / T normal float32 numbers.
         ignore_index: int that fits the labels' dtype (negative with ``process_group``): the label of rows that
             get 0 for every output and contribute nothing to either gradient, even when non-finite.
@@ -109,7 +109,7 @@ def linear_log_probs(
 MAX_TOPK = 128  # the largest k of ``linear_topk`` (the kernel's candidate list lives in registers)
 
 
-@public_signature
+@public_signature(required=("k",))  # (k defaults to None only for a misplaced positional k's message)
 def linear_topk(
     hidden_states: torch.Tensor,
     weight: torch.Tensor,
@@ -130,8 +130,9 @@ def linear_topk(
     in float64.
 
     Args:
-        hidden_states: (..., H) bfloat16, float16 or float32, any strides, H >= 1. No gradient.
-        weight: (V, H) lm_head weight, same dtype and device. No gradient.
+        hidden_states: (..., H) bfloat16, float16 or float32, any strides, H >= 1. No gradient (none of the
+            outputs has one), so it may require grad.
+        weight: (V, H) lm_head weight, same dtype and device. No gradient, so it may require grad.
         temperature: a Python number in [2.9e-39, 8.5e37] (1 / T a normal float32), or a float
             tensor of such values shaped ``hidden_states.shape[:-1]`` (one per row). Scales the log-probs only.
         softcap: None (no cap) or a positive Python number c: z_v = c tanh((h . w_v) / c) / T (the Gemma 2 cap),
@@ -163,7 +164,10 @@ def linear_topk(
                         + ("None (k is required: linear_topk(hidden_states, weight, k=64))" if k is None
                            else type(k).__name__))
     rows = hidden_states.select(-1, 0)  # (the leading shape and device, for a per-row temperature)
-    temperature = check_temperature(temperature, rows, "hidden_states.shape[:-1]")
+    # (no output has a gradient: inputs that require grad are taken, and detached as the tensors below)
+    temperature = check_temperature(temperature, rows, "hidden_states.shape[:-1]", differentiable=False)
+    if isinstance(temperature, torch.Tensor):
+        temperature = temperature.detach()
     softcap = check_softcap(softcap, temperature)
     tp = parallel_params(process_group, vocab_start_index, False, -100, weight.shape[0], hidden_states.device)
     vocab_size = weight.shape[0] if tp is None else tp.vocab_size  # (None: a shard's total not known)

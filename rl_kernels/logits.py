@@ -24,7 +24,7 @@ from .backends import get_backend
 from .autograd.positions import checked_positions
 from .distill import KINDS, REDUCTIONS as LOSS_REDUCTIONS, _check_teacher, topk_kl_loss
 from .validation import (check_bool_arg, check_choice, check_labels, check_logits, check_temperature,
-                         check_token_ids, describe, public_signature, raise_extra_positional)
+                         check_token_ids, check_unit_interval, describe, public_signature, raise_extra_positional)
 
 __all__ = ["LogitsStats", "logits_stats", "log_probs_from_logits", "entropy_from_logits", "logsumexp",
            "sum_pi_squared_from_logits", "cross_entropy", "topk_log_probs_from_logits",
@@ -345,9 +345,7 @@ def cross_entropy(
     if labels is None:
         raise TypeError("labels: expected a torch.Tensor of class indices, got None")
     check_choice("reduction", reduction, REDUCTIONS)
-    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) \
-            or not 0.0 <= float(label_smoothing) <= 1.0:
-        raise ValueError(f"label_smoothing: expected a float in [0, 1], got {label_smoothing!r}")
+    check_unit_interval("label_smoothing", label_smoothing)
     if isinstance(logits, torch.Tensor) and logits.dim() != 2:
         raise ValueError(f"logits: expected 2-D (N, vocab_size), got {describe(logits)}")
     eps = float(label_smoothing)
@@ -448,13 +446,14 @@ def topk_kl_from_logits(
     Args:
         {logits} At least 2-D.
         teacher_token_ids: (..., K) int64/int32 ids in [0, V), K >= 1. With ``tail``: distinct per position.
-        teacher_log_probs: (..., K) float, nats, at ``temperature`` already; no NaN or +inf; -inf: a slot of
-            probability 0 (adds 0 without ``tail``). No gradient. With ``tail``: sum_k p_k <= 1 + 1e-2.
+        teacher_log_probs: (..., K) bfloat16/float16/float32 nats at ``temperature`` already; no NaN or +inf; -inf:
+            a slot of probability 0 (adds 0 without ``tail``). Not requiring grad. With ``tail``: sum_k p_k <= 1 + 1e-2.
         temperature: a positive Python number in [2.9e-39, 8.5e37] (1 / T a normal float32).
         labels: None or (...) int64/int32 in [0, V) or ``ignore_index``; positions labelled ``ignore_index``
             do not count (0 loss, exactly zero gradient).
         ignore_index: int (negative with ``process_group``); see ``labels``.
-        mask: None or (...) bool or 0/1: positions at 0 do not count (with ``labels``: both must count them).
+        mask: None or (...) bool or 0/1, not requiring grad: positions at 0 do not count (with ``labels``: both
+            must count them).
         kind: 'forward' or 'reverse'.
         renormalize_teacher: bool; True: log-softmax the teacher over its K ids first (not with ``tail``).
         tail: bool; True: the tail-aware loss above.
@@ -482,7 +481,7 @@ def topk_kl_from_logits(
     if logits.dim() < 2:
         raise ValueError(f"logits: expected shape (..., vocab_size) with at least one token dim (e.g. "
                          f"(N, vocab_size)), got {describe(logits)}")
-    _check_teacher(logits, teacher_token_ids, teacher_log_probs, check_values=False, like_name="logits")
+    _check_teacher(logits, teacher_token_ids, teacher_log_probs, like_name="logits")
     tp = parallel_params(process_group, vocab_start_index, False, ignore_index, logits.shape[-1], logits.device,
                          allow_reduce_hidden_grad=False)
     vocab_size, k = logits.shape[-1], teacher_token_ids.shape[-1]

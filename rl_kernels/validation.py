@@ -41,6 +41,32 @@ def _got(value) -> str:
     return f"{value!r} ({type(value).__name__})"
 
 
+def dtype_names(dtypes) -> str:
+    """``bfloat16, float16 or float32``: the names of ``dtypes`` (torch dtypes), for messages."""
+    names = [str(d).removeprefix("torch.") for d in dtypes]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+def check_dtype(name: str, t: torch.Tensor, dtypes, what: str = "") -> None:
+    """TypeError naming ``name`` unless ``t``'s dtype is one of ``dtypes``: the message lists them
+    (``what``: words after the list, e.g. " token ids") and describes ``t`` (the one rule of every
+    dtype check here)."""
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name}: expected {dtype_names(dtypes)}{what}, got {describe(t)}")
+
+
+def check_no_grad(name: str, t: torch.Tensor, why: str, fix: str = "") -> None:
+    """The one rule for a tensor that a function with a differentiable result does not
+    differentiate (a per-row ``temperature``, ``teacher_log_probs``, ``mask``, ``linear_jsd``'s
+    teacher head): ValueError naming ``name`` when it requires grad while grad mode is on, since the
+    gradient it asks for would not come; refused rather than silently detached (``why``: why no
+    gradient flows to it; ``fix``: another way out than ``.detach()``). Under ``torch.no_grad``
+    nothing asks for a gradient, and nothing is refused."""
+    if t.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"{name}: requires grad, but no gradient flows to it ({why}); pass {name}.detach()"
+                         + (f" or {fix}" if fix else ""))
+
+
 # ----------------------------------------------------------------------------- call shape
 # Tensors are positional, every other argument keyword-only (rl_kernels/__init__.py). A public
 # function catches extra positional arguments in a trailing ``*extra_positional`` (an empty tuple
@@ -48,29 +74,46 @@ def _got(value) -> str:
 # raises :func:`raise_extra_positional`'s TypeError, which says what to write instead of Python's
 # "takes 3 positional arguments but 4 were given"; :func:`public_signature` hides the catch-all
 # from ``inspect.signature``.
-def public_signature(fn):
+def public_signature(fn=None, *, required: tuple = ()):
     """Decorate a public function whose ``*extra_positional`` only catches misplaced keyword-only
     arguments: ``inspect.signature`` (help(), the package docstring's summary, the argument-order
-    tests) then shows the function without it. Returns ``fn`` itself."""
+    tests) then shows the function without it. ``required``: keyword-only arguments the function
+    requires although they default to None (``linear_topk``'s ``k``: with a Python default of its
+    own, a call that passes it by position would stop at Python's "missing argument" before the
+    body could say where it belongs), shown without a default, as required, and named first by
+    :func:`raise_extra_positional`. Returns ``fn`` itself (``@public_signature`` or
+    ``@public_signature(required=(...))``)."""
+    if fn is None:
+        return lambda f: public_signature(f, required=required)
     sig = inspect.signature(fn)
-    fn.__signature__ = sig.replace(parameters=[p for p in sig.parameters.values() if p.kind is not p.VAR_POSITIONAL])
+    params = [p.replace(default=p.empty) if p.name in required else p
+              for p in sig.parameters.values() if p.kind is not p.VAR_POSITIONAL]
+    fn.__signature__ = sig.replace(parameters=params)
     return fn
 
 
 def raise_extra_positional(fn, extra: tuple):
     """TypeError for a call of the public function ``fn`` with the positional arguments ``extra``
-    after its tensors: it names the function and its positional arguments, says that
-    ``temperature`` and the other arguments after the tensors are keyword-only (listing them), and
-    spells the call with keywords (``temperature=0.7``) as Python would have bound it."""
+    after its tensors: it names the function and its positional arguments, says that the
+    arguments after the tensors are keyword-only (listing them), and spells the call with
+    keywords. The extras are read as the function's required keyword-only arguments first (its
+    ``inspect.signature``: ``linear_topk(h, W, 5)`` -> ``k=5``, "k is required and keyword-only"),
+    then as the others in their order (``temperature=0.7``), as Python would have bound them."""
     params = inspect.signature(fn).parameters.values()
     positional = [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
     keyword = [p.name for p in params if p.kind is p.KEYWORD_ONLY]
-    spelled = ", ".join([*positional, *(f"{name}={_short_repr(value)}" for name, value in zip(keyword, extra))])
+    required = [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
+    meant = [*required, *(name for name in keyword if name not in required)]
+    spelled = ", ".join([*positional, *(f"{name}={_short_repr(value)}" for name, value in zip(meant, extra))])
+    if required:
+        said = (f"{' and '.join(required)} {'is' if len(required) == 1 else 'are'} required and keyword-only, as is "
+                f"every other argument after the tensors ({', '.join(keyword)})")
+    else:
+        said = (("temperature and every other argument" if "temperature" in keyword else "every argument")
+                + f" after the tensors is keyword-only ({', '.join(keyword)})")
     raise TypeError(f"{fn.__name__}() takes {len(positional)} positional argument{'s' * (len(positional) > 1)} "
-                    f"({', '.join(positional)}) but "
-                    f"{len(positional) + len(extra)} were given: "
-                    + ("temperature and every other argument" if "temperature" in keyword else "every argument")
-                    + f" after the tensors is keyword-only ({', '.join(keyword)}); write {fn.__name__}({spelled}"
+                    f"({', '.join(positional)}) but {len(positional) + len(extra)} were given: {said}; "
+                    f"write {fn.__name__}({spelled}"
                     + (")" if len(extra) <= len(keyword) else ", ...): more arguments than it takes"))
 
 
@@ -100,27 +143,27 @@ def _positive_number(name: str, value, what: str = "a positive finite") -> float
 TEMPERATURE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
-def check_temperature(temperature, rows: torch.Tensor | None = None, rows_name: str = "labels"):
+def check_temperature(temperature, rows: torch.Tensor | None = None, rows_name: str = "labels",
+                      differentiable: bool = True):
     """Return ``temperature`` as a float, or, for a function that takes a per-row temperature
     (``rows``: the labels, or the logits' leading part, whose shape it must have), a float tensor
     of that shape on ``rows``' device as it is (``rows_name``: how the errors name ``rows``). Raise
     TypeError / ValueError when it is neither a
     positive finite Python number (bool rejected) inside ``TEMPERATURE_RANGE`` (where 1 /
-    temperature is a normal float32 number) nor such a tensor. A tensor's values are checked
-    where they are first read on the host (:func:`row_inv_temperature`)."""
+    temperature is a normal float32 number) nor such a tensor; a tensor that requires grad is
+    refused (:func:`check_no_grad`) unless the function's result has no gradient at all
+    (``differentiable`` False: ``linear_topk``). A tensor's values are checked where they are
+    first read on the host (:func:`row_inv_temperature`)."""
     if isinstance(temperature, torch.Tensor) and rows is not None and temperature.dim() > 0:
-        if temperature.dtype not in TEMPERATURE_DTYPES:
-            raise TypeError(f"temperature: expected a float32, float64, bfloat16 or float16 tensor, got "
-                            f"{temperature.dtype}")
+        check_dtype("temperature", temperature, TEMPERATURE_DTYPES, " (a per-row temperature)")
         if temperature.shape != rows.shape:
             raise ValueError(f"temperature: a per-row temperature must have the shape of {rows_name}, "
                              f"{tuple(rows.shape)}, got {tuple(temperature.shape)}")
         if temperature.device != rows.device:
             raise ValueError(f"temperature: on {temperature.device}, expected {rows.device} (the device of "
                              f"{rows_name})")
-        if temperature.requires_grad:
-            raise ValueError("temperature: a per-row temperature that requires grad is not supported "
-                             "(no gradient flows to it); pass temperature.detach()")
+        if differentiable:
+            check_no_grad("temperature", temperature, "a per-row temperature is a constant of the softmax")
         return temperature
     value = _positive_number("temperature", temperature)
     if not 2.938736052218037e-39 <= value <= 8.507059173023462e+37:  # TEMPERATURE_RANGE
@@ -230,6 +273,16 @@ def check_float_arg(name: str, value, minimum: float = 0.0, inclusive: bool = Tr
     return f
 
 
+def check_unit_interval(name: str, value) -> float:
+    """``value`` as a float in [0, 1]; TypeError unless it is a Python number (bool rejected),
+    ValueError outside [0, 1] (NaN included), both naming ``name`` (``beta``, ``label_smoothing``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a Python number in [0, 1], got {_got(value)}")
+    if not 0.0 <= float(value) <= 1.0:
+        raise ValueError(f"{name}: expected a Python number in [0, 1], got {value!r}")
+    return float(value)
+
+
 def check_path_arg(name: str, value) -> str:
     """A non-empty str / os.PathLike as a str; TypeError / ValueError naming ``name``."""
     if not isinstance(value, (str, os.PathLike)):
@@ -278,8 +331,7 @@ def check_hidden_weight(hidden_states, weight, hidden_name: str = "hidden_states
         raise ValueError(f"{hidden_name}: expected shape (..., H)"
                          f"{' with at least one token dim (e.g. (N, H))' if min_dim > 1 else ''}, "
                          f"got {describe(hidden_states)}")
-    if hidden_states.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{hidden_name}: expected bfloat16, float16 or float32, got {describe(hidden_states)}")
+    check_dtype(hidden_name, hidden_states, FLOAT_DTYPES)
     if hidden_states.shape[-1] == 0:
         raise ValueError(f"{hidden_name}: expected shape (..., H) with hidden size H >= 1, got "
                          f"{describe(hidden_states)}")
@@ -300,8 +352,7 @@ def check_logits(logits) -> None:
     check_tensor_arg("logits", logits)
     if logits.dim() < 1 or logits.shape[-1] == 0:
         raise ValueError(f"logits: expected shape (..., vocab_size) with vocab_size >= 1, got {describe(logits)}")
-    if logits.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"logits: expected bfloat16, float16 or float32, got {describe(logits)}")
+    check_dtype("logits", logits, FLOAT_DTYPES)
 
 
 def check_labels(labels, like: torch.Tensor, like_name: str, vocab_size: int, ignore_index,
@@ -314,8 +365,7 @@ def check_labels(labels, like: torch.Tensor, like_name: str, vocab_size: int, ig
     if labels is None:
         raise TypeError("labels: expected a torch.Tensor of token ids, got None")
     check_tensor_arg("labels", labels)
-    if labels.dtype not in LABEL_DTYPES:
-        raise TypeError(f"labels: expected int64 or int32, got {describe(labels)}")
+    check_dtype("labels", labels, LABEL_DTYPES)
     if tuple(labels.shape) != tuple(like.shape[:-1]):
         raise ValueError(f"labels: expected shape {tuple(like.shape[:-1])} "
                          f"({like_name} without its last dim), got {describe(labels)}")
@@ -354,8 +404,7 @@ def check_token_ids(name: str, token_ids, like: torch.Tensor, like_name: str) ->
     :func:`check_token_id_values`). TypeError / ValueError naming ``name``."""
     check_tensor_arg(name, token_ids)
     lead = tuple(like.shape[:-1])
-    if token_ids.dtype not in LABEL_DTYPES:
-        raise TypeError(f"{name}: expected int64 or int32 token ids, got {describe(token_ids)}")
+    check_dtype(name, token_ids, LABEL_DTYPES, " token ids")
     if token_ids.dim() != len(lead) + 1 or tuple(token_ids.shape[:-1]) != lead or token_ids.shape[-1] == 0:
         raise ValueError(f"{name}: expected shape {lead + ('K',)} ({like_name}' leading shape, then K >= 1 ids), "
                          f"got {describe(token_ids)}")
@@ -378,14 +427,16 @@ def check_token_id_values(token_ids: torch.Tensor, vocab_size: int, name: str) -
 
 def check_mask(mask, lead: tuple, like: torch.Tensor, like_name: str, check_values: bool = True) -> None:
     """Validate a position mask: None, or a bool / 0-1 tensor of shape ``lead`` on ``like``'s
-    device (the 0-1 values read on the host unless ``check_values`` is False). ValueError naming
-    ``mask`` otherwise."""
+    device, not requiring grad (:func:`check_no_grad`; the 0-1 values read on the host unless
+    ``check_values`` is False). TypeError (not a tensor) / ValueError naming ``mask`` otherwise."""
     if mask is None:
         return
-    if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(lead) or mask.device != like.device:
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"mask: expected None or a bool/0-1 tensor of shape {tuple(lead)}, got {type(mask).__name__}")
+    if tuple(mask.shape) != tuple(lead) or mask.device != like.device:
         raise ValueError(f"mask: expected a bool/0-1 tensor of shape {tuple(lead)} on {like.device} "
-                         f"({like_name} without its last dim), got "
-                         + (describe(mask) if isinstance(mask, torch.Tensor) else type(mask).__name__))
+                         f"({like_name} without its last dim), got {describe(mask)}")
+    check_no_grad("mask", mask, "it only selects the positions that count")
     if check_values and mask.dtype != torch.bool and mask.numel() and bool(((mask != 0) & (mask != 1)).any()):
         raise ValueError(f"mask: expected bool or 0/1 values, got other values ({describe(mask)}; e.g. "
                          f"{mask[(mask != 0) & (mask != 1)].reshape(-1)[0].item()!r})")

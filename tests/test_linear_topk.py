@@ -200,7 +200,9 @@ def test_bad_inputs():
         linear_topk(hidden, weight, k=2, backend="cuda")
     with pytest.raises(ValueError, match="vocab_start_index"):
         linear_topk(hidden, weight, k=2, vocab_start_index=3)
-    with pytest.raises(TypeError, match=r"write linear_topk\(hidden_states, weight, temperature=0.7\)"):
+    # k is the required keyword: a positional argument is read as k (issue 52: it said temperature=0.7)
+    with pytest.raises(TypeError, match=r"k is required and keyword-only.*write linear_topk\(hidden_states, weight, "
+                                        r"k=0.7\)"):
         linear_topk(hidden, weight, 0.7)
 
 

@@ -561,3 +561,142 @@ def test_every_head_backward_raises_a_bad_label_reported_after_its_forward(name)
     with pytest.raises(ValueError, match=r"labels: a value outside \[0, vocab_size"):
         sum(o.sum() for o in outs).backward()
     assert label_word()[0] == 0 and x.grad is None
+
+
+# ----------------------------------------------------------------------------- messages (issue 52)
+
+def test_a_positional_argument_of_linear_topk_is_read_as_its_required_k():
+    """``linear_topk(h, W, 5)`` suggested ``temperature=5``; k is the argument the call lacks, so the
+    message names it first (the rule of every function with a required keyword-only argument)."""
+    hidden, weight, _ = make_inputs(3, 8, 10, torch.float32)
+    with pytest.raises(TypeError) as info:
+        rl_kernels.linear_topk(hidden, weight, 5)
+    message = str(info.value)
+    assert "k is required and keyword-only" in message and "write linear_topk(hidden_states, weight, k=5)" in message
+    assert "temperature=5" not in message, message
+    with pytest.raises(TypeError, match=r"write linear_topk\(hidden_states, weight, k=5, temperature=0.7\)"):
+        rl_kernels.linear_topk(hidden, weight, 5, 0.7)
+
+
+def _topk_kl(fn, ids, t_lp, **kw):
+    hidden, weight, _ = make_inputs(3, 8, 10, torch.float32, seed=24)
+    if fn == "linear_topk_kl":
+        return linear_topk_kl(hidden, weight, ids, t_lp, backend="torch", **kw)
+    return topk_kl_from_logits((hidden @ weight.T).detach(), ids, t_lp, backend="torch", **kw)
+
+
+@pytest.mark.parametrize("fn", ["linear_topk_kl", "topk_kl_from_logits"])
+def test_a_teacher_of_the_wrong_dtype_is_a_type_error_listing_the_dtypes(fn):
+    """float64 teacher log-probs raised a ValueError saying "expected ... float, got ... float64"
+    (so did integer log-probs and float ids): a dtype is a TypeError that lists the dtypes taken."""
+    ids, t_lp = torch.tensor([[0, 1], [2, 3], [4, 5]]), torch.full((3, 2), -0.7)
+    for bad_ids, bad_lp, match in (
+            (ids, t_lp.double(), r"teacher_log_probs: expected bfloat16, float16 or float32, got .*torch.float64"),
+            (ids, t_lp.long(), r"teacher_log_probs: expected bfloat16, float16 or float32, got .*torch.int64"),
+            (ids.float(), t_lp, r"teacher_token_ids: expected int64 or int32 token ids, got .*torch.float32")):
+        with pytest.raises(TypeError, match=match):
+            _topk_kl(fn, bad_ids, bad_lp)
+    with pytest.raises(ValueError, match=r"teacher_log_probs: expected shape \(3, 2\) \(as teacher_token_ids\)"):
+        _topk_kl(fn, ids, t_lp[:, :1])  # (a shape stays a ValueError)
+    assert torch.isfinite(_topk_kl(fn, ids, t_lp))
+
+
+def _differentiable_call(name, leaf):
+    """A call of a function with a differentiable result whose input ``name`` (not differentiated)
+    is ``leaf``; the other inputs random, the student's requiring grad."""
+    hidden, weight, labels = make_inputs(4, 8, 10, torch.float32, seed=25)
+    hidden.requires_grad_()
+    ids, t_lp, mask = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]]), torch.full((4, 2), -0.7), torch.ones(4)
+    if name == "temperature":
+        return linear_log_probs(hidden, weight, labels, temperature=leaf, backend="torch").log_probs
+    if name == "temperature of logits":
+        return logits_stats(hidden @ weight.T, labels, temperature=leaf, backend="torch").lse
+    if name == "teacher_log_probs":
+        return linear_topk_kl(hidden, weight, ids, leaf, backend="torch")
+    if name == "teacher_log_probs of logits":
+        return topk_kl_from_logits(hidden @ weight.T, ids, leaf, backend="torch")
+    if name == "mask":
+        return linear_topk_kl(hidden, weight, ids, t_lp, mask=leaf, backend="torch")
+    if name == "mask of linear_jsd":
+        return linear_jsd(hidden, weight, hidden.detach() * 0.5, weight, mask=leaf, backend="torch")
+    if name == "teacher_hidden":
+        return linear_jsd(hidden, weight, leaf, weight, backend="torch")
+    assert name == "teacher_weight"
+    return linear_jsd(hidden, weight, hidden.detach() * 0.5, leaf, backend="torch")
+
+
+NOT_DIFFERENTIATED = {"temperature": lambda: torch.rand(4) + 0.5, "temperature of logits": lambda: torch.rand(4) + 0.5,
+                      "teacher_log_probs": lambda: torch.full((4, 2), -0.7),
+                      "teacher_log_probs of logits": lambda: torch.full((4, 2), -0.7),
+                      "mask": lambda: torch.ones(4), "mask of linear_jsd": lambda: torch.ones(4),
+                      "teacher_hidden": lambda: torch.randn(4, 8), "teacher_weight": lambda: torch.randn(10, 8)}
+
+
+@pytest.mark.parametrize("name", sorted(NOT_DIFFERENTIATED))
+def test_an_input_that_gets_no_gradient_is_refused_when_it_requires_grad(name):
+    """One rule for every tensor a differentiable function does not differentiate: one that requires
+    grad (in grad mode) is refused, naming it, rather than silently detached (teacher_log_probs was
+    taken where a per-row temperature was refused); under torch.no_grad nothing asks for a gradient."""
+    argument = name.split(" ")[0]
+    value = NOT_DIFFERENTIATED[name]()
+    with pytest.raises(ValueError, match=rf"{argument}: requires grad, but no gradient flows to it \(.*\); pass "
+                                         rf"{argument}\.detach\(\)"):
+        _differentiable_call(name, value.clone().requires_grad_())
+    out = _differentiable_call(name, value)  # the same value, detached: fine, and differentiable
+    assert torch.isfinite(out).all() and out.requires_grad
+    with torch.no_grad():
+        assert torch.isfinite(_differentiable_call(name, value.clone().requires_grad_())).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_linear_topk_takes_inputs_that_require_grad(backend):
+    """``linear_topk`` has no differentiable output (its log-probs and ids carry no gradient): inputs
+    that require grad are not refused, since no gradient can go missing unnoticed, and none reaches
+    them on either backend (a per-row temperature that required grad gave the torch backend's
+    log-probs a gradient)."""
+    hidden, weight, _ = make_inputs(4, 8, 10, torch.float32, seed=26)
+    temperature = (torch.rand(4) + 0.5).requires_grad_()
+    log_probs, ids = rl_kernels.linear_topk(hidden.requires_grad_(), weight.requires_grad_(), k=3,
+                                            temperature=temperature, backend=backend)
+    assert not log_probs.requires_grad and not ids.requires_grad and torch.isfinite(log_probs).all()
+
+
+@pytest.mark.parametrize("name", ["linear_log_probs", "log_probs_from_logits"])
+def test_a_bad_label_found_by_a_cpu_kernel_is_raised_by_that_call_saying_so(name):
+    """On the CPU the Triton interpreter has run the kernel before the call returns: the call raises,
+    and its message says so (it said "this error comes from the next rl_kernels call"). A bad label
+    reported by an earlier call's kernel (as a GPU kernel reports it) still says so; the flag is
+    cleared either way."""
+    from rl_kernels.label_flag import label_flag, label_word
+
+    hidden, weight, labels = make_inputs(3, 8, 10, torch.float32, seed=27)
+    bad = labels.clone()
+    bad[1] = 10
+
+    def call(y):
+        if name == "linear_log_probs":
+            return linear_log_probs(hidden, weight, y, backend="triton").log_probs
+        return log_probs_from_logits(hidden @ weight.T, y, backend="triton")
+    with pytest.raises(ValueError) as info:
+        call(bad)
+    message = str(info.value)
+    assert message.startswith(f"labels: a value outside [0, vocab_size=10) that is not ignore_index=-100 was passed "
+                              f"to rl_kernels.{name}"), message
+    assert "during this call" in message and "next rl_kernels call" not in message, message
+    assert label_word()[0] == 0 and torch.isfinite(call(labels)).all()
+    label_flag(torch.device("cpu"))
+    label_word()[0] = 987654  # (an earlier call, as a GPU kernel writes it)
+    with pytest.raises(ValueError, match="this error comes from the next rl_kernels call or backward"):
+        call(labels)
+    assert label_word()[0] == 0
+
+
+def test_a_fraction_of_the_wrong_type_is_a_type_error():
+    """``beta`` and ``label_smoothing``, numbers in [0, 1]: a str or a bool is a TypeError (it was a
+    ValueError), a number outside [0, 1] a ValueError."""
+    hidden, weight, labels = make_inputs(3, 8, 10, torch.float32, seed=28)
+    for bad, error in (("0.5", TypeError), (True, TypeError), (1.5, ValueError), (math.nan, ValueError)):
+        with pytest.raises(error, match=r"beta: expected a Python number in \[0, 1\], got"):
+            linear_jsd(hidden, weight, hidden * 0.5, weight, beta=bad, backend="torch")
+        with pytest.raises(error, match=r"label_smoothing: expected a Python number in \[0, 1\], got"):
+            cross_entropy(hidden @ weight.T, labels, label_smoothing=bad, backend="torch")

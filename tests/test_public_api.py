@@ -44,8 +44,9 @@ def test_every_public_function_is_exported_and_summarized_with_its_real_signatur
         star = line.index("*") if "*" in line else len(line)
         for p in inspect.signature(getattr(rl_kernels, name)).parameters.values():
             text = p.name if p.default is p.empty else f"{p.name}={p.default!r}"
-            assert re.search(rf"[(, ]{re.escape(text)}[,)]", line), (name, text, line)
-            assert (line.index(text) > star) == (p.kind == p.KEYWORD_ONLY), (name, p.name)
+            found = re.search(rf"[(, ]{re.escape(text)}[,)]", line)  # (a bare name: "k", not the k of "topk")
+            assert found, (name, text, line)
+            assert (found.start() > star) == (p.kind == p.KEYWORD_ONLY), (name, p.name)
 
 
 @pytest.mark.parametrize("name", FUNCTIONS)
@@ -75,11 +76,15 @@ def test_a_positional_keyword_argument_names_the_function_and_spells_the_keyword
     temperature (or any argument after the tensors) by position gets a TypeError naming the
     function, saying that those arguments are keyword-only and spelling the call with keywords,
     instead of Python's bare "takes 3 positional arguments but 4 were given" (issue 35). The
-    catch-all that finds them is hidden from inspect.signature (the tests above)."""
+    catch-all that finds them is hidden from inspect.signature (the tests above). A function with a
+    required keyword-only argument (``linear_topk``'s ``k``) reads the first extras as those (issue
+    52: ``linear_topk(h, W, 5)`` suggested ``temperature=5``)."""
     fn = getattr(rl_kernels, name)
     params = inspect.signature(fn).parameters.values()
     positional = [p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD]
     keyword = [p.name for p in params if p.kind == p.KEYWORD_ONLY]
+    required = [p.name for p in params if p.kind == p.KEYWORD_ONLY and p.default is p.empty]
+    meant = required + [k for k in keyword if k not in required]
     tensors = [torch.zeros(2, 5)] * len(positional)
     for extra in ((0.7,), (0.7, -100)):
         with pytest.raises(TypeError) as info:
@@ -87,11 +92,16 @@ def test_a_positional_keyword_argument_names_the_function_and_spells_the_keyword
         message = str(info.value)
         assert message.startswith(f"{name}() takes {len(positional)} positional argument"), message
         assert f"({', '.join(positional)}) but {len(positional) + len(extra)} were given" in message, message
-        said = "temperature and every other argument" if "temperature" in keyword else "every argument"
-        assert f"{said} after the tensors is keyword-only ({', '.join(keyword)})" in message, message
-        spelled = ", ".join(f"{k}={v!r}" for k, v in zip(keyword, extra))
+        if required:
+            said = f"{' and '.join(required)} {'is' if len(required) == 1 else 'are'} required and keyword-only, " \
+                   f"as is every other argument after the tensors ({', '.join(keyword)})"
+        else:
+            said = ("temperature and every other argument" if "temperature" in keyword else "every argument") \
+                + f" after the tensors is keyword-only ({', '.join(keyword)})"
+        assert said in message, message
+        spelled = ", ".join(f"{k}={v!r}" for k, v in zip(meant, extra))
         assert f"write {name}({', '.join(positional)}, {spelled})" in message, message
-        if "temperature" in keyword:
+        if "temperature" in keyword and not required:
             assert keyword[0] == "temperature" and "temperature=0.7" in message
     with pytest.raises(TypeError, match="more arguments than it takes"):
         fn(*tensors, *range(len(keyword) + 1))

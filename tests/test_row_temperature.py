@@ -115,7 +115,8 @@ def test_compiled_per_row_temperature_one_graph_same_bits():
 @pytest.mark.parametrize("change,error,match", [
     (dict(temperature=torch.ones(18)), ValueError,
      r"temperature: a per-row temperature must have the shape of (labels|logits.shape\[:-1\]), \(17,\)"),
-    (dict(temperature=torch.ones(17, dtype=torch.int64)), TypeError, "temperature: expected a float32, float64"),
+    (dict(temperature=torch.ones(17, dtype=torch.int64)), TypeError,
+     r"temperature: expected float32, float64, bfloat16 or float16 \(a per-row temperature\), got .*int64"),
     (dict(temperature=torch.full((17,), float("nan"))), ValueError, "temperature: row 0 is nan"),
     (dict(temperature=torch.cat([torch.ones(16), -torch.ones(1)])), ValueError, "temperature: row 16 is -1.0"),
     (dict(temperature=torch.ones(17).requires_grad_()), ValueError, "temperature: .*requires grad"),

@@ -104,7 +104,27 @@ def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
 
 
+def _cpu_bf16_operand(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or a contiguous copy when it is a non-contiguous bfloat16 tensor on the CPU.
+
+    torch 2.13's CPU bfloat16 ``torch.mm`` reads a row-major operand's elements past its last
+    column, up to its row stride, and multiplies them by zero: finite values there vanish, but a
+    NaN or inf in that padding (the columns [v, v_pad) of a window ``buf.view(rows, v_pad)[:, :v]``,
+    never written) makes whole output rows NaN. A contiguous operand has no such elements.
+    Measured on random shapes: the left operand, bfloat16 only (float16 and float32 read only the
+    view); both operands are made contiguous, the copy costing O(size) against the matmul's
+    O(size x H). On CUDA nothing changes (cuBLAS honours the leading dimension, and the padded
+    row stride is there for its speed: module docstring), so the GPU's operands and bits are those
+    of before."""
+    if t.dtype == torch.bfloat16 and t.device.type == "cpu" and not t.is_contiguous():
+        return t.contiguous()
+    return t
+
+
 def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """out = a @ b, rounded once to ``out``'s dtype (a CPU bfloat16 operand contiguous first:
+    :func:`_cpu_bf16_operand`)."""
+    a, b = _cpu_bf16_operand(a), _cpu_bf16_operand(b)
     if a.dtype == out.dtype and b.dtype == out.dtype:
         torch.mm(a, b, out=out)
     else:
