@@ -358,3 +358,26 @@ def test_the_tail_mode_is_reported_for_the_composed_config(capsys):
     assert code == 0 and len(out) == 2 and out[0].startswith("rl-kernels is ON: logits path"), out
     assert out[1].startswith("top-K distillation (loss_mode=forward_kl_topk_tail, strategy=fsdp, logits path): served "
                              "by rl-kernels"), out
+
+
+BASE = (SEARCH, "+rl_kernels=fused")
+
+
+@pytest.mark.parametrize("override,shown,expected,fix", [
+    (f"{MODEL}.use_fused_kernels=Flase", f"{MODEL}.use_fused_kernels='Flase'", "a bool (true or false), as "
+     "HFModelConfig.use_fused_kernels is typed", f"Fix: did you mean {MODEL}.use_fused_kernels=False?"),
+    (f"{MODEL}.use_remove_padding=ture", f"{MODEL}.use_remove_padding='ture'", "a bool (true or false)",
+     f"Fix: did you mean {MODEL}.use_remove_padding=true?"),
+    ("actor_rollout_ref.actor.ppo_epochs=1.5", "actor_rollout_ref.actor.ppo_epochs=1.5", "an integer, as ",
+     "Fix: correct actor_rollout_ref.actor.ppo_epochs"),
+])
+def test_a_value_verls_config_classes_refuse_is_off_naming_key_value_and_type(capsys, override, shown, expected, fix):
+    """A value that verl's dataclass conversion refuses at start (issue 52: 'use_fused_kernels=Flase' read as
+    the fused path, exit 0): exit 1, the key, the value and what verl's field type expects, converted as verl
+    converts it (OmegaConf's nodes on the dataclass field's type)."""
+    code, line = _check(capsys, *BASE, override)
+    assert code == 1 and line.startswith("rl-kernels is OFF: verl would refuse this config at start"), line
+    assert f"{shown} (verl expects {expected}" in line and line.endswith(fix), line
+    if "did you mean" in fix:  # the fix composes and is on
+        code, line = _check(capsys, *BASE, fix.removeprefix("Fix: did you mean ").removesuffix("?"))
+        assert code == 0 and line.startswith("rl-kernels is ON"), line

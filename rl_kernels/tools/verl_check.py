@@ -256,6 +256,104 @@ def _stray_text(strays: list[tuple[str, str]]) -> tuple[str, str]:
             f"only under {OPTIONS_KEY})", fixes)
 
 
+_SCALARS = {bool: ("BooleanNode", "a bool (true or false)"), int: ("IntegerNode", "an integer"),
+            float: ("FloatNode", "a float")}
+
+
+def _dataclass_of(target) -> type | None:
+    """The dataclass that a config node's ``_target_`` names (verl builds the node into it), or None."""
+    import importlib
+
+    if not isinstance(target, str) or "." not in target:
+        return None
+    module, _, name = target.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except Exception:  # noqa: BLE001 - a target this process cannot import: nothing to check it against
+        return None
+    return cls if dataclasses.is_dataclass(cls) else None
+
+
+def _field_type(hint):
+    """(the scalar type or Enum class of a dataclass field's type hint, Optional[...] unwrapped), or None."""
+    import enum
+    import typing
+
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is typing.Union and len(args) == 1:
+        hint = args[0]
+    if hint in _SCALARS or (isinstance(hint, type) and issubclass(hint, enum.Enum)):
+        return hint
+    return None
+
+
+def bad_values(cfg: dict) -> list[tuple[str, object, str, str | None]]:
+    """(key, composed value, what verl expects, the nearest valid spelling or None) per value that verl's
+    own config classes refuse when verl builds them: for every node whose ``_target_`` names a
+    dataclass (``HFModelConfig``, ``ActorConfig``, ...), each field typed bool, int, float or an Enum,
+    converted as verl converts it (``omega_conf_to_dataclass`` merges the node into
+    ``OmegaConf.structured(cls)``: OmegaConf's ``BooleanNode`` / ``IntegerNode`` / ``FloatNode`` /
+    ``EnumNode``, here one field at a time). Interpolations (``${...}``) are left to verl."""
+    import enum
+    import typing
+
+    import omegaconf
+
+    found: list[tuple[str, object, str, str | None]] = []
+
+    def walk(node, path: tuple[str, ...]) -> None:
+        if not isinstance(node, dict):
+            return
+        cls = _dataclass_of(node.get("_target_"))
+        hints = {}
+        if cls is not None:
+            try:
+                hints = typing.get_type_hints(cls)
+            except Exception:  # noqa: BLE001 - unresolvable annotations: nothing to check against
+                hints = {}
+        for key, value in node.items():
+            if isinstance(value, dict):
+                walk(value, path + (str(key),))
+                continue
+            kind = _field_type(hints.get(key)) if key != "_target_" else None
+            if kind is None or value is None or (isinstance(value, str) and "${" in value):
+                continue
+            if isinstance(kind, type) and issubclass(kind, enum.Enum):
+                choices = [m.name for m in kind]
+                try:
+                    omegaconf.EnumNode(enum_type=kind, value=value)
+                    continue
+                except omegaconf.errors.ValidationError:
+                    pass
+                found.append((".".join(path + (str(key),)), value, f"one of {', '.join(choices)} ({kind.__name__})",
+                              _close(str(value), choices, cutoff=0.6)))
+                continue
+            node_name, expected = _SCALARS[kind]
+            try:
+                getattr(omegaconf, node_name)(value=value)
+                continue
+            except omegaconf.errors.ValidationError:
+                pass
+            near = _close(str(value), ["true", "false", "True", "False"], cutoff=0.6) if kind is bool else None
+            found.append((".".join(path + (str(key),)), value,
+                          f"{expected}, as {cls.__name__}.{key} is typed", near))
+
+    walk(cfg, ())
+    return found
+
+
+def _bad_values_verdict(found) -> Verdict:
+    """OFF: verl refuses the config at start (its dataclass conversion), naming each key, value and what is expected."""
+    parts, fixes = [], []
+    for key, value, expected, near in found:
+        parts.append(f"{key}={value!r} (verl expects {expected})")
+        if near is not None:
+            fixes.append(f"{key}={near}")
+    fix = f"did you mean {' '.join(fixes)}?" if fixes else "correct " + ", ".join(k for k, *_ in found)
+    return Verdict(False, f"rl-kernels is OFF: verl would refuse this config at start (its config classes do not "
+                          f"convert {'; '.join(parts)}). Fix: {fix}")
+
+
 def diagnose(cfg: dict, stderr: str = "", overrides: list[str] = (), added: tuple[str, ...] = ()) -> Verdict:
     """The verdict on a composed verl config (``cfg``: ``--cfg job``'s YAML as a dict; ``stderr``:
     what Hydra printed while composing; ``overrides``: the user's, for the hints; ``added``: for
@@ -265,6 +363,9 @@ def diagnose(cfg: dict, stderr: str = "", overrides: list[str] = (), added: tupl
     if not isinstance(model, dict):
         return Verdict(False, "rl-kernels is OFF: the composed config has no actor_rollout_ref.model section "
                               "(is this verl's PPO entry point?)")
+    bad = bad_values(cfg)
+    if bad:
+        return _bad_values_verdict(bad)
     strays = stray_keys(cfg, added)
     external_lib = model.get("external_lib")
     if external_lib != EXTERNAL_LIB:  # the reason names the stray keys too
