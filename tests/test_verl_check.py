@@ -381,3 +381,25 @@ def test_a_value_verls_config_classes_refuse_is_off_naming_key_value_and_type(ca
     if "did you mean" in fix:  # the fix composes and is on
         code, line = _check(capsys, *BASE, fix.removeprefix("Fix: did you mean ").removesuffix("?"))
         assert code == 0 and line.startswith("rl-kernels is ON"), line
+
+
+DISTILL = ("distillation.enabled=True",)
+LOSS_MODE = "distillation.distillation_loss.loss_mode"
+
+
+@pytest.mark.skipif(not _has_distillation(), reason="this verl has no distillation (0.7.x)")
+@pytest.mark.parametrize("mode,near", [("forward_kl_topk_tial", "forward_kl_topk_tail"),
+                                       ("forward_kl_topK", "forward_kl_topk"), ("low_var_k", "low_var_kl")])
+def test_a_loss_mode_verl_does_not_know_is_off_with_the_nearest(capsys, mode, near):
+    """issue 52: 'forward_kl_topk_tial' was reported served (the check matched 'topk' in the name); verl
+    refuses it at start. The known modes are verl's registry's plus rl-kernels' tail mode."""
+    from verl.trainer.distillation.losses import DISTILLATION_SETTINGS_REGISTRY
+
+    code, line = _check(capsys, *BASE, *DISTILL, f"{LOSS_MODE}={mode}")
+    assert code == 1 and line.startswith("rl-kernels is OFF: verl would refuse this config at start"), line
+    assert f"{LOSS_MODE}='{mode}' is no distillation loss mode verl knows" in line, line
+    for known in set(DISTILLATION_SETTINGS_REGISTRY) | {"forward_kl_topk_tail"}:
+        assert known in line, (known, line)
+    assert line.endswith(f"Fix: did you mean {LOSS_MODE}={near}?"), line
+    code = main(["verl-check", *BASE, *DISTILL, f"{LOSS_MODE}={near}"])
+    assert code == 0 and capsys.readouterr().out.startswith("rl-kernels is ON"), near

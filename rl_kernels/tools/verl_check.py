@@ -354,6 +354,36 @@ def _bad_values_verdict(found) -> Verdict:
                           f"convert {'; '.join(parts)}). Fix: {fix}")
 
 
+LOSS_MODE_KEY = "distillation.distillation_loss.loss_mode"
+
+
+def known_loss_modes() -> list[str] | None:
+    """The distillation loss modes verl will accept: verl's own registry
+    (``verl.trainer.distillation.losses``, what ``DistillationLossConfig.__post_init__`` looks the
+    mode up in) plus rl-kernels' ``forward_kl_topk_tail`` (registered there by the ``external_lib``
+    import and the plugin); None for a verl without distillation."""
+    try:
+        from verl.trainer.distillation.losses import DISTILLATION_SETTINGS_REGISTRY
+    except ImportError:
+        return None
+    return sorted(set(DISTILLATION_SETTINGS_REGISTRY) | {TAIL_MODE})
+
+
+def _unknown_loss_mode_verdict(cfg: dict) -> Verdict | None:
+    """OFF when distillation is on with a loss mode verl does not know (verl refuses it at start,
+    'Unsupported loss mode'), with every known mode and the nearest spelling; None otherwise."""
+    if _section(cfg, "distillation.enabled") is not True:
+        return None
+    mode, modes = _lookup(cfg, LOSS_MODE_KEY), known_loss_modes()
+    if mode is _MISSING or modes is None or mode in modes:
+        return None
+    near = _close(str(mode), modes, cutoff=0.6)
+    fix = f"did you mean {LOSS_MODE_KEY}={near}?" if near else f"{LOSS_MODE_KEY}=<one of these modes>"
+    return Verdict(False, f"rl-kernels is OFF: verl would refuse this config at start: {LOSS_MODE_KEY}={mode!r} is "
+                          f"no distillation loss mode verl knows (DistillationLossConfig raises 'Unsupported loss "
+                          f"mode'; the modes: {', '.join(modes)}, {TAIL_MODE} being rl-kernels'). Fix: {fix}")
+
+
 def diagnose(cfg: dict, stderr: str = "", overrides: list[str] = (), added: tuple[str, ...] = ()) -> Verdict:
     """The verdict on a composed verl config (``cfg``: ``--cfg job``'s YAML as a dict; ``stderr``:
     what Hydra printed while composing; ``overrides``: the user's, for the hints; ``added``: for
@@ -366,6 +396,9 @@ def diagnose(cfg: dict, stderr: str = "", overrides: list[str] = (), added: tupl
     bad = bad_values(cfg)
     if bad:
         return _bad_values_verdict(bad)
+    unknown_mode = _unknown_loss_mode_verdict(cfg)
+    if unknown_mode is not None:
+        return unknown_mode
     strays = stray_keys(cfg, added)
     external_lib = model.get("external_lib")
     if external_lib != EXTERNAL_LIB:  # the reason names the stray keys too
