@@ -403,3 +403,20 @@ def test_a_loss_mode_verl_does_not_know_is_off_with_the_nearest(capsys, mode, ne
     assert line.endswith(f"Fix: did you mean {LOSS_MODE}={near}?"), line
     code = main(["verl-check", *BASE, *DISTILL, f"{LOSS_MODE}={near}"])
     assert code == 0 and capsys.readouterr().out.startswith("rl-kernels is ON"), near
+
+
+@pytest.mark.skipif(not _has_distillation(), reason="this verl has no distillation (0.7.x)")
+@pytest.mark.parametrize("topk,metrics", [(128, True), (129, False), (256, False)])
+def test_the_fused_line_claims_overlap_metrics_only_up_to_linear_topks_limit(capsys, topk, metrics):
+    """issue 52: topk=256 was reported with 'the overlap metrics too (... linear_topk ...)', although K above
+    rl_kernels.linear_topk's limit gets none on the fused paths."""
+    from rl_kernels.linear import MAX_TOPK
+
+    code = main(["verl-check", *BASE, *DISTILL, f"{LOSS_MODE}=forward_kl_topk",
+                 f"distillation.distillation_loss.topk={topk}"])
+    line = capsys.readouterr().out.strip().splitlines()[0]
+    assert code == 0 and "top-K distillation (loss_mode=forward_kl_topk) served on the fused path" in line, line
+    assert ("the overlap metrics too" in line) == metrics, line
+    if not metrics:
+        assert f"WARNING: no overlap metrics for topk={topk}: K > {MAX_TOPK}, the largest k of rl_kernels.linear_topk" \
+            in line and "Fix: distillation.distillation_loss.topk=128 or less for them, or overlap_metrics=false" in line, line

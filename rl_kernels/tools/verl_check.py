@@ -41,6 +41,7 @@ import sys
 from typing import NamedTuple
 
 from ..integrations.verl_modes import TAIL_MODE
+from ..linear import MAX_TOPK
 from ..integrations.verl_schema import BACKEND_NAME, VerlOptions, names_rl_kernels, validated_options
 
 GROUP = "rl_kernels"
@@ -509,7 +510,15 @@ def _fused_distillation_note(cfg: dict, model: dict, opts: VerlOptions) -> str:
         return (f". WARNING: top-K distillation (loss_mode={mode}) is NOT served on the Megatron fused path with "
                 f"patch_megatron_fused=False (verl's fused forward computes no distillation outputs). Fix: drop "
                 f"patch_megatron_fused=False, or use_fused_kernels=False")
-    overlap = ("the overlap metrics too (overlap_count, overlap_token_advantage: rl_kernels.linear_topk, about 1.5 "
+    topk = _section(cfg, "distillation.distillation_loss.topk")
+    if opts.overlap_metrics and isinstance(topk, int) and not isinstance(topk, bool) and topk > MAX_TOPK:
+        overlap = (f"WARNING: no overlap metrics for topk={topk}: K > {MAX_TOPK}, the largest k of "
+                   f"rl_kernels.linear_topk, gets no overlap metrics (overlap_count, overlap_token_advantage) on the "
+                   f"fused paths, so verl logs no distillation/overlap_ratio. Fix: distillation.distillation_loss."
+                   f"topk={MAX_TOPK} or less for them, or overlap_metrics=false")
+    else:
+        overlap = None
+    overlap = overlap or ("the overlap metrics too (overlap_count, overlap_token_advantage: rl_kernels.linear_topk, about 1.5 "
                "head matmuls more per micro-batch; overlap_metrics=false turns them off)" if opts.overlap_metrics
                else "the overlap metrics off (overlap_metrics=false: verl logs no distillation/overlap_ratio)")
     if strategy == "megatron":
