@@ -229,7 +229,6 @@ def test_sum_pi_squared_note_per_engine_and_path(cfg, expected):
     ("megatron", {}, "; a per-sample temperature (a tensor) is served on the fused path"),
     ("megatron", {"patch_megatron_fused": False}, "; a per-sample temperature (a tensor) is NOT served on the "
                                                   "Megatron fused path with patch_megatron_fused=False"),
-    ("veomni", {}, None),
 ])
 def test_the_fused_line_says_what_serves_a_per_sample_temperature(strategy, options, expected):
     cfg = {"actor_rollout_ref": {"actor": {"strategy": strategy},
@@ -272,8 +271,6 @@ def test_the_check_leaves_verl_unpatched():
     ("megatron", True, {"patch_megatron_fused": False}, "WARNING: top-K distillation (loss_mode=forward_kl_topk) is "
                                                         "NOT served on the Megatron fused path with "
                                                         "patch_megatron_fused=False"),
-    ("veomni", True, {}, "WARNING: top-K distillation (loss_mode=forward_kl_topk) is NOT served by rl-kernels on the "
-                         "fused path of strategy 'veomni'"),
     ("fsdp", False, {}, "WARNING: top-K distillation (loss_mode=forward_kl_topk) is NOT served on the fused path with "
                         "use_remove_padding=False"),
     ("fsdp2", True, {}, "; the overlap metrics too (overlap_count, overlap_token_advantage: rl_kernels.linear_topk"),
@@ -420,3 +417,29 @@ def test_the_fused_line_claims_overlap_metrics_only_up_to_linear_topks_limit(cap
     if not metrics:
         assert f"WARNING: no overlap metrics for topk={topk}: K > {MAX_TOPK}, the largest k of rl_kernels.linear_topk" \
             in line and "Fix: distillation.distillation_loss.topk=128 or less for them, or overlap_metrics=false" in line, line
+
+
+@pytest.mark.parametrize("engine,own,fix", [
+    ("veomni", "VeOmni's own chunk_logprobs", "Fix: use_fused_kernels=False (rl-kernels serves VeOmni's logits path)"),
+])
+def test_the_fused_path_of_an_engine_the_patch_does_not_reach_is_not_on(capsys, engine, own, fix):
+    """issue 52: model_engine=veomni read 'ON: fused path', exit 0, although VeOmni's fused micro-batches go to
+    its own chunk_logprobs: OFF on the fused path (exit 1, as for a fused path verl's own kernel serves), a
+    WARNING naming the engine and where its fused micro-batches go, with the fix."""
+    code, line = _check(capsys, *BASE, f"model_engine={engine}")
+    assert code == 1 and line.startswith(f"rl-kernels is OFF on the fused path: WARNING: engine '{engine}' "
+                                         f"(actor_rollout_ref.actor.strategy={engine}): its fused micro-batches go "
+                                         f"to {own}, which no rl-kernels patch reaches"), line
+    assert line.endswith(fix), line
+    code, line = _check(capsys, *BASE, f"model_engine={engine}", f"{MODEL}.use_fused_kernels=False")
+    assert code == 0 and line.startswith("rl-kernels is ON: logits path"), line
+
+
+def test_the_fused_path_of_an_unknown_engine_is_not_on():
+    cfg = {"actor_rollout_ref": {"actor": {"strategy": "torchtitan"},
+                                 "model": {"external_lib": "rl_kernels.integrations.verl", "use_fused_kernels": True,
+                                           "fused_kernel_options": {"impl_backend": "rl_kernels"}}}}
+    verdict = diagnose(cfg)
+    assert not verdict.on and "WARNING: engine 'torchtitan'" in verdict.line and "that engine's own fused forward" \
+        in verdict.line and verdict.line.endswith("Fix: model_engine=fsdp (or megatron) for rl-kernels' fused head"), \
+        verdict.line

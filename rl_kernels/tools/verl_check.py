@@ -439,6 +439,15 @@ def _imported_verdict(cfg: dict, model: dict) -> Verdict:
                                   f"{impl_backend!r}, so verl's own fused kernel (or, for an unknown name, verl's "
                                   f"plain forward, after printing 'Skipping monkey patch') computes the log-probs; "
                                   f"rl-kernels is imported but replaces nothing on this path. Fix: {fix}")
+        strategy = _section(cfg, "actor_rollout_ref.actor.strategy")
+        if isinstance(strategy, str) and strategy not in FSDP_STRATEGIES + ("megatron",):
+            own = "VeOmni's own chunk_logprobs" if strategy == "veomni" else "that engine's own fused forward"
+            fix = ("use_fused_kernels=False (rl-kernels serves VeOmni's logits path)" if strategy == "veomni" else
+                   "model_engine=fsdp (or megatron) for rl-kernels' fused head")
+            return Verdict(False, f"rl-kernels is OFF on the fused path: WARNING: engine {strategy!r} "
+                                  f"(actor_rollout_ref.actor.strategy={strategy}): its fused micro-batches go to "
+                                  f"{own}, which no rl-kernels patch reaches, so nothing on this path is served "
+                                  f"(rl-kernels' fused head serves the FSDP and Megatron engines). Fix: {fix}")
         return Verdict(True, f"rl-kernels is ON: fused path (use_fused_kernels=True, impl_backend={BACKEND_NAME}), "
                              f"backend={opts.backend}, {options_text}; the actor and the reference model "
                              f"(actor_rollout_ref.model){_fused_distillation_note(cfg, model, opts)}"
@@ -682,7 +691,7 @@ def sum_pi_squared_note(cfg: dict) -> str | None:
     what = f"sum_pi_squared (actor.calculate_sum_pi_squared=True, strategy={strategy}"
     if not model.get("use_fused_kernels"):
         what += ", logits path)"
-        if strategy not in FSDP_STRATEGIES + ("megatron", "veomni"):
+        if strategy not in FSDP_STRATEGIES + ("megatron",):
             return f"WARNING: {what}: computed by verl's own code (rl-kernels does not serve this engine)"
         if not opts.patch_logits_path:
             return f"{what}: computed by verl's own code (patch_logits_path=False)"
@@ -782,7 +791,7 @@ def distillation_note(cfg: dict, entry: str = ENTRY) -> str | None:
                   ("" if why_not else " and by rl-kernels' verl.plugins entry point")) if tail else ""
     if fused:  # the verdict's fused line says what serves it; only the registration is left to say
         return f"{what}: see the fused line{registered}" if tail else None
-    if strategy not in FSDP_STRATEGIES + ("megatron", "veomni"):
+    if strategy not in FSDP_STRATEGIES + ("megatron",):
         return (f"WARNING: {what}: rl-kernels does not serve this engine" +
                 (", the update raises VerlIntegrationError (no tail-aware terms)" if tail else
                  ": verl's own code computes it"))
