@@ -443,3 +443,29 @@ def test_the_fused_path_of_an_unknown_engine_is_not_on():
     assert not verdict.on and "WARNING: engine 'torchtitan'" in verdict.line and "that engine's own fused forward" \
         in verdict.line and verdict.line.endswith("Fix: model_engine=fsdp (or megatron) for rl-kernels' fused head"), \
         verdict.line
+
+
+@pytest.mark.parametrize("override,shown,fix", [
+    ("+actor_rollout_ref.actor.calculate_sum_pi_square=True", "actor_rollout_ref.actor.calculate_sum_pi_square=true",
+     "Fix: did you mean actor_rollout_ref.actor.calculate_sum_pi_squared=true?"),
+    ("++algorithm.gama=0.9", "algorithm.gama=0.9", "Fix: did you mean algorithm.gamma=0.9?"),
+    (f"+{MODEL}.use_remove_paddin=True", f"{MODEL}.use_remove_paddin=true",
+     f"Fix: did you mean {MODEL}.use_remove_padding=true?"),
+    ("+actor_rollout_ref.actor.zzz.q=1", "actor_rollout_ref.actor.zzz.q=1", "Fix: remove +actor_rollout_ref.actor.zzz.q"),
+])
+def test_an_added_key_verls_config_has_no_field_for_is_off_with_the_nearest(capsys, override, shown, fix):
+    """issue 52: a misspelt '+' key under actor_rollout_ref / algorithm / distillation read ON with no remark."""
+    code, line = _check(capsys, *BASE, override)
+    assert code == 1 and line.startswith("rl-kernels is OFF: the overrides add a key that verl's config has no field "
+                                         f"for: {shown} ("), line
+    assert line.endswith(fix), line
+    if "did you mean" in fix:  # the fix composes and is on (a second line may say what serves the feature)
+        code = main(["verl-check", *BASE, fix.removeprefix("Fix: did you mean ").removesuffix("?")])
+        out = capsys.readouterr().out
+        assert code == 0 and out.startswith("rl-kernels is ON"), out
+
+
+@pytest.mark.parametrize("override", [f"+{MODEL}.override_config.attention_dropout=0.0", "++algorithm.gamma=0.9"])
+def test_an_added_key_in_a_free_form_dict_or_an_existing_key_is_not_flagged(capsys, override):
+    code, line = _check(capsys, *BASE, override)
+    assert code == 0 and line.startswith("rl-kernels is ON"), line

@@ -604,24 +604,74 @@ def _parsed(overrides: list[str]) -> list:
         return []
 
 
-def _added_option_keys(overrides: list[str], cfg: dict, entry: str, flags: tuple[str, ...]) -> tuple[str, ...]:
-    """The keys that a ``+KEY=...`` / ``++KEY=...`` override put into ``cfg``, outside ``OPTIONS_KEY``,
-    named as one of rl-kernels' options (or a near spelling) and absent from verl's config composed
-    without those overrides (verl has keys named ``backend`` of its own): for :func:`stray_keys`."""
-    candidates = {}
+SCHEMA_ROOTS = ("actor_rollout_ref", "algorithm", "distillation")
+"""The sections where a ``+`` / ``++`` key must be one verl's config classes have (:func:`_added_keys`)."""
+
+
+def _unknown_field(key: str, cfg: dict, base: dict) -> str | None:
+    """For a key an override added (present in ``cfg``, absent from ``base``, verl's config composed
+    without those overrides): the nearest existing spelling ('' for none) where its first component
+    that ``base`` lacks sits under a node built into a dataclass (``_target_``) that has no such field;
+    None where it sits in a free-form dict (``override_config``, ``engine_kwargs``, ...), which verl passes on."""
+    path = key.split(".")
+    node, base_node = cfg, base
+    for i, part in enumerate(path):
+        if not isinstance(base_node, dict) or part not in base_node:
+            cls = _dataclass_of(node.get("_target_")) if isinstance(node, dict) else None
+            if cls is None or part in {f.name for f in dataclasses.fields(cls)}:
+                return None
+            names = sorted({f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")} |
+                           {str(k) for k in (base_node if isinstance(base_node, dict) else {})})
+            near = _close(part, names)
+            return ("" if i == len(path) - 1 else "+") + ".".join(path[:i] + [near] + path[i + 1:]) if near else ""
+        node, base_node = node.get(part) if isinstance(node, dict) else None, base_node[part]
+    return None
+
+
+def _added_keys(overrides: list[str], cfg: dict, entry: str,
+                flags: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """The keys that a ``+KEY=...`` / ``++KEY=...`` override put into ``cfg`` and verl's config composed
+    without those overrides does not have: (those named as one of rl-kernels' options, or a near
+    spelling, outside ``OPTIONS_KEY``: for :func:`stray_keys`; (key, nearest existing spelling or '')
+    for each other one under ``SCHEMA_ROOTS`` that verl's config classes have no field for,
+    :func:`_unknown_field`). verl has keys named ``backend`` of its own: the base compose tells them apart."""
+    options, schema = {}, {}
     for o in _parsed(overrides):
         key = o.key_or_group
-        if ((o.is_add() or o.is_force_add()) and o.package is None and "/" not in key
+        if not ((o.is_add() or o.is_force_add()) and o.package is None and "/" not in key
                 and not key.startswith(f"{OPTIONS_KEY}.") and not any(_is_group_name(k) for k in key.split("."))
-                and _close(key.rsplit(".", 1)[-1], OPTION_NAMES) and _lookup(cfg, key) is not _MISSING):
-            candidates[o.input_line] = key
-    if not candidates:
-        return ()
+                and _lookup(cfg, key) is not _MISSING):
+            continue
+        if _close(key.rsplit(".", 1)[-1], OPTION_NAMES):
+            options[o.input_line] = key
+        elif key.split(".", 1)[0] in SCHEMA_ROOTS:
+            schema[o.input_line] = key
+    if not options and not schema:
+        return (), ()
     try:
-        base, _ = compose([o for o in overrides if o not in candidates], entry, flags)
+        base, _ = compose([o for o in overrides if o not in options and o not in schema], entry, flags)
     except ComposeError:  # the others need these keys: verl's config cannot say; none is called stray
-        return ()
-    return tuple(key for key in candidates.values() if _lookup(base, key) is _MISSING)
+        return (), ()
+    unknown = []
+    for key in schema.values():
+        near = _unknown_field(key, cfg, base) if _lookup(base, key) is _MISSING else None
+        if near is not None:
+            unknown.append((key, near))
+    return tuple(key for key in options.values() if _lookup(base, key) is _MISSING), tuple(unknown)
+
+
+def _unknown_keys_verdict(unknown, cfg: dict) -> Verdict:
+    """OFF: an added key that verl's config classes have no field for (verl refuses it when it builds
+    the dataclass, or nothing reads it), with the nearest existing spelling (``unknown``: :func:`_added_keys`)."""
+    parts, fixes = [], []
+    for key, near in unknown:
+        parts.append(f"{key}={_hydra_value(_lookup(cfg, key))}")
+        if near:
+            fixes.append(f"{near}={_hydra_value(_lookup(cfg, key))}")
+    fix = f"did you mean {' '.join(fixes)}?" if fixes else "remove " + ", ".join(f"+{k}" for k, _ in unknown)
+    return Verdict(False, f"rl-kernels is OFF: the overrides add {'a key' if len(parts) == 1 else 'keys'} that verl's "
+                          f"config has no field for: {'; '.join(parts)} (verl refuses it when it builds its config "
+                          f"classes, or nothing reads it). Fix: {fix}")
 
 
 def _failed_verdict(message: str, overrides: list[str]) -> Verdict:
@@ -664,7 +714,11 @@ def check(overrides: list[str], entry: str = ENTRY, flags: tuple[str, ...] = ())
         cfg, stderr = compose(overrides, entry, flags)
     except ComposeError as exc:
         return _failed_verdict(str(exc), overrides)
-    verdict = diagnose(cfg, stderr, overrides, _added_option_keys(overrides, cfg, entry, flags))
+    added, unknown = _added_keys(overrides, cfg, entry, flags)
+    if unknown:
+        verdict = _unknown_keys_verdict(unknown, cfg)
+        return verdict if bad_values(cfg) == [] else diagnose(cfg, stderr, overrides, added)
+    verdict = diagnose(cfg, stderr, overrides, added)
     return verdict._replace(notes=verdict.notes + tuple(filter(None, [sum_pi_squared_note(cfg),
                                                                       distillation_note(cfg, entry)])))
 
