@@ -469,3 +469,14 @@ def test_an_added_key_verls_config_has_no_field_for_is_off_with_the_nearest(caps
 def test_an_added_key_in_a_free_form_dict_or_an_existing_key_is_not_flagged(capsys, override):
     code, line = _check(capsys, *BASE, override)
     assert code == 0 and line.startswith("rl-kernels is ON"), line
+
+
+@pytest.mark.skipif(not _has_distillation(), reason="this verl has no distillation (0.7.x)")
+def test_a_loss_mode_without_distillation_enabled_is_said_to_be_ignored(capsys):
+    code = main(["verl-check", *BASE, f"{LOSS_MODE}=forward_kl_topk", "distillation.distillation_loss.topk=64"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert code == 0 and len(out) == 2 and out[0].startswith("rl-kernels is ON"), out
+    assert out[1] == (f"WARNING: {LOSS_MODE}=forward_kl_topk, distillation.distillation_loss.topk=64 are ignored: "
+                      "distillation.enabled=false, so verl runs no distillation. Fix: distillation.enabled=True"), out
+    code = main(["verl-check", *BASE, *DISTILL, f"{LOSS_MODE}=forward_kl_topk"])
+    assert code == 0 and "ignored" not in capsys.readouterr().out

@@ -720,7 +720,25 @@ def check(overrides: list[str], entry: str = ENTRY, flags: tuple[str, ...] = ())
         return verdict if bad_values(cfg) == [] else diagnose(cfg, stderr, overrides, added)
     verdict = diagnose(cfg, stderr, overrides, added)
     return verdict._replace(notes=verdict.notes + tuple(filter(None, [sum_pi_squared_note(cfg),
-                                                                      distillation_note(cfg, entry)])))
+                                                                      distillation_note(cfg, entry),
+                                                                      ignored_distillation_note(cfg, overrides)])))
+
+
+def ignored_distillation_note(cfg: dict, overrides) -> str | None:
+    """A WARNING line when the overrides set distillation loss options (``distillation.distillation_loss.*``,
+    ``loss_mode`` first) while ``distillation.enabled`` is not true: verl runs no distillation, the
+    values are ignored. None otherwise."""
+    if not isinstance(cfg.get("distillation"), dict) or _section(cfg, "distillation.enabled") is True:
+        return None
+    keys = [o.key_or_group for o in _parsed(overrides) if o.key_or_group.startswith("distillation.distillation_loss.")
+            and not o.is_delete()]
+    if not keys:
+        return None
+    keys.sort(key=lambda k: k != LOSS_MODE_KEY)
+    shown = ", ".join(f"{k}={_hydra_value(_lookup(cfg, k))}" for k in dict.fromkeys(keys))
+    return (f"WARNING: {shown} {'is' if len(set(keys)) == 1 else 'are'} ignored: distillation.enabled="
+            f"{_hydra_value(_section(cfg, 'distillation.enabled'))}, so verl runs no distillation. Fix: "
+            f"distillation.enabled=True")
 
 
 FSDP_STRATEGIES = ("fsdp", "fsdp2")
