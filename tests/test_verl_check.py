@@ -423,6 +423,8 @@ def test_the_fused_line_claims_overlap_metrics_only_up_to_linear_topks_limit(cap
     ("veomni", "VeOmni's own chunk_logprobs", "Fix: use_fused_kernels=False (rl-kernels serves VeOmni's logits path)"),
 ])
 def test_the_fused_path_of_an_engine_the_patch_does_not_reach_is_not_on(capsys, engine, own, fix):
+    if not _has_model_engine(engine):
+        pytest.skip(f"this verl's config has no model_engine={engine}")
     """issue 52: model_engine=veomni read 'ON: fused path', exit 0, although VeOmni's fused micro-batches go to
     its own chunk_logprobs: OFF on the fused path (exit 1, as for a fused path verl's own kernel serves), a
     WARNING naming the engine and where its fused micro-batches go, with the fix."""
@@ -480,3 +482,31 @@ def test_a_loss_mode_without_distillation_enabled_is_said_to_be_ignored(capsys):
                       "distillation.enabled=false, so verl runs no distillation. Fix: distillation.enabled=True"), out
     code = main(["verl-check", *BASE, *DISTILL, f"{LOSS_MODE}=forward_kl_topk"])
     assert code == 0 and "ignored" not in capsys.readouterr().out
+
+
+def _has_model_engine(name: str) -> bool:
+    """Whether this verl's config has the option ``model_engine=name`` (the group came with the engine workers)."""
+    spec = importlib.util.find_spec("verl")
+    return os.path.isfile(os.path.join(os.path.dirname(spec.origin), "trainer", "config", "model_engine", f"{name}.yaml"))
+
+
+@pytest.mark.parametrize("engine,path,name,strategy", [("megatron", "fused", "Megatron", "megatron"),
+                                                       ("megatron", "logits", "Megatron", "megatron"),
+                                                       ("dp", "fused", "FSDP", "fsdp")])
+def test_the_on_line_names_the_engine(capsys, engine, path, name, strategy):
+    if not _has_model_engine(engine):
+        pytest.skip(f"this verl's config has no model_engine={engine}")
+    code, line = _check(capsys, SEARCH, f"+rl_kernels={path}", f"model_engine={engine}")
+    assert code == 0 and line.startswith(f"rl-kernels is ON: {path} path"), line
+    assert f"(actor_rollout_ref.model) on verl's {name} engine (actor_rollout_ref.actor.strategy={strategy})" in line, line
+
+
+def test_an_entry_that_fails_to_import_names_the_missing_module_and_the_install(capsys, tmp_path, monkeypatch):
+    (tmp_path / "entry_missing_dep.py").write_text("import rl_kernels_no_such_dependency\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code = main(["verl-check", "--entry", "entry_missing_dep", *BASE])
+    captured = capsys.readouterr()
+    lines = captured.out.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and "Traceback" not in captured.out + captured.err, captured
+    assert "entry_missing_dep fails to import: no module named 'rl_kernels_no_such_dependency'. Fix: pip install -e " \
+        '".[verl]"' in lines[0], lines

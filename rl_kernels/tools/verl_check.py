@@ -91,6 +91,12 @@ def compose(overrides: list[str], entry: str = ENTRY, flags: tuple[str, ...] = (
             warnings.simplefilter("always")
             try:
                 runpy.run_module(entry, run_name="__main__", alter_sys=False)
+            except ImportError as exc:  # the entry exists (the CLI checked) but what it imports does not
+                missing = getattr(exc, "name", None)
+                raise ComposeError(f"{entry} fails to import: " +
+                                   (f"no module named {missing!r}" if missing else " ".join(str(exc).split())) +
+                                   f". Fix: pip install -e \".[verl]\" (from the root of a clone of rl-kernels: "
+                                   f"verl and its dependencies)") from None
             except SystemExit as exc:
                 code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     finally:
@@ -450,7 +456,7 @@ def _imported_verdict(cfg: dict, model: dict) -> Verdict:
                                   f"(rl-kernels' fused head serves the FSDP and Megatron engines). Fix: {fix}")
         return Verdict(True, f"rl-kernels is ON: fused path (use_fused_kernels=True, impl_backend={BACKEND_NAME}), "
                              f"backend={opts.backend}, {options_text}; the actor and the reference model "
-                             f"(actor_rollout_ref.model){_fused_distillation_note(cfg, model, opts)}"
+                             f"(actor_rollout_ref.model){_engine_text(cfg)}{_fused_distillation_note(cfg, model, opts)}"
                              f"{_per_sample_temperature_note(cfg, opts)}{anomaly_dir_note(cfg, opts)}")
     if not opts.patch_logits_path:
         return Verdict(False, "rl-kernels is OFF: use_fused_kernels=False (verl's logits path) with "
@@ -458,7 +464,19 @@ def _imported_verdict(cfg: dict, model: dict) -> Verdict:
                               f"impl_backend={BACKEND_NAME}, or drop patch_logits_path=False")
     return Verdict(True, f"rl-kernels is ON: logits path (use_fused_kernels=False: verl's from-logits functions "
                          f"replaced), {options_text}; the actor and the reference model (actor_rollout_ref.model)"
-                         f"{anomaly_dir_note(cfg, opts)}")
+                         f"{_engine_text(cfg)}{anomaly_dir_note(cfg, opts)}")
+
+
+ENGINE_NAMES = {"fsdp": "FSDP", "fsdp2": "FSDP", "megatron": "Megatron", "veomni": "VeOmni"}
+
+
+def _engine_text(cfg: dict) -> str:
+    """`` on verl's Megatron engine (strategy=megatron)`` for the ON line: the engine the actor's
+    strategy selects ('' where the config names none)."""
+    strategy = _section(cfg, "actor_rollout_ref.actor.strategy")
+    if not isinstance(strategy, str):
+        return ""
+    return f" on verl's {ENGINE_NAMES.get(strategy, repr(strategy))} engine (actor_rollout_ref.actor.strategy={strategy})"
 
 
 def anomaly_dir_note(cfg: dict, opts: VerlOptions) -> str:
