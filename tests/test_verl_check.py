@@ -416,7 +416,8 @@ def test_the_fused_line_claims_overlap_metrics_only_up_to_linear_topks_limit(cap
     assert ("the overlap metrics too" in line) == metrics, line
     if not metrics:
         assert f"WARNING: no overlap metrics for topk={topk}: K > {MAX_TOPK}, the largest k of rl_kernels.linear_topk" \
-            in line and "Fix: distillation.distillation_loss.topk=128 or less for them, or overlap_metrics=false" in line, line
+            in line, line
+        assert "Fix: distillation.distillation_loss.topk=128 or less for them, or overlap_metrics=false" in line, line
 
 
 @pytest.mark.parametrize("engine,own,fix", [
@@ -442,8 +443,9 @@ def test_the_fused_path_of_an_unknown_engine_is_not_on():
                                  "model": {"external_lib": "rl_kernels.integrations.verl", "use_fused_kernels": True,
                                            "fused_kernel_options": {"impl_backend": "rl_kernels"}}}}
     verdict = diagnose(cfg)
-    assert not verdict.on and "WARNING: engine 'torchtitan'" in verdict.line and "that engine's own fused forward" \
-        in verdict.line and verdict.line.endswith("Fix: model_engine=fsdp (or megatron) for rl-kernels' fused head"), \
+    assert not verdict.on and "WARNING: engine 'torchtitan'" in verdict.line, verdict.line
+    assert "that engine's own fused forward" in verdict.line, verdict.line
+    assert verdict.line.endswith("Fix: model_engine=dp (FSDP) or model_engine=megatron for rl-kernels' fused head"), \
         verdict.line
 
 
@@ -453,7 +455,8 @@ def test_the_fused_path_of_an_unknown_engine_is_not_on():
     ("++algorithm.gama=0.9", "algorithm.gama=0.9", "Fix: did you mean algorithm.gamma=0.9?"),
     (f"+{MODEL}.use_remove_paddin=True", f"{MODEL}.use_remove_paddin=true",
      f"Fix: did you mean {MODEL}.use_remove_padding=true?"),
-    ("+actor_rollout_ref.actor.zzz.q=1", "actor_rollout_ref.actor.zzz.q=1", "Fix: remove +actor_rollout_ref.actor.zzz.q"),
+    ("+actor_rollout_ref.actor.zzz.q=1", "actor_rollout_ref.actor.zzz.q=1",
+     "Fix: remove +actor_rollout_ref.actor.zzz.q"),
 ])
 def test_an_added_key_verls_config_has_no_field_for_is_off_with_the_nearest(capsys, override, shown, fix):
     """issue 52: a misspelt '+' key under actor_rollout_ref / algorithm / distillation read ON with no remark."""
@@ -487,7 +490,8 @@ def test_a_loss_mode_without_distillation_enabled_is_said_to_be_ignored(capsys):
 def _has_model_engine(name: str) -> bool:
     """Whether this verl's config has the option ``model_engine=name`` (the group came with the engine workers)."""
     spec = importlib.util.find_spec("verl")
-    return os.path.isfile(os.path.join(os.path.dirname(spec.origin), "trainer", "config", "model_engine", f"{name}.yaml"))
+    folder = os.path.join(os.path.dirname(spec.origin), "trainer", "config", "model_engine")
+    return os.path.isfile(os.path.join(folder, f"{name}.yaml"))
 
 
 @pytest.mark.parametrize("engine,path,name,strategy", [("megatron", "fused", "Megatron", "megatron"),
@@ -498,7 +502,8 @@ def test_the_on_line_names_the_engine(capsys, engine, path, name, strategy):
         pytest.skip(f"this verl's config has no model_engine={engine}")
     code, line = _check(capsys, SEARCH, f"+rl_kernels={path}", f"model_engine={engine}")
     assert code == 0 and line.startswith(f"rl-kernels is ON: {path} path"), line
-    assert f"(actor_rollout_ref.model) on verl's {name} engine (actor_rollout_ref.actor.strategy={strategy})" in line, line
+    assert f"(actor_rollout_ref.model) on verl's {name} engine (actor_rollout_ref.actor.strategy={strategy})" in line, \
+        line
 
 
 def test_an_entry_that_fails_to_import_names_the_missing_module_and_the_install(capsys, tmp_path, monkeypatch):

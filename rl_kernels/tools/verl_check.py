@@ -21,6 +21,13 @@ an error, each leaving rl-kernels off or an option unset:
 * a bad value under ``fused_kernel_options.rl_kernels`` (``backend=tritn``): otherwise refused only
   in a Ray worker, when it builds the model.
 
+The ON line describes what verl will run for the config, so it is OFF (exit 1) as well for: a value
+verl's config classes refuse at start (:func:`bad_values`: ``use_fused_kernels=Flase``), a
+distillation loss mode verl does not know (:func:`known_loss_modes`), a ``+`` / ``++`` key under
+``SCHEMA_ROOTS`` that verl's config classes have no field for (:func:`_added_keys`), the fused path
+of an engine the patch does not reach (VeOmni, torchtitan, ...), and an entry point that fails to
+import. The ON line names the engine.
+
 After that line, one line per optional feature the config asks for that rl-kernels serves only on
 some engines and paths: Σπ² (``actor.calculate_sum_pi_squared=True``, :func:`sum_pi_squared_note`),
 top-K distillation on the logits paths and the ``forward_kl_topk_tail`` loss mode that rl-kernels
@@ -449,7 +456,7 @@ def _imported_verdict(cfg: dict, model: dict) -> Verdict:
         if isinstance(strategy, str) and strategy not in FSDP_STRATEGIES + ("megatron",):
             own = "VeOmni's own chunk_logprobs" if strategy == "veomni" else "that engine's own fused forward"
             fix = ("use_fused_kernels=False (rl-kernels serves VeOmni's logits path)" if strategy == "veomni" else
-                   "model_engine=fsdp (or megatron) for rl-kernels' fused head")
+                   "model_engine=dp (FSDP) or model_engine=megatron for rl-kernels' fused head")
             return Verdict(False, f"rl-kernels is OFF on the fused path: WARNING: engine {strategy!r} "
                                   f"(actor_rollout_ref.actor.strategy={strategy}): its fused micro-batches go to "
                                   f"{own}, which no rl-kernels patch reaches, so nothing on this path is served "
@@ -476,7 +483,8 @@ def _engine_text(cfg: dict) -> str:
     strategy = _section(cfg, "actor_rollout_ref.actor.strategy")
     if not isinstance(strategy, str):
         return ""
-    return f" on verl's {ENGINE_NAMES.get(strategy, repr(strategy))} engine (actor_rollout_ref.actor.strategy={strategy})"
+    name = ENGINE_NAMES.get(strategy, repr(strategy))
+    return f" on verl's {name} engine (actor_rollout_ref.actor.strategy={strategy})"
 
 
 def anomaly_dir_note(cfg: dict, opts: VerlOptions) -> str:
@@ -545,9 +553,10 @@ def _fused_distillation_note(cfg: dict, model: dict, opts: VerlOptions) -> str:
                    f"topk={MAX_TOPK} or less for them, or overlap_metrics=false")
     else:
         overlap = None
-    overlap = overlap or ("the overlap metrics too (overlap_count, overlap_token_advantage: rl_kernels.linear_topk, about 1.5 "
-               "head matmuls more per micro-batch; overlap_metrics=false turns them off)" if opts.overlap_metrics
-               else "the overlap metrics off (overlap_metrics=false: verl logs no distillation/overlap_ratio)")
+    overlap = overlap or (
+        "the overlap metrics too (overlap_count, overlap_token_advantage: rl_kernels.linear_topk, about 1.5 "
+        "head matmuls more per micro-batch; overlap_metrics=false turns them off)" if opts.overlap_metrics
+        else "the overlap metrics off (overlap_metrics=false: verl logs no distillation/overlap_ratio)")
     if strategy == "megatron":
         return (f"; top-K distillation (loss_mode={mode}) served on the Megatron fused path (distillation_losses, "
                 f"student_mass, teacher_mass from rl-kernels' vocab-parallel fused head; needs "
