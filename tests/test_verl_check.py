@@ -229,7 +229,6 @@ def test_sum_pi_squared_note_per_engine_and_path(cfg, expected):
     ("megatron", {}, "; a per-sample temperature (a tensor) is served on the fused path"),
     ("megatron", {"patch_megatron_fused": False}, "; a per-sample temperature (a tensor) is NOT served on the "
                                                   "Megatron fused path with patch_megatron_fused=False"),
-    ("veomni", {}, None),
 ])
 def test_the_fused_line_says_what_serves_a_per_sample_temperature(strategy, options, expected):
     cfg = {"actor_rollout_ref": {"actor": {"strategy": strategy},
@@ -272,8 +271,6 @@ def test_the_check_leaves_verl_unpatched():
     ("megatron", True, {"patch_megatron_fused": False}, "WARNING: top-K distillation (loss_mode=forward_kl_topk) is "
                                                         "NOT served on the Megatron fused path with "
                                                         "patch_megatron_fused=False"),
-    ("veomni", True, {}, "WARNING: top-K distillation (loss_mode=forward_kl_topk) is NOT served by rl-kernels on the "
-                         "fused path of strategy 'veomni'"),
     ("fsdp", False, {}, "WARNING: top-K distillation (loss_mode=forward_kl_topk) is NOT served on the fused path with "
                         "use_remove_padding=False"),
     ("fsdp2", True, {}, "; the overlap metrics too (overlap_count, overlap_token_advantage: rl_kernels.linear_topk"),
@@ -358,3 +355,163 @@ def test_the_tail_mode_is_reported_for_the_composed_config(capsys):
     assert code == 0 and len(out) == 2 and out[0].startswith("rl-kernels is ON: logits path"), out
     assert out[1].startswith("top-K distillation (loss_mode=forward_kl_topk_tail, strategy=fsdp, logits path): served "
                              "by rl-kernels"), out
+
+
+BASE = (SEARCH, "+rl_kernels=fused")
+
+
+@pytest.mark.parametrize("override,shown,expected,fix", [
+    (f"{MODEL}.use_fused_kernels=Flase", f"{MODEL}.use_fused_kernels='Flase'", "a bool (true or false), as "
+     "HFModelConfig.use_fused_kernels is typed", f"Fix: did you mean {MODEL}.use_fused_kernels=False?"),
+    (f"{MODEL}.use_remove_padding=ture", f"{MODEL}.use_remove_padding='ture'", "a bool (true or false)",
+     f"Fix: did you mean {MODEL}.use_remove_padding=true?"),
+    ("actor_rollout_ref.actor.ppo_epochs=1.5", "actor_rollout_ref.actor.ppo_epochs=1.5", "an integer, as ",
+     "Fix: correct actor_rollout_ref.actor.ppo_epochs"),
+])
+def test_a_value_verls_config_classes_refuse_is_off_naming_key_value_and_type(capsys, override, shown, expected, fix):
+    """A value that verl's dataclass conversion refuses at start (issue 52: 'use_fused_kernels=Flase' read as
+    the fused path, exit 0): exit 1, the key, the value and what verl's field type expects, converted as verl
+    converts it (OmegaConf's nodes on the dataclass field's type)."""
+    code, line = _check(capsys, *BASE, override)
+    assert code == 1 and line.startswith("rl-kernels is OFF: verl would refuse this config at start"), line
+    assert f"{shown} (verl expects {expected}" in line and line.endswith(fix), line
+    if "did you mean" in fix:  # the fix composes and is on
+        code, line = _check(capsys, *BASE, fix.removeprefix("Fix: did you mean ").removesuffix("?"))
+        assert code == 0 and line.startswith("rl-kernels is ON"), line
+
+
+DISTILL = ("distillation.enabled=True",)
+LOSS_MODE = "distillation.distillation_loss.loss_mode"
+
+
+@pytest.mark.skipif(not _has_distillation(), reason="this verl has no distillation (0.7.x)")
+@pytest.mark.parametrize("mode,near", [("forward_kl_topk_tial", "forward_kl_topk_tail"),
+                                       ("forward_kl_topK", "forward_kl_topk"), ("low_var_k", "low_var_kl")])
+def test_a_loss_mode_verl_does_not_know_is_off_with_the_nearest(capsys, mode, near):
+    """issue 52: 'forward_kl_topk_tial' was reported served (the check matched 'topk' in the name); verl
+    refuses it at start. The known modes are verl's registry's plus rl-kernels' tail mode."""
+    from verl.trainer.distillation.losses import DISTILLATION_SETTINGS_REGISTRY
+
+    code, line = _check(capsys, *BASE, *DISTILL, f"{LOSS_MODE}={mode}")
+    assert code == 1 and line.startswith("rl-kernels is OFF: verl would refuse this config at start"), line
+    assert f"{LOSS_MODE}='{mode}' is no distillation loss mode verl knows" in line, line
+    for known in set(DISTILLATION_SETTINGS_REGISTRY) | {"forward_kl_topk_tail"}:
+        assert known in line, (known, line)
+    assert line.endswith(f"Fix: did you mean {LOSS_MODE}={near}?"), line
+    code = main(["verl-check", *BASE, *DISTILL, f"{LOSS_MODE}={near}"])
+    assert code == 0 and capsys.readouterr().out.startswith("rl-kernels is ON"), near
+
+
+@pytest.mark.skipif(not _has_distillation(), reason="this verl has no distillation (0.7.x)")
+@pytest.mark.parametrize("topk,metrics", [(128, True), (129, False), (256, False)])
+def test_the_fused_line_claims_overlap_metrics_only_up_to_linear_topks_limit(capsys, topk, metrics):
+    """issue 52: topk=256 was reported with 'the overlap metrics too (... linear_topk ...)', although K above
+    rl_kernels.linear_topk's limit gets none on the fused paths."""
+    from rl_kernels.linear import MAX_TOPK
+
+    code = main(["verl-check", *BASE, *DISTILL, f"{LOSS_MODE}=forward_kl_topk",
+                 f"distillation.distillation_loss.topk={topk}"])
+    line = capsys.readouterr().out.strip().splitlines()[0]
+    assert code == 0 and "top-K distillation (loss_mode=forward_kl_topk) served on the fused path" in line, line
+    assert ("the overlap metrics too" in line) == metrics, line
+    if not metrics:
+        assert f"WARNING: no overlap metrics for topk={topk}: K > {MAX_TOPK}, the largest k of rl_kernels.linear_topk" \
+            in line, line
+        assert "Fix: distillation.distillation_loss.topk=128 or less for them, or overlap_metrics=false" in line, line
+
+
+@pytest.mark.parametrize("engine,own,fix", [
+    ("veomni", "VeOmni's own chunk_logprobs", "Fix: use_fused_kernels=False (rl-kernels serves VeOmni's logits path)"),
+])
+def test_the_fused_path_of_an_engine_the_patch_does_not_reach_is_not_on(capsys, engine, own, fix):
+    if not _has_model_engine(engine):
+        pytest.skip(f"this verl's config has no model_engine={engine}")
+    """issue 52: model_engine=veomni read 'ON: fused path', exit 0, although VeOmni's fused micro-batches go to
+    its own chunk_logprobs: OFF on the fused path (exit 1, as for a fused path verl's own kernel serves), a
+    WARNING naming the engine and where its fused micro-batches go, with the fix."""
+    code, line = _check(capsys, *BASE, f"model_engine={engine}")
+    assert code == 1 and line.startswith(f"rl-kernels is OFF on the fused path: WARNING: engine '{engine}' "
+                                         f"(actor_rollout_ref.actor.strategy={engine}): its fused micro-batches go "
+                                         f"to {own}, which no rl-kernels patch reaches"), line
+    assert line.endswith(fix), line
+    code, line = _check(capsys, *BASE, f"model_engine={engine}", f"{MODEL}.use_fused_kernels=False")
+    assert code == 0 and line.startswith("rl-kernels is ON: logits path"), line
+
+
+def test_the_fused_path_of_an_unknown_engine_is_not_on():
+    cfg = {"actor_rollout_ref": {"actor": {"strategy": "torchtitan"},
+                                 "model": {"external_lib": "rl_kernels.integrations.verl", "use_fused_kernels": True,
+                                           "fused_kernel_options": {"impl_backend": "rl_kernels"}}}}
+    verdict = diagnose(cfg)
+    assert not verdict.on and "WARNING: engine 'torchtitan'" in verdict.line, verdict.line
+    assert "that engine's own fused forward" in verdict.line, verdict.line
+    assert verdict.line.endswith("Fix: model_engine=dp (FSDP) or model_engine=megatron for rl-kernels' fused head"), \
+        verdict.line
+
+
+@pytest.mark.parametrize("override,shown,fix", [
+    ("+actor_rollout_ref.actor.calculate_sum_pi_square=True", "actor_rollout_ref.actor.calculate_sum_pi_square=true",
+     "Fix: did you mean actor_rollout_ref.actor.calculate_sum_pi_squared=true?"),
+    ("++algorithm.gama=0.9", "algorithm.gama=0.9", "Fix: did you mean algorithm.gamma=0.9?"),
+    (f"+{MODEL}.use_remove_paddin=True", f"{MODEL}.use_remove_paddin=true",
+     f"Fix: did you mean {MODEL}.use_remove_padding=true?"),
+    ("+actor_rollout_ref.actor.zzz.q=1", "actor_rollout_ref.actor.zzz.q=1",
+     "Fix: remove +actor_rollout_ref.actor.zzz.q"),
+])
+def test_an_added_key_verls_config_has_no_field_for_is_off_with_the_nearest(capsys, override, shown, fix):
+    """issue 52: a misspelt '+' key under actor_rollout_ref / algorithm / distillation read ON with no remark."""
+    code, line = _check(capsys, *BASE, override)
+    assert code == 1 and line.startswith("rl-kernels is OFF: the overrides add a key that verl's config has no field "
+                                         f"for: {shown} ("), line
+    assert line.endswith(fix), line
+    if "did you mean" in fix:  # the fix composes and is on (a second line may say what serves the feature)
+        code = main(["verl-check", *BASE, fix.removeprefix("Fix: did you mean ").removesuffix("?")])
+        out = capsys.readouterr().out
+        assert code == 0 and out.startswith("rl-kernels is ON"), out
+
+
+@pytest.mark.parametrize("override", [f"+{MODEL}.override_config.attention_dropout=0.0", "++algorithm.gamma=0.9"])
+def test_an_added_key_in_a_free_form_dict_or_an_existing_key_is_not_flagged(capsys, override):
+    code, line = _check(capsys, *BASE, override)
+    assert code == 0 and line.startswith("rl-kernels is ON"), line
+
+
+@pytest.mark.skipif(not _has_distillation(), reason="this verl has no distillation (0.7.x)")
+def test_a_loss_mode_without_distillation_enabled_is_said_to_be_ignored(capsys):
+    code = main(["verl-check", *BASE, f"{LOSS_MODE}=forward_kl_topk", "distillation.distillation_loss.topk=64"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert code == 0 and len(out) == 2 and out[0].startswith("rl-kernels is ON"), out
+    assert out[1] == (f"WARNING: {LOSS_MODE}=forward_kl_topk, distillation.distillation_loss.topk=64 are ignored: "
+                      "distillation.enabled=false, so verl runs no distillation. Fix: distillation.enabled=True"), out
+    code = main(["verl-check", *BASE, *DISTILL, f"{LOSS_MODE}=forward_kl_topk"])
+    assert code == 0 and "ignored" not in capsys.readouterr().out
+
+
+def _has_model_engine(name: str) -> bool:
+    """Whether this verl's config has the option ``model_engine=name`` (the group came with the engine workers)."""
+    spec = importlib.util.find_spec("verl")
+    folder = os.path.join(os.path.dirname(spec.origin), "trainer", "config", "model_engine")
+    return os.path.isfile(os.path.join(folder, f"{name}.yaml"))
+
+
+@pytest.mark.parametrize("engine,path,name,strategy", [("megatron", "fused", "Megatron", "megatron"),
+                                                       ("megatron", "logits", "Megatron", "megatron"),
+                                                       ("dp", "fused", "FSDP", "fsdp")])
+def test_the_on_line_names_the_engine(capsys, engine, path, name, strategy):
+    if not _has_model_engine(engine):
+        pytest.skip(f"this verl's config has no model_engine={engine}")
+    code, line = _check(capsys, SEARCH, f"+rl_kernels={path}", f"model_engine={engine}")
+    assert code == 0 and line.startswith(f"rl-kernels is ON: {path} path"), line
+    assert f"(actor_rollout_ref.model) on verl's {name} engine (actor_rollout_ref.actor.strategy={strategy})" in line, \
+        line
+
+
+def test_an_entry_that_fails_to_import_names_the_missing_module_and_the_install(capsys, tmp_path, monkeypatch):
+    (tmp_path / "entry_missing_dep.py").write_text("import rl_kernels_no_such_dependency\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code = main(["verl-check", "--entry", "entry_missing_dep", *BASE])
+    captured = capsys.readouterr()
+    lines = captured.out.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and "Traceback" not in captured.out + captured.err, captured
+    assert "entry_missing_dep fails to import: no module named 'rl_kernels_no_such_dependency'. Fix: pip install -e " \
+        '".[verl]"' in lines[0], lines

@@ -21,6 +21,13 @@ an error, each leaving rl-kernels off or an option unset:
 * a bad value under ``fused_kernel_options.rl_kernels`` (``backend=tritn``): otherwise refused only
   in a Ray worker, when it builds the model.
 
+The ON line describes what verl will run for the config, so it is OFF (exit 1) as well for: a value
+verl's config classes refuse at start (:func:`bad_values`: ``use_fused_kernels=Flase``), a
+distillation loss mode verl does not know (:func:`known_loss_modes`), a ``+`` / ``++`` key under
+``SCHEMA_ROOTS`` that verl's config classes have no field for (:func:`_added_keys`), the fused path
+of an engine the patch does not reach (VeOmni, torchtitan, ...), and an entry point that fails to
+import. The ON line names the engine.
+
 After that line, one line per optional feature the config asks for that rl-kernels serves only on
 some engines and paths: Σπ² (``actor.calculate_sum_pi_squared=True``, :func:`sum_pi_squared_note`),
 top-K distillation on the logits paths and the ``forward_kl_topk_tail`` loss mode that rl-kernels
@@ -41,6 +48,7 @@ import sys
 from typing import NamedTuple
 
 from ..integrations.verl_modes import TAIL_MODE
+from ..linear import MAX_TOPK
 from ..integrations.verl_schema import BACKEND_NAME, VerlOptions, names_rl_kernels, validated_options
 
 GROUP = "rl_kernels"
@@ -90,6 +98,12 @@ def compose(overrides: list[str], entry: str = ENTRY, flags: tuple[str, ...] = (
             warnings.simplefilter("always")
             try:
                 runpy.run_module(entry, run_name="__main__", alter_sys=False)
+            except ImportError as exc:  # the entry exists (the CLI checked) but what it imports does not
+                missing = getattr(exc, "name", None)
+                raise ComposeError(f"{entry} fails to import: " +
+                                   (f"no module named {missing!r}" if missing else " ".join(str(exc).split())) +
+                                   f". Fix: pip install -e \".[verl]\" (from the root of a clone of rl-kernels: "
+                                   f"verl and its dependencies)") from None
             except SystemExit as exc:
                 code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     finally:
@@ -256,6 +270,134 @@ def _stray_text(strays: list[tuple[str, str]]) -> tuple[str, str]:
             f"only under {OPTIONS_KEY})", fixes)
 
 
+_SCALARS = {bool: ("BooleanNode", "a bool (true or false)"), int: ("IntegerNode", "an integer"),
+            float: ("FloatNode", "a float")}
+
+
+def _dataclass_of(target) -> type | None:
+    """The dataclass that a config node's ``_target_`` names (verl builds the node into it), or None."""
+    import importlib
+
+    if not isinstance(target, str) or "." not in target:
+        return None
+    module, _, name = target.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except Exception:  # noqa: BLE001 - a target this process cannot import: nothing to check it against
+        return None
+    return cls if dataclasses.is_dataclass(cls) else None
+
+
+def _field_type(hint):
+    """(the scalar type or Enum class of a dataclass field's type hint, Optional[...] unwrapped), or None."""
+    import enum
+    import typing
+
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is typing.Union and len(args) == 1:
+        hint = args[0]
+    if hint in _SCALARS or (isinstance(hint, type) and issubclass(hint, enum.Enum)):
+        return hint
+    return None
+
+
+def bad_values(cfg: dict) -> list[tuple[str, object, str, str | None]]:
+    """(key, composed value, what verl expects, the nearest valid spelling or None) per value that verl's
+    own config classes refuse when verl builds them: for every node whose ``_target_`` names a
+    dataclass (``HFModelConfig``, ``ActorConfig``, ...), each field typed bool, int, float or an Enum,
+    converted as verl converts it (``omega_conf_to_dataclass`` merges the node into
+    ``OmegaConf.structured(cls)``: OmegaConf's ``BooleanNode`` / ``IntegerNode`` / ``FloatNode`` /
+    ``EnumNode``, here one field at a time). Interpolations (``${...}``) are left to verl."""
+    import enum
+    import typing
+
+    import omegaconf
+
+    found: list[tuple[str, object, str, str | None]] = []
+
+    def walk(node, path: tuple[str, ...]) -> None:
+        if not isinstance(node, dict):
+            return
+        cls = _dataclass_of(node.get("_target_"))
+        hints = {}
+        if cls is not None:
+            try:
+                hints = typing.get_type_hints(cls)
+            except Exception:  # noqa: BLE001 - unresolvable annotations: nothing to check against
+                hints = {}
+        for key, value in node.items():
+            if isinstance(value, dict):
+                walk(value, path + (str(key),))
+                continue
+            kind = _field_type(hints.get(key)) if key != "_target_" else None
+            if kind is None or value is None or (isinstance(value, str) and "${" in value):
+                continue
+            if isinstance(kind, type) and issubclass(kind, enum.Enum):
+                choices = [m.name for m in kind]
+                try:
+                    omegaconf.EnumNode(enum_type=kind, value=value)
+                    continue
+                except omegaconf.errors.ValidationError:
+                    pass
+                found.append((".".join(path + (str(key),)), value, f"one of {', '.join(choices)} ({kind.__name__})",
+                              _close(str(value), choices, cutoff=0.6)))
+                continue
+            node_name, expected = _SCALARS[kind]
+            try:
+                getattr(omegaconf, node_name)(value=value)
+                continue
+            except omegaconf.errors.ValidationError:
+                pass
+            near = _close(str(value), ["true", "false", "True", "False"], cutoff=0.6) if kind is bool else None
+            found.append((".".join(path + (str(key),)), value,
+                          f"{expected}, as {cls.__name__}.{key} is typed", near))
+
+    walk(cfg, ())
+    return found
+
+
+def _bad_values_verdict(found) -> Verdict:
+    """OFF: verl refuses the config at start (its dataclass conversion), naming each key, value and what is expected."""
+    parts, fixes = [], []
+    for key, value, expected, near in found:
+        parts.append(f"{key}={value!r} (verl expects {expected})")
+        if near is not None:
+            fixes.append(f"{key}={near}")
+    fix = f"did you mean {' '.join(fixes)}?" if fixes else "correct " + ", ".join(k for k, *_ in found)
+    return Verdict(False, f"rl-kernels is OFF: verl would refuse this config at start (its config classes do not "
+                          f"convert {'; '.join(parts)}). Fix: {fix}")
+
+
+LOSS_MODE_KEY = "distillation.distillation_loss.loss_mode"
+
+
+def known_loss_modes() -> list[str] | None:
+    """The distillation loss modes verl will accept: verl's own registry
+    (``verl.trainer.distillation.losses``, what ``DistillationLossConfig.__post_init__`` looks the
+    mode up in) plus rl-kernels' ``forward_kl_topk_tail`` (registered there by the ``external_lib``
+    import and the plugin); None for a verl without distillation."""
+    try:
+        from verl.trainer.distillation.losses import DISTILLATION_SETTINGS_REGISTRY
+    except ImportError:
+        return None
+    return sorted(set(DISTILLATION_SETTINGS_REGISTRY) | {TAIL_MODE})
+
+
+def _unknown_loss_mode_verdict(cfg: dict) -> Verdict | None:
+    """OFF when distillation is on with a loss mode verl does not know (verl refuses it at start,
+    'Unsupported loss mode'), with every known mode and the nearest spelling; None otherwise."""
+    if _section(cfg, "distillation.enabled") is not True:
+        return None
+    mode, modes = _lookup(cfg, LOSS_MODE_KEY), known_loss_modes()
+    if mode is _MISSING or modes is None or mode in modes:
+        return None
+    near = _close(str(mode), modes, cutoff=0.6)
+    fix = f"did you mean {LOSS_MODE_KEY}={near}?" if near else f"{LOSS_MODE_KEY}=<one of these modes>"
+    return Verdict(False, f"rl-kernels is OFF: verl would refuse this config at start: {LOSS_MODE_KEY}={mode!r} is "
+                          f"no distillation loss mode verl knows (DistillationLossConfig raises 'Unsupported loss "
+                          f"mode'; the modes: {', '.join(modes)}, {TAIL_MODE} being rl-kernels'). Fix: {fix}")
+
+
 def diagnose(cfg: dict, stderr: str = "", overrides: list[str] = (), added: tuple[str, ...] = ()) -> Verdict:
     """The verdict on a composed verl config (``cfg``: ``--cfg job``'s YAML as a dict; ``stderr``:
     what Hydra printed while composing; ``overrides``: the user's, for the hints; ``added``: for
@@ -265,6 +407,12 @@ def diagnose(cfg: dict, stderr: str = "", overrides: list[str] = (), added: tupl
     if not isinstance(model, dict):
         return Verdict(False, "rl-kernels is OFF: the composed config has no actor_rollout_ref.model section "
                               "(is this verl's PPO entry point?)")
+    bad = bad_values(cfg)
+    if bad:
+        return _bad_values_verdict(bad)
+    unknown_mode = _unknown_loss_mode_verdict(cfg)
+    if unknown_mode is not None:
+        return unknown_mode
     strays = stray_keys(cfg, added)
     external_lib = model.get("external_lib")
     if external_lib != EXTERNAL_LIB:  # the reason names the stray keys too
@@ -304,9 +452,18 @@ def _imported_verdict(cfg: dict, model: dict) -> Verdict:
                                   f"{impl_backend!r}, so verl's own fused kernel (or, for an unknown name, verl's "
                                   f"plain forward, after printing 'Skipping monkey patch') computes the log-probs; "
                                   f"rl-kernels is imported but replaces nothing on this path. Fix: {fix}")
+        strategy = _section(cfg, "actor_rollout_ref.actor.strategy")
+        if isinstance(strategy, str) and strategy not in FSDP_STRATEGIES + ("megatron",):
+            own = "VeOmni's own chunk_logprobs" if strategy == "veomni" else "that engine's own fused forward"
+            fix = ("use_fused_kernels=False (rl-kernels serves VeOmni's logits path)" if strategy == "veomni" else
+                   "model_engine=dp (FSDP) or model_engine=megatron for rl-kernels' fused head")
+            return Verdict(False, f"rl-kernels is OFF on the fused path: WARNING: engine {strategy!r} "
+                                  f"(actor_rollout_ref.actor.strategy={strategy}): its fused micro-batches go to "
+                                  f"{own}, which no rl-kernels patch reaches, so nothing on this path is served "
+                                  f"(rl-kernels' fused head serves the FSDP and Megatron engines). Fix: {fix}")
         return Verdict(True, f"rl-kernels is ON: fused path (use_fused_kernels=True, impl_backend={BACKEND_NAME}), "
                              f"backend={opts.backend}, {options_text}; the actor and the reference model "
-                             f"(actor_rollout_ref.model){_fused_distillation_note(cfg, model, opts)}"
+                             f"(actor_rollout_ref.model){_engine_text(cfg)}{_fused_distillation_note(cfg, model, opts)}"
                              f"{_per_sample_temperature_note(cfg, opts)}{anomaly_dir_note(cfg, opts)}")
     if not opts.patch_logits_path:
         return Verdict(False, "rl-kernels is OFF: use_fused_kernels=False (verl's logits path) with "
@@ -314,7 +471,20 @@ def _imported_verdict(cfg: dict, model: dict) -> Verdict:
                               f"impl_backend={BACKEND_NAME}, or drop patch_logits_path=False")
     return Verdict(True, f"rl-kernels is ON: logits path (use_fused_kernels=False: verl's from-logits functions "
                          f"replaced), {options_text}; the actor and the reference model (actor_rollout_ref.model)"
-                         f"{anomaly_dir_note(cfg, opts)}")
+                         f"{_engine_text(cfg)}{anomaly_dir_note(cfg, opts)}")
+
+
+ENGINE_NAMES = {"fsdp": "FSDP", "fsdp2": "FSDP", "megatron": "Megatron", "veomni": "VeOmni"}
+
+
+def _engine_text(cfg: dict) -> str:
+    """`` on verl's Megatron engine (strategy=megatron)`` for the ON line: the engine the actor's
+    strategy selects ('' where the config names none)."""
+    strategy = _section(cfg, "actor_rollout_ref.actor.strategy")
+    if not isinstance(strategy, str):
+        return ""
+    name = ENGINE_NAMES.get(strategy, repr(strategy))
+    return f" on verl's {name} engine (actor_rollout_ref.actor.strategy={strategy})"
 
 
 def anomaly_dir_note(cfg: dict, opts: VerlOptions) -> str:
@@ -375,9 +545,18 @@ def _fused_distillation_note(cfg: dict, model: dict, opts: VerlOptions) -> str:
         return (f". WARNING: top-K distillation (loss_mode={mode}) is NOT served on the Megatron fused path with "
                 f"patch_megatron_fused=False (verl's fused forward computes no distillation outputs). Fix: drop "
                 f"patch_megatron_fused=False, or use_fused_kernels=False")
-    overlap = ("the overlap metrics too (overlap_count, overlap_token_advantage: rl_kernels.linear_topk, about 1.5 "
-               "head matmuls more per micro-batch; overlap_metrics=false turns them off)" if opts.overlap_metrics
-               else "the overlap metrics off (overlap_metrics=false: verl logs no distillation/overlap_ratio)")
+    topk = _section(cfg, "distillation.distillation_loss.topk")
+    if opts.overlap_metrics and isinstance(topk, int) and not isinstance(topk, bool) and topk > MAX_TOPK:
+        overlap = (f"WARNING: no overlap metrics for topk={topk}: K > {MAX_TOPK}, the largest k of "
+                   f"rl_kernels.linear_topk, gets no overlap metrics (overlap_count, overlap_token_advantage) on the "
+                   f"fused paths, so verl logs no distillation/overlap_ratio. Fix: distillation.distillation_loss."
+                   f"topk={MAX_TOPK} or less for them, or overlap_metrics=false")
+    else:
+        overlap = None
+    overlap = overlap or (
+        "the overlap metrics too (overlap_count, overlap_token_advantage: rl_kernels.linear_topk, about 1.5 "
+        "head matmuls more per micro-batch; overlap_metrics=false turns them off)" if opts.overlap_metrics
+        else "the overlap metrics off (overlap_metrics=false: verl logs no distillation/overlap_ratio)")
     if strategy == "megatron":
         return (f"; top-K distillation (loss_mode={mode}) served on the Megatron fused path (distillation_losses, "
                 f"student_mass, teacher_mass from rl-kernels' vocab-parallel fused head; needs "
@@ -452,24 +631,74 @@ def _parsed(overrides: list[str]) -> list:
         return []
 
 
-def _added_option_keys(overrides: list[str], cfg: dict, entry: str, flags: tuple[str, ...]) -> tuple[str, ...]:
-    """The keys that a ``+KEY=...`` / ``++KEY=...`` override put into ``cfg``, outside ``OPTIONS_KEY``,
-    named as one of rl-kernels' options (or a near spelling) and absent from verl's config composed
-    without those overrides (verl has keys named ``backend`` of its own): for :func:`stray_keys`."""
-    candidates = {}
+SCHEMA_ROOTS = ("actor_rollout_ref", "algorithm", "distillation")
+"""The sections where a ``+`` / ``++`` key must be one verl's config classes have (:func:`_added_keys`)."""
+
+
+def _unknown_field(key: str, cfg: dict, base: dict) -> str | None:
+    """For a key an override added (present in ``cfg``, absent from ``base``, verl's config composed
+    without those overrides): the nearest existing spelling ('' for none) where its first component
+    that ``base`` lacks sits under a node built into a dataclass (``_target_``) that has no such field;
+    None where it sits in a free-form dict (``override_config``, ``engine_kwargs``, ...), which verl passes on."""
+    path = key.split(".")
+    node, base_node = cfg, base
+    for i, part in enumerate(path):
+        if not isinstance(base_node, dict) or part not in base_node:
+            cls = _dataclass_of(node.get("_target_")) if isinstance(node, dict) else None
+            if cls is None or part in {f.name for f in dataclasses.fields(cls)}:
+                return None
+            names = sorted({f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")} |
+                           {str(k) for k in (base_node if isinstance(base_node, dict) else {})})
+            near = _close(part, names)
+            return ("" if i == len(path) - 1 else "+") + ".".join(path[:i] + [near] + path[i + 1:]) if near else ""
+        node, base_node = node.get(part) if isinstance(node, dict) else None, base_node[part]
+    return None
+
+
+def _added_keys(overrides: list[str], cfg: dict, entry: str,
+                flags: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """The keys that a ``+KEY=...`` / ``++KEY=...`` override put into ``cfg`` and verl's config composed
+    without those overrides does not have: (those named as one of rl-kernels' options, or a near
+    spelling, outside ``OPTIONS_KEY``: for :func:`stray_keys`; (key, nearest existing spelling or '')
+    for each other one under ``SCHEMA_ROOTS`` that verl's config classes have no field for,
+    :func:`_unknown_field`). verl has keys named ``backend`` of its own: the base compose tells them apart."""
+    options, schema = {}, {}
     for o in _parsed(overrides):
         key = o.key_or_group
-        if ((o.is_add() or o.is_force_add()) and o.package is None and "/" not in key
+        if not ((o.is_add() or o.is_force_add()) and o.package is None and "/" not in key
                 and not key.startswith(f"{OPTIONS_KEY}.") and not any(_is_group_name(k) for k in key.split("."))
-                and _close(key.rsplit(".", 1)[-1], OPTION_NAMES) and _lookup(cfg, key) is not _MISSING):
-            candidates[o.input_line] = key
-    if not candidates:
-        return ()
+                and _lookup(cfg, key) is not _MISSING):
+            continue
+        if _close(key.rsplit(".", 1)[-1], OPTION_NAMES):
+            options[o.input_line] = key
+        elif key.split(".", 1)[0] in SCHEMA_ROOTS:
+            schema[o.input_line] = key
+    if not options and not schema:
+        return (), ()
     try:
-        base, _ = compose([o for o in overrides if o not in candidates], entry, flags)
+        base, _ = compose([o for o in overrides if o not in options and o not in schema], entry, flags)
     except ComposeError:  # the others need these keys: verl's config cannot say; none is called stray
-        return ()
-    return tuple(key for key in candidates.values() if _lookup(base, key) is _MISSING)
+        return (), ()
+    unknown = []
+    for key in schema.values():
+        near = _unknown_field(key, cfg, base) if _lookup(base, key) is _MISSING else None
+        if near is not None:
+            unknown.append((key, near))
+    return tuple(key for key in options.values() if _lookup(base, key) is _MISSING), tuple(unknown)
+
+
+def _unknown_keys_verdict(unknown, cfg: dict) -> Verdict:
+    """OFF: an added key that verl's config classes have no field for (verl refuses it when it builds
+    the dataclass, or nothing reads it), with the nearest existing spelling (``unknown``: :func:`_added_keys`)."""
+    parts, fixes = [], []
+    for key, near in unknown:
+        parts.append(f"{key}={_hydra_value(_lookup(cfg, key))}")
+        if near:
+            fixes.append(f"{near}={_hydra_value(_lookup(cfg, key))}")
+    fix = f"did you mean {' '.join(fixes)}?" if fixes else "remove " + ", ".join(f"+{k}" for k, _ in unknown)
+    return Verdict(False, f"rl-kernels is OFF: the overrides add {'a key' if len(parts) == 1 else 'keys'} that verl's "
+                          f"config has no field for: {'; '.join(parts)} (verl refuses it when it builds its config "
+                          f"classes, or nothing reads it). Fix: {fix}")
 
 
 def _failed_verdict(message: str, overrides: list[str]) -> Verdict:
@@ -512,9 +741,31 @@ def check(overrides: list[str], entry: str = ENTRY, flags: tuple[str, ...] = ())
         cfg, stderr = compose(overrides, entry, flags)
     except ComposeError as exc:
         return _failed_verdict(str(exc), overrides)
-    verdict = diagnose(cfg, stderr, overrides, _added_option_keys(overrides, cfg, entry, flags))
+    added, unknown = _added_keys(overrides, cfg, entry, flags)
+    if unknown:
+        verdict = _unknown_keys_verdict(unknown, cfg)
+        return verdict if bad_values(cfg) == [] else diagnose(cfg, stderr, overrides, added)
+    verdict = diagnose(cfg, stderr, overrides, added)
     return verdict._replace(notes=verdict.notes + tuple(filter(None, [sum_pi_squared_note(cfg),
-                                                                      distillation_note(cfg, entry)])))
+                                                                      distillation_note(cfg, entry),
+                                                                      ignored_distillation_note(cfg, overrides)])))
+
+
+def ignored_distillation_note(cfg: dict, overrides) -> str | None:
+    """A WARNING line when the overrides set distillation loss options (``distillation.distillation_loss.*``,
+    ``loss_mode`` first) while ``distillation.enabled`` is not true: verl runs no distillation, the
+    values are ignored. None otherwise."""
+    if not isinstance(cfg.get("distillation"), dict) or _section(cfg, "distillation.enabled") is True:
+        return None
+    keys = [o.key_or_group for o in _parsed(overrides) if o.key_or_group.startswith("distillation.distillation_loss.")
+            and not o.is_delete()]
+    if not keys:
+        return None
+    keys.sort(key=lambda k: k != LOSS_MODE_KEY)
+    shown = ", ".join(f"{k}={_hydra_value(_lookup(cfg, k))}" for k in dict.fromkeys(keys))
+    return (f"WARNING: {shown} {'is' if len(set(keys)) == 1 else 'are'} ignored: distillation.enabled="
+            f"{_hydra_value(_section(cfg, 'distillation.enabled'))}, so verl runs no distillation. Fix: "
+            f"distillation.enabled=True")
 
 
 FSDP_STRATEGIES = ("fsdp", "fsdp2")
@@ -539,7 +790,7 @@ def sum_pi_squared_note(cfg: dict) -> str | None:
     what = f"sum_pi_squared (actor.calculate_sum_pi_squared=True, strategy={strategy}"
     if not model.get("use_fused_kernels"):
         what += ", logits path)"
-        if strategy not in FSDP_STRATEGIES + ("megatron", "veomni"):
+        if strategy not in FSDP_STRATEGIES + ("megatron",):
             return f"WARNING: {what}: computed by verl's own code (rl-kernels does not serve this engine)"
         if not opts.patch_logits_path:
             return f"{what}: computed by verl's own code (patch_logits_path=False)"
@@ -639,7 +890,7 @@ def distillation_note(cfg: dict, entry: str = ENTRY) -> str | None:
                   ("" if why_not else " and by rl-kernels' verl.plugins entry point")) if tail else ""
     if fused:  # the verdict's fused line says what serves it; only the registration is left to say
         return f"{what}: see the fused line{registered}" if tail else None
-    if strategy not in FSDP_STRATEGIES + ("megatron", "veomni"):
+    if strategy not in FSDP_STRATEGIES + ("megatron",):
         return (f"WARNING: {what}: rl-kernels does not serve this engine" +
                 (", the update raises VerlIntegrationError (no tail-aware terms)" if tail else
                  ": verl's own code computes it"))
