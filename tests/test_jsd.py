@@ -11,8 +11,20 @@ import rl_kernels.autograd.backward_schedule as rl_autograd
 from rl_kernels import linear_jsd
 
 from rl_kernels.reference import reference_jsd
+from tolerances import assert_close_f32, head_magnitude
 
 N, HS, HT, V = 13, 24, 40, 203
+
+
+def _bounds(hs, ws, ht, wt, temperature=1.0, reduction="none"):
+    """float32 rounding bounds (tests/support/tolerances.py): a logit's dot product over the larger hidden size,
+    1/T rounded and the product by it (2), each head's log-softmax row sum over V, the JSD's sum over V of the
+    mixture's terms, T^2 rounded and the product by it (2), a reduction's sum over the N rows (+ 1 for its
+    division); a student gradient then sums over the V columns (dh) or the N rows (dW) once more. The magnitude
+    is the larger of the two heads' (times N for "sum")."""
+    fwd = max(HS, HT) + 2 * V + 4 + (N + 1 if reduction != "none" else 0)
+    m = max(head_magnitude(hs, ws, temperature), head_magnitude(ht, wt, temperature))
+    return fwd, fwd + max(V, N), m * (N if reduction == "sum" else 1)
 
 
 @pytest.fixture(autouse=True)
@@ -51,9 +63,10 @@ def test_jsd_values_and_student_gradients(poison, backend, beta, temperature, re
     (up.float() * got).sum().backward()
     assert got.dtype == torch.float32 and got.shape == ref.shape
     assert float(ref.detach().abs().max()) > 1e-3  # the heads differ: a zero loss would not test anything
-    torch.testing.assert_close(got.double(), ref.detach(), atol=2e-6, rtol=2e-5)
-    torch.testing.assert_close(hsx.grad.double(), hs64.grad, atol=2e-6, rtol=1e-4)
-    torch.testing.assert_close(wsx.grad.double(), ws64.grad, atol=2e-6, rtol=1e-4)
+    fwd, grad, m = _bounds(hs, ws, ht, wt, temperature, reduction)
+    assert_close_f32(got, ref, depth=fwd, logits=m, msg="loss")
+    assert_close_f32(hsx.grad, hs64.grad, depth=grad, logits=m, floor=0, msg="dh")
+    assert_close_f32(wsx.grad, ws64.grad, depth=grad, logits=m, floor=0, msg="dw")
     assert torch.all(hsx.grad[labels == -100] == 0)
 
 
@@ -75,7 +88,8 @@ def test_jsd_3d_leading_shape_and_bf16_triton():
     got = linear_jsd(hs, ws, ht, wt, beta=0.5, labels=labels, reduction="none", backend="triton")
     ref = reference_jsd(hs.double(), ws.double(), ht.double(), wt.double(), labels, 0.5, 1.0, "none")
     assert got.shape == (3, 5)
-    torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-4)
+    fwd, _, m = _bounds(hs, ws, ht, wt)  # bfloat16 inputs, exact in the float64 reference; a float32 loss
+    assert_close_f32(got, ref, depth=fwd, logits=m)
 
 
 def test_jsd_bad_inputs_name_the_argument():
@@ -122,7 +136,8 @@ def test_jsd_fused_k_loop_is_bitwise_equal_to_two_loops(monkeypatch, beta):
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
     ref = reference_jsd(hs.double(), ws.double(), ht.double(), wt.double(), torch.zeros(N, dtype=torch.long),
                      beta, 1.0, "none")
-    torch.testing.assert_close(results[1][0].double(), ref, atol=2e-6, rtol=2e-5)
+    fwd, _, m = _bounds(hs, ws, ht, wt)
+    assert_close_f32(results[1][0], ref, depth=fwd, logits=m)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -142,9 +157,10 @@ def test_mask_selects_positions_like_labels(backend):
     hx, wx = hs.clone().requires_grad_(), ws.clone().requires_grad_()
     got = linear_jsd(hx, wx, ht, wt, labels=labels, mask=mask, backend=backend)
     got.backward()
-    torch.testing.assert_close(got.double(), ref.detach(), atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(hx.grad.double(), h64.grad, atol=2e-5, rtol=1e-4)
-    torch.testing.assert_close(wx.grad.double(), w64.grad, atol=2e-5, rtol=1e-4)
+    fwd, grad, m = _bounds(hs, ws, ht, wt, 1.0, "mean")
+    assert_close_f32(got, ref, depth=fwd, logits=m, msg="loss")
+    assert_close_f32(hx.grad, h64.grad, depth=grad, logits=m, floor=0, msg="dh")
+    assert_close_f32(wx.grad, w64.grad, depth=grad, logits=m, floor=0, msg="dw")
     assert torch.all(hx.grad[~both] == 0)
     with pytest.raises(ValueError, match="mask: expected a bool/0-1 tensor of shape"):
         linear_jsd(hs, ws, ht, wt, mask=mask[:3], backend=backend)

@@ -25,6 +25,7 @@ import rl_kernels.ops.linear_topk as topk_ops
 import rl_kernels.torch_ops.linear_topk as topk_torch
 from rl_kernels import linear_topk
 from rl_kernels.ops.config import INTERPRETER_CONFIG, forced_config
+from tolerances import assert_close_f32, head_magnitude
 
 BACKENDS = ["torch", "triton"]
 SMALL = dataclasses.replace(INTERPRETER_CONFIG, split_v=64, block_m=16, block_n=32, block_k=16, group_m=2)
@@ -65,12 +66,17 @@ def _inputs(n, h, v, seed=0, dtype=torch.float32, integers=False):
     return hidden.to(dtype), weight.to(dtype)
 
 
-def _check(out, ref, atol=2e-5):
+def _check(out, ref, hidden, weight, temperature=1.0, softcap=None):
+    """The ids equal float64's; the log-probs within float32 rounding (tests/support/tolerances.py): a logit's
+    dot product over H, the softcap's division, tanh and product (3), 1/T rounded and the product by it (2),
+    the row's sum over V (its lse); the magnitude the head's (a softcap only shrinks the logits)."""
     (lp, ids), (ref_lp, ref_ids) = out, ref
     assert lp.dtype == torch.float32 and ids.dtype == torch.int64
     assert not lp.requires_grad and not ids.requires_grad
     assert torch.equal(ids, ref_ids), (ids != ref_ids).nonzero()[:5]
-    torch.testing.assert_close(lp.double(), ref_lp, atol=atol, rtol=0)
+    h, v = weight.shape[1], weight.shape[0]
+    assert_close_f32(lp, ref_lp, depth=h + v + 2 + (3 if softcap is not None else 0),
+                     logits=head_magnitude(hidden, weight, temperature), msg="log p of the top k")
     assert (lp[..., 1:] <= lp[..., :-1]).all()
 
 
@@ -93,7 +99,7 @@ def test_against_float64_topk(name, backend, poison):
         kth = z.sort(-1, descending=True).values[:, k - 1:k + 1]
         assert (kth[:, 0] == kth[:, 1]).any() if k < v else True
     out = linear_topk(hidden, weight, k=k, temperature=temperature, softcap=softcap, backend=backend)
-    _check(out, reference(hidden, weight, k, temperature, softcap))
+    _check(out, reference(hidden, weight, k, temperature, softcap), hidden, weight, temperature, softcap)
 
 
 def test_split_count_changes_no_bit(monkeypatch):
@@ -105,7 +111,7 @@ def test_split_count_changes_no_bit(monkeypatch):
     for splits in (1, 2, 4):
         _splits(monkeypatch, splits)
         outs.append(linear_topk(hidden, weight, k=9, temperature=0.9, backend="triton"))
-        _check(outs[-1], ref)
+        _check(outs[-1], ref, hidden, weight, 0.9)
     for lp, ids in outs[1:]:
         assert torch.equal(lp, outs[0][0]) and torch.equal(ids, outs[0][1])
     lp1, ids1 = linear_topk(hidden[5:6], weight, k=9, temperature=0.9, backend="triton")
@@ -119,7 +125,7 @@ def test_per_row_temperature_3d_and_empty(backend, monkeypatch):
     temperature = torch.rand(12, generator=torch.Generator().manual_seed(1)) * 1.5 + 0.4
     out = linear_topk(hidden.view(3, 4, 16), weight, k=6, temperature=temperature.view(3, 4), backend=backend)
     assert out[0].shape == out[1].shape == (3, 4, 6)
-    _check(out, reference(hidden.view(3, 4, 16), weight, 6, temperature.view(3, 4)))
+    _check(out, reference(hidden.view(3, 4, 16), weight, 6, temperature.view(3, 4)), hidden, weight, temperature)
     lp, ids = linear_topk(hidden[:0], weight, k=6, backend=backend)
     assert lp.shape == ids.shape == (0, 6)
 
@@ -127,7 +133,7 @@ def test_per_row_temperature_3d_and_empty(backend, monkeypatch):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bf16(backend):
     hidden, weight = _inputs(9, 32, 203, seed=5, dtype=torch.bfloat16)
-    _check(linear_topk(hidden, weight, k=4, backend=backend), reference(hidden, weight, 4))
+    _check(linear_topk(hidden, weight, k=4, backend=backend), reference(hidden, weight, 4), hidden, weight)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -142,7 +148,7 @@ def test_nan_row_only_that_row(backend, poison):
     lp, ids = linear_topk(bad, weight, k=5, backend=backend)
     assert lp[4].isnan().all() and (ids[4] == -1).all()
     keep = torch.arange(9) != 4
-    _check((lp[keep], ids[keep]), tuple(r[keep] for r in reference(hidden, weight, 5)))
+    _check((lp[keep], ids[keep]), tuple(r[keep] for r in reference(hidden, weight, 5)), hidden[keep], weight)
 
     bad_w = weight.clone()
     bad_w[7, 0] = float("nan")
@@ -226,7 +232,7 @@ def test_fullgraph_compile_equals_eager(backend):
         for e, c in zip(f(h, weight, temperature), compiled(h, weight, temperature)):
             assert torch.equal(e, c)
         lp, ids = compiled(h, weight, temperature)
-        _check((lp / 2, ids - 1), reference(h, weight, 4, temperature))
+        _check((lp / 2, ids - 1), reference(h, weight, 4, temperature), h, weight, temperature)
     assert counter.frame_count == 1, counter.frame_count
 
 

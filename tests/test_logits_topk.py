@@ -21,6 +21,7 @@ import rl_kernels.torch_ops.logits as torch_logits
 from rl_kernels.autograd.logits import FAMILY, LogitsParams
 from rl_kernels.backends import get_backend
 from rl_kernels import linear_topk_kl, topk_kl_from_logits, topk_log_probs_from_logits
+from tolerances import assert_close_f32, head_magnitude, logits_magnitude
 
 BACKENDS = ["torch", "triton"]
 
@@ -40,6 +41,13 @@ def _ids(lead, v, k, g, duplicates=False):
         if k >= 4:
             ids[n - 1, 1] = ids[n - 1, 3] = ids[n - 1, 2]
     return ids.reshape(*lead, k)
+
+
+def _depths(v):
+    """float32 rounding bounds from materialized logits (tests/support/tolerances.py): 1/T rounded and the
+    product by it (2), the row's sum over its v columns (the lse); a gradient is then combined over the v
+    columns once more (p times the sum of the K upstream weights, the entropy's terms)."""
+    return v + 2, 2 * v + 2
 
 
 def _reference_log_probs(logits, ids, temperature):
@@ -73,9 +81,11 @@ def test_values_and_gradients(poison, backend, case):
     (ref * up.double()).sum().backward()
     assert got.dtype == torch.float32 and got.shape == ids.shape
     assert x.grad.dtype == dtype and x.grad.shape == base.shape
-    torch.testing.assert_close(got.double(), ref.detach(), atol=1e-5, rtol=1e-5)
+    fwd, grad = _depths(v)
+    m = logits_magnitude(base, temperature)
+    assert_close_f32(got, ref, depth=fwd, logits=m, msg="top-K log p")
     if dtype == torch.float32:
-        torch.testing.assert_close(x.grad.double(), x64.grad, atol=1e-6, rtol=1e-5)
+        assert_close_f32(x.grad, x64.grad, depth=grad, logits=m, floor=0, msg="dx")
     else:  # each element rounded once to bfloat16 (8 significant bits): within one ulp, 2^-7
         err = (x.grad.double() - x64.grad).abs()  # relative (the interpreter's conversion truncates)
         assert bool((err <= x64.grad.abs() * 2.0 ** -7 + 1e-7).all()), err.max()
@@ -118,9 +128,11 @@ def test_token_ids_with_other_statistics_in_one_function(poison, backend, others
     for name in others.split("+"):  # (the family's rule: ignored rows take the lse's gradient only)
         ref = ref + (want[name] * weights[name].double() * (keep if name == "entropy" else 1)).sum()
     ref.backward()
+    fwd, grad = _depths(v)
+    m = logits_magnitude(base, temperature)
     for name, out in outs.items():
-        torch.testing.assert_close(out.double()[keep], want[name].detach()[keep], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(x.grad.double(), x64.grad, atol=1e-6, rtol=1e-5)
+        assert_close_f32(out[keep], want[name][keep], depth=fwd, logits=m, msg=name)
+    assert_close_f32(x.grad, x64.grad, depth=grad, logits=m, floor=0, msg="dx")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -134,8 +146,10 @@ def test_int32_ids_strided_logits_and_no_gradient(backend):
     x64 = big[:, ::2].double().requires_grad_()
     ref = _reference_log_probs(x64, ids.long(), 0.8)
     ref.sum().backward()
-    torch.testing.assert_close(got.double(), ref.detach(), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(leaf.grad[:, ::2].double(), x64.grad, atol=1e-6, rtol=1e-5)
+    fwd, grad = _depths(101)
+    m = logits_magnitude(big[:, ::2], 0.8)
+    assert_close_f32(got, ref, depth=fwd, logits=m, msg="top-K log p")
+    assert_close_f32(leaf.grad[:, ::2], x64.grad, depth=grad, logits=m, floor=0, msg="dx")
     assert torch.all(leaf.grad[:, 1::2] == 0)
     with torch.no_grad():  # the forward alone (no autograd node): the same bits
         assert torch.equal(topk_log_probs_from_logits(leaf[:, ::2], ids, temperature=0.8, backend=backend),
@@ -162,7 +176,9 @@ def test_reruns_are_bitwise_identical_and_duplicates_write_one_value():
                              up[2, 2:].sum()]).reshape(3, 2)
     x = base.clone().requires_grad_()
     (topk_log_probs_from_logits(x, merged_ids, backend="triton") * merged_up).sum().backward()
-    torch.testing.assert_close(first[[0, 2]], x.grad[[0, 2]], atol=1e-7, rtol=1e-6)
+    # two float32 gradients of the same value: twice the bound of one against the exact value
+    assert_close_f32(first[[0, 2]], x.grad[[0, 2]], depth=2 * _depths(101)[1], logits=logits_magnitude(base),
+                     floor=0, msg="merged vs repeated ids")
 
 
 # ----------------------------------------------------------------------------- memory: N x V tensors
@@ -248,8 +264,14 @@ def test_topk_kl_values_and_gradients(poison, backend, kind, renorm, reduction, 
     (got * up).sum().backward()
     (ref * up.double()).sum().backward()
     assert got.dtype == torch.float32 and got.shape == ref.shape
-    torch.testing.assert_close(got.double(), ref.detach(), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(x.grad.double(), x64.grad, atol=1e-6, rtol=1e-5)
+    # + the KL's sum over the K ids (and the teacher's renormalization), T^2 rounded and the product by it (2), a
+    # reduction's sum over the 8 rows (+ 1 for its division); magnitude the larger of the logits' and the
+    # teacher's log-probs (times 8 for "sum")
+    n = math.prod(lead)
+    fwd = _depths(v)[0] + k + 2 + (n + 1 if reduction != "none" else 0)
+    m = max(logits_magnitude(base, temperature), logits_magnitude(t_lp)) * (n if reduction == "sum" else 1)
+    assert_close_f32(got, ref, depth=fwd, logits=m, msg="loss")
+    assert_close_f32(x.grad, x64.grad, depth=fwd + v, logits=m, floor=0, msg="dx")
     assert torch.all(x.grad[~valid] == 0)
 
 
@@ -267,8 +289,13 @@ def test_topk_kl_from_logits_equals_linear_topk_kl_on_the_same_logits():
         b = topk_kl_from_logits(h2 @ w.T, ids, t_lp, temperature=1.2, mask=mask, kind=kind, backend="torch")
         a.backward()
         b.backward()
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
-        torch.testing.assert_close(h1.grad, h2.grad, atol=1e-6, rtol=1e-5)
+        # two float32 results: twice one's bound against the exact value (a logit's dot product over H = 16,
+        # 1/T's and T^2's two roundings each, the row's sum over V = 61, the KL's over K = 4, batchmean's over 9
+        # rows + 1; dh: + its sum over V)
+        fwd = 16 + 61 + 4 + 4 + 9 + 1
+        m = max(head_magnitude(h, w, 1.2), logits_magnitude(t_lp))
+        assert_close_f32(a, b, depth=2 * fwd, logits=m, msg=f"{kind} loss")
+        assert_close_f32(h1.grad, h2.grad, depth=2 * (fwd + 61), logits=m, floor=0, msg=f"{kind} dh")
 
 
 # ----------------------------------------------------------------------------- torch.compile

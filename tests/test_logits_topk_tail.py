@@ -27,9 +27,21 @@ import rl_kernels.torch_ops.logits as torch_logits
 from rl_kernels import topk_kl_from_logits, topk_log_probs_from_logits
 from rl_kernels.autograd.logits import FAMILY, LogitsParams
 from rl_kernels.backends import get_backend
+from tolerances import assert_close_f32, logits_magnitude
 
 BACKENDS = ["torch", "triton"]
-TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def _fwd(v):
+    """float32 rounding bounds from materialized logits (tests/support/tolerances.py): 1/T rounded and the product
+    by it (2), the row's sums over its v columns (lse, the tail's logsumexp); a gradient combines those over the v
+    columns once more (+ v); the tail KL adds its sum over the K ids, the tail term's log1p / exp (2) and T^2's two
+    roundings (2)."""
+    return v + 2
+
+
+def _kl(v, k):
+    return _fwd(v) + k + 4
 
 
 @pytest.fixture(autouse=True)
@@ -79,9 +91,10 @@ def test_tail_values_and_gradients(poison, backend, case):
     ref_q, ref_tail = _reference(x64, ids, temperature)
     ((ref_q * up.double()).sum() + (ref_tail * up_tail.double()).sum()).backward()
     assert bool((ref_tail.exp() >= 1e-6).all())  # (the tolerance's domain)
-    torch.testing.assert_close(log_q.reshape(n, k).double(), ref_q.detach(), **TOL)
-    torch.testing.assert_close(tail.reshape(n).double(), ref_tail.detach(), **TOL)
-    torch.testing.assert_close(x.grad.reshape(n, v).double(), x64.grad, **TOL)
+    m = logits_magnitude(base, temperature)
+    assert_close_f32(log_q.reshape(n, k), ref_q, depth=_fwd(v), logits=m, msg="log q at the ids")
+    assert_close_f32(tail.reshape(n), ref_tail, depth=_fwd(v), logits=m, msg="log q_tail")
+    assert_close_f32(x.grad.reshape(n, v), x64.grad, depth=_fwd(v) + v, logits=m, floor=0, msg="dx")
     with torch.no_grad():  # the forward alone: the same bits; the log-probs those of the call without tail
         again = topk_log_probs_from_logits(x, ids.reshape(*lead, k), temperature=temperature, backend=backend,
                                            return_tail=True)
@@ -108,11 +121,13 @@ def test_the_kernels_launch_shapes_give_the_same_tail_bits(poison):
     cfg = ops.logits_config(x.device)
     runs = [ops.logits_forward(x, None, params, cfg, two_level=two, last_combines=last, tail_ids=sorted_tail_ids(ids))
             for two, last in ((False, None), (True, True), (True, False))]
+    m = logits_magnitude(x, 0.9)
     for key in ("lse", "tail_lse", "tail_log_probs"):
         assert torch.equal(runs[1][key], runs[2][key]), key
-        torch.testing.assert_close(runs[0][key], runs[1][key], atol=5e-7, rtol=0)  # (ulp of a log-sum < 4: 2.4e-7)
+        # two float32 results: twice one's bound against the exact value
+        assert_close_f32(runs[0][key], runs[1][key], depth=2 * _fwd(v), logits=m, msg=key)
     ref_q, ref_tail = _reference(x.double(), ids, 0.9)
-    torch.testing.assert_close(runs[0]["tail_log_probs"].double(), ref_tail, **TOL)
+    assert_close_f32(runs[0]["tail_log_probs"], ref_tail, depth=_fwd(v), logits=m, msg="log q_tail")
     everything = torch.arange(v).expand(1, v).contiguous()
     whole = ops.logits_forward(x[:1], None, params, cfg, two_level=True, tail_ids=sorted_tail_ids(everything))
     assert whole["tail_lse"].item() == -math.inf and whole["tail_log_probs"].item() == -math.inf
@@ -131,8 +146,10 @@ def test_the_tail_alone_gets_the_k_columns_right(backend):
     (topk_log_probs_from_logits(x, ids, temperature=0.6, backend=backend, return_tail=True)[1] * up).sum().backward()
     x64 = base.double().requires_grad_()
     (_reference(x64, ids, 0.6)[1] * up.double()).sum().backward()
-    torch.testing.assert_close(x.grad.double(), x64.grad, **TOL)
-    torch.testing.assert_close(x.grad.gather(1, ids).double(), x64.grad.gather(1, ids), atol=1e-6, rtol=1e-5)
+    m = logits_magnitude(base, 0.6)
+    assert_close_f32(x.grad, x64.grad, depth=_fwd(v) + v, logits=m, floor=0, msg="dx")
+    assert_close_f32(x.grad.gather(1, ids), x64.grad.gather(1, ids), depth=_fwd(v) + v, logits=m, floor=0,
+                     msg="dx at the K ids")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -185,9 +202,10 @@ def test_tail_kl_values_and_gradients(poison, backend, kind):
     ref = torch.where(valid, reference_tail_kl(log_q, log_q_tail, t_lp, kind) * temperature ** 2, 0.0)
     (ref * up.reshape(n).double()).sum().backward()
     assert got.shape == lead and got.dtype == torch.float32
-    torch.testing.assert_close(got.reshape(n).double(), ref.detach(), **TOL)
+    m = max(logits_magnitude(base[valid], temperature), logits_magnitude(t_lp))
+    assert_close_f32(got.reshape(n), ref, depth=_kl(v, k), logits=m, msg="loss")
     grad = x.grad.reshape(n, v)
-    torch.testing.assert_close(grad[valid].double(), x64.grad[valid], **TOL)
+    assert_close_f32(grad[valid], x64.grad[valid], depth=_kl(v, k) + v, logits=m, floor=0, msg="dx")
     assert torch.equal(grad[~valid], torch.zeros_like(grad[~valid]))  # exactly, the NaN row included
     # the tail's terms matter here: where the teacher leaves a tail (P < 0.99) the loss without them differs
     far = valid & (t_lp.double().exp().sum(-1) < 0.99)
@@ -212,7 +230,8 @@ def test_a_non_finite_row_stays_in_its_row(backend):
     assert not torch.isfinite(got[1]) and bool(torch.isfinite(got[ok]).all())
     assert bool(torch.isfinite(x.grad[ok]).all()) and not bool(torch.isfinite(x.grad[1]).all())
     log_q, log_q_tail = _reference(base[ok].double(), ids[ok], 1.0)
-    torch.testing.assert_close(got[ok].double(), reference_tail_kl(log_q, log_q_tail, t_lp[ok], "reverse"), **TOL)
+    m = max(logits_magnitude(base[ok]), logits_magnitude(t_lp))
+    assert_close_f32(got[ok], reference_tail_kl(log_q, log_q_tail, t_lp[ok], "reverse"), depth=_kl(v, k), logits=m)
 
 
 # ----------------------------------------------------------------------------- ill-conditioned
@@ -242,7 +261,8 @@ def test_ill_conditioned_tail_mass(backend, q_tail):
     assert bool(((ref_tail.detach() - math.log(q_tail)).abs() < 0.2).all())
     with torch.no_grad():
         log_q, tail = topk_log_probs_from_logits(base, ids, backend=backend, return_tail=True)
-    torch.testing.assert_close(tail.double(), ref_tail.detach(), **TOL)
+    m = max(logits_magnitude(base), logits_magnitude(t_lp))
+    assert_close_f32(tail, ref_tail, depth=_fwd(v), logits=m, msg="log q_tail")
     naive = torch.log(1.0 - log_q.exp().sum(-1))  # float32, as a caller without the tail would form it
     naive_err = (naive.double() - ref_tail.detach()).abs()
     assert bool((naive_err > 1e-2).all() if q_tail > 1e-20 else (naive_err > 10).all()), naive_err
@@ -254,8 +274,8 @@ def test_ill_conditioned_tail_mass(backend, q_tail):
         x64.grad = None
         ref = reference_tail_kl(*_reference(x64, ids, 1.0), t_lp, kind)
         (ref * up.double()).sum().backward()
-        torch.testing.assert_close(got.double(), ref.detach(), **TOL)
-        torch.testing.assert_close(x.grad.double(), x64.grad, **TOL)
+        assert_close_f32(got, ref, depth=_kl(v, k), logits=m, msg=f"{kind} loss")
+        assert_close_f32(x.grad, x64.grad, depth=_kl(v, k) + v, logits=m, floor=0, msg=f"{kind} dx")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -278,8 +298,10 @@ def test_k_equal_to_v_has_no_tail_and_a_finite_loss(backend):
         ref = reference_tail_kl(*_reference(x64, ids, 1.0), t_lp, kind).sum()
         ref.backward()
         assert bool(torch.isfinite(got)) and bool(torch.isfinite(x.grad).all())
-        torch.testing.assert_close(got.double(), ref.detach(), **TOL)
-        torch.testing.assert_close(x.grad.double(), x64.grad, **TOL)
+        m = max(logits_magnitude(base), logits_magnitude(t_lp)) * n  # reduction "sum" over the n rows
+        depth = _kl(v, v) + n + 1
+        assert_close_f32(got, ref, depth=depth, logits=m, msg=f"{kind} loss")
+        assert_close_f32(x.grad, x64.grad, depth=depth + v, logits=m, floor=0, msg=f"{kind} dx")
 
 
 # ----------------------------------------------------------------------------- bad inputs
