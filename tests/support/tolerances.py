@@ -9,7 +9,8 @@ Algorithms*, 2nd ed., 2002, §3.1, Lemma 3.1 and eq. 3.5) is
     |error| <= gamma_n * (the magnitude summed),   gamma_n = n u / (1 - n u),   u = 2**-24,
 
 whatever the order of the sum: any BLAS kernel (MKL picks its kernels by instruction set,
-``MKL_ENABLE_INSTRUCTIONS=SSE4_2`` / ``AVX2`` / ``AVX512``), vector width
+``MKL_ENABLE_INSTRUCTIONS=SSE4_2`` / ``AVX2`` / ``AVX512``; so does numpy's OpenBLAS, which the Triton
+interpreter's ``tl.dot`` runs on, ``OPENBLAS_CORETYPE=Nehalem`` / ``Haswell`` / ``SkylakeX``), vector width
 (``ATEN_CPU_CAPABILITY``), thread count or tiling satisfies it. A bound of that form holds on every
 machine; a bound read off one machine's errors does not.
 
