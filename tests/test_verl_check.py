@@ -515,3 +515,44 @@ def test_an_entry_that_fails_to_import_names_the_missing_module_and_the_install(
     assert code == 1 and len(lines) == 1 and "Traceback" not in captured.out + captured.err, captured
     assert "entry_missing_dep fails to import: no module named 'rl_kernels_no_such_dependency'. Fix: pip install -e " \
         '".[verl]"' in lines[0], lines
+
+
+def _group_options():
+    """Every option the group's files set under fused_kernel_options.rl_kernels (conf/rl_kernels/*.yaml)."""
+    import pathlib
+
+    import yaml
+
+    options = set()
+    for path in (pathlib.Path(__file__).parents[1] / "conf" / "rl_kernels").glob("*.yaml"):
+        node = yaml.safe_load(path.read_text()) or {}
+        for key in ("actor_rollout_ref", "model", "fused_kernel_options", "rl_kernels"):
+            node = (node or {}).get(key, {})
+        options |= set(node)
+    return options
+
+
+# one bad value per option of the group: the check refuses it (as a Ray worker would) and names the option
+BAD_VALUE = {"backend": "tritn", "patch_logits_path": 3, "overlap_metrics": "maybe", "anomaly_dir": 7,
+             "anomaly_max_count": -1, "anomaly_max_bytes": "x", "anomaly_max_log_prob": -1,
+             "anomaly_recheck_every": -1, "anomaly_recheck_rows": -2, "anomaly_recheck_tolerance": -1}
+
+
+def test_every_option_of_the_group_has_a_case():
+    assert _group_options() == set(BAD_VALUE), "an option of conf/rl_kernels/*.yaml without a bad-value case here"
+
+
+@pytest.mark.parametrize("option", sorted(BAD_VALUE))
+def test_a_bad_value_of_each_group_option_is_off_naming_it(capsys, option):
+    code, line = _check(capsys, SEARCH, "+rl_kernels=fused_anomaly",
+                        f"{MODEL}.fused_kernel_options.rl_kernels.{option}={BAD_VALUE[option]}")
+    assert code == 1 and line.startswith("rl-kernels is OFF: ") and f"rl_kernels.{option}: expected" in line, line
+
+
+def test_the_anomaly_group_names_the_absolute_directory_of_every_worker(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("RL_KERNELS_ANOMALY_DIR", str(tmp_path))
+    code, line = _check(capsys, SEARCH, "+rl_kernels=fused_anomaly")
+    assert code == 0 and f"samples to {tmp_path} on every worker" in line, line
+    code, line = _check(capsys, SEARCH, "+rl_kernels=fused_anomaly",
+                        f"{MODEL}.fused_kernel_options.rl_kernels.anomaly_dir=relative/dir")
+    assert code == 0 and "WARNING: anomaly_dir='relative/dir' is relative" in line, line
