@@ -134,3 +134,35 @@ def test_no_module_of_the_verl_package_is_shadowed_by_an_exported_name():
     bound |= {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
     assert {"patch", "options", "configure"} <= bound and "patching" in submodules  # a test of the test
     assert not submodules & bound, f"modules of {PATCHING} hidden by names its __init__ binds: {sorted(submodules & bound)}"
+
+
+def _cycles(graph: dict) -> list[list[str]]:
+    """Every import cycle of ``graph`` (module -> the modules it imports), each as a path that
+    starts and ends at the same module, found by depth-first search."""
+    found, state = [], {}
+
+    def visit(node, path):
+        state[node] = "open"
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == "open":
+                found.append(path[path.index(dep):] + [dep])
+            elif dep not in state:
+                visit(dep, path + [dep])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    return found
+
+
+def test_no_import_cycle_between_modules():
+    """No module imports, directly or through others, a module that imports it back (a package's
+    ``__init__``, which binds its modules' names, is left out: Python runs it first anyway). A test
+    of the test: a planted back-edge is found."""
+    known = modules()
+    graph = {name: {dep for dep in imports(name, path, known) if not known.get(dep, "").endswith("__init__.py")}
+             for name, path in known.items() if not path.endswith("__init__.py")}
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
+    cycles = _cycles(graph)
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)

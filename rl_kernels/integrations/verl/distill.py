@@ -62,13 +62,14 @@ from typing import NamedTuple
 import torch
 
 from ..._logging import log_once
-from ...distill import linear_log_probs_at_ids, topk_kl_per_token
+from ...distill import linear_log_probs_at_ids
 from ...linear import MAX_TOPK, linear_topk
 from ...logits import topk_log_probs_from_logits
 from .. import verl_modes
 from ..verl_modes import TAIL_MODE, check_tail_config, is_tail_mode
 from .common import (VerlIntegrationError, check_signature, left_to_verl, outside_kernels, record, replace_by_name,
                      save_logits_for_backward, set_attr, with_context)
+from .distill_terms import OVERLAP_KEYS, distinct_on_padding, overlap_metrics, tail_terms, topk_terms  # noqa: F401
 from .settings import options
 from .signatures import has_module
 
@@ -264,16 +265,6 @@ def _token_rows(nested_ids):
     return torch.nested.nested_tensor_from_jagged(values, offsets=nested_ids.offsets())
 
 
-def distinct_on_padding(teacher_ids, rows):
-    """``teacher_ids`` with the padding rows' ids (``rows`` 0: rows verl's layout added, whose outputs
-    it drops) replaced by 0..K-1: the library's tail log-mass needs distinct ids in each row, and those
-    rows hold K zeros. Token rows are left as they are (a repeated id there is refused by the library)."""
-    if rows is None:
-        return teacher_ids
-    filler = torch.arange(teacher_ids.shape[-1], device=teacher_ids.device, dtype=teacher_ids.dtype)
-    return torch.where(rows.to(teacher_ids.device).bool()[..., None], teacher_ids, filler)
-
-
 def _tensor_parallel(logits) -> dict:
     """The vocab-parallel arguments for this rank's logits shard (Megatron's TP group; empty with one rank)."""
     from megatron.core import parallel_state
@@ -341,29 +332,6 @@ def logits_topk_outputs(student_logits, teacher_log_probs, teacher_ids, loss_con
     return out
 
 
-OVERLAP_KEYS = ("overlap_count", "overlap_token_advantage")
-"""verl's top-K overlap metrics (arXiv:2604.13016), the model-output keys its ``forward_kl_topk`` loss
-reads (optional: it logs ``distillation/overlap_ratio`` and ``distillation/overlap_token_advantage``
-when both are there)."""
-
-
-def overlap_metrics(teacher_ids, student_ids, slot_t, slot_q) -> dict:
-    """verl's overlap metrics per token, on every path (logits and fused): ``overlap_count``, how many
-    of the teacher's ids ``teacher_ids`` (..., K) are among the student's top-K ids ``student_ids``
-    (..., K) (int64), and ``overlap_token_advantage``, the mean over those ids of -p_t (log p_t -
-    log q) from the teacher's and the student's log-probs at the teacher's ids ``slot_t`` / ``slot_q``
-    (..., K) as the loss mode takes them (forward_kl_topk: after ``log_prob_min_clamp``; the tail mode:
-    unclamped), 0 where there is none. No gradient; the advantage in the dtype of the terms."""
-    with torch.no_grad():
-        in_student_topk = (teacher_ids[..., :, None] == student_ids[..., None, :]).any(-1)
-        overlap_count = in_student_topk.sum(-1)
-        # (a product with the 0/1 selection, as verl's: a non-finite term outside it gives NaN there too)
-        advantage = (-(slot_t.exp() * (slot_t - slot_q)) * in_student_topk).sum(-1)
-        advantage = advantage / overlap_count.clamp_min(1)
-        advantage = torch.where(overlap_count > 0, advantage, torch.zeros((), device=advantage.device))
-    return dict(zip(OVERLAP_KEYS, (overlap_count, advantage)))
-
-
 def fused_overlap_metrics(hidden_states, weight, teacher_ids, slot_t, slot_q, *, temperature, backend: str,
                           path: str, process_group=None, vocab_start_index=None) -> dict:
     """:func:`overlap_metrics` on a fused path (no logits): the student's top-K ids from
@@ -390,52 +358,6 @@ def fused_overlap_metrics(hidden_states, weight, teacher_ids, slot_t, slot_q, *,
                                      vocab_start_index=vocab_start_index)
     return overlap_metrics(teacher_ids, student_ids, slot_t, slot_q)
 
-
-def topk_terms(log_q, teacher_log_probs, clamp, *, clamp_masses: bool = False) -> tuple:
-    """verl's per-token top-K forward KL terms from the student's log-probs at the teacher's ids
-    (``verl.trainer.distillation.fsdp.losses.compute_forward_kl_topk``, both of rl-kernels' paths):
-    ``log_q`` (..., K) float32, ``teacher_log_probs`` (..., K), ``clamp`` verl's
-    ``log_prob_min_clamp`` (None: no clamp) -> ``(distillation_losses, student_mass, teacher_mass,
-    log_q, teacher_log_probs)``: the masses sum exp over the K slots before the clamp, both sides
-    are then clamped below at ``clamp``, the loss is sum_k p_k (log p_k - log q_k) in float32 (the
-    clamped log-probs are returned for the overlap metrics). ``clamp_masses``: the masses sum exp of
-    the clamped log-probs instead, as verl's Megatron loss defines them
-    (``verl.trainer.distillation.megatron.losses._VocabParallelKLDivergence``)."""
-    if not clamp_masses:
-        student_mass = log_q.exp().sum(-1)
-        teacher_mass = teacher_log_probs.exp().sum(-1)
-    if clamp is not None:
-        log_q = log_q.clamp_min(clamp)
-        teacher_log_probs = teacher_log_probs.clamp_min(clamp)
-    if clamp_masses:
-        student_mass = log_q.exp().sum(-1)
-        teacher_mass = teacher_log_probs.float().exp().sum(-1)
-    log_p = teacher_log_probs.float()
-    distillation_losses = (log_p.exp() * (log_p - log_q)).sum(-1)  # forward KL over the K ids (float32)
-    return distillation_losses, student_mass, teacher_mass, log_q, teacher_log_probs
-
-
-def tail_terms(log_q, tail_log_probs, teacher_log_probs) -> dict:
-    """The per-token outputs of ``loss_mode=forward_kl_topk_tail`` from the student's log-probs at the
-    teacher's ids ``log_q`` (..., K) float32 and its log-mass outside them ``tail_log_probs`` (...)
-    (both differentiable), and the teacher's ``teacher_log_probs`` (..., K): ``distillation_losses``,
-    the tail-aware KL of :func:`rl_kernels.distill.topk_kl_per_token` (the (K+1)-category forward
-    KL, no clamp); ``student_mass`` / ``teacher_mass``, the K slots' probability (as verl's
-    forward_kl_topk, no clamp: the mode takes none); ``tail_loss``, the tail bucket's term (the loss
-    minus the K slots' sum); ``student_tail_mass``, exp of ``tail_log_probs``. float32; all but the
-    loss without gradient."""
-    k = log_q.shape[-1]
-    lead = log_q.shape[:-1]
-    teacher = teacher_log_probs.detach().float().reshape(-1, k)
-    losses = topk_kl_per_token(log_q.reshape(-1, k), teacher, kind="forward",
-                               tail_log_probs=tail_log_probs.reshape(-1)).view(lead)
-    with torch.no_grad():
-        slots = topk_kl_per_token(log_q.detach().reshape(-1, k), teacher, kind="forward").view(lead)
-    return {"distillation_losses": losses,
-            "student_mass": log_q.detach().exp().sum(-1),
-            "teacher_mass": teacher.exp().sum(-1).view(lead),
-            "tail_loss": losses.detach() - slots,
-            "student_tail_mass": tail_log_probs.detach().float().exp()}
 
 
 
@@ -886,9 +808,7 @@ def _megatron_fused_entry() -> tuple[bool, str]:
     if method is None or list(inspect.signature(method).parameters) != STEP_PARAMETERS:
         return False, f"{why} (this verl's {MEGATRON_ENGINE_CLASS}.forward_step has other parameters than " \
                       f"{STEP_PARAMETERS})"
-    from .megatron import linear_cross_entropy as ours  # (megatron.py imports this module)
-
-    served = getattr(fused, "linear_cross_entropy", None) is ours and all(
+    served = getattr(getattr(fused, "linear_cross_entropy", None), "_rl_kernels_fused_head", False) and all(
         callable(getattr(fused, name, None)) for name in ("preprocess_thd_engine", "postprocess_thd_engine"))
     if served:
         set_attr(fused, "preprocess_thd_engine", _laying_out_teacher(fused.preprocess_thd_engine))

@@ -284,6 +284,9 @@ def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="non
     return log_probs, entropy.view(labels.shape)
 
 
+linear_cross_entropy._rl_kernels_fused_head = True  # how .distill tells that the fused module's head is this one
+
+
 LOGIT_TRANSFORM_ATTRIBUTES = ("final_logit_softcapping", "logit_softcapping", "output_logit_softcapping",
                               "logits_soft_cap", "logit_scale", "logits_scaling", "lm_head_multiplier",
                               "output_multiplier", "mup_output_multiplier")
