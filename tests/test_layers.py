@@ -166,3 +166,14 @@ def test_no_import_cycle_between_modules():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
     cycles = _cycles(graph)
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_verl_integration_keeps_its_state_in_one_context_variable():
+    """What a verl step asks of the heads (entropy, Σπ², top-K, per-sample temperature, the served
+    model's head) is one ``StepRequest`` in one context variable (``common.step_request``): a
+    feature that adds its own ``ContextVar`` fails here."""
+    known = modules()
+    found = {name: pathlib.Path(path).read_text(encoding="utf-8").count("ContextVar(")
+             for name, path in known.items() if _in_patching_package(name)}
+    assert found[f"{PATCHING}.common"] == 1, found
+    assert sum(found.values()) == 1, {name: n for name, n in found.items() if n}

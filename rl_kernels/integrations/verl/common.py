@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import functools
 import importlib
 import importlib.metadata
@@ -195,14 +196,69 @@ def call_counts() -> dict:
     return out
 
 
-# ----------------------------------------------------------------------------- entropy on request
-entropy_wanted = contextvars.ContextVar("rl_kernels_entropy_wanted", default=True)
+# ----------------------------------------------------------------------------- the step request
+@dataclasses.dataclass(frozen=True)
+class StepRequest:
+    """What the verl engine step (or model forward) that runs asks of rl-kernels' heads, in the one
+    context variable of the integration (:data:`step_request`). Each field is set by the verl hook
+    that knows it, for the duration of the verl call it wraps (:class:`StepField`), and read by the
+    fused heads (FSDP :func:`~.fsdp_fused.fused_log_probs_entropy`, Megatron
+    :func:`~.megatron.linear_cross_entropy`) and the layout hooks:
+
+    * ``entropy``: verl's ``calculate_entropy`` (False: the heads skip the entropy, which verl's
+      fused forwards always ask for, verl #2608);
+    * ``sum_pi_squared``: a :class:`SumPiSquaredRequest` where the step asks Σπ² on the fused path;
+    * ``topk``: the FSDP engine's fused top-K distillation request (:class:`~.distill.TopKRequest`);
+    * ``megatron_topk``: the Megatron engine's (:class:`~.distill.MegatronTopKRequest`);
+    * ``megatron_temperature``: a per-sample temperature on the Megatron fused forward
+      (:class:`~.temperature.PerSampleTemperature`);
+    * ``serving``: a model that rl-kernels serves runs its forward (FSDP fused path);
+    * ``head``: that model's :class:`~rl_kernels.integrations.lm_heads.HeadTransform`."""
+
+    entropy: bool = True
+    sum_pi_squared: object = None
+    topk: object = None
+    megatron_topk: object = None
+    megatron_temperature: object = None
+    serving: bool = False
+    head: object = None
+
+
+step_request = contextvars.ContextVar("rl_kernels_step_request", default=StepRequest())
+"""The :class:`StepRequest` in force (the integration's only context variable)."""
+
+
+class StepField:
+    """One field of the :data:`step_request`, with a context variable's ``get`` / ``set`` /
+    ``reset``: ``set`` puts a copy of the request with that field changed in force, and ``reset``
+    puts back the request that was in force before it (the hooks set and reset in nested
+    try / finally blocks, so the fields the inner hooks set are undone with them)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        if name not in {f.name for f in dataclasses.fields(StepRequest)}:
+            raise AttributeError(f"StepRequest has no field {name!r}")
+        self.name = name
+
+    def get(self):
+        return getattr(step_request.get(), self.name)
+
+    def set(self, value) -> contextvars.Token:
+        return step_request.set(dataclasses.replace(step_request.get(), **{self.name: value}))
+
+    @staticmethod
+    def reset(token: contextvars.Token) -> None:
+        step_request.reset(token)
+
+
+entropy_wanted = StepField("entropy")
 """False while verl runs a forward with ``calculate_entropy=False`` (set by
 :func:`entropy_on_request`): the fused heads (FSDP and Megatron) then skip the entropy, which
 verl's fused forwards always ask for (verl #2608)."""
 
 
-def with_context(method, var: contextvars.ContextVar, value_of):
+def with_context(method, var: StepField, value_of):
     """Wrap a verl function: while it runs, ``var`` holds ``value_of(bound_arguments)`` (the
     arguments by name, as ``inspect.signature(method).bind`` gives them), reset after it, also
     when it raises; ``_rl_kernels_original`` keeps ``method`` for the undo."""
@@ -288,7 +344,7 @@ class SumPiSquaredRequest:
         return self.sum_pi_squared.view(log_probs.shape)
 
 
-sum_pi_squared_request = contextvars.ContextVar("rl_kernels_sum_pi_squared_request", default=None)
+sum_pi_squared_request = StepField("sum_pi_squared")
 """The :class:`SumPiSquaredRequest` of the engine forward step that runs (None: Σπ² not asked on
 the fused path); set by the engine hooks (:func:`~.fsdp_fused.wrap_sum_pi_squared_requests`,
 :func:`~.megatron.wrap_engine_sum_pi_squared`)."""

@@ -50,7 +50,6 @@ is off.
 """
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import functools
 import importlib
@@ -67,8 +66,8 @@ from ...linear import MAX_TOPK, linear_topk
 from ...logits import topk_log_probs_from_logits
 from .. import verl_modes
 from ..verl_modes import TAIL_MODE, check_tail_config, is_tail_mode
-from .common import (VerlIntegrationError, check_signature, left_to_verl, outside_kernels, record, replace_by_name,
-                     save_logits_for_backward, set_attr, with_context)
+from .common import (StepField, VerlIntegrationError, check_signature, left_to_verl, outside_kernels, record,
+                     replace_by_name, save_logits_for_backward, set_attr, with_context)
 from .distill_terms import OVERLAP_KEYS, distinct_on_padding, overlap_metrics, tail_terms, topk_terms  # noqa: F401
 from .settings import options
 from .signatures import has_module
@@ -409,7 +408,7 @@ class TopKRequest:
     extra: dict | None = None  # outputs verl's engine does not read from the aux: the tail mode's, the overlap metrics
 
 
-_request = contextvars.ContextVar("rl_kernels_topk_request", default=None)
+_request = StepField("topk")
 
 
 def topk_request() -> TopKRequest | None:
@@ -643,7 +642,7 @@ class MegatronTopKRequest:
                 and log_probs.device == mine.device)
 
 
-_megatron_request = contextvars.ContextVar("rl_kernels_megatron_topk_request", default=None)
+_megatron_request = StepField("megatron_topk")
 
 
 def megatron_topk_request() -> MegatronTopKRequest | None:

@@ -15,7 +15,6 @@ verl's refusal is lifted for that step (:func:`wrap_sum_pi_squared_requests`).
 """
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import difflib
 import functools
@@ -31,18 +30,18 @@ from ...validation import check_temperature, row_inv_temperature
 from ..lm_heads import HeadTransform, head_transform
 from ..verl_schema import BACKEND_NAME, names_rl_kernels
 from . import settings
-from .common import (SumPiSquaredRequest, VerlIntegrationError, count, entropy_on_request, entropy_placeholder,
-                     entropy_wanted, left_to_verl, micro_batch_with, outside_kernels, record, set_attr,
-                     sum_pi_squared_request)
+from .common import (StepField, SumPiSquaredRequest, VerlIntegrationError, count, entropy_on_request,
+                     entropy_placeholder, entropy_wanted, left_to_verl, micro_batch_with, outside_kernels, record,
+                     set_attr, sum_pi_squared_request)
 from .distill import serve_fused_topk, topk_request
 from .label_check import refuse_rolled_shard_labels
 from .signatures import verl_features
 
 _model_names: list[str] = []  # the models patched for rl-kernels in this process (anomaly samples name the last)
 
-_serving = contextvars.ContextVar("rl_kernels_serving", default=False)
+_serving = StepField("serving")
 """True while the forward of a model that rl-kernels serves runs (set by :func:`serving_forward`)."""
-_head = contextvars.ContextVar("rl_kernels_head", default=None)
+_head = StepField("head")
 """The :class:`~rl_kernels.integrations.lm_heads.HeadTransform` of the model whose forward runs."""
 _UNSET = object()
 

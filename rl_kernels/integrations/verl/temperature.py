@@ -39,7 +39,6 @@ go to verl's function.
 """
 from __future__ import annotations
 
-import contextvars
 import functools
 import inspect
 import logging
@@ -47,7 +46,7 @@ import logging
 import torch
 
 from ..._logging import log_once
-from .common import VerlIntegrationError, micro_batch_with, replace_by_name, set_attr
+from .common import StepField, VerlIntegrationError, micro_batch_with, replace_by_name, set_attr
 
 PART = "FSDP fused per-sample temperature"
 """This part's name in :func:`~.patching.report` (and in the line naming the FSDP engine)."""
@@ -136,7 +135,7 @@ def serve_per_sample_temperature() -> tuple[bool, str]:
 MEGATRON_PART = "Megatron fused per-sample temperature"
 """This part's name in :func:`~.patching.report` (where the Megatron fused path is patched)."""
 
-_megatron_call = contextvars.ContextVar("rl_kernels_megatron_per_sample", default=None)
+_megatron_call = StepField("megatron_temperature")
 """The :class:`PerSampleTemperature` of the Megatron engine's fused forward that runs."""
 
 
