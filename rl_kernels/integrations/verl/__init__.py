@@ -82,8 +82,13 @@ the parameter lists of its table (:data:`SIGNATURES`).
 Layout, and what patches on import. The package's modules, one job each: :mod:`.patching`
 (:func:`patch`, :func:`unpatch`, :func:`report`), :mod:`.settings` (the options in force),
 :mod:`.signatures`, :mod:`.fsdp_fused`, :mod:`.logits`, :mod:`.hooks`, :mod:`.label_check`,
-:mod:`.megatron` (the Megatron engine), :mod:`.distill`, :mod:`.temperature` (per-sample
-temperature on the fused paths) and :mod:`.common`. This ``__init__`` is
+:mod:`.megatron` (the Megatron engine), :mod:`.distill`, :mod:`.distill_terms` (verl's
+distillation math, no engine code), :mod:`.temperature` (per-sample temperature on the fused
+paths) and :mod:`.common`. What a verl step asks of the heads (entropy, Σπ², top-K distillation, a
+per-sample temperature, the served model's head) is one :class:`~.common.StepRequest` in the
+package's one context variable (``common.step_request``), each field set by the hook that knows
+it for the call it wraps; the FSDP engine's ``forward_step`` is wrapped once
+(:func:`.fsdp_fused.wrap_forward_step`) for all of them. This ``__init__`` is
 the only module that patches, but Python runs it before any module of the package is imported, so
 importing any of them patches verl too. What must not patch lives outside the package:
 :mod:`rl_kernels.integrations.verl_schema` (the options' schema, :data:`BACKEND_NAME`,

@@ -67,7 +67,7 @@ from ...logits import topk_log_probs_from_logits
 from .. import verl_modes
 from ..verl_modes import TAIL_MODE, check_tail_config, is_tail_mode
 from .common import (StepField, VerlIntegrationError, check_signature, left_to_verl, outside_kernels, record,
-                     replace_by_name, save_logits_for_backward, set_attr, with_context)
+                     replace_by_name, save_logits_for_backward, set_attr)
 from .distill_terms import OVERLAP_KEYS, distinct_on_padding, overlap_metrics, tail_terms, topk_terms  # noqa: F401
 from .settings import options
 from .signatures import has_module
@@ -426,7 +426,7 @@ def _wants_fused_topk(micro_batch) -> bool:
     return bool(_flag(micro_batch, "distillation_use_topk") and _flag(micro_batch, "use_fused_kernels"))
 
 
-def _request_for(micro_batch, loss_function) -> TopKRequest | None:
+def request_for(micro_batch, loss_function) -> TopKRequest | None:
     """A request for a fused, remove-padding micro-batch with top-K distillation and the teacher's
     tensors; None otherwise (verl's engine reads fused_linear_aux only with remove-padding)."""
     if not _wants_fused_topk(micro_batch) or not _flag(micro_batch, "use_remove_padding", True):
@@ -435,13 +435,6 @@ def _request_for(micro_batch, loss_function) -> TopKRequest | None:
     if "teacher_ids" not in keys or "teacher_logprobs" not in keys:
         return None
     return TopKRequest(micro_batch, loss_function)
-
-
-def fused_topk_on_request(method):
-    """Wrap the FSDP engine's ``forward_step(self, micro_batch, loss_function, forward_only)``: while
-    it runs, :func:`topk_request` is the micro-batch's request (or None)."""
-    return with_context(method, _request,
-                        lambda arguments: _request_for(arguments["micro_batch"], arguments.get("loss_function")))
 
 
 def _loss_config(loss_function):
@@ -830,8 +823,9 @@ _OVERLAP = ("verl's overlap metrics (overlap_count, overlap_token_advantage) fro
 
 
 def _patch_fsdp_fused() -> tuple[bool, str]:
-    """Serve top-K distillation on the FSDP fused path (:func:`fused_topk_on_request` on the
-    engine's ``forward_step``, :func:`_checked_outputs` on its ``prepare_model_outputs``) where
+    """Serve top-K distillation on the FSDP fused path (the request of :func:`request_for` in the
+    step request, put there by :func:`~.fsdp_fused.wrap_forward_step` on the engine's
+    ``forward_step``; :func:`_checked_outputs` on its ``prepare_model_outputs``) where
     this verl has distillation and its FSDP engine reads ``fused_linear_aux`` (read from the
     engine's source: a feature, not a version). Returns the report entry (served?, what)."""
     fsdp, why = _import_fsdp_losses()
@@ -857,7 +851,6 @@ def _patch_fsdp_fused() -> tuple[bool, str]:
         return False, (f"not served: this verl's {ENGINE_CLASS}.prepare_model_outputs reads no fused_linear_aux "
                        f"from a fused forward, so its loss finds no distillation_losses (a WARNING at the first "
                        f"such micro-batch); verl's logits path (use_fused_kernels=False) is served")
-    set_attr(engine, "forward_step", fused_topk_on_request(step))
     if _engine_lays_out_extra():
         overlap = f"{_OVERLAP}, laid out by the engine's _gather_and_unpad_packed (verl's engine reads none)"
     else:

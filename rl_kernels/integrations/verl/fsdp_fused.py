@@ -32,8 +32,8 @@ from ..verl_schema import BACKEND_NAME, names_rl_kernels
 from . import settings
 from .common import (StepField, SumPiSquaredRequest, VerlIntegrationError, count, entropy_on_request,
                      entropy_placeholder, entropy_wanted, left_to_verl, micro_batch_with, outside_kernels, record,
-                     set_attr, sum_pi_squared_request)
-from .distill import serve_fused_topk, topk_request
+                     set_attr, step_request, sum_pi_squared_request)
+from .distill import request_for, serve_fused_topk, topk_request
 from .label_check import refuse_rolled_shard_labels
 from .signatures import verl_features
 
@@ -175,8 +175,7 @@ def wrap_entropy_requests(dp_actor) -> str:
     engine = getattr(fsdp_impl, "FSDPEngineWithLMHead", None)
     method = vars(engine).get("forward_step") if engine is not None else None
     if method is not None and "micro_batch" in inspect.signature(method).parameters:
-        set_attr(engine, "forward_step", entropy_on_request(method, micro_batch_flag))
-        wrapped.append("FSDPEngineWithLMHead.forward_step")
+        wrapped.append("FSDPEngineWithLMHead.forward_step")  # (wrapped by wrap_forward_step)
     if dp_actor is not None:
         method = vars(dp_actor.DataParallelPPOActor).get("_forward_micro_batch")
         if method is not None and "calculate_entropy" in inspect.signature(method).parameters:
@@ -194,22 +193,6 @@ def _asks_fused_sum_pi_squared(micro_batch) -> bool:
 
     return bool(tu.get_non_tensor_data(data=micro_batch, key="calculate_sum_pi_squared", default=False)
                 and tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels", default=False))
-
-
-def _requesting_forward_step(forward_step):
-    """The FSDP engine's ``forward_step``: a micro-batch that asks for Σπ² on the fused path runs
-    with a fresh :class:`~.common.SumPiSquaredRequest` active (others with none)."""
-    @functools.wraps(forward_step)
-    def wrapper(self, micro_batch, *args, **kwargs):
-        request = SumPiSquaredRequest() if _asks_fused_sum_pi_squared(micro_batch) else None
-        token = sum_pi_squared_request.set(request)
-        try:
-            return forward_step(self, micro_batch, *args, **kwargs)
-        finally:
-            sum_pi_squared_request.reset(token)
-
-    wrapper._rl_kernels_original = forward_step
-    return wrapper
 
 
 def _lifting_prepare_model_outputs(prepare_model_outputs):
@@ -248,11 +231,11 @@ FUSED_SUM_PI_SQUARED_PART = "FSDP fused sum_pi_squared"
 
 def wrap_sum_pi_squared_requests() -> tuple[bool, str]:
     """Lift verl's refusal of ``calculate_sum_pi_squared=True`` with ``use_fused_kernels=True`` on
-    the FSDP engine where rl-kernels' fused head computes Σπ²: ``FSDPEngineWithLMHead.forward_step``
-    (:func:`_requesting_forward_step`) and ``prepare_model_outputs``
-    (:func:`_lifting_prepare_model_outputs`) are wrapped. Detected by feature: the engine's two
-    methods with the parameters used here, and ``calculate_sum_pi_squared`` among verl's actor
-    options. Returns (wrapped?, the report's wording)."""
+    the FSDP engine where rl-kernels' fused head computes Σπ²: ``FSDPEngineWithLMHead.prepare_model_outputs``
+    is wrapped (:func:`_lifting_prepare_model_outputs`), and :func:`wrap_forward_step` then puts a
+    :class:`~.common.SumPiSquaredRequest` into the step request of each micro-batch that asks.
+    Detected by feature: the engine's two methods with the parameters used here, and
+    ``calculate_sum_pi_squared`` among verl's actor options. Returns (served?, the report's wording)."""
     try:
         import verl.workers.engine.fsdp.transformer_impl as fsdp_impl
         from verl.workers.config.actor import ActorConfig
@@ -270,11 +253,49 @@ def wrap_sum_pi_squared_requests() -> tuple[bool, str]:
         if method is None or list(inspect.signature(method).parameters) != expected[name]:
             return False, (f"not patched (verl's FSDPEngineWithLMHead.{name} is missing or has other parameters "
                            f"than {expected[name]}): verl's own refusal stays")
-    set_attr(engine, "forward_step", _requesting_forward_step(methods["forward_step"]))
     set_attr(engine, "prepare_model_outputs", _lifting_prepare_model_outputs(methods["prepare_model_outputs"]))
     return True, ("calculate_sum_pi_squared=True with use_fused_kernels=True computed by rl-kernels' fused head "
                   "in the same pass; verl's refusal lifted where that head ran (FSDPEngineWithLMHead.forward_step, "
                   "prepare_model_outputs), verl's error stays elsewhere (impl_backend not rl_kernels, VeOmni)")
+
+
+def wrap_forward_step(*, sum_pi_squared: bool, topk: bool) -> bool:
+    """The one wrapper of ``FSDPEngineWithLMHead.forward_step(self, micro_batch, loss_function,
+    forward_only)``: while verl's method runs a micro-batch, the step request
+    (:class:`~.common.StepRequest`) holds what that micro-batch asks of the fused head, read from its
+    non-tensor data: ``entropy`` (verl's ``calculate_entropy``), ``sum_pi_squared`` (a fresh
+    :class:`~.common.SumPiSquaredRequest` where it asks Σπ² on the fused path, ``sum_pi_squared``:
+    where :func:`wrap_sum_pi_squared_requests` lifted verl's refusal) and ``topk`` (the fused top-K
+    distillation request, :func:`~.distill.request_for`, where the distillation part is served:
+    ``topk``). Returns whether this verl's engine has the method (with ``micro_batch``)."""
+    try:
+        import verl.workers.engine.fsdp.transformer_impl as fsdp_impl
+    except ImportError:
+        return False
+    engine = getattr(fsdp_impl, "FSDPEngineWithLMHead", None)
+    method = vars(engine).get("forward_step") if isinstance(engine, type) else None
+    if method is None or "micro_batch" not in inspect.signature(method).parameters:
+        return False
+    signature = inspect.signature(method)
+
+    @functools.wraps(method)
+    def forward_step(*args, **kwargs):
+        arguments = signature.bind(*args, **kwargs).arguments
+        micro_batch = arguments["micro_batch"]
+        fields = {"entropy": bool(micro_batch_flag(arguments))}
+        if sum_pi_squared:
+            fields["sum_pi_squared"] = SumPiSquaredRequest() if _asks_fused_sum_pi_squared(micro_batch) else None
+        if topk:
+            fields["topk"] = request_for(micro_batch, arguments.get("loss_function"))
+        token = step_request.set(dataclasses.replace(step_request.get(), **fields))
+        try:
+            return method(*args, **kwargs)
+        finally:
+            step_request.reset(token)
+
+    forward_step._rl_kernels_original = method
+    set_attr(engine, "forward_step", forward_step)
+    return True
 
 
 def make_fused_linear_class(base: type) -> type:

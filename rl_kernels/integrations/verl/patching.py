@@ -16,9 +16,10 @@ from ..._logging import log_once, logger
 from . import settings
 from .common import VerlIntegrationError, restore, set_attr, verl_version
 from .distill import FSDP_PART as DISTILLATION_FSDP
+from .distill import FUSED_PART as DISTILLATION_FSDP_FUSED
 from .distill import MEGATRON_PART as DISTILLATION_MEGATRON
 from .distill import TAIL_PART, patch_distillation, patch_fused_distillation, tail_entry
-from .fsdp_fused import FUSED_SUM_PI_SQUARED_PART, patch_fused_path, wrap_sum_pi_squared_requests
+from .fsdp_fused import FUSED_SUM_PI_SQUARED_PART, patch_fused_path, wrap_forward_step, wrap_sum_pi_squared_requests
 from .hooks import (registry_classmethod, wrap_dp_actor, wrap_engine_new, wrap_legacy_workers,
                     wrap_model_config)
 from .logits import (LOGITS_FUNCTIONS, REPLACEMENTS, SUM_PI_SQUARED_FUNCTION, patch_logits_path,
@@ -200,6 +201,7 @@ def _patch_all(monkey_patch, experimental_tf, torch_functional) -> dict:
         report.update(dict.fromkeys((DISTILLATION_FSDP, DISTILLATION_MEGATRON),
                                     (False, "not replaced (patch_logits_path=False)")))
     report.update(patch_fused_distillation())
+    wrap_forward_step(sum_pi_squared=report[FUSED_SUM_PI_SQUARED_PART][0], topk=report[DISTILLATION_FSDP_FUSED][0])
     report[TAIL_PART] = tail_entry(report)
     legacy_megatron = "verl.workers.megatron_workers"  # verl 0.7.x's legacy Megatron workers (no engine report)
     if legacy_megatron in sys.modules and not any(ok for ok, _ in megatron.values()):
