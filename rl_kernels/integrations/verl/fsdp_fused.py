@@ -43,27 +43,94 @@ _serving = StepField("serving")
 """True while the forward of a model that rl-kernels serves runs (set by :func:`serving_forward`)."""
 _head = StepField("head")
 """The :class:`~rl_kernels.integrations.lm_heads.HeadTransform` of the model whose forward runs."""
+_model = contextvars.ContextVar("rl_kernels_model", default=None)
+"""The model whose forward runs (:func:`full_weight` finds the FSDP2 unit of its lm_head there)."""
 _UNSET = object()
 
 
-def full_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The full lm_head weight in the compute dtype ``dtype``.
+def _fsdp2_unit(weight: torch.Tensor, model):
+    """``(unit, owner, name)`` where ``weight`` is the sharded parameter ``owner.<name>`` of a module of
+    ``model`` whose nearest FSDP2 unit (``fully_shard``, itself or an ancestor) is ``unit``; None when
+    ``model`` is None, FSDP2 is not importable or no FSDP2 unit of ``model`` holds ``weight``."""
+    if model is None:
+        return None
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        return None
+    units = []  # the FSDP2 units above the module being visited (a depth-first walk)
 
-    Under FSDP2 verl shards an untied ``lm_head`` as its own unit, and the fused forward reads
-    ``self.lm_head.weight`` outside that unit's forward: a sharded DTensor (verl's text-model
-    fused forward is reported failing there with "mixed torch.Tensor and DTensor", verl #5633).
-    It is gathered with ``full_tensor``; its gradient goes back as a partial sum averaged over the mesh (a
-    reduce-scatter), as FSDP2 averages gradients. Under mixed precision the gathered weight is in
-    the parameter dtype (float32) while ``hidden_states`` are in the compute dtype: it is cast.
+    def visit(module):
+        unit_here = isinstance(module, FSDPModule)
+        if unit_here:
+            units.append(module)
+        try:
+            for name, param in module.named_parameters(recurse=False):
+                if param is weight:
+                    return (units[-1], module, name) if units else None
+            for child in module.children():
+                found = visit(child)
+                if found is not None:
+                    return found
+            return None
+        finally:
+            if unit_here:
+                units.pop()
+
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if output is not None and isinstance(output, FSDPModule):  # verl's untied lm_head unit (apply_fsdp2)
+        for name, param in output.named_parameters(recurse=False):
+            if param is weight:
+                return output, output, name
+    return visit(model)
+
+
+def full_weight(weight: torch.Tensor, dtype: torch.dtype, model=None) -> torch.Tensor:
+    """The full lm_head weight ``(vocab_size, H)`` in the compute dtype ``dtype``.
+
+    Under FSDP2 verl shards an untied ``lm_head`` as its own unit (``apply_fsdp2``), and verl's fused
+    forward reads ``self.lm_head.weight`` outside that unit's forward: a sharded DTensor (verl's
+    text-model fused forward is reported failing there with "mixed torch.Tensor and DTensor", verl
+    #5633; its gradient accumulation with ``reduce_dtype`` set, "'FSDPParam' object has no attribute
+    '_unsharded_param'", verl #7520: FSDP2's end-of-backward callback runs the unit's post-backward,
+    which reads the unsharded parameter that was never gathered).
+
+    * With grad enabled and ``model`` (the served model, set by :func:`serving_forward`) holding
+      ``weight`` in one of its FSDP2 units, the unit is gathered with its own ``unshard()`` (its
+      all-gather, in ``MixedPrecisionPolicy.param_dtype``) and the unsharded parameter is used:
+      autograd accumulates its gradient there, and FSDP2's end-of-backward callback reduces it as
+      for any unit (a reduce-scatter averaged over the mesh in ``reduce_dtype``, deferred under
+      ``set_requires_gradient_sync(False)``, accumulated in ``reduce_dtype`` across micro-batches)
+      and reshards the unit. So: one all-gather per micro-batch, one reduce-scatter per synced
+      backward, and the full weight stays gathered from the fused forward to the end of backward
+      (autograd saves it for the backward in any case).
+    * Otherwise (no grad: log-prob computation; a DTensor that no served FSDP2 unit holds), it is
+      gathered with ``full_tensor`` per call, its gradient going back as a partial sum averaged over
+      the mesh (a reduce-scatter per backward), as FSDP2 averages gradients.
+
+    Under mixed precision a float32 weight is cast to ``dtype`` (the ``hidden_states`` dtype).
     """
     try:
         from torch.distributed.tensor import DTensor, Partial
     except ImportError:  # torch without DTensor
         DTensor = None
     if DTensor is not None and isinstance(weight, DTensor):
-        log_once(logging.INFO, "rl_kernels: lm_head.weight is a sharded DTensor (FSDP2); it is gathered "
-                 "with full_tensor() per call and its gradient reduce-scattered (average)")
-        weight = weight.full_tensor(grad_placements=[Partial("avg")] * weight.device_mesh.ndim)
+        unit = _fsdp2_unit(weight, model) if torch.is_grad_enabled() and weight.requires_grad else None
+        if unit is not None:
+            module, owner, name = unit
+            log_once(logging.INFO, "rl_kernels: lm_head.weight is a sharded FSDP2 parameter outside its unit's "
+                     "forward; the unit is gathered with its own unshard() once per fused call and its "
+                     "gradient reduced by FSDP2's post-backward (once per synced backward)")
+            module.unshard()
+            weight = getattr(owner, name)
+            if isinstance(weight, DTensor):  # FSDP2 did not register the unsharded parameter
+                raise VerlIntegrationError(f"rl_kernels.integrations.verl: {type(module).__name__}.unshard() left "
+                                           f"{name!r} a sharded DTensor {tuple(weight.shape)}; expected the "
+                                           "unsharded parameter (this torch's FSDP2 is not supported here)")
+        else:
+            log_once(logging.INFO, "rl_kernels: lm_head.weight is a sharded DTensor (FSDP2); it is gathered "
+                     "with full_tensor() per call and its gradient reduce-scattered (average)")
+            weight = weight.full_tensor(grad_placements=[Partial("avg")] * weight.device_mesh.ndim)
     if weight.dtype != dtype:
         log_once(logging.INFO, f"rl_kernels: lm_head.weight {weight.dtype} is cast to the hidden_states "
                  f"dtype {dtype} (mixed precision) for the fused head")
@@ -119,7 +186,7 @@ def fused_log_probs_entropy(hidden_states: torch.Tensor, weight: torch.Tensor, l
     if isinstance(temperature, torch.Tensor) and temperature.numel() == 1:
         temperature = temperature.item()
     temperature = _head_temperature(temperature, head, labels)
-    weight = full_weight(weight, hidden_states.dtype)
+    weight = full_weight(weight, hidden_states.dtype, _model.get())
     return_entropy = entropy_wanted.get()
     options = settings.options()
     topk = topk_request() if _serving.get() else None
@@ -348,7 +415,7 @@ def serving_forward(forward):
         head = getattr(self, "_rl_kernels_head", None)
         if head is None:  # marked by other means than patch_forward_with_backends: audit now
             head = self._rl_kernels_head = head_transform(self)
-        token, head_token = _serving.set(True), _head.set(head)
+        token, head_token, model_token = _serving.set(True), _head.set(head), _model.set(self)
         try:
             output = forward(self, *args, **kwargs)
             request = topk_request()
@@ -356,6 +423,7 @@ def serving_forward(forward):
                 output.fused_linear_aux = request.aux
             return output
         finally:
+            _model.reset(model_token)
             _head.reset(head_token)
             _serving.reset(token)
 
