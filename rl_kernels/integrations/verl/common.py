@@ -213,7 +213,8 @@ class StepRequest:
     * ``megatron_temperature``: a per-sample temperature on the Megatron fused forward
       (:class:`~.temperature.PerSampleTemperature`);
     * ``serving``: a model that rl-kernels serves runs its forward (FSDP fused path);
-    * ``head``: that model's :class:`~rl_kernels.integrations.lm_heads.HeadTransform`."""
+    * ``head``: that model's :class:`~rl_kernels.integrations.lm_heads.HeadTransform`;
+    * ``model``: that model (where :func:`~.fsdp_fused.full_weight` finds its lm_head's FSDP2 unit)."""
 
     entropy: bool = True
     sum_pi_squared: object = None
@@ -222,6 +223,7 @@ class StepRequest:
     megatron_temperature: object = None
     serving: bool = False
     head: object = None
+    model: object = None
 
 
 step_request = contextvars.ContextVar("rl_kernels_step_request", default=StepRequest())

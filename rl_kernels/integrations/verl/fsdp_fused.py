@@ -43,7 +43,7 @@ _serving = StepField("serving")
 """True while the forward of a model that rl-kernels serves runs (set by :func:`serving_forward`)."""
 _head = StepField("head")
 """The :class:`~rl_kernels.integrations.lm_heads.HeadTransform` of the model whose forward runs."""
-_model = contextvars.ContextVar("rl_kernels_model", default=None)
+_model = StepField("model")
 """The model whose forward runs (:func:`full_weight` finds the FSDP2 unit of its lm_head there)."""
 _UNSET = object()
 
