@@ -170,3 +170,54 @@ def test_ulysses_slice_of_the_per_token_temperature(qwen2_forward, monkeypatch):
     expected = torch.tensor(packed[len(packed) // 2:])[None]
     assert model_inputs["shift_labels"].shape == expected.shape and output_args["pad_size"] == 1
     torch.testing.assert_close(model_inputs["temperature"], expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("values", [(0.5, float("nan")), (1.0, float("inf")), (float("-inf"), 0.5)])
+def test_megatron_per_sample_temperature_keeps_verls_finite_check(values):
+    """Where rl-kernels lifts the Megatron engine's "uniform temperature" refusal, verl's own
+    check of the values runs first, with verl's error and message (issue 53)."""
+    mti = pytest.importorskip("verl.workers.engine.megatron.transformer_impl",
+                              reason="verl's Megatron engine is not importable (no megatron-core)")
+    resolve = mti._resolve_fused_temperature
+    own = getattr(resolve, "_rl_kernels_original", None)
+    if own is None:
+        pytest.skip("the Megatron per-sample temperature is not served here")
+    with pytest.raises(ValueError) as verls:
+        own(torch.tensor(values))
+    with pytest.raises(type(verls.value), match=str(verls.value)):
+        resolve(torch.tensor(values))
+
+
+@pytest.mark.parametrize("values", [(0.0, 1.0), (-1.0, 1.3), (0.5, 1.3, 0.5)])
+def test_megatron_per_sample_temperature_is_what_verls_function_makes_of_each_value(values):
+    """A tensor of unequal values: the per-sample temperature holds, per sample, what verl's own
+    function returns for that value alone (its floor for a value <= 0, the value otherwise)."""
+    from rl_kernels.integrations.verl.temperature import PerSampleTemperature
+
+    mti = pytest.importorskip("verl.workers.engine.megatron.transformer_impl",
+                              reason="verl's Megatron engine is not importable (no megatron-core)")
+    resolve = mti._resolve_fused_temperature
+    own = getattr(resolve, "_rl_kernels_original", None)
+    if own is None:
+        pytest.skip("the Megatron per-sample temperature is not served here")
+    out = resolve(torch.tensor(values))
+    assert isinstance(out, PerSampleTemperature)
+    expected = torch.tensor([own(torch.tensor([v])) for v in values], dtype=torch.float32)
+    assert torch.equal(out.per_sample, expected), (out.per_sample, expected)
+    assert bool((out.per_sample > 0).all())
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0.0, -1.0])
+def test_fsdp_per_sample_temperature_refuses_what_is_not_positive_and_finite(qwen2_forward, bad):
+    """The FSDP fused path with a per-sample temperature: verl's own prepare_model_inputs runs on
+    the micro-batch (its checks of the tensor: shape, ...), and a NaN / inf / <= 0 value raises
+    rl-kernels' ValueError naming the temperature (verl's fused path refuses any tensor; its logits
+    path would clamp <= 0 to 1e-8 and carry a NaN into the log-probs)."""
+    model = tiny_qwen2()
+    apply_monkey_patch(model, use_remove_padding=True, use_fused_kernels=True, fused_kernels_backend=rkv.BACKEND_NAME)
+    micro_batch = _micro_batch(rmpad=True, use_fused_kernels=True)
+    micro_batch["temperature"] = torch.tensor([TEMPERATURES[0], bad, TEMPERATURES[2]])
+    engine = _engine(model)
+    with pytest.raises(ValueError, match="temperature"):
+        model_inputs, output_args = engine.prepare_model_inputs(micro_batch)
+        engine.module(**model_inputs, use_cache=False)

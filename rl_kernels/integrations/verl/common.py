@@ -358,8 +358,11 @@ def outside_kernels(tensor, name: str = "logits") -> str | None:
     ``name`` in the reason) lies outside rl-kernels' kernels, or None when they compute it: a
     floating dtype other than bfloat16 / float16 / float32 (verl's functions take float64 too), a
     meta tensor (verl's compute its shape) or a nested / non-strided layout. Anything else, a
-    non-tensor or integer logits included, is rl-kernels' (which raises TypeError / ValueError
-    naming the argument where verl's own function fails too)."""
+    non-tensor or integer tensor included, is rl-kernels' here (which raises TypeError / ValueError
+    naming the argument). This is the guard of the fused paths' hidden states and of the
+    distillation loss; the replaced from-logits functions add the inputs on which verl's own
+    function returns a value that rl-kernels' refuses or shapes otherwise (:func:`outside_from_logits`:
+    integer / bool logits, for which verl's return float32, 0-d, empty)."""
     if not isinstance(tensor, torch.Tensor):
         return None
     if tensor.is_nested or tensor.layout != torch.strided:
@@ -368,6 +371,50 @@ def outside_kernels(tensor, name: str = "logits") -> str | None:
         return f"meta-device {name}"
     if tensor.is_floating_point() and tensor.dtype not in FLOAT_DTYPES:
         return f"{tensor.dtype} {name}"
+    return None
+
+
+def outside_from_logits(logits, name: str = "logits") -> str | None:
+    """:func:`outside_kernels` for the replaced from-logits functions (:func:`verl_fallback`), plus
+    the logits on which verl's own function returns a value (or raises its own error) where
+    rl-kernels' would raise or give another shape: a non-floating dtype (integer or bool logits:
+    verl's promote them, to float32), a 0-d tensor, and an empty one (no rows, or vocab_size 0).
+    Found by the differential probe (tests/test_verl_dropin_probe.py), which calls both on the same
+    inputs; rl-kernels keeps the rest (bfloat16 / float16 / float32 logits with rows)."""
+    why = outside_kernels(logits, name)
+    if why is not None or not isinstance(logits, torch.Tensor):
+        return why
+    if not (logits.is_floating_point()):
+        return f"{logits.dtype} {name}"
+    if logits.dim() == 0:
+        return f"0-d {name}"
+    if logits.numel() == 0:
+        return f"empty {name} (shape {tuple(logits.shape)})"
+    return None
+
+
+LABEL_DTYPES = (torch.int64, torch.int32)
+
+
+def outside_labels(labels, logits, vocab_size: int, name: str = "labels") -> str | None:
+    """Why the ``labels`` of a replaced from-logits function (with ``logits`` inside the kernels:
+    :func:`outside_from_logits`) go to verl's own function, or None: a tensor whose dtype is not
+    int64 / int32, whose shape is not ``logits.shape[:-1]`` (verl's broadcast or raise theirs), on
+    the meta device, or with a value outside [0, ``vocab_size``) (the whole vocabulary: the
+    vocab-parallel functions' shards together). verl's own function decides what such a label
+    means (its flash-attn cross-entropy gives 0 for -100, its torch path raises, Megatron's
+    vocab-parallel cross-entropy gives -logsumexp for a label in no shard). The value check reads
+    the labels once on the host (one sync). A non-tensor stays rl-kernels' (its TypeError)."""
+    if not isinstance(labels, torch.Tensor):
+        return None
+    if labels.dtype not in LABEL_DTYPES:
+        return f"{labels.dtype} {name}"
+    if tuple(labels.shape) != tuple(logits.shape[:-1]):
+        return f"{name} of shape {tuple(labels.shape)} against logits {tuple(logits.shape)}"
+    if labels.device.type == "meta" or labels.is_nested or labels.layout != torch.strided:
+        return f"meta / nested {name}"
+    if labels.numel() and bool(((labels < 0) | (labels >= vocab_size)).any()):
+        return f"{name} outside [0, {vocab_size}) (an ignore_index, or a label in no vocabulary shard)"
     return None
 
 
@@ -409,20 +456,33 @@ def verl_original(module: str, name: str):
     return original
 
 
-def verl_fallback(module: str, name: str):
+def verl_fallback(module: str, name: str, domain=None):
     """Decorator of rl-kernels' replacement of verl's ``module.name`` (the drop-in contract): a
-    call whose first argument (the logits) is :func:`outside_kernels` runs verl's own function
-    (:func:`verl_original`) with the same arguments, so it returns what verl's returns and raises
-    what verl's raises (logged once and counted: :func:`left_to_verl`). Other calls run the
-    replacement. The result runs eagerly (``torch.compiler.disable``) and keeps the replacement's
-    name, docstring and signature."""
+    call whose first argument (the logits) is :func:`outside_from_logits`, or for which
+    ``domain(arguments)`` (the call's arguments by name, defaults applied; run only on logits
+    inside the kernels) gives a reason, runs verl's own function (:func:`verl_original`) with the
+    same arguments, so it returns what verl's returns and raises what verl's raises (logged once
+    and counted: :func:`left_to_verl`). Other calls run the replacement. The result runs eagerly
+    (``torch.compiler.disable``) and keeps the replacement's name, docstring and signature."""
 
     def decorate(replacement):
-        first = next(iter(inspect.signature(replacement).parameters))
+        signature = inspect.signature(replacement)
+        first = next(iter(signature.parameters))
+
+        def why_outside(args, kwargs):
+            why = outside_from_logits(args[0] if args else kwargs.get(first))
+            if why is not None or domain is None:
+                return why
+            try:
+                bound = signature.bind(*args, **kwargs)
+            except TypeError:
+                return None  # the replacement raises Python's error for these arguments
+            bound.apply_defaults()
+            return domain(bound.arguments)
 
         @functools.wraps(replacement)
         def guarded(*args, **kwargs):
-            if not left_to_verl(f"{module}.{name}", outside_kernels(args[0] if args else kwargs.get(first))):
+            if not left_to_verl(f"{module}.{name}", why_outside(args, kwargs)):
                 return replacement(*args, **kwargs)
             return verl_original(module, name)(*args, **kwargs)
 

@@ -8,7 +8,9 @@ them by name (:func:`~.common.replace_by_name`); modules imported later take the
 dtype), chunked, with O(N) saved state, counted in :func:`~.common.call_counts`, and checked by the
 anomaly capture when it is on (:func:`capture_logits`: the anomalous rows' logits saved). Each takes
 what verl's takes (:func:`~.common.verl_fallback`): logits outside rl-kernels' kernels (float64,
-meta, nested) go to verl's own function, with a WARNING logged once.
+meta, nested, integer / bool, 0-d, empty), and the labels and ranks on which verl's own function
+returns another value or raises (:func:`_log_probs_domain`, :func:`_chunked_entropy_domain`) go to
+verl's own function, with a WARNING logged once per function and reason.
 """
 from __future__ import annotations
 
@@ -23,8 +25,8 @@ from ...logits import _overlaps
 from ...logits import entropy_from_logits as _rk_entropy_from_logits
 from ...logits import log_probs_from_logits as _rk_log_probs_from_logits
 from . import settings
-from .common import (VerlIntegrationError, check_chunk_size, record, replace_by_name, saved_for_backward,
-                     verl_fallback, verl_version)
+from .common import (VerlIntegrationError, check_chunk_size, outside_labels, record, replace_by_name,
+                     saved_for_backward, verl_fallback, verl_version)
 from .signatures import check_verl_signature
 
 LOGITS_FUNCTIONS = ("logprobs_from_logits", "entropy_from_logits", "entropy_from_logits_with_chunking")
@@ -63,7 +65,29 @@ def _check_tensor(name: str, value) -> None:
         raise TypeError(f"logprobs_from_logits: {name}: expected a torch.Tensor, got {type(value).__name__}")
 
 
-@verl_fallback(TORCH_FUNCTIONAL, "logprobs_from_logits")
+def _log_probs_domain(arguments) -> str | None:
+    """Calls of ``logprobs_from_logits`` that go to verl's own function (found by the differential
+    probe): 1-D logits (verl's gathers along the vocabulary, or raises, by dtype), and the labels
+    of :func:`~.common.outside_labels` (a label outside [0, vocab_size), -100 included: verl's
+    flash-attn path gives 0, its torch path raises; labels that verl's broadcasts)."""
+    logits, labels = arguments["logits"], arguments["labels"]
+    if isinstance(logits, torch.Tensor) and logits.dim() == 1:
+        return "1-D logits"
+    if isinstance(logits, torch.Tensor):
+        return outside_labels(labels, logits, logits.shape[-1])
+    return None
+
+
+def _chunked_entropy_domain(arguments) -> str | None:
+    """``entropy_from_logits_with_chunking`` takes (batch, vocab_size) logits: others go to verl's
+    (its (V,) zeros for 1-D logits, its error for 3-D and more)."""
+    logits = arguments["logits"]
+    if isinstance(logits, torch.Tensor) and logits.dim() != 2:
+        return f"{logits.dim()}-D logits"
+    return None
+
+
+@verl_fallback(TORCH_FUNCTIONAL, "logprobs_from_logits", _log_probs_domain)
 def logprobs_from_logits(logits, labels, inplace_backward=True):
     """rl-kernels replacement for ``verl.utils.torch_functional.logprobs_from_logits``.
 
@@ -103,7 +127,7 @@ def entropy_from_logits(logits):
     return out
 
 
-@verl_fallback(TORCH_FUNCTIONAL, "entropy_from_logits_with_chunking")
+@verl_fallback(TORCH_FUNCTIONAL, "entropy_from_logits_with_chunking", _chunked_entropy_domain)
 def entropy_from_logits_with_chunking(logits, chunk_size=2048):
     """rl-kernels replacement for ``entropy_from_logits_with_chunking``; rl-kernels always chunks
     (by elements, not rows), so ``chunk_size`` is only validated (:func:`~.common.check_chunk_size`).

@@ -20,8 +20,9 @@ imports these by name from ``verl.utils.megatron.tensor_parallel``; the logits a
 
 float32 outputs of shape ``logits.shape[:-1]``, differentiable, and none of them writes into the
 logits (verl's Megatron cross-entropy does, which is why verl clones the logits first; that
-clone stays verl's). Logits outside rl-kernels' kernels (float64, ...) go to verl's own function
-(:func:`~.common.verl_fallback`).
+clone stays verl's). Logits outside rl-kernels' kernels (float64, integer, empty, ...), labels in no
+vocabulary shard (-100 included) or of another shape, and chunked-entropy logits of fewer than 3
+dims go to verl's own function (:func:`~.common.verl_fallback`).
 
 **Fused path** (``use_fused_kernels=True``): ``fused_output_processor`` / ``_fused_GPTModel_forward``
 (``verl.models.mcore.model_forward_fused``) and the 1F1B-overlap postprocess
@@ -92,8 +93,7 @@ import rl_kernels
 from ..._logging import log_once, logger
 from .common import (SumPiSquaredRequest, VerlIntegrationError, check_chunk_size, check_signature, count,
                      entropy_on_request, entropy_placeholder, entropy_wanted, record, replace_by_name, set_attr,
-                     sum_pi_squared_request, verl_fallback,
-                     verl_version)
+                     outside_labels, sum_pi_squared_request, verl_fallback, verl_version)
 from . import settings
 from .distill import megatron_topk_request, serve_megatron_topk
 from .logits import capture_logits
@@ -147,7 +147,30 @@ def _rows(t) -> int:
 
 
 # ----------------------------------------------------------------------------- logits path
-@verl_fallback(TENSOR_PARALLEL_MODULE, "vocab_parallel_log_probs_from_logits")
+def _vocab_parallel_log_probs_domain(arguments) -> str | None:
+    """Calls of ``vocab_parallel_log_probs_from_logits`` that go to verl's own function (the
+    differential probe): labels of :func:`~.common.outside_labels` against the whole vocabulary
+    (this shard's size times the TP size: a label in no shard, -100 included, gets Megatron's
+    -logsumexp there; labels verl's broadcasts). Every rank of the TP group holds the same labels
+    and logits shapes, so all ranks decide alike (no rank left in a collective alone)."""
+    logits, labels = arguments["logits"], arguments["labels"]
+    if not isinstance(logits, torch.Tensor):
+        return None
+    from megatron.core import parallel_state
+
+    return outside_labels(labels, logits, logits.shape[-1] * parallel_state.get_tensor_model_parallel_world_size())
+
+
+def _vocab_parallel_chunked_entropy_domain(arguments) -> str | None:
+    """verl's ``vocab_parallel_entropy_with_chunking`` chunks dim 1 of (batch, seq, vocab shard)
+    logits: fewer dims go to verl's (which raises IndexError)."""
+    logits = arguments["vocab_parallel_logits"]
+    if isinstance(logits, torch.Tensor) and logits.dim() < 3:
+        return f"{logits.dim()}-D logits"
+    return None
+
+
+@verl_fallback(TENSOR_PARALLEL_MODULE, "vocab_parallel_log_probs_from_logits", _vocab_parallel_log_probs_domain)
 def vocab_parallel_log_probs_from_logits(logits, labels):
     """rl-kernels replacement for verl's ``vocab_parallel_log_probs_from_logits`` (float32,
     shape ``labels.shape``; the logits are left untouched)."""
@@ -168,7 +191,8 @@ def vocab_parallel_entropy(vocab_parallel_logits):
     return out
 
 
-@verl_fallback(TENSOR_PARALLEL_MODULE, "vocab_parallel_entropy_with_chunking")
+@verl_fallback(TENSOR_PARALLEL_MODULE, "vocab_parallel_entropy_with_chunking",
+               _vocab_parallel_chunked_entropy_domain)
 def vocab_parallel_entropy_with_chunking(vocab_parallel_logits, chunk_size=2048):
     """rl-kernels replacement for verl's ``vocab_parallel_entropy_with_chunking``; rl-kernels
     always chunks (by elements), so ``chunk_size`` is only validated."""

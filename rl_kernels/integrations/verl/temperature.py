@@ -155,13 +155,23 @@ class PerSampleTemperature(float):
 def make_resolve_fused_temperature(original):
     """verl's ``_resolve_fused_temperature`` (Megatron engine): a tensor of unequal temperatures
     becomes a :class:`PerSampleTemperature` instead of verl's "uniform temperature" error; others
-    go to verl's function."""
+    go to verl's function.
+
+    verl's own checks of each value still run, first, with verl's message: verl's function is
+    called on each distinct value of the tensor alone (a one-element tensor of its dtype and device:
+    uniform, so verl's uniform test passes and only its checks of the value run), so a NaN / inf
+    raises verl's ValueError("temperature must contain finite values"), and the per-sample
+    temperature holds what verl's function makes of each value (verl clamps a value <= 0 to its
+    floor, 1e-8 in verl 0.9.1 and main, as its logits path does: ``temperature[temperature <= 0]
+    = 1e-8``). No verl check is copied: a check verl adds applies here too."""
     @functools.wraps(original)
     def _resolve_fused_temperature(temperature):
         if isinstance(temperature, torch.Tensor) and temperature.dim() == 1 and temperature.numel() > 1:
             values = temperature.detach()
             if not bool((values == values[0]).all()):
-                return PerSampleTemperature(values.to(torch.float32))
+                distinct, where = torch.unique(values, return_inverse=True)  # NaN entries: each its own
+                resolved = [float(original(value.reshape(1))) for value in distinct]
+                return PerSampleTemperature(torch.tensor(resolved, dtype=torch.float32, device=values.device)[where])
         return original(temperature)
 
     _resolve_fused_temperature._rl_kernels_original = original
