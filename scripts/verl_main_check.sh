@@ -74,8 +74,13 @@ for run in unpatched patched; do
     (cd "$out" && PYTHONPATH="$root:$root/tests/support" "$venv_python" -m pytest "${plugin[@]}" \
         -c /dev/null --rootdir "$src" -p no:cacheprovider -p no:warnings -q --tb=short -rfE -k "$DESELECT" \
         "${VERL_TESTS[@]/#/$src/}") > "$out/$run.log" 2>&1 || true
-    grep -E '^(FAILED|ERROR) ' "$out/$run.log" | sed 's/ - .*//; s/^[A-Z]* //; s/\[.*//' | sort -u > "$out/$run.failed" || true
-    echo "verl's own tests, $run: $(grep -E '[0-9]+ (passed|failed|errors?|skipped)' "$out/$run.log" | tail -1)"
+    # test ids as the README lists them: tests/<file>::<test>, parameters dropped (pytest prints the
+    # paths relative to $out, e.g. ../../work/verl/tests/...)
+    grep -E '^(FAILED|ERROR) ' "$out/$run.log" | sed -E 's/ - .*//; s/^[A-Z]+ //; s/\[.*//; s#^.*/tests/#tests/#' \
+        | sort -u > "$out/$run.failed" || true
+    counts=$(grep -E '[0-9]+ (passed|failed|errors?|skipped)' "$out/$run.log" | tail -1)
+    echo "verl's own tests, $run: ${counts:-(no pytest summary: the run did not finish)}"
+    [[ -n $counts ]] || status=1
 done
 grep '^rl_kernels calls served' "$out/patched.log" || true
 grep -oE '^- `tests/[^`]+::[^`]+`' "$root/integrations/verl/README.md" | sed 's/^- `//; s/`$//' | sort -u > "$out/by_design"
