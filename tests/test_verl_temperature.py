@@ -172,16 +172,24 @@ def test_ulysses_slice_of_the_per_token_temperature(qwen2_forward, monkeypatch):
     torch.testing.assert_close(model_inputs["temperature"], expected, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("values", [(0.5, float("nan")), (1.0, float("inf")), (float("-inf"), 0.5)])
-def test_megatron_per_sample_temperature_keeps_verls_finite_check(values):
-    """Where rl-kernels lifts the Megatron engine's "uniform temperature" refusal, verl's own
-    check of the values runs first, with verl's error and message (issue 53)."""
+def _megatron_resolve_fused_temperature():
+    """(the Megatron engine's ``_resolve_fused_temperature`` as patched, verl's own function behind
+    it); the test is skipped where verl's Megatron engine does not import or the per-sample
+    temperature is not served."""
     mti = pytest.importorskip("verl.workers.engine.megatron.transformer_impl",
                               reason="verl's Megatron engine is not importable (no megatron-core)")
     resolve = mti._resolve_fused_temperature
     own = getattr(resolve, "_rl_kernels_original", None)
     if own is None:
         pytest.skip("the Megatron per-sample temperature is not served here")
+    return resolve, own
+
+
+@pytest.mark.parametrize("values", [(0.5, float("nan")), (1.0, float("inf")), (float("-inf"), 0.5)])
+def test_megatron_per_sample_temperature_keeps_verls_finite_check(values):
+    """Where rl-kernels lifts the Megatron engine's "uniform temperature" refusal, verl's own
+    check of the values runs first, with verl's error and message (issue 53)."""
+    resolve, own = _megatron_resolve_fused_temperature()
     with pytest.raises(ValueError) as verls:
         own(torch.tensor(values))
     with pytest.raises(type(verls.value), match=str(verls.value)):
@@ -194,12 +202,7 @@ def test_megatron_per_sample_temperature_is_what_verls_function_makes_of_each_va
     function returns for that value alone (its floor for a value <= 0, the value otherwise)."""
     from rl_kernels.integrations.verl.temperature import PerSampleTemperature
 
-    mti = pytest.importorskip("verl.workers.engine.megatron.transformer_impl",
-                              reason="verl's Megatron engine is not importable (no megatron-core)")
-    resolve = mti._resolve_fused_temperature
-    own = getattr(resolve, "_rl_kernels_original", None)
-    if own is None:
-        pytest.skip("the Megatron per-sample temperature is not served here")
+    resolve, own = _megatron_resolve_fused_temperature()
     out = resolve(torch.tensor(values))
     assert isinstance(out, PerSampleTemperature)
     expected = torch.tensor([own(torch.tensor([v])) for v in values], dtype=torch.float32)

@@ -415,7 +415,7 @@ def serving_forward(forward):
         head = getattr(self, "_rl_kernels_head", None)
         if head is None:  # marked by other means than patch_forward_with_backends: audit now
             head = self._rl_kernels_head = head_transform(self)
-        token, head_token, model_token = _serving.set(True), _head.set(head), _model.set(self)
+        token = step_request.set(dataclasses.replace(step_request.get(), serving=True, head=head, model=self))
         try:
             output = forward(self, *args, **kwargs)
             request = topk_request()
@@ -423,9 +423,7 @@ def serving_forward(forward):
                 output.fused_linear_aux = request.aux
             return output
         finally:
-            _model.reset(model_token)
-            _head.reset(head_token)
-            _serving.reset(token)
+            step_request.reset(token)
 
     wrapper._rl_kernels_serving = True
     wrapper._rl_kernels_verl_forward = forward
