@@ -52,6 +52,15 @@ class VerlOptions:
         :func:`rl_kernels.linear_topk` (about 1.5 matmuls of the head's shape more per micro-batch
         forward); False leaves them out there (verl's loss then logs none). verl's logits path
         computes them always, with or without rl-kernels.
+    loss_rows_only: run the LM head only on the rows whose loss mask is 1 (verl #7686: a long
+        agentic trajectory's prompt, tool-output and observation tokens never reach the loss), on
+        the fused paths (FSDP with ``impl_backend=rl_kernels`` and remove-padding, Megatron): a row
+        with loss mask 0 gets log-prob 0, entropy 0, Σπ² 0, no distillation term and no gradient,
+        and does not enter the head's GEMMs. Every built-in verl consumer of these outputs reads
+        them through ``response_mask`` (audit in docs/verl.md); a micro-batch outside the audit
+        (``loss_mask`` in the SFT layout, ``return_model_output``, a ``response_mask`` with a 1
+        where ``loss_mask`` has 0) raises, naming what to turn off. verl's logits path is not
+        served (it computes every row, with a WARNING).
     anomaly_dir: turn on anomaly capture (:mod:`rl_kernels.integrations.anomaly`) on every path
         rl-kernels serves (fused and logits, FSDP and Megatron), writing samples here (an absolute
         path: a relative one is resolved by each worker against its own working directory).
@@ -65,6 +74,7 @@ class VerlOptions:
     patch_logits_path: bool = True
     patch_megatron_fused: bool = True
     overlap_metrics: bool = True
+    loss_rows_only: bool = False
     anomaly_dir: str | None = None
     # the capture settings' defaults are AnomalyCapture's own (one place)
     anomaly_max_count: int = _CAPTURE_DEFAULTS["max_count"]
@@ -83,6 +93,7 @@ class VerlOptions:
         check_bool_arg(name("patch_logits_path"), self.patch_logits_path)
         check_bool_arg(name("patch_megatron_fused"), self.patch_megatron_fused)
         check_bool_arg(name("overlap_metrics"), self.overlap_metrics)
+        check_bool_arg(name("loss_rows_only"), self.loss_rows_only)
         if self.anomaly_dir is not None:  # None: no capture
             check_path_arg(name("anomaly_dir"), self.anomaly_dir)
         for field in ("anomaly_max_count", "anomaly_max_bytes", "anomaly_recheck_every",

@@ -154,7 +154,7 @@ COUNT_KEYS = (
     "logits_log_probs_calls", "logits_entropy_calls",
     "megatron_logits_log_probs_calls", "megatron_logits_entropy_calls", "sum_pi_squared_calls",
     "fused_sum_pi_squared_calls",
-    "distillation_calls", "verl_fallback_calls",
+    "distillation_calls", "verl_fallback_calls", "loss_rows_skipped_tokens",
 )
 _counts = dict.fromkeys(COUNT_KEYS, 0)
 _served = {}                 # path label -> [calls, tokens], for the summary line
@@ -180,11 +180,12 @@ def record(key: str, path: str, tokens: int) -> None:
                     ", ".join(f"{p} {c} calls / {t} tokens" for p, (c, t) in _served.items()))
 
 
-def count(key: str) -> None:
+def count(key: str, n: int = 1) -> None:
     """Count an event that is not a served call (``entropy_skipped_calls``: fused calls whose
     entropy verl did not ask for; ``fused_sum_pi_squared_calls``: fused calls that computed Σπ²
-    for verl's engine step, FSDP and Megatron)."""
-    _counts[key] += 1
+    for verl's engine step, FSDP and Megatron; ``loss_rows_skipped_tokens``: rows the fused heads
+    left out under ``loss_rows_only``), ``n`` at a time."""
+    _counts[key] += n
 
 
 def call_counts() -> dict:
@@ -214,7 +215,9 @@ class StepRequest:
       (:class:`~.temperature.PerSampleTemperature`);
     * ``serving``: a model that rl-kernels serves runs its forward (FSDP fused path);
     * ``head``: that model's :class:`~rl_kernels.integrations.lm_heads.HeadTransform`;
-    * ``model``: that model (where :func:`~.fsdp_fused.full_weight` finds its lm_head's FSDP2 unit)."""
+    * ``model``: that model (where :func:`~.fsdp_fused.full_weight` finds its lm_head's FSDP2 unit);
+    * ``loss_rows``: with the option ``loss_rows_only``, a bool tensor in the fused head's labels
+      layout (this rank's rows): True where the row's loss mask is 1 (:func:`loss_row_index`)."""
 
     entropy: bool = True
     sum_pi_squared: object = None
@@ -224,6 +227,7 @@ class StepRequest:
     serving: bool = False
     head: object = None
     model: object = None
+    loss_rows: object = None
 
 
 step_request = contextvars.ContextVar("rl_kernels_step_request", default=StepRequest())
@@ -302,6 +306,43 @@ def micro_batch_with(micro_batch, **values):
     copy = micro_batch.copy()
     tu.assign_non_tensor(copy, **values)
     return copy
+
+
+# ----------------------------------------------------------------------------- loss rows only
+def loss_row_index(loss_rows: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The flat int64 index (into ``labels.reshape(-1)``) of the rows the loss reads, from the step
+    request's ``loss_rows`` (a bool tensor with one entry per label row, laid out as the labels by
+    the engine hook). One host sync (``nonzero``). VerlIntegrationError when it has another number
+    of rows than ``labels`` (never a selection of other rows)."""
+    if loss_rows.numel() != labels.numel():
+        raise VerlIntegrationError(
+            f"rl_kernels.integrations.verl: loss_rows_only: the loss-row mask has {loss_rows.numel()} rows, the "
+            f"fused head's labels {tuple(labels.shape)}; the mask was laid out for another forward. Set "
+            f"fused_kernel_options.rl_kernels.loss_rows_only=false for this run")
+    return loss_rows.reshape(-1).to(labels.device, non_blocking=True).nonzero().squeeze(1)
+
+
+def select_rows(tensor, index: torch.Tensor, rows: int):
+    """``tensor``'s rows at ``index`` when it has ``rows`` rows in its leading dimensions (a
+    per-row tensor shaped like the labels, with trailing dimensions: ``(*labels.shape, K)``);
+    anything else (a number, a one-element temperature) as it is."""
+    if not isinstance(tensor, torch.Tensor) or rows == 0 or tensor.dim() == 0 or tensor.numel() % rows:
+        return tensor
+    trailing = tensor.numel() // rows
+    flat = tensor.reshape(rows, trailing) if trailing > 1 else tensor.reshape(rows)
+    return flat.index_select(0, index.to(flat.device))
+
+
+def scatter_rows(values: torch.Tensor, index: torch.Tensor, shape) -> torch.Tensor:
+    """``values`` (one per selected row, with trailing dimensions) back at ``index`` of a zero
+    tensor shaped ``(*shape, *trailing)``: differentiable in ``values`` (the rows outside get
+    no gradient)."""
+    rows = 1
+    for size in shape:
+        rows *= size
+    trailing = tuple(values.shape[1:])
+    out = values.new_zeros((rows, *trailing)).index_copy(0, index.to(values.device), values)
+    return out.reshape(*shape, *trailing)
 
 
 # ----------------------------------------------------------------------------- Σπ² on request

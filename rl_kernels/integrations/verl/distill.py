@@ -67,6 +67,7 @@ from ...logits import topk_log_probs_from_logits
 from .. import verl_modes
 from ..verl_modes import TAIL_MODE, check_tail_config, is_tail_mode
 from .common import (StepField, VerlIntegrationError, check_signature, left_to_verl, outside_kernels, record,
+                     scatter_rows, select_rows,
                      replace_by_name, save_logits_for_backward, set_attr)
 from .distill_terms import OVERLAP_KEYS, distinct_on_padding, overlap_metrics, tail_terms, topk_terms  # noqa: F401
 from .settings import options
@@ -456,7 +457,7 @@ def _loss_config(loss_function):
 
 
 def serve_fused_topk(request: TopKRequest, hidden_states, weight, labels, *, temperature: float, softcap,
-                     return_entropy: bool, backend: str) -> tuple:
+                     return_entropy: bool, backend: str, loss_rows=None) -> tuple:
     """The fused head of a served model's forward on a top-K distillation micro-batch: verl's
     ``(log_probs, entropy or None)`` at ``labels`` (1, n), and ``request.aux`` set to verl's
     distillation outputs (:func:`topk_terms`, as verl's logits path defines them) from the
@@ -466,7 +467,10 @@ def serve_fused_topk(request: TopKRequest, hidden_states, weight, labels, *, tem
     (:func:`fused_overlap_metrics`: one more pass over the head, :func:`rl_kernels.linear_topk`,
     unless the option ``overlap_metrics`` is off), which :func:`_checked_outputs` lays out.
     The teacher's packed (1, total, K) tensors are sliced for this Ulysses rank with verl's helpers,
-    as verl's logits path slices them. VerlIntegrationError for a soft-capped model (the gathered
+    as verl's logits path slices them. ``loss_rows``: ``(index, shape)`` under the option
+    ``loss_rows_only``, where ``hidden_states`` / ``labels`` hold this rank's rows at ``index`` only
+    (of ``shape``, the rank's labels): the teacher's rows are selected the same way and every
+    per-row output goes back to ``shape``, 0 outside. VerlIntegrationError for a soft-capped model (the gathered
     logits' gradient under a cap is not implemented), a loss function without verl's distillation
     config, or teacher tensors that do not match the student's tokens."""
     if softcap is not None:
@@ -489,6 +493,10 @@ def serve_fused_topk(request: TopKRequest, hidden_states, weight, labels, *, tem
     device = hidden_states.device
     teacher_log_probs = teacher_log_probs.to(device, non_blocking=True)
     teacher_ids = teacher_ids.to(device, non_blocking=True)
+    if loss_rows is not None and tuple(teacher_ids.shape[:-1]) == tuple(loss_rows[1]):
+        index, rank_rows = loss_rows[0], teacher_ids.shape[1]
+        teacher_log_probs, teacher_ids, rows = (select_rows(t, index, rank_rows).unsqueeze(0)
+                                                for t in (teacher_log_probs, teacher_ids, rows))
     if tuple(teacher_ids.shape[:-1]) != tuple(labels.shape) or teacher_ids.shape != teacher_log_probs.shape:
         raise VerlIntegrationError(
             f"rl_kernels.integrations.verl: top-K distillation on the fused path: the teacher's top-K tensors "
@@ -512,6 +520,10 @@ def serve_fused_topk(request: TopKRequest, hidden_states, weight, labels, *, tem
     if _engine_lays_out_extra():  # (float32 advantage, as the aux outputs of this path)
         terms.update(fused_overlap_metrics(hidden_states, weight, teacher_ids, slot_t, slot_q,
                                            temperature=temperature, backend=backend, path="FSDP fused path"))
+    if loss_rows is not None:  # back to the rank's rows, 0 outside the loss
+        index, shape = loss_rows
+        request.aux = FusedLinearAux(*(scatter_rows(t.reshape(-1), index, shape) for t in request.aux))
+        terms = {key: scatter_rows(t.reshape(-1), index, shape) for key, t in terms.items()}
     request.extra = terms or None
     record("distillation_calls", "distillation fused fsdp", labels.numel())
     return log_probs, entropy

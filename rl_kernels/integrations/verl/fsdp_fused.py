@@ -31,11 +31,13 @@ from ..lm_heads import HeadTransform, head_transform
 from ..verl_schema import BACKEND_NAME, names_rl_kernels
 from . import settings
 from .common import (StepField, SumPiSquaredRequest, VerlIntegrationError, count, entropy_on_request,
-                     entropy_placeholder, entropy_wanted, left_to_verl, micro_batch_with, outside_kernels, record,
-                     set_attr, step_request, sum_pi_squared_request)
+                     entropy_placeholder, entropy_wanted, left_to_verl, loss_row_index, micro_batch_with,
+                     outside_kernels, record, scatter_rows, select_rows, set_attr, step_request,
+                     sum_pi_squared_request)
 from .distill import request_for, serve_fused_topk, topk_request
 from .label_check import refuse_rolled_shard_labels
 from .signatures import verl_features
+from .temperature import serves_fused
 
 _model_names: list[str] = []  # the models patched for rl-kernels in this process (anomaly samples name the last)
 
@@ -191,19 +193,26 @@ def fused_log_probs_entropy(hidden_states: torch.Tensor, weight: torch.Tensor, l
     options = settings.options()
     topk = topk_request() if _serving.get() else None
     sum_pi = sum_pi_squared_request.get()
+    shape, rows = labels.shape, step_request.get().loss_rows
+    index = None
+    if rows is not None:  # loss_rows_only: the head runs on the loss rows alone, (1, selected) below
+        index = loss_row_index(rows, labels)
+        hidden_states, temperature, labels = (select_rows(t, index, labels.numel()).unsqueeze(0) if
+                                              isinstance(t, torch.Tensor) else t
+                                              for t in (hidden_states, temperature, labels))
+        count("loss_rows_skipped_tokens", rows.numel() - index.numel())
     if topk is not None:  # verl's top-K distillation too, from the same fused head call (a training step:
         # no Σπ² there; one asked anyway is not delivered, so verl's own refusal stands)
         log_probs, entropy = serve_fused_topk(topk, hidden_states, weight, labels, temperature=temperature,
                                               softcap=head.softcap, return_entropy=return_entropy,
-                                              backend=options.backend)
+                                              backend=options.backend, loss_rows=None if index is None
+                                              else (index, shape))
+        sum_pi_squared = None
     else:
         out = linear_log_probs(hidden_states, weight, labels, temperature=temperature, softcap=head.softcap,
                                return_entropy=return_entropy, return_sum_pi_squared=sum_pi is not None,
                                backend=options.backend)
-        log_probs, entropy = out.log_probs, out.entropy
-        if sum_pi is not None:
-            sum_pi.deliver(out.log_probs, out.sum_pi_squared)
-            count("fused_sum_pi_squared_calls")
+        log_probs, entropy, sum_pi_squared = out.log_probs, out.entropy, out.sum_pi_squared
     record("fused_fsdp_calls", "fused fsdp", labels.numel())
     capture = settings.capture()
     if capture is not None:  # the effective temperature: a number, or the per-token tensor shaped like labels
@@ -211,6 +220,12 @@ def fused_log_probs_entropy(hidden_states: torch.Tensor, weight: torch.Tensor, l
                       softcap=head.softcap, ignore_index=-100, log_probs=log_probs, entropy=entropy,
                       metadata={"model": _model_names[-1] if _model_names else "unknown",
                                 "function": "verl FusedLinearForPPO (FSDP fused path)"})
+    if index is not None:  # back to verl's rows: 0 (and no gradient) outside the loss
+        log_probs, entropy, sum_pi_squared = (None if t is None else scatter_rows(t.reshape(-1), index, shape)
+                                              for t in (log_probs, entropy, sum_pi_squared))
+    if sum_pi_squared is not None:
+        sum_pi.deliver(log_probs, sum_pi_squared)
+        count("fused_sum_pi_squared_calls")
     return log_probs, (entropy if return_entropy else entropy_placeholder(log_probs))
 
 
@@ -326,6 +341,88 @@ def wrap_sum_pi_squared_requests() -> tuple[bool, str]:
                   "prepare_model_outputs), verl's error stays elsewhere (impl_backend not rl_kernels, VeOmni)")
 
 
+def _refuse_loss_rows(why: str, fix: str) -> None:
+    raise VerlIntegrationError(f"rl_kernels.integrations.verl: loss_rows_only: {why}; {fix}")
+
+
+def loss_mask_by_token(micro_batch) -> torch.Tensor:
+    """The micro-batch's ``loss_mask`` laid out as its ``input_ids`` (a nested int64 tensor with
+    their offsets: 0 on each prompt token, the response's loss mask on its tokens), from the two RL
+    layouts verl's trainers give the engine: a nested ``(bsz, j_response)`` mask (v1 trainer,
+    prompt length = sequence length - response length) or a dense right-padded ``(bsz, R)`` one
+    (legacy trainer; prompt lengths from ``prompts`` and ``attention_mask`` as verl's
+    ``no_padding_2_padding`` reads them). VerlIntegrationError for what the audit of docs/verl.md
+    does not cover: no ``loss_mask``, a mask in the ``input_ids`` layout (SFT), a client that reads
+    the raw model output (``return_model_output``), a ``response_mask`` with a 1 where ``loss_mask``
+    has 0."""
+    from verl.utils import tensordict_utils as tu
+
+    off = "set fused_kernel_options.rl_kernels.loss_rows_only=false"
+    keys = micro_batch.keys()
+    if tu.get_non_tensor_data(data=micro_batch, key="return_model_output", default=False):
+        _refuse_loss_rows("this micro-batch asks for return_model_output (verl's Tinker split-training worker): its "
+                          "client may read log-probs outside loss_mask", off)
+    if "loss_mask" not in keys:
+        _refuse_loss_rows("the micro-batch has no loss_mask: rl-kernels cannot tell which rows the loss reads", off)
+    input_ids, loss_mask = micro_batch["input_ids"], micro_batch["loss_mask"]
+    if not input_ids.is_nested:
+        _refuse_loss_rows("input_ids are not nested (verl's no-padding layout)", off)
+    offsets = input_ids.offsets()
+    seq_lens = offsets.diff()
+    if loss_mask.is_nested:
+        if loss_mask.offsets().shape == offsets.shape and torch.equal(loss_mask.offsets().cpu(), offsets.cpu()):
+            _refuse_loss_rows("loss_mask has the input_ids layout (SFT), not the response layout", off)
+        response_lens = loss_mask.offsets().diff().to(seq_lens.device)
+        values = loss_mask.values()
+    else:
+        if loss_mask.dim() != 2 or loss_mask.shape[0] != seq_lens.numel() or "prompts" not in keys \
+                or "attention_mask" not in keys:
+            _refuse_loss_rows(f"a dense loss_mask {tuple(loss_mask.shape)} without verl's prompts / attention_mask "
+                              "beside it (the response layout is not known)", off)
+        prompts = micro_batch["prompts"]
+        attention_mask = micro_batch["attention_mask"]
+        response_lens = attention_mask[:, prompts.shape[1]:].sum(dim=1).to(seq_lens.device)
+        if bool((response_lens > loss_mask.shape[1]).any()):
+            _refuse_loss_rows("a response longer than the dense loss_mask", off)
+        values = loss_mask[torch.arange(loss_mask.shape[1], device=loss_mask.device)[None, :]
+                           < response_lens.to(loss_mask.device)[:, None]]
+    prompt_lens = seq_lens - response_lens
+    if bool((prompt_lens < 1).any()):
+        _refuse_loss_rows("a sequence whose response is not preceded by a prompt token", off)
+    if "response_mask" in keys and micro_batch["response_mask"] is not loss_mask:
+        response_mask = micro_batch["response_mask"]
+        outside = (response_mask.values() if response_mask.is_nested else response_mask).bool()
+        inside = (loss_mask.values() if loss_mask.is_nested else loss_mask).bool()
+        if outside.shape == inside.shape and bool((outside & ~inside).any()):
+            _refuse_loss_rows("response_mask selects rows outside loss_mask; a consumer would read rows the head "
+                              "skipped", off)
+    starts = (offsets[:-1].to(seq_lens.device) + prompt_lens)
+    within = torch.arange(int(response_lens.sum()), device=seq_lens.device) - torch.repeat_interleave(
+        response_lens.cumsum(0) - response_lens, response_lens)
+    by_token = torch.zeros(int(offsets[-1]), dtype=torch.int64, device=input_ids.device)
+    by_token[(torch.repeat_interleave(starts, response_lens) + within).to(by_token.device)] = \
+        values.to(by_token.device).long().ne(0).long()
+    return torch.nested.nested_tensor_from_jagged(by_token, offsets)
+
+
+def fsdp_loss_rows(engine, micro_batch) -> torch.Tensor:
+    """The loss-row mask of a fused remove-padding micro-batch in the fused head's labels layout
+    (``(local rows,)`` bool, this Ulysses rank's): :func:`loss_mask_by_token` handed to verl's own
+    ``prepare_model_inputs`` as the ``input_ids`` of a copy of the micro-batch, whose rolled labels
+    (``input_ids_rmpad_rolled``: the roll over the packed sequence, the static pad, the Ulysses pad
+    and slice, all verl's) are then the mask of each label row (pads 0). VerlIntegrationError
+    without remove-padding."""
+    from verl.utils import tensordict_utils as tu
+
+    if not tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True):
+        _refuse_loss_rows("use_remove_padding=False is not served (the padded layout)",
+                          "set use_remove_padding=True or fused_kernel_options.rl_kernels.loss_rows_only=false")
+    stand_in = micro_batch_with(micro_batch, use_fused_kernels=False)
+    stand_in["input_ids"] = loss_mask_by_token(micro_batch)
+    _, output_args = engine.prepare_model_inputs(stand_in)
+    return output_args["input_ids_rmpad_rolled"].ne(0)
+
+
 def wrap_forward_step(*, sum_pi_squared: bool, topk: bool) -> bool:
     """The one wrapper of ``FSDPEngineWithLMHead.forward_step(self, micro_batch, loss_function,
     forward_only)``: while verl's method runs a micro-batch, the step request
@@ -354,6 +451,8 @@ def wrap_forward_step(*, sum_pi_squared: bool, topk: bool) -> bool:
             fields["sum_pi_squared"] = SumPiSquaredRequest() if _asks_fused_sum_pi_squared(micro_batch) else None
         if topk:
             fields["topk"] = request_for(micro_batch, arguments.get("loss_function"))
+        if settings.options().loss_rows_only:
+            fields["loss_rows"] = _loss_rows_of_step(arguments["self"], micro_batch)
         token = step_request.set(dataclasses.replace(step_request.get(), **fields))
         try:
             return method(*args, **kwargs)
@@ -363,6 +462,22 @@ def wrap_forward_step(*, sum_pi_squared: bool, topk: bool) -> bool:
     forward_step._rl_kernels_original = method
     set_attr(engine, "forward_step", forward_step)
     return True
+
+
+def _loss_rows_of_step(engine, micro_batch):
+    """The step request's ``loss_rows`` for an FSDP engine micro-batch under ``loss_rows_only``:
+    :func:`fsdp_loss_rows` on the fused path of a model rl-kernels serves; None elsewhere (one
+    WARNING: the logits path, verl's own fused backends compute every row)."""
+    from verl.utils import tensordict_utils as tu
+
+    if tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels", default=False) and serves_fused(engine):
+        return fsdp_loss_rows(engine, micro_batch)
+    log_once(logging.WARNING, "rl_kernels: loss_rows_only=true is served on the fused paths only (FSDP with "
+             "impl_backend=rl_kernels, Megatron); this FSDP engine runs " + (
+                 "verl's logits path (use_fused_kernels=False)" if not tu.get_non_tensor_data(
+                     data=micro_batch, key="use_fused_kernels", default=False) else
+                 "a fused backend of verl's own") + ": the LM head computes every row")
+    return None
 
 
 def make_fused_linear_class(base: type) -> type:
