@@ -23,7 +23,7 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 import rl_kernels.integrations.verl as rkv
-from rl_kernels.integrations.verl import fsdp_fused
+from rl_kernels.integrations.verl import common, fsdp_fused
 from verl_helpers import VOCAB, tiny_qwen2
 
 transformer_impl = pytest.importorskip("verl.workers.engine.fsdp.transformer_impl",
@@ -115,7 +115,7 @@ def _loss_rows_by_hand() -> torch.Tensor:
 
 @pytest.mark.parametrize("layout", ["nested", "dense"])
 def test_loss_mask_by_token_in_both_trainer_layouts(layout):
-    by_token = fsdp_fused.loss_mask_by_token(_micro_batch(layout))
+    by_token = common.loss_mask_by_token(_micro_batch(layout))
     expected = torch.cat([torch.tensor([0] * p + m) for p, m in zip(PROMPTS, RESPONSE_MASKS)])
     assert by_token.is_nested and torch.equal(by_token.values(), expected)
     assert torch.equal(by_token.offsets(), _micro_batch(layout)["input_ids"].offsets())

@@ -32,7 +32,8 @@ from ..verl_schema import BACKEND_NAME, names_rl_kernels
 from . import settings
 from .common import (StepField, SumPiSquaredRequest, VerlIntegrationError, count, entropy_on_request,
                      entropy_placeholder, entropy_wanted, left_to_verl, loss_row_index, micro_batch_with,
-                     outside_kernels, record, scatter_rows, select_rows, set_attr, step_request,
+                     loss_mask_by_token, outside_kernels, record, refuse_loss_rows, scatter_rows, select_rows,
+                     set_attr, step_request,
                      sum_pi_squared_request)
 from .distill import request_for, serve_fused_topk, topk_request
 from .label_check import refuse_rolled_shard_labels
@@ -341,70 +342,6 @@ def wrap_sum_pi_squared_requests() -> tuple[bool, str]:
                   "prepare_model_outputs), verl's error stays elsewhere (impl_backend not rl_kernels, VeOmni)")
 
 
-def _refuse_loss_rows(why: str, fix: str) -> None:
-    raise VerlIntegrationError(f"rl_kernels.integrations.verl: loss_rows_only: {why}; {fix}")
-
-
-def loss_mask_by_token(micro_batch) -> torch.Tensor:
-    """The micro-batch's ``loss_mask`` laid out as its ``input_ids`` (a nested int64 tensor with
-    their offsets: 0 on each prompt token, the response's loss mask on its tokens), from the two RL
-    layouts verl's trainers give the engine: a nested ``(bsz, j_response)`` mask (v1 trainer,
-    prompt length = sequence length - response length) or a dense right-padded ``(bsz, R)`` one
-    (legacy trainer; prompt lengths from ``prompts`` and ``attention_mask`` as verl's
-    ``no_padding_2_padding`` reads them). VerlIntegrationError for what the audit of docs/verl.md
-    does not cover: no ``loss_mask``, a mask in the ``input_ids`` layout (SFT), a client that reads
-    the raw model output (``return_model_output``), a ``response_mask`` with a 1 where ``loss_mask``
-    has 0."""
-    from verl.utils import tensordict_utils as tu
-
-    off = "set fused_kernel_options.rl_kernels.loss_rows_only=false"
-    keys = micro_batch.keys()
-    if tu.get_non_tensor_data(data=micro_batch, key="return_model_output", default=False):
-        _refuse_loss_rows("this micro-batch asks for return_model_output (verl's Tinker split-training worker): its "
-                          "client may read log-probs outside loss_mask", off)
-    if "loss_mask" not in keys:
-        _refuse_loss_rows("the micro-batch has no loss_mask: rl-kernels cannot tell which rows the loss reads", off)
-    input_ids, loss_mask = micro_batch["input_ids"], micro_batch["loss_mask"]
-    if not input_ids.is_nested:
-        _refuse_loss_rows("input_ids are not nested (verl's no-padding layout)", off)
-    offsets = input_ids.offsets()
-    seq_lens = offsets.diff()
-    if loss_mask.is_nested:
-        if loss_mask.offsets().shape == offsets.shape and torch.equal(loss_mask.offsets().cpu(), offsets.cpu()):
-            _refuse_loss_rows("loss_mask has the input_ids layout (SFT), not the response layout", off)
-        response_lens = loss_mask.offsets().diff().to(seq_lens.device)
-        values = loss_mask.values()
-    else:
-        if loss_mask.dim() != 2 or loss_mask.shape[0] != seq_lens.numel() or "prompts" not in keys \
-                or "attention_mask" not in keys:
-            _refuse_loss_rows(f"a dense loss_mask {tuple(loss_mask.shape)} without verl's prompts / attention_mask "
-                              "beside it (the response layout is not known)", off)
-        prompts = micro_batch["prompts"]
-        attention_mask = micro_batch["attention_mask"]
-        response_lens = attention_mask[:, prompts.shape[1]:].sum(dim=1).to(seq_lens.device)
-        if bool((response_lens > loss_mask.shape[1]).any()):
-            _refuse_loss_rows("a response longer than the dense loss_mask", off)
-        values = loss_mask[torch.arange(loss_mask.shape[1], device=loss_mask.device)[None, :]
-                           < response_lens.to(loss_mask.device)[:, None]]
-    prompt_lens = seq_lens - response_lens
-    if bool((prompt_lens < 1).any()):
-        _refuse_loss_rows("a sequence whose response is not preceded by a prompt token", off)
-    if "response_mask" in keys and micro_batch["response_mask"] is not loss_mask:
-        response_mask = micro_batch["response_mask"]
-        outside = (response_mask.values() if response_mask.is_nested else response_mask).bool()
-        inside = (loss_mask.values() if loss_mask.is_nested else loss_mask).bool()
-        if outside.shape == inside.shape and bool((outside & ~inside).any()):
-            _refuse_loss_rows("response_mask selects rows outside loss_mask; a consumer would read rows the head "
-                              "skipped", off)
-    starts = (offsets[:-1].to(seq_lens.device) + prompt_lens)
-    within = torch.arange(int(response_lens.sum()), device=seq_lens.device) - torch.repeat_interleave(
-        response_lens.cumsum(0) - response_lens, response_lens)
-    by_token = torch.zeros(int(offsets[-1]), dtype=torch.int64, device=input_ids.device)
-    by_token[(torch.repeat_interleave(starts, response_lens) + within).to(by_token.device)] = \
-        values.to(by_token.device).long().ne(0).long()
-    return torch.nested.nested_tensor_from_jagged(by_token, offsets)
-
-
 def fsdp_loss_rows(engine, micro_batch) -> torch.Tensor:
     """The loss-row mask of a fused remove-padding micro-batch in the fused head's labels layout
     (``(local rows,)`` bool, this Ulysses rank's): :func:`loss_mask_by_token` handed to verl's own
@@ -415,7 +352,7 @@ def fsdp_loss_rows(engine, micro_batch) -> torch.Tensor:
     from verl.utils import tensordict_utils as tu
 
     if not tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True):
-        _refuse_loss_rows("use_remove_padding=False is not served (the padded layout)",
+        refuse_loss_rows("use_remove_padding=False is not served (the padded layout)",
                           "set use_remove_padding=True or fused_kernel_options.rl_kernels.loss_rows_only=false")
     stand_in = micro_batch_with(micro_batch, use_fused_kernels=False)
     stand_in["input_ids"] = loss_mask_by_token(micro_batch)
