@@ -4,7 +4,8 @@
   the functions replaced wherever they were imported by name (:func:`replace_by_name`);
 * the per-consumer call counters (:func:`record`, :func:`call_counts`) and the one-time
   "served N calls" INFO line;
-* Σπ² on request: what a fused head computed for the engine step that asked (:class:`SumPiSquaredRequest`);
+* the step request (:class:`StepRequest`): what a verl engine step asks of the heads and what they
+  delivered, in one context variable; the loss-row selection of ``loss_rows_only``;
 * signature checks (the error type, :class:`VerlIntegrationError`, is defined in
   :mod:`rl_kernels.integrations.verl_schema`, which patches nothing on import);
 * the drop-in guard of the replaced from-logits functions (:func:`verl_fallback`): inputs outside
@@ -198,36 +199,76 @@ def call_counts() -> dict:
 
 
 # ----------------------------------------------------------------------------- the step request
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class StepRequest:
-    """What the verl engine step (or model forward) that runs asks of rl-kernels' heads, in the one
-    context variable of the integration (:data:`step_request`). Each field is set by the verl hook
-    that knows it, for the duration of the verl call it wraps (:class:`StepField`), and read by the
-    fused heads (FSDP :func:`~.fsdp_fused.fused_log_probs_entropy`, Megatron
-    :func:`~.megatron.linear_cross_entropy`) and the layout hooks:
+    """What the verl engine step (or model forward) that runs asks of rl-kernels' heads, and what
+    they delivered, in the one context variable of the integration (:data:`step_request`). The
+    engine's ``forward_step`` wrapper puts a fresh request in force per micro-batch (fresh
+    ``inputs`` / ``outputs`` dicts: :func:`new_step`); narrower hooks replace single fields for the
+    call they wrap (:class:`StepField`). Read by the fused heads (FSDP
+    :func:`~.fsdp_fused.fused_log_probs_entropy`, Megatron :func:`~.megatron.linear_cross_entropy`)
+    and the layout hooks. What is asked:
 
     * ``entropy``: verl's ``calculate_entropy`` (False: the heads skip the entropy, which verl's
       fused forwards always ask for, verl #2608);
-    * ``sum_pi_squared``: a :class:`SumPiSquaredRequest` where the step asks Σπ² on the fused path;
+    * ``sum_pi_squared``: the step asks Σπ² on the fused path (which verl refuses there; lifted
+      where the head delivered it, :meth:`take`);
     * ``topk``: the FSDP engine's fused top-K distillation request (:class:`~.distill.TopKRequest`);
     * ``megatron_topk``: the Megatron engine's (:class:`~.distill.MegatronTopKRequest`);
     * ``megatron_temperature``: a per-sample temperature on the Megatron fused forward
       (:class:`~.temperature.PerSampleTemperature`);
+    * ``loss_rows``: with the option ``loss_rows_only``, a bool tensor in the fused head's labels
+      layout (this rank's rows): True where the row's loss mask is 1 (:func:`loss_row_index`);
     * ``serving``: a model that rl-kernels serves runs its forward (FSDP fused path);
     * ``head``: that model's :class:`~rl_kernels.integrations.lm_heads.HeadTransform`;
-    * ``model``: that model (where :func:`~.fsdp_fused.full_weight` finds its lm_head's FSDP2 unit);
-    * ``loss_rows``: with the option ``loss_rows_only``, a bool tensor in the fused head's labels
-      layout (this rank's rows): True where the row's loss mask is 1 (:func:`loss_row_index`)."""
+    * ``model``: that model (where :func:`~.fsdp_fused.full_weight` finds its lm_head's FSDP2 unit).
+
+    And per step: ``inputs``, the per-token inputs an engine's layout hook laid out for the head;
+    ``outputs``, what the head delivered beside verl's log-probs (:meth:`deliver`) and what the
+    engine's output hook laid out of them."""
 
     entropy: bool = True
-    sum_pi_squared: object = None
+    sum_pi_squared: bool = False
     topk: object = None
     megatron_topk: object = None
     megatron_temperature: object = None
+    loss_rows: object = None
     serving: bool = False
     head: object = None
     model: object = None
-    loss_rows: object = None
+    inputs: dict = dataclasses.field(default_factory=dict)
+    outputs: dict = dataclasses.field(default_factory=dict)
+
+    def deliver(self, log_probs: torch.Tensor, **outputs) -> None:
+        """Called by a fused head: the log-probs it hands verl and its other per-row outputs (Σπ²,
+        distillation terms), each shaped like its labels. Counted: a second call in the step
+        makes :meth:`take` refuse."""
+        self.outputs.update(outputs, log_probs=log_probs, calls=self.outputs.get("calls", 0) + 1)
+
+    def belongs_to(self, log_probs) -> bool:
+        """Whether ``log_probs`` (as the engine holds them: the head's tensor, or a view of it) are
+        the delivered ones: same storage, offset and number of elements, delivered once."""
+        mine = self.outputs.get("log_probs")
+        return (self.outputs.get("calls") == 1 and isinstance(log_probs, torch.Tensor) and mine is not None
+                and log_probs.numel() == mine.numel() and log_probs.data_ptr() == mine.data_ptr()
+                and log_probs.device == mine.device)
+
+    def take(self, log_probs: torch.Tensor, key: str) -> torch.Tensor:
+        """The output ``key`` delivered with ``log_probs``, shaped like them. VerlIntegrationError
+        when the fused head ran other than once in the step or ``log_probs`` are not its output
+        (never an output of other tokens)."""
+        if not self.belongs_to(log_probs) or key not in self.outputs:
+            raise VerlIntegrationError(
+                f"rl_kernels.integrations.verl: {key} on the fused path: the fused head ran "
+                f"{self.outputs.get('calls', 0)} time(s) in this forward step, or the model output's log_probs are "
+                f"not the head's; rl-kernels cannot tell which {key} belongs to them")
+        return self.outputs[key].view(log_probs.shape)
+
+
+def new_step(**fields) -> contextvars.Token:
+    """Put in force, for one engine micro-batch, the request in force with ``fields`` changed and
+    fresh ``inputs`` / ``outputs``; returns the token for ``step_request.reset``."""
+    return step_request.set(dataclasses.replace(step_request.get(), inputs={}, outputs={}, **fields))
 
 
 step_request = contextvars.ContextVar("rl_kernels_step_request", default=StepRequest())
@@ -408,54 +449,6 @@ def scatter_rows(values: torch.Tensor, index: torch.Tensor, shape) -> torch.Tens
     trailing = tuple(values.shape[1:])
     out = values.new_zeros((rows, *trailing)).index_copy(0, index.to(values.device), values)
     return out.reshape(*shape, *trailing)
-
-
-# ----------------------------------------------------------------------------- Σπ² on request
-class SumPiSquaredRequest:
-    """One engine forward step's request for Σπ² (sum over the vocabulary of p_v², float32, a
-    probability) from the fused head: verl refuses ``calculate_sum_pi_squared=True`` with
-    ``use_fused_kernels=True`` because its fused heads do not compute it; rl-kernels' fused heads
-    (FSDP :func:`~.fsdp_fused.fused_log_probs_entropy`, Megatron :func:`~.megatron.linear_cross_entropy`)
-    compute it in the same pass while a request is active (:data:`sum_pi_squared_request`) and
-    :meth:`deliver` it here, next to the log-probs it belongs to. The engine hooks then lift verl's
-    refusal only when a fused head delivered (``calls == 1``): otherwise (verl's own fused backend,
-    VeOmni's route, ...) verl's own error stays."""
-
-    __slots__ = ("log_probs", "sum_pi_squared", "calls", "laid_out")
-
-    def __init__(self):
-        self.log_probs = self.sum_pi_squared = None
-        self.calls = 0
-        self.laid_out = None  # the Σπ² in the engine's output layout, where a hook lays it out (Megatron)
-
-    def deliver(self, log_probs: torch.Tensor, sum_pi_squared: torch.Tensor) -> None:
-        """Called by a fused head: its log-probs and Σπ², both shaped like its labels."""
-        self.log_probs, self.sum_pi_squared = log_probs, sum_pi_squared
-        self.calls += 1
-
-    def belongs_to(self, log_probs) -> bool:
-        """Whether ``log_probs`` (as the engine holds them: the head's tensor, or a view of it) are
-        the ones delivered with the Σπ²: same storage, offset and number of elements."""
-        mine = self.log_probs
-        return (isinstance(log_probs, torch.Tensor) and mine is not None and log_probs.numel() == mine.numel()
-                and log_probs.data_ptr() == mine.data_ptr() and log_probs.device == mine.device)
-
-    def take(self, log_probs: torch.Tensor) -> torch.Tensor:
-        """The Σπ² delivered with ``log_probs``, shaped like them. Raises VerlIntegrationError when
-        the fused head ran other than once in the step or ``log_probs`` are not its output (never a
-        Σπ² of other tokens)."""
-        if self.calls != 1 or not self.belongs_to(log_probs):
-            raise VerlIntegrationError(
-                f"rl_kernels.integrations.verl: calculate_sum_pi_squared=True on the fused path: the fused head "
-                f"ran {self.calls} time(s) in this forward step, or the model output's log_probs are not the "
-                f"head's; rl-kernels cannot tell which sum_pi_squared belongs to them")
-        return self.sum_pi_squared.view(log_probs.shape)
-
-
-sum_pi_squared_request = StepField("sum_pi_squared")
-"""The :class:`SumPiSquaredRequest` of the engine forward step that runs (None: Σπ² not asked on
-the fused path); set by the engine hooks (:func:`~.fsdp_fused.wrap_sum_pi_squared_requests`,
-:func:`~.megatron.wrap_engine_sum_pi_squared`)."""
 
 
 # ----------------------------------------------------------------------------- drop-in guard

@@ -30,11 +30,10 @@ from ...validation import check_temperature, row_inv_temperature
 from ..lm_heads import HeadTransform, head_transform
 from ..verl_schema import BACKEND_NAME, names_rl_kernels
 from . import settings
-from .common import (StepField, SumPiSquaredRequest, VerlIntegrationError, count, entropy_on_request,
+from .common import (StepField, VerlIntegrationError, count, entropy_on_request,
                      entropy_placeholder, entropy_wanted, left_to_verl, loss_row_index, micro_batch_with,
                      loss_mask_by_token, outside_kernels, record, refuse_loss_rows, scatter_rows, select_rows,
-                     set_attr, step_request,
-                     sum_pi_squared_request)
+                     new_step, set_attr, step_request)
 from .distill import request_for, serve_fused_topk, topk_request
 from .label_check import refuse_rolled_shard_labels
 from .signatures import verl_features
@@ -181,7 +180,7 @@ def fused_log_probs_entropy(hidden_states: torch.Tensor, weight: torch.Tensor, l
     :class:`~rl_kernels.integrations.lm_heads.HeadTransform` of the model whose forward runs.
     The entropy is a NaN placeholder when verl's ``calculate_entropy`` did not ask for it. While
     the FSDP engine's step asks for Σπ² (:func:`wrap_sum_pi_squared_requests`), it is computed
-    too and delivered to that step's :class:`~.common.SumPiSquaredRequest`.
+    too and delivered to the step request (:meth:`~.common.StepRequest.deliver`).
     Raises ValueError / TypeError as :func:`rl_kernels.linear_log_probs`, and VerlIntegrationError when
     the effective temperature is unusable.
     """
@@ -193,8 +192,8 @@ def fused_log_probs_entropy(hidden_states: torch.Tensor, weight: torch.Tensor, l
     return_entropy = entropy_wanted.get()
     options = settings.options()
     topk = topk_request() if _serving.get() else None
-    sum_pi = sum_pi_squared_request.get()
-    shape, rows = labels.shape, step_request.get().loss_rows
+    step = step_request.get()
+    shape, rows = labels.shape, step.loss_rows
     index = None
     if rows is not None:  # loss_rows_only: the head runs on the loss rows alone, (1, selected) below
         index = loss_row_index(rows, labels)
@@ -211,7 +210,7 @@ def fused_log_probs_entropy(hidden_states: torch.Tensor, weight: torch.Tensor, l
         sum_pi_squared = None
     else:
         out = linear_log_probs(hidden_states, weight, labels, temperature=temperature, softcap=head.softcap,
-                               return_entropy=return_entropy, return_sum_pi_squared=sum_pi is not None,
+                               return_entropy=return_entropy, return_sum_pi_squared=step.sum_pi_squared,
                                backend=options.backend)
         log_probs, entropy, sum_pi_squared = out.log_probs, out.entropy, out.sum_pi_squared
     record("fused_fsdp_calls", "fused fsdp", labels.numel())
@@ -225,7 +224,7 @@ def fused_log_probs_entropy(hidden_states: torch.Tensor, weight: torch.Tensor, l
         log_probs, entropy, sum_pi_squared = (None if t is None else scatter_rows(t.reshape(-1), index, shape)
                                               for t in (log_probs, entropy, sum_pi_squared))
     if sum_pi_squared is not None:
-        sum_pi.deliver(log_probs, sum_pi_squared)
+        step.deliver(log_probs, sum_pi_squared=sum_pi_squared)
         count("fused_sum_pi_squared_calls")
     return log_probs, (entropy if return_entropy else entropy_placeholder(log_probs))
 
@@ -289,10 +288,11 @@ def _lifting_prepare_model_outputs(prepare_model_outputs):
     valid columns of each row). Otherwise verl's method runs as it is, refusal included."""
     @functools.wraps(prepare_model_outputs)
     def wrapper(self, output, output_args, micro_batch, logits_processor_func):
-        request = sum_pi_squared_request.get()
-        if request is None or request.calls == 0 or not _asks_fused_sum_pi_squared(micro_batch):
+        request = step_request.get()
+        if not request.sum_pi_squared or "sum_pi_squared" not in request.outputs \
+                or not _asks_fused_sum_pi_squared(micro_batch):
             return prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func)
-        sum_pi_squared = request.take(output.log_probs)
+        sum_pi_squared = request.take(output.log_probs, "sum_pi_squared")
         model_output = prepare_model_outputs(self, output, output_args,
                                              micro_batch_with(micro_batch, calculate_sum_pi_squared=False),
                                              logits_processor_func)
@@ -316,7 +316,7 @@ def wrap_sum_pi_squared_requests() -> tuple[bool, str]:
     """Lift verl's refusal of ``calculate_sum_pi_squared=True`` with ``use_fused_kernels=True`` on
     the FSDP engine where rl-kernels' fused head computes Σπ²: ``FSDPEngineWithLMHead.prepare_model_outputs``
     is wrapped (:func:`_lifting_prepare_model_outputs`), and :func:`wrap_forward_step` then puts a
-    :class:`~.common.SumPiSquaredRequest` into the step request of each micro-batch that asks.
+    ``sum_pi_squared=True`` into the step request of each micro-batch that asks.
     Detected by feature: the engine's two methods with the parameters used here, and
     ``calculate_sum_pi_squared`` among verl's actor options. Returns (served?, the report's wording)."""
     try:
@@ -365,7 +365,7 @@ def wrap_forward_step(*, sum_pi_squared: bool, topk: bool) -> bool:
     forward_only)``: while verl's method runs a micro-batch, the step request
     (:class:`~.common.StepRequest`) holds what that micro-batch asks of the fused head, read from its
     non-tensor data: ``entropy`` (verl's ``calculate_entropy``), ``sum_pi_squared`` (a fresh
-    :class:`~.common.SumPiSquaredRequest` where it asks Σπ² on the fused path, ``sum_pi_squared``:
+    True where it asks Σπ² on the fused path, ``sum_pi_squared``:
     where :func:`wrap_sum_pi_squared_requests` lifted verl's refusal) and ``topk`` (the fused top-K
     distillation request, :func:`~.distill.request_for`, where the distillation part is served:
     ``topk``). Returns whether this verl's engine has the method (with ``micro_batch``)."""
@@ -385,12 +385,12 @@ def wrap_forward_step(*, sum_pi_squared: bool, topk: bool) -> bool:
         micro_batch = arguments["micro_batch"]
         fields = {"entropy": bool(micro_batch_flag(arguments))}
         if sum_pi_squared:
-            fields["sum_pi_squared"] = SumPiSquaredRequest() if _asks_fused_sum_pi_squared(micro_batch) else None
+            fields["sum_pi_squared"] = _asks_fused_sum_pi_squared(micro_batch)
         if topk:
             fields["topk"] = request_for(micro_batch, arguments.get("loss_function"))
         if settings.options().loss_rows_only:
             fields["loss_rows"] = _loss_rows_of_step(arguments["self"], micro_batch)
-        token = step_request.set(dataclasses.replace(step_request.get(), **fields))
+        token = new_step(**fields)
         try:
             return method(*args, **kwargs)
         finally:

@@ -91,9 +91,9 @@ import torch
 import rl_kernels
 
 from ..._logging import log_once, logger
-from .common import (SumPiSquaredRequest, VerlIntegrationError, check_chunk_size, check_signature, count,
+from .common import (VerlIntegrationError, check_chunk_size, check_signature, count,
                      entropy_on_request, entropy_placeholder, entropy_wanted, record, replace_by_name, set_attr,
-                     outside_labels, sum_pi_squared_request, verl_fallback, verl_version)
+                     outside_labels, new_step, step_request, verl_fallback, verl_version)
 from . import settings
 from .distill import megatron_topk_request, serve_megatron_topk
 from .logits import capture_logits
@@ -276,11 +276,11 @@ def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="non
                   "reduce_hidden_grad": not summed}
     backend = options().backend  # read per call
     return_entropy = entropy_wanted.get()
-    request = sum_pi_squared_request.get()
+    step = step_request.get()
     if isinstance(temperature, torch.Tensor):
         temperature = temperature.reshape(-1)
     topk = megatron_topk_request()
-    if topk is not None and topk.teacher is not None and request is not None:
+    if topk is not None and topk.teacher is not None and step.sum_pi_squared:
         raise VerlIntegrationError("rl_kernels.integrations.verl: calculate_sum_pi_squared=True together with "
                                    "top-K distillation on the Megatron fused path is not served; use "
                                    "use_fused_kernels=False (verl's logits path) for this run")
@@ -292,7 +292,7 @@ def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="non
     else:
         out = rl_kernels.linear_log_probs(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
                                           temperature=temperature, return_entropy=return_entropy,
-                                          return_sum_pi_squared=request is not None, backend=backend, **kwargs)
+                                          return_sum_pi_squared=step.sum_pi_squared, backend=backend, **kwargs)
     record("fused_megatron_calls", "fused megatron", labels.numel())
     capture = settings.capture()
     if capture is not None:  # the whole call, its weight gathered over the TP group (written by its rank 0)
@@ -302,8 +302,8 @@ def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="non
                       metadata={"function": "verl linear_cross_entropy (Megatron fused path)"})
     entropy = out.entropy if return_entropy else entropy_placeholder(out.log_probs)
     log_probs = out.log_probs.view(labels.shape)
-    if request is not None:
-        request.deliver(log_probs, out.sum_pi_squared.view(labels.shape))
+    if step.sum_pi_squared:
+        step.deliver(log_probs, sum_pi_squared=out.sum_pi_squared.view(labels.shape))
         count("fused_sum_pi_squared_calls")
     return log_probs, entropy.view(labels.shape)
 
@@ -414,13 +414,13 @@ def _laying_out_sum_pi_squared(postprocess):
     head's log-probs (packed THD, padded per sequence, split over context parallelism) to give
     the per-sequence nested tensor: when the step's request holds a Σπ² delivered with exactly
     these log-probs, the same call with the same arguments lays out the Σπ² too
-    (``request.laid_out``)."""
+    (the step request's ``outputs['sum_pi_squared_laid_out']``)."""
     @functools.wraps(postprocess)
     def postprocess_thd_engine(output, *args, **kwargs):
         result = postprocess(output, *args, **kwargs)
-        request = sum_pi_squared_request.get()
-        if request is not None and request.laid_out is None and request.belongs_to(output):
-            request.laid_out = postprocess(request.take(output), *args, **kwargs)
+        step = step_request.get()
+        if step.sum_pi_squared and "sum_pi_squared_laid_out" not in step.outputs and step.belongs_to(output):
+            step.outputs["sum_pi_squared_laid_out"] = postprocess(step.take(output, "sum_pi_squared"), *args, **kwargs)
         return result
 
     postprocess_thd_engine._rl_kernels_original = postprocess
@@ -431,7 +431,7 @@ def _lifting_forward_step(forward_step):
     """``MegatronEngineWithLMHead.forward_step``, whose Σπ² refusal on the fused path comes before
     the model runs. A micro-batch with ``calculate_sum_pi_squared=True`` and ``use_fused_kernels``
     runs verl's method on a copy of the micro-batch with the flag hidden and a
-    :class:`~.common.SumPiSquaredRequest` active: rl-kernels' fused head computes Σπ² with the
+    step request asking Σπ² (``sum_pi_squared=True``) in force: rl-kernels' fused head computes Σπ² with the
     log-probs, verl's ``postprocess_thd_engine`` lays it out with them (:func:`_laying_out_sum_pi_squared`),
     and it goes into the output as ``sum_pi_squared``, where verl's logits path puts it. On the
     last pipeline stage, when no Σπ² came (a fused forward that is not rl-kernels'), verl's method
@@ -444,25 +444,26 @@ def _lifting_forward_step(forward_step):
         fused = tu.get_non_tensor_data(batch, key="use_fused_kernels", default=self.engine_config.use_fused_kernels)
         asked = bool(tu.get_non_tensor_data(batch, key="calculate_sum_pi_squared", default=False))
         if not (asked and fused):
-            token = sum_pi_squared_request.set(None)
+            token = new_step(sum_pi_squared=False)
             try:
                 return forward_step(self, itertools.chain([batch], batch_iter), model, logits_processor_func,
                                     postprocess_micro_batch_func)
             finally:
-                sum_pi_squared_request.reset(token)
+                step_request.reset(token)
         hidden = batch.copy()
         tu.assign_non_tensor(hidden, calculate_sum_pi_squared=False)
-        request = SumPiSquaredRequest()
-        token = sum_pi_squared_request.set(request)
+        token = new_step(sum_pi_squared=True)
+        request = step_request.get()
         try:
             output, postprocess = forward_step(self, itertools.chain([hidden], batch_iter), model,
                                                logits_processor_func, postprocess_micro_batch_func)
         finally:
-            sum_pi_squared_request.reset(token)
+            step_request.reset(token)
         if isinstance(output, dict) and "log_probs" in output:  # the last pipeline stage
-            if request.laid_out is None:  # not rl-kernels' head: verl's own step, which refuses before its model runs
+            laid_out = request.outputs.get("sum_pi_squared_laid_out")
+            if laid_out is None:  # not rl-kernels' head: verl's own step, which refuses before its model runs
                 return forward_step(self, iter([batch]), model, logits_processor_func, postprocess_micro_batch_func)
-            output["sum_pi_squared"] = request.laid_out
+            output["sum_pi_squared"] = laid_out
         return output, postprocess
 
     wrapper._rl_kernels_original = forward_step
