@@ -315,13 +315,16 @@ def test_ulysses_slicing_goes_through_verls_helpers(monkeypatch):
     (ref["distillation_losses"] * weights).sum().backward()
 
     hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
-    request = distill.TopKRequest({"teacher_logprobs": nested[0], "teacher_ids": nested[1]},
-                                  functools.partial(_loss, distillation_config=config))
-    distill.serve_fused_topk(request, hg, wg, labels, temperature=T, softcap=None, return_entropy=False,
+    from rl_kernels.integrations.verl.common import StepRequest
+
+    step = StepRequest(topk=True, micro_batch={"teacher_logprobs": nested[0], "teacher_ids": nested[1]},
+                       loss_function=functools.partial(_loss, distillation_config=config))
+    distill.serve_fused_topk(step, hg, wg, labels, temperature=T, softcap=None, return_entropy=False,
                              backend="torch")
-    (request.aux.distillation_losses * weights).sum().backward()
+    aux = step.outputs["aux"]
+    (aux.distillation_losses * weights).sum().backward()
     for key in ("distillation_losses", "student_mass", "teacher_mass"):
-        torch.testing.assert_close(getattr(request.aux, key), ref[key].detach().float(), **TOL, msg=key)
+        torch.testing.assert_close(getattr(aux, key), ref[key].detach().float(), **TOL, msg=key)
     torch.testing.assert_close(hg.grad, hr.grad, **GRAD_TOL)
     torch.testing.assert_close(wg.grad, wr.grad, **GRAD_TOL)
 

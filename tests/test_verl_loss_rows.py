@@ -23,7 +23,7 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 import rl_kernels.integrations.verl as rkv
-from rl_kernels.integrations.verl import common, fsdp_fused
+from rl_kernels.integrations.verl import common
 from verl_helpers import VOCAB, tiny_qwen2
 
 transformer_impl = pytest.importorskip("verl.workers.engine.fsdp.transformer_impl",
@@ -174,9 +174,13 @@ def test_loss_rows_of_an_ulysses_rank(served, monkeypatch):
     engine = _engine(model)
     engine.pad_to_length, engine.use_ulysses_sp, engine.ulysses_sequence_parallel_size = False, True, 2
     micro_batch = _micro_batch("nested")
-    rows = fsdp_fused.fsdp_loss_rows(engine, micro_batch)
+    token = common.new_step(loss_rows_only=True)
+    try:  # (what the engine's forward_step wrapper puts in force)
+        model_inputs, _ = engine.prepare_model_inputs(micro_batch)
+        rows = common.step_request.get().inputs["loss_rows"]
+    finally:
+        common.step_request.reset(token)
     packed = torch.cat([_loss_rows_by_hand(), torch.zeros(1, dtype=torch.bool)])
-    model_inputs, _ = engine.prepare_model_inputs(micro_batch)
     assert rows.shape == model_inputs["shift_labels"].shape[1:]
     assert torch.equal(rows, packed[packed.numel() // 2:])
 

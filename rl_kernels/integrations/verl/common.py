@@ -213,12 +213,15 @@ class StepRequest:
       fused forwards always ask for, verl #2608);
     * ``sum_pi_squared``: the step asks Σπ² on the fused path (which verl refuses there; lifted
       where the head delivered it, :meth:`take`);
-    * ``topk``: the FSDP engine's fused top-K distillation request (:class:`~.distill.TopKRequest`);
+    * ``topk``: top-K distillation on the FSDP fused path, with ``micro_batch`` (the engine's
+      micro-batch: the teacher's tensors) and ``loss_function`` (the one verl's engine got, which
+      carries verl's distillation config);
     * ``megatron_topk``: the Megatron engine's (:class:`~.distill.MegatronTopKRequest`);
     * ``megatron_temperature``: a per-sample temperature on the Megatron fused forward
       (:class:`~.temperature.PerSampleTemperature`);
-    * ``loss_rows``: with the option ``loss_rows_only``, a bool tensor in the fused head's labels
-      layout (this rank's rows): True where the row's loss mask is 1 (:func:`loss_row_index`);
+    * ``loss_rows_only``: the option, where the step is one it serves: the head runs on the rows
+      whose loss mask is 1 only (``inputs['loss_rows']``: a bool tensor in the fused head's labels
+      layout, this rank's rows, laid out by the engine's layout hook; :func:`loss_row_index`);
     * ``serving``: a model that rl-kernels serves runs its forward (FSDP fused path);
     * ``head``: that model's :class:`~rl_kernels.integrations.lm_heads.HeadTransform`;
     * ``model``: that model (where :func:`~.fsdp_fused.full_weight` finds its lm_head's FSDP2 unit).
@@ -229,10 +232,12 @@ class StepRequest:
 
     entropy: bool = True
     sum_pi_squared: bool = False
-    topk: object = None
+    topk: bool = False
+    micro_batch: object = None
+    loss_function: object = None
     megatron_topk: object = None
     megatron_temperature: object = None
-    loss_rows: object = None
+    loss_rows_only: bool = False
     serving: bool = False
     head: object = None
     model: object = None

@@ -42,7 +42,7 @@ rl-kernels' fused head compute them, vocab-parallel, as verl's Megatron logits p
 and puts them into the engine's forward_step output (:func:`serve_megatron_topk`). Both fused routes
 serve the tail mode too (``linear_log_probs_at_ids(return_tail=True)``; on the FSDP route the two tail
 outputs, which verl's engine does not read from ``fused_linear_aux``, are laid out by
-:func:`_checked_outputs` with the engine's own ``_gather_and_unpad_packed``). Both fused routes give
+:func:`~.fsdp_engine.lay_out_outputs` with the engine's own ``_gather_and_unpad_packed``). Both fused routes give
 verl's overlap metrics too (:func:`fused_overlap_metrics`, the same :func:`overlap_metrics` as the
 logits paths, the student's top K from :func:`rl_kernels.linear_topk` of the same head: no logits,
 one more pass over the head), laid out as the other outputs, unless the option ``overlap_metrics``
@@ -50,7 +50,6 @@ is off.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib
 import inspect
@@ -368,7 +367,7 @@ def fused_overlap_metrics(hidden_states, weight, teacher_ids, slot_t, slot_q, *,
 # unpads them as it does the log-probs. Only VeOmni's own fused forward fills it; verl's FSDP fused
 # forwards hand the model no teacher tensors. rl-kernels' served forward fills it: the FSDP engine's
 # forward_step makes the micro-batch (teacher tensors) and verl's distillation config (the clamp)
-# known to the fused head (a context variable, :func:`topk_request`), which computes verl's PPO
+# known to the fused head (the step request, :mod:`.fsdp_engine`), which computes verl's PPO
 # log-probs and the student's log-probs at the teacher's ids in one fused call
 # (:func:`serve_fused_topk`); :func:`~.fsdp_fused.serving_forward` attaches the result.
 
@@ -378,7 +377,7 @@ ENGINE_CLASS = "FSDPEngineWithLMHead"
 
 def _engine_lays_out_extra() -> bool:
     """Whether verl's FSDP engine has ``_gather_and_unpad_packed`` (verl 0.9.1, main; not 0.8.0), with
-    which :func:`_lay_out_extra` lays out the outputs it does not read from ``fused_linear_aux``
+    which :func:`~.fsdp_engine.lay_out_outputs` lays out the outputs it does not read from ``fused_linear_aux``
     (the tail mode's, the overlap metrics)."""
     try:
         engine = getattr(importlib.import_module(ENGINE_MODULE), ENGINE_CLASS, None)
@@ -397,45 +396,10 @@ class FusedLinearAux(NamedTuple):
     teacher_mass: torch.Tensor
 
 
-@dataclasses.dataclass
-class TopKRequest:
-    """A fused top-K distillation micro-batch of the FSDP engine: verl's micro-batch (its nested
-    ``teacher_ids`` / ``teacher_logprobs``), the loss function verl's engine got (which carries
-    verl's ``distillation_config``), and the outputs once the fused head has computed them."""
-
-    micro_batch: object
-    loss_function: object
-    aux: FusedLinearAux | None = None
-    extra: dict | None = None  # outputs verl's engine does not read from the aux: the tail mode's, the overlap metrics
-
-
-_request = StepField("topk")
-
-
-def topk_request() -> TopKRequest | None:
-    """The fused top-K distillation request of the FSDP engine's forward_step that runs now, or None."""
-    return _request.get()
-
-
 def _flag(micro_batch, key: str, default=False):
     from verl.utils import tensordict_utils as tu
 
     return tu.get_non_tensor_data(data=micro_batch, key=key, default=default)
-
-
-def _wants_fused_topk(micro_batch) -> bool:
-    return bool(_flag(micro_batch, "distillation_use_topk") and _flag(micro_batch, "use_fused_kernels"))
-
-
-def request_for(micro_batch, loss_function) -> TopKRequest | None:
-    """A request for a fused, remove-padding micro-batch with top-K distillation and the teacher's
-    tensors; None otherwise (verl's engine reads fused_linear_aux only with remove-padding)."""
-    if not _wants_fused_topk(micro_batch) or not _flag(micro_batch, "use_remove_padding", True):
-        return None
-    keys = micro_batch.keys()
-    if "teacher_ids" not in keys or "teacher_logprobs" not in keys:
-        return None
-    return TopKRequest(micro_batch, loss_function)
 
 
 def _loss_config(loss_function):
@@ -456,16 +420,17 @@ def _loss_config(loss_function):
     return loss_config
 
 
-def serve_fused_topk(request: TopKRequest, hidden_states, weight, labels, *, temperature: float, softcap,
+def serve_fused_topk(step, hidden_states, weight, labels, *, temperature: float, softcap,
                      return_entropy: bool, backend: str, loss_rows=None) -> tuple:
     """The fused head of a served model's forward on a top-K distillation micro-batch: verl's
-    ``(log_probs, entropy or None)`` at ``labels`` (1, n), and ``request.aux`` set to verl's
-    distillation outputs (:func:`topk_terms`, as verl's logits path defines them) from the
+    ``(log_probs, entropy or None)`` at ``labels`` (1, n), and the step request's ``outputs['aux']``
+    (``step``: :class:`~.common.StepRequest`, its ``micro_batch`` holding the teacher's tensors and
+    its ``loss_function`` verl's distillation config) set to verl's distillation outputs (:func:`topk_terms`, as verl's logits path defines them) from the
     student's log-probs at the teacher's ids, all from one call of
     :func:`rl_kernels.distill.linear_log_probs_at_ids` (no N x V tensor in forward or backward).
-    ``request.extra``: the tail mode's other outputs, and verl's overlap metrics
+    ``outputs['extra']``: the tail mode's other outputs, and verl's overlap metrics
     (:func:`fused_overlap_metrics`: one more pass over the head, :func:`rl_kernels.linear_topk`,
-    unless the option ``overlap_metrics`` is off), which :func:`_checked_outputs` lays out.
+    unless the option ``overlap_metrics`` is off), which :func:`~.fsdp_engine.lay_out_outputs` lays out.
     The teacher's packed (1, total, K) tensors are sliced for this Ulysses rank with verl's helpers,
     as verl's logits path slices them. ``loss_rows``: ``(index, shape)`` under the option
     ``loss_rows_only``, where ``hidden_states`` / ``labels`` hold this rank's rows at ``index`` only
@@ -478,12 +443,12 @@ def serve_fused_topk(request: TopKRequest, hidden_states, weight, labels, *, tem
             "rl_kernels.integrations.verl: top-K distillation on the fused path with a soft-capped model "
             f"(softcap={softcap}) is not served (the gradient of the logits at the teacher's ids under a cap "
             "is not implemented); use use_fused_kernels=False (verl's logits path) for this model")
-    loss_config = _loss_config(request.loss_function)
+    loss_config = _loss_config(step.loss_function)
     fsdp, why = _import_fsdp_losses()
     if fsdp is None:
         raise VerlIntegrationError(f"rl_kernels.integrations.verl: top-K distillation on the fused path: {why}")
-    teacher_log_probs = request.micro_batch["teacher_logprobs"].values().unsqueeze(0)  # (1, total, K)
-    teacher_ids = request.micro_batch["teacher_ids"].values().unsqueeze(0)
+    teacher_log_probs = step.micro_batch["teacher_logprobs"].values().unsqueeze(0)  # (1, total, K)
+    teacher_ids = step.micro_batch["teacher_ids"].values().unsqueeze(0)
     rows = torch.ones(teacher_ids.shape[:2], dtype=torch.int8)
     world_size, slice_input = _ulysses(fsdp)
     if world_size() > 1:  # this rank's slice (padded as verl pads the student's inputs)
@@ -507,7 +472,7 @@ def serve_fused_topk(request: TopKRequest, hidden_states, weight, labels, *, tem
             hidden_states, weight, labels, distinct_on_padding(teacher_ids, rows), temperature=temperature,
             return_entropy=return_entropy, backend=backend, return_tail=True)
         terms = tail_terms(log_q, tail_log_probs, teacher_log_probs)
-        request.aux = FusedLinearAux(*(terms.pop(key) for key in FusedLinearAux._fields))
+        aux = FusedLinearAux(*(terms.pop(key) for key in FusedLinearAux._fields))
         slot_t, slot_q = teacher_log_probs.float(), log_q
     else:
         log_probs, entropy, log_q = linear_log_probs_at_ids(hidden_states, weight, labels, teacher_ids,
@@ -515,85 +480,25 @@ def serve_fused_topk(request: TopKRequest, hidden_states, weight, labels, *, tem
                                                             backend=backend)
         losses, student_mass, teacher_mass, slot_q, slot_t = topk_terms(log_q, teacher_log_probs,
                                                                         loss_config.log_prob_min_clamp)
-        request.aux = FusedLinearAux(losses, student_mass.detach(), teacher_mass.float())
+        aux = FusedLinearAux(losses, student_mass.detach(), teacher_mass.float())
         terms = {}
     if _engine_lays_out_extra():  # (float32 advantage, as the aux outputs of this path)
         terms.update(fused_overlap_metrics(hidden_states, weight, teacher_ids, slot_t, slot_q,
                                            temperature=temperature, backend=backend, path="FSDP fused path"))
     if loss_rows is not None:  # back to the rank's rows, 0 outside the loss
         index, shape = loss_rows
-        request.aux = FusedLinearAux(*(scatter_rows(t.reshape(-1), index, shape) for t in request.aux))
+        aux = FusedLinearAux(*(scatter_rows(t.reshape(-1), index, shape) for t in aux))
         terms = {key: scatter_rows(t.reshape(-1), index, shape) for key, t in terms.items()}
-    request.extra = terms or None
+    step.outputs.update(aux=aux, extra=terms or None)
     record("distillation_calls", "distillation fused fsdp", labels.numel())
     return log_probs, entropy
 
 
-def _checked_outputs(method):
-    """Wrap the FSDP engine's ``prepare_model_outputs``: a fused top-K distillation micro-batch
-    whose model output comes back without ``distillation_losses`` (a fused forward that is not
-    rl-kernels', remove-padding off, or an engine that reads no ``fused_linear_aux``) gets one
-    WARNING saying so; verl's own code then runs on (its loss finds no ``distillation_losses``).
-    The outputs the fused head delivered that verl's engine does not read from ``fused_linear_aux``
-    (:attr:`TopKRequest.extra`: the tail mode's, the overlap metrics) are laid out as verl lays out
-    the aux outputs: the engine's ``_gather_and_unpad_packed`` (Ulysses gather, padding dropped),
-    then per sequence (``input_ids``' offsets)."""
-    sig = inspect.signature(method)
-
-    @functools.wraps(method)
-    def prepare_model_outputs(*args, **kwargs):
-        model_output = method(*args, **kwargs)
-        arguments = sig.bind(*args, **kwargs).arguments
-        micro_batch = arguments.get("micro_batch")
-        request = topk_request()
-        if request is not None and request.extra and isinstance(model_output, dict) \
-                and "distillation_losses" in model_output:
-            _lay_out_extra(arguments, micro_batch, request, model_output)
-        if micro_batch is not None and _wants_fused_topk(micro_batch) and isinstance(model_output, dict) \
-                and "distillation_losses" not in model_output:
-            if not _flag(micro_batch, "use_remove_padding", True):
-                why = "use_remove_padding=False (verl's engine reads fused_linear_aux only with remove-padding)"
-            elif request is not None and request.aux is not None:
-                why = "this verl's engine did not take the fused_linear_aux that rl-kernels computed"
-            else:
-                why = ("the model's fused forward is not rl-kernels' (verl's own fused backends compute no "
-                       "distillation outputs; set fused_kernel_options.impl_backend=rl_kernels)")
-            log_once(logging.WARNING, "rl_kernels: top-K distillation on verl's FSDP fused path is not served: "
-                     f"{why}; verl's loss will find no distillation_losses. Use use_fused_kernels=False "
-                     "(verl's logits path) or impl_backend=rl_kernels with use_remove_padding=True")
-        return model_output
-
-    prepare_model_outputs._rl_kernels_original = method
-    return prepare_model_outputs
-
-
-def _lay_out_extra(arguments, micro_batch, request, model_output) -> None:
-    """The outputs of a fused micro-batch that verl's engine does not read from ``fused_linear_aux``
-    (the tail mode's, the overlap metrics) into ``model_output``, laid out as verl's FSDP engine lays
-    out the ``fused_linear_aux`` outputs; VerlIntegrationError where this verl's engine has no
-    ``_gather_and_unpad_packed`` or the output args no ``pad_size`` (for the overlap metrics alone:
-    one WARNING, and verl's loss logs none)."""
-    gather = getattr(arguments.get("self"), "_gather_and_unpad_packed", None)
-    output_args = arguments.get("output_args")
-    if gather is None or not isinstance(output_args, dict) or "pad_size" not in output_args:
-        if set(request.extra) <= set(OVERLAP_KEYS):
-            log_once(logging.WARNING, "rl_kernels: top-K distillation on the FSDP fused path: this verl's engine has "
-                     "no _gather_and_unpad_packed / pad_size to lay out the overlap metrics; verl's loss logs none")
-            return
-        raise VerlIntegrationError(
-            f"rl_kernels: top-K distillation on the FSDP fused path: this verl's engine has no "
-            f"_gather_and_unpad_packed / pad_size to lay out {', '.join(request.extra)}; use "
-            f"use_fused_kernels=False")
-    offsets = micro_batch["input_ids"].offsets()
-    for key, value in request.extra.items():
-        value = gather(value.squeeze(0), output_args["pad_size"])
-        model_output[key] = torch.nested.nested_tensor_from_jagged(value, offsets)
-
-
 def patch_fused_distillation() -> dict[str, tuple[bool, str]]:
-    """Top-K distillation on the fused paths: the report entries ``{FUSED_PART: (served?, what),
-    MEGATRON_FUSED_PART: (served?, what)}`` (:func:`_patch_fsdp_fused`, :func:`_megatron_fused_entry`)."""
-    return {FUSED_PART: _patch_fsdp_fused(), MEGATRON_FUSED_PART: _megatron_fused_entry()}
+    """Top-K distillation on the Megatron fused path: the report entry ``{MEGATRON_FUSED_PART:
+    (served?, what)}`` (:func:`_megatron_fused_entry`; the FSDP fused path's is
+    :func:`fused_distillation_entry`, installed by :mod:`.fsdp_engine`)."""
+    return {MEGATRON_FUSED_PART: _megatron_fused_entry()}
 
 
 MEGATRON_ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
@@ -834,31 +739,21 @@ _OVERLAP = ("verl's overlap metrics (overlap_count, overlap_token_advantage) fro
             "fused_kernel_options.rl_kernels.overlap_metrics=false (read per call)")
 
 
-def _patch_fsdp_fused() -> tuple[bool, str]:
-    """Serve top-K distillation on the FSDP fused path (the request of :func:`request_for` in the
-    step request, put there by :func:`~.fsdp_fused.wrap_forward_step` on the engine's
-    ``forward_step``; :func:`_checked_outputs` on its ``prepare_model_outputs``) where
-    this verl has distillation and its FSDP engine reads ``fused_linear_aux`` (read from the
-    engine's source: a feature, not a version). Returns the report entry (served?, what)."""
+def fused_distillation_entry(prepare) -> tuple[bool, str]:
+    """The report entry (served?, what) of top-K distillation on the FSDP fused path, whose
+    micro-batches :mod:`.fsdp_engine` serves where this verl has distillation and its FSDP engine's
+    ``prepare_model_outputs`` (``prepare``: None where the engine's methods are not served) reads
+    ``fused_linear_aux`` (read from its source: a feature, not a version)."""
     fsdp, why = _import_fsdp_losses()
     if fsdp is None:
         return False, why
-    try:
-        impl = importlib.import_module(ENGINE_MODULE)
-    except ImportError as exc:
-        return False, f"not served (verl's FSDP engine not importable: {exc})"
-    engine = getattr(impl, ENGINE_CLASS, None)
-    step = vars(engine).get("forward_step") if engine is not None else None
-    prepare = vars(engine).get("prepare_model_outputs") if engine is not None else None
-    if step is None or prepare is None or "micro_batch" not in inspect.signature(step).parameters \
-            or "micro_batch" not in inspect.signature(prepare).parameters:
-        return False, f"not served (this verl's {ENGINE_CLASS} has no forward_step / prepare_model_outputs " \
-                      f"taking micro_batch)"
+    if prepare is None:
+        return False, f"not served (this verl's {ENGINE_CLASS} has no forward_step / prepare_model_inputs / " \
+                      f"prepare_model_outputs with the parameters rl-kernels handles)"
     try:
         reads_aux = "fused_linear_aux" in inspect.getsource(prepare)
     except (OSError, TypeError):
         reads_aux = False
-    set_attr(engine, "prepare_model_outputs", _checked_outputs(prepare))
     if not reads_aux:
         return False, (f"not served: this verl's {ENGINE_CLASS}.prepare_model_outputs reads no fused_linear_aux "
                        f"from a fused forward, so its loss finds no distillation_losses (a WARNING at the first "

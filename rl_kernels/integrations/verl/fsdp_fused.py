@@ -20,7 +20,6 @@ import difflib
 import functools
 import inspect
 import logging
-import types
 
 import torch
 
@@ -30,14 +29,12 @@ from ...validation import check_temperature, row_inv_temperature
 from ..lm_heads import HeadTransform, head_transform
 from ..verl_schema import BACKEND_NAME, names_rl_kernels
 from . import settings
-from .common import (StepField, VerlIntegrationError, count, entropy_on_request,
-                     entropy_placeholder, entropy_wanted, left_to_verl, loss_row_index, micro_batch_with,
-                     loss_mask_by_token, outside_kernels, record, refuse_loss_rows, scatter_rows, select_rows,
-                     new_step, set_attr, step_request)
-from .distill import request_for, serve_fused_topk, topk_request
+from .common import (StepField, VerlIntegrationError, count, entropy_on_request, entropy_placeholder,
+                     entropy_wanted, left_to_verl, loss_row_index, outside_kernels, record, scatter_rows, select_rows,
+                     set_attr, step_request)
+from .distill import serve_fused_topk
 from .label_check import refuse_rolled_shard_labels
 from .signatures import verl_features
-from .temperature import serves_fused
 
 _model_names: list[str] = []  # the models patched for rl-kernels in this process (anomaly samples name the last)
 
@@ -191,9 +188,12 @@ def fused_log_probs_entropy(hidden_states: torch.Tensor, weight: torch.Tensor, l
     weight = full_weight(weight, hidden_states.dtype, _model.get())
     return_entropy = entropy_wanted.get()
     options = settings.options()
-    topk = topk_request() if _serving.get() else None
     step = step_request.get()
-    shape, rows = labels.shape, step.loss_rows
+    topk = step.topk and _serving.get()
+    shape, rows = labels.shape, step.inputs.get("loss_rows")
+    if step.loss_rows_only and rows is None:
+        log_once(logging.WARNING, "rl_kernels: loss_rows_only: the FSDP fused head got no loss-row mask for this "
+                 "forward (not run through verl's FSDPEngineWithLMHead.prepare_model_inputs): every row computed")
     index = None
     if rows is not None:  # loss_rows_only: the head runs on the loss rows alone, (1, selected) below
         index = loss_row_index(rows, labels)
@@ -201,9 +201,8 @@ def fused_log_probs_entropy(hidden_states: torch.Tensor, weight: torch.Tensor, l
                                               isinstance(t, torch.Tensor) else t
                                               for t in (hidden_states, temperature, labels))
         count("loss_rows_skipped_tokens", rows.numel() - index.numel())
-    if topk is not None:  # verl's top-K distillation too, from the same fused head call (a training step:
-        # no Σπ² there; one asked anyway is not delivered, so verl's own refusal stands)
-        log_probs, entropy = serve_fused_topk(topk, hidden_states, weight, labels, temperature=temperature,
+    if topk:  # verl's top-K distillation too, from the same fused head call (with Σπ²: refused by fsdp_engine.asks)
+        log_probs, entropy = serve_fused_topk(step, hidden_states, weight, labels, temperature=temperature,
                                               softcap=head.softcap, return_entropy=return_entropy,
                                               backend=options.backend, loss_rows=None if index is None
                                               else (index, shape))
@@ -270,153 +269,6 @@ def wrap_entropy_requests(dp_actor) -> str:
     return "entropy only when verl's calculate_entropy asks (" + ", ".join(wrapped) + ")"
 
 
-def _asks_fused_sum_pi_squared(micro_batch) -> bool:
-    from verl.utils import tensordict_utils as tu
-
-    return bool(tu.get_non_tensor_data(data=micro_batch, key="calculate_sum_pi_squared", default=False)
-                and tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels", default=False))
-
-
-def _lifting_prepare_model_outputs(prepare_model_outputs):
-    """The FSDP engine's ``prepare_model_outputs`` (its Σπ² refusal on the fused path). When the
-    step's fused head was rl-kernels' and delivered Σπ² with the model output's log-probs, verl's
-    method runs with the flag hidden (``calculate_sum_pi_squared=False`` on a copy of the
-    micro-batch), and then once more on a stand-in output that carries the Σπ² as its
-    ``log_probs``, with only that output asked: verl's own code lays it out exactly as it lays out
-    the fused log-probs, which is the layout of its logits-path Σπ² (rmpad squeeze, Ulysses
-    gather and unpad of the packed padding, jagged nested tensor per sequence; without rmpad, the
-    valid columns of each row). Otherwise verl's method runs as it is, refusal included."""
-    @functools.wraps(prepare_model_outputs)
-    def wrapper(self, output, output_args, micro_batch, logits_processor_func):
-        request = step_request.get()
-        if not request.sum_pi_squared or "sum_pi_squared" not in request.outputs \
-                or not _asks_fused_sum_pi_squared(micro_batch):
-            return prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func)
-        sum_pi_squared = request.take(output.log_probs, "sum_pi_squared")
-        model_output = prepare_model_outputs(self, output, output_args,
-                                             micro_batch_with(micro_batch, calculate_sum_pi_squared=False),
-                                             logits_processor_func)
-        # entropy: any tensor of the log-probs' shape (verl 0.8.0 squeezes it even when not asked)
-        stand_in = types.SimpleNamespace(log_probs=sum_pi_squared, entropy=sum_pi_squared, fused_linear_aux=None)
-        only_log_probs = micro_batch_with(micro_batch, calculate_sum_pi_squared=False, calculate_entropy=False,
-                                          distillation_use_topk=False, distillation_only=False)
-        model_output["sum_pi_squared"] = prepare_model_outputs(self, stand_in, output_args, only_log_probs,
-                                                               logits_processor_func)["log_probs"]
-        return model_output
-
-    wrapper._rl_kernels_original = prepare_model_outputs
-    return wrapper
-
-
-FUSED_SUM_PI_SQUARED_PART = "FSDP fused sum_pi_squared"
-"""The report's part for Σπ² on the FSDP fused path (:func:`wrap_sum_pi_squared_requests`)."""
-
-
-def wrap_sum_pi_squared_requests() -> tuple[bool, str]:
-    """Lift verl's refusal of ``calculate_sum_pi_squared=True`` with ``use_fused_kernels=True`` on
-    the FSDP engine where rl-kernels' fused head computes Σπ²: ``FSDPEngineWithLMHead.prepare_model_outputs``
-    is wrapped (:func:`_lifting_prepare_model_outputs`), and :func:`wrap_forward_step` then puts a
-    ``sum_pi_squared=True`` into the step request of each micro-batch that asks.
-    Detected by feature: the engine's two methods with the parameters used here, and
-    ``calculate_sum_pi_squared`` among verl's actor options. Returns (served?, the report's wording)."""
-    try:
-        import verl.workers.engine.fsdp.transformer_impl as fsdp_impl
-        from verl.workers.config.actor import ActorConfig
-    except ImportError as exc:
-        return False, f"not patched (verl's FSDP engine not importable: {exc})"
-    if "calculate_sum_pi_squared" not in {f.name for f in dataclasses.fields(ActorConfig)}:
-        return False, ("not in this verl (its engine's ActorConfig has no calculate_sum_pi_squared; a legacy "
-                       "actor's own refusal with fused kernels stays)")
-    engine = getattr(fsdp_impl, "FSDPEngineWithLMHead", None)
-    methods = {name: vars(engine).get(name) if engine is not None else None
-               for name in ("forward_step", "prepare_model_outputs")}
-    expected = {"forward_step": ["self", "micro_batch", "loss_function", "forward_only"],
-                "prepare_model_outputs": ["self", "output", "output_args", "micro_batch", "logits_processor_func"]}
-    for name, method in methods.items():
-        if method is None or list(inspect.signature(method).parameters) != expected[name]:
-            return False, (f"not patched (verl's FSDPEngineWithLMHead.{name} is missing or has other parameters "
-                           f"than {expected[name]}): verl's own refusal stays")
-    set_attr(engine, "prepare_model_outputs", _lifting_prepare_model_outputs(methods["prepare_model_outputs"]))
-    return True, ("calculate_sum_pi_squared=True with use_fused_kernels=True computed by rl-kernels' fused head "
-                  "in the same pass; verl's refusal lifted where that head ran (FSDPEngineWithLMHead.forward_step, "
-                  "prepare_model_outputs), verl's error stays elsewhere (impl_backend not rl_kernels, VeOmni)")
-
-
-def fsdp_loss_rows(engine, micro_batch) -> torch.Tensor:
-    """The loss-row mask of a fused remove-padding micro-batch in the fused head's labels layout
-    (``(local rows,)`` bool, this Ulysses rank's): :func:`loss_mask_by_token` handed to verl's own
-    ``prepare_model_inputs`` as the ``input_ids`` of a copy of the micro-batch, whose rolled labels
-    (``input_ids_rmpad_rolled``: the roll over the packed sequence, the static pad, the Ulysses pad
-    and slice, all verl's) are then the mask of each label row (pads 0). VerlIntegrationError
-    without remove-padding."""
-    from verl.utils import tensordict_utils as tu
-
-    if not tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True):
-        refuse_loss_rows("use_remove_padding=False is not served (the padded layout)",
-                          "set use_remove_padding=True or fused_kernel_options.rl_kernels.loss_rows_only=false")
-    stand_in = micro_batch_with(micro_batch, use_fused_kernels=False)
-    stand_in["input_ids"] = loss_mask_by_token(micro_batch)
-    _, output_args = engine.prepare_model_inputs(stand_in)
-    return output_args["input_ids_rmpad_rolled"].ne(0)
-
-
-def wrap_forward_step(*, sum_pi_squared: bool, topk: bool) -> bool:
-    """The one wrapper of ``FSDPEngineWithLMHead.forward_step(self, micro_batch, loss_function,
-    forward_only)``: while verl's method runs a micro-batch, the step request
-    (:class:`~.common.StepRequest`) holds what that micro-batch asks of the fused head, read from its
-    non-tensor data: ``entropy`` (verl's ``calculate_entropy``), ``sum_pi_squared`` (a fresh
-    True where it asks Σπ² on the fused path, ``sum_pi_squared``:
-    where :func:`wrap_sum_pi_squared_requests` lifted verl's refusal) and ``topk`` (the fused top-K
-    distillation request, :func:`~.distill.request_for`, where the distillation part is served:
-    ``topk``). Returns whether this verl's engine has the method (with ``micro_batch``)."""
-    try:
-        import verl.workers.engine.fsdp.transformer_impl as fsdp_impl
-    except ImportError:
-        return False
-    engine = getattr(fsdp_impl, "FSDPEngineWithLMHead", None)
-    method = vars(engine).get("forward_step") if isinstance(engine, type) else None
-    if method is None or "micro_batch" not in inspect.signature(method).parameters:
-        return False
-    signature = inspect.signature(method)
-
-    @functools.wraps(method)
-    def forward_step(*args, **kwargs):
-        arguments = signature.bind(*args, **kwargs).arguments
-        micro_batch = arguments["micro_batch"]
-        fields = {"entropy": bool(micro_batch_flag(arguments))}
-        if sum_pi_squared:
-            fields["sum_pi_squared"] = _asks_fused_sum_pi_squared(micro_batch)
-        if topk:
-            fields["topk"] = request_for(micro_batch, arguments.get("loss_function"))
-        if settings.options().loss_rows_only:
-            fields["loss_rows"] = _loss_rows_of_step(arguments["self"], micro_batch)
-        token = new_step(**fields)
-        try:
-            return method(*args, **kwargs)
-        finally:
-            step_request.reset(token)
-
-    forward_step._rl_kernels_original = method
-    set_attr(engine, "forward_step", forward_step)
-    return True
-
-
-def _loss_rows_of_step(engine, micro_batch):
-    """The step request's ``loss_rows`` for an FSDP engine micro-batch under ``loss_rows_only``:
-    :func:`fsdp_loss_rows` on the fused path of a model rl-kernels serves; None elsewhere (one
-    WARNING: the logits path, verl's own fused backends compute every row)."""
-    from verl.utils import tensordict_utils as tu
-
-    if tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels", default=False) and serves_fused(engine):
-        return fsdp_loss_rows(engine, micro_batch)
-    log_once(logging.WARNING, "rl_kernels: loss_rows_only=true is served on the fused paths only (FSDP with "
-             "impl_backend=rl_kernels, Megatron); this FSDP engine runs " + (
-                 "verl's logits path (use_fused_kernels=False)" if not tu.get_non_tensor_data(
-                     data=micro_batch, key="use_fused_kernels", default=False) else
-                 "a fused backend of verl's own") + ": the LM head computes every row")
-    return None
-
-
 def make_fused_linear_class(base: type) -> type:
     """A subclass of verl's ``FusedLinearForPPO`` (``base``) that routes to
     :func:`fused_log_probs_entropy` inside a served model's forward or when built with
@@ -470,9 +322,9 @@ def serving_forward(forward):
         token = step_request.set(dataclasses.replace(step_request.get(), serving=True, head=head, model=self))
         try:
             output = forward(self, *args, **kwargs)
-            request = topk_request()
-            if request is not None and request.aux is not None:  # read by verl's FSDP engine
-                output.fused_linear_aux = request.aux
+            aux = step_request.get().outputs.get("aux")
+            if aux is not None:  # read by verl's FSDP engine
+                output.fused_linear_aux = aux
             return output
         finally:
             step_request.reset(token)

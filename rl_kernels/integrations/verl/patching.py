@@ -16,10 +16,13 @@ from ..._logging import log_once, logger
 from . import settings
 from .common import VerlIntegrationError, restore, set_attr, verl_version
 from .distill import FSDP_PART as DISTILLATION_FSDP
-from .distill import FUSED_PART as DISTILLATION_FSDP_FUSED
 from .distill import MEGATRON_PART as DISTILLATION_MEGATRON
 from .distill import TAIL_PART, patch_distillation, patch_fused_distillation, tail_entry
-from .fsdp_fused import FUSED_SUM_PI_SQUARED_PART, patch_fused_path, wrap_forward_step, wrap_sum_pi_squared_requests
+from .fsdp_engine import PER_SAMPLE_TEMPERATURE_PART as PER_SAMPLE_TEMPERATURE
+from .fsdp_engine import SUM_PI_SQUARED_PART as FUSED_SUM_PI_SQUARED_PART
+from .fsdp_engine import patch_engine as patch_fsdp_engine
+from .fsdp_engine import unpatch_engine as unpatch_fsdp_engine
+from .fsdp_fused import patch_fused_path
 from .hooks import (registry_classmethod, wrap_dp_actor, wrap_engine_new, wrap_legacy_workers,
                     wrap_model_config)
 from .logits import (LOGITS_FUNCTIONS, REPLACEMENTS, SUM_PI_SQUARED_FUNCTION, patch_logits_path,
@@ -28,8 +31,7 @@ from .megatron import patch as patch_megatron
 from .settings import PATCH_TIME_OPTIONS, lock, mark_patched, model_config_options, options
 from .signatures import DP_ACTOR_MODULE, check_verl_signature, check_verl_version, verl_features
 from .temperature import MEGATRON_PART as MEGATRON_PER_SAMPLE_TEMPERATURE
-from .temperature import PART as PER_SAMPLE_TEMPERATURE
-from .temperature import serve_megatron_per_sample_temperature, serve_per_sample_temperature
+from .temperature import serve_megatron_per_sample_temperature
 
 SERVED_ENGINES = {"verl.workers.engine.fsdp.transformer_impl": "FSDP",
                   "verl.workers.engine.megatron.transformer_impl": "Megatron"}
@@ -160,11 +162,10 @@ def _patch_all(monkey_patch, experimental_tf, torch_functional) -> dict:
     else:
         _wrap_engine_registry(engine_base)
     report["FSDP fused path"] = (True, patch_fused_path(monkey_patch, experimental_tf, dp_actor))
-    report[FUSED_SUM_PI_SQUARED_PART] = wrap_sum_pi_squared_requests()
+    report.update(patch_fsdp_engine())
     if dp_actor is not None and report[FUSED_SUM_PI_SQUARED_PART][0]:  # verl 0.7.x: the legacy worker's actor
         report[FUSED_SUM_PI_SQUARED_PART] = (True, report[FUSED_SUM_PI_SQUARED_PART][1] + "; not in the legacy "
                                              "DataParallelPPOActor, whose own refusal stays")
-    report[PER_SAMPLE_TEMPERATURE] = serve_per_sample_temperature()
     logits_path = current.patch_logits_path
     if logits_path:
         places = patch_logits_path(torch_functional)
@@ -201,7 +202,6 @@ def _patch_all(monkey_patch, experimental_tf, torch_functional) -> dict:
         report.update(dict.fromkeys((DISTILLATION_FSDP, DISTILLATION_MEGATRON),
                                     (False, "not replaced (patch_logits_path=False)")))
     report.update(patch_fused_distillation())
-    wrap_forward_step(sum_pi_squared=report[FUSED_SUM_PI_SQUARED_PART][0], topk=report[DISTILLATION_FSDP_FUSED][0])
     report[TAIL_PART] = tail_entry(report)
     legacy_megatron = "verl.workers.megatron_workers"  # verl 0.7.x's legacy Megatron workers (no engine report)
     if legacy_megatron in sys.modules and not any(ok for ok, _ in megatron.values()):
@@ -241,6 +241,7 @@ def patch() -> None:
             report = _patch_all(monkey_patch, experimental_tf, torch_functional)
         except BaseException:
             restore()
+            unpatch_fsdp_engine()
             raise
         _report, _patched = report, True
         mark_patched(options())
@@ -267,6 +268,7 @@ def unpatch() -> None:
         if not _patched:
             return
         restore()
+        unpatch_fsdp_engine()
         _patched, _report = False, {}
         mark_patched(None)
         logger.info("rl_kernels: verl patches removed")
