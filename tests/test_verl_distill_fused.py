@@ -382,3 +382,40 @@ def test_fused_overlap_metrics_beyond_what_linear_topk_selects_are_left_out(capl
     assert got == {}
     said = [m for m in caplog.messages if "overlap metrics are not computed with topk=129" in m]
     assert len(said) == 1 and "at most 128" in said[0], caplog.messages
+
+
+@needs_fused_distillation
+def test_fused_top_k_with_loss_rows_only_equals_the_option_off_on_the_loss_rows(qwen2_forward, cpu_engine):
+    """``loss_rows_only`` (issue 53 item 3) on a fused top-K distillation micro-batch: the teacher's rows
+    are selected with the student's, so every distillation output and the log-probs of the loss rows,
+    and the gradients of a loss that reads only those rows, equal the option off; the other rows' outputs
+    are exactly 0. The loss mask is in verl's v1 response layout (prompts of 2 and 3 tokens)."""
+    from verl.models.transformers.monkey_patch import apply_monkey_patch
+
+    g = torch.Generator().manual_seed(8)
+    total = sum(LENGTHS)
+    input_ids = torch.randint(0, VOCAB, (total,), generator=g)
+    prompts, masks = (2, 3), ([1, 0, 1, 1, 0], [0, 1, 1])  # responses of 5 and 3 tokens, tool tokens among them
+    rows = torch.tensor([0] * (prompts[0] - 1) + masks[0] + [0] + [0] * (prompts[1] - 1) + masks[1] + [0],
+                        dtype=torch.bool)  # row t reads the label at token t + 1
+    weights = tuple(torch.randn(total, generator=g) * rows for _ in range(2))
+    model = tiny_qwen2(seed=3)
+    t_lp, t_ids, _ = _teacher(model, input_ids, g)
+    apply_monkey_patch(model, use_remove_padding=True, use_fused_kernels=True, fused_kernels_backend=rkv.BACKEND_NAME)
+    previous = rkv.options()
+    rkv.configure(backend="torch")
+    outs = {}
+    try:
+        for on in (False, True):
+            rkv.configure(loss_rows_only=on)
+            micro_batch = _micro_batch(input_ids, t_lp, t_ids, True, False)
+            micro_batch["loss_mask"] = torch.nested.nested_tensor([torch.tensor(m) for m in masks], layout=torch.jagged)
+            outs[on] = _step(cpu_engine(model), micro_batch, weights)
+    finally:
+        rkv.configure(backend=previous.backend, loss_rows_only=previous.loss_rows_only)
+    for key in ("distillation_losses", "student_mass", "teacher_mass", "log_probs"):
+        got, ref = outs[True][0][key].values(), outs[False][0][key].values()
+        assert bool((ref[~rows] != 0).all()) and torch.equal(got[~rows], torch.zeros(int((~rows).sum()))), key
+        torch.testing.assert_close(got[rows], ref[rows], **TOL, msg=key)
+    torch.testing.assert_close(outs[True][1], outs[False][1], **GRAD_TOL, msg="d loss / d hidden_states")
+    torch.testing.assert_close(outs[True][2], outs[False][2], **GRAD_TOL, msg="d loss / d lm_head.weight")
