@@ -142,7 +142,7 @@ def run(rank, world, init_file):
         _check_engine_fused_topk(rkv, mti, rank, world)
         _check_topk_function(rkv, megatron_losses, originals[(megatron_losses, "compute_forward_kl_topk")], rank, world)
         _check_engine_tail(rkv, mti, rank, world)
-        _check_engine_per_sample_temperature(rkv, rank, world)
+        _check_engine_per_sample_temperature(rkv, mti, rank, world)
         _check_anomaly_capture(rkv, rkm, rank, world, os.path.join(os.path.dirname(init_file), "anomalies"))
 
         _check_unpatch_restores(rkv, rkm, originals)
@@ -387,18 +387,23 @@ def _engine_input_ids(vocab):
                                       layout=torch.jagged)
 
 
-def _engine_step(mti, model, fused, tensors=None, flags=None, logits_processor_func=None, grad=False):
+def _engine_step(mti, model, fused, tensors=None, flags=None, logits_processor_func=None, grad=False,
+                 temperature=TEMPERATURE):
     """verl's MegatronEngineWithLMHead.forward_step (without its __init__) on two packed sequences,
     with calculate_sum_pi_squared=True unless ``flags`` say otherwise (``tensors``: more nested
-    tensors of the micro-batch); returns the output dict of the last stage and the input ids."""
+    tensors of the micro-batch, or its loss_mask; ``temperature``: a number, or a (2,) tensor: one
+    per sample); returns the output dict of the last stage and the input ids."""
     from tensordict import TensorDict
     from verl.utils import tensordict_utils as tu
 
     ids = _engine_input_ids(model.embedding.shape[0])
     mask = torch.nested.nested_tensor([torch.ones(n) for n in ENGINE_LENGTHS], layout=torch.jagged)
-    batch = TensorDict({"input_ids": ids, "loss_mask": mask, **(tensors or {})}, batch_size=[2])
+    per_sample = {"temperature": temperature} if isinstance(temperature, torch.Tensor) else {}
+    batch = TensorDict({"input_ids": ids, "loss_mask": mask, **per_sample, **(tensors or {})}, batch_size=[2])
     flags = {"calculate_entropy": True, "calculate_sum_pi_squared": True, **(flags or {})}
-    tu.assign_non_tensor(batch, temperature=TEMPERATURE, use_fused_kernels=fused, **flags)
+    if not per_sample:
+        flags["temperature"] = temperature
+    tu.assign_non_tensor(batch, use_fused_kernels=fused, **flags)
     engine = mti.MegatronEngineWithLMHead.__new__(mti.MegatronEngineWithLMHead)
     engine.engine_config = types.SimpleNamespace(
         use_fused_kernels=fused, pad_to_length=False, use_remove_padding=True, dynamic_context_parallel=False,
@@ -662,52 +667,43 @@ def _check_without_megatron(rkv, vtp, originals, records):
 
 
 # ----------------------------------------------------------------------------- per-sample temperature
-def _check_engine_per_sample_temperature(rkv, rank, world):
-    """verl's Megatron engine with a per-sample temperature (0.5 and 1.3, issue 44): its
-    ``_resolve_fused_temperature`` and the fused forward its factory returns (verl's own
+def _check_engine_per_sample_temperature(rkv, mti, rank, world):
+    """verl's Megatron engine with a per-sample temperature (0.5 and 1.3, issue 44), through verl's
+    own ``MegatronEngineWithLMHead.forward_step``: its ``_resolve_fused_temperature`` (recorded in
+    the step request), the fused forward its factory returns (verl's own
     ``fused_forward_model_engine``: packing with the TP alignment pad, the labels' roll, the
-    output-processor hook, unpacking) on a stand-in GPTModel whose decoder is an embedding lookup.
-    Each sequence's log-probs (not its last token's, whose label verl drops) and entropy against
-    float64 with its own temperature; the embedding's and the weight shard's gradients too. A
-    uniform tensor still goes to verl's function; the stand-in value outside that forward is refused."""
-    import verl.models.mcore as mcore
-    import verl.workers.engine.megatron.transformer_impl as mti
-
-    from rl_kernels.integrations.verl.temperature import PerSampleTemperature
+    output-processor hook, unpacking) on the stand-in GPTModel whose decoder is an embedding
+    lookup. Each sequence's log-probs (not its last token's, whose label verl drops) and entropy
+    against float64 with its own temperature; the embedding's and the weight shard's gradients too.
+    A uniform tensor and a call outside the engine's forward_step still go to verl's function; a
+    per-sample temperature not laid out for the head is refused there."""
+    from rl_kernels.integrations.verl import common, megatron_step
 
     gen = torch.Generator().manual_seed(7)
-    lengths, temps, vocab = (5, 7), torch.tensor([0.5, 1.3]), world * V_R
-    ids = [torch.randint(0, vocab, (n,), generator=gen) for n in lengths]
+    temps, vocab = torch.tensor([0.5, 1.3]), world * V_R
     embedding, weight = torch.randn(vocab, H, generator=gen), torch.randn(vocab, H, generator=gen) * 0.5
-    g_lp, g_ent = torch.randn(2, sum(lengths), generator=gen)
+    g_lp, g_ent = torch.randn(2, sum(ENGINE_LENGTHS), generator=gen)
     emb = embedding.clone().requires_grad_()
     w_shard = weight[rank * V_R:(rank + 1) * V_R].clone().requires_grad_()
-
-    class StandInGPT(torch.nn.Module):
-        pre_process = post_process = True
-        config = types.SimpleNamespace(fp8=None, sequence_parallel=False, config_logger_dir="")
-        _verl_fused_forward_mode = "hook"  # Megatron-Core 0.18's output-processor contract
-
-        def forward(self, input_ids, labels, output_processor, output_processor_context, **kwargs):
-            return output_processor(hidden_states=emb[input_ids[0]][:, None], output_layer=None,
-                                    output_weight=w_shard, labels=labels, context=output_processor_context,
-                                    config=self.config)
-
-    input_ids = torch.nested.nested_tensor(ids, layout=torch.jagged)
-    resolved = mti._resolve_fused_temperature(temps)
     uniform = mti._resolve_fused_temperature(torch.tensor([0.7, 0.7]))  # verl's own: a float
-    assert isinstance(resolved, PerSampleTemperature) and type(uniform) is float and abs(uniform - 0.7) < 1e-6
-    forward = mcore.get_mcore_forward_fused_model_engine_fn(types.SimpleNamespace(architectures=["Qwen2ForCausalLM"]))
-    out = forward(model=StandInGPT(), input_ids=input_ids, labels=input_ids.clone(), multi_modal_inputs={},
-                  temperature=resolved, calculate_entropy=True, pad_token_id=0)
-    lp, ent = (out[k].values() if out[k].is_nested else out[k].reshape(-1) for k in ("log_probs", "entropy"))
-    keep = torch.ones(sum(lengths), dtype=torch.bool)
-    keep[torch.tensor(lengths).cumsum(0) - 1] = False
+    assert type(uniform) is float and abs(uniform - 0.7) < 1e-6
+    try:  # outside the engine's forward_step: verl's own refusal
+        mti._resolve_fused_temperature(temps)
+    except NotImplementedError as e:
+        assert "uniform temperature" in str(e), e
+    else:
+        raise AssertionError("a per-sample temperature outside the engine's forward_step was not verl's")
+    out, input_ids = _engine_step(mti, _StandInGPT(emb, w_shard), True, flags={"calculate_sum_pi_squared": False},
+                                  grad=True, temperature=temps)
+    lp, ent = out["log_probs"].values(), out["entropy"].values()
+    keep = torch.ones(sum(ENGINE_LENGTHS), dtype=torch.bool)
+    keep[torch.tensor(ENGINE_LENGTHS).cumsum(0) - 1] = False
     (g_lp * lp * keep + g_ent * ent).sum().backward()
 
     e64, w64 = embedding.double().requires_grad_(), weight.double().requires_grad_()
+    ids = input_ids.unbind()
     h64 = torch.cat([e64[s] for s in ids])
-    z = h64 @ w64.T / torch.repeat_interleave(temps.double(), torch.tensor(lengths))[:, None]
+    z = h64 @ w64.T / torch.repeat_interleave(temps.double(), torch.tensor(ENGINE_LENGTHS))[:, None]
     log_p = z.log_softmax(-1)
     labels = torch.cat([torch.roll(s, -1) for s in ids])
     ref_lp = log_p.gather(1, labels[:, None])[:, 0]
@@ -717,13 +713,17 @@ def _check_engine_per_sample_temperature(rkv, rank, world):
     torch.testing.assert_close(ent.double(), ref_ent.detach(), **VAL)
     torch.testing.assert_close(emb.grad.double(), e64.grad, **GRAD)
     torch.testing.assert_close(w_shard.grad.double(), w64.grad[rank * V_R:(rank + 1) * V_R], **GRAD)
-    try:  # outside the engine forward that lays it out
+    token = common.new_step(engine=megatron_step.ENGINE)  # a fused Megatron step that laid nothing out
+    try:
+        assert mti._resolve_fused_temperature(temps) == megatron_step.STAND_IN
         rkv.megatron.linear_cross_entropy(torch.zeros(3, 1, H), w_shard, torch.zeros(1, 3, dtype=torch.long),
-                                          mti._resolve_fused_temperature(temps))
+                                          megatron_step.STAND_IN)
     except rkv.VerlIntegrationError as e:
         assert "outside the engine forward" in str(e), e
     else:
-        raise AssertionError("a per-sample stand-in outside the engine forward was not refused")
+        raise AssertionError("a per-sample temperature not laid out for the head was not refused")
+    finally:
+        common.step_request.reset(token)
 
 
 # ----------------------------------------------------------------------------- anomaly capture
@@ -738,7 +738,7 @@ def _check_anomaly_capture(rkv, rkm, rank, world, directory):
     from megatron.core import parallel_state
 
     import rl_kernels
-    from rl_kernels.integrations.verl.temperature import PerSampleTemperature
+    from rl_kernels.integrations.verl import common, megatron_step
     from rl_kernels.samples import LogitsSample, load_sample, sample_files
     from rl_kernels.tools import repro
 
@@ -751,20 +751,22 @@ def _check_anomaly_capture(rkv, rkm, rank, world, directory):
     per_token = 0.5 + torch.rand(1, T_SEQ, generator=gen)
     group = parallel_state.get_tensor_model_parallel_group()
     real_log_probs, real_linear = rl_kernels.log_probs_from_logits, rl_kernels.linear_log_probs
-    real_row_temperature = rkm.megatron_row_temperature
 
     def planted(t):
         t = t.clone()
         t.view(-1)[5] = 0.01
         return t
 
-    def fused_call():
-        return rkm.linear_cross_entropy(hidden, w_shard, fused_labels, PerSampleTemperature(torch.tensor([0.5, 1.3])),
-                                        "none", group)
+    def fused_call():  # in a fused Megatron step whose per-sample temperature is laid out as per_token
+        token = common.new_step(engine=megatron_step.ENGINE)
+        common.step_request.get().inputs.update(temperature_per_sample=torch.tensor([0.5, 1.3]), temperature=per_token)
+        try:
+            return rkm.linear_cross_entropy(hidden, w_shard, fused_labels, megatron_step.STAND_IN, "none", group)
+        finally:
+            common.step_request.reset(token)
 
     previous = rkv.options()
     try:
-        rkm.megatron_row_temperature = lambda temperature, lab: per_token.reshape(lab.shape)
         rkv.configure(anomaly_dir=directory, anomaly_recheck_every=1, anomaly_recheck_rows=T_SEQ)
         rkm.vocab_parallel_log_probs_from_logits(shard, labels)
         rkm.vocab_parallel_entropy(shard)
@@ -779,7 +781,6 @@ def _check_anomaly_capture(rkv, rkm, rank, world, directory):
         fused_call()
     finally:
         rl_kernels.log_probs_from_logits, rl_kernels.linear_log_probs = real_log_probs, real_linear
-        rkm.megatron_row_temperature = real_row_temperature
         rkv.configure(**{f: getattr(previous, f) for f in previous.__dataclass_fields__})
     dist.barrier()
     files = sample_files(directory)

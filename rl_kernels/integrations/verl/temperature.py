@@ -24,29 +24,20 @@ so verl's refusal stays there.
 
 **Megatron engine.** verl's ``MegatronEngineWithLMHead.forward_step`` asks
 ``_resolve_fused_temperature`` for one number ("Megatron fused kernels require a uniform
-temperature") and hands it to the engine fused forward (``get_mcore_forward_fused_model_engine_fn``,
-verl's ``fused_forward_model_engine``), which packs the labels (``preprocess_thd_engine``: TP / CP
-alignment pads, the CP split, the roll) and reaches rl-kernels' ``linear_cross_entropy``
-(:mod:`.megatron`). Where the Megatron fused path is patched, :func:`serve_megatron_per_sample_temperature`
-wraps the three: a tensor of unequal temperatures becomes a :class:`PerSampleTemperature` (the
-number 1.0 to verl's code, carrying the tensor); while the fused forward runs with it, the packing
-of the labels also packs the per-token temperature with the same arguments but unrolled (each
-token's temperature with its own row, as its hidden state; pads 1), and
-:func:`megatron_row_temperature` gives it to the fused head. The forward raises
-VerlIntegrationError when the model's last stage computed log-probs without it, and the head when
-it gets the stand-in anywhere else: never the stand-in 1.0 silently. A uniform tensor and a number
-go to verl's function.
+temperature"). Where the Megatron fused path is patched, :mod:`.megatron_step` serves a tensor of
+unequal temperatures from the step request: verl's function checks each value, the tensor is
+recorded in the step's inputs (verl gets its stand-in 1.0), laid out per token as the labels are
+packed and divided per row by rl-kernels' head, which never uses the stand-in silently.
 """
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 
 import torch
 
 from ..._logging import log_once
-from .common import StepField, VerlIntegrationError, micro_batch_with, replace_by_name, set_attr
+from .common import micro_batch_with, set_attr
 
 PART = "FSDP fused per-sample temperature"
 """This part's name in :func:`~.patching.report` (and in the line naming the FSDP engine)."""
@@ -129,156 +120,3 @@ def serve_per_sample_temperature() -> tuple[bool, str]:
     set_attr(engine, method_name, make_prepare_model_inputs(method))
     return True, (f"a temperature tensor (bsz,) on the FSDP fused path of models with impl_backend='rl_kernels' "
                   f"({cls_name}.{method_name}: verl's refusal lifted there, kept for other models)")
-
-
-# ----------------------------------------------------------------------------- Megatron engine
-MEGATRON_PART = "Megatron fused per-sample temperature"
-"""This part's name in :func:`~.patching.report` (where the Megatron fused path is patched)."""
-
-_megatron_call = StepField("megatron_temperature")
-"""The :class:`PerSampleTemperature` of the Megatron engine's fused forward that runs."""
-
-
-class PerSampleTemperature(float):
-    """What verl's Megatron engine hands its fused forward in place of a per-sample temperature
-    (:func:`make_resolve_fused_temperature`): the number 1.0, which verl's code passes on as it
-    is, carrying the ``(bsz,)`` float32 temperature (``per_sample``), its per-token layout once the
-    labels are packed (``per_token``) and whether the fused head used it (``consumed``). Read
-    only by :func:`megatron_row_temperature`; nothing else of rl-kernels or verl computes with it."""
-
-    def __new__(cls, per_sample: torch.Tensor):
-        self = super().__new__(cls, STAND_IN)
-        self.per_sample, self.per_token, self.consumed = per_sample, None, False
-        return self
-
-
-def make_resolve_fused_temperature(original):
-    """verl's ``_resolve_fused_temperature`` (Megatron engine): a tensor of unequal temperatures
-    becomes a :class:`PerSampleTemperature` instead of verl's "uniform temperature" error; others
-    go to verl's function.
-
-    verl's own checks of each value still run, first, with verl's message: verl's function is
-    called on each distinct value of the tensor alone (a one-element tensor of its dtype and device:
-    uniform, so verl's uniform test passes and only its checks of the value run), so a NaN / inf
-    raises verl's ValueError("temperature must contain finite values"), and the per-sample
-    temperature holds what verl's function makes of each value (verl clamps a value <= 0 to its
-    floor, 1e-8 in verl 0.9.1 and main, as its logits path does: ``temperature[temperature <= 0]
-    = 1e-8``). No verl check is copied: a check verl adds applies here too."""
-    @functools.wraps(original)
-    def _resolve_fused_temperature(temperature):
-        if isinstance(temperature, torch.Tensor) and temperature.dim() == 1 and temperature.numel() > 1:
-            values = temperature.detach()
-            if not bool((values == values[0]).all()):
-                distinct, where = torch.unique(values, return_inverse=True)  # NaN entries: each its own
-                resolved = [float(original(value.reshape(1))) for value in distinct]
-                return PerSampleTemperature(torch.tensor(resolved, dtype=torch.float32, device=values.device)[where])
-        return original(temperature)
-
-    _resolve_fused_temperature._rl_kernels_original = original
-    return _resolve_fused_temperature
-
-
-def make_preprocess_thd_engine(original):
-    """verl's ``preprocess_thd_engine`` as ``model_forward_fused`` binds it: while a per-sample
-    fused forward runs, the call that packs the labels (``need_roll=True``) also packs the
-    per-token temperature with the same arguments, unrolled (``need_roll=False``: a token's
-    temperature goes with its own row, as its hidden state does), pads 1."""
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    def preprocess_thd_engine(*args, **kwargs):
-        out = original(*args, **kwargs)
-        call = _megatron_call.get()
-        if call is None:
-            return out
-        arguments = signature.bind(*args, **kwargs).arguments
-        if not arguments.get("need_roll", False):
-            return out
-        from verl.utils import torch_functional as verl_F
-
-        labels = arguments.pop("input_ids")
-        arguments["need_roll"] = False
-        per_token = verl_F.expand_as_nested(call.per_sample.to(labels.device), labels)
-        # the packing pads with 0: pack T - 1 and add 1 back, in float64, where both are exact for
-        # any float32 T >= 2^-28 (in float32, T - 1 would round for T < 0.5)
-        shifted = per_token.values().double() - 1.0
-        packed = original(torch.nested.nested_tensor_from_jagged(shifted, per_token.offsets()), **arguments)[0]
-        call.per_token = (packed + 1.0).float()
-        return out
-
-    preprocess_thd_engine._rl_kernels_original = original
-    return preprocess_thd_engine
-
-
-def make_fused_forward(forward):
-    """The Megatron engine's fused forward (what ``get_mcore_forward_fused_model_engine_fn``
-    returns): called with a :class:`PerSampleTemperature`, it runs with that temperature active
-    (:data:`_megatron_call`), and raises when the model's last stage computed its log-probs
-    without it."""
-    @functools.wraps(forward)
-    def fused_forward(*args, **kwargs):
-        call = kwargs.get("temperature")
-        if not isinstance(call, PerSampleTemperature):
-            return forward(*args, **kwargs)
-        token = _megatron_call.set(call)
-        try:
-            out = forward(*args, **kwargs)
-        finally:
-            _megatron_call.reset(token)
-        from verl.utils.megatron_utils import unwrap_model
-
-        if getattr(unwrap_model(kwargs.get("model")), "post_process", True) and not call.consumed:
-            raise VerlIntegrationError("rl_kernels.integrations.verl: a per-sample temperature on verl's Megatron "
-                                       "fused path did not reach rl-kernels' fused head; use_fused_kernels=False "
-                                       "serves it")
-        return out
-
-    fused_forward._rl_kernels_original = forward
-    return fused_forward
-
-
-def megatron_row_temperature(temperature: PerSampleTemperature, labels: torch.Tensor) -> torch.Tensor:
-    """The per-token temperature of the fused head's ``labels`` (verl's packed ``labels_rmpad``),
-    for :func:`.megatron.linear_cross_entropy`: laid out by :func:`make_preprocess_thd_engine`.
-    VerlIntegrationError where it was not (a fused forward that rl-kernels did not wrap)."""
-    per_token = temperature.per_token
-    if per_token is None or _megatron_call.get() is not temperature or per_token.numel() != labels.numel():
-        raise VerlIntegrationError("rl_kernels.integrations.verl: a per-sample temperature reached the Megatron fused "
-                                   "head outside the engine forward rl-kernels lays it out in (labels "
-                                   f"{tuple(labels.shape)}); use_fused_kernels=False serves it")
-    temperature.consumed = True
-    return per_token.reshape(labels.shape)
-
-
-def serve_megatron_per_sample_temperature() -> tuple[bool, str]:
-    """Wrap verl's Megatron engine's ``_resolve_fused_temperature``, the engine fused forward
-    factory and ``model_forward_fused.preprocess_thd_engine``; returns the report entry. Call after
-    the Megatron fused path is patched (rl-kernels' ``linear_cross_entropy`` reads the layout)."""
-    try:
-        import verl.models.mcore as mcore
-        import verl.models.mcore.model_forward_fused as fused
-        import verl.workers.engine.megatron.transformer_impl as engine
-    except ImportError as exc:
-        return False, f"not served (verl's Megatron engine not importable: {exc})"
-    names = {"verl.workers.engine.megatron.transformer_impl._resolve_fused_temperature":
-             vars(engine).get("_resolve_fused_temperature"),
-             "verl.models.mcore.get_mcore_forward_fused_model_engine_fn":
-             getattr(mcore, "get_mcore_forward_fused_model_engine_fn", None),
-             "verl.models.mcore.model_forward_fused.preprocess_thd_engine": vars(fused).get("preprocess_thd_engine")}
-    missing = [name for name, fn in names.items() if fn is None]
-    if missing:
-        return False, f"not served (this verl has no {', '.join(missing)}: verl's own refusal stays)"
-    set_attr(engine, "_resolve_fused_temperature",
-             make_resolve_fused_temperature(engine._resolve_fused_temperature))
-    set_attr(fused, "preprocess_thd_engine", make_preprocess_thd_engine(fused.preprocess_thd_engine))
-    factory = mcore.get_mcore_forward_fused_model_engine_fn
-
-    @functools.wraps(factory)
-    def get_mcore_forward_fused_model_engine_fn(*args, **kwargs):
-        forward = factory(*args, **kwargs)
-        return make_fused_forward(forward) if callable(forward) else forward
-
-    get_mcore_forward_fused_model_engine_fn._rl_kernels_original = factory
-    replace_by_name(mcore, {"get_mcore_forward_fused_model_engine_fn": get_mcore_forward_fused_model_engine_fn})
-    return True, ("a temperature tensor of unequal values (" + ", ".join(names) + "): laid out per token as "
-                  "the labels are packed, divided per row in rl-kernels' linear_cross_entropy")
