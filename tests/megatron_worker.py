@@ -143,6 +143,7 @@ def run(rank, world, init_file):
         _check_topk_function(rkv, megatron_losses, originals[(megatron_losses, "compute_forward_kl_topk")], rank, world)
         _check_engine_tail(rkv, mti, rank, world)
         _check_engine_per_sample_temperature(rkv, mti, rank, world)
+        _check_engine_loss_rows(rkv, mti, rank, world)
         _check_anomaly_capture(rkv, rkm, rank, world, os.path.join(os.path.dirname(init_file), "anomalies"))
 
         _check_unpatch_restores(rkv, rkm, originals)
@@ -724,6 +725,107 @@ def _check_engine_per_sample_temperature(rkv, mti, rank, world):
         raise AssertionError("a per-sample temperature not laid out for the head was not refused")
     finally:
         common.step_request.reset(token)
+
+
+# ----------------------------------------------------------------------------- loss rows only
+PROMPT_LENGTHS = (3, 2)                      # of ENGINE_LENGTHS (7, 5): responses of 4 and 3 tokens
+RESPONSE_LOSS_MASK = ((1, 0, 1, 1), (0, 1, 1))  # v1's nested response-layout loss_mask (0: a tool token)
+
+
+def _label_rows(response_mask):
+    """The rows of verl's per-sequence outputs (nested, input_ids layout: row t is the log-prob of
+    token t + 1) that the loss reads: row P_i - 1 + j of sequence i where loss_mask[i][j] is 1."""
+    rows = []
+    for n, p, mask in zip(ENGINE_LENGTHS, PROMPT_LENGTHS, response_mask):
+        row = torch.zeros(n, dtype=torch.bool)
+        row[p - 1:p - 1 + len(mask)] = torch.tensor(mask, dtype=torch.bool)
+        rows.append(row)
+    return torch.cat(rows)
+
+
+def _check_engine_loss_rows(rkv, mti, rank, world):
+    """``loss_rows_only`` through verl's own Megatron engine forward_step and fused forward (issue 53
+    item 3), TP over every rank: the loss mask (v1's nested response layout, with tool tokens at 0)
+    laid out by verl's preprocess_thd_engine as the labels (rolled, TP-padded), the head run on the
+    loss rows only. Option on vs off, with a per-sample temperature and Σπ² in the same step: on
+    the loss rows, log-probs, entropy and Σπ² equal (float32 tolerance VAL), elsewhere exactly 0;
+    the gradients (embedding rows, this rank's weight shard) of a loss that reads only the loss rows
+    equal (GRAD); the skipped rows counted (every packed row, pads included, minus the loss rows). A
+    micro-batch with no loss row still runs the head on every rank (0 rows; the TP collectives
+    matched): all 0, zero gradients. Σπ² with top-K distillation is refused, naming both."""
+    gen = torch.Generator().manual_seed(13)
+    vocab, n = world * V_R, sum(ENGINE_LENGTHS)
+    embedding, weight = torch.randn(vocab, H, generator=gen), torch.randn(vocab, H, generator=gen) * 0.5
+    g = torch.randn(3, n, generator=gen)
+    temps = torch.tensor([0.6, 1.2])
+    flags = {"calculate_entropy": True, "calculate_sum_pi_squared": True}
+    packed_rows = sum(-(-length // world) * world for length in ENGINE_LENGTHS)  # verl's TP alignment pad
+
+    def step(response_mask, only):
+        emb, shard = embedding.clone().requires_grad_(), weight[rank * V_R:(rank + 1) * V_R].clone().requires_grad_()
+        loss_mask = torch.nested.nested_tensor([torch.tensor(m, dtype=torch.int64) for m in response_mask],
+                                               layout=torch.jagged)
+        rkv.configure(loss_rows_only=only)
+        before = rkv.call_counts()["loss_rows_skipped_tokens"]
+        try:
+            out, _ = _engine_step(mti, _StandInGPT(emb, shard), True, {"loss_mask": loss_mask}, flags, grad=True,
+                                  temperature=temps)
+        finally:
+            rkv.configure(loss_rows_only=False)
+        skipped = rkv.call_counts()["loss_rows_skipped_tokens"] - before
+        values = [out[k].values() for k in ("log_probs", "entropy", "sum_pi_squared")]
+        rows = _label_rows(response_mask)
+        sum(gk * v * rows for gk, v in zip(g, values)).sum().backward()
+        return values, emb.grad, shard.grad, skipped, rows
+
+    (lp, ent, sq), d_emb, d_w, skipped, rows = step(RESPONSE_LOSS_MASK, True)
+    (lp0, ent0, sq0), d_emb0, d_w0, skipped0, _ = step(RESPONSE_LOSS_MASK, False)
+    assert skipped0 == 0 and skipped == packed_rows - int(rows.sum()) > 0, (skipped, packed_rows)
+    for got, want in ((lp, lp0), (ent, ent0), (sq, sq0)):
+        torch.testing.assert_close(got[rows], want[rows], **VAL)
+        assert bool((got[~rows] == 0).all()), got
+        assert bool((want[~rows] != 0).any())  # (the option off computes them)
+        assert _same_on_all_ranks(got.detach())
+    torch.testing.assert_close(d_emb, d_emb0, **GRAD)
+    torch.testing.assert_close(d_w, d_w0, **GRAD)
+    assert float(d_w.abs().max()) > 1e-2
+    # top-K distillation in the same head: the teacher's rows selected with the same index
+    teacher = [torch.log_softmax(torch.randn(length, vocab, generator=gen) * 2, -1).topk(TOPK, -1)
+               for length in ENGINE_LENGTHS]
+    tensors = {"teacher_logprobs": torch.nested.nested_tensor([t.values for t in teacher], layout=torch.jagged),
+               "teacher_ids": torch.nested.nested_tensor([t.indices for t in teacher], layout=torch.jagged),
+               "loss_mask": torch.nested.nested_tensor([torch.tensor(m) for m in RESPONSE_LOSS_MASK],
+                                                       layout=torch.jagged)}
+    topk_flags = {"calculate_entropy": False, "distillation_only": False, "calculate_sum_pi_squared": False,
+                  "distillation_use_topk": True}
+    runs = {}
+    for only in (True, False):
+        rkv.configure(loss_rows_only=only)
+        try:
+            runs[only] = _topk_step(mti, True, embedding, weight, rank, tensors, topk_flags, (g[0] + 2) * rows)
+        finally:
+            rkv.configure(loss_rows_only=False)
+    (got, d_emb, d_w, _), (want, d_emb0, d_w0, _) = runs[True], runs[False]
+    assert set(got) == set(want) and {"distillation_losses", "log_probs", "overlap_count"} <= set(got), set(got)
+    for key in got:
+        torch.testing.assert_close(got[key].values()[rows], want[key].values()[rows], **VAL, msg=key)
+        assert bool((got[key].values()[~rows] == 0).all()), key
+    torch.testing.assert_close(d_emb, d_emb0, **GRAD)
+    torch.testing.assert_close(d_w, d_w0, **GRAD)
+    # no loss row in the micro-batch: the head still runs (0 rows) on every rank, all 0
+    none = tuple(tuple(0 for _ in m) for m in RESPONSE_LOSS_MASK)
+    before = rkv.call_counts()["fused_megatron_calls"]
+    (lp, ent, sq), d_emb, d_w, skipped, _ = step(none, True)
+    assert rkv.call_counts()["fused_megatron_calls"] == before + 1 and skipped == packed_rows
+    assert all(bool((t == 0).all()) for t in (lp, ent, sq))
+    assert float(d_w.abs().max()) == 0 and (d_emb is None or float(d_emb.abs().max()) == 0)
+    try:  # one combination refused before the model runs, naming both features
+        _engine_step(mti, _StandInGPT(embedding, weight[rank * V_R:(rank + 1) * V_R]), True,
+                     flags={"calculate_sum_pi_squared": True, "distillation_use_topk": True})
+    except rkv.VerlIntegrationError as e:
+        assert "calculate_sum_pi_squared=True" in str(e) and "top-K distillation" in str(e), e
+    else:
+        raise AssertionError("Σπ² with top-K distillation on the Megatron fused path was not refused")
 
 
 # ----------------------------------------------------------------------------- anomaly capture
