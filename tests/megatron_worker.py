@@ -142,7 +142,8 @@ def run(rank, world, init_file):
         _check_engine_fused_topk(rkv, mti, rank, world)
         _check_topk_function(rkv, megatron_losses, originals[(megatron_losses, "compute_forward_kl_topk")], rank, world)
         _check_engine_tail(rkv, mti, rank, world)
-        _check_engine_per_sample_temperature(rkv, rank, world)
+        _check_engine_per_sample_temperature(rkv, mti, rank, world)
+        _check_engine_loss_rows(rkv, mti, rank, world)
         _check_anomaly_capture(rkv, rkm, rank, world, os.path.join(os.path.dirname(init_file), "anomalies"))
 
         _check_unpatch_restores(rkv, rkm, originals)
@@ -387,18 +388,23 @@ def _engine_input_ids(vocab):
                                       layout=torch.jagged)
 
 
-def _engine_step(mti, model, fused, tensors=None, flags=None, logits_processor_func=None, grad=False):
+def _engine_step(mti, model, fused, tensors=None, flags=None, logits_processor_func=None, grad=False,
+                 temperature=TEMPERATURE):
     """verl's MegatronEngineWithLMHead.forward_step (without its __init__) on two packed sequences,
     with calculate_sum_pi_squared=True unless ``flags`` say otherwise (``tensors``: more nested
-    tensors of the micro-batch); returns the output dict of the last stage and the input ids."""
+    tensors of the micro-batch, or its loss_mask; ``temperature``: a number, or a (2,) tensor: one
+    per sample); returns the output dict of the last stage and the input ids."""
     from tensordict import TensorDict
     from verl.utils import tensordict_utils as tu
 
     ids = _engine_input_ids(model.embedding.shape[0])
     mask = torch.nested.nested_tensor([torch.ones(n) for n in ENGINE_LENGTHS], layout=torch.jagged)
-    batch = TensorDict({"input_ids": ids, "loss_mask": mask, **(tensors or {})}, batch_size=[2])
+    per_sample = {"temperature": temperature} if isinstance(temperature, torch.Tensor) else {}
+    batch = TensorDict({"input_ids": ids, "loss_mask": mask, **per_sample, **(tensors or {})}, batch_size=[2])
     flags = {"calculate_entropy": True, "calculate_sum_pi_squared": True, **(flags or {})}
-    tu.assign_non_tensor(batch, temperature=TEMPERATURE, use_fused_kernels=fused, **flags)
+    if not per_sample:
+        flags["temperature"] = temperature
+    tu.assign_non_tensor(batch, use_fused_kernels=fused, **flags)
     engine = mti.MegatronEngineWithLMHead.__new__(mti.MegatronEngineWithLMHead)
     engine.engine_config = types.SimpleNamespace(
         use_fused_kernels=fused, pad_to_length=False, use_remove_padding=True, dynamic_context_parallel=False,
@@ -662,52 +668,43 @@ def _check_without_megatron(rkv, vtp, originals, records):
 
 
 # ----------------------------------------------------------------------------- per-sample temperature
-def _check_engine_per_sample_temperature(rkv, rank, world):
-    """verl's Megatron engine with a per-sample temperature (0.5 and 1.3, issue 44): its
-    ``_resolve_fused_temperature`` and the fused forward its factory returns (verl's own
+def _check_engine_per_sample_temperature(rkv, mti, rank, world):
+    """verl's Megatron engine with a per-sample temperature (0.5 and 1.3, issue 44), through verl's
+    own ``MegatronEngineWithLMHead.forward_step``: its ``_resolve_fused_temperature`` (recorded in
+    the step request), the fused forward its factory returns (verl's own
     ``fused_forward_model_engine``: packing with the TP alignment pad, the labels' roll, the
-    output-processor hook, unpacking) on a stand-in GPTModel whose decoder is an embedding lookup.
-    Each sequence's log-probs (not its last token's, whose label verl drops) and entropy against
-    float64 with its own temperature; the embedding's and the weight shard's gradients too. A
-    uniform tensor still goes to verl's function; the stand-in value outside that forward is refused."""
-    import verl.models.mcore as mcore
-    import verl.workers.engine.megatron.transformer_impl as mti
-
-    from rl_kernels.integrations.verl.temperature import PerSampleTemperature
+    output-processor hook, unpacking) on the stand-in GPTModel whose decoder is an embedding
+    lookup. Each sequence's log-probs (not its last token's, whose label verl drops) and entropy
+    against float64 with its own temperature; the embedding's and the weight shard's gradients too.
+    A uniform tensor and a call outside the engine's forward_step still go to verl's function; a
+    per-sample temperature not laid out for the head is refused there."""
+    from rl_kernels.integrations.verl import common, megatron_step
 
     gen = torch.Generator().manual_seed(7)
-    lengths, temps, vocab = (5, 7), torch.tensor([0.5, 1.3]), world * V_R
-    ids = [torch.randint(0, vocab, (n,), generator=gen) for n in lengths]
+    temps, vocab = torch.tensor([0.5, 1.3]), world * V_R
     embedding, weight = torch.randn(vocab, H, generator=gen), torch.randn(vocab, H, generator=gen) * 0.5
-    g_lp, g_ent = torch.randn(2, sum(lengths), generator=gen)
+    g_lp, g_ent = torch.randn(2, sum(ENGINE_LENGTHS), generator=gen)
     emb = embedding.clone().requires_grad_()
     w_shard = weight[rank * V_R:(rank + 1) * V_R].clone().requires_grad_()
-
-    class StandInGPT(torch.nn.Module):
-        pre_process = post_process = True
-        config = types.SimpleNamespace(fp8=None, sequence_parallel=False, config_logger_dir="")
-        _verl_fused_forward_mode = "hook"  # Megatron-Core 0.18's output-processor contract
-
-        def forward(self, input_ids, labels, output_processor, output_processor_context, **kwargs):
-            return output_processor(hidden_states=emb[input_ids[0]][:, None], output_layer=None,
-                                    output_weight=w_shard, labels=labels, context=output_processor_context,
-                                    config=self.config)
-
-    input_ids = torch.nested.nested_tensor(ids, layout=torch.jagged)
-    resolved = mti._resolve_fused_temperature(temps)
     uniform = mti._resolve_fused_temperature(torch.tensor([0.7, 0.7]))  # verl's own: a float
-    assert isinstance(resolved, PerSampleTemperature) and type(uniform) is float and abs(uniform - 0.7) < 1e-6
-    forward = mcore.get_mcore_forward_fused_model_engine_fn(types.SimpleNamespace(architectures=["Qwen2ForCausalLM"]))
-    out = forward(model=StandInGPT(), input_ids=input_ids, labels=input_ids.clone(), multi_modal_inputs={},
-                  temperature=resolved, calculate_entropy=True, pad_token_id=0)
-    lp, ent = (out[k].values() if out[k].is_nested else out[k].reshape(-1) for k in ("log_probs", "entropy"))
-    keep = torch.ones(sum(lengths), dtype=torch.bool)
-    keep[torch.tensor(lengths).cumsum(0) - 1] = False
+    assert type(uniform) is float and abs(uniform - 0.7) < 1e-6
+    try:  # outside the engine's forward_step: verl's own refusal
+        mti._resolve_fused_temperature(temps)
+    except NotImplementedError as e:
+        assert "uniform temperature" in str(e), e
+    else:
+        raise AssertionError("a per-sample temperature outside the engine's forward_step was not verl's")
+    out, input_ids = _engine_step(mti, _StandInGPT(emb, w_shard), True, flags={"calculate_sum_pi_squared": False},
+                                  grad=True, temperature=temps)
+    lp, ent = out["log_probs"].values(), out["entropy"].values()
+    keep = torch.ones(sum(ENGINE_LENGTHS), dtype=torch.bool)
+    keep[torch.tensor(ENGINE_LENGTHS).cumsum(0) - 1] = False
     (g_lp * lp * keep + g_ent * ent).sum().backward()
 
     e64, w64 = embedding.double().requires_grad_(), weight.double().requires_grad_()
+    ids = input_ids.unbind()
     h64 = torch.cat([e64[s] for s in ids])
-    z = h64 @ w64.T / torch.repeat_interleave(temps.double(), torch.tensor(lengths))[:, None]
+    z = h64 @ w64.T / torch.repeat_interleave(temps.double(), torch.tensor(ENGINE_LENGTHS))[:, None]
     log_p = z.log_softmax(-1)
     labels = torch.cat([torch.roll(s, -1) for s in ids])
     ref_lp = log_p.gather(1, labels[:, None])[:, 0]
@@ -717,13 +714,118 @@ def _check_engine_per_sample_temperature(rkv, rank, world):
     torch.testing.assert_close(ent.double(), ref_ent.detach(), **VAL)
     torch.testing.assert_close(emb.grad.double(), e64.grad, **GRAD)
     torch.testing.assert_close(w_shard.grad.double(), w64.grad[rank * V_R:(rank + 1) * V_R], **GRAD)
-    try:  # outside the engine forward that lays it out
+    token = common.new_step(engine=megatron_step.ENGINE)  # a fused Megatron step that laid nothing out
+    try:
+        assert mti._resolve_fused_temperature(temps) == megatron_step.STAND_IN
         rkv.megatron.linear_cross_entropy(torch.zeros(3, 1, H), w_shard, torch.zeros(1, 3, dtype=torch.long),
-                                          mti._resolve_fused_temperature(temps))
+                                          megatron_step.STAND_IN)
     except rkv.VerlIntegrationError as e:
         assert "outside the engine forward" in str(e), e
     else:
-        raise AssertionError("a per-sample stand-in outside the engine forward was not refused")
+        raise AssertionError("a per-sample temperature not laid out for the head was not refused")
+    finally:
+        common.step_request.reset(token)
+
+
+# ----------------------------------------------------------------------------- loss rows only
+PROMPT_LENGTHS = (3, 2)                      # of ENGINE_LENGTHS (7, 5): responses of 4 and 3 tokens
+RESPONSE_LOSS_MASK = ((1, 0, 1, 1), (0, 1, 1))  # v1's nested response-layout loss_mask (0: a tool token)
+
+
+def _label_rows(response_mask):
+    """The rows of verl's per-sequence outputs (nested, input_ids layout: row t is the log-prob of
+    token t + 1) that the loss reads: row P_i - 1 + j of sequence i where loss_mask[i][j] is 1."""
+    rows = []
+    for n, p, mask in zip(ENGINE_LENGTHS, PROMPT_LENGTHS, response_mask):
+        row = torch.zeros(n, dtype=torch.bool)
+        row[p - 1:p - 1 + len(mask)] = torch.tensor(mask, dtype=torch.bool)
+        rows.append(row)
+    return torch.cat(rows)
+
+
+def _check_engine_loss_rows(rkv, mti, rank, world):
+    """``loss_rows_only`` through verl's own Megatron engine forward_step and fused forward (issue 53
+    item 3), TP over every rank: the loss mask (v1's nested response layout, with tool tokens at 0)
+    laid out by verl's preprocess_thd_engine as the labels (rolled, TP-padded), the head run on the
+    loss rows only. Option on vs off, with a per-sample temperature and Σπ² in the same step: on
+    the loss rows, log-probs, entropy and Σπ² equal (float32 tolerance VAL), elsewhere exactly 0;
+    the gradients (embedding rows, this rank's weight shard) of a loss that reads only the loss rows
+    equal (GRAD); the skipped rows counted (every packed row, pads included, minus the loss rows). A
+    micro-batch with no loss row still runs the head on every rank (0 rows; the TP collectives
+    matched): all 0, zero gradients. Σπ² with top-K distillation is refused, naming both."""
+    gen = torch.Generator().manual_seed(13)
+    vocab, n = world * V_R, sum(ENGINE_LENGTHS)
+    embedding, weight = torch.randn(vocab, H, generator=gen), torch.randn(vocab, H, generator=gen) * 0.5
+    g = torch.randn(3, n, generator=gen)
+    temps = torch.tensor([0.6, 1.2])
+    flags = {"calculate_entropy": True, "calculate_sum_pi_squared": True}
+    packed_rows = sum(-(-length // world) * world for length in ENGINE_LENGTHS)  # verl's TP alignment pad
+
+    def step(response_mask, only):
+        emb, shard = embedding.clone().requires_grad_(), weight[rank * V_R:(rank + 1) * V_R].clone().requires_grad_()
+        loss_mask = torch.nested.nested_tensor([torch.tensor(m, dtype=torch.int64) for m in response_mask],
+                                               layout=torch.jagged)
+        rkv.configure(loss_rows_only=only)
+        before = rkv.call_counts()["loss_rows_skipped_tokens"]
+        try:
+            out, _ = _engine_step(mti, _StandInGPT(emb, shard), True, {"loss_mask": loss_mask}, flags, grad=True,
+                                  temperature=temps)
+        finally:
+            rkv.configure(loss_rows_only=False)
+        skipped = rkv.call_counts()["loss_rows_skipped_tokens"] - before
+        values = [out[k].values() for k in ("log_probs", "entropy", "sum_pi_squared")]
+        rows = _label_rows(response_mask)
+        sum(gk * v * rows for gk, v in zip(g, values)).sum().backward()
+        return values, emb.grad, shard.grad, skipped, rows
+
+    (lp, ent, sq), d_emb, d_w, skipped, rows = step(RESPONSE_LOSS_MASK, True)
+    (lp0, ent0, sq0), d_emb0, d_w0, skipped0, _ = step(RESPONSE_LOSS_MASK, False)
+    assert skipped0 == 0 and skipped == packed_rows - int(rows.sum()) > 0, (skipped, packed_rows)
+    for got, want in ((lp, lp0), (ent, ent0), (sq, sq0)):
+        torch.testing.assert_close(got[rows], want[rows], **VAL)
+        assert bool((got[~rows] == 0).all()), got
+        assert bool((want[~rows] != 0).any())  # (the option off computes them)
+        assert _same_on_all_ranks(got.detach())
+    torch.testing.assert_close(d_emb, d_emb0, **GRAD)
+    torch.testing.assert_close(d_w, d_w0, **GRAD)
+    assert float(d_w.abs().max()) > 1e-2
+    # top-K distillation in the same head: the teacher's rows selected with the same index
+    teacher = [torch.log_softmax(torch.randn(length, vocab, generator=gen) * 2, -1).topk(TOPK, -1)
+               for length in ENGINE_LENGTHS]
+    tensors = {"teacher_logprobs": torch.nested.nested_tensor([t.values for t in teacher], layout=torch.jagged),
+               "teacher_ids": torch.nested.nested_tensor([t.indices for t in teacher], layout=torch.jagged),
+               "loss_mask": torch.nested.nested_tensor([torch.tensor(m) for m in RESPONSE_LOSS_MASK],
+                                                       layout=torch.jagged)}
+    topk_flags = {"calculate_entropy": False, "distillation_only": False, "calculate_sum_pi_squared": False,
+                  "distillation_use_topk": True}
+    runs = {}
+    for only in (True, False):
+        rkv.configure(loss_rows_only=only)
+        try:
+            runs[only] = _topk_step(mti, True, embedding, weight, rank, tensors, topk_flags, (g[0] + 2) * rows)
+        finally:
+            rkv.configure(loss_rows_only=False)
+    (got, d_emb, d_w, _), (want, d_emb0, d_w0, _) = runs[True], runs[False]
+    assert set(got) == set(want) and {"distillation_losses", "log_probs", "overlap_count"} <= set(got), set(got)
+    for key in got:
+        torch.testing.assert_close(got[key].values()[rows], want[key].values()[rows], **VAL, msg=key)
+        assert bool((got[key].values()[~rows] == 0).all()), key
+    torch.testing.assert_close(d_emb, d_emb0, **GRAD)
+    torch.testing.assert_close(d_w, d_w0, **GRAD)
+    # no loss row in the micro-batch: the head still runs (0 rows) on every rank, all 0
+    none = tuple(tuple(0 for _ in m) for m in RESPONSE_LOSS_MASK)
+    before = rkv.call_counts()["fused_megatron_calls"]
+    (lp, ent, sq), d_emb, d_w, skipped, _ = step(none, True)
+    assert rkv.call_counts()["fused_megatron_calls"] == before + 1 and skipped == packed_rows
+    assert all(bool((t == 0).all()) for t in (lp, ent, sq))
+    assert float(d_w.abs().max()) == 0 and (d_emb is None or float(d_emb.abs().max()) == 0)
+    try:  # one combination refused before the model runs, naming both features
+        _engine_step(mti, _StandInGPT(embedding, weight[rank * V_R:(rank + 1) * V_R]), True,
+                     flags={"calculate_sum_pi_squared": True, "distillation_use_topk": True})
+    except rkv.VerlIntegrationError as e:
+        assert "calculate_sum_pi_squared=True" in str(e) and "top-K distillation" in str(e), e
+    else:
+        raise AssertionError("Σπ² with top-K distillation on the Megatron fused path was not refused")
 
 
 # ----------------------------------------------------------------------------- anomaly capture
@@ -738,7 +840,7 @@ def _check_anomaly_capture(rkv, rkm, rank, world, directory):
     from megatron.core import parallel_state
 
     import rl_kernels
-    from rl_kernels.integrations.verl.temperature import PerSampleTemperature
+    from rl_kernels.integrations.verl import common, megatron_step
     from rl_kernels.samples import LogitsSample, load_sample, sample_files
     from rl_kernels.tools import repro
 
@@ -751,20 +853,22 @@ def _check_anomaly_capture(rkv, rkm, rank, world, directory):
     per_token = 0.5 + torch.rand(1, T_SEQ, generator=gen)
     group = parallel_state.get_tensor_model_parallel_group()
     real_log_probs, real_linear = rl_kernels.log_probs_from_logits, rl_kernels.linear_log_probs
-    real_row_temperature = rkm.megatron_row_temperature
 
     def planted(t):
         t = t.clone()
         t.view(-1)[5] = 0.01
         return t
 
-    def fused_call():
-        return rkm.linear_cross_entropy(hidden, w_shard, fused_labels, PerSampleTemperature(torch.tensor([0.5, 1.3])),
-                                        "none", group)
+    def fused_call():  # in a fused Megatron step whose per-sample temperature is laid out as per_token
+        token = common.new_step(engine=megatron_step.ENGINE)
+        common.step_request.get().inputs.update(temperature_per_sample=torch.tensor([0.5, 1.3]), temperature=per_token)
+        try:
+            return rkm.linear_cross_entropy(hidden, w_shard, fused_labels, megatron_step.STAND_IN, "none", group)
+        finally:
+            common.step_request.reset(token)
 
     previous = rkv.options()
     try:
-        rkm.megatron_row_temperature = lambda temperature, lab: per_token.reshape(lab.shape)
         rkv.configure(anomaly_dir=directory, anomaly_recheck_every=1, anomaly_recheck_rows=T_SEQ)
         rkm.vocab_parallel_log_probs_from_logits(shard, labels)
         rkm.vocab_parallel_entropy(shard)
@@ -779,7 +883,6 @@ def _check_anomaly_capture(rkv, rkm, rank, world, directory):
         fused_call()
     finally:
         rl_kernels.log_probs_from_logits, rl_kernels.linear_log_probs = real_log_probs, real_linear
-        rkm.megatron_row_temperature = real_row_temperature
         rkv.configure(**{f: getattr(previous, f) for f in previous.__dataclass_fields__})
     dist.barrier()
     files = sample_files(directory)

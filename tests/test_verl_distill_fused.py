@@ -356,7 +356,9 @@ def test_megatron_fused_top_k_reported_and_says_so_where_not_served(monkeypatch,
         calls.append(batch)
         return {"log_probs": batch["x"]}, "post"
 
-    wrapped = distill._megatron_forward_step(forward_step, served=False)
+    from rl_kernels.integrations.verl import megatron_step
+
+    wrapped = megatron_step._forward_step(forward_step, megatron_step.Served())
     engine = SimpleNamespace(engine_config=SimpleNamespace(use_fused_kernels=True))
     batches = [tu.get_tensordict({"x": torch.zeros(1)}, {"distillation_use_topk": topk})
                for topk in (False, True, True)]

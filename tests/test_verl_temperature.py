@@ -185,6 +185,19 @@ def _megatron_resolve_fused_temperature():
     return resolve, own
 
 
+def _in_megatron_step(resolve, temperature):
+    """``resolve(temperature)`` inside the step request of a fused Megatron engine micro-batch (as
+    verl's forward_step calls it, :mod:`rl_kernels.integrations.verl.megatron_step`): (its value,
+    the per-sample temperature it recorded in the step's inputs, or None)."""
+    from rl_kernels.integrations.verl import common, megatron_step
+
+    token = common.new_step(engine=megatron_step.ENGINE)
+    try:
+        return resolve(temperature), common.step_request.get().inputs.get("temperature_per_sample")
+    finally:
+        common.step_request.reset(token)
+
+
 @pytest.mark.parametrize("values", [(0.5, float("nan")), (1.0, float("inf")), (float("-inf"), 0.5)])
 def test_megatron_per_sample_temperature_keeps_verls_finite_check(values):
     """Where rl-kernels lifts the Megatron engine's "uniform temperature" refusal, verl's own
@@ -193,21 +206,25 @@ def test_megatron_per_sample_temperature_keeps_verls_finite_check(values):
     with pytest.raises(ValueError) as verls:
         own(torch.tensor(values))
     with pytest.raises(type(verls.value), match=str(verls.value)):
-        resolve(torch.tensor(values))
+        _in_megatron_step(resolve, torch.tensor(values))
 
 
 @pytest.mark.parametrize("values", [(0.0, 1.0), (-1.0, 1.3), (0.5, 1.3, 0.5)])
 def test_megatron_per_sample_temperature_is_what_verls_function_makes_of_each_value(values):
-    """A tensor of unequal values: the per-sample temperature holds, per sample, what verl's own
-    function returns for that value alone (its floor for a value <= 0, the value otherwise)."""
-    from rl_kernels.integrations.verl.temperature import PerSampleTemperature
+    """A tensor of unequal values: the per-sample temperature recorded in the step request holds,
+    per sample, what verl's own function returns for that value alone (its floor for a value <= 0,
+    the value otherwise); verl gets the stand-in 1.0. Outside a Megatron fused step, verl's own
+    function (its "uniform temperature" refusal)."""
+    from rl_kernels.integrations.verl.megatron_step import STAND_IN
 
     resolve, own = _megatron_resolve_fused_temperature()
-    out = resolve(torch.tensor(values))
-    assert isinstance(out, PerSampleTemperature)
+    out, per_sample = _in_megatron_step(resolve, torch.tensor(values))
+    assert type(out) is float and out == STAND_IN
     expected = torch.tensor([own(torch.tensor([v])) for v in values], dtype=torch.float32)
-    assert torch.equal(out.per_sample, expected), (out.per_sample, expected)
-    assert bool((out.per_sample > 0).all())
+    assert torch.equal(per_sample, expected), (per_sample, expected)
+    assert bool((per_sample > 0).all())
+    with pytest.raises(NotImplementedError, match="uniform temperature"):
+        resolve(torch.tensor(values))
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0.0, -1.0])

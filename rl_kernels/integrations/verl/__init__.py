@@ -30,7 +30,7 @@ yourself). The import calls :func:`patch`, which
   ``DataParallelPPOActor._forward_micro_batch``), and otherwise hands verl a NaN placeholder, which
   verl drops. A per-sample temperature (a float tensor ``(bsz,)``, which verl's FSDP engine
   refuses on its fused path) is served for such a model: laid out per token as verl's logits path
-  lays it out, and divided per row in the fused head (:mod:`.temperature`). A forward without
+  lays it out, and divided per row in the fused head (:mod:`.fsdp_engine`). A forward without
   ``shift_labels`` (verl 0.7.x) under Ulysses
   sequence parallelism is refused with :class:`VerlIntegrationError` (labels rolled per shard,
   verl #3512, #3723), at ``DataParallelPPOActor`` construction and at the forward. verl's ``triton``, ``torch`` and ``liger`` backends
@@ -51,8 +51,12 @@ yourself). The import calls :func:`patch`, which
 * **Megatron engine** (:mod:`rl_kernels.integrations.verl.megatron`, where verl has every function
   replaced there: 0.9.x and main, not 0.7.x / 0.8.x; when ``megatron.core`` is importable): verl's vocab-parallel from-logits functions (logits path) and the
   ``linear_cross_entropy`` of its Megatron fused forwards (fused path), on the tensor-parallel
-  group, with the hidden-state gradient summed exactly once over that group; a per-sample
-  temperature on the fused path, which verl refuses there, laid out per token (:mod:`.temperature`).
+  group, with the hidden-state gradient summed exactly once over that group. On the fused path
+  each micro-batch's step request (Σπ², top-K distillation, a per-sample temperature, which verl
+  refuses there, and ``loss_rows_only``) is built in one place and carried by one wrapper per
+  verl target (:mod:`.megatron_step`: ``forward_step``, ``_resolve_fused_temperature``,
+  ``preprocess_thd_engine``, ``postprocess_thd_engine``, the fused forward factory; the supported
+  combinations decided in :func:`.megatron_step.step_for`).
 * **Top-K distillation** (:mod:`.distill`, verl 0.8+): verl's ``compute_forward_kl_topk`` of its
   FSDP / VeOmni and Megatron losses (logits paths; Megatron vocab-parallel over the TP group) and
   the fused heads of both engines compute verl's top-K terms with rl-kernels, and the
@@ -63,7 +67,7 @@ yourself). The import calls :func:`patch`, which
   which verl refuses): where verl's engine step asks for it, rl-kernels' fused head (FSDP with
   ``impl_backend=rl_kernels``, Megatron) computes it in the same pass, and the refusal is lifted for
   that step only when the head delivered it; verl's own code lays it out where its logits path puts
-  it (:func:`.fsdp_fused.wrap_sum_pi_squared_requests`, :func:`.megatron.wrap_engine_sum_pi_squared`).
+  it (:func:`.fsdp_fused.wrap_sum_pi_squared_requests`, :mod:`.megatron_step`).
 
 :func:`patch` logs, per engine, exactly what it replaced (also :func:`report`); when verl builds
 an engine, the engine is named once, with a warning if rl-kernels does not serve it (VeOmni,
@@ -81,14 +85,17 @@ the parameter lists of its table (:data:`SIGNATURES`).
 
 Layout, and what patches on import. The package's modules, one job each: :mod:`.patching`
 (:func:`patch`, :func:`unpatch`, :func:`report`), :mod:`.settings` (the options in force),
-:mod:`.signatures`, :mod:`.fsdp_fused`, :mod:`.logits`, :mod:`.hooks`, :mod:`.label_check`,
-:mod:`.megatron` (the Megatron engine), :mod:`.distill`, :mod:`.distill_terms` (verl's
-distillation math, no engine code), :mod:`.temperature` (per-sample temperature on the fused
-paths) and :mod:`.common`. What a verl step asks of the heads (entropy, Σπ², top-K distillation, a
-per-sample temperature, the served model's head) is one :class:`~.common.StepRequest` in the
-package's one context variable (``common.step_request``), each field set by the hook that knows
-it for the call it wraps; the FSDP engine's ``forward_step`` is wrapped once
-(:func:`.fsdp_fused.wrap_forward_step`) for all of them. This ``__init__`` is
+:mod:`.signatures`, :mod:`.fsdp_fused` (the FSDP fused head and the model it serves),
+:mod:`.fsdp_engine` (the FSDP engine's step request and its three wrappers), :mod:`.logits`,
+:mod:`.hooks`, :mod:`.label_check`, :mod:`.megatron` (the Megatron engine's heads),
+:mod:`.megatron_step` (its fused path's step request and its five wrappers), :mod:`.distill`,
+:mod:`.distill_terms` (verl's distillation math, no engine code) and :mod:`.common`. What a verl
+step asks of the heads (entropy, Σπ², top-K distillation, a per-sample temperature, the loss rows,
+the served model's head) and what they delivered is one :class:`~.common.StepRequest` in the
+package's one context variable (``common.step_request``), put in force per micro-batch by the
+engine's ``forward_step`` wrapper (:func:`.fsdp_engine.asks`, :func:`.megatron_step.step_for`
+decide what is served, and which combinations); its per-token inputs are laid out by one function
+per engine, its outputs laid out back by one. This ``__init__`` is
 the only module that patches, but Python runs it before any module of the package is imported, so
 importing any of them patches verl too. What must not patch lives outside the package:
 :mod:`rl_kernels.integrations.verl_schema` (the options' schema, :data:`BACKEND_NAME`,

@@ -216,27 +216,35 @@ class StepRequest:
     * ``topk``: top-K distillation on the FSDP fused path, with ``micro_batch`` (the engine's
       micro-batch: the teacher's tensors) and ``loss_function`` (the one verl's engine got, which
       carries verl's distillation config);
-    * ``megatron_topk``: the Megatron engine's (:class:`~.distill.MegatronTopKRequest`);
-    * ``megatron_temperature``: a per-sample temperature on the Megatron fused forward
-      (:class:`~.temperature.PerSampleTemperature`);
-    * ``loss_rows_only``: the option, where the step is one it serves: the head runs on the rows
-      whose loss mask is 1 only (``inputs['loss_rows']``: a bool tensor in the fused head's labels
-      layout, this rank's rows, laid out by the engine's layout hook; :func:`loss_row_index`);
+    * ``engine``: ``"megatron"`` while the Megatron engine's forward_step runs a fused micro-batch
+      (:mod:`.megatron_step` builds that request; its hooks and head read ``inputs`` / ``outputs``
+      only then);
+    * ``distillation``: verl's distillation loss config of a Megatron fused top-K micro-batch (the
+      teacher's tensors are among its ``inputs``);
+    * ``loss_rows_only``: the option, where the step is one the FSDP fused path serves (the Megatron
+      step reads the option itself): the head runs on the rows whose loss mask is 1 only
+      (``inputs['loss_rows']``: a bool tensor in the fused head's labels layout, this rank's rows,
+      laid out by the engine's layout hook; :func:`loss_row_index`);
     * ``serving``: a model that rl-kernels serves runs its forward (FSDP fused path);
     * ``head``: that model's :class:`~rl_kernels.integrations.lm_heads.HeadTransform`;
     * ``model``: that model (where :func:`~.fsdp_fused.full_weight` finds its lm_head's FSDP2 unit).
 
-    And per step: ``inputs``, the per-token inputs an engine's layout hook laid out for the head;
+    And per step: ``inputs``, the per-token inputs an engine's layout hook laid out for the head
+    (Megatron: ``by_token``, what its forward_step asks to lay out; ``temperature_per_sample``,
+    recorded at verl's ``_resolve_fused_temperature``; once laid out, ``temperature``,
+    ``teacher_log_probs`` / ``teacher_ids`` / ``teacher_rows`` and ``loss_rows`` in the head's
+    labels layout: the Megatron loss-row mask of ``loss_rows_only`` is laid out inside verl's fused
+    forward, so there it is ``inputs['loss_rows']``, not the ``loss_rows`` field);
     ``outputs``, what the head delivered beside verl's log-probs (:meth:`deliver`) and what the
-    engine's output hook laid out of them."""
+    engine's output hook laid out of them (Megatron: ``laid_out``)."""
 
     entropy: bool = True
     sum_pi_squared: bool = False
     topk: bool = False
     micro_batch: object = None
     loss_function: object = None
-    megatron_topk: object = None
-    megatron_temperature: object = None
+    engine: str | None = None
+    distillation: object = None
     loss_rows_only: bool = False
     serving: bool = False
     head: object = None

@@ -37,9 +37,9 @@ On the FSDP fused path (``use_fused_kernels=True``, ``impl_backend=rl_kernels``,
 that verl's FSDP engine reads (``distillation_losses``, ``student_mass``, ``teacher_mass``, with
 the same :func:`topk_terms` as above) from one fused head call that also gives verl's log-probs
 (:func:`serve_fused_topk`): no N x V tensor in forward or backward. On verl's Megatron fused path
-(whose fused forward computes no distillation outputs), :func:`_megatron_fused_entry` makes
-rl-kernels' fused head compute them, vocab-parallel, as verl's Megatron logits path defines them,
-and puts them into the engine's forward_step output (:func:`serve_megatron_topk`). Both fused routes
+(whose fused forward computes no distillation outputs), :mod:`.megatron_step` makes rl-kernels'
+fused head compute them, vocab-parallel, as verl's Megatron logits path defines them, and puts
+them into the engine's forward_step output (:func:`.megatron_step.serve_megatron_topk`). Both fused routes
 serve the tail mode too (``linear_log_probs_at_ids(return_tail=True)``; on the FSDP route the two tail
 outputs, which verl's engine does not read from ``fused_linear_aux``, are laid out by
 :func:`~.fsdp_engine.lay_out_outputs` with the engine's own ``_gather_and_unpad_packed``). Both fused routes give
@@ -50,10 +50,8 @@ is off.
 """
 from __future__ import annotations
 
-import functools
 import importlib
 import inspect
-import itertools
 import logging
 from typing import NamedTuple
 
@@ -65,9 +63,8 @@ from ...linear import MAX_TOPK, linear_topk
 from ...logits import topk_log_probs_from_logits
 from .. import verl_modes
 from ..verl_modes import TAIL_MODE, check_tail_config, is_tail_mode
-from .common import (StepField, VerlIntegrationError, check_signature, left_to_verl, outside_kernels, record,
-                     scatter_rows, select_rows,
-                     replace_by_name, save_logits_for_backward, set_attr)
+from .common import (VerlIntegrationError, check_signature, left_to_verl, outside_kernels, record, replace_by_name,
+                     save_logits_for_backward, scatter_rows, select_rows)
 from .distill_terms import OVERLAP_KEYS, distinct_on_padding, overlap_metrics, tail_terms, topk_terms  # noqa: F401
 from .settings import options
 from .signatures import has_module
@@ -494,11 +491,6 @@ def serve_fused_topk(step, hidden_states, weight, labels, *, temperature: float,
     return log_probs, entropy
 
 
-def patch_fused_distillation() -> dict[str, tuple[bool, str]]:
-    """Top-K distillation on the Megatron fused path: the report entry ``{MEGATRON_FUSED_PART:
-    (served?, what)}`` (:func:`_megatron_fused_entry`; the FSDP fused path's is
-    :func:`fused_distillation_entry`, installed by :mod:`.fsdp_engine`)."""
-    return {MEGATRON_FUSED_PART: _megatron_fused_entry()}
 
 
 MEGATRON_ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
@@ -507,231 +499,12 @@ MEGATRON_FUSED_MODULE = "verl.models.mcore.model_forward_fused"
 STEP_PARAMETERS = ["self", "batch_iter", "model", "logits_processor_func", "postprocess_micro_batch_func"]
 
 # ----------------------------------------------------------------------------- the Megatron fused path
-# verl's Megatron engine computes top-K distillation only on its logits path: forward_step hands its
-# logits processor (``_lm_head_logits_processor``) this rank's vocab-parallel logits, which calls the
-# loss function it got (``logits_processor_func``: verl's ``distillation_ppo_loss`` ->
-# ``megatron.losses.compute_forward_kl_topk``, the teacher's tensors laid out by
-# ``preprocess_thd_engine``), and the forward lays each output out with ``postprocess_thd_engine``
-# into forward_step's output dict, which verl's loss reads. Its fused forward
-# (``model_forward_fused.fused_forward_model_engine``) returns only log_probs / entropy. Served here:
-# while forward_step runs a fused top-K micro-batch, :class:`MegatronTopKRequest` is active; the
-# fused module's ``preprocess_thd_engine``, when it lays out the labels, lays out the teacher's
-# tensors with the same arguments (no roll: the teacher's top K at a position is the distribution
-# of the next token, as the logits there); rl-kernels' fused head (``megatron.linear_cross_entropy``)
-# computes the student's log-probs at the teacher's ids (vocab-parallel) and verl's Megatron terms
-# (:func:`topk_terms` with ``clamp_masses``); its ``postprocess_thd_engine`` lays them out as the
-# log-probs; forward_step's output gets them under verl's keys (without log_probs for
-# ``distillation_only``, as verl's logits path).
-
-
-class MegatronTopKRequest:
-    """One fused top-K distillation micro-batch of verl's Megatron engine: the micro-batch (its
-    nested ``teacher_logprobs`` / ``teacher_ids``), verl's distillation loss config (its
-    ``log_prob_min_clamp`` and ``loss_mode``), the teacher's
-    tensors laid out as this rank's packed tokens ((1, T, K) each, :func:`_laying_out_teacher`),
-    the terms the fused head delivers with its log-probs, and those terms as the engine lays them
-    out (per-sequence nested tensors, :func:`_laying_out_terms`)."""
-
-    __slots__ = ("batch", "loss_config", "teacher", "rows", "log_probs", "terms", "calls", "laid_out")
-
-    def __init__(self, batch, loss_config):
-        self.batch, self.loss_config = batch, loss_config
-        self.teacher = self.rows = self.log_probs = self.terms = self.laid_out = None
-        self.calls = 0
-
-    def deliver(self, log_probs, terms: dict) -> None:
-        """Called by the fused head: its log-probs and the terms, each shaped like its labels."""
-        self.log_probs, self.terms = log_probs, terms
-        self.calls += 1
-
-    def belongs_to(self, log_probs) -> bool:
-        """Whether ``log_probs`` are the delivered ones (same storage, offset and size)."""
-        mine = self.log_probs
-        return (self.calls == 1 and isinstance(log_probs, torch.Tensor) and mine is not None
-                and log_probs.numel() == mine.numel() and log_probs.data_ptr() == mine.data_ptr()
-                and log_probs.device == mine.device)
-
-
-_megatron_request = StepField("megatron_topk")
-
-
-def megatron_topk_request() -> MegatronTopKRequest | None:
-    """The fused top-K request of the Megatron engine's forward_step that runs now, or None."""
-    return _megatron_request.get()
-
-
-def serve_megatron_topk(request: MegatronTopKRequest, h2, weight, labels1, labels_shape, *, temperature,
-                        return_entropy: bool, backend: str, tp_kwargs: dict):
-    """The Megatron fused head on a top-K distillation micro-batch: verl's ``(log_probs, entropy or
-    None)`` at ``labels1`` (N,) from ``h2`` (N, H) and this rank's weight shard (``tp_kwargs``: the
-    vocab-parallel arguments of ``rl_kernels.linear_log_probs``, empty with one TP rank), and
-    ``request`` given verl's Megatron distillation terms ((N,) float32 each, :func:`topk_terms` with
-    ``clamp_masses``, or :func:`tail_terms` for ``forward_kl_topk_tail``) from the student's log-probs
-    at the teacher's laid-out ids (and its tail log-mass), and verl's overlap metrics unless the option
-    ``overlap_metrics`` is off (:func:`fused_overlap_metrics`: :func:`rl_kernels.linear_topk` over the
-    TP group, one more pass over the head): one
-    :func:`rl_kernels.distill.linear_log_probs_at_ids` call, or, for the entropy on a vocab shard
-    (not implemented with gathered logits), ``linear_log_probs`` and a second pass for the ids. No
-    N x V tensor. VerlIntegrationError when the teacher's tensors do not match the tokens."""
-    import rl_kernels
-
-    teacher_log_probs, teacher_ids = request.teacher
-    k = teacher_ids.shape[-1]
-    if tuple(teacher_ids.shape[:-1]) != tuple(labels_shape) or teacher_ids.shape != teacher_log_probs.shape:
-        raise VerlIntegrationError(
-            f"rl_kernels.integrations.verl: top-K distillation on the Megatron fused path: the teacher's top-K "
-            f"tensors as laid out (ids {tuple(teacher_ids.shape)}, log-probs {tuple(teacher_log_probs.shape)}) "
-            f"do not match the student's tokens {tuple(labels_shape)} on this rank")
-    teacher_ids = ids = teacher_ids.reshape(-1, k).to(h2.device).long()
-    teacher_log_probs = teacher_log_probs.reshape(-1, k).to(h2.device)
-    tail = is_tail_mode(request.loss_config)
-    extra = {"return_tail": True} if tail else {}
-    if tail and request.rows is not None:  # (verl's layout pads with rows of K zero ids)
-        ids = distinct_on_padding(ids, request.rows.reshape(-1))
-    if return_entropy and tp_kwargs:
-        out = rl_kernels.linear_log_probs(h2, weight, labels1, temperature=temperature, return_entropy=True,
-                                          backend=backend, **tp_kwargs)
-        log_probs, entropy = out.log_probs, out.entropy
-        # (labels: only which rows count, as in the one-call branch below; the ids give the columns)
-        row_labels = torch.where(labels1 != -100, ids[:, 0], -100)
-        _, _, *student = linear_log_probs_at_ids(h2, weight, row_labels, ids, temperature=temperature,
-                                                 backend=backend, **tp_kwargs, **extra)
-    else:
-        log_probs, entropy, *student = linear_log_probs_at_ids(h2, weight, labels1, ids, temperature=temperature,
-                                                               return_entropy=return_entropy, backend=backend,
-                                                               **tp_kwargs, **extra)
-    if tail:
-        terms = tail_terms(student[0], student[1], teacher_log_probs)
-        slot_t, slot_q = teacher_log_probs.float(), student[0]
-    else:
-        losses, student_mass, teacher_mass, slot_q, slot_t = topk_terms(
-            student[0], teacher_log_probs, request.loss_config.log_prob_min_clamp, clamp_masses=True)
-        terms = {"distillation_losses": losses, "student_mass": student_mass.detach(),  # metrics only, as verl's
-                 "teacher_mass": teacher_mass}
-        slot_t = slot_t.float()  # (verl's Megatron teacher side is cast after the clamp)
-    terms.update(fused_overlap_metrics(h2, weight, teacher_ids, slot_t, slot_q, temperature=temperature,
-                                       backend=backend, path="Megatron fused path",
-                                       process_group=tp_kwargs.get("process_group"),
-                                       vocab_start_index=tp_kwargs.get("vocab_start_index")))
-    request.deliver(log_probs.view(labels_shape), {key: value.view(labels_shape) for key, value in terms.items()})
-    record("distillation_calls", "distillation fused megatron", labels1.numel())
-    return log_probs, entropy
-
-
-def _laying_out_teacher(preprocess):
-    """The fused module's ``preprocess_thd_engine``: when a request is active and it lays out the
-    labels (``need_roll=True``: the student's tokens of this rank, context-parallel split and
-    padding included), it lays out the teacher's log-probs and ids with the same arguments, no roll."""
-    sig = inspect.signature(preprocess)
-    first = next(iter(sig.parameters))
-
-    @functools.wraps(preprocess)
-    def preprocess_thd_engine(*args, **kwargs):
-        result = preprocess(*args, **kwargs)
-        request = _megatron_request.get()
-        if request is not None and request.teacher is None:
-            arguments = dict(sig.bind(*args, **kwargs).arguments)
-            if arguments.get("need_roll"):
-                device = arguments.pop(first).device
-                arguments.update(pre_process=True, need_roll=False)
-                request.teacher = tuple(preprocess(request.batch[key].to(device), **arguments)[0]
-                                        for key in ("teacher_logprobs", "teacher_ids"))
-                request.rows = preprocess(_token_rows(request.batch["teacher_ids"]).to(device), **arguments)[0]
-        return result
-
-    preprocess_thd_engine._rl_kernels_original = preprocess
-    return preprocess_thd_engine
-
-
-def _laying_out_terms(postprocess):
-    """The fused module's ``postprocess_thd_engine``: called on the fused head's log-probs while a
-    request holds terms delivered with them, it lays out each term with the same arguments."""
-    @functools.wraps(postprocess)
-    def postprocess_thd_engine(output, *args, **kwargs):
-        result = postprocess(output, *args, **kwargs)
-        request = _megatron_request.get()
-        if request is not None and request.laid_out is None and request.belongs_to(output):
-            request.laid_out = {key: postprocess(term.view(output.shape), *args, **kwargs)
-                                for key, term in request.terms.items()}
-        return result
-
-    postprocess_thd_engine._rl_kernels_original = postprocess
-    return postprocess_thd_engine
-
-
-def _megatron_forward_step(method, served: bool):
-    """``MegatronEngineWithLMHead.forward_step``: a fused micro-batch with ``distillation_use_topk``
-    runs with a :class:`MegatronTopKRequest` active (where ``served``); on the last pipeline stage
-    the laid-out terms go into the output dict under verl's keys, and ``log_probs`` is dropped with
-    ``distillation_only`` (verl's logits path computes none then). Where no terms came (not served,
-    or a fused head that is not rl-kernels'), one WARNING and verl's output as it is."""
-
-    @functools.wraps(method)
-    def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
-        batch = next(batch_iter)
-        batch_iter = itertools.chain([batch], batch_iter)
-        default = bool(getattr(getattr(self, "engine_config", None), "use_fused_kernels", False))
-        wanted = bool(_flag(batch, "distillation_use_topk") and _flag(batch, "use_fused_kernels", default))
-        request = None
-        if wanted and served and "teacher_ids" in batch.keys() and "teacher_logprobs" in batch.keys():
-            request = MegatronTopKRequest(batch, _loss_config(logits_processor_func))
-        token = _megatron_request.set(request)
-        try:
-            output, postprocess = method(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func)
-        finally:
-            _megatron_request.reset(token)
-        if wanted and isinstance(output, dict) and "log_probs" in output:  # the last pipeline stage
-            if request is not None and request.laid_out is not None:
-                output.update(request.laid_out)
-                if _flag(batch, "distillation_only"):
-                    del output["log_probs"]
-            else:
-                log_once(logging.WARNING, "rl_kernels: top-K distillation on verl's Megatron fused path is not "
-                         "served here (the fused forward is not rl-kernels', or the micro-batch has no teacher "
-                         "tensors): verl's fused forward computes no distillation outputs (verl's loss then finds "
-                         "no distillation_losses); use use_fused_kernels=False (verl's Megatron logits path)")
-        return output, postprocess
-
-    forward_step._rl_kernels_original = method
-    return forward_step
-
-
-def _megatron_fused_entry() -> tuple[bool, str]:
-    """Serve top-K distillation on verl's Megatron fused path where rl-kernels' fused head is
-    installed there (``patch_megatron_fused``) and verl's fused module lays out its tensors with
-    by-name ``preprocess_thd_engine`` / ``postprocess_thd_engine`` (features, not versions):
-    :func:`_megatron_forward_step`, :func:`_laying_out_teacher`, :func:`_laying_out_terms`.
-    Elsewhere, where verl's Megatron engine imports, only the WARNING at the first fused top-K
-    batch. Returns the report entry (served?, what)."""
-    if not has_module(MEGATRON_MODULE):
-        return False, NOT_IN_THIS_VERL
-    why = ("not served: verl's Megatron fused forward computes no top-K distillation outputs, and rl-kernels' "
-           "fused head is not installed there")
-    try:
-        impl = importlib.import_module(MEGATRON_ENGINE_MODULE)
-        fused = importlib.import_module(MEGATRON_FUSED_MODULE)
-    except ImportError as exc:  # megatron-core missing: verl's Megatron engine cannot run here either
-        return False, f"{why} (not importable here: {exc})"
-    engine = getattr(impl, MEGATRON_ENGINE_CLASS, None)
-    method = vars(engine).get("forward_step") if engine is not None else None
-    if method is None or list(inspect.signature(method).parameters) != STEP_PARAMETERS:
-        return False, f"{why} (this verl's {MEGATRON_ENGINE_CLASS}.forward_step has other parameters than " \
-                      f"{STEP_PARAMETERS})"
-    served = getattr(getattr(fused, "linear_cross_entropy", None), "_rl_kernels_fused_head", False) and all(
-        callable(getattr(fused, name, None)) for name in ("preprocess_thd_engine", "postprocess_thd_engine"))
-    if served:
-        set_attr(fused, "preprocess_thd_engine", _laying_out_teacher(fused.preprocess_thd_engine))
-        set_attr(fused, "postprocess_thd_engine", _laying_out_terms(fused.postprocess_thd_engine))
-    set_attr(engine, "forward_step", _megatron_forward_step(method, served))
-    if not served:
-        return False, why + " (patch_megatron_fused=False, or this verl's fused module lays out no tensors by " \
-                            "name); a WARNING at the first fused top-K batch"
-    return True, (f"rl-kernels' Megatron fused head computes verl's distillation_losses, student_mass and "
-                  f"teacher_mass (verl's Megatron definitions, log_prob_min_clamp) from the student's log-probs at "
-                  f"the teacher's ids, vocab-parallel over the TP group, laid out by verl's preprocess_thd_engine / "
-                  f"postprocess_thd_engine ({MEGATRON_FUSED_MODULE}) into {MEGATRON_ENGINE_CLASS}.forward_step's "
-                  f"output (no N x V tensor); distillation_only drops log_probs as verl's logits path; {_OVERLAP}, "
-                  f"over the TP group; {TAIL_MODE} too; a WARNING where a fused top-K batch is not served")
+# verl's Megatron engine computes top-K distillation only on its logits path; its fused forward
+# (``model_forward_fused.fused_forward_model_engine``) returns only log_probs / entropy. rl-kernels
+# serves it there from the step request of the engine's micro-batch: :mod:`.megatron_step` (the
+# teacher's tensors laid out by verl's ``preprocess_thd_engine``, the terms computed by
+# :func:`.megatron_step.serve_megatron_topk` in rl-kernels' fused head and laid out by verl's
+# ``postprocess_thd_engine`` into forward_step's output). The constants above name what it wraps.
 
 
 _OVERLAP = ("verl's overlap metrics (overlap_count, overlap_token_advantage) from the student's top K by "

@@ -140,7 +140,7 @@ def full_weight(weight: torch.Tensor, dtype: torch.dtype, model=None) -> torch.T
 def _head_temperature(temperature, head: HeadTransform, labels: torch.Tensor):
     """verl's temperature with the model's logit multiplier folded in (``HeadTransform``): a number,
     or a per-token float tensor shaped like ``labels`` (verl's per-sample temperature laid out by
-    :mod:`.temperature`; its values are checked where :func:`rl_kernels.linear_log_probs` reads
+    :mod:`.fsdp_engine`; its values are checked where :func:`rl_kernels.linear_log_probs` reads
     them). With a multiplier, verl's value is checked with the usual rules first, then the effective
     one (for a tensor: T / multiplier in float64, rounded once by the kernels; one host read each),
     whose error names both."""
@@ -172,7 +172,7 @@ def fused_log_probs_entropy(hidden_states: torch.Tensor, weight: torch.Tensor, l
     DTensor is gathered, a float32 one under mixed precision cast to ``hidden_states.dtype``, see
     :func:`full_weight`); labels: int64 ``(...)`` (verl's ``input_ids`` rolled, or its ``shift_labels``);
     temperature: a float or a one-element tensor, or a float tensor shaped like ``labels`` (a
-    temperature per token: verl's per-sample temperature, laid out by :mod:`.temperature`), with
+    temperature per token: verl's per-sample temperature, laid out by :func:`~.fsdp_engine.lay_out_inputs`), with
     the model's own logit transform (soft-cap, multiplier) applied from the
     :class:`~rl_kernels.integrations.lm_heads.HeadTransform` of the model whose forward runs.
     The entropy is a NaN placeholder when verl's ``calculate_entropy`` did not ask for it. While

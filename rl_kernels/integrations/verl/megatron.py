@@ -35,11 +35,15 @@ alone). It pairs ``hidden.reshape(-1, H)`` with ``labels.reshape(-1)`` as verl's
 (verl passes ``(T, 1, H)`` and ``(1, T)``) and returns float32 ``(log_probs, entropy)`` shaped like
 ``labels`` (verl's kernel returns them flat; verl's callers reshape either).
 
-**Σπ² on the fused path** (``calculate_sum_pi_squared=True``, which verl's engine refuses with
-fused kernels): ``MegatronEngineWithLMHead.forward_step`` runs with the flag hidden and a request
-active; :func:`linear_cross_entropy` computes Σπ² over the whole vocabulary in the same pass, verl's
-``postprocess_thd_engine`` lays it out as the log-probs, and it is returned as ``sum_pi_squared``
-(:func:`wrap_engine_sum_pi_squared`).
+**What a micro-batch asks beyond that** (Σπ², which verl's engine refuses with fused kernels;
+top-K distillation, which verl's fused forward does not compute; a per-sample temperature, which
+verl refuses there; ``loss_rows_only``): the micro-batch's step request, built and carried through
+verl's engine by :mod:`.megatron_step` (one wrapper per verl target: ``forward_step``,
+``_resolve_fused_temperature``, ``preprocess_thd_engine``, ``postprocess_thd_engine``, the fused
+forward factory; the combinations decided in :func:`.megatron_step.step_for`), installed from
+:func:`_patch_fused`. :func:`linear_cross_entropy` reads it: the per-token inputs laid out for its
+labels, Σπ² and the distillation terms computed in the same pass and delivered to the step, and
+with ``loss_rows_only`` the head on the loss rows only.
 
 **Hidden-state gradient over the TP group.** Each rank's backward gives the gradient of its
 vocab shard only, a *partial* dh; the gradient of the decoder output is the sum over the TP
@@ -66,12 +70,6 @@ changes nothing else. :func:`linear_cross_entropy` uses
 ``tests/test_verl_megatron.py`` checks both cases through verl's own ``fused_output_processor``
 (each rank's dh equals the unsharded float64 gradient, or its rows of it).
 
-**Top-K distillation on the fused path** (``distillation_use_topk``, which verl's fused forward does
-not compute): while the engine's forward_step has a :class:`~.distill.MegatronTopKRequest` active,
-:func:`linear_cross_entropy` also computes verl's Megatron distillation terms from the student's
-log-probs at the teacher's ids (vocab-parallel, :func:`~.distill.serve_megatron_topk`); the layout
-and the engine hooks are in :mod:`.distill`.
-
 Skipped, with an INFO line, when ``megatron.core`` is not importable, and not applied (the report
 says which functions are missing) when the installed verl lacks any function replaced here:
 verl 0.7.x has no ``vocab_parallel_sum_pi_squared``, 0.7.x and 0.8.x no
@@ -82,7 +80,6 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-import itertools
 import logging
 import numbers
 
@@ -91,14 +88,16 @@ import torch
 import rl_kernels
 
 from ..._logging import log_once, logger
-from .common import (VerlIntegrationError, check_chunk_size, check_signature, count,
-                     entropy_on_request, entropy_placeholder, entropy_wanted, record, replace_by_name, set_attr,
-                     outside_labels, new_step, step_request, verl_fallback, verl_version)
-from . import settings
-from .distill import megatron_topk_request, serve_megatron_topk
+from . import megatron_step, settings
+from .common import (VerlIntegrationError, check_chunk_size, check_signature, count, entropy_placeholder,
+                     entropy_wanted, loss_row_index, outside_labels, record, replace_by_name, scatter_rows,
+                     select_rows, set_attr, verl_fallback, verl_version)
+from .distill import MEGATRON_MODULE as MEGATRON_DISTILLATION_MODULE
+from .distill import NOT_IN_THIS_VERL
 from .logits import capture_logits
+from .megatron_step import ENGINE, head_inputs, serve_megatron_topk
 from .settings import options
-from .temperature import PerSampleTemperature, megatron_row_temperature
+from .signatures import has_module
 
 LOGITS_FUNCTIONS = ("vocab_parallel_log_probs_from_logits", "vocab_parallel_entropy",
                     "vocab_parallel_entropy_with_chunking")
@@ -238,26 +237,31 @@ def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="non
 
     hidden: ``(..., H)`` (verl: ``(T, 1, H)``); weight: this rank's ``(V_r, H)`` vocab shard;
     labels: global ids, ``labels.numel()`` rows paired with ``hidden.reshape(-1, H)`` as verl's
-    kernel pairs them. temperature: a number, a one-element tensor, or verl's per-sample temperature
-    as :mod:`.temperature` hands it on (laid out per token there). Returns float32 ``(log_probs,
-    entropy)`` shaped like ``labels``. dh over the TP group: see the module docstring
-    (``reduce_hidden_grad`` unless ``hidden`` is the output of
-    ``gather_from_sequence_parallel_region``). Inside a fused engine forward that verl runs with
-    ``calculate_entropy=False`` (:func:`_wrap_engine_entropy_requests`) no entropy is computed and
-    the entropy returned is NaN (verl drops it). Inside an engine step that asks for Σπ²
-    (:func:`wrap_engine_sum_pi_squared`) it is computed in the same pass (over the whole
-    vocabulary, merged over the TP group like the log-probs) and delivered to the step's request.
-    Inside an engine step with top-K distillation (:func:`~.distill.megatron_topk_request`) verl's
-    distillation terms are computed from the same head (:func:`~.distill.serve_megatron_topk`).
+    kernel pairs them. temperature: a number or a one-element tensor (inside a fused micro-batch
+    of verl's Megatron engine with a per-sample temperature, verl's stand-in 1.0: the per-token
+    temperature laid out in the step request is used instead, :func:`~.megatron_step.head_inputs`).
+    Returns float32 ``(log_probs, entropy)`` shaped like ``labels``. dh over the TP group: see the
+    module docstring (``reduce_hidden_grad`` unless ``hidden`` is the output of
+    ``gather_from_sequence_parallel_region``).
+
+    Inside a fused micro-batch of verl's Megatron engine it reads the step request
+    (:mod:`.megatron_step`, which builds it): no entropy where verl's ``calculate_entropy`` is
+    False (NaN returned; verl drops it); Σπ² in the same pass where the step asks it (over the
+    whole vocabulary, merged over the TP group like the log-probs); verl's top-K distillation terms
+    from the same head where the step carries the teacher's tensors
+    (:func:`~.megatron_step.serve_megatron_topk`); with ``loss_rows_only``, the head runs on the
+    rows of the laid-out loss mask alone (every TP rank selects the same rows, so the TP
+    collectives stay matched, also with 0 rows) and every output is scattered back (0 and no
+    gradient outside, counted as ``loss_rows_skipped_tokens``). It delivers its log-probs and those
+    per-row outputs to the step (:meth:`~.common.StepRequest.deliver`), where verl's
+    ``postprocess_thd_engine`` lays them out.
     """
     if reduction != "none":
         raise ValueError(f"reduction: rl-kernels' linear_cross_entropy returns per-token log-probs and "
                          f"entropy (reduction='none', what verl's Megatron fused forward passes), got "
                          f"{reduction!r}")
-    if isinstance(temperature, PerSampleTemperature):  # verl's per-sample temperature (:mod:`.temperature`)
-        temperature = megatron_row_temperature(temperature, labels)
-    else:
-        temperature = _temperature(temperature)
+    step, inputs = head_inputs(labels)
+    temperature = inputs["temperature"] if "temperature" in inputs else _temperature(temperature)
     if _rows(hidden) != labels.numel():
         raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)}: expected "
                          f"hidden.shape[:-1].numel() == labels.numel()")
@@ -276,36 +280,44 @@ def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="non
                   "reduce_hidden_grad": not summed}
     backend = options().backend  # read per call
     return_entropy = entropy_wanted.get()
-    step = step_request.get()
+    rows = labels.numel()
+    h2, labels1 = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    per_row = {key: value for key, value in inputs.items() if key != "loss_rows"}
     if isinstance(temperature, torch.Tensor):
-        temperature = temperature.reshape(-1)
-    topk = megatron_topk_request()
-    if topk is not None and topk.teacher is not None and step.sum_pi_squared:
-        raise VerlIntegrationError("rl_kernels.integrations.verl: calculate_sum_pi_squared=True together with "
-                                   "top-K distillation on the Megatron fused path is not served; use "
-                                   "use_fused_kernels=False (verl's logits path) for this run")
-    if topk is not None and topk.teacher is not None:  # top-K distillation in the same head (verl's keys)
-        log_probs, entropy = serve_megatron_topk(topk, hidden.reshape(-1, hidden.shape[-1]), weight,
-                                                 labels.reshape(-1), labels.shape, temperature=temperature,
-                                                 return_entropy=return_entropy, backend=backend, tp_kwargs=kwargs)
-        out = rl_kernels.LogProbsOutput(log_probs, entropy, None)
+        per_row["temperature"] = temperature.reshape(-1)
+    index = None
+    if "loss_rows" in inputs:  # loss_rows_only: the head runs on the loss rows alone
+        index = loss_row_index(inputs["loss_rows"], labels)
+        h2, labels1 = h2.index_select(0, index.to(h2.device)), labels1.index_select(0, index.to(labels1.device))
+        per_row = {key: select_rows(value, index, rows) for key, value in per_row.items()}
+        count("loss_rows_skipped_tokens", rows - index.numel())
+    temperature = per_row.pop("temperature", temperature)
+    if "teacher_ids" in per_row:  # top-K distillation in the same head (verl's keys)
+        log_probs, entropy, outputs = serve_megatron_topk(
+            step.distillation, per_row["teacher_log_probs"], per_row["teacher_ids"], per_row["teacher_rows"], h2,
+            weight, labels1, temperature=temperature, return_entropy=return_entropy, backend=backend,
+            tp_kwargs=kwargs)
     else:
-        out = rl_kernels.linear_log_probs(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
-                                          temperature=temperature, return_entropy=return_entropy,
+        out = rl_kernels.linear_log_probs(h2, weight, labels1, temperature=temperature, return_entropy=return_entropy,
                                           return_sum_pi_squared=step.sum_pi_squared, backend=backend, **kwargs)
+        log_probs, entropy = out.log_probs, out.entropy
+        outputs = {"sum_pi_squared": out.sum_pi_squared} if step.sum_pi_squared else {}
     record("fused_megatron_calls", "fused megatron", labels.numel())
     capture = settings.capture()
-    if capture is not None:  # the whole call, its weight gathered over the TP group (written by its rank 0)
-        capture.check(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), temperature=temperature,
-                      ignore_index=-100, log_probs=out.log_probs, entropy=out.entropy if return_entropy else None,
-                      process_group=kwargs.get("process_group"),
+    if capture is not None:  # the rows computed, the weight gathered over the TP group (written by its rank 0)
+        capture.check(h2, weight, labels1, temperature=temperature, ignore_index=-100, log_probs=log_probs,
+                      entropy=entropy if return_entropy else None, process_group=kwargs.get("process_group"),
                       metadata={"function": "verl linear_cross_entropy (Megatron fused path)"})
-    entropy = out.entropy if return_entropy else entropy_placeholder(out.log_probs)
-    log_probs = out.log_probs.view(labels.shape)
-    if step.sum_pi_squared:
-        step.deliver(log_probs, sum_pi_squared=out.sum_pi_squared.view(labels.shape))
+    if index is not None:  # back to verl's rows: 0 (and no gradient) outside the loss
+        log_probs, entropy = (None if t is None else scatter_rows(t, index, labels.shape) for t in (log_probs, entropy))
+        outputs = {key: scatter_rows(value, index, labels.shape) for key, value in outputs.items()}
+    log_probs = log_probs.view(labels.shape)
+    entropy = entropy.view(labels.shape) if return_entropy else entropy_placeholder(log_probs)
+    if step.engine == ENGINE:  # a fused micro-batch of verl's Megatron engine: its postprocess lays these out
+        step.deliver(log_probs, **{key: value.view(labels.shape) for key, value in outputs.items()})
+    if step.sum_pi_squared and "sum_pi_squared" in outputs:
         count("fused_sum_pi_squared_calls")
-    return log_probs, entropy.view(labels.shape)
+    return log_probs, entropy
 
 
 linear_cross_entropy._rl_kernels_fused_head = True  # how .distill tells that the fused module's head is this one
@@ -369,134 +381,6 @@ def _checking(fn, model_arg: str):
     return checked
 
 
-ENGINE_FORWARD_FACTORIES = ("get_mcore_forward_fused_model_engine_fn", "get_mcore_forward_fused_no_padding_fn")
-"""verl's factories (in ``verl.models.mcore``) of the Megatron engine's fused forward, which takes
-``calculate_entropy``: 0.8 / 0.9 import the first at call time, 0.7.x binds the second by name."""
-
-
-def _wrap_engine_entropy_requests() -> str:
-    """Wrap verl's Megatron engine fused-forward factories (and their by-name imports) so that
-    each forward they return runs under :func:`entropy_on_request` with its ``calculate_entropy``
-    argument. Returns the report's wording."""
-    try:
-        mcore = importlib.import_module("verl.models.mcore")
-    except ImportError as exc:
-        return f"entropy always computed (verl.models.mcore not importable: {exc})"
-    wrapped = []
-    for name in ENGINE_FORWARD_FACTORIES:
-        factory = getattr(mcore, name, None)
-        if factory is None:
-            continue
-
-        def fused_forward_factory(*args, _factory=factory, **kwargs):
-            forward = _factory(*args, **kwargs)
-            if not callable(forward) or "calculate_entropy" not in inspect.signature(forward).parameters:
-                return forward
-            return entropy_on_request(forward, lambda arguments: arguments["calculate_entropy"])
-
-        functools.update_wrapper(fused_forward_factory, factory)
-        fused_forward_factory._rl_kernels_original = factory
-        replace_by_name(mcore, {name: fused_forward_factory})
-        wrapped.append(f"verl.models.mcore.{name}")
-    if not wrapped:
-        return "entropy always computed (this verl has no Megatron engine fused forward factory)"
-    return f"entropy only when verl's calculate_entropy asks ({', '.join(wrapped)})"
-
-
-POSTPROCESS = "postprocess_thd_engine"
-ENGINE_MODULE = "verl.workers.engine.megatron.transformer_impl"
-FUSED_SUM_PI_SQUARED_PART = "Megatron fused sum_pi_squared"
-"""The report's part for Σπ² on the Megatron fused path (:func:`wrap_engine_sum_pi_squared`)."""
-
-
-def _laying_out_sum_pi_squared(postprocess):
-    """verl's ``postprocess_thd_engine`` as its Megatron engine fused forward calls it on the fused
-    head's log-probs (packed THD, padded per sequence, split over context parallelism) to give
-    the per-sequence nested tensor: when the step's request holds a Σπ² delivered with exactly
-    these log-probs, the same call with the same arguments lays out the Σπ² too
-    (the step request's ``outputs['sum_pi_squared_laid_out']``)."""
-    @functools.wraps(postprocess)
-    def postprocess_thd_engine(output, *args, **kwargs):
-        result = postprocess(output, *args, **kwargs)
-        step = step_request.get()
-        if step.sum_pi_squared and "sum_pi_squared_laid_out" not in step.outputs and step.belongs_to(output):
-            step.outputs["sum_pi_squared_laid_out"] = postprocess(step.take(output, "sum_pi_squared"), *args, **kwargs)
-        return result
-
-    postprocess_thd_engine._rl_kernels_original = postprocess
-    return postprocess_thd_engine
-
-
-def _lifting_forward_step(forward_step):
-    """``MegatronEngineWithLMHead.forward_step``, whose Σπ² refusal on the fused path comes before
-    the model runs. A micro-batch with ``calculate_sum_pi_squared=True`` and ``use_fused_kernels``
-    runs verl's method on a copy of the micro-batch with the flag hidden and a
-    step request asking Σπ² (``sum_pi_squared=True``) in force: rl-kernels' fused head computes Σπ² with the
-    log-probs, verl's ``postprocess_thd_engine`` lays it out with them (:func:`_laying_out_sum_pi_squared`),
-    and it goes into the output as ``sum_pi_squared``, where verl's logits path puts it. On the
-    last pipeline stage, when no Σπ² came (a fused forward that is not rl-kernels'), verl's method
-    runs again on the micro-batch as verl sent it: verl's own refusal, raised before its model runs."""
-    @functools.wraps(forward_step)
-    def wrapper(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
-        from verl.utils import tensordict_utils as tu
-
-        batch = next(batch_iter)
-        fused = tu.get_non_tensor_data(batch, key="use_fused_kernels", default=self.engine_config.use_fused_kernels)
-        asked = bool(tu.get_non_tensor_data(batch, key="calculate_sum_pi_squared", default=False))
-        if not (asked and fused):
-            token = new_step(sum_pi_squared=False)
-            try:
-                return forward_step(self, itertools.chain([batch], batch_iter), model, logits_processor_func,
-                                    postprocess_micro_batch_func)
-            finally:
-                step_request.reset(token)
-        hidden = batch.copy()
-        tu.assign_non_tensor(hidden, calculate_sum_pi_squared=False)
-        token = new_step(sum_pi_squared=True)
-        request = step_request.get()
-        try:
-            output, postprocess = forward_step(self, itertools.chain([hidden], batch_iter), model,
-                                               logits_processor_func, postprocess_micro_batch_func)
-        finally:
-            step_request.reset(token)
-        if isinstance(output, dict) and "log_probs" in output:  # the last pipeline stage
-            laid_out = request.outputs.get("sum_pi_squared_laid_out")
-            if laid_out is None:  # not rl-kernels' head: verl's own step, which refuses before its model runs
-                return forward_step(self, iter([batch]), model, logits_processor_func, postprocess_micro_batch_func)
-            output["sum_pi_squared"] = laid_out
-        return output, postprocess
-
-    wrapper._rl_kernels_original = forward_step
-    return wrapper
-
-
-def wrap_engine_sum_pi_squared(fused_modules) -> tuple:
-    """Lift verl's refusal of ``calculate_sum_pi_squared=True`` with ``use_fused_kernels=True`` on
-    the Megatron engine (:func:`_lifting_forward_step`), where the fused forward module
-    (``model_forward_fused``, among ``fused_modules``) lays out its outputs with a by-name
-    ``postprocess_thd_engine`` and the engine's ``forward_step`` has the parameters used here.
-    Returns (wrapped?, the report's wording)."""
-    fused = next((m for m in fused_modules if m.__name__ == FUSED_MODULES[0]), None)
-    try:
-        engine_module = importlib.import_module(ENGINE_MODULE)
-    except ImportError as exc:
-        return False, f"not patched (verl's Megatron engine not importable: {exc})"
-    engine = getattr(engine_module, "MegatronEngineWithLMHead", None)
-    method = vars(engine).get("forward_step") if engine is not None else None
-    expected = ["self", "batch_iter", "model", "logits_processor_func", "postprocess_micro_batch_func"]
-    if method is None or list(inspect.signature(method).parameters) != expected:
-        return False, (f"not patched (verl's MegatronEngineWithLMHead.forward_step is missing or has other "
-                       f"parameters than {expected}): verl's own refusal stays")
-    if fused is None or not callable(getattr(fused, POSTPROCESS, None)):
-        return False, f"not patched ({FUSED_MODULES[0]} has no {POSTPROCESS}): verl's own refusal stays"
-    set_attr(fused, POSTPROCESS, _laying_out_sum_pi_squared(getattr(fused, POSTPROCESS)))
-    set_attr(engine, "forward_step", _lifting_forward_step(method))
-    return True, (f"calculate_sum_pi_squared=True with use_fused_kernels=True computed by rl-kernels' fused head "
-                  f"in the same pass (vocab-parallel over the TP group); verl's refusal lifted "
-                  f"(MegatronEngineWithLMHead.forward_step), laid out by verl's {POSTPROCESS} "
-                  f"({FUSED_MODULES[0]}.{POSTPROCESS})")
-
-
 def _make_gather(original):
     """``gather_from_sequence_parallel_region`` that tags its output when its backward sums dh."""
     from megatron.core import parallel_state
@@ -519,25 +403,24 @@ def _make_gather(original):
 # ----------------------------------------------------------------------------- patch
 def patch(*, logits_path: bool, fused_path: bool, sum_pi_squared: bool) -> dict:
     """Patch verl's Megatron paths. Returns ``{part: (replaced?, what)}`` for the parts
-    "Megatron logits path", "Megatron fused path", "Megatron fused sum_pi_squared" and
-    "sum_pi_squared (Megatron)" of the report
-    (False where the caller's switch is off: the caller words those). Raises VerlIntegrationError
-    when a signature differs (the caller rolls back). Nothing is patched when ``megatron.core``
-    is not importable."""
-    parts = ("Megatron logits path", "Megatron fused path", FUSED_SUM_PI_SQUARED_PART, "sum_pi_squared (Megatron)")
+    "Megatron logits path", "Megatron fused path", "sum_pi_squared (Megatron)" and those of
+    :mod:`.megatron_step` ("Megatron fused sum_pi_squared", "Megatron fused per-sample
+    temperature", "distillation (Megatron fused path)") of the report (False where the caller's
+    switch is off: the caller words those). Raises VerlIntegrationError when a signature differs
+    (the caller rolls back). Nothing is patched when ``megatron.core`` is not importable."""
+    parts = ("Megatron logits path", "Megatron fused path", "sum_pi_squared (Megatron)") + megatron_step.PARTS
     try:
         import megatron.core.parallel_state  # noqa: F401
         import megatron.core.tensor_parallel as mcore_tp
     except ImportError as exc:
         logger.info("rl_kernels: megatron.core is not importable (%s): verl's Megatron engine is not "
                     "patched", exc)
-        return dict.fromkeys(parts, (False, f"not patched (megatron.core not importable: {exc})"))
+        return _not_patched(parts, f"not patched (megatron.core not importable: {exc})")
     report = dict.fromkeys(parts, (False, "off"))
     tensor_parallel, missing = _engine_functions()
     if missing:  # a verl whose Megatron engine predates what is replaced here (verl 0.7.x, 0.8.x)
-        why = (f"not patched (this verl has no {', '.join(missing)}: rl-kernels serves the Megatron engine "
-               f"of a verl that has every function it replaces there)")
-        return dict.fromkeys(parts, (False, why))
+        return _not_patched(parts, f"not patched (this verl has no {', '.join(missing)}: rl-kernels serves the "
+                                   f"Megatron engine of a verl that has every function it replaces there)")
     if logits_path or sum_pi_squared:
         names = (LOGITS_FUNCTIONS if logits_path else ()) + ((SUM_PI_SQUARED_FUNCTION,) if sum_pi_squared else ())
         for name in names:
@@ -553,7 +436,18 @@ def patch(*, logits_path: bool, fused_path: bool, sum_pi_squared: bool) -> dict:
                                                    f"and {len(places)} by-name import(s) "
                                                    f"({', '.join(places) or 'none loaded yet'})")
     if fused_path:
-        report["Megatron fused path"], report[FUSED_SUM_PI_SQUARED_PART] = _patch_fused(mcore_tp)
+        report["Megatron fused path"], step_parts = _patch_fused(mcore_tp)
+    else:  # the engine's forward_step still says (once) that a fused top-K batch gets no distillation outputs
+        _, step_parts = megatron_step.install(head=False)
+    report.update(step_parts)
+    return report
+
+
+def _not_patched(parts, why: str) -> dict:
+    """Every part not patched for ``why`` (the distillation part: not in a verl without distillation)."""
+    report = dict.fromkeys(parts, (False, why))
+    if not has_module(MEGATRON_DISTILLATION_MODULE):
+        report[megatron_step.DISTILLATION_PART] = (False, NOT_IN_THIS_VERL)
     return report
 
 
@@ -580,7 +474,9 @@ def _engine_functions():
 
 
 def _patch_fused(mcore_tp) -> tuple:
-    """((replaced?, what) of the fused path, (replaced?, what) of Σπ² on it)."""
+    """((replaced?, what) of the fused path, ``{part: (served?, what)}`` of :mod:`.megatron_step`'s
+    parts): rl-kernels' head where verl's fused forwards call ``linear_cross_entropy``, then the
+    step request's wrappers (:func:`.megatron_step.install`)."""
     from verl.utils.kernel import linear_cross_entropy as lce_module
 
     check_signature("LinearCrossEntropy.forward", lce_module.LinearCrossEntropy.forward,
@@ -601,7 +497,10 @@ def _patch_fused(mcore_tp) -> tuple:
     if not modules:
         logger.info("rl_kernels: verl's Megatron fused forwards are not importable (%s): the Megatron "
                     "fused path is not patched", "; ".join(skipped))
-        return ((False, f"not patched ({'; '.join(skipped)})"),) * 2
+        why = f"not patched ({'; '.join(skipped)})"
+        _, parts = megatron_step.install(head=False)
+        return (False, why), {**parts, megatron_step.FUSED_SUM_PI_SQUARED_PART: (False, why),
+                              megatron_step.TEMPERATURE_PART: (False, why)}
     gather = _make_gather(original_gather)
     places = []
     # models whose logits are not output_layer(hidden) are refused where verl sets up / runs the fused path
@@ -618,8 +517,10 @@ def _patch_fused(mcore_tp) -> tuple:
             set_attr(mod, GATHER, gather, restore_imports=True)
     # the 1F1B-overlap postprocess imports it from megatron.core.tensor_parallel at call time
     set_attr(mcore_tp, GATHER, gather, restore_imports=True)
+    fused = next((m for m in modules if m.__name__ == FUSED_MODULES[0]), None)
+    entropy, parts = megatron_step.install(head=True, fused_module=fused)
     line = (f"{', '.join(places)} (dh over the TP group summed by gather_from_sequence_parallel_region under "
-            f"sequence parallelism, else all-reduced by rl-kernels); {_wrap_engine_entropy_requests()}")
+            f"sequence parallelism, else all-reduced by rl-kernels); {entropy}")
     if skipped:
         line += f"; not importable, not patched: {'; '.join(skipped)}"
-    return (True, line), wrap_engine_sum_pi_squared(modules)
+    return (True, line), parts

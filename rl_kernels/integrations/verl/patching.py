@@ -17,7 +17,7 @@ from . import settings
 from .common import VerlIntegrationError, restore, set_attr, verl_version
 from .distill import FSDP_PART as DISTILLATION_FSDP
 from .distill import MEGATRON_PART as DISTILLATION_MEGATRON
-from .distill import TAIL_PART, patch_distillation, patch_fused_distillation, tail_entry
+from .distill import TAIL_PART, patch_distillation, tail_entry
 from .fsdp_engine import PER_SAMPLE_TEMPERATURE_PART as PER_SAMPLE_TEMPERATURE
 from .fsdp_engine import SUM_PI_SQUARED_PART as FUSED_SUM_PI_SQUARED_PART
 from .fsdp_engine import patch_engine as patch_fsdp_engine
@@ -28,10 +28,10 @@ from .hooks import (registry_classmethod, wrap_dp_actor, wrap_engine_new, wrap_l
 from .logits import (LOGITS_FUNCTIONS, REPLACEMENTS, SUM_PI_SQUARED_FUNCTION, patch_logits_path,
                      patch_sum_pi_squared, sum_pi_squared_available)
 from .megatron import patch as patch_megatron
+from .megatron_step import DISTILLATION_PART as DISTILLATION_MEGATRON_FUSED
+from .megatron_step import TEMPERATURE_PART as MEGATRON_PER_SAMPLE_TEMPERATURE
 from .settings import PATCH_TIME_OPTIONS, lock, mark_patched, model_config_options, options
 from .signatures import DP_ACTOR_MODULE, check_verl_signature, check_verl_version, verl_features
-from .temperature import MEGATRON_PART as MEGATRON_PER_SAMPLE_TEMPERATURE
-from .temperature import serve_megatron_per_sample_temperature
 
 SERVED_ENGINES = {"verl.workers.engine.fsdp.transformer_impl": "FSDP",
                   "verl.workers.engine.megatron.transformer_impl": "Megatron"}
@@ -191,17 +191,18 @@ def _patch_all(monkey_patch, experimental_tf, torch_functional) -> dict:
            "Megatron fused path": (current.patch_megatron_fused, "not replaced (patch_megatron_fused=False)"),
            "Megatron fused sum_pi_squared": (current.patch_megatron_fused, "not replaced (patch_megatron_fused=False)"),
            "sum_pi_squared (Megatron)": (sum_pi_squared, report["sum_pi_squared (FSDP)"][1])}
-    for part, (ok, what) in megatron.items():
+    for part in off:
         switched_on, reason = off[part]
+        ok, what = megatron[part]
         report[part] = (ok, what) if switched_on or what.startswith("not patched") else (False, reason)
     if report["Megatron fused path"][0]:
-        report[MEGATRON_PER_SAMPLE_TEMPERATURE] = serve_megatron_per_sample_temperature()
+        report[MEGATRON_PER_SAMPLE_TEMPERATURE] = megatron[MEGATRON_PER_SAMPLE_TEMPERATURE]
     if logits_path:
         report.update(patch_distillation())
     else:
         report.update(dict.fromkeys((DISTILLATION_FSDP, DISTILLATION_MEGATRON),
                                     (False, "not replaced (patch_logits_path=False)")))
-    report.update(patch_fused_distillation())
+    report[DISTILLATION_MEGATRON_FUSED] = megatron[DISTILLATION_MEGATRON_FUSED]
     report[TAIL_PART] = tail_entry(report)
     legacy_megatron = "verl.workers.megatron_workers"  # verl 0.7.x's legacy Megatron workers (no engine report)
     if legacy_megatron in sys.modules and not any(ok for ok, _ in megatron.values()):
