@@ -533,7 +533,8 @@ def _group_options():
 
 
 # one bad value per option of the group: the check refuses it (as a Ray worker would) and names the option
-BAD_VALUE = {"backend": "tritn", "patch_logits_path": 3, "overlap_metrics": "maybe", "anomaly_dir": 7,
+BAD_VALUE = {"backend": "tritn", "patch_logits_path": 3, "overlap_metrics": "maybe", "loss_rows_only": "yes please",
+             "anomaly_dir": 7,
              "anomaly_max_count": -1, "anomaly_max_bytes": "x", "anomaly_max_log_prob": -1,
              "anomaly_recheck_every": -1, "anomaly_recheck_rows": -2, "anomaly_recheck_tolerance": -1}
 
@@ -556,3 +557,31 @@ def test_the_anomaly_group_names_the_absolute_directory_of_every_worker(capsys, 
     code, line = _check(capsys, SEARCH, "+rl_kernels=fused_anomaly",
                         f"{MODEL}.fused_kernel_options.rl_kernels.anomaly_dir=relative/dir")
     assert code == 0 and "WARNING: anomaly_dir='relative/dir' is relative" in line, line
+
+
+ROWS = f"++{MODEL}.fused_kernel_options.rl_kernels.loss_rows_only=true"
+
+
+@pytest.mark.parametrize("overrides, code, first, note", [
+    (("+rl_kernels=fused", ROWS), 0, "rl-kernels is ON: fused path",
+     "loss_rows_only (strategy=fsdp, fused path): the LM head runs only on the rows whose loss_mask is 1"),
+    (("+rl_kernels=logits", ROWS), 0, "rl-kernels is ON: logits path",
+     "WARNING: loss_rows_only=true is not served on the logits path (use_fused_kernels=False): the LM head computes "
+     "every row. Fix: +rl_kernels=fused"),
+    (("+rl_kernels=fused", ROWS, "actor_rollout_ref.actor.policy_loss.loss_mode=my_loss"), 1,
+     "rl-kernels is OFF: loss_rows_only: actor.policy_loss.loss_mode=my_loss is not one audited for loss_rows_only",
+     None),
+    (("+rl_kernels=fused", ROWS, "actor_rollout_ref.actor.use_prefix_grouper=True"), 1,
+     "rl-kernels is OFF: loss_rows_only: actor.use_prefix_grouper=True changes the packed row layout", None),
+    (("+rl_kernels=fused", ROWS, f"{MODEL}.use_remove_padding=False"), 1,
+     "rl-kernels is OFF: loss_rows_only: use_remove_padding=False is not served", None),
+])
+def test_loss_rows_only_is_reported_or_refused_as_the_workers_would(capsys, overrides, code, first, note):
+    """verl-check says what loss_rows_only does in the composed run (issue 53 item 3): served on the fused
+    path (a note), not served on the logits path (a WARNING), and OFF, naming the key, where the workers
+    would refuse it (a loss outside the audit of docs/verl.md, PrefixGrouper, the padded layout)."""
+    got = main(["verl-check", SEARCH, *overrides])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert got == code and lines[0].startswith(first), lines
+    assert (note is None and not any("loss_rows_only" in line for line in lines[1:])) or \
+        any(line.startswith(note) for line in lines[1:]), lines

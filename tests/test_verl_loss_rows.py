@@ -23,7 +23,7 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 import rl_kernels.integrations.verl as rkv
-from rl_kernels.integrations.verl import common
+from rl_kernels.integrations.verl import common, fsdp_engine
 from verl_helpers import VOCAB, tiny_qwen2
 
 transformer_impl = pytest.importorskip("verl.workers.engine.fsdp.transformer_impl",
@@ -230,3 +230,36 @@ def test_micro_batches_outside_the_audit_are_refused(served, case, message):
     rkv.configure(loss_rows_only=True)
     with pytest.raises(rkv.VerlIntegrationError, match=f"loss_rows_only: .*{re.escape(message)}.*loss_rows_only"):
         _engine(model).forward_step(micro_batch, loss_function=None, forward_only=True)
+
+
+@pytest.mark.parametrize("setting, key", [
+    ({"policy_loss_mode": "my_registered_loss"}, "actor.policy_loss.loss_mode=my_registered_loss"),
+    ({"use_prefix_grouper": True}, "actor.use_prefix_grouper=True"),
+    ({"distillation_loss_mode": "my_kl"}, "distillation.distillation_loss.loss_mode=my_kl"),
+    ({"distillation_policy_loss_mode": "my_pg"}, "distillation.distillation_loss.policy_loss_mode=my_pg"),
+])
+def test_losses_outside_the_audit_are_refused(served, setting, key):
+    """A policy or distillation loss the audit of docs/verl.md does not cover (it may read log-probs
+    outside loss_mask), or PrefixGrouper, refuses the option at the engine step, naming the key;
+    the audited ones (verl's defaults) are served."""
+    import functools
+    from types import SimpleNamespace
+
+    def loss_function(config=None, distillation_config=None):
+        return None
+
+    def bound(policy_loss_mode="vanilla", use_prefix_grouper=False, distillation_loss_mode="k3",
+              distillation_policy_loss_mode="vanilla"):
+        actor = SimpleNamespace(policy_loss=SimpleNamespace(loss_mode=policy_loss_mode),
+                                use_prefix_grouper=use_prefix_grouper)
+        distillation = SimpleNamespace(distillation_loss=SimpleNamespace(
+            loss_mode=distillation_loss_mode, use_policy_gradient=True, policy_loss_mode=distillation_policy_loss_mode))
+        return functools.partial(loss_function, config=actor, distillation_config=distillation)
+
+    model = tiny_qwen2()
+    apply_monkey_patch(model, use_remove_padding=True, use_fused_kernels=True, fused_kernels_backend=rkv.BACKEND_NAME)
+    rkv.configure(loss_rows_only=True)
+    fields = fsdp_engine.asks(_engine(model), _micro_batch("nested"), bound())
+    assert fields["loss_rows_only"]
+    with pytest.raises(rkv.VerlIntegrationError, match=f"loss_rows_only: {re.escape(key)} .*loss_rows_only=false"):
+        fsdp_engine.asks(_engine(model), _micro_batch("nested"), bound(**setting))

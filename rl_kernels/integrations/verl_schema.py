@@ -117,3 +117,39 @@ def validated_options(section: dict, base: VerlOptions | None = None) -> VerlOpt
         raise ValueError(f"fused_kernel_options.rl_kernels: unknown option(s) {unknown}; "
                          f"expected some of {sorted(fields)}{hints}")
     return dataclasses.replace(base or VerlOptions(), **section)  # validates (VerlOptions.__post_init__)
+
+
+# ----------------------------------------------------------------------------- loss_rows_only's audit
+LOSS_ROWS_POLICY_LOSS_MODES = ("vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov",
+                               "geo_mean", "dro", "cispo", "bypass_mode")
+"""verl's policy losses audited for ``loss_rows_only`` (docs/verl.md, "Loss rows only"): each reads
+the log-probs and entropy through ``response_mask`` only."""
+LOSS_ROWS_DISTILLATION_LOSS_MODES = ("forward_kl_topk", "kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3",
+                                     "forward_kl_topk_tail")
+"""verl's distillation losses (and rl-kernels' tail mode) audited for ``loss_rows_only``."""
+
+
+def loss_rows_refusal(*, policy_loss_mode=None, use_prefix_grouper=False, distillation_enabled=False,
+                      distillation_loss_mode=None, use_policy_gradient=False,
+                      distillation_policy_loss_mode=None) -> str | None:
+    """Why ``loss_rows_only`` may not be served with these verl settings (one line naming the key
+    and the fix), or None: a policy / distillation loss outside the audit of docs/verl.md (it may read
+    log-probs outside ``loss_mask``), or ``use_prefix_grouper`` (it changes the packed row layout).
+    Read from verl's config objects by the integration at each engine step, and from the composed
+    config by ``rl-kernels verl-check``."""
+    off = "set fused_kernel_options.rl_kernels.loss_rows_only=false"
+    if use_prefix_grouper:
+        return ("loss_rows_only: actor.use_prefix_grouper=True changes the packed row layout and is not audited; "
+                f"set one of them off ({off})")
+    checks = [("actor.policy_loss.loss_mode", policy_loss_mode, LOSS_ROWS_POLICY_LOSS_MODES)]
+    if distillation_enabled:
+        checks.append(("distillation.distillation_loss.loss_mode", distillation_loss_mode,
+                       LOSS_ROWS_DISTILLATION_LOSS_MODES))
+        if use_policy_gradient:
+            checks.append(("distillation.distillation_loss.policy_loss_mode", distillation_policy_loss_mode,
+                           LOSS_ROWS_POLICY_LOSS_MODES))
+    for key, mode, audited in checks:
+        if mode is not None and mode not in audited:
+            return (f"loss_rows_only: {key}={mode} is not one audited for loss_rows_only (it may read log-probs "
+                    f"outside loss_mask); audited: {', '.join(audited)}; {off}")
+    return None

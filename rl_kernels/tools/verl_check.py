@@ -49,7 +49,8 @@ from typing import NamedTuple
 
 from ..integrations.verl_modes import TAIL_MODE
 from ..linear import MAX_TOPK
-from ..integrations.verl_schema import BACKEND_NAME, VerlOptions, names_rl_kernels, validated_options
+from ..integrations.verl_schema import (BACKEND_NAME, VerlOptions, loss_rows_refusal, names_rl_kernels,
+                                        validated_options)
 
 GROUP = "rl_kernels"
 """The Hydra group (``+rl_kernels=fused``) and its package on the search path."""
@@ -746,9 +747,62 @@ def check(overrides: list[str], entry: str = ENTRY, flags: tuple[str, ...] = ())
         verdict = _unknown_keys_verdict(unknown, cfg)
         return verdict if bad_values(cfg) == [] else diagnose(cfg, stderr, overrides, added)
     verdict = diagnose(cfg, stderr, overrides, added)
-    return verdict._replace(notes=verdict.notes + tuple(filter(None, [sum_pi_squared_note(cfg),
-                                                                      distillation_note(cfg, entry),
-                                                                      ignored_distillation_note(cfg, overrides)])))
+    notes = verdict.notes + tuple(filter(None, [sum_pi_squared_note(cfg), distillation_note(cfg, entry),
+                                                ignored_distillation_note(cfg, overrides)]))
+    rows = loss_rows_note(cfg, entry)
+    if rows is not None and rows.startswith("REFUSED") and verdict.on:
+        return Verdict(False, f"rl-kernels is OFF: {rows[len('REFUSED: '):]}", notes)
+    return verdict._replace(notes=notes + ((rows,) if rows else ()))
+
+
+def loss_rows_note(cfg: dict, entry: str = ENTRY) -> str | None:
+    """What the option ``loss_rows_only`` does in the run this composed config makes (None where it
+    is off or rl-kernels is not imported): served on the fused paths of the FSDP and Megatron
+    engines; a line starting with ``REFUSED:`` where the integration would refuse it at the first
+    engine step (a loss outside the audit of docs/verl.md, PrefixGrouper: the workers raise, so the
+    verdict turns OFF), a ``WARNING:`` where it is not served (the logits path, another engine, a
+    trainer entry point outside the audit)."""
+    model, actor = _section(cfg, "actor_rollout_ref.model"), _section(cfg, "actor_rollout_ref.actor")
+    if not isinstance(model, dict) or model.get("external_lib") != EXTERNAL_LIB:
+        return None
+    fused_options = model.get("fused_kernel_options") or {}
+    try:
+        opts = validated_options((fused_options.get(BACKEND_NAME) if isinstance(fused_options, dict) else None) or {})
+    except (TypeError, ValueError):
+        return None  # the verdict names the bad option
+    if not opts.loss_rows_only:
+        return None
+    actor = actor if isinstance(actor, dict) else {}
+    distillation = cfg.get("distillation") if isinstance(cfg.get("distillation"), dict) else {}
+    loss = distillation.get("distillation_loss") if isinstance(distillation.get("distillation_loss"), dict) else {}
+    why = loss_rows_refusal(policy_loss_mode=_section(cfg, "actor_rollout_ref.actor.policy_loss.loss_mode"),
+                            use_prefix_grouper=actor.get("use_prefix_grouper") is True,
+                            distillation_enabled=distillation.get("enabled") is True,
+                            distillation_loss_mode=loss.get("loss_mode"),
+                            use_policy_gradient=loss.get("use_policy_gradient") is True,
+                            distillation_policy_loss_mode=loss.get("policy_loss_mode"))
+    if why is not None:
+        return f"REFUSED: {why} (the workers raise VerlIntegrationError at the first micro-batch)"
+    strategy = actor.get("strategy")
+    if not model.get("use_fused_kernels"):
+        return ("WARNING: loss_rows_only=true is not served on the logits path (use_fused_kernels=False): the LM head "
+                "computes every row. Fix: +rl_kernels=fused")
+    if strategy not in FSDP_STRATEGIES + ("megatron",):
+        return (f"WARNING: loss_rows_only=true is not served on engine {strategy!r}: the LM head computes every row "
+                f"(rl-kernels' fused head serves the FSDP and Megatron engines)")
+    if strategy in FSDP_STRATEGIES and not model.get("use_remove_padding", True):
+        return ("REFUSED: loss_rows_only: use_remove_padding=False is not served (the padded layout); set "
+                "use_remove_padding=True or fused_kernel_options.rl_kernels.loss_rows_only=false")
+    if strategy == "megatron" and not opts.patch_megatron_fused:
+        return ("WARNING: loss_rows_only=true is not served on the Megatron fused path with patch_megatron_fused=False "
+                "(verl's own fused kernel computes every row)")
+    note = (f"loss_rows_only (strategy={strategy}, fused path): the LM head runs only on the rows whose loss_mask is "
+            f"1 (prompt, tool-output and padding rows: log-prob, entropy, sum_pi_squared 0, no distillation term, no "
+            f"gradient; every verl loss and metric audited reads them through response_mask)")
+    if entry not in PPO_ENTRIES:
+        note += (f". WARNING: entry {entry} is not audited for loss_rows_only; its trainer may read log-probs outside "
+                 f"loss_mask")
+    return note
 
 
 def ignored_distillation_note(cfg: dict, overrides) -> str | None:

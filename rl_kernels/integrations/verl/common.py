@@ -27,7 +27,7 @@ import torch
 
 from ..._logging import log_once, logger
 from ...validation import FLOAT_DTYPES
-from ..verl_schema import VerlIntegrationError
+from ..verl_schema import VerlIntegrationError, loss_rows_refusal
 
 SUMMARY_AFTER_CALLS = 8
 """After this many calls served in a process, one INFO line says how many tokens rl-kernels
@@ -366,6 +366,25 @@ def micro_batch_with(micro_batch, **values):
 def refuse_loss_rows(why: str, fix: str) -> None:
     """VerlIntegrationError for a micro-batch ``loss_rows_only`` does not serve: ``why``, and ``fix``."""
     raise VerlIntegrationError(f"rl_kernels.integrations.verl: loss_rows_only: {why}; {fix}")
+
+
+def check_loss_rows_audit(loss_function) -> None:
+    """VerlIntegrationError where the losses verl's engine got (``loss_function``: the partial verl's
+    worker binds, ``config=<ActorConfig>`` and, with distillation, ``distillation_config=``) are
+    outside the audit of ``loss_rows_only`` (:func:`~rl_kernels.integrations.verl_schema.loss_rows_refusal`).
+    A loss function without verl's configs (a forward-only step: None) passes."""
+    keywords = getattr(loss_function, "keywords", None) or {}
+    actor, distillation = keywords.get("config"), keywords.get("distillation_config")
+    loss = getattr(distillation, "distillation_loss", None)
+    why = loss_rows_refusal(
+        policy_loss_mode=getattr(getattr(actor, "policy_loss", None), "loss_mode", None),
+        use_prefix_grouper=bool(getattr(actor, "use_prefix_grouper", False)),
+        distillation_enabled=distillation is not None and loss is not None,
+        distillation_loss_mode=getattr(loss, "loss_mode", None),
+        use_policy_gradient=bool(getattr(loss, "use_policy_gradient", False)),
+        distillation_policy_loss_mode=getattr(loss, "policy_loss_mode", None))
+    if why is not None:
+        raise VerlIntegrationError(f"rl_kernels.integrations.verl: {why}")
 
 
 def loss_mask_by_token(micro_batch) -> torch.Tensor:

@@ -34,7 +34,7 @@ import torch
 
 from ..._logging import log_once
 from . import settings
-from .common import (VerlIntegrationError, loss_mask_by_token, micro_batch_with, new_step, refuse_loss_rows,
+from .common import (VerlIntegrationError, check_loss_rows_audit, loss_mask_by_token, micro_batch_with, new_step, refuse_loss_rows,
                      set_attr, step_request)
 from .distill import FUSED_PART as DISTILLATION_PART
 from .distill import OVERLAP_KEYS, fused_distillation_entry
@@ -81,7 +81,8 @@ def asks(engine, micro_batch, loss_function) -> dict:
       remove-padding and the teacher's tensors in the micro-batch (verl's engine reads
       ``fused_linear_aux`` only with remove-padding);
     * ``loss_rows_only``: the option, on the fused path of a model rl-kernels serves (elsewhere one
-      WARNING: every row computed).
+      WARNING: every row computed); refused for the losses outside its audit
+      (:func:`~.common.check_loss_rows_audit`).
 
     Σπ² together with top-K distillation is refused here, with one message naming both."""
     fused = bool(_flag(micro_batch, "use_fused_kernels"))
@@ -99,6 +100,7 @@ def asks(engine, micro_batch, loss_function) -> dict:
                                    "fused path too); use use_fused_kernels=False (verl's logits path) for this run")
     if settings.options().loss_rows_only:
         if fused and serves_fused(engine):
+            check_loss_rows_audit(loss_function)
             fields["loss_rows_only"] = True
         else:
             log_once(logging.WARNING, "rl_kernels: loss_rows_only=true is served on the fused paths only (FSDP with "

@@ -56,7 +56,7 @@ import torch
 from ..._logging import log_once
 from ...distill import linear_log_probs_at_ids
 from ..verl_modes import TAIL_MODE, is_tail_mode
-from .common import (VerlIntegrationError, entropy_on_request, loss_mask_by_token, new_step, record,
+from .common import (VerlIntegrationError, check_loss_rows_audit, entropy_on_request, loss_mask_by_token, new_step, record,
                      replace_by_name, set_attr, step_request)
 from .distill import (_OVERLAP, MEGATRON_ENGINE_CLASS, MEGATRON_ENGINE_MODULE, MEGATRON_FUSED_MODULE,
                       MEGATRON_FUSED_PART, MEGATRON_MODULE, NOT_IN_THIS_VERL, STEP_PARAMETERS, _flag, _loss_config,
@@ -111,8 +111,8 @@ def step_for(batch, loss_function, fused: bool, served: Served) -> tuple[dict, d
     Σπ² with top-K distillation is refused here, before the model runs, by one
     VerlIntegrationError naming both. The logits path (``use_fused_kernels=False``) gets an empty
     request (verl computes everything there; ``loss_rows_only`` is said once not to be served).
-    ``loss_rows_only`` refuses the micro-batches the audit of docs/verl.md does not cover
-    (:func:`~.common.loss_mask_by_token`)."""
+    ``loss_rows_only`` refuses the losses (:func:`~.common.check_loss_rows_audit`) and micro-batches
+    (:func:`~.common.loss_mask_by_token`) the audit of docs/verl.md does not cover."""
     fields = {"engine": None, "sum_pi_squared": False, "distillation": None}
     if not fused:
         if options().loss_rows_only:
@@ -134,6 +134,7 @@ def step_for(batch, loss_function, fused: bool, served: Served) -> tuple[dict, d
                         teacher_ids=(batch["teacher_ids"], False),
                         teacher_rows=(_token_rows(batch["teacher_ids"]), False))
     if options().loss_rows_only:  # read per micro-batch
+        check_loss_rows_audit(loss_function)
         by_token["loss_rows"] = (loss_mask_by_token(batch), True)
     return fields, by_token
 
