@@ -34,9 +34,10 @@ Variants (the same weights and batch):
 * ``verl fused torch`` / ``verl fused triton``: verl's fused forward, ``impl_backend`` torch / triton;
 * ``fused rl_kernels``: verl's fused forward with ``impl_backend=rl_kernels``;
 * ``fused rl_kernels, loss_rows_only`` (with ``--loss-outside``): the same with the integration's
-  option ``loss_rows_only`` on (verl #7686): the step request's ``loss_rows`` set to the loss mask
-  around the model's forward, as verl's engine hook sets it, so the fused head runs on the rows in
-  the loss alone (0 and no gradient elsewhere).
+  option ``loss_rows_only`` on (verl #7686): a step request with ``loss_rows_only`` and the loss
+  mask as its ``inputs['loss_rows']`` in force around the model's forward, as verl's engine hooks
+  put them (``forward_step``'s wrapper, then the layout hook), so the fused head runs on the rows
+  in the loss alone (0 and no gradient elsewhere).
 
 ``--loss-outside F ...``: each point once per fraction F of the tokens outside the loss: per
 sequence its first round(F S) label rows (the prompt, an agentic trace's tool output) have loss
@@ -55,7 +56,6 @@ verl is imported as on the GPU machine without a package index
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import sys
 import time
@@ -213,14 +213,15 @@ class Bench:
     def log_probs(self, ids, seqs, mask=None):
         """(log_probs, entropy) of the (1, tokens) packed ``ids`` as the variant computes them: the
         body per sequence, then verl's fused forward or the logits and verl's from-logits functions.
-        ``loss_rows_only``: the step request's ``loss_rows`` is the loss ``mask`` during the forward,
-        set and reset as verl's engine hook does."""
+        ``loss_rows_only``: during the forward a fresh step request with ``loss_rows_only`` and the loss
+        ``mask`` as ``inputs['loss_rows']``, put in force and reset as verl's engine hooks do."""
         with per_sequence_body(self.model, seqs):
             if self.fused:
                 token = None
-                if self.loss_rows_only:
+                if self.loss_rows_only:  # verl's engine: forward_step's wrapper, then the layout hook's mask
                     common = self.verl["common"]
-                    token = common.step_request.set(dataclasses.replace(common.step_request.get(), loss_rows=mask))
+                    token = common.new_step(loss_rows_only=True)
+                    common.step_request.get().inputs["loss_rows"] = mask
                 try:
                     out = self.model(input_ids=ids, temperature=T, return_dict=True)
                 finally:
