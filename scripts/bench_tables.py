@@ -737,6 +737,58 @@ def readme_plot_source(results, document):
                 f"[BENCHMARKS.md](BENCHMARKS.md#model-level-a-verl-actor-step), drawn from their result files by "
                 f"`python scripts/bench_tables.py --write`.")
 
+def pct_outside(fraction):
+    return f"{fraction:.0%}"
+
+
+def render_loss_rows_head(results, name):
+    data = results.json(name)
+    rows, head = data["rows"], data["header"]
+    mm, full = rows["mm"]["ms"], rows["full head"]["ms"]
+    lines = [["cuBLAS `hidden @ weight.T`", "–", fixed(mm), "1.00", "–", fixed(rows["mm"]["peak_extra_gib"])],
+             ["full head (option off)", "100%", fixed(full), fixed(full / mm), "–",
+              fixed(rows["full head"]["peak_extra_gib"])]]
+    for key, r in rows.items():
+        if "fraction_of_ideal" not in r:
+            continue
+        if key.startswith("selected"):
+            label = f"**`loss_rows_only`**, {pct_outside(r['outside'])} outside, {r['mask']} mask"
+            if r["outside"] == 0:
+                label = "**`loss_rows_only`**, every row in the loss"
+        else:
+            label = f"plain head on the kept rows alone, {pct_outside(r['outside'])} outside (no selection)"
+        lines.append([label, pct(r["kept"]), fixed(r["ms"]), fixed(r["ms"] / mm),
+                      bold(fixed(r["fraction_of_ideal"]), key.startswith("selected")), fixed(r["peak_extra_gib"])])
+    lines.sort(key=lambda c: 0 if "cuBLAS" in c[0] else 1 if "full" in c[0] else 3 if "plain" in c[0] else 2)
+    return table([f"{head['n']} × {head['hidden']} × {head['vocab']} fwd+bwd", "rows kept", "ms", "x mm",
+                  "fraction of ideal", "peak extra GiB"], lines)
+
+
+def render_loss_rows_model(results, *names):
+    by, at = {}, None
+    for name in names:
+        data = results.json(name)
+        if at not in (None, f"at_{data['tokens'][0]}"):
+            raise ResultError(f"{name}: timed at {data['tokens'][0]} tokens, the table's other file at {at[3:]}")
+        at = f"at_{data['tokens'][0]}"
+        for r in data["rows"]:
+            by.setdefault((r["model"], r["loss_outside"]), {})[r["variant"]] = r
+    lines = []
+    for (model, outside), variants in by.items():
+        logits, off, on = (variants[v] for v in ("verl logits", "fused rl_kernels", "fused rl_kernels, loss_rows_only"))
+        step_off, step_on = off[at]["step_ms"], on[at]["step_ms"]
+        predicted = outside * off["head_ms"] / step_off
+
+        def cell(r, on_bold=False):
+            return bold(f"{r[at]['step_ms']:.0f} ({thousands(r[at]['tokens_per_s'])})", on_bold)
+        lines.append([MODELS[model], pct_outside(outside), cell(logits), cell(off), cell(on, step_on < step_off),
+                      f"{fixed(step_on / step_off, 3)}", f"{pct(off['head_ms'] / step_off)}",
+                      f"{predicted:.1%} / {1 - step_on / step_off:.1%}"])
+    return table([f"{tokens(int(at[3:]))} tokens, ms (tokens/s)", "outside the loss", "verl default (logits)",
+                  "fused rl_kernels", "fused, `loss_rows_only`", "on / off", "head's share (off)",
+                  "step gain predicted / measured"], lines)
+
+
 
 README_PLOT_FILES = ["model_bench_h100_2026-11-24_rerun.json", "model_bench_h100_2026-11-24_small.json",
                      "model_bench_h100_2026-11-24_7b.json", "model_bench_h100_2026-11-24_8b.json"]
@@ -744,6 +796,8 @@ README_GAIN_FILES = ["bench_h100_2026-11-26b_liger_cute.json", "bench_h100_2026-
                      "bench_h100_2026-11-26_liger_cute.json", "model_bench_h100_2026-11-24_rerun.json",
                      "model_bench_h100_2026-11-24_7b.json", "model_bench_h100_2026-11-24_8b.json",
                      "distill_h100_2026-11-26.json"]
+LOSS_ROWS_HEAD = "loss_rows_h100_2026-12-07.json"
+LOSS_ROWS_MODEL = ["model_bench_h100_2026-12-07_loss_rows_small.json", "model_bench_h100_2026-12-07_loss_rows_7b.json"]
 
 TABLES = [
     Table("head_vs_liger_cute", ["bench_h100_2026-11-26b_liger_cute.json"],
@@ -788,6 +842,12 @@ TABLES = [
           "python scripts/diag/fused_reach_bench.py --json PATH", "verl's fused path where verl refuses it",
           render_fused_reach,
           extra_files=dict.fromkeys(("fused_reach_h200_2026-11-28.log", "fused_reach_h200_2026-11-28_run1.log"))),
+    Table("loss_rows_head", [LOSS_ROWS_HEAD], "python scripts/diag/fused_reach_bench.py --loss-rows --rep 1000 --json PATH",
+          "verl's loss_rows_only: the head on the loss rows alone", render_loss_rows_head),
+    Table("loss_rows_model", LOSS_ROWS_MODEL,
+          'python scripts/model_bench.py --models MODEL --variants "verl logits" "fused rl_kernels" --tokens 16384 '
+          "--loss-outside 0.3 0.6 --steps 5 --warmup 2 --json PATH",
+          "verl's loss_rows_only: the head on the loss rows alone", render_loss_rows_model),
     Table("distill_tail", ["distill_tail_h200_2026-11-28.json"],
           "python scripts/diag/distill_tail_bench.py --json PATH",
           "Distillation: the tail-aware top-K KL and the fused top-K selection",

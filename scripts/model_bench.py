@@ -32,7 +32,19 @@ Variants (the same weights and batch):
   cross-entropy when ``flash_attn`` is importable, as verl users have it: the table says which ran);
 * ``logits + rl_kernels``: the same, with rl-kernels' verl patch (its from-logits functions);
 * ``verl fused torch`` / ``verl fused triton``: verl's fused forward, ``impl_backend`` torch / triton;
-* ``fused rl_kernels``: verl's fused forward with ``impl_backend=rl_kernels``.
+* ``fused rl_kernels``: verl's fused forward with ``impl_backend=rl_kernels``;
+* ``fused rl_kernels, loss_rows_only`` (with ``--loss-outside``): the same with the integration's
+  option ``loss_rows_only`` on (verl #7686): a step request with ``loss_rows_only`` and the loss
+  mask as its ``inputs['loss_rows']`` in force around the model's forward, as verl's engine hooks
+  put them (``forward_step``'s wrapper, then the layout hook), so the fused head runs on the rows
+  in the loss alone (0 and no gradient elsewhere).
+
+``--loss-outside F ...``: each point once per fraction F of the tokens outside the loss: per
+sequence its first round(F S) label rows (the prompt, an agentic trace's tool output) have loss
+mask 0, and the PPO loss is the masked token-mean (verl's ``response_mask``, ``agg_loss``
+token-mean); the rows' ``loss_outside`` says which. Tokens/s counts every token of the micro-batch.
+The head's share then predicts the option's gain: ``F x head_ms`` of ``fused rl_kernels`` off the
+step, if the head's time falls in proportion to the rows it skips (printed beside the measured gain).
 
 The largest micro-batch: sequences of ``--seq`` tokens, doubling the count until two steps in a row
 no longer run without running out of memory, then bisecting (OOM caught and freed). The head's
@@ -70,6 +82,7 @@ MODELS = {  # transformers config class, sizes of the released models (random we
                            num_key_value_heads=2, vocab_size=1037, tie_word_embeddings=False)),
 }
 VARIANTS = ("verl logits", "logits + rl_kernels", "verl fused torch", "verl fused triton", "fused rl_kernels")
+LOSS_ROWS = "fused rl_kernels, loss_rows_only"  # with --loss-outside
 T = 0.7
 WARMUP = 2  # untimed steps before each timed point
 
@@ -112,11 +125,31 @@ def per_sequence_body(model, seqs: int):
         body.forward = forward
 
 
-def ppo_loss(log_probs, entropy, adv, old):
-    """verl's vanilla clipped PPO policy loss (clip 0.2, token-mean) minus 0.01 x entropy."""
+def ppo_loss(log_probs, entropy, adv, old, mask=None):
+    """verl's vanilla clipped PPO policy loss (clip 0.2, token-mean) minus 0.01 x entropy; with a
+    loss ``mask`` (bool, shaped like ``log_probs``) the token-mean over the tokens in the loss
+    (verl's masked mean of ``agg_loss``)."""
     ratio = torch.exp(log_probs.float() - old)
-    loss = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv).mean()
-    return loss - 0.01 * entropy.float().mean() if entropy is not None else loss
+    per_token = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
+    if mask is None:
+        loss = per_token.mean()
+        return loss - 0.01 * entropy.float().mean() if entropy is not None else loss
+    keep = mask.float()
+    count = keep.sum() + 1e-8
+
+    def masked(x):
+        return (x * keep).sum() / count
+    loss = masked(per_token)
+    return loss - 0.01 * masked(entropy.float()) if entropy is not None else loss
+
+
+def loss_mask(tokens: int, seq: int, outside, device):
+    """The loss mask of a packed micro-batch, (1, tokens) bool in the labels' layout, or None
+    (``outside`` None: every token in the loss, the unmasked loss): per ``seq``-token sequence its
+    first round(outside x seq) rows outside the loss."""
+    if outside is None:
+        return None
+    return (torch.arange(tokens, device=device) % seq >= round(outside * seq)).view(1, tokens)
 
 
 def shard(model, device):
@@ -152,6 +185,7 @@ class Bench:
         self.model, self.verl, self.device, self.optimizer = model, verl, device, optimizer
         self.cls = type(model)
         self.hf_forward = self.cls.forward
+        self.loss_outside, self.loss_rows_only, self.last_loss = None, False, None
 
     def set_variant(self, variant: str):
         rkv, monkey_patch = self.verl["rkv"], self.verl["monkey_patch"]
@@ -162,24 +196,37 @@ class Bench:
             monkey_patch.apply_monkey_patch(self.model, use_remove_padding=True, use_fused_kernels=True,
                                             fused_kernels_backend=backend)
         self.fused, self.variant = "fused" in variant, variant
+        self.loss_rows_only = variant == LOSS_ROWS
 
     def inputs(self, tokens: int, seq: int):
+        """(ids, advantages, sequences, loss mask or None) of a packed micro-batch."""
         g = torch.Generator(device=self.device).manual_seed(tokens)
         ids = torch.randint(0, self.model.config.vocab_size, (1, tokens), device=self.device, generator=g)
         adv = torch.randn(ids.shape, device=self.device, generator=g)
-        return ids, adv, tokens // seq
+        return ids, adv, tokens // seq, loss_mask(tokens, seq, self.loss_outside, self.device)
 
     def restore(self):
         """rl-kernels' patch on and the model class's own forward back (after the variants)."""
         self.verl["rkv"].patch()
         self.cls.forward = self.hf_forward
 
-    def log_probs(self, ids, seqs):
+    def log_probs(self, ids, seqs, mask=None):
         """(log_probs, entropy) of the (1, tokens) packed ``ids`` as the variant computes them: the
-        body per sequence, then verl's fused forward or the logits and verl's from-logits functions."""
+        body per sequence, then verl's fused forward or the logits and verl's from-logits functions.
+        ``loss_rows_only``: during the forward a fresh step request with ``loss_rows_only`` and the loss
+        ``mask`` as ``inputs['loss_rows']``, put in force and reset as verl's engine hooks do."""
         with per_sequence_body(self.model, seqs):
             if self.fused:
-                out = self.model(input_ids=ids, temperature=T, return_dict=True)
+                token = None
+                if self.loss_rows_only:  # verl's engine: forward_step's wrapper, then the layout hook's mask
+                    common = self.verl["common"]
+                    token = common.new_step(loss_rows_only=True)
+                    common.step_request.get().inputs["loss_rows"] = mask
+                try:
+                    out = self.model(input_ids=ids, temperature=T, return_dict=True)
+                finally:
+                    if token is not None:
+                        self.verl["common"].step_request.reset(token)
                 return out.log_probs, out.entropy
             verl_F = self.verl["verl_F"]
             logits = self.model(input_ids=ids, return_dict=True).logits / T  # the class's own forward
@@ -187,10 +234,12 @@ class Bench:
             return (verl_F.logprobs_from_logits(logits, labels, inplace_backward=False),
                     verl_F.entropy_from_logits(logits))
 
-    def step(self, ids, adv, seqs):
+    def step(self, ids, adv, seqs, mask=None):
         self.model.zero_grad(set_to_none=True)
-        lp, ent = self.log_probs(ids, seqs)
-        ppo_loss(lp, ent, adv, lp.detach().float() + 0.01).backward()
+        lp, ent = self.log_probs(ids, seqs, mask)
+        loss = ppo_loss(lp, ent, adv, lp.detach().float() + 0.01, mask)
+        loss.backward()
+        self.last_loss = loss.detach()
         if self.optimizer is not None:  # verl's actor: clip the gradient norm, then the update
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
             self.optimizer.step()
@@ -214,14 +263,21 @@ class Bench:
         return (median, sorted(host_times)[len(host_times) // 2] * 1e3) if host else median
 
     def timed(self, tokens, seq, steps, warmup=WARMUP):
-        ids, adv, seqs = self.inputs(tokens, seq)
+        ids, adv, seqs, mask = self.inputs(tokens, seq)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
+        skipped = self.verl["common"].call_counts()["loss_rows_skipped_tokens"]
         # warmup: Triton compiles the backward's window shapes over the first steps
-        ms, host_ms = self.median_ms(lambda: self.step(ids, adv, seqs), steps, warmup, host=True)
+        ms, host_ms = self.median_ms(lambda: self.step(ids, adv, seqs, mask), steps, warmup, host=True)
+        skipped = self.verl["common"].call_counts()["loss_rows_skipped_tokens"] - skipped
         peak = torch.cuda.max_memory_allocated() / 2**30 if self.device.type == "cuda" else 0.0
         ms, host_ms, peak = all_ranks(ms, "max"), all_ranks(host_ms, "max"), all_ranks(peak, "max")
-        return {"step_ms": ms, "tokens_per_s": tokens / ms * 1e3, "peak_gb": peak, "host_ms": host_ms}
+        # the last step's loss (the same inputs every step): equal across the variants up to rounding
+        out = {"step_ms": ms, "tokens_per_s": tokens / ms * 1e3, "peak_gb": peak, "host_ms": host_ms,
+               "loss": float(self.last_loss)}
+        if self.loss_rows_only:  # the rows the fused head left out per step (the integration's own count)
+            out["skipped_tokens_per_step"] = skipped / (steps + warmup)
+        return out
 
     def fits(self, tokens, seq) -> bool:
         """Two steps at ``tokens`` run without running out of memory (one step can fit where the
@@ -265,14 +321,16 @@ class Bench:
             lo, hi = (mid, hi) if self.fits(mid * seq, seq) else (lo, mid)
         return lo * seq
 
-    def head_ms(self, tokens, steps):
+    def head_ms(self, tokens, steps, seq):
         """The head alone, as the variant computes it: hidden states and lm_head weight in, the PPO
-        loss, their gradients out (fused: the kernel verl's fused forward calls; logits: lm_head,
-        then verl's from-logits functions)."""
+        loss (masked as the step's at ``seq``-token sequences), their gradients out (fused: the
+        kernel verl's fused forward calls, and for ``loss_rows_only`` the integration's row selection
+        and scatter around it; logits: lm_head, then verl's from-logits functions)."""
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         h = torch.randn(1, tokens, self.model.config.hidden_size, device=self.device, dtype=dtype,
                         requires_grad=True)
-        ids, adv, _ = self.inputs(tokens, tokens)
+        ids, adv, _, _ = self.inputs(tokens, tokens)
+        mask = loss_mask(tokens, seq, self.loss_outside, self.device)  # the step's mask at these tokens
         labels = torch.roll(ids, -1, -1)
         w = self.model.lm_head.weight
         if hasattr(w, "full_tensor"):  # FSDP2 shard: the whole weight, as the root's forward gathers it
@@ -295,11 +353,20 @@ class Bench:
                 import rl_kernels
 
                 lp, ent = rl_kernels.linear_log_probs(h, w, labels, temperature=T)[:2]
+            elif head == LOSS_ROWS:  # the fused head's loss_rows_only path: select, the head, scatter
+                import rl_kernels
+
+                common = self.verl["common"]
+                index = common.loss_row_index(mask, labels)
+                hs, ys = (common.select_rows(t, index, labels.numel()).unsqueeze(0) for t in (h, labels))
+                out = rl_kernels.linear_log_probs(hs, w, ys, temperature=T)
+                lp, ent = (common.scatter_rows(t.reshape(-1), index, labels.shape)
+                           for t in (out.log_probs, out.entropy))
             else:
                 logits = torch.nn.functional.linear(h, w) / T
                 lp = verl_F.logprobs_from_logits(logits, labels, inplace_backward=False)
                 ent = verl_F.entropy_from_logits(logits)
-            ppo_loss(lp, ent, adv, lp.detach().float() + 0.01).backward()
+            ppo_loss(lp, ent, adv, lp.detach().float() + 0.01, mask).backward()
         ms = self.median_ms(run, steps, 1)
         self.model.zero_grad(set_to_none=True)
         del h, w
@@ -313,9 +380,10 @@ def import_verl():
     import rl_kernels.integrations.verl as rkv
     import verl.models.transformers.monkey_patch as monkey_patch
     import verl.utils.torch_functional as verl_F
+    from rl_kernels.integrations.verl import common
 
     flash = bool(getattr(verl_F, "FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE", False))
-    return {"rkv": rkv, "monkey_patch": monkey_patch, "verl_F": verl_F, "how": how,
+    return {"rkv": rkv, "monkey_patch": monkey_patch, "verl_F": verl_F, "common": common, "how": how,
             "verl_logits_path": ("flash-attn Triton cross-entropy (float32 log-probs)" if flash else
                                  "verl's row-by-row fallback (no flash_attn: log-probs in the logits dtype)")}
 
@@ -335,11 +403,17 @@ def run_model(name, args, device, verl):
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    for variant in args.variants:  # pass 1: the timed points of every variant
+    # pass 1: the timed points of every variant (per fraction of the tokens outside the loss, if asked)
+    for outside, variant in ((f, v) for f in args.loss_outside or [None] for v in args.variants):
+        if variant == LOSS_ROWS and outside is None:
+            continue
         rec = {"model": name, "params_b": params_b, "variant": variant}
+        if outside is not None:
+            rec["loss_outside"] = outside
         if fsdp:
             rec["ranks"] = dist.get_world_size()
         try:
+            bench.loss_outside = outside
             bench.set_variant(variant)
             for tokens in args.tokens:
                 try:
@@ -348,7 +422,7 @@ def run_model(name, args, device, verl):
                     rec[f"at_{tokens}"] = {"error": "out of memory"}
                     model.zero_grad(set_to_none=True)
                     torch.cuda.empty_cache()
-            rec["head_ms"] = all_ranks(bench.head_ms(args.tokens[0], args.steps), "max")
+            rec["head_ms"] = all_ranks(bench.head_ms(args.tokens[0], args.steps, args.seq), "max")
             if "step_ms" in rec.get(f"at_{args.tokens[0]}", {}):
                 rec["head_share"] = rec["head_ms"] / rec[f"at_{args.tokens[0]}"]["step_ms"]
         except Exception as exc:  # noqa: BLE001 - a variant's failure is a result
@@ -360,6 +434,7 @@ def run_model(name, args, device, verl):
         if "error" in rec or (args.search_variants and rec["variant"] not in args.search_variants):
             continue
         try:
+            bench.loss_outside = rec.get("loss_outside")
             bench.set_variant(rec["variant"])
             rec["largest_tokens"] = bench.largest(args.seq, args.search_start or args.tokens[0], args.limit)
             if rec["largest_tokens"]:
@@ -380,7 +455,8 @@ def table(rows, tokens) -> str:
 
     out = []
     for r in rows:
-        cells = [r["model"], r["variant"]]
+        cells = [r["model"], r["variant"] + (f" ({r['loss_outside']:.0%} outside the loss)" if "loss_outside" in r
+                                             else "")]
         for t in tokens:
             at = r.get(f"at_{t}", {})
             cells += [f"{at['step_ms']:.0f} ({at['host_ms']:.0f})" if "step_ms" in at else at.get("error", "-"),
@@ -394,6 +470,26 @@ def table(rows, tokens) -> str:
     for t in tokens:
         headers += [f"ms (host ms) @{t}", f"tok/s @{t}", f"peak GB @{t}"]
     return tabulate(out, headers=headers + ["largest micro-batch", "tok/s there", "head share", "error"])
+
+
+def loss_rows_gains(rows, tokens) -> list[str]:
+    """Per model and fraction F outside the loss, at the first micro-batch size: ``loss_rows_only``'s
+    measured step gain against the option off, and the gain the head's share predicts (F x the head's
+    ms with the option off: the head's time in proportion to the rows it runs on)."""
+    lines, t = [], tokens[0]
+    off = {(r["model"], r.get("loss_outside")): r for r in rows if r["variant"] == "fused rl_kernels"}
+    for r in rows:
+        base = off.get((r["model"], r.get("loss_outside")))
+        if r["variant"] != LOSS_ROWS or base is None or "step_ms" not in r.get(f"at_{t}", {}) \
+                or "step_ms" not in base.get(f"at_{t}", {}) or "head_ms" not in base:
+            continue
+        f, step_off, step_on = r["loss_outside"], base[f"at_{t}"]["step_ms"], r[f"at_{t}"]["step_ms"]
+        predicted = f * base["head_ms"]
+        lines.append(f"{r['model']} @{t}, {f:.0%} outside the loss: loss_rows_only {step_on:.1f} ms vs off "
+                     f"{step_off:.1f} ms: measured gain {step_off - step_on:.1f} ms ({1 - step_on / step_off:.1%}); "
+                     f"predicted from the head's share {predicted:.1f} ms ({predicted / step_off:.1%}: "
+                     f"{f:.0%} x head {base['head_ms']:.1f} ms); head alone on {1 - f:.0%}: {r.get('head_ms', 0):.1f} ms")
+    return lines
 
 
 def plot(paths, png) -> None:
@@ -439,7 +535,8 @@ def plot(paths, png) -> None:
 def main(argv=None):
     ap = diag.parser(__doc__, json_out=True)
     ap.add_argument("--models", nargs="+", default=["qwen2.5-0.5b"], choices=sorted(MODELS))
-    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS + (LOSS_ROWS,),
+                    help=f"default: all but {LOSS_ROWS!r}, which --loss-outside adds")
     ap.add_argument("--tokens", nargs="+", type=int, default=[8192, 16384], help="micro-batch sizes timed")
     ap.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per point (median)")
@@ -452,10 +549,19 @@ def main(argv=None):
     ap.add_argument("--search-start", type=int, default=None, help="tokens the search doubles from "
                     "(default: the first --tokens)")
     ap.add_argument("--limit", type=int, default=1 << 20, help="stop the search at this many tokens")
+    ap.add_argument("--loss-outside", nargs="+", type=float, default=None, metavar="F",
+                    help="time every point once per fraction F of the tokens outside the loss (the loss masked), "
+                         f"and {LOSS_ROWS!r} beside 'fused rl_kernels'")
     ap.add_argument("--smoke", action="store_true", help="CPU: the tiny model, two steps per variant, no search")
     ap.add_argument("--plot", nargs="+", default=None, metavar="JSON", help="no timing: chart saved --json files")
     ap.add_argument("--png", default="model_bench.png", help="where --plot writes the chart")
     args = ap.parse_args(argv)
+    if any(not 0 <= f < 1 for f in args.loss_outside or []):
+        ap.error(f"--loss-outside: fractions in [0, 1), got {args.loss_outside}")
+    if args.loss_outside and "fused rl_kernels" in args.variants and LOSS_ROWS not in args.variants:
+        args.variants.append(LOSS_ROWS)
+    if LOSS_ROWS in args.variants and not args.loss_outside:
+        ap.error(f"--variants {LOSS_ROWS!r} needs --loss-outside F ...")
     if args.plot:
         plot(args.plot, args.png)
         print(f"wrote {args.png}")
@@ -498,6 +604,8 @@ def main(argv=None):
         return 0
     print(header)
     print(table(rows, args.tokens))
+    for line in loss_rows_gains(rows, args.tokens):
+        print(line)
     if args.json:
         diag.write_json(args.json, rows, device=device, header=header, tokens=args.tokens)
     return 0

@@ -33,6 +33,28 @@ def test_model_bench_smoke(tmp_path):
     assert "verl logits path:" in data["header"] and "largest micro-batch" in proc.stdout
 
 
+def test_model_bench_smoke_loss_outside(tmp_path):
+    """``--loss-outside``: the loss masked (a quarter of each 16-token sequence outside), and the fused
+    variant with ``loss_rows_only`` on beside it: the head skipped exactly the rows outside (the
+    integration's own count), and the loss is the option-off loss (the rows it skipped have no
+    weight in it)."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "model_bench.py"), "--smoke",
+                           "--variants", "verl logits", "fused rl_kernels", "--loss-outside", "0.25",
+                           "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"verl logits", "fused rl_kernels", "fused rl_kernels, loss_rows_only"}
+    for name, row in rows.items():
+        assert "error" not in row, (name, row["error"])
+        assert row["loss_outside"] == 0.25 and row["at_64"]["step_ms"] > 0 and row["head_ms"] > 0, row
+    on, off = rows["fused rl_kernels, loss_rows_only"]["at_64"], rows["fused rl_kernels"]["at_64"]
+    assert on["skipped_tokens_per_step"] == 16, on  # 4 sequences x their first 4 rows
+    assert on["loss"] == pytest.approx(off["loss"], rel=1e-5, abs=1e-6)
+    assert off["loss"] == pytest.approx(rows["verl logits"]["at_64"]["loss"], rel=1e-4, abs=1e-5)
+    assert "25% outside the loss: loss_rows_only" in proc.stdout and "predicted from the head's share" in proc.stdout
+
+
 def test_model_bench_fsdp_smoke(tmp_path):
     out = tmp_path / "bench.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
