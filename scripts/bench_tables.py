@@ -473,7 +473,8 @@ def render_distill_tail(results, name):
     return rows_vs_mm(results, name, labels, {("fused top-K selection (no grad)", 1)})
 
 
-def render_readme_gain(results, peers_liger, peers_all, varying_warm, model_rerun, model_7b, model_8b, distill):
+def render_readme_gain(results, peers_liger, peers_all, varying_warm, model_rerun, model_7b, model_8b, distill,
+                       loss_rows):
     cute = results.json(peers_liger)
     big = next(s for s in cute["shapes"] if s["shape"] == [16384, 3584, 152064])["impls"]
     older = next(s for s in results.json(peers_all)["shapes"] if s["shape"] == [16384, 3584, 152064])["impls"]
@@ -518,6 +519,11 @@ def render_readme_gain(results, peers_liger, peers_all, varying_warm, model_reru
          f"**{fixed(rows_d['rl_kernels']['fwd_bwd_ms'])} ms, {fixed(rows_d['rl_kernels']['peak_extra_gib'])} GiB**; "
          f"loss error {sci(rows_d['rl_kernels']['max_abs_err_loss'])}"],
     ]
+    lr = results.json(loss_rows)["rows"]
+    sixty = lr["selected, 60% outside, random"]
+    rows.append(["agentic traces, 60% of the rows outside the loss: fused head fwd+bwd, 16384 × 3584 × 152064 (H100)",
+                 f"every row computed (no peer selects rows): {fixed(lr['full head']['ms'])} ms",
+                 f"**{fixed(sixty['ms'])} ms** (`loss_rows_only`: {fixed(sixty['fraction_of_ideal'])} of the ideal)"])
     return table(["where", "verl's default or the best peer", "with rl-kernels"], rows)
 
 
@@ -795,7 +801,7 @@ README_PLOT_FILES = ["model_bench_h100_2026-11-24_rerun.json", "model_bench_h100
 README_GAIN_FILES = ["bench_h100_2026-11-26b_liger_cute.json", "bench_h100_2026-11-24b.json",
                      "bench_h100_2026-11-26_liger_cute.json", "model_bench_h100_2026-11-24_rerun.json",
                      "model_bench_h100_2026-11-24_7b.json", "model_bench_h100_2026-11-24_8b.json",
-                     "distill_h100_2026-11-26.json"]
+                     "distill_h100_2026-11-26.json", "loss_rows_h100_2026-12-07.json"]
 LOSS_ROWS_HEAD = "loss_rows_h100_2026-12-07.json"
 LOSS_ROWS_MODEL = ["model_bench_h100_2026-12-07_loss_rows_small.json", "model_bench_h100_2026-12-07_loss_rows_7b.json"]
 
