@@ -272,8 +272,8 @@ def _prepare_model_outputs(original):
 
 # ----------------------------------------------------------------------------- the patch
 def patch_engine() -> dict[str, tuple[bool, str]]:
-    """Wrap the FSDP engine's three methods (where this verl has them with :data:`PARAMETERS`) and
-    return the report entries of what they serve: Σπ² on the fused path (where verl's actor config
+    """Wrap the FSDP engine's three methods (each where this verl has it with its :data:`PARAMETERS`)
+    and return the report entries of what they serve: Σπ² on the fused path (where verl's actor config
     has ``calculate_sum_pi_squared``), the per-sample temperature, top-K distillation on the fused
     path (:func:`~.distill.fused_distillation_entry`: where this verl has distillation and its
     engine reads ``fused_linear_aux``)."""
@@ -282,37 +282,45 @@ def patch_engine() -> dict[str, tuple[bool, str]]:
     except ImportError as exc:
         why = f"not patched (verl's FSDP engine not importable: {exc})"
         return {SUM_PI_SQUARED_PART: (False, why), PER_SAMPLE_TEMPERATURE_PART: (False, why),
-                DISTILLATION_PART: (False, why)}
+                DISTILLATION_PART: fused_distillation_entry(None)}
     engine = getattr(fsdp_impl, ENGINE_CLASS, None)
     methods = {name: vars(engine).get(name) if isinstance(engine, type) else None for name in PARAMETERS}
-    wrong = [name for name, method in methods.items()
-             if method is None or list(inspect.signature(method).parameters) != PARAMETERS[name]]
-    if wrong:
-        why = (f"not patched (verl's {ENGINE_CLASS}.{', '.join(wrong)} missing or with other parameters than "
-               f"{[PARAMETERS[n] for n in wrong]}): verl's own code and refusals stay")
-        return {SUM_PI_SQUARED_PART: (False, why), PER_SAMPLE_TEMPERATURE_PART: (False, why),
-                DISTILLATION_PART: (False, why)}
+    fits = {name: method is not None and list(inspect.signature(method).parameters) == PARAMETERS[name]
+            for name, method in methods.items()}
+
+    def unfit(*names) -> str:
+        return (f"not patched (verl's {ENGINE_CLASS}." + " / ".join(names) + " missing or with other parameters "
+                f"than {[PARAMETERS[n] for n in names]}): verl's own code and refusals stay")
+
     report = {}
     from verl.workers.config.actor import ActorConfig
 
-    if "calculate_sum_pi_squared" in {f.name for f in dataclasses.fields(ActorConfig)}:
+    if "calculate_sum_pi_squared" not in {f.name for f in dataclasses.fields(ActorConfig)}:
+        report[SUM_PI_SQUARED_PART] = (False, "not in this verl (its engine's ActorConfig has no "
+                                       "calculate_sum_pi_squared; a legacy actor's own refusal with fused kernels stays)")
+    elif not (fits["forward_step"] and fits["prepare_model_outputs"]):
+        report[SUM_PI_SQUARED_PART] = (False, unfit("forward_step", "prepare_model_outputs"))
+    else:
         _served["sum_pi_squared"] = True
         report[SUM_PI_SQUARED_PART] = (True, (
             "calculate_sum_pi_squared=True with use_fused_kernels=True computed by rl-kernels' fused head in the "
             "same pass; verl's refusal lifted where that head ran (FSDPEngineWithLMHead.forward_step, "
             "prepare_model_outputs), verl's error stays elsewhere (impl_backend not rl_kernels, VeOmni)"))
+    if fits["prepare_model_inputs"]:
+        _served["temperature"] = True
+        report[PER_SAMPLE_TEMPERATURE_PART] = (True, (
+            f"a temperature tensor (bsz,) on the FSDP fused path of models with impl_backend='rl_kernels' "
+            f"({ENGINE_CLASS}.prepare_model_inputs: verl's refusal lifted there, kept for other models)"))
     else:
-        report[SUM_PI_SQUARED_PART] = (False, "not in this verl (its engine's ActorConfig has no "
-                                       "calculate_sum_pi_squared; a legacy actor's own refusal with fused kernels stays)")
-    _served["temperature"] = True
-    report[PER_SAMPLE_TEMPERATURE_PART] = (True, (
-        f"a temperature tensor (bsz,) on the FSDP fused path of models with impl_backend='rl_kernels' "
-        f"({ENGINE_CLASS}.prepare_model_inputs: verl's refusal lifted there, kept for other models)"))
-    report[DISTILLATION_PART] = fused_distillation_entry(methods["prepare_model_outputs"])
+        report[PER_SAMPLE_TEMPERATURE_PART] = (False, unfit("prepare_model_inputs"))
+    report[DISTILLATION_PART] = fused_distillation_entry(
+        methods["prepare_model_outputs"] if fits["forward_step"] and fits["prepare_model_outputs"] else None)
     _served["topk"] = report[DISTILLATION_PART][0]
-    set_attr(engine, "forward_step", _forward_step(methods["forward_step"]))
-    set_attr(engine, "prepare_model_inputs", _prepare_model_inputs(methods["prepare_model_inputs"]))
-    set_attr(engine, "prepare_model_outputs", _prepare_model_outputs(methods["prepare_model_outputs"]))
+    wrappers = {"forward_step": _forward_step, "prepare_model_inputs": _prepare_model_inputs,
+                "prepare_model_outputs": _prepare_model_outputs}
+    for name, wrap in wrappers.items():
+        if fits[name]:
+            set_attr(engine, name, wrap(methods[name]))
     return report
 
 
