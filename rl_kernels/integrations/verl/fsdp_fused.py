@@ -9,9 +9,9 @@ with its :class:`~rl_kernels.integrations.lm_heads.HeadTransform`) and wraps the
 forward builds (bare on verl 0.7.x / 0.8.0, with ``impl_backend`` on 0.9.x) is this module's
 subclass, which computes the log-probs and entropy with :func:`rl_kernels.linear_log_probs`
 (:func:`fused_log_probs_entropy`). The entropy is computed only when verl's ``calculate_entropy``
-asks (:func:`wrap_entropy_requests`). Σπ² (``calculate_sum_pi_squared=True``, which verl refuses
-on its fused path) is computed in the same call when the FSDP engine's step asks for it, and
-verl's refusal is lifted for that step (:func:`wrap_sum_pi_squared_requests`).
+asks. What else the FSDP engine's micro-batch asks of the head (Σπ², which verl refuses on its fused
+path; top-K distillation; a per-sample temperature; the loss rows) comes in the step request that
+:mod:`.fsdp_engine` puts in force and lays out; the head delivers its extra outputs there.
 """
 from __future__ import annotations
 
@@ -176,8 +176,10 @@ def fused_log_probs_entropy(hidden_states: torch.Tensor, weight: torch.Tensor, l
     the model's own logit transform (soft-cap, multiplier) applied from the
     :class:`~rl_kernels.integrations.lm_heads.HeadTransform` of the model whose forward runs.
     The entropy is a NaN placeholder when verl's ``calculate_entropy`` did not ask for it. While
-    the FSDP engine's step asks for Σπ² (:func:`wrap_sum_pi_squared_requests`), it is computed
-    too and delivered to the step request (:meth:`~.common.StepRequest.deliver`).
+    the FSDP engine's step asks for Σπ² (:func:`~.fsdp_engine.asks`), it is computed
+    too and delivered to the step request (:meth:`~.common.StepRequest.deliver`). Under
+    ``loss_rows_only`` (the request's ``inputs['loss_rows']``) the head runs on the loss rows alone
+    and every output goes back to the labels' shape, 0 (and no gradient) elsewhere.
     Raises ValueError / TypeError as :func:`rl_kernels.linear_log_probs`, and VerlIntegrationError when
     the effective temperature is unusable.
     """
@@ -256,7 +258,7 @@ def wrap_entropy_requests(dp_actor) -> str:
     engine = getattr(fsdp_impl, "FSDPEngineWithLMHead", None)
     method = vars(engine).get("forward_step") if engine is not None else None
     if method is not None and "micro_batch" in inspect.signature(method).parameters:
-        wrapped.append("FSDPEngineWithLMHead.forward_step")  # (wrapped by wrap_forward_step)
+        wrapped.append("FSDPEngineWithLMHead.forward_step")  # (wrapped by fsdp_engine: the step request)
     if dp_actor is not None:
         method = vars(dp_actor.DataParallelPPOActor).get("_forward_micro_batch")
         if method is not None and "calculate_entropy" in inspect.signature(method).parameters:
