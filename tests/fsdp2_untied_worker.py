@@ -31,10 +31,23 @@ def tiny_untied(seed: int = 0):
     return model
 
 
-def micro_batches(rank: int):
-    """MICRO micro-batches of this rank: (input_ids (B, S), advantages (B, S)), float32 advantages."""
+def micro_batches(rank: int, loss_rows: bool = False):
+    """MICRO micro-batches of this rank: (input_ids (B, S), advantages (B, S), loss rows (B, S) bool or
+    None), float32 advantages. ``loss_rows``: about half the rows in the loss (advantage 0 elsewhere,
+    as verl's masked losses give them no gradient), and none at all in rank 1's first micro-batch
+    (the ranks then run the head on different numbers of rows, 0 on one)."""
     g = torch.Generator().manual_seed(1000 + rank)
-    return [(torch.randint(0, V, (B, S), generator=g), torch.randn(B, S, generator=g)) for _ in range(MICRO)]
+    out = []
+    for i in range(MICRO):
+        ids, adv = torch.randint(0, V, (B, S), generator=g), torch.randn(B, S, generator=g)
+        rows = None
+        if loss_rows:
+            rows = torch.rand(B, S, generator=g) < 0.5
+            if rank == 1 and i == 0:
+                rows[:] = False
+            adv = adv * rows
+        out.append((ids, adv, rows))
+    return out
 
 
 def loss_of(log_probs: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
@@ -103,8 +116,19 @@ class Counter:
         return self.gathers, self.reduces, self.full_tensors
 
 
-def log_probs_of(model, ids, fused: bool) -> torch.Tensor:
-    """(B, S) float32 log-probs at the rolled labels: verl's fused forward, or its unfused logits path."""
+def log_probs_of(model, ids, fused: bool, rows=None) -> torch.Tensor:
+    """(B, S) float32 log-probs at the rolled labels: verl's fused forward, or its unfused logits path.
+    ``rows``: the fused head runs on those rows only (``loss_rows_only``, the step request as verl's
+    engine hook lays it out)."""
+    if fused and rows is not None:
+        from rl_kernels.integrations.verl import common
+
+        token = common.new_step(loss_rows_only=True)
+        common.step_request.get().inputs["loss_rows"] = rows
+        try:
+            return model(input_ids=ids, temperature=T, return_dict=True).log_probs
+        finally:
+            common.step_request.reset(token)
     if fused:
         return model(input_ids=ids, temperature=T, return_dict=True).log_probs
     logits = model(input_ids=ids, return_dict=True).logits.float() / T
@@ -117,12 +141,12 @@ def train_step(model, batches, *, fused: bool, no_sync: bool, counter: Counter):
     when ``no_sync``), then one SGD step. Returns the per-micro-batch counter deltas and the gradients
     (full tensors, float64) before the step."""
     per_micro = []
-    for i, (ids, adv) in enumerate(batches):
+    for i, (ids, adv, rows) in enumerate(batches):
         before = counter.snapshot()
         last = i == len(batches) - 1
         if no_sync:
             model.set_requires_gradient_sync(last)
-        loss_of(log_probs_of(model, ids, fused), adv).backward()
+        loss_of(log_probs_of(model, ids, fused, rows), adv).backward()
         per_micro.append(tuple(a - b for a, b in zip(counter.snapshot(), before)))
     if no_sync:
         model.set_requires_gradient_sync(True)
@@ -148,7 +172,7 @@ def run_config(cfg: dict, rank: int, mesh) -> dict:
     param_dtype = {"float32": None, "bfloat16": torch.bfloat16}[cfg["param_dtype"]]
     import time
 
-    batches = micro_batches(rank)
+    batches = micro_batches(rank, cfg.get("loss_rows", False))
     result = {"cfg": cfg}
     start = time.perf_counter()
     w_init = tiny_untied().lm_head.weight.detach()
@@ -165,7 +189,7 @@ def run_config(cfg: dict, rank: int, mesh) -> dict:
         if not fused:  # the final hidden states (the head's input), for the logits' magnitude
             hook = model.model.norm.register_forward_hook(lambda m, a, out: hidden.append(out.detach()))
         counter = Counter(model)
-        calls = rkv.call_counts()["fused_fsdp_calls"]
+        calls, skipped = rkv.call_counts()["fused_fsdp_calls"], rkv.call_counts()["loss_rows_skipped_tokens"]
         try:
             per_micro, grads, params, after = train_step(model, batches, fused=fused, no_sync=cfg["no_sync"],
                                                   counter=counter)
@@ -175,7 +199,10 @@ def run_config(cfg: dict, rank: int, mesh) -> dict:
                 hook.remove()
         served = rkv.call_counts()["fused_fsdp_calls"] - calls
         result["fused" if fused else "unfused"] = {"per_micro": per_micro, "grads": grads, "params": params,
-                                                  "after": after, "served": served}
+                                                  "after": after, "served": served,
+                                                  "skipped": rkv.call_counts()["loss_rows_skipped_tokens"] - skipped}
+    if cfg.get("loss_rows"):
+        result["outside"] = sum(int((~rows).sum()) for _, _, rows in batches)
     Qwen2ForCausalLM.forward = plain_forward
     from tolerances import head_magnitude
 

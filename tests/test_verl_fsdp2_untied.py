@@ -56,13 +56,16 @@ CONFIGS = [  # verl's default first: the head its own unit, reshard_after_forwar
     dict(head_unit=False, reshard_after_forward=False, param_dtype="float32", no_sync=True),
     dict(head_unit=True, reshard_after_forward=True, param_dtype="float32", no_sync=False),
     dict(head_unit=True, reshard_after_forward=True, param_dtype="bfloat16", no_sync=True),
+    # loss_rows_only (issue 53 item 3): the head on the loss rows alone, none on rank 1's first micro-batch
+    dict(head_unit=True, reshard_after_forward=True, param_dtype="float32", no_sync=True, loss_rows=True),
 ]
 
 
 def _name(cfg):
     return (f"head {'own unit' if cfg['head_unit'] else 'in root'}, reshard_after_forward="
             f"{cfg['reshard_after_forward']}, param_dtype={cfg['param_dtype']}, "
-            f"{'sync deferred' if cfg['no_sync'] else 'synced each micro-batch'}")
+            f"{'sync deferred' if cfg['no_sync'] else 'synced each micro-batch'}"
+            f"{', loss_rows_only' if cfg.get('loss_rows') else ''}")
 
 
 def _check(result) -> float:
@@ -71,6 +74,8 @@ def _check(result) -> float:
     assert "error" not in result, f"{name}: {result.get('error')}\n{result.get('traceback')}"
     fused, unfused, m = result["fused"], result["unfused"], result["logits"]
     assert fused["served"] == w.MICRO + 1, f"{name}: rl-kernels served {fused['served']} fused calls"
+    if cfg.get("loss_rows"):  # every row outside the loss skipped (none without the option)
+        assert fused["skipped"] == result["outside"] > 0, f"{name}: {fused['skipped']} rows skipped"
     synced = [not cfg["no_sync"] or i == w.MICRO - 1 for i in range(w.MICRO)]
     for i, ((gathers, reduces, full_tensors), (u_gathers, u_reduces, _)) in enumerate(
             zip(fused["per_micro"], unfused["per_micro"])):
