@@ -566,8 +566,10 @@ ROWS = f"++{MODEL}.fused_kernel_options.rl_kernels.loss_rows_only=true"
     (("+rl_kernels=fused", ROWS), 0, "rl-kernels is ON: fused path",
      "loss_rows_only (strategy=fsdp, fused path): the LM head runs only on the rows whose loss_mask is 1"),
     (("+rl_kernels=logits", ROWS), 0, "rl-kernels is ON: logits path",
-     "WARNING: loss_rows_only=true is not served on the logits path (use_fused_kernels=False): the LM head computes "
-     "every row. Fix: +rl_kernels=fused"),
+     "loss_rows_only (strategy=fsdp, logits path): the LM head runs only on the rows whose loss_mask is 1"),
+    (("+rl_kernels=logits", ROWS, "actor_rollout_ref.actor.strategy=megatron"), 0, "rl-kernels is ON: logits path",
+     "WARNING: loss_rows_only=true is not served on the logits path of engine 'megatron' (use_fused_kernels=False): "
+     "the LM head computes every row. Fix: +rl_kernels=fused"),
     (("+rl_kernels=fused", ROWS, "actor_rollout_ref.actor.policy_loss.loss_mode=my_loss"), 1,
      "rl-kernels is OFF: loss_rows_only: actor.policy_loss.loss_mode=my_loss is not one audited for loss_rows_only",
      None),
@@ -578,8 +580,9 @@ ROWS = f"++{MODEL}.fused_kernel_options.rl_kernels.loss_rows_only=true"
 ])
 def test_loss_rows_only_is_reported_or_refused_as_the_workers_would(capsys, overrides, code, first, note):
     """verl-check says what loss_rows_only does in the composed run (issue 53 item 3): served on the fused
-    path (a note), not served on the logits path (a WARNING), and OFF, naming the key, where the workers
-    would refuse it (a loss outside the audit of docs/verl.md, PrefixGrouper, the padded layout)."""
+    paths and the FSDP logits path (a note), not served on the Megatron logits path (a WARNING), and OFF,
+    naming the key, where the workers would refuse it (a loss outside the audit of docs/verl.md,
+    PrefixGrouper, the padded layout)."""
     got = main(["verl-check", SEARCH, *overrides])
     lines = capsys.readouterr().out.strip().splitlines()
     assert got == code and lines[0].startswith(first), lines

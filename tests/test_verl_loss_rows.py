@@ -99,8 +99,8 @@ def _micro_batch(layout: str, **flags):
             "prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
             "attention_mask": attention_mask, "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0),
             "response_mask": response_mask}, batch_size=[len(PROMPTS)]))
-    tu.assign_non_tensor(data, use_remove_padding=True, use_fused_kernels=True, calculate_entropy=True,
-                         temperature=T, **flags)
+    tu.assign_non_tensor(data, **{"use_remove_padding": True, "use_fused_kernels": True, "calculate_entropy": True,
+                                  "temperature": T, **flags})
     return data
 
 
@@ -263,3 +263,48 @@ def test_losses_outside_the_audit_are_refused(served, setting, key):
     assert fields["loss_rows_only"]
     with pytest.raises(rkv.VerlIntegrationError, match=f"loss_rows_only: {re.escape(key)} .*loss_rows_only=false"):
         fsdp_engine.asks(_engine(model), _micro_batch("nested"), bound(**setting))
+
+
+def _logits_step(engine, micro_batch, loss_rows_only: bool, seen: list):
+    """verl's engine step on the logits path (the model's own forward, rl-kernels' from-logits
+    functions) with the loss of :func:`_step`; ``seen`` gets the row count of each output-layer call."""
+    import verl.utils.torch_functional as verl_F
+
+    engine.compute_entropy_from_logits = verl_F.entropy_from_logits  # (what verl's engine caches: patched)
+    handle = engine.module.lm_head.register_forward_hook(lambda m, args, out: seen.append(out.shape[-2]))
+    try:
+        return _step(engine, micro_batch, loss_rows_only)
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("layout", ["nested", "dense"])
+def test_loss_rows_only_on_the_logits_path(served, layout):
+    """On verl's FSDP logits path (use_fused_kernels=False) the model's output layer gets the loss
+    rows' hidden states only, so their logits alone are made; rl-kernels' from-logits functions hand
+    verl the labels' shape: log-probs, entropy and the loss's gradients of the loss rows as with the
+    option off, 0 elsewhere (the temperature per row selected with them)."""
+    model = tiny_qwen2()
+    engine = _engine(model)
+    rows = _loss_rows_by_hand()
+    seen_off, seen_on = [], []
+    ref_lp, ref_ent, ref_grads = _logits_step(engine, _micro_batch(layout, use_fused_kernels=False), False, seen_off)
+    lp, ent, grads = _logits_step(engine, _micro_batch(layout, use_fused_kernels=False), True, seen_on)
+    assert seen_off == [rows.numel() + 5] and seen_on == [int(rows.sum())]  # (5 static pad rows)
+    assert bool((ref_lp[~rows] < -1).all())
+    assert torch.equal(lp[~rows], torch.zeros_like(lp[~rows])) and torch.equal(ent[~rows], torch.zeros_like(ent[~rows]))
+    torch.testing.assert_close(lp[rows], ref_lp[rows], atol=VALUE_ATOL, rtol=0)
+    torch.testing.assert_close(ent[rows], ref_ent[rows], atol=VALUE_ATOL, rtol=0)
+    for name, grad in grads.items():
+        ref = ref_grads[name]
+        err = (grad - ref).norm() / ref.norm()
+        assert err < GRAD_RTOL, f"{name}: relative gradient error {err:.2e}"
+
+
+def test_logits_path_refuses_top_k_distillation_with_loss_rows(served):
+    model = tiny_qwen2()
+    rkv.configure(loss_rows_only=True)
+    micro_batch = _micro_batch("nested", use_fused_kernels=False, distillation_use_topk=True)
+    with pytest.raises(rkv.VerlIntegrationError, match="loss_rows_only together with top-K distillation on the FSDP "
+                                                       "logits path"):
+        fsdp_engine.asks(_engine(model), micro_batch, None)

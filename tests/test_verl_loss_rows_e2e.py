@@ -2,9 +2,10 @@
 verl #7686): ``ActorRolloutRefWorker`` (role ``actor``, verl's engine workers: 0.8+) computes the
 log-probs and entropy of two sequences whose response masks hold tool tokens (0 inside the
 response) and runs one ``update_actor`` step (PPO loss with an entropy bonus, SGD lr 1: the update
-is the clipped gradient), on rl-kernels' fused path (``+rl_kernels=fused``, the Triton kernel in its
-CPU interpreter) with the option on and off. The two workers run side by side on the cluster of
-``test_verl_e2e.py`` (shared fixtures).
+is the clipped gradient), with the option on and off, on rl-kernels' fused path (``+rl_kernels=fused``,
+the Triton kernel in its CPU interpreter) and on verl's logits path (``+rl_kernels=logits``: the
+model's output layer makes the loss rows' logits only). The workers run two at a time on the
+cluster of ``test_verl_e2e.py`` (shared fixtures).
 
 On every row the loss reads (response mask 1) the log-probs and entropy agree (1e-4 absolute,
 both float32, as test_verl_e2e.py), and so do the parameter updates (1e-4 relative) and every
@@ -103,18 +104,21 @@ def runs(ray_cluster, model):  # noqa: F811 - the shared fixtures
     with pytest.MonkeyPatch.context() as monkeypatch:  # the driver pads / unpads the batches
         use_torch_padding(monkeypatch)
         configs = {}
-        for on in (True, False):
-            config = _compose(model[1], "fused")
-            with open_dict(config):
-                config.actor_rollout_ref.model.fused_kernel_options.rl_kernels.loss_rows_only = on
-            configs[on] = config
+        for path in ("fused", "logits"):
+            for on in (True, False):
+                config = _compose(model[1], path)
+                with open_dict(config):
+                    config.actor_rollout_ref.model.fused_kernel_options.setdefault("rl_kernels", {})
+                    config.actor_rollout_ref.model.fused_kernel_options.rl_kernels.loss_rows_only = on
+                configs[path, on] = config
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            futures = {on: pool.submit(_run, ray_cluster, config) for on, config in configs.items()}
-        return {on: future.result() for on, future in futures.items()}
+            futures = {key: pool.submit(_run, ray_cluster, config) for key, config in configs.items()}
+        return {key: future.result() for key, future in futures.items()}
 
 
-def test_loss_rows_only_through_verls_worker_equals_the_option_off_on_the_loss_rows(runs):
-    on, off = runs[True], runs[False]
+@pytest.mark.parametrize("path", ["fused", "logits"])
+def test_loss_rows_only_through_verls_worker_equals_the_option_off_on_the_loss_rows(runs, path):
+    on, off = runs[path, True], runs[path, False]
     tensors = _tensors()
     loss = tensors["response_mask"].bool()
     outside = tensors["attention_mask"][:, tensors["prompts"].shape[1]:].bool() & ~loss  # tool tokens

@@ -759,9 +759,10 @@ def loss_rows_note(cfg: dict, entry: str = ENTRY) -> str | None:
     """What the option ``loss_rows_only`` does in the run this composed config makes (None where it
     is off or rl-kernels is not imported): served on the fused paths of the FSDP and Megatron
     engines; a line starting with ``REFUSED:`` where the integration would refuse it at the first
-    engine step (a loss outside the audit of docs/verl.md, PrefixGrouper: the workers raise, so the
-    verdict turns OFF), a ``WARNING:`` where it is not served (the logits path, another engine, a
-    trainer entry point outside the audit)."""
+    engine step (a loss outside the audit of docs/verl.md, PrefixGrouper, the padded layout, top-K
+    distillation on the FSDP logits path: the workers raise, so the verdict turns OFF), a
+    ``WARNING:`` where it is not served (the Megatron logits path, another engine, a trainer entry
+    point outside the audit)."""
     model, actor = _section(cfg, "actor_rollout_ref.model"), _section(cfg, "actor_rollout_ref.actor")
     if not isinstance(model, dict) or model.get("external_lib") != EXTERNAL_LIB:
         return None
@@ -784,21 +785,29 @@ def loss_rows_note(cfg: dict, entry: str = ENTRY) -> str | None:
     if why is not None:
         return f"REFUSED: {why} (the workers raise VerlIntegrationError at the first micro-batch)"
     strategy = actor.get("strategy")
-    if not model.get("use_fused_kernels"):
-        return ("WARNING: loss_rows_only=true is not served on the logits path (use_fused_kernels=False): the LM head "
-                "computes every row. Fix: +rl_kernels=fused")
-    if strategy not in FSDP_STRATEGIES + ("megatron",):
-        return (f"WARNING: loss_rows_only=true is not served on engine {strategy!r}: the LM head computes every row "
-                f"(rl-kernels' fused head serves the FSDP and Megatron engines)")
+    fused = bool(model.get("use_fused_kernels"))
     if strategy in FSDP_STRATEGIES and not model.get("use_remove_padding", True):
         return ("REFUSED: loss_rows_only: use_remove_padding=False is not served (the padded layout); set "
                 "use_remove_padding=True or fused_kernel_options.rl_kernels.loss_rows_only=false")
+    if not fused and strategy in FSDP_STRATEGIES:
+        if not opts.patch_logits_path:
+            return ("WARNING: loss_rows_only=true is not served on the logits path with patch_logits_path=False: the "
+                    "LM head computes every row")
+        if _topk_distillation(cfg) is not None:
+            return ("REFUSED: loss_rows_only together with top-K distillation on the FSDP logits path is not served; "
+                    "use the fused path (+rl_kernels=fused) or set fused_kernel_options.rl_kernels.loss_rows_only=false")
+    elif not fused:
+        return (f"WARNING: loss_rows_only=true is not served on the logits path of engine {strategy!r} "
+                f"(use_fused_kernels=False): the LM head computes every row. Fix: +rl_kernels=fused")
+    if strategy not in FSDP_STRATEGIES + ("megatron",):
+        return (f"WARNING: loss_rows_only=true is not served on engine {strategy!r}: the LM head computes every row "
+                f"(rl-kernels' fused head serves the FSDP and Megatron engines)")
     if strategy == "megatron" and not opts.patch_megatron_fused:
         return ("WARNING: loss_rows_only=true is not served on the Megatron fused path with patch_megatron_fused=False "
                 "(verl's own fused kernel computes every row)")
-    note = (f"loss_rows_only (strategy={strategy}, fused path): the LM head runs only on the rows whose loss_mask is "
-            f"1 (prompt, tool-output and padding rows: log-prob, entropy, sum_pi_squared 0, no distillation term, no "
-            f"gradient; every verl loss and metric audited reads them through response_mask)")
+    note = (f"loss_rows_only (strategy={strategy}, {'fused' if fused else 'logits'} path): the LM head runs only on the "
+            f"rows whose loss_mask is 1 (prompt, tool-output and padding rows: log-prob, entropy, sum_pi_squared 0, no "
+            f"distillation term, no gradient; every verl loss and metric audited reads them through response_mask)")
     if entry not in PPO_ENTRIES:
         note += (f". WARNING: entry {entry} is not audited for loss_rows_only; its trainer may read log-probs outside "
                  f"loss_mask")

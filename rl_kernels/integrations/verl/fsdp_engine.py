@@ -34,8 +34,8 @@ import torch
 
 from ..._logging import log_once
 from . import settings
-from .common import (VerlIntegrationError, check_loss_rows_audit, loss_mask_by_token, micro_batch_with, new_step, refuse_loss_rows,
-                     set_attr, step_request)
+from .common import (VerlIntegrationError, check_loss_rows_audit, count, loss_mask_by_token, micro_batch_with,
+                     new_step, refuse_loss_rows, set_attr, step_request)
 from .distill import FUSED_PART as DISTILLATION_PART
 from .distill import OVERLAP_KEYS, fused_distillation_entry
 
@@ -102,12 +102,58 @@ def asks(engine, micro_batch, loss_function) -> dict:
         if fused and serves_fused(engine):
             check_loss_rows_audit(loss_function)
             fields["loss_rows_only"] = True
+        elif not fused and settings.options().patch_logits_path and output_layer(engine) is not None:
+            if _flag(micro_batch, "distillation_use_topk"):
+                raise VerlIntegrationError(
+                    "rl_kernels.integrations.verl: loss_rows_only together with top-K distillation on the FSDP logits "
+                    "path (use_fused_kernels=False) is not served; use the fused path (+rl_kernels=fused) or "
+                    "set fused_kernel_options.rl_kernels.loss_rows_only=false")
+            check_loss_rows_audit(loss_function)
+            fields["loss_rows_only"] = True
         else:
-            log_once(logging.WARNING, "rl_kernels: loss_rows_only=true is served on the fused paths only (FSDP with "
-                     "impl_backend=rl_kernels, Megatron); this FSDP engine runs " + (
-                         "a fused backend of verl's own" if fused else "verl's logits path (use_fused_kernels=False)")
-                     + ": the LM head computes every row")
+            log_once(logging.WARNING, "rl_kernels: loss_rows_only=true is not served on this FSDP engine's path (" + (
+                "a fused backend of verl's own" if fused else "the logits path with patch_logits_path=false, or a "
+                "model without an output layer rl-kernels finds") + "): the LM head computes every row")
     return fields
+
+
+def output_layer(engine):
+    """The output layer (``get_output_embeddings()``, an ``nn.Module``) of the engine's model, FSDP-
+    or otherwise wrapped; None where the model has none."""
+    module = getattr(engine, "module", None)
+    if not isinstance(module, torch.nn.Module):
+        return None
+    for inner in module.modules():
+        get = getattr(inner, "get_output_embeddings", None)
+        if callable(get):
+            layer = get()
+            if isinstance(layer, torch.nn.Module):
+                return layer
+    return None
+
+
+def _select_logits_rows(layer, args):
+    """Forward pre-hook of the model's output layer (installed by :func:`lay_out_inputs`): inside an
+    FSDP engine step that asks ``loss_rows_only`` on the logits path, its hidden states
+    ``(1, logits_rows_total, H)`` become the loss rows alone, so the model makes no logits for the
+    others (once per step); VerlIntegrationError for hidden states of another shape (never a
+    selection of other rows)."""
+    inputs = step_request.get().inputs
+    index = inputs.get("logits_rows")
+    if index is None or inputs.get("logits_rows_made"):
+        if index is not None:
+            raise VerlIntegrationError("rl_kernels.integrations.verl: loss_rows_only on the logits path: the model's "
+                                       "output layer ran twice in one forward; set "
+                                       "fused_kernel_options.rl_kernels.loss_rows_only=false for this model")
+        return None
+    hidden, total = args[0], inputs["logits_rows_total"]
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or tuple(hidden.shape[:2]) != (1, total):
+        raise VerlIntegrationError(
+            f"rl_kernels.integrations.verl: loss_rows_only on the logits path: the model's output layer got hidden "
+            f"states {tuple(getattr(hidden, 'shape', ()))}, not the (1, {total}, H) of this step's labels; set "
+            f"fused_kernel_options.rl_kernels.loss_rows_only=false for this model")
+    inputs["logits_rows_made"] = True
+    return (hidden.index_select(1, index.to(hidden.device)),) + tuple(args[1:])
 
 
 def _forward_step(method):
@@ -172,7 +218,19 @@ def lay_out_inputs(original, engine, micro_batch):
         stand_in["input_ids"] = loss_mask_by_token(micro_batch)
     _, logits_args = original(engine, stand_in)
     if step.loss_rows_only:
-        step.inputs["loss_rows"] = logits_args["input_ids_rmpad_rolled"].ne(0)
+        rows = logits_args["input_ids_rmpad_rolled"].ne(0)
+        if _flag(micro_batch, "use_fused_kernels"):
+            step.inputs["loss_rows"] = rows
+        else:  # the logits path: the model's output layer makes the loss rows' logits only
+            layer = output_layer(engine)
+            if not getattr(layer, "_rl_kernels_selects_rows", False):
+                layer.register_forward_pre_hook(_select_logits_rows)
+                layer._rl_kernels_selects_rows = True
+            index = rows.nonzero().squeeze(1)
+            step.inputs.update(logits_rows=index, logits_rows_total=rows.numel())
+            output_args["temperature_rmpad"] = output_args["temperature_rmpad"].index_select(
+                0, index.to(output_args["temperature_rmpad"].device))
+            count("loss_rows_skipped_tokens", rows.numel() - index.numel())
     if per_sample:
         temperature = per_token_temperature(logits_args, model_inputs)
         if temperature is None or "temperature" not in model_inputs:
@@ -187,8 +245,9 @@ def lay_out_inputs(original, engine, micro_batch):
 def _prepare_model_inputs(original):
     @functools.wraps(original)
     def prepare_model_inputs(self, micro_batch, *args, **kwargs):
-        if args or kwargs or not (_per_sample(micro_batch) or step_request.get().loss_rows_only) \
-                or not serves_fused(self):
+        rows = step_request.get().loss_rows_only
+        if args or kwargs or not (_per_sample(micro_batch) or rows) \
+                or not (serves_fused(self) or rows and not _flag(micro_batch, "use_fused_kernels")):
             return original(self, micro_batch, *args, **kwargs)
         return lay_out_inputs(original, self, micro_batch)
 
@@ -217,6 +276,11 @@ def lay_out_outputs(original, engine, output, output_args, micro_batch, logits_p
       not rl-kernels', remove-padding off, an engine that reads no ``fused_linear_aux``): one WARNING
       saying so; verl's loss then finds none."""
     step = step_request.get()
+    if "logits_rows" in step.inputs and not step.inputs.get("logits_rows_made"):
+        raise VerlIntegrationError("rl_kernels.integrations.verl: loss_rows_only on the logits path: the model's "
+                                   "forward did not run its output layer (get_output_embeddings()) on the step's "
+                                   "hidden states; set fused_kernel_options.rl_kernels.loss_rows_only=false for "
+                                   "this model")
     sum_pi_squared = step.sum_pi_squared and "sum_pi_squared" in step.outputs and \
         _flag(micro_batch, "calculate_sum_pi_squared") and _flag(micro_batch, "use_fused_kernels")
     if not sum_pi_squared:

@@ -10,10 +10,14 @@ anomaly capture when it is on (:func:`capture_logits`: the anomalous rows' logit
 what verl's takes (:func:`~.common.verl_fallback`): logits outside rl-kernels' kernels (float64,
 meta, nested, integer / bool, 0-d, empty), and the labels and ranks on which verl's own function
 returns another value or raises (:func:`_log_probs_domain`, :func:`_chunked_entropy_domain`) go to
-verl's own function, with a WARNING logged once per function and reason.
+verl's own function, with a WARNING logged once per function and reason. Under ``loss_rows_only``
+on this path the model made logits for the loss rows only (:func:`~.fsdp_engine.lay_out_inputs`):
+each function then computes those rows and hands verl the labels' shape, 0 elsewhere
+(:func:`on_loss_rows`).
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -26,7 +30,7 @@ from ...logits import entropy_from_logits as _rk_entropy_from_logits
 from ...logits import log_probs_from_logits as _rk_log_probs_from_logits
 from . import settings
 from .common import (VerlIntegrationError, check_chunk_size, outside_labels, record, replace_by_name,
-                     saved_for_backward, verl_fallback, verl_version)
+                     saved_for_backward, scatter_rows, step_request, verl_fallback, verl_version)
 from .signatures import check_verl_signature
 
 LOGITS_FUNCTIONS = ("logprobs_from_logits", "entropy_from_logits", "entropy_from_logits_with_chunking")
@@ -87,6 +91,35 @@ def _chunked_entropy_domain(arguments) -> str | None:
     return None
 
 
+def on_loss_rows(with_labels: bool):
+    """Decorator of a from-logits replacement: inside an FSDP engine step whose model made logits for
+    its loss rows only (``loss_rows_only`` on the logits path: the step request's
+    ``inputs['logits_rows']``, the flat index of those rows among the ``logits_rows_total`` label rows,
+    and ``logits_rows_made``, set by the output layer's hook), a call on exactly those logits
+    (``(selected, vocab_size)``) computes them (with the labels at those rows, ``with_labels``) and
+    returns the labels' shape ``(logits_rows_total,)``, 0 and no gradient elsewhere. Every other
+    call runs as it is."""
+    def decorate(fn):
+        @functools.wraps(fn)
+        def wrapper(logits, *args, **kwargs):
+            inputs = step_request.get().inputs
+            index = inputs.get("logits_rows")
+            if index is None or not inputs.get("logits_rows_made") or not isinstance(logits, torch.Tensor) \
+                    or logits.dim() != 2 or logits.shape[0] != index.numel():
+                return fn(logits, *args, **kwargs)
+            total = inputs["logits_rows_total"]
+            if with_labels:
+                args = list(args)
+                labels = args.pop(0) if args else kwargs.pop("labels")
+                if isinstance(labels, torch.Tensor) and labels.numel() == total:
+                    labels = labels.reshape(-1).index_select(0, index.to(labels.device))
+                args.insert(0, labels)
+            return scatter_rows(fn(logits, *args, **kwargs).reshape(-1), index, (total,))
+        return torch.compiler.disable(wrapper)  # (as the replacement itself: eager, a context read)
+    return decorate
+
+
+@on_loss_rows(with_labels=True)
 @verl_fallback(TORCH_FUNCTIONAL, "logprobs_from_logits", _log_probs_domain)
 def logprobs_from_logits(logits, labels, inplace_backward=True):
     """rl-kernels replacement for ``verl.utils.torch_functional.logprobs_from_logits``.
@@ -116,6 +149,7 @@ def logprobs_from_logits(logits, labels, inplace_backward=True):
     return out
 
 
+@on_loss_rows(with_labels=False)
 @verl_fallback(TORCH_FUNCTIONAL, "entropy_from_logits")
 def entropy_from_logits(logits):
     """rl-kernels replacement for ``verl.utils.torch_functional.entropy_from_logits``: float32
@@ -127,6 +161,7 @@ def entropy_from_logits(logits):
     return out
 
 
+@on_loss_rows(with_labels=False)
 @verl_fallback(TORCH_FUNCTIONAL, "entropy_from_logits_with_chunking", _chunked_entropy_domain)
 def entropy_from_logits_with_chunking(logits, chunk_size=2048):
     """rl-kernels replacement for ``entropy_from_logits_with_chunking``; rl-kernels always chunks
@@ -139,6 +174,7 @@ def entropy_from_logits_with_chunking(logits, chunk_size=2048):
     return out
 
 
+@on_loss_rows(with_labels=False)
 @verl_fallback(TORCH_FUNCTIONAL, SUM_PI_SQUARED_FUNCTION)
 def calculate_sum_pi_squared_from_logits(logits):
     """rl-kernels replacement for ``verl.utils.torch_functional.calculate_sum_pi_squared_from_logits``:
