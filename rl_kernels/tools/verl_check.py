@@ -766,10 +766,8 @@ def loss_rows_note(cfg: dict, entry: str = ENTRY) -> str | None:
     model, actor = _section(cfg, "actor_rollout_ref.model"), _section(cfg, "actor_rollout_ref.actor")
     if not isinstance(model, dict) or model.get("external_lib") != EXTERNAL_LIB:
         return None
-    fused_options = model.get("fused_kernel_options") or {}
-    try:
-        opts = validated_options((fused_options.get(BACKEND_NAME) if isinstance(fused_options, dict) else None) or {})
-    except (TypeError, ValueError):
+    opts = _note_options(model)
+    if opts is None:
         return None  # the verdict names the bad option
     if not opts.loss_rows_only:
         return None
@@ -834,6 +832,16 @@ def ignored_distillation_note(cfg: dict, overrides) -> str | None:
 FSDP_STRATEGIES = ("fsdp", "fsdp2")
 
 
+def _note_options(model: dict) -> VerlOptions | None:
+    """The options of the model config's ``fused_kernel_options.rl_kernels`` section, for the notes
+    after the verdict; None where one is bad (the verdict names it)."""
+    fused_options = model.get("fused_kernel_options") or {}
+    try:
+        return validated_options((fused_options.get(BACKEND_NAME) if isinstance(fused_options, dict) else None) or {})
+    except (TypeError, ValueError):
+        return None
+
+
 def sum_pi_squared_note(cfg: dict) -> str | None:
     """What serves Σπ² (``actor_rollout_ref.actor.calculate_sum_pi_squared=True``, for verl's
     optimal-token-baseline estimators) in the run this composed config makes; a line starting with
@@ -844,11 +852,10 @@ def sum_pi_squared_note(cfg: dict) -> str | None:
         return None
     if model.get("external_lib") != EXTERNAL_LIB:
         return None
-    fused_options = model.get("fused_kernel_options") or {}
-    try:
-        opts = validated_options((fused_options.get(BACKEND_NAME) if isinstance(fused_options, dict) else None) or {})
-    except (TypeError, ValueError):
+    opts = _note_options(model)
+    if opts is None:
         return None  # the verdict names the bad option
+    fused_options = model.get("fused_kernel_options") or {}
     strategy = actor.get("strategy")
     what = f"sum_pi_squared (actor.calculate_sum_pi_squared=True, strategy={strategy}"
     if not model.get("use_fused_kernels"):
@@ -944,10 +951,8 @@ def distillation_note(cfg: dict, entry: str = ENTRY) -> str | None:
                 f"external_lib (verl's fully-async trainer does), and {why_not}: verl would refuse the mode there "
                 f"('Unsupported loss mode'). Fix: VERL_USE_EXTERNAL_MODULES={PLUGIN} in the driver's environment and "
                 f"in +ray_kwargs.ray_init.runtime_env.env_vars")
-    fused_options = model.get("fused_kernel_options") or {}
-    try:
-        opts = validated_options((fused_options.get(BACKEND_NAME) if isinstance(fused_options, dict) else None) or {})
-    except (TypeError, ValueError):
+    opts = _note_options(model)
+    if opts is None:
         return None  # the verdict names the bad option
     registered = ("; the mode is registered in verl by the external_lib import" +
                   ("" if why_not else " and by rl-kernels' verl.plugins entry point")) if tail else ""
