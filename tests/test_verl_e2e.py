@@ -148,13 +148,14 @@ def _advantages(mask):
     return torch.randn(mask.shape, generator=torch.Generator().manual_seed(3)) * mask
 
 
-def _engine_batches():
-    """verl 0.8+: TensorDicts without padding, for compute_(ref_)log_prob and update_actor."""
+def _engine_batches(tensors=None):
+    """verl 0.8+: TensorDicts without padding, for compute_(ref_)log_prob and update_actor, from
+    ``tensors`` (default: :func:`rollout_tensors`' first)."""
     from tensordict import TensorDict
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import left_right_2_no_padding
 
-    batch = TensorDict(rollout_tensors()[0], batch_size=[2])
+    batch = TensorDict(rollout_tensors()[0] if tensors is None else tensors, batch_size=[2])
     infer = left_right_2_no_padding(batch.clone())
     tu.assign_non_tensor(infer, calculate_entropy=True, compute_loss=False, temperature=T)
     mask = batch["response_mask"]

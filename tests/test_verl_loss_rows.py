@@ -141,6 +141,21 @@ def _step(engine, micro_batch, loss_rows_only: bool):
     return out["log_probs"].values(), out["entropy"].values(), grads
 
 
+def _assert_same_on_the_loss_rows(got, ref, rows) -> None:
+    """``got`` / ``ref`` (log-probs, entropy, gradients) of a step with the option on / off: exactly 0
+    at the rows outside the loss (which the option-off run shows below -1 nat), the option off's values
+    on the loss rows, and its gradients."""
+    (lp, ent, grads), (ref_lp, ref_ent, ref_grads) = got, ref
+    assert bool((ref_lp[~rows] < -1).all())  # what the rows outside hold without the option
+    assert torch.equal(lp[~rows], torch.zeros_like(lp[~rows])) and torch.equal(ent[~rows], torch.zeros_like(ent[~rows]))
+    torch.testing.assert_close(lp[rows], ref_lp[rows], atol=VALUE_ATOL, rtol=0)
+    torch.testing.assert_close(ent[rows], ref_ent[rows], atol=VALUE_ATOL, rtol=0)
+    for name, grad in grads.items():
+        ref = ref_grads[name]
+        err = (grad - ref).norm() / ref.norm()
+        assert err < GRAD_RTOL, f"{name}: relative gradient error {err:.2e}"
+
+
 @pytest.mark.parametrize("layout", ["nested", "dense"])
 def test_loss_rows_only_equals_the_option_off_on_the_loss_rows(served, layout):
     model = tiny_qwen2()
@@ -152,14 +167,7 @@ def test_loss_rows_only_equals_the_option_off_on_the_loss_rows(served, layout):
     rows = _loss_rows_by_hand()
     # the packed rows and the 5 static pad rows: all but the loss rows skipped
     assert rkv.call_counts()["loss_rows_skipped_tokens"] - skipped == rows.numel() + 5 - int(rows.sum())
-    assert bool((ref_lp[~rows] < -1).all())  # what the rows outside hold without the option
-    assert torch.equal(lp[~rows], torch.zeros_like(lp[~rows])) and torch.equal(ent[~rows], torch.zeros_like(ent[~rows]))
-    torch.testing.assert_close(lp[rows], ref_lp[rows], atol=VALUE_ATOL, rtol=0)
-    torch.testing.assert_close(ent[rows], ref_ent[rows], atol=VALUE_ATOL, rtol=0)
-    for name, grad in grads.items():
-        ref = ref_grads[name]
-        err = (grad - ref).norm() / ref.norm()
-        assert err < GRAD_RTOL, f"{name}: relative gradient error {err:.2e}"
+    _assert_same_on_the_loss_rows((lp, ent, grads), (ref_lp, ref_ent, ref_grads), rows)
 
 
 def test_loss_rows_of_an_ulysses_rank(served, monkeypatch):
@@ -291,14 +299,7 @@ def test_loss_rows_only_on_the_logits_path(served, layout):
     ref_lp, ref_ent, ref_grads = _logits_step(engine, _micro_batch(layout, use_fused_kernels=False), False, seen_off)
     lp, ent, grads = _logits_step(engine, _micro_batch(layout, use_fused_kernels=False), True, seen_on)
     assert seen_off == [rows.numel() + 5] and seen_on == [int(rows.sum())]  # (5 static pad rows)
-    assert bool((ref_lp[~rows] < -1).all())
-    assert torch.equal(lp[~rows], torch.zeros_like(lp[~rows])) and torch.equal(ent[~rows], torch.zeros_like(ent[~rows]))
-    torch.testing.assert_close(lp[rows], ref_lp[rows], atol=VALUE_ATOL, rtol=0)
-    torch.testing.assert_close(ent[rows], ref_ent[rows], atol=VALUE_ATOL, rtol=0)
-    for name, grad in grads.items():
-        ref = ref_grads[name]
-        err = (grad - ref).norm() / ref.norm()
-        assert err < GRAD_RTOL, f"{name}: relative gradient error {err:.2e}"
+    _assert_same_on_the_loss_rows((lp, ent, grads), (ref_lp, ref_ent, ref_grads), rows)
 
 
 def test_logits_path_refuses_top_k_distillation_with_loss_rows(served):

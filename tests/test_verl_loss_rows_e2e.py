@@ -22,7 +22,7 @@ import torch
 pytest.importorskip("verl", reason="verl is not installed (pip install -e '.[verl]')")
 pytest.importorskip("ray", reason="ray is not installed (pip install -e '.[verl]')")
 
-from test_verl_e2e import (T, _advantages, _compose, _counts, _outputs, _params, assert_same_updates, model,  # noqa: E402,F401
+from test_verl_e2e import (_compose, _counts, _engine_batches, _outputs, _params, assert_same_updates, model,  # noqa: E402,F401
                            ray_cluster, release)
 from verl_cpu import legacy_workers, use_torch_padding, worker_class  # noqa: E402
 from verl_helpers import rollout_tensors  # noqa: E402
@@ -38,24 +38,6 @@ def _tensors():
     tensors["response_mask"][0, 1] = 0
     tensors["response_mask"][1, 2:4] = 0
     return tensors
-
-
-def _batches():
-    from tensordict import TensorDict
-    from verl.utils import tensordict_utils as tu
-    from verl.workers.utils.padding import left_right_2_no_padding
-
-    batch = TensorDict(_tensors(), batch_size=[2])
-    infer = left_right_2_no_padding(batch.clone())
-    tu.assign_non_tensor(infer, calculate_entropy=True, compute_loss=False, temperature=T)
-    mask = batch["response_mask"]
-    batch["advantages"] = _advantages(mask)
-    batch["old_log_probs"] = torch.zeros(mask.shape)  # on-policy: verl uses the detached log-probs
-    update = left_right_2_no_padding(batch)
-    tu.assign_non_tensor(update, calculate_entropy=True, distillation_use_topk=False, distillation_only=False,
-                         global_batch_size=2, mini_batch_size=2, epochs=1, seed=1,
-                         dataloader_kwargs={"shuffle": False}, compute_loss=True, temperature=T)
-    return infer, update
 
 
 def _metrics(result) -> dict:
@@ -84,7 +66,7 @@ def _run(ray, config):
         worker = group.workers[0]
         actor = group.spawn(prefix_set={"actor"})["actor"]
         actor.init_model()
-        infer, update = _batches()
+        infer, update = _engine_batches(_tensors())
         out["counts_init"] = ray.get(worker.__ray_call__.remote(_counts))[0]
         result = actor.compute_log_prob(infer)
         out["log_probs"], out["entropy"] = (_outputs(result, infer, key) for key in ("log_probs", "entropy"))
