@@ -356,15 +356,33 @@ def _check_engine_entropy_on_request(rkv, rkm, mcore, rank, world):
 
 
 # ----------------------------------------------------------------------------- Σπ² on the fused path
+class _StandInOutputLayer(torch.nn.Module):
+    """What verl's logits path needs of Megatron's ColumnParallelLinear output layer: this rank's
+    vocab shard of the logits, ``(S, 1, V_r)``, and ``(logits, bias)`` returned; with
+    ``sequence_parallel`` its input is this rank's ``S / tp`` rows, all-gathered first (backward:
+    summed over the group, this rank's rows)."""
+
+    def __init__(self, weight_shard, sequence_parallel=False):
+        super().__init__()
+        self.weight_shard, self.sequence_parallel = weight_shard, sequence_parallel
+
+    def forward(self, hidden):
+        if self.sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(hidden)
+        return hidden @ self.weight_shard.T, None
+
+
 class _StandInGPT(torch.nn.Module):
     """What verl's Megatron engine forwards need of a GPTModel on the last pipeline stage: packed
     THD input ids -> hidden (S, 1, H) from a random embedding, then either Megatron's output
     processor hook (the fused path: verl's fused_output_processor on this rank's vocab shard) or
-    this rank's logits shard (1, S, V_r) (the logits path)."""
+    its ``output_layer`` (the logits path: this rank's logits shard (1, S, V_r); with
+    ``sequence_parallel`` the layer gets this rank's S / tp rows of the hidden states)."""
 
-    def __init__(self, embedding, weight_shard):
+    def __init__(self, embedding, weight_shard, sequence_parallel=False):
         super().__init__()
         self.embedding, self.weight_shard = embedding, weight_shard
+        self.output_layer = _StandInOutputLayer(weight_shard, sequence_parallel)
         self.pre_process = self.post_process = True
         self.config = types.SimpleNamespace(fp8=None, sequence_parallel=False, config_logger_dir="")
         self._verl_fused_forward_mode = "hook"  # verl's mode for Megatron-Core >= 0.18's output processor
@@ -375,7 +393,9 @@ class _StandInGPT(torch.nn.Module):
         if output_processor is not None:
             return output_processor(hidden_states=hidden, output_layer=None, output_weight=self.weight_shard,
                                     labels=labels, context=output_processor_context, config=self.config)
-        return (hidden @ self.weight_shard.T).transpose(0, 1)
+        if self.output_layer.sequence_parallel:
+            hidden = hidden.chunk(dist.get_world_size())[dist.get_rank()]
+        return self.output_layer(hidden)[0].transpose(0, 1)
 
 
 ENGINE_LENGTHS = (7, 5)  # the two packed sequences of _engine_step
@@ -752,7 +772,10 @@ def _check_engine_loss_rows(rkv, mti, rank, world):
     the gradients (embedding rows, this rank's weight shard) of a loss that reads only the loss rows
     equal (GRAD); the skipped rows counted (every packed row, pads included, minus the loss rows). A
     micro-batch with no loss row still runs the head on every rank (0 rows; the TP collectives
-    matched): all 0, zero gradients. Σπ² with top-K distillation is refused, naming both."""
+    matched): all 0, zero gradients. Σπ² with top-K distillation is refused, naming both. The
+    logits path the same way, with and without sequence parallelism (the output layer's hidden
+    states selected per rank, verl's logits 0 outside the loss rows); with top-K distillation it
+    is refused, naming the option."""
     gen = torch.Generator().manual_seed(13)
     vocab, n = world * V_R, sum(ENGINE_LENGTHS)
     embedding, weight = torch.randn(vocab, H, generator=gen), torch.randn(vocab, H, generator=gen) * 0.5
@@ -761,15 +784,15 @@ def _check_engine_loss_rows(rkv, mti, rank, world):
     flags = {"calculate_entropy": True, "calculate_sum_pi_squared": True}
     packed_rows = sum(-(-length // world) * world for length in ENGINE_LENGTHS)  # verl's TP alignment pad
 
-    def step(response_mask, only):
+    def step(response_mask, only, fused=True, sequence_parallel=False):
         emb, shard = embedding.clone().requires_grad_(), weight[rank * V_R:(rank + 1) * V_R].clone().requires_grad_()
         loss_mask = torch.nested.nested_tensor([torch.tensor(m, dtype=torch.int64) for m in response_mask],
                                                layout=torch.jagged)
         rkv.configure(loss_rows_only=only)
         before = rkv.call_counts()["loss_rows_skipped_tokens"]
         try:
-            out, _ = _engine_step(mti, _StandInGPT(emb, shard), True, {"loss_mask": loss_mask}, flags, grad=True,
-                                  temperature=temps)
+            out, _ = _engine_step(mti, _StandInGPT(emb, shard, sequence_parallel), fused, {"loss_mask": loss_mask},
+                                  flags, grad=True, temperature=temps)
         finally:
             rkv.configure(loss_rows_only=False)
         skipped = rkv.call_counts()["loss_rows_skipped_tokens"] - before
@@ -826,6 +849,36 @@ def _check_engine_loss_rows(rkv, mti, rank, world):
         assert "calculate_sum_pi_squared=True" in str(e) and "top-K distillation" in str(e), e
     else:
         raise AssertionError("Σπ² with top-K distillation on the Megatron fused path was not refused")
+    # the logits path: the output layer runs on the loss rows (with sequence parallelism: each rank's
+    # own rows' loss rows, padded to the group's largest count), verl's logits keep every row (0 outside)
+    calls = rkv.call_counts()["megatron_logits_log_probs_calls"]
+    for sequence_parallel in (False, True):
+        (lp, ent, sq), d_emb, d_w, skipped, rows = step(RESPONSE_LOSS_MASK, True, False, sequence_parallel)
+        (lp0, ent0, sq0), d_emb0, d_w0, skipped0, _ = step(RESPONSE_LOSS_MASK, False, False, sequence_parallel)
+        assert skipped0 == 0 and skipped == packed_rows - int(rows.sum()) > 0, (skipped, packed_rows)
+        for got, want in ((lp, lp0), (ent, ent0), (sq, sq0)):
+            torch.testing.assert_close(got[rows], want[rows], **VAL)
+            assert bool((got[~rows] == 0).all()), got
+            assert bool((want[~rows] != 0).any())
+            assert _same_on_all_ranks(got.detach())
+        torch.testing.assert_close(d_emb, d_emb0, **GRAD)
+        torch.testing.assert_close(d_w, d_w0, **GRAD)
+        assert float(d_w.abs().max()) > 1e-2
+        (lp, ent, sq), d_emb, d_w, skipped, _ = step(none, True, False, sequence_parallel)
+        assert skipped == packed_rows and all(bool((t == 0).all()) for t in (lp, ent, sq))
+        assert float(d_w.abs().max()) == 0 and (d_emb is None or float(d_emb.abs().max()) == 0)
+    assert rkv.call_counts()["megatron_logits_log_probs_calls"] == calls + 4  # rl-kernels' functions computed them
+    rkv.configure(loss_rows_only=True)
+    try:  # verl's distillation reads every row's logits: refused, naming the option
+        _engine_step(mti, _StandInGPT(embedding, weight[rank * V_R:(rank + 1) * V_R]), False,
+                     {"loss_mask": tensors["loss_mask"], "teacher_logprobs": tensors["teacher_logprobs"],
+                      "teacher_ids": tensors["teacher_ids"]}, flags=topk_flags)
+    except rkv.VerlIntegrationError as e:
+        assert "loss_rows_only" in str(e) and "top-K distillation" in str(e), e
+    else:
+        raise AssertionError("loss_rows_only with top-K distillation on the Megatron logits path was not refused")
+    finally:
+        rkv.configure(loss_rows_only=False)
 
 
 # ----------------------------------------------------------------------------- anomaly capture

@@ -568,7 +568,12 @@ ROWS = f"++{MODEL}.fused_kernel_options.rl_kernels.loss_rows_only=true"
     (("+rl_kernels=logits", ROWS), 0, "rl-kernels is ON: logits path",
      "loss_rows_only (strategy=fsdp, logits path): the LM head runs only on the rows whose loss_mask is 1"),
     (("+rl_kernels=logits", ROWS, "actor_rollout_ref.actor.strategy=megatron"), 0, "rl-kernels is ON: logits path",
-     "WARNING: loss_rows_only=true is not served on the logits path of engine 'megatron' (use_fused_kernels=False): "
+     "loss_rows_only (strategy=megatron, logits path): the LM head runs only on the rows whose loss_mask is 1"),
+    (("+rl_kernels=logits", ROWS, "actor_rollout_ref.actor.strategy=megatron", f"++{MODEL}.mtp.enable=True",
+      f"++{MODEL}.mtp.enable_train=True"), 1,
+     "rl-kernels is OFF: loss_rows_only: MTP training (model.mtp.enable_train=True) runs the output layer", None),
+    (("+rl_kernels=logits", ROWS, "actor_rollout_ref.actor.strategy=dp2"), 0, "rl-kernels is ON: logits path",
+     "WARNING: loss_rows_only=true is not served on the logits path of engine 'dp2' (use_fused_kernels=False): "
      "the LM head computes every row. Fix: +rl_kernels=fused"),
     (("+rl_kernels=fused", ROWS, "actor_rollout_ref.actor.policy_loss.loss_mode=my_loss"), 1,
      "rl-kernels is OFF: loss_rows_only: actor.policy_loss.loss_mode=my_loss is not one audited for loss_rows_only",

@@ -55,13 +55,14 @@ class VerlOptions:
     loss_rows_only: run the LM head only on the rows whose loss mask is 1 (verl #7686: a long
         agentic trajectory's prompt, tool-output and observation tokens never reach the loss), on
         the fused paths (FSDP with ``impl_backend=rl_kernels`` and remove-padding, Megatron) and the
-        FSDP logits path (remove-padding: the model's output layer gets the loss rows only): a row
+        logits paths (remove-padding: the model's output layer gets the loss rows only): a row
         with loss mask 0 gets log-prob 0, entropy 0, Σπ² 0, no distillation term and no gradient,
         and does not enter the head's GEMMs. Every built-in verl consumer of these outputs reads
         them through ``response_mask`` (audit in docs/verl.md); a micro-batch outside the audit
         (``loss_mask`` in the SFT layout, ``return_model_output``, a ``response_mask`` with a 1
-        where ``loss_mask`` has 0; top-K distillation on the FSDP logits path) raises, naming what to
-        turn off. The Megatron logits path is not served (it computes every row, with a WARNING).
+        where ``loss_mask`` has 0; top-K distillation on a logits path; MTP training on the Megatron
+        logits path) raises, naming what to turn off. On the Megatron logits path verl's logits keep
+        every row (0 outside the loss rows): the GEMMs shrink, not the logits' memory.
     anomaly_dir: turn on anomaly capture (:mod:`rl_kernels.integrations.anomaly`) on every path
         rl-kernels serves (fused and logits, FSDP and Megatron), writing samples here (an absolute
         path: a relative one is resolved by each worker against its own working directory).

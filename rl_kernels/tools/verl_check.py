@@ -757,12 +757,12 @@ def check(overrides: list[str], entry: str = ENTRY, flags: tuple[str, ...] = ())
 
 def loss_rows_note(cfg: dict, entry: str = ENTRY) -> str | None:
     """What the option ``loss_rows_only`` does in the run this composed config makes (None where it
-    is off or rl-kernels is not imported): served on the fused paths of the FSDP and Megatron
-    engines; a line starting with ``REFUSED:`` where the integration would refuse it at the first
-    engine step (a loss outside the audit of docs/verl.md, PrefixGrouper, the padded layout, top-K
-    distillation on the FSDP logits path: the workers raise, so the verdict turns OFF), a
-    ``WARNING:`` where it is not served (the Megatron logits path, another engine, a trainer entry
-    point outside the audit)."""
+    is off or rl-kernels is not imported): served on the fused and logits paths of the FSDP and
+    Megatron engines; a line starting with ``REFUSED:`` where the integration would refuse it at
+    the first engine step (a loss outside the audit of docs/verl.md, PrefixGrouper, the padded
+    layout, top-K distillation on a logits path, MTP training on the Megatron logits path: the
+    workers raise, so the verdict turns OFF), a ``WARNING:`` where it is not served (another
+    engine, a switch that turns rl-kernels' path off, a trainer entry point outside the audit)."""
     model, actor = _section(cfg, "actor_rollout_ref.model"), _section(cfg, "actor_rollout_ref.actor")
     if not isinstance(model, dict) or model.get("external_lib") != EXTERNAL_LIB:
         return None
@@ -784,16 +784,23 @@ def loss_rows_note(cfg: dict, entry: str = ENTRY) -> str | None:
         return f"REFUSED: {why} (the workers raise VerlIntegrationError at the first micro-batch)"
     strategy = actor.get("strategy")
     fused = bool(model.get("use_fused_kernels"))
-    if strategy in FSDP_STRATEGIES and not model.get("use_remove_padding", True):
+    served_engine = strategy in FSDP_STRATEGIES + ("megatron",)
+    if not model.get("use_remove_padding", True) and (strategy in FSDP_STRATEGIES or strategy == "megatron" and not fused):
         return ("REFUSED: loss_rows_only: use_remove_padding=False is not served (the padded layout); set "
                 "use_remove_padding=True or fused_kernel_options.rl_kernels.loss_rows_only=false")
-    if not fused and strategy in FSDP_STRATEGIES:
+    if not fused and served_engine:
+        engine = "FSDP" if strategy in FSDP_STRATEGIES else "Megatron"
         if not opts.patch_logits_path:
             return ("WARNING: loss_rows_only=true is not served on the logits path with patch_logits_path=False: the "
                     "LM head computes every row")
         if _topk_distillation(cfg) is not None:
-            return ("REFUSED: loss_rows_only together with top-K distillation on the FSDP logits path is not served; "
-                    "use the fused path (+rl_kernels=fused) or set fused_kernel_options.rl_kernels.loss_rows_only=false")
+            return (f"REFUSED: loss_rows_only together with top-K distillation on the {engine} logits path is not "
+                    f"served; use the fused path (+rl_kernels=fused) or set "
+                    f"fused_kernel_options.rl_kernels.loss_rows_only=false")
+        mtp = model.get("mtp") if isinstance(model.get("mtp"), dict) else {}
+        if engine == "Megatron" and mtp.get("enable") is True and mtp.get("enable_train") is True:
+            return ("REFUSED: loss_rows_only: MTP training (model.mtp.enable_train=True) runs the output layer on "
+                    "other rows too; set fused_kernel_options.rl_kernels.loss_rows_only=false")
     elif not fused:
         return (f"WARNING: loss_rows_only=true is not served on the logits path of engine {strategy!r} "
                 f"(use_fused_kernels=False): the LM head computes every row. Fix: +rl_kernels=fused")

@@ -69,9 +69,9 @@ yourself). The import calls :func:`patch`, which
   that step only when the head delivered it; verl's own code lays it out where its logits path puts
   it (:func:`.fsdp_engine.lay_out_outputs`, :mod:`.megatron_step`).
 * **Loss rows only** (the option ``loss_rows_only``, off by default; verl #7686): the fused heads
-  of both engines run on the rows whose ``loss_mask`` is 1 only, the others getting 0 and no
-  gradient (:func:`.fsdp_engine.lay_out_inputs`, :mod:`.megatron_step`; the audit of who reads which
-  rows in docs/verl.md).
+  and the logits paths' output layers of both engines run on the rows whose ``loss_mask`` is 1
+  only, the others getting 0 and no gradient (:func:`.fsdp_engine.lay_out_inputs`,
+  :mod:`.megatron_step`; the audit of who reads which rows in docs/verl.md).
 
 :func:`patch` logs, per engine, exactly what it replaced (also :func:`report`); when verl builds
 an engine, the engine is named once, with a warning if rl-kernels does not serve it (VeOmni,

@@ -92,29 +92,47 @@ def _chunked_entropy_domain(arguments) -> str | None:
 
 
 def on_loss_rows(with_labels: bool):
-    """Decorator of a from-logits replacement: inside an FSDP engine step whose model made logits for
-    its loss rows only (``loss_rows_only`` on the logits path: the step request's
-    ``inputs['logits_rows']``, the flat index of those rows among the ``logits_rows_total`` label rows,
-    and ``logits_rows_made``, set by the output layer's hook), a call on exactly those logits
-    (``(selected, vocab_size)``) computes them (with the labels at those rows, ``with_labels``) and
-    returns the labels' shape ``(logits_rows_total,)``, 0 and no gradient elsewhere. Every other
-    call runs as it is."""
+    """Decorator of a from-logits replacement (FSDP and Megatron logits paths): inside an engine step
+    whose model's output layer ran on the loss rows only (``loss_rows_only`` on the logits path: the
+    step request's ``inputs['logits_rows']``, the flat index of those rows among the
+    ``logits_rows_total`` label rows, and ``logits_rows_made``, set by the output layer's hook), a
+    call on
+
+    * the loss rows' logits alone (``(selected, vocab_size)``: FSDP, where the model hands verl
+      those), or
+    * logits with every label row (``(..., vocab_size)``, 0 outside the loss rows: Megatron, whose
+      engine asserts the logits have the labels' rows, :func:`.megatron_step.select_hidden_rows`)
+
+    computes the loss rows (with the labels at those rows, ``with_labels``) and returns the labels'
+    shape (``(logits_rows_total,)`` / ``logits.shape[:-1]``), 0 and no gradient elsewhere (no loss
+    row: all 0, no function called). Every other call runs as it is."""
     def decorate(fn):
         @functools.wraps(fn)
         def wrapper(logits, *args, **kwargs):
             inputs = step_request.get().inputs
             index = inputs.get("logits_rows")
             if index is None or not inputs.get("logits_rows_made") or not isinstance(logits, torch.Tensor) \
-                    or logits.dim() != 2 or logits.shape[0] != index.numel():
+                    or logits.dim() < 2:
                 return fn(logits, *args, **kwargs)
-            total = inputs["logits_rows_total"]
+            total, rows = inputs["logits_rows_total"], logits.shape[:-1].numel()
+            index = index.to(logits.device)
+            if logits.dim() == 2 and rows == index.numel():  # the loss rows alone
+                shape = (total,)
+            elif rows == total:  # every label row: the loss rows selected, kept in the logits' rank
+                shape = logits.shape[:-1]
+                logits = logits.reshape(total, -1).index_select(0, index)
+                logits = logits.unsqueeze(0) if len(shape) == 2 else logits
+            else:
+                return fn(logits, *args, **kwargs)
+            if index.numel() == 0:  # no loss row (on every rank of a TP group: they hold the same mask)
+                return scatter_rows(logits.reshape(-1, logits.shape[-1])[:0].sum(-1).float(), index, shape)
             if with_labels:
                 args = list(args)
                 labels = args.pop(0) if args else kwargs.pop("labels")
                 if isinstance(labels, torch.Tensor) and labels.numel() == total:
-                    labels = labels.reshape(-1).index_select(0, index.to(labels.device))
+                    labels = labels.reshape(-1).index_select(0, index.to(labels.device)).view(logits.shape[:-1])
                 args.insert(0, labels)
-            return scatter_rows(fn(logits, *args, **kwargs).reshape(-1), index, (total,))
+            return scatter_rows(fn(logits, *args, **kwargs).reshape(-1), index, shape)
         return torch.compiler.disable(wrapper)  # (as the replacement itself: eager, a context read)
     return decorate
 

@@ -18,6 +18,10 @@ imports these by name from ``verl.utils.megatron.tensor_parallel``; the logits a
   :func:`rl_kernels.entropy_from_logits` (rl-kernels always chunks; ``chunk_size`` is validated)
 * ``vocab_parallel_sum_pi_squared(vocab_parallel_logits)`` -> ``rl_kernels.sum_pi_squared_from_logits``
 
+Under ``loss_rows_only`` the model's output layer ran on the loss rows only and the logits are 0
+elsewhere (:func:`.megatron_step.select_hidden_rows`): each function computes the loss rows and
+returns 0 elsewhere (:func:`~.logits.on_loss_rows`).
+
 float32 outputs of shape ``logits.shape[:-1]``, differentiable, and none of them writes into the
 logits (verl's Megatron cross-entropy does, which is why verl clones the logits first; that
 clone stays verl's). Logits outside rl-kernels' kernels (float64, integer, empty, ...), labels in no
@@ -94,7 +98,7 @@ from .common import (VerlIntegrationError, check_chunk_size, check_signature, co
                      select_rows, set_attr, verl_fallback, verl_version)
 from .distill import MEGATRON_MODULE as MEGATRON_DISTILLATION_MODULE
 from .distill import NOT_IN_THIS_VERL
-from .logits import capture_logits
+from .logits import capture_logits, on_loss_rows
 from .megatron_step import ENGINE, head_inputs, serve_megatron_topk
 from .settings import options
 from .signatures import has_module
@@ -169,6 +173,7 @@ def _vocab_parallel_chunked_entropy_domain(arguments) -> str | None:
     return None
 
 
+@on_loss_rows(with_labels=True)
 @verl_fallback(TENSOR_PARALLEL_MODULE, "vocab_parallel_log_probs_from_logits", _vocab_parallel_log_probs_domain)
 def vocab_parallel_log_probs_from_logits(logits, labels):
     """rl-kernels replacement for verl's ``vocab_parallel_log_probs_from_logits`` (float32,
@@ -180,6 +185,7 @@ def vocab_parallel_log_probs_from_logits(logits, labels):
     return out
 
 
+@on_loss_rows(with_labels=False)
 @verl_fallback(TENSOR_PARALLEL_MODULE, "vocab_parallel_entropy")
 def vocab_parallel_entropy(vocab_parallel_logits):
     """rl-kernels replacement for verl's ``vocab_parallel_entropy`` (float32, non-destructive)."""
@@ -190,6 +196,7 @@ def vocab_parallel_entropy(vocab_parallel_logits):
     return out
 
 
+@on_loss_rows(with_labels=False)
 @verl_fallback(TENSOR_PARALLEL_MODULE, "vocab_parallel_entropy_with_chunking",
                _vocab_parallel_chunked_entropy_domain)
 def vocab_parallel_entropy_with_chunking(vocab_parallel_logits, chunk_size=2048):
@@ -203,6 +210,7 @@ def vocab_parallel_entropy_with_chunking(vocab_parallel_logits, chunk_size=2048)
     return out
 
 
+@on_loss_rows(with_labels=False)
 @verl_fallback(TENSOR_PARALLEL_MODULE, "vocab_parallel_sum_pi_squared")
 def vocab_parallel_sum_pi_squared(vocab_parallel_logits):
     """rl-kernels replacement for verl's ``vocab_parallel_sum_pi_squared``: sum over the whole
@@ -436,9 +444,9 @@ def patch(*, logits_path: bool, fused_path: bool, sum_pi_squared: bool) -> dict:
                                                    f"and {len(places)} by-name import(s) "
                                                    f"({', '.join(places) or 'none loaded yet'})")
     if fused_path:
-        report["Megatron fused path"], step_parts = _patch_fused(mcore_tp)
+        report["Megatron fused path"], step_parts = _patch_fused(mcore_tp, logits_path)
     else:  # the engine's forward_step still says (once) that a fused top-K batch gets no distillation outputs
-        _, step_parts = megatron_step.install(head=False)
+        _, step_parts = megatron_step.install(head=False, logits_path=logits_path)
     report.update(step_parts)
     return report
 
@@ -473,7 +481,7 @@ def _engine_functions():
     return tensor_parallel, missing
 
 
-def _patch_fused(mcore_tp) -> tuple:
+def _patch_fused(mcore_tp, logits_path: bool) -> tuple:
     """((replaced?, what) of the fused path, ``{part: (served?, what)}`` of :mod:`.megatron_step`'s
     parts): rl-kernels' head where verl's fused forwards call ``linear_cross_entropy``, then the
     step request's wrappers (:func:`.megatron_step.install`)."""
@@ -498,7 +506,7 @@ def _patch_fused(mcore_tp) -> tuple:
         logger.info("rl_kernels: verl's Megatron fused forwards are not importable (%s): the Megatron "
                     "fused path is not patched", "; ".join(skipped))
         why = f"not patched ({'; '.join(skipped)})"
-        _, parts = megatron_step.install(head=False)
+        _, parts = megatron_step.install(head=False, logits_path=logits_path)
         return (False, why), {**parts, megatron_step.FUSED_SUM_PI_SQUARED_PART: (False, why),
                               megatron_step.TEMPERATURE_PART: (False, why)}
     gather = _make_gather(original_gather)
@@ -518,7 +526,7 @@ def _patch_fused(mcore_tp) -> tuple:
     # the 1F1B-overlap postprocess imports it from megatron.core.tensor_parallel at call time
     set_attr(mcore_tp, GATHER, gather, restore_imports=True)
     fused = next((m for m in modules if m.__name__ == FUSED_MODULES[0]), None)
-    entropy, parts = megatron_step.install(head=True, fused_module=fused)
+    entropy, parts = megatron_step.install(head=True, fused_module=fused, logits_path=logits_path)
     line = (f"{', '.join(places)} (dh over the TP group summed by gather_from_sequence_parallel_region under "
             f"sequence parallelism, else all-reduced by rl-kernels); {entropy}")
     if skipped:

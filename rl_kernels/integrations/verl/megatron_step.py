@@ -20,7 +20,8 @@ by five wrappers, one per verl target, installed together by :func:`install`:
    calls it inside ``forward_step``; a tensor of unequal temperatures, each value first checked by
    verl's own function, is recorded in the step's ``inputs['temperature_per_sample']`` and verl
    gets its stand-in number 1.0 (:data:`STAND_IN`); elsewhere verl's function as it is.
-3. ``model_forward_fused.preprocess_thd_engine`` (:func:`_laying_out_inputs`): the call that packs
+3. ``preprocess_thd_engine`` as ``model_forward_fused`` binds it (and ``model_forward``, the
+   logits path's, where ``loss_rows_only`` is served there; :func:`_laying_out_inputs`): the call that packs
    the labels (``need_roll=True``: TP / CP alignment pads, the CP split, the roll) lays out every
    per-token input of the step with the same arguments, into ``step.inputs`` (``(1, T_local)`` or
    ``(1, T_local, K)``, this rank's label rows): the teacher's tensors and the per-sample temperature
@@ -36,6 +37,11 @@ by five wrappers, one per verl target, installed together by :func:`install`:
    :func:`~.common.entropy_on_request` with its ``calculate_entropy``, and raises when a per-sample
    temperature was asked and the model's last stage computed its log-probs without rl-kernels'
    head (never verl's stand-in 1.0 silently).
+
+On the logits path (``use_fused_kernels=False``) the request carries ``loss_rows_only`` only: the
+model's output layer runs on the loss rows (:func:`select_hidden_rows`, :func:`scatter_logits_rows`,
+hooks installed by wrapper 1 for the step), and verl's from-logits functions, which are
+rl-kernels' (:mod:`.megatron`), compute those rows.
 
 The head reads the step through :func:`head_inputs` (the laid-out inputs for its labels; a
 per-sample temperature that was not laid out raises there) and serves top-K distillation with
@@ -56,8 +62,8 @@ import torch
 from ..._logging import log_once
 from ...distill import linear_log_probs_at_ids
 from ..verl_modes import TAIL_MODE, is_tail_mode
-from .common import (VerlIntegrationError, check_loss_rows_audit, entropy_on_request, loss_mask_by_token, new_step, record,
-                     replace_by_name, set_attr, step_request)
+from .common import (VerlIntegrationError, check_loss_rows_audit, count, entropy_on_request, loss_mask_by_token,
+                     new_step, record, refuse_loss_rows, replace_by_name, set_attr, step_request)
 from .distill import (_OVERLAP, MEGATRON_ENGINE_CLASS, MEGATRON_ENGINE_MODULE, MEGATRON_FUSED_MODULE,
                       MEGATRON_FUSED_PART, MEGATRON_MODULE, NOT_IN_THIS_VERL, STEP_PARAMETERS, _flag, _loss_config,
                       _token_rows, fused_overlap_metrics)
@@ -78,22 +84,23 @@ ENGINE_FORWARD_FACTORIES = ("get_mcore_forward_fused_model_engine_fn", "get_mcor
 """verl's factories (in ``verl.models.mcore``) of the Megatron engine's fused forward, which takes
 ``calculate_entropy``: 0.8 / 0.9 import the first at call time, 0.7.x binds the second by name."""
 PREPROCESS, POSTPROCESS = "preprocess_thd_engine", "postprocess_thd_engine"
+LOGITS_FORWARD_MODULE = "verl.models.mcore.model_forward"
+"""verl's Megatron engine logits-path forwards (``gptmodel_forward_model_engine``), which bind
+``preprocess_thd_engine`` by name."""
 RESOLVE = "_resolve_fused_temperature"
-LOGITS_PATH_ROWS = ("rl_kernels: loss_rows_only=true is served on the fused paths only (FSDP with "
-                    "impl_backend=rl_kernels, Megatron with use_fused_kernels=True); this Megatron engine runs verl's "
-                    "logits path (use_fused_kernels=False): the LM head computes every row")
-
-
 class Served(NamedTuple):
     """What :func:`install` serves on the fused path (the head installed and each wrapper in place)."""
 
     sum_pi_squared: bool = False
     distillation: bool = False
     temperature: bool = False
+    logits_rows: bool = False
+    """``loss_rows_only`` on the logits path: verl's from-logits functions are rl-kernels' and the
+    logits forward's ``preprocess_thd_engine`` is wrapped (the loss-row mask laid out)."""
 
 
 # ----------------------------------------------------------------------------- the step request
-def step_for(batch, loss_function, fused: bool, served: Served) -> tuple[dict, dict]:
+def step_for(batch, loss_function, fused: bool, served: Served, engine=None) -> tuple[dict, dict]:
     """The step request of one Megatron engine micro-batch: ``(fields, by_token)``, the
     :class:`~.common.StepRequest` fields to put in force and the per-token tensors
     (``name -> (nested tensor in the input_ids layout, rolled like the labels?)``) that
@@ -109,15 +116,36 @@ def step_for(batch, loss_function, fused: bool, served: Served) -> tuple[dict, d
     =====================  =========================================================================
 
     Σπ² with top-K distillation is refused here, before the model runs, by one
-    VerlIntegrationError naming both. The logits path (``use_fused_kernels=False``) gets an empty
-    request (verl computes everything there; ``loss_rows_only`` is said once not to be served).
-    ``loss_rows_only`` refuses the losses (:func:`~.common.check_loss_rows_audit`) and micro-batches
+    VerlIntegrationError naming both. On the logits path (``use_fused_kernels=False``) verl computes
+    everything; the request then only carries ``loss_rows_only`` (the model's output layer runs on
+    the loss rows: :func:`select_hidden_rows`), refused with top-K distillation (verl's distillation
+    reads every row's logits), MTP training (a second output-layer call on other rows) and the
+    padded layout (``use_remove_padding=False``), each naming the option. ``loss_rows_only``
+    refuses the losses (:func:`~.common.check_loss_rows_audit`) and micro-batches
     (:func:`~.common.loss_mask_by_token`) the audit of docs/verl.md does not cover."""
-    fields = {"engine": None, "sum_pi_squared": False, "distillation": None}
+    fields = {"engine": None, "sum_pi_squared": False, "distillation": None, "loss_rows_only": False}
+    by_token = {}
+    if options().loss_rows_only and not (fused or served.logits_rows):
+        log_once(logging.WARNING, "rl_kernels: loss_rows_only=true is not served on this Megatron engine's logits "
+                 "path (verl's from-logits functions or its logits forward are not rl-kernels' here: "
+                 "patch_logits_path=False, or this verl lays out no tensors by name): the LM head computes every row")
+    elif options().loss_rows_only:  # read per micro-batch
+        check_loss_rows_audit(loss_function)
+        if not fused:
+            off = "set fused_kernel_options.rl_kernels.loss_rows_only=false"
+            if _flag(batch, "distillation_use_topk"):
+                refuse_loss_rows("top-K distillation on the Megatron logits path is not served with it (verl's "
+                                 "distillation reads the logits of every row)", off + " or use_fused_kernels=True")
+            config = getattr(engine, "engine_config", None)
+            if config is not None and not getattr(config, "use_remove_padding", True):
+                refuse_loss_rows("use_remove_padding=False is not served (the padded layout)", off)
+            mtp = getattr(getattr(engine, "model_config", None), "mtp", None)
+            if getattr(mtp, "enable", False) and getattr(mtp, "enable_train", False):
+                refuse_loss_rows("MTP training runs the output layer on other rows too", off)
+        fields["loss_rows_only"] = True
+        by_token["loss_rows"] = (loss_mask_by_token(batch), True)
     if not fused:
-        if options().loss_rows_only:
-            log_once(logging.WARNING, LOGITS_PATH_ROWS)
-        return fields, {}
+        return fields, by_token
     fields["engine"] = ENGINE
     sum_pi_squared = bool(_flag(batch, "calculate_sum_pi_squared"))
     topk = bool(_flag(batch, "distillation_use_topk"))
@@ -126,16 +154,12 @@ def step_for(batch, loss_function, fused: bool, served: Served) -> tuple[dict, d
                                    "top-K distillation (distillation_use_topk) on the Megatron fused path is not "
                                    "served; use use_fused_kernels=False (verl's logits path) for this run")
     fields["sum_pi_squared"] = sum_pi_squared and served.sum_pi_squared
-    by_token = {}
     keys = batch.keys()
     if topk and served.distillation and "teacher_ids" in keys and "teacher_logprobs" in keys:
         fields["distillation"] = _loss_config(loss_function)
         by_token.update(teacher_log_probs=(batch["teacher_logprobs"], False),
                         teacher_ids=(batch["teacher_ids"], False),
                         teacher_rows=(_token_rows(batch["teacher_ids"]), False))
-    if options().loss_rows_only:  # read per micro-batch
-        check_loss_rows_audit(loss_function)
-        by_token["loss_rows"] = (loss_mask_by_token(batch), True)
     return fields, by_token
 
 
@@ -149,7 +173,7 @@ def _forward_step(method, served: Served):
 
         batch = next(batch_iter)
         fused = bool(_flag(batch, "use_fused_kernels", self.engine_config.use_fused_kernels))
-        fields, by_token = step_for(batch, logits_processor_func, fused, served)
+        fields, by_token = step_for(batch, logits_processor_func, fused, served, self)
         sent = batch
         if fields["sum_pi_squared"]:  # verl's refusal comes before the model runs: the flag hidden from it
             sent = batch.copy()
@@ -157,11 +181,18 @@ def _forward_step(method, served: Served):
         token = new_step(**fields)
         step = step_request.get()
         step.inputs["by_token"] = by_token
+        hooks = _output_layer_hooks(model) if step.loss_rows_only and not fused else ()
         try:
             output, postprocess = method(self, itertools.chain([sent], batch_iter), model, logits_processor_func,
                                          postprocess_micro_batch_func)
         finally:
             step_request.reset(token)
+            for hook in hooks:
+                hook.remove()
+        if hooks and not step.inputs.get("logits_rows_made"):
+            raise VerlIntegrationError("rl_kernels.integrations.verl: loss_rows_only on the Megatron logits path: the "
+                                       "model's forward did not run its output_layer on the step's hidden states; "
+                                       "set fused_kernel_options.rl_kernels.loss_rows_only=false for this model")
         if not (isinstance(output, dict) and "log_probs" in output):  # not the last pipeline stage
             return output, postprocess
         laid_out = step.outputs.get("laid_out", {})
@@ -222,7 +253,10 @@ def make_resolve_fused_temperature(original):
 def _laying_out_inputs(preprocess):
     """The fused module's ``preprocess_thd_engine`` (wrapper 3 of the module docstring): the first
     call of a fused step that packs the labels (``need_roll=True``) lays out the step's per-token
-    inputs with the same arguments into ``step.inputs`` (``inputs['laid_out']`` marks it done)."""
+    inputs with the same arguments into ``step.inputs`` (``inputs['laid_out']`` marks it done). On
+    the logits path (``loss_rows_only`` only), the step's first call (verl's packing of the
+    ``input_ids``, before the model runs) lays out the loss-row mask with its arguments, rolled as
+    verl then packs the labels."""
     sig = inspect.signature(preprocess)
     first = next(iter(sig.parameters))
 
@@ -230,13 +264,13 @@ def _laying_out_inputs(preprocess):
     def preprocess_thd_engine(*args, **kwargs):
         result = preprocess(*args, **kwargs)
         step = step_request.get()
-        if step.engine != ENGINE or step.inputs.get("laid_out"):
+        if step.inputs.get("laid_out") or not (step.engine == ENGINE or step.loss_rows_only):
             return result
         arguments = dict(sig.bind(*args, **kwargs).arguments)
-        if not arguments.get("need_roll"):
+        if step.engine == ENGINE and not arguments.get("need_roll"):
             return result
         labels = arguments.pop(first)
-        rolled = dict(arguments, pre_process=True)
+        rolled = dict(arguments, pre_process=True, need_roll=True)
         unrolled = dict(rolled, need_roll=False)
         laid_out = {name: preprocess(nested.to(labels.device), **(rolled if roll else unrolled))[0]
                     for name, (nested, roll) in step.inputs.get("by_token", {}).items()}
@@ -309,6 +343,76 @@ def _checking_temperature(forward):
         return out
 
     return fused_forward
+
+
+# ----------------------------------------------------------------------------- logits path: loss rows
+def _output_layer_hooks(model) -> tuple:
+    """For a logits-path step with ``loss_rows_only``: :func:`select_hidden_rows` and
+    :func:`scatter_logits_rows` on the model's ``output_layer`` (the last pipeline stage's), removed
+    after the step; none on another stage. VerlIntegrationError for a last stage without an
+    ``output_layer`` module (the rows cannot be selected)."""
+    from verl.utils.megatron_utils import unwrap_model
+
+    inner = unwrap_model(model)
+    if not getattr(inner, "post_process", True):
+        return ()
+    layer = getattr(inner, "output_layer", None)
+    if not isinstance(layer, torch.nn.Module):
+        refuse_loss_rows(f"the model ({type(inner).__name__}) has no output_layer module to run on the loss rows",
+                         "set fused_kernel_options.rl_kernels.loss_rows_only=false for this model")
+    return layer.register_forward_pre_hook(select_hidden_rows), layer.register_forward_hook(scatter_logits_rows)
+
+
+def select_hidden_rows(layer, args):
+    """Forward pre-hook of the output layer (a ``ColumnParallelLinear``) in a logits-path step with
+    ``loss_rows_only``: its hidden states ``(S, 1, H)`` become the rows whose loss mask
+    (``inputs['loss_rows']``, laid out as the labels) is 1, so the layer's GEMMs (forward, and both
+    of its backward) run on those rows only. With sequence parallelism (``layer.sequence_parallel``)
+    each TP rank holds ``S / tp`` rows and the layer all-gathers them: every rank selects its own
+    rows' loss rows, padded to the largest count of the group (every rank holds the whole mask, so
+    all agree with no collective; a pad row's logits are dropped, so it gets no gradient).
+    :func:`scatter_logits_rows` puts the logits back at their rows. VerlIntegrationError for hidden
+    states of another shape, or a second call in the step."""
+    inputs = step_request.get().inputs
+    mask = inputs.get("loss_rows")
+    if mask is None or inputs.get("logits_rows_made"):
+        refuse_loss_rows("the loss-row mask was not laid out for this output layer call" if mask is None else
+                         "the model's output layer ran twice in one forward",
+                         "set fused_kernel_options.rl_kernels.loss_rows_only=false for this model")
+    hidden, total = args[0], mask.numel()
+    shards, rank = 1, 0
+    if getattr(layer, "sequence_parallel", False):
+        from megatron.core import parallel_state
+
+        shards = parallel_state.get_tensor_model_parallel_world_size()
+        rank = parallel_state.get_tensor_model_parallel_rank()
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or hidden.shape[0] * shards != total:
+        refuse_loss_rows(f"the model's output layer got hidden states {tuple(getattr(hidden, 'shape', ()))}, not "
+                         f"({total} // {shards}, batch, H) of this step's labels",
+                         "set fused_kernel_options.rl_kernels.loss_rows_only=false for this model")
+    per_shard = mask.reshape(shards, -1).to(hidden.device)
+    counts = per_shard.sum(1)
+    width = max(int(counts.max()), 1)
+    # each shard's loss rows first, in order (a stable sort of "not a loss row"), the first `width` taken
+    index = torch.sort((~per_shard).to(torch.int8), dim=1, stable=True).indices[:, :width]
+    kept = torch.arange(width, device=hidden.device) < counts[:, None]
+    rows = per_shard.shape[1]
+    inputs.update(logits_rows=mask.reshape(-1).nonzero().squeeze(1), logits_rows_total=total, logits_rows_made=True,
+                  logits_rows_from=kept.reshape(-1).nonzero().squeeze(1),
+                  logits_rows_to=(index + rows * torch.arange(shards, device=hidden.device)[:, None])[kept])
+    count("loss_rows_skipped_tokens", total - int(counts.sum()))
+    return (hidden.index_select(0, index[rank]),) + tuple(args[1:])
+
+
+def scatter_logits_rows(layer, args, output):
+    """Forward hook of the output layer after :func:`select_hidden_rows`: the loss rows' logits
+    ``(rows, 1, V_r)`` back at their rows of ``(S, 1, V_r)``, 0 elsewhere (verl's engine asserts
+    the logits have the labels' rows); differentiable in the loss rows' logits."""
+    inputs = step_request.get().inputs
+    logits = output[0] if isinstance(output, tuple) else output
+    full = logits.new_zeros((inputs["logits_rows_total"], *logits.shape[1:])).index_copy(
+        0, inputs["logits_rows_to"], logits.index_select(0, inputs["logits_rows_from"]))
+    return (full, *output[1:]) if isinstance(output, tuple) else full
 
 
 # ----------------------------------------------------------------------------- the head's side
@@ -405,13 +509,16 @@ _NO_HEAD = ("not served: verl's Megatron fused forward computes no top-K distill
             "fused head is not installed there")
 
 
-def install(head: bool, fused_module=None) -> tuple[str, dict]:
+def install(head: bool, fused_module=None, logits_path: bool = False) -> tuple[str, dict]:
     """Install the five wrappers of the module docstring, each once, where rl-kernels' head is
     installed in verl's Megatron fused forward (``head``: :mod:`.megatron` replaced its
     ``linear_cross_entropy``; ``fused_module``: ``model_forward_fused``). Returns (the wording for
     the "Megatron fused path" report line about the entropy, ``{part: (served?, what)}`` for
     :data:`PARTS`). Without the head, only the forward_step wrapper (one WARNING at the first fused
-    top-K batch, as verl's fused forward computes no distillation outputs)."""
+    top-K batch, as verl's fused forward computes no distillation outputs). ``logits_path``: verl's
+    from-logits functions are rl-kernels' (:mod:`.megatron`); then the layout wrapper goes on the
+    logits forward's binding of ``preprocess_thd_engine`` too (``verl.models.mcore.model_forward``:
+    ``loss_rows_only`` there, :attr:`Served.logits_rows`)."""
     has_distillation = has_module(MEGATRON_MODULE)
     try:
         engine_module = importlib.import_module(MEGATRON_ENGINE_MODULE)
@@ -428,8 +535,22 @@ def install(head: bool, fused_module=None) -> tuple[str, dict]:
                                        DISTILLATION_PART: (False, why if has_distillation else NOT_IN_THIS_VERL)}
     layouts = fused_module is not None and all(callable(getattr(fused_module, name, None))
                                                for name in (PREPROCESS, POSTPROCESS))
+    logits_module = None
+    if logits_path:
+        try:
+            logits_module = importlib.import_module(LOGITS_FORWARD_MODULE)
+        except ImportError:  # loss_rows_only then warns at the first logits-path step
+            pass
+    logits_rows = callable(getattr(logits_module, PREPROCESS, None))
+    layout = None
+    if logits_rows or head and layouts:  # one wrapper, on each binding the engine's forwards call
+        original = getattr(fused_module if head and layouts else logits_module, PREPROCESS)
+        layout = _laying_out_inputs(original)
+        for module in (logits_module if logits_rows else None, fused_module if head and layouts else None):
+            if module is not None and getattr(module, PREPROCESS) is original:
+                set_attr(module, PREPROCESS, layout)
     if not (head and layouts):
-        set_attr(engine, "forward_step", _forward_step(method, Served()))
+        set_attr(engine, "forward_step", _forward_step(method, Served(logits_rows=logits_rows)))
         why = f"not patched ({MEGATRON_FUSED_MODULE} has no {PREPROCESS} / {POSTPROCESS}): verl's own refusal stays"
         return _wrap_factories(head), {
             FUSED_SUM_PI_SQUARED_PART: (False, why), TEMPERATURE_PART: (False, why),
@@ -437,8 +558,8 @@ def install(head: bool, fused_module=None) -> tuple[str, dict]:
                                 "out no tensors by name); a WARNING at the first fused top-K batch")
             if has_distillation else (False, NOT_IN_THIS_VERL)}
     resolve = vars(engine_module).get(RESOLVE)
-    served = Served(sum_pi_squared=True, distillation=has_distillation, temperature=resolve is not None)
-    set_attr(fused_module, PREPROCESS, _laying_out_inputs(getattr(fused_module, PREPROCESS)))
+    served = Served(sum_pi_squared=True, distillation=has_distillation, temperature=resolve is not None,
+                    logits_rows=logits_rows)
     set_attr(fused_module, POSTPROCESS, _laying_out_outputs(getattr(fused_module, POSTPROCESS)))
     set_attr(engine, "forward_step", _forward_step(method, served))
     if resolve is not None:
