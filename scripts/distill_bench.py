@@ -1,6 +1,6 @@
 """verl's top-K distillation loss (``compute_forward_kl_topk`` of
 ``verl.trainer.distillation.fsdp.losses``) against rl-kernels' replacement
-(``rl_kernels.integrations.verl.distill``) on one GPU: forward+backward time, peak extra memory and
+(``rl_kernels.integrations.verl_impl.distill``) on one GPU: forward+backward time, peak extra memory and
 accuracy against float64.
 
 Variants, the same inputs:
@@ -33,7 +33,6 @@ import importlib
 import importlib.util
 import sys
 import time
-import types
 
 import torch
 
@@ -59,20 +58,9 @@ def make_inputs(n, v, k, seqs, device, seed=0):
 
 
 def load_replacement_module():
-    """rl-kernels' ``rl_kernels.integrations.verl.distill``, loaded without running its package's
-    ``__init__``: that patches verl on import (which the bench must not: it calls verl's function
-    and the replacement itself), and on the stubbed verl of a machine without Ray it cannot. The
-    modules the replacement needs (``distill``, ``common``, ``settings``, ``signatures``) patch
-    nothing; the package entry is dropped again, so a later import runs the real ``__init__``."""
-    name = "rl_kernels.integrations.verl"
-    spec = importlib.util.find_spec(name)
-    package = types.ModuleType(name)
-    package.__path__, package.__package__ = list(spec.submodule_search_locations), name
-    sys.modules[name] = package
-    try:
-        return importlib.import_module(f"{name}.distill")
-    finally:
-        del sys.modules[name]
+    """rl-kernels' ``rl_kernels.integrations.verl_impl.distill``: importing it patches nothing of
+    verl (the bench calls verl's function and the replacement itself)."""
+    return importlib.import_module("rl_kernels.integrations.verl_impl.distill")
 
 
 def reference(logits, log_probs, ids, clamp, chunk=256):

@@ -380,8 +380,7 @@ def import_verl():
     import rl_kernels.integrations.verl as rkv
     import verl.models.transformers.monkey_patch as monkey_patch
     import verl.utils.torch_functional as verl_F
-    from rl_kernels.integrations.verl import common
-
+    from rl_kernels.integrations.verl_impl import common
     flash = bool(getattr(verl_F, "FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE", False))
     return {"rkv": rkv, "monkey_patch": monkey_patch, "verl_F": verl_F, "common": common, "how": how,
             "verl_logits_path": ("flash-attn Triton cross-entropy (float32 log-probs)" if flash else

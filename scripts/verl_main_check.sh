@@ -54,7 +54,7 @@ PYTHONPATH="$root" "$venv_python" - > "$out/symbols" 2>/dev/null <<'EOF2'
 import logging, warnings
 warnings.filterwarnings("ignore"); logging.disable(logging.WARNING)
 import rl_kernels.integrations.verl as rkv
-from rl_kernels.integrations.verl import common
+from rl_kernels.integrations.verl_impl import common
 names = set()
 for owner, name, _ in common._undo:  # every set_attr of the patch
     names.add(owner.__name__ if isinstance(owner, type) else name)

@@ -121,8 +121,7 @@ def log_probs_of(model, ids, fused: bool, rows=None) -> torch.Tensor:
     ``rows``: the fused head runs on those rows only (``loss_rows_only``, the step request as verl's
     engine hook lays it out)."""
     if fused and rows is not None:
-        from rl_kernels.integrations.verl import common
-
+        from rl_kernels.integrations.verl_impl import common
         token = common.new_step(loss_rows_only=True)
         common.step_request.get().inputs["loss_rows"] = rows
         try:

@@ -116,7 +116,7 @@ def run(rank, world, init_file):
     records = _Records()
     logging.getLogger("rl_kernels").addHandler(records)
     import rl_kernels.integrations.verl as rkv  # the import patches verl
-    import rl_kernels.integrations.verl.megatron as rkm
+    import rl_kernels.integrations.verl_impl.megatron as rkm
 
     try:
         _check_patched(rkv, rkm, vtp, mti, fused, overlap, verl_F, mcore_tp)
@@ -698,8 +698,7 @@ def _check_engine_per_sample_temperature(rkv, mti, rank, world):
     against float64 with its own temperature; the embedding's and the weight shard's gradients too.
     A uniform tensor and a call outside the engine's forward_step still go to verl's function; a
     per-sample temperature not laid out for the head is refused there."""
-    from rl_kernels.integrations.verl import common, megatron_step
-
+    from rl_kernels.integrations.verl_impl import common, megatron, megatron_step
     gen = torch.Generator().manual_seed(7)
     temps, vocab = torch.tensor([0.5, 1.3]), world * V_R
     embedding, weight = torch.randn(vocab, H, generator=gen), torch.randn(vocab, H, generator=gen) * 0.5
@@ -737,7 +736,7 @@ def _check_engine_per_sample_temperature(rkv, mti, rank, world):
     token = common.new_step(engine=megatron_step.ENGINE)  # a fused Megatron step that laid nothing out
     try:
         assert mti._resolve_fused_temperature(temps) == megatron_step.STAND_IN
-        rkv.megatron.linear_cross_entropy(torch.zeros(3, 1, H), w_shard, torch.zeros(1, 3, dtype=torch.long),
+        megatron.linear_cross_entropy(torch.zeros(3, 1, H), w_shard, torch.zeros(1, 3, dtype=torch.long),
                                           megatron_step.STAND_IN)
     except rkv.VerlIntegrationError as e:
         assert "outside the engine forward" in str(e), e
@@ -893,7 +892,7 @@ def _check_anomaly_capture(rkv, rkm, rank, world, directory):
     from megatron.core import parallel_state
 
     import rl_kernels
-    from rl_kernels.integrations.verl import common, megatron_step
+    from rl_kernels.integrations.verl_impl import common, megatron_step
     from rl_kernels.samples import LogitsSample, load_sample, sample_files
     from rl_kernels.tools import repro
 

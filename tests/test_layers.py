@@ -14,6 +14,8 @@ and the integrations not the tooling."""
 import ast
 import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -73,11 +75,11 @@ def imports(module: str, path: str, known: dict) -> set[str]:
 def test_the_graph_is_read():
     """The reader finds what is known to be there (a test of the test)."""
     known = modules()
-    assert {"rl_kernels.ops.logits", "rl_kernels.tools.cli", "rl_kernels.integrations.verl.patching",
+    assert {"rl_kernels.ops.logits", "rl_kernels.tools.cli", "rl_kernels.integrations.verl_impl.patching",
             "rl_kernels.label_flag"} <= set(known)
     assert "rl_kernels.ops.common" in imports("rl_kernels.ops.logits", known["rl_kernels.ops.logits"], known)
     assert "rl_kernels.tools.bench" in imports("rl_kernels.tools.cli", known["rl_kernels.tools.cli"], known)
-    assert layer("rl_kernels.tools.cli") > layer("rl_kernels.integrations.verl.patching") > layer("rl_kernels.linear") \
+    assert layer("rl_kernels.tools.cli") > layer("rl_kernels.integrations.verl_impl.patching") > layer("rl_kernels.linear") \
         > layer("rl_kernels.ops.config") > layer("rl_kernels._logging")
 
 
@@ -99,41 +101,45 @@ def test_library_tooling_and_integrations_are_separate_folders():
     assert not {"rl_kernels.cli", "rl_kernels.bench", "rl_kernels.repro", "rl_kernels.anomaly"} & set(known)
 
 
-PATCHING = "rl_kernels.integrations.verl"
-"""The verl integration: importing it, or any module of it (Python runs the package's __init__
-first), patches verl."""
+SWITCH = "rl_kernels.integrations.verl"
+"""The verl integration's switch: importing it patches verl (``external_lib`` names it)."""
+PACKAGE = "rl_kernels.integrations.verl_impl"
+"""The verl integration's implementation: its modules import without side effects."""
 
 
-def _in_patching_package(module: str) -> bool:
-    return module == PATCHING or module.startswith(PATCHING + ".")
+def _in_package(module: str) -> bool:
+    return module == PACKAGE or module.startswith(PACKAGE + ".")
 
 
-def test_no_module_outside_the_verl_package_imports_it():
-    """The library, the tooling (rl-kernels verl-check, bench, repro) and the other integrations
-    (lm_heads, verl_schema) leave verl unpatched: none of them imports the package."""
+def test_no_module_imports_the_verl_switch():
+    """The library, the tooling (rl-kernels verl-check, bench, repro), the other integrations and
+    the verl package itself leave verl unpatched: no module imports the switch."""
     known = modules()
-    assert {PATCHING, f"{PATCHING}.patching", "rl_kernels.integrations.verl_schema"} <= set(known)
-    assert not _in_patching_package("rl_kernels.integrations.verl_schema")  # a test of the test
-    assert f"{PATCHING}.common" in imports(f"{PATCHING}.patching", known[f"{PATCHING}.patching"], known)
-    offenders = sorted(f"{name} imports {dep}" for name, path in known.items() if not _in_patching_package(name)
-                       for dep in imports(name, path, known) if _in_patching_package(dep))
+    assert known[SWITCH].endswith(os.path.join("integrations", "verl.py"))  # a module, not a package
+    assert f"{PACKAGE}.patching" in imports(SWITCH, known[SWITCH], known)  # a test of the test
+    offenders = sorted(name for name, path in known.items() if name != SWITCH and SWITCH in imports(name, path, known))
     assert not offenders, offenders
 
 
-def test_no_module_of_the_verl_package_is_shadowed_by_an_exported_name():
-    """A module of the package named after a name its __init__ binds (``patch``, ``options``, ...)
-    would be hidden by it: ``import rl_kernels.integrations.verl.patch as m`` would give the
-    function. The names __init__ binds (``from .x import name``, its functions and classes) are
-    read from its source."""
-    known = modules()
-    submodules = {name.rsplit(".", 1)[1] for name in known if name.startswith(PATCHING + ".")}
-    with open(known[PATCHING], encoding="utf-8") as f:
-        tree = ast.parse(f.read())
-    bound = {alias.asname or alias.name for node in tree.body if isinstance(node, ast.ImportFrom) and node.module
-             for alias in node.names}
-    bound |= {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
-    assert {"patch", "options", "configure"} <= bound and "patching" in submodules  # a test of the test
-    assert not submodules & bound, f"modules of {PATCHING} hidden by names its __init__ binds: {sorted(submodules & bound)}"
+def test_every_module_of_the_verl_package_imports_without_patching_verl():
+    """Importing every module of the package (in a fresh interpreter) patches nothing of verl and
+    does not import the switch; importing the switch then does patch (a test of the test)."""
+    pytest.importorskip("verl")
+    package_modules = sorted(name for name in modules() if _in_package(name))
+    assert f"{PACKAGE}.megatron" in package_modules and f"{PACKAGE}.schema" in package_modules
+    code = (
+        "import importlib, sys\n"
+        "import verl.utils.torch_functional as F\n"
+        "original = [F.logprobs_from_logits]  # (in a list: the patch replaces a module-level binding too)\n"
+        f"for name in {package_modules!r}:\n"
+        "    importlib.import_module(name)\n"
+        "assert F.logprobs_from_logits is original[0], F.logprobs_from_logits\n"
+        f"assert {SWITCH!r} not in sys.modules\n"
+        f"importlib.import_module({SWITCH!r})\n"
+        "assert F.logprobs_from_logits is not original[0]\n"
+        "print('ok')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
 def _cycles(graph: dict) -> list[list[str]]:
@@ -174,6 +180,6 @@ def test_the_verl_integration_keeps_its_state_in_one_context_variable():
     feature that adds its own ``ContextVar`` fails here."""
     known = modules()
     found = {name: pathlib.Path(path).read_text(encoding="utf-8").count("ContextVar(")
-             for name, path in known.items() if _in_patching_package(name)}
-    assert found[f"{PATCHING}.common"] == 1, found
+             for name, path in known.items() if _in_package(name)}
+    assert found[f"{PACKAGE}.common"] == 1, found
     assert sum(found.values()) == 1, {name: n for name, n in found.items() if n}

@@ -25,7 +25,7 @@ from verl.models.transformers.monkey_patch import apply_monkey_patch
 import rl_kernels.integrations.verl as rkv
 from lm_head_models import VOCAB, Untestable, tiny_model
 from rl_kernels.integrations.lm_heads import LM_HEADS, PLAIN, REFUSED, SCALED, SOFTCAPPED, head_transform
-from rl_kernels.integrations.verl_schema import VerlIntegrationError
+from rl_kernels.integrations.verl_impl.schema import VerlIntegrationError
 
 pytestmark = pytest.mark.verl_matrix  # the patch path differs per verl release (.ci/run: 0.7.1, 0.8.0)
 
@@ -230,7 +230,7 @@ def test_megatron_fused_path_refuses_models_whose_logits_are_not_the_output_laye
     from megatron.core.models.gpt import GPTModel
     from verl.models.mcore import model_forward_fused
 
-    from rl_kernels.integrations.verl.megatron import check_output_layer
+    from rl_kernels.integrations.verl_impl.megatron import check_output_layer
 
     def stub(cls=GPTModel, bias=None, **config):
         model = cls.__new__(cls)

@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("verl", reason="verl is not installed (pip install -e '.[verl]')")
 
 import rl_kernels
+from rl_kernels.integrations.verl_impl.schema import REFUSED_TOGETHER, refused_together
 from rl_kernels.tools.cli import main
 from rl_kernels.tools.verl_check import compose, diagnose, distillation_note, sum_pi_squared_note
 
@@ -249,12 +250,15 @@ def test_a_bad_entry_is_a_one_line_usage_error(capsys):
 
 def test_the_check_leaves_verl_unpatched():
     """verl-check composes verl's config in the CLI process and must leave verl as installed: it
-    never imports the integration package (importing it, or any module of it, patches verl)."""
+    never imports the integration's switch (rl_kernels.integrations.verl, whose import patches verl),
+    and verl's functions stay verl's."""
     code = ("import sys\n"
             "from rl_kernels.tools.cli import main\n"
             f"code = main(['verl-check', {SEARCH!r}, '+rl_kernels=fused'])\n"
-            "loaded = sorted(m for m in sys.modules if m.split('.')[:3] == ['rl_kernels', 'integrations', 'verl'])\n"
+            "loaded = sorted(m for m in sys.modules if m == 'rl_kernels.integrations.verl')\n"
             "print('integration modules loaded:', loaded)\n"
+            "F = sys.modules.get('verl.utils.torch_functional')\n"
+            "print('patched:', F is not None and F.logprobs_from_logits.__module__ != F.__name__)\n"
             "sys.exit(code)\n")
     env = dict(os.environ)  # the subprocess imports the rl_kernels this test imports
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(rl_kernels.__file__)),
@@ -262,7 +266,7 @@ def test_the_check_leaves_verl_unpatched():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "rl-kernels is ON: fused path" in proc.stdout, proc.stdout
-    assert "integration modules loaded: []" in proc.stdout, proc.stdout
+    assert "integration modules loaded: []" in proc.stdout and "patched: False" in proc.stdout, proc.stdout
 
 
 @pytest.mark.parametrize("strategy,rmpad,options,expected", [
@@ -585,11 +589,29 @@ ROWS = f"++{MODEL}.fused_kernel_options.rl_kernels.loss_rows_only=true"
 ])
 def test_loss_rows_only_is_reported_or_refused_as_the_workers_would(capsys, overrides, code, first, note):
     """verl-check says what loss_rows_only does in the composed run (issue 53 item 3): served on the fused
-    paths and the FSDP logits path (a note), not served on the Megatron logits path (a WARNING), and OFF,
+    and logits paths of FSDP and Megatron (a note), not served on another engine (a WARNING), and OFF,
     naming the key, where the workers would refuse it (a loss outside the audit of docs/verl.md,
-    PrefixGrouper, the padded layout)."""
+    PrefixGrouper, the padded layout, MTP training on the Megatron logits path)."""
     got = main(["verl-check", SEARCH, *overrides])
     lines = capsys.readouterr().out.strip().splitlines()
     assert got == code and lines[0].startswith(first), lines
     assert (note is None and not any("loss_rows_only" in line for line in lines[1:])) or \
         any(line.startswith(note) for line in lines[1:]), lines
+
+
+@pytest.mark.skipif(not _has_distillation(), reason="this verl has no distillation (0.7.x)")
+@pytest.mark.parametrize("first, second, path", [(a, b, path) for a, b, paths, _ in REFUSED_TOGETHER for path in paths])
+def test_each_refused_combination_is_off_with_the_engine_steps_message(capsys, first, second, path):
+    """A config that asks two features the integration refuses together on its path (the one table,
+    schema.REFUSED_TOGETHER, which the engine steps read too) is OFF with that table's message;
+    either feature alone is not."""
+    asks = {"sum_pi_squared": ("actor_rollout_ref.actor.calculate_sum_pi_squared=True",),
+            "topk": DISTILL + (f"{LOSS_MODE}=forward_kl_topk",), "loss_rows_only": (ROWS,)}
+    engine = ("actor_rollout_ref.actor.strategy=megatron",) if path.startswith("Megatron") else ()
+    group = "+rl_kernels=fused" if path.endswith("fused") else "+rl_kernels=logits"
+    got = main(["verl-check", SEARCH, group, *engine, *asks[first], *asks[second]])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert got == 1 and lines[0] == f"rl-kernels is OFF: {refused_together({first, second}, path)} (the workers " \
+        f"raise VerlIntegrationError at the first micro-batch)", lines
+    for alone in (first, second):
+        assert main(["verl-check", SEARCH, group, *engine, *asks[alone]]) == 0, capsys.readouterr().out

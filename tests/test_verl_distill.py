@@ -1,4 +1,4 @@
-"""rl_kernels.integrations.verl.distill: verl's top-K distillation loss (``compute_forward_kl_topk``
+"""rl_kernels.integrations.verl_impl.distill: verl's top-K distillation loss (``compute_forward_kl_topk``
 of ``verl.trainer.distillation.fsdp.losses``, FSDP / VeOmni) with rl-kernels' student log-probs.
 
 Marked ``verl_matrix``: on verl 0.7.x, which has no distillation module, the tests that
@@ -21,8 +21,8 @@ pytest.importorskip("verl", reason="verl is not installed (pip install -e '.[ver
 import torch
 
 import rl_kernels.integrations.verl as rkv
-from rl_kernels.integrations.verl import common, distill
-from rl_kernels.integrations.verl_schema import VerlIntegrationError
+from rl_kernels.integrations.verl_impl import common, distill
+from rl_kernels.integrations.verl_impl.schema import VerlIntegrationError
 from verl_helpers import verl_unpatched
 
 pytestmark = pytest.mark.verl_matrix
@@ -344,7 +344,7 @@ def test_registered_tail_loss_is_not_clamped_and_raises_on_verls_own_terms(patch
     forward_kl_topk metrics plus the tail ones; on verl's own terms (no tail_loss) it raises."""
     from verl.trainer.distillation import losses
 
-    from rl_kernels.integrations import verl_modes
+    from rl_kernels.integrations.verl_impl import modes as verl_modes
 
     assert losses.get_distillation_loss_fn(verl_modes.TAIL_MODE) is verl_modes.forward_kl_topk_tail
     assert losses.get_distillation_loss_settings(verl_modes.TAIL_MODE).use_topk
@@ -395,7 +395,7 @@ def test_the_plugin_registers_at_verls_import_of_its_losses_and_patches_nothing(
         "assert 'rl_kernels.integrations.verl' not in sys.modules, 'the patch was imported'\n"
         "import verl.utils.torch_functional as F\n"
         "assert F.logprobs_from_logits.__module__ == 'verl.utils.torch_functional'\n"
-        "print('ok', rl_kernels.integrations.verl_modes.status())\n")
+        "print('ok', rl_kernels.integrations.verl_impl.modes.status())\n")
     env = {**__import__("os").environ, "VERL_USE_EXTERNAL_PLUGINS": "none"}  # the installed entry point (if any) off
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0 and "ok registered by rl-kernels" in done.stdout, done.stderr[-2000:]
@@ -408,7 +408,7 @@ def test_the_report_says_where_the_tail_mode_is_served(monkeypatch):
     verl registers its own."""
     from verl.trainer.distillation import losses
 
-    from rl_kernels.integrations import verl_modes
+    from rl_kernels.integrations.verl_impl import modes as verl_modes
 
     parts = {distill.FSDP_PART: (True, ""), distill.FUSED_PART: (True, ""), distill.MEGATRON_PART: (True, ""),
              distill.MEGATRON_FUSED_PART: (False, "not served")}

@@ -27,8 +27,8 @@ import torch
 
 import rl_kernels.integrations.verl as rkv
 from rl_kernels import _logging
-from rl_kernels.integrations.verl import distill
-from rl_kernels.integrations.verl_schema import VerlIntegrationError
+from rl_kernels.integrations.verl_impl import distill
+from rl_kernels.integrations.verl_impl.schema import VerlIntegrationError
 from verl_helpers import VOCAB, qwen2_forward, tiny_qwen2, verl_unpatched  # noqa: F401 - qwen2_forward: a fixture
 
 pytestmark = pytest.mark.verl_matrix
@@ -315,7 +315,7 @@ def test_ulysses_slicing_goes_through_verls_helpers(monkeypatch):
     (ref["distillation_losses"] * weights).sum().backward()
 
     hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
-    from rl_kernels.integrations.verl.common import StepRequest
+    from rl_kernels.integrations.verl_impl.common import StepRequest
 
     step = StepRequest(topk=True, micro_batch={"teacher_logprobs": nested[0], "teacher_ids": nested[1]},
                        loss_function=functools.partial(_loss, distillation_config=config))
@@ -356,8 +356,7 @@ def test_megatron_fused_top_k_reported_and_says_so_where_not_served(monkeypatch,
         calls.append(batch)
         return {"log_probs": batch["x"]}, "post"
 
-    from rl_kernels.integrations.verl import megatron_step
-
+    from rl_kernels.integrations.verl_impl import megatron_step
     wrapped = megatron_step._forward_step(forward_step, megatron_step.Served())
     engine = SimpleNamespace(engine_config=SimpleNamespace(use_fused_kernels=True))
     batches = [tu.get_tensordict({"x": torch.zeros(1)}, {"distillation_use_topk": topk})

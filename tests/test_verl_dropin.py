@@ -20,8 +20,8 @@ import torch
 
 import rl_kernels._logging as rk_logging
 import rl_kernels.integrations.verl as rkv
-from rl_kernels.integrations.verl import distill
-from rl_kernels.integrations.verl import megatron as rk_megatron
+from rl_kernels.integrations.verl_impl import distill
+from rl_kernels.integrations.verl_impl import megatron as rk_megatron
 from verl_helpers import verl_unpatched
 
 pytestmark = pytest.mark.verl_matrix
@@ -187,8 +187,7 @@ def test_float64_hidden_states_run_verls_fused_forward(fresh_log_once, caplog):
     import verl.utils.experimental.torch_functional as etf
 
     from rl_kernels.integrations.lm_heads import HeadTransform
-    from rl_kernels.integrations.verl import fsdp_fused
-
+    from rl_kernels.integrations.verl_impl import fsdp_fused
     with verl_unpatched():
         verls = etf.FusedLinearForPPO()
     ours = etf.FusedLinearForPPO()

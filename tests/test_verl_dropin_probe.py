@@ -22,8 +22,8 @@ pytest.importorskip("verl", reason="verl is not installed (pip install -e '.[ver
 import torch
 
 import rl_kernels.integrations.verl as rkv
-from rl_kernels.integrations.verl import common
-from rl_kernels.integrations.verl import megatron as rk_megatron
+from rl_kernels.integrations.verl_impl import common
+from rl_kernels.integrations.verl_impl import megatron as rk_megatron
 from tolerances import assert_close_f32, logits_magnitude
 
 pytestmark = pytest.mark.verl_matrix

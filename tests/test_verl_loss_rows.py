@@ -23,7 +23,7 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 import rl_kernels.integrations.verl as rkv
-from rl_kernels.integrations.verl import common, fsdp_engine
+from rl_kernels.integrations.verl_impl import common, fsdp_engine, schema
 from verl_helpers import VOCAB, tiny_qwen2
 
 transformer_impl = pytest.importorskip("verl.workers.engine.fsdp.transformer_impl",
@@ -300,6 +300,40 @@ def test_loss_rows_only_on_the_logits_path(served, layout):
     lp, ent, grads = _logits_step(engine, _micro_batch(layout, use_fused_kernels=False), True, seen_on)
     assert seen_off == [rows.numel() + 5] and seen_on == [int(rows.sum())]  # (5 static pad rows)
     _assert_same_on_the_loss_rows((lp, ent, grads), (ref_lp, ref_ent, ref_grads), rows)
+
+
+@pytest.mark.parametrize("first, second, path", [(a, b, path) for a, b, paths, _ in schema.REFUSED_TOGETHER
+                                                   for path in paths if path.startswith("FSDP")])
+def test_each_refused_combination_is_refused_at_the_engine_step_by_the_one_table(served, first, second, path):
+    """Every combination the integration's table refuses on an FSDP path (Σπ² with top-K on the
+    fused path, loss_rows_only with top-K on the logits path) is refused by the engine step's
+    asks() with the table's own message, naming both features; each feature alone is served."""
+    fused = path == "FSDP fused"
+    model = tiny_qwen2()
+    if fused:
+        apply_monkey_patch(model, use_remove_padding=True, use_fused_kernels=True,
+                           fused_kernels_backend=rkv.BACKEND_NAME)
+    flags = {"sum_pi_squared": {"calculate_sum_pi_squared": True}, "topk": {"distillation_use_topk": True},
+             "loss_rows_only": {}}
+
+    def micro_batch(*features):
+        data = _micro_batch("nested", use_fused_kernels=fused, **{k: v for f in features for k, v in flags[f].items()})
+        if "topk" in features:  # the teacher's tensors, as verl's trainer hands them
+            ids = torch.nested.nested_tensor([torch.zeros(p + r, 2, dtype=torch.long) for p, r in zip(PROMPTS, RESPONSES)],
+                                             layout=torch.jagged)
+            data["teacher_ids"], data["teacher_logprobs"] = ids, ids.float()
+        return data
+
+    for features in ((first,), (second,), (first, second)):
+        rkv.configure(loss_rows_only="loss_rows_only" in features)
+        if len(features) == 1:
+            fields = fsdp_engine.asks(_engine(model), micro_batch(*features), None)
+            assert all(fields[f] for f in features if f != "topk" or fused), (features, fields)
+            continue
+        message = schema.refused_together(set(features), path)
+        assert schema.FEATURES[first] in message and schema.FEATURES[second] in message, message
+        with pytest.raises(rkv.VerlIntegrationError, match=re.escape(message)):
+            fsdp_engine.asks(_engine(model), micro_batch(*features), None)
 
 
 def test_logits_path_refuses_top_k_distillation_with_loss_rows(served):

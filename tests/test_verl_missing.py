@@ -41,13 +41,13 @@ except ImportError as exc:
 
 
 def test_a_module_of_the_package_without_verl_names_verl_too():
-    """Any module of the package runs its __init__ first: the same error."""
-    proc = _run("import rl_kernels.integrations.verl.signatures\n")
+    """A module of the package that needs verl (through ``common``, first) raises the same error."""
+    proc = _run("import rl_kernels.integrations.verl_impl.signatures\n")
     assert proc.returncode == 1 and "packaging" not in proc.stderr, proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("ImportError: rl_kernels.integrations.verl patches verl, "
                                                            "and verl is not installed here"), proc.stderr
 
 
 def test_the_library_and_the_cli_import_without_verl():
-    proc = _run("import rl_kernels, rl_kernels.tools.cli, rl_kernels.integrations.verl_schema; print('ok')\n")
+    proc = _run("import rl_kernels, rl_kernels.tools.cli, rl_kernels.integrations.verl_impl.schema; print('ok')\n")
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr

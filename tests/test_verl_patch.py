@@ -26,7 +26,8 @@ from safetensors import safe_open
 from verl.models.transformers.monkey_patch import apply_monkey_patch
 
 import rl_kernels.integrations.verl as rkv
-import rl_kernels.integrations.verl.megatron as rkm
+import rl_kernels.integrations.verl_impl.megatron as rkm
+from rl_kernels.integrations.verl_impl import common as verl_common
 from rl_kernels.samples import load_sample
 from verl_helpers import VOCAB, qwen2_forward, tiny_qwen2, verl_logits_path, verl_unpatched  # noqa: F401 - a fixture
 
@@ -447,7 +448,7 @@ def test_logits_path_capture_saves_the_anomalous_rows(tmp_path, monkeypatch, cap
     verl passed them, its label), which `rl-kernels repro` replays: PASS. A NaN logit row makes the
     entropy NaN: that row is saved with its argmax as the label (entropy takes none), once, although
     the log-probs of the same logits are NaN there too."""
-    import rl_kernels.integrations.verl.logits as rk_logits
+    import rl_kernels.integrations.verl_impl.logits as rk_logits
 
     g = torch.Generator().manual_seed(8)
     logits = (3 * torch.randn(2, 7, 101, generator=g)).bfloat16()
@@ -535,8 +536,7 @@ def test_capture_of_from_logits_calls_with_a_per_row_temperature(tmp_path, capsy
 def test_fused_capture_with_a_per_sample_temperature(tmp_path, capsys):
     """The fused path's capture takes the per-token temperature as the head does (it skipped such
     calls before): the call is saved whole with its temperature rows and replays: PASS."""
-    from rl_kernels.integrations.verl import fsdp_fused
-
+    from rl_kernels.integrations.verl_impl import fsdp_fused
     g = torch.Generator().manual_seed(10)
     hidden, weight = torch.randn(1, 9, 16, generator=g), torch.randn(50, 16, generator=g)
     labels = torch.randint(0, 50, (1, 9), generator=g)
@@ -577,10 +577,10 @@ def test_signature_table_matches_installed_verl():
             from verl.workers.actor.dp_actor import DataParallelPPOActor
             fns["DataParallelPPOActor.__init__"] = DataParallelPPOActor.__init__
         for label, fn in fns.items():
-            assert rkv._signature(fn) in rkv.SIGNATURES[label], label
+            assert verl_common.signature(fn) in rkv.SIGNATURES[label], label
             assert inspect.isfunction(fn)
         assert set(fns) == set(rkv.SIGNATURES) - ({"DataParallelPPOActor.__init__"} - set(fns))
-        # the Megatron part (rl_kernels.integrations.verl.megatron), when megatron-core is installed
+        # the Megatron part (rl_kernels.integrations.verl_impl.megatron), when megatron-core is installed
         if importlib.util.find_spec("megatron.core") is not None and not rkm._engine_functions()[1]:
             import megatron.core.tensor_parallel as mcore_tp
             import verl.utils.megatron.tensor_parallel as vtp
@@ -591,7 +591,7 @@ def test_signature_table_matches_installed_verl():
                    rkm.GATHER: getattr(mcore_tp, rkm.GATHER)}
             assert set(fns) == set(rkm.EXPECTED_SIGNATURES)
             for label, fn in fns.items():
-                assert rkv._signature(fn) == rkm.EXPECTED_SIGNATURES[label], label
+                assert verl_common.signature(fn) == rkm.EXPECTED_SIGNATURES[label], label
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -680,8 +680,7 @@ def test_options_from_the_legacy_worker_config():
     method init_model calls next (``_build_model_optimizer``) hands ``self.config.model`` over."""
     from omegaconf import OmegaConf
 
-    from rl_kernels.integrations.verl import hooks
-
+    from rl_kernels.integrations.verl_impl import hooks
     class ActorRolloutRefWorker:  # stands for verl.workers.fsdp_workers.ActorRolloutRefWorker
         def __init__(self):
             self.config = OmegaConf.create({"model": {
@@ -718,8 +717,7 @@ def test_options_of_the_importing_config_repatch_before_use():
     """The first model config verl hands over after the import is the one that imported the
     module; options in it that change what patch() replaces re-apply the patch (no warning), a
     later config's only warn (they take effect at the next patch())."""
-    from rl_kernels.integrations.verl import patching
-
+    from rl_kernels.integrations.verl_impl import patching
     class HFModelConfig:
         fused_kernel_options = {"impl_backend": "rl_kernels", "rl_kernels": {"patch_logits_path": False}}
 
@@ -848,7 +846,7 @@ def test_optional_parts_follow_the_installed_functions():
 
 
 def _engine_lines(caplog, engine_cls, backend):
-    import rl_kernels.integrations.verl.patching as patching
+    import rl_kernels.integrations.verl_impl.patching as patching
 
     caplog.clear()
     with caplog.at_level("INFO", logger="rl_kernels"):

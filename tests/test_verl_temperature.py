@@ -18,6 +18,7 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 import rl_kernels.integrations.verl as rkv
+from rl_kernels.integrations.verl_impl import patching as verl_patching
 from verl_helpers import VOCAB, tiny_qwen2, verl_unpatched
 
 transformer_impl = pytest.importorskip("verl.workers.engine.fsdp.transformer_impl",
@@ -124,7 +125,7 @@ def test_verls_refusal_stays_for_a_model_rl_kernels_does_not_serve(qwen2_forward
     for module in (model, tiny_qwen2()):
         with pytest.raises(AssertionError, match=REFUSAL):
             _engine(module).prepare_model_inputs(_micro_batch(rmpad=True, use_fused_kernels=True))
-    assert rkv.report()[rkv.patching.PER_SAMPLE_TEMPERATURE][0]
+    assert rkv.report()[verl_patching.PER_SAMPLE_TEMPERATURE][0]
 
 
 def test_per_token_temperature_with_the_models_head_transform():
@@ -132,8 +133,7 @@ def test_per_token_temperature_with_the_models_head_transform():
     style) and a temperature per token: against float64, z = multiplier * cap tanh(h.w / cap) / T_row;
     a bad row is refused with rl-kernels' one-line error naming verl's value."""
     from rl_kernels.integrations.lm_heads import HeadTransform
-    from rl_kernels.integrations.verl import fsdp_fused
-
+    from rl_kernels.integrations.verl_impl import fsdp_fused
     g = torch.Generator().manual_seed(6)
     hidden, weight = torch.randn(1, 9, 16, generator=g), torch.randn(50, 16, generator=g)
     labels = torch.randint(0, 50, (1, 9), generator=g)
@@ -187,10 +187,9 @@ def _megatron_resolve_fused_temperature():
 
 def _in_megatron_step(resolve, temperature):
     """``resolve(temperature)`` inside the step request of a fused Megatron engine micro-batch (as
-    verl's forward_step calls it, :mod:`rl_kernels.integrations.verl.megatron_step`): (its value,
+    verl's forward_step calls it, :mod:`rl_kernels.integrations.verl_impl.megatron_step`): (its value,
     the per-sample temperature it recorded in the step's inputs, or None)."""
-    from rl_kernels.integrations.verl import common, megatron_step
-
+    from rl_kernels.integrations.verl_impl import common, megatron_step
     token = common.new_step(engine=megatron_step.ENGINE)
     try:
         return resolve(temperature), common.step_request.get().inputs.get("temperature_per_sample")
@@ -215,7 +214,7 @@ def test_megatron_per_sample_temperature_is_what_verls_function_makes_of_each_va
     per sample, what verl's own function returns for that value alone (its floor for a value <= 0,
     the value otherwise); verl gets the stand-in 1.0. Outside a Megatron fused step, verl's own
     function (its "uniform temperature" refusal)."""
-    from rl_kernels.integrations.verl.megatron_step import STAND_IN
+    from rl_kernels.integrations.verl_impl.megatron_step import STAND_IN
 
     resolve, own = _megatron_resolve_fused_temperature()
     out, per_sample = _in_megatron_step(resolve, torch.tensor(values))

@@ -32,7 +32,7 @@ input dtype, as Megatron's own vocab-parallel cross-entropy does). verl's Megatr
 output straight in, and nothing else sums dh over the tensor-parallel group: pass
 ``reduce_hidden_grad=True``, and the backward all-reduces the float32 partials over the group and
 rounds once (the unsharded head's accuracy; twice the bytes of a 16-bit all-reduce). The verl
-integration (``rl_kernels/integrations/verl/megatron.py``) makes this choice per call and its
+integration (``rl_kernels/integrations/verl_impl/megatron.py``) makes this choice per call and its
 tests prove both cases against an unsharded float64 gradient.
 """
 from __future__ import annotations

@@ -39,7 +39,7 @@ import numbers
 
 import torch
 
-from .verl_schema import VerlIntegrationError
+from .verl_impl.schema import VerlIntegrationError
 
 PLAIN, SOFTCAPPED, SCALED, REFUSED = "plain", "soft-capped", "scaled", "refused"
 

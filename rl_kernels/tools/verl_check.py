@@ -47,10 +47,10 @@ import re
 import sys
 from typing import NamedTuple
 
-from ..integrations.verl_modes import TAIL_MODE
+from ..integrations.verl_impl.modes import TAIL_MODE
+from ..integrations.verl_impl.schema import (BACKEND_NAME, VerlOptions, loss_rows_refusal, names_rl_kernels,
+                                             refused_together, validated_options)
 from ..linear import MAX_TOPK
-from ..integrations.verl_schema import (BACKEND_NAME, VerlOptions, loss_rows_refusal, names_rl_kernels,
-                                        validated_options)
 
 GROUP = "rl_kernels"
 """The Hydra group (``+rl_kernels=fused``) and its package on the search path."""
@@ -103,7 +103,7 @@ def compose(overrides: list[str], entry: str = ENTRY, flags: tuple[str, ...] = (
                 missing = getattr(exc, "name", None)
                 raise ComposeError(f"{entry} fails to import: " +
                                    (f"no module named {missing!r}" if missing else " ".join(str(exc).split())) +
-                                   f". Fix: pip install -e \".[verl]\" (from the root of a clone of rl-kernels: "
+                                   ". Fix: pip install -e \".[verl]\" (from the root of a clone of rl-kernels: "
                                    f"verl and its dependencies)") from None
             except SystemExit as exc:
                 code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -749,10 +749,34 @@ def check(overrides: list[str], entry: str = ENTRY, flags: tuple[str, ...] = ())
     verdict = diagnose(cfg, stderr, overrides, added)
     notes = verdict.notes + tuple(filter(None, [sum_pi_squared_note(cfg), distillation_note(cfg, entry),
                                                 ignored_distillation_note(cfg, overrides)]))
+    together = combination_refusal(cfg)
+    if together is not None and verdict.on:
+        return Verdict(False, f"rl-kernels is OFF: {together} (the workers raise VerlIntegrationError at the first "
+                              f"micro-batch)", notes)
     rows = loss_rows_note(cfg, entry)
     if rows is not None and rows.startswith("REFUSED") and verdict.on:
         return Verdict(False, f"rl-kernels is OFF: {rows[len('REFUSED: '):]}", notes)
     return verdict._replace(notes=notes + ((rows,) if rows else ()))
+
+
+def combination_refusal(cfg: dict) -> str | None:
+    """The message of the engine step's refusal of two features asked together on this config's
+    path (the integration's one table: :func:`~rl_kernels.integrations.verl_impl.schema.refused_together`),
+    or None: Σπ² (``actor.calculate_sum_pi_squared``), top-K distillation and ``loss_rows_only``
+    as the composed config asks them, on the FSDP / Megatron fused or logits path."""
+    model, actor = _section(cfg, "actor_rollout_ref.model"), _section(cfg, "actor_rollout_ref.actor")
+    if not isinstance(model, dict) or not isinstance(actor, dict) or model.get("external_lib") != EXTERNAL_LIB:
+        return None
+    strategy = actor.get("strategy")
+    opts = _note_options(model)
+    if opts is None or strategy not in FSDP_STRATEGIES + ("megatron",):
+        return None
+    fused = bool(model.get("use_fused_kernels"))
+    asked = {name for name, on in (("sum_pi_squared", actor.get("calculate_sum_pi_squared") is True),
+                                   ("topk", _topk_distillation(cfg) is not None),
+                                   ("loss_rows_only", opts.loss_rows_only)) if on}
+    path = f"{'FSDP' if strategy in FSDP_STRATEGIES else 'Megatron'} {'fused' if fused else 'logits'}"
+    return refused_together(asked, path)
 
 
 def loss_rows_note(cfg: dict, entry: str = ENTRY) -> str | None:
@@ -789,16 +813,11 @@ def loss_rows_note(cfg: dict, entry: str = ENTRY) -> str | None:
         return ("REFUSED: loss_rows_only: use_remove_padding=False is not served (the padded layout); set "
                 "use_remove_padding=True or fused_kernel_options.rl_kernels.loss_rows_only=false")
     if not fused and served_engine:
-        engine = "FSDP" if strategy in FSDP_STRATEGIES else "Megatron"
         if not opts.patch_logits_path:
             return ("WARNING: loss_rows_only=true is not served on the logits path with patch_logits_path=False: the "
                     "LM head computes every row")
-        if _topk_distillation(cfg) is not None:
-            return (f"REFUSED: loss_rows_only together with top-K distillation on the {engine} logits path is not "
-                    f"served; use the fused path (+rl_kernels=fused) or set "
-                    f"fused_kernel_options.rl_kernels.loss_rows_only=false")
         mtp = model.get("mtp") if isinstance(model.get("mtp"), dict) else {}
-        if engine == "Megatron" and mtp.get("enable") is True and mtp.get("enable_train") is True:
+        if strategy == "megatron" and mtp.get("enable") is True and mtp.get("enable_train") is True:
             return ("REFUSED: loss_rows_only: MTP training (model.mtp.enable_train=True) runs the output layer on "
                     "other rows too; set fused_kernel_options.rl_kernels.loss_rows_only=false")
     elif not fused:
@@ -897,7 +916,7 @@ verl's registry in every process that imports verl."""
 PPO_ENTRIES = ("verl.trainer.main_ppo", "verl.trainer.main_ppo_v0")
 """verl entry points whose trainer builds the distillation config after the model config (which
 imports external_lib) in every process: ``external_lib`` alone registers the tail mode in time
-(:mod:`rl_kernels.integrations.verl_modes` lists where, file:line)."""
+(:mod:`rl_kernels.integrations.verl_impl.modes` lists where, file:line)."""
 
 
 def plugin_unloaded() -> str | None:

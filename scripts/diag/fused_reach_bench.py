@@ -103,8 +103,7 @@ def loss_rows(args, head) -> int:
     from rl_kernels.tools.verl_kernels import import_verl_modules
 
     head["verl"] = import_verl_modules(stub=True)  # the integration's package patches verl on import
-    from rl_kernels.integrations.verl import common
-
+    from rl_kernels.integrations.verl_impl import common
     n, rep = args.n, args.rep
     hidden, weight, labels, g_lp, g_ent = head_inputs(n, args.hidden, args.vocab)
     hx, wx = hidden.clone().requires_grad_(), weight.clone().requires_grad_()

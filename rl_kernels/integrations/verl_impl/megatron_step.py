@@ -61,13 +61,14 @@ import torch
 
 from ..._logging import log_once
 from ...distill import linear_log_probs_at_ids
-from ..verl_modes import TAIL_MODE, is_tail_mode
 from .common import (VerlIntegrationError, check_loss_rows_audit, count, entropy_on_request, loss_mask_by_token,
                      new_step, record, refuse_loss_rows, replace_by_name, set_attr, step_request)
 from .distill import (_OVERLAP, MEGATRON_ENGINE_CLASS, MEGATRON_ENGINE_MODULE, MEGATRON_FUSED_MODULE,
                       MEGATRON_FUSED_PART, MEGATRON_MODULE, NOT_IN_THIS_VERL, STEP_PARAMETERS, _flag, _loss_config,
                       _token_rows, fused_overlap_metrics)
 from .distill_terms import distinct_on_padding, tail_terms, topk_terms
+from .modes import TAIL_MODE, is_tail_mode
+from .schema import refused_together
 from .settings import options
 from .signatures import has_module
 
@@ -115,27 +116,31 @@ def step_for(batch, loss_function, fused: bool, served: Served, engine=None) -> 
     ``loss_rows_only``     served with every other feature (the head runs on the loss rows)
     =====================  =========================================================================
 
-    Σπ² with top-K distillation is refused here, before the model runs, by one
-    VerlIntegrationError naming both. On the logits path (``use_fused_kernels=False``) verl computes
+    Combinations are served or refused by the one table of :func:`~.schema.refused_together` (Σπ²
+    with top-K distillation on the fused path, ``loss_rows_only`` with it on the logits path: one
+    VerlIntegrationError naming both, before the model runs). On the logits path (``use_fused_kernels=False``) verl computes
     everything; the request then only carries ``loss_rows_only`` (the model's output layer runs on
-    the loss rows: :func:`select_hidden_rows`), refused with top-K distillation (verl's distillation
-    reads every row's logits), MTP training (a second output-layer call on other rows) and the
+    the loss rows: :func:`select_hidden_rows`), refused with MTP training (a second output-layer call on other rows) and the
     padded layout (``use_remove_padding=False``), each naming the option. ``loss_rows_only``
     refuses the losses (:func:`~.common.check_loss_rows_audit`) and micro-batches
     (:func:`~.common.loss_mask_by_token`) the audit of docs/verl.md does not cover."""
     fields = {"engine": None, "sum_pi_squared": False, "distillation": None, "loss_rows_only": False}
     by_token = {}
-    if options().loss_rows_only and not (fused or served.logits_rows):
+    topk = bool(_flag(batch, "distillation_use_topk"))
+    rows = options().loss_rows_only and (fused or served.logits_rows)
+    asked = {name for name, on in (("sum_pi_squared", fused and _flag(batch, "calculate_sum_pi_squared")),
+                                   ("topk", topk), ("loss_rows_only", rows)) if on}
+    why = refused_together(asked, "Megatron fused" if fused else "Megatron logits")
+    if why is not None:
+        raise VerlIntegrationError(f"rl_kernels.integrations.verl: {why}")
+    if options().loss_rows_only and not rows:
         log_once(logging.WARNING, "rl_kernels: loss_rows_only=true is not served on this Megatron engine's logits "
                  "path (verl's from-logits functions or its logits forward are not rl-kernels' here: "
                  "patch_logits_path=False, or this verl lays out no tensors by name): the LM head computes every row")
-    elif options().loss_rows_only:  # read per micro-batch
+    elif rows:  # the option is read per micro-batch
         check_loss_rows_audit(loss_function)
         if not fused:
             off = "set fused_kernel_options.rl_kernels.loss_rows_only=false"
-            if _flag(batch, "distillation_use_topk"):
-                refuse_loss_rows("top-K distillation on the Megatron logits path is not served with it (verl's "
-                                 "distillation reads the logits of every row)", off + " or use_fused_kernels=True")
             config = getattr(engine, "engine_config", None)
             if config is not None and not getattr(config, "use_remove_padding", True):
                 refuse_loss_rows("use_remove_padding=False is not served (the padded layout)", off)
@@ -147,13 +152,7 @@ def step_for(batch, loss_function, fused: bool, served: Served, engine=None) -> 
     if not fused:
         return fields, by_token
     fields["engine"] = ENGINE
-    sum_pi_squared = bool(_flag(batch, "calculate_sum_pi_squared"))
-    topk = bool(_flag(batch, "distillation_use_topk"))
-    if sum_pi_squared and topk:
-        raise VerlIntegrationError("rl_kernels.integrations.verl: calculate_sum_pi_squared=True together with "
-                                   "top-K distillation (distillation_use_topk) on the Megatron fused path is not "
-                                   "served; use use_fused_kernels=False (verl's logits path) for this run")
-    fields["sum_pi_squared"] = sum_pi_squared and served.sum_pi_squared
+    fields["sum_pi_squared"] = "sum_pi_squared" in asked and served.sum_pi_squared
     keys = batch.keys()
     if topk and served.distillation and "teacher_ids" in keys and "teacher_logprobs" in keys:
         fields["distillation"] = _loss_config(loss_function)

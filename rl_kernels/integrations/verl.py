@@ -1,4 +1,4 @@
-"""verl integration: importing this package patches verl to compute log-probs and entropy with rl-kernels.
+"""verl integration: importing this module patches verl to compute log-probs and entropy with rl-kernels.
 
 Turn it on in a verl run with overrides only (see ``integrations/verl/README.md`` and the Hydra group in the repository's ``conf/``, shipped as ``rl_kernels.integrations.conf``)::
 
@@ -48,7 +48,7 @@ yourself). The import calls :func:`patch`, which
   ``DataParallelPPOActor``, imports ``logprobs_from_logits`` by name (patched) and caches
   ``torch.compile`` of the entropy / Σπ² functions in ``__init__``: the wrapped ``__init__``
   replaces those caches by rl-kernels' functions.
-* **Megatron engine** (:mod:`rl_kernels.integrations.verl.megatron`, where verl has every function
+* **Megatron engine** (:mod:`rl_kernels.integrations.verl_impl.megatron`, where verl has every function
   replaced there: 0.9.x and main, not 0.7.x / 0.8.x; when ``megatron.core`` is importable): verl's vocab-parallel from-logits functions (logits path) and the
   ``linear_cross_entropy`` of its Megatron fused forwards (fused path), on the tensor-parallel
   group, with the hidden-state gradient summed exactly once over that group. On the fused path
@@ -61,7 +61,7 @@ yourself). The import calls :func:`patch`, which
   FSDP / VeOmni and Megatron losses (logits paths; Megatron vocab-parallel over the TP group) and
   the fused heads of both engines compute verl's top-K terms with rl-kernels, and the
   ``forward_kl_topk_tail`` loss mode (verl RFC #7856), which the import also registers in verl's
-  registry (:mod:`rl_kernels.integrations.verl_modes`; for processes that never import this package,
+  registry (:mod:`rl_kernels.integrations.verl_impl.modes`; for processes that never import this package,
   the ``verl.plugins`` entry point :mod:`rl_kernels.integrations.verl_plugin`).
 * **Σπ² on the fused paths** (``calculate_sum_pi_squared=True`` with ``use_fused_kernels=True``,
   which verl refuses): where verl's engine step asks for it, rl-kernels' fused head (FSDP with
@@ -81,77 +81,40 @@ first :data:`SUMMARY_AFTER_CALLS` calls one INFO line says how many tokens went 
 Options come from ``actor_rollout_ref.model.fused_kernel_options.rl_kernels`` (a dict; keys in
 :class:`VerlOptions`) of the model config that imports this package (the ``HFModelConfig``, or the
 verl 0.7.x legacy worker's ``self.config.model``: read where verl next hands that config on, before
-it builds the model or engine; see :mod:`rl_kernels.integrations.verl.hooks`) and of every later
+it builds the model or engine; see :mod:`rl_kernels.integrations.verl_impl.hooks`) and of every later
 ``HFModelConfig``, or from :func:`configure`. The patch is idempotent, :func:`unpatch` undoes it, it logs once what
 it patched with the verl version, and it raises :class:`VerlIntegrationError`, naming the function
 and its expected and found parameters, when a verl function it replaces is missing or has none of
 the parameter lists of its table (:data:`SIGNATURES`).
 
-Layout, and what patches on import. The package's modules, one job each: :mod:`.patching`
-(:func:`patch`, :func:`unpatch`, :func:`report`), :mod:`.settings` (the options in force),
-:mod:`.signatures`, :mod:`.fsdp_fused` (the FSDP fused head and the model it serves),
-:mod:`.fsdp_engine` (the FSDP engine's step request and its three wrappers), :mod:`.logits`,
-:mod:`.hooks`, :mod:`.label_check`, :mod:`.megatron` (the Megatron engine's heads),
-:mod:`.megatron_step` (its fused path's step request and its five wrappers), :mod:`.distill`,
-:mod:`.distill_terms` (verl's distillation math, no engine code) and :mod:`.common`. What a verl
-step asks of the heads (entropy, Σπ², top-K distillation, a per-sample temperature, the loss rows,
-the served model's head) and what they delivered is one :class:`~.common.StepRequest` in the
-package's one context variable (``common.step_request``), put in force per micro-batch by the
-engine's ``forward_step`` wrapper (:func:`.fsdp_engine.asks`, :func:`.megatron_step.step_for`
-decide what is served, and which combinations); its per-token inputs are laid out by one function
-per engine, its outputs laid out back by one. This ``__init__`` is
-the only module that patches, but Python runs it before any module of the package is imported, so
-importing any of them patches verl too. What must not patch lives outside the package:
-:mod:`rl_kernels.integrations.verl_schema` (the options' schema, :data:`BACKEND_NAME`,
-:class:`VerlIntegrationError`; imported by ``rl-kernels verl-check`` and ``lm_heads``, and by a
-driver that unpickles a worker's error), and the tooling: ``rl-kernels verl-check``
-(:mod:`rl_kernels.tools.verl_check`, which composes verl's config in the CLI process and must
-leave verl there untouched) and verl's own kernels as comparison points
-(:mod:`rl_kernels.tools.verl_kernels`). ``tests/test_layers.py`` checks that no module outside the
-package imports it.
+Layout, and what patches on import. This module is the only one that patches (one call of
+:func:`patch` at its import); everything it re-exports lives in the package
+:mod:`rl_kernels.integrations.verl_impl`, whose modules import without side effects (importing one
+neither patches verl nor imports this module; ``tests/test_layers.py`` checks both): the list of its
+modules is in its ``__init__``. verl's ``verl.plugins`` entry point is the other switch,
+:mod:`rl_kernels.integrations.verl_plugin` (it registers a loss mode, patches nothing).
 """
 from __future__ import annotations
 
-import importlib.util
 import logging
-import sys
 
 
-def _require_verl() -> None:
-    """One clear ImportError, naming verl, where verl is not installed (before any module of the
-    package imports verl's dependencies, such as ``packaging``)."""
-    if "verl" in sys.modules:  # imported (or stubbed) already
-        return
-    try:
-        missing = importlib.util.find_spec("verl") is None
-    except ImportError:  # a finder that refuses it
-        missing = True
-    if missing:
-        raise ImportError("rl_kernels.integrations.verl patches verl, and verl is not installed here: "
-                          "pip install '/path/to/rl-kernels[verl]'", name="verl")
-
-
-_require_verl()
-
-from ..._logging import logger  # noqa: E402 - after the check: verl's absence named first
-from ..verl_schema import BACKEND_NAME, VerlIntegrationError, VerlOptions  # noqa: F401
-from . import patching as _patching
-from . import settings as _settings
-from .common import (SUMMARY_AFTER_CALLS, call_counts, entropy_on_request, entropy_wanted,  # noqa: F401
-                     verl_version)
-from .common import signature as _signature  # noqa: F401
-from .fsdp_fused import fused_log_probs_entropy, micro_batch_flag  # noqa: F401
-from .logits import (LOGITS_FUNCTIONS, SUM_PI_SQUARED_FUNCTION, calculate_sum_pi_squared_from_logits,  # noqa: F401
-                     entropy_from_logits, entropy_from_logits_with_chunking, logprobs_from_logits)
-from .patching import SERVED_ENGINES, apply_model_config, is_patched, patch, report, unpatch  # noqa: F401
-from .settings import configure, configure_from_model_config, options  # noqa: F401
-from .signatures import DP_ACTOR_MODULE, MIN_VERL, SIGNATURES, VerlFeatures, verl_features  # noqa: F401
-
+from .._logging import logger
+from .verl_impl import common  # noqa: F401 - first: without verl its import raises the ImportError naming verl
+from .verl_impl import patching, settings
+from .verl_impl.common import SUMMARY_AFTER_CALLS, call_counts, entropy_on_request, entropy_wanted, verl_version  # noqa: F401
+from .verl_impl.fsdp_fused import fused_log_probs_entropy, micro_batch_flag  # noqa: F401
+from .verl_impl.logits import (LOGITS_FUNCTIONS, SUM_PI_SQUARED_FUNCTION, calculate_sum_pi_squared_from_logits,  # noqa: F401
+                               entropy_from_logits, entropy_from_logits_with_chunking, logprobs_from_logits)
+from .verl_impl.patching import SERVED_ENGINES, apply_model_config, is_patched, patch, report, unpatch  # noqa: F401
+from .verl_impl.schema import BACKEND_NAME, VerlIntegrationError, VerlOptions  # noqa: F401
+from .verl_impl.settings import configure, configure_from_model_config, options  # noqa: F401
+from .verl_impl.signatures import DP_ACTOR_MODULE, MIN_VERL, SIGNATURES, VerlFeatures, verl_features  # noqa: F401
 
 def __getattr__(name):
-    """``_capture``: the anomaly capture in force (live; :func:`rl_kernels.integrations.verl.settings.capture`)."""
+    """``_capture``: the anomaly capture in force (live; :func:`rl_kernels.integrations.verl_impl.settings.capture`)."""
     if name == "_capture":
-        return _settings.capture()
+        return settings.capture()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -174,7 +137,7 @@ def _on_import() -> None:
     if logger.level == logging.NOTSET:
         logger.setLevel(logging.INFO)
     patch()
-    _patching.expect_import_config()
+    patching.expect_import_config()
 
 
 _on_import()

@@ -1,7 +1,7 @@
 """The FSDP fused path (``use_fused_kernels=True``, ``impl_backend=rl_kernels``) of the verl patch.
 
 ``verl.models.transformers.monkey_patch.patch_forward_with_backends`` is wrapped to accept the
-backend name :data:`~rl_kernels.integrations.verl_schema.BACKEND_NAME`: it installs verl's own
+backend name :data:`~rl_kernels.integrations.verl_impl.schema.BACKEND_NAME`: it installs verl's own
 torch-backend fused forward for the model class (label rolling, ``shift_labels``, ``temperature``,
 rmpad shapes and ``CausalLMOutputForPPO`` stay verl's), marks the model (``_rl_kernels_fused``,
 with its :class:`~rl_kernels.integrations.lm_heads.HeadTransform`) and wraps the class forward
@@ -26,14 +26,14 @@ import torch
 from ..._logging import log_once, logger
 from ...linear import linear_log_probs
 from ...validation import check_temperature, row_inv_temperature
-from ..lm_heads import HeadTransform, head_transform
-from ..verl_schema import BACKEND_NAME, names_rl_kernels
 from . import settings
+from ..lm_heads import HeadTransform, head_transform
 from .common import (StepField, VerlIntegrationError, count, entropy_on_request, entropy_placeholder,
                      entropy_wanted, left_to_verl, loss_row_index, outside_kernels, record, scatter_rows, select_rows,
                      set_attr, step_request)
 from .distill import serve_fused_topk
 from .label_check import refuse_rolled_shard_labels
+from .schema import BACKEND_NAME, names_rl_kernels
 from .signatures import verl_features
 
 _model_names: list[str] = []  # the models patched for rl-kernels in this process (anomaly samples name the last)

@@ -14,7 +14,7 @@ config on, before anything consumes the patch:
   the ``_build_model_optimizer`` / ``_build_critic_model_optimizer`` that ``init_model`` calls right
   after the import (:func:`wrap_legacy_workers`).
 
-Each hook calls ``on_config(model_config)`` (:func:`rl_kernels.integrations.verl.patching.apply_model_config`).
+Each hook calls ``on_config(model_config)`` (:func:`rl_kernels.integrations.verl_impl.patching.apply_model_config`).
 """
 from __future__ import annotations
 

@@ -35,9 +35,10 @@ import torch
 from ..._logging import log_once
 from . import settings
 from .common import (VerlIntegrationError, check_loss_rows_audit, count, loss_mask_by_token, micro_batch_with,
-                     new_step, refuse_loss_rows, set_attr, step_request)
+                     new_step, refuse_loss_rows, set_attr, step_request, with_step)
 from .distill import FUSED_PART as DISTILLATION_PART
 from .distill import OVERLAP_KEYS, fused_distillation_entry
+from .schema import refused_together
 
 ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
 ENGINE_CLASS = "FSDPEngineWithLMHead"
@@ -84,7 +85,9 @@ def asks(engine, micro_batch, loss_function) -> dict:
       WARNING: every row computed); refused for the losses outside its audit
       (:func:`~.common.check_loss_rows_audit`).
 
-    Σπ² together with top-K distillation is refused here, with one message naming both."""
+    Combinations are served or refused by the one table of :func:`~.schema.refused_together`
+    (the message names both features; Σπ² with top-K on the fused path, ``loss_rows_only`` with
+    top-K on the logits path), read here for each micro-batch."""
     fused = bool(_flag(micro_batch, "use_fused_kernels"))
     fields = {"entropy": bool(_flag(micro_batch, "calculate_entropy")),
               "sum_pi_squared": _served["sum_pi_squared"] and fused and bool(_flag(micro_batch,
@@ -94,26 +97,22 @@ def asks(engine, micro_batch, loss_function) -> dict:
     if _served["topk"] and fused and _flag(micro_batch, "distillation_use_topk") \
             and _flag(micro_batch, "use_remove_padding", True) and "teacher_ids" in keys and "teacher_logprobs" in keys:
         fields["topk"] = True
-    if fields["topk"] and fields["sum_pi_squared"]:
-        raise VerlIntegrationError("rl_kernels.integrations.verl: calculate_sum_pi_squared=True together with top-K "
-                                   "distillation on the FSDP fused path is not served (verl refuses Σπ² on its "
-                                   "fused path too); use use_fused_kernels=False (verl's logits path) for this run")
-    if settings.options().loss_rows_only:
-        if fused and serves_fused(engine):
-            check_loss_rows_audit(loss_function)
-            fields["loss_rows_only"] = True
-        elif not fused and settings.options().patch_logits_path and output_layer(engine) is not None:
-            if _flag(micro_batch, "distillation_use_topk"):
-                raise VerlIntegrationError(
-                    "rl_kernels.integrations.verl: loss_rows_only together with top-K distillation on the FSDP logits "
-                    "path (use_fused_kernels=False) is not served; use the fused path (+rl_kernels=fused) or "
-                    "set fused_kernel_options.rl_kernels.loss_rows_only=false")
-            check_loss_rows_audit(loss_function)
-            fields["loss_rows_only"] = True
-        else:
-            log_once(logging.WARNING, "rl_kernels: loss_rows_only=true is not served on this FSDP engine's path (" + (
-                "a fused backend of verl's own" if fused else "the logits path with patch_logits_path=false, or a "
-                "model without an output layer rl-kernels finds") + "): the LM head computes every row")
+    rows = settings.options().loss_rows_only
+    rows_served = rows and (serves_fused(engine) if fused else
+                            settings.options().patch_logits_path and output_layer(engine) is not None)
+    asked = {name for name, on in (("sum_pi_squared", fields["sum_pi_squared"]), ("loss_rows_only", rows_served),
+                                   ("topk", fields["topk"] or not fused and _flag(micro_batch, "distillation_use_topk")))
+             if on}
+    why = refused_together(asked, "FSDP fused" if fused else "FSDP logits")
+    if why is not None:
+        raise VerlIntegrationError(f"rl_kernels.integrations.verl: {why}")
+    if rows_served:
+        check_loss_rows_audit(loss_function)
+        fields["loss_rows_only"] = True
+    elif rows:
+        log_once(logging.WARNING, "rl_kernels: loss_rows_only=true is not served on this FSDP engine's path (" + (
+            "a fused backend of verl's own" if fused else "the logits path with patch_logits_path=false, or a "
+            "model without an output layer rl-kernels finds") + "): the LM head computes every row")
     return fields
 
 
@@ -157,19 +156,9 @@ def _select_logits_rows(layer, args):
 
 
 def _forward_step(method):
-    signature = inspect.signature(method)
-
-    @functools.wraps(method)
-    def forward_step(*args, **kwargs):
-        arguments = signature.bind(*args, **kwargs).arguments
-        token = new_step(**asks(arguments["self"], arguments["micro_batch"], arguments.get("loss_function")))
-        try:
-            return method(*args, **kwargs)
-        finally:
-            step_request.reset(token)
-
-    forward_step._rl_kernels_original = method
-    return forward_step
+    """The engine's ``forward_step`` with a fresh step request per micro-batch (:func:`asks`)."""
+    return with_step(method, lambda arguments: new_step(**asks(arguments["self"], arguments["micro_batch"],
+                                                                 arguments.get("loss_function"))))
 
 
 # ----------------------------------------------------------------------------- per-token inputs

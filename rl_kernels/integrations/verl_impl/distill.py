@@ -25,7 +25,7 @@ on every rank, each rank its shard's gradient), verl's Megatron definitions (mas
 float32) and its overlap metrics (the student's top K over the group: one all_gather of K
 candidates per rank).
 
-``loss_mode=forward_kl_topk_tail`` (:mod:`rl_kernels.integrations.verl_modes`, registered in verl's
+``loss_mode=forward_kl_topk_tail`` (:mod:`rl_kernels.integrations.verl_impl.modes`, registered in verl's
 registry) is computed by the same replacements, on both engines: the student's log-probs at the
 teacher's ids and its log-mass outside them (``return_tail=True``), :func:`tail_terms`; outputs
 ``distillation_losses`` (the (K+1)-category KL), ``student_mass``, ``teacher_mass``, the overlap
@@ -61,11 +61,11 @@ from ..._logging import log_once
 from ...distill import linear_log_probs_at_ids
 from ...linear import MAX_TOPK, linear_topk
 from ...logits import topk_log_probs_from_logits
-from .. import verl_modes
-from ..verl_modes import TAIL_MODE, check_tail_config, is_tail_mode
+from . import modes
 from .common import (VerlIntegrationError, check_signature, left_to_verl, outside_kernels, record, replace_by_name,
                      save_logits_for_backward, scatter_rows, select_rows)
 from .distill_terms import OVERLAP_KEYS, distinct_on_padding, overlap_metrics, tail_terms, topk_terms  # noqa: F401
+from .modes import TAIL_MODE, check_tail_config, is_tail_mode
 from .settings import options
 from .signatures import has_module
 
@@ -85,9 +85,9 @@ NOT_IN_THIS_VERL = "not in this verl (no verl.trainer.distillation: verl 0.7.x)"
 
 def tail_entry(report: dict) -> tuple[bool, str]:
     """The report entry of ``loss_mode=forward_kl_topk_tail``: where verl's registry stands
-    (:func:`rl_kernels.integrations.verl_modes.status`, after :func:`~rl_kernels.integrations.verl_modes.register`)
+    (:func:`rl_kernels.integrations.verl_impl.modes.status`, after :func:`~rl_kernels.integrations.verl_impl.modes.register`)
     and which of the four distillation parts of ``report`` serve it (served where they are)."""
-    status = verl_modes.register()
+    status = modes.register()
     if status.startswith(("not registered", "verl's own")):
         return False, f"not served: verl's registry: {status}"
     parts = {FSDP_PART: "FSDP / VeOmni logits path", FUSED_PART: "FSDP fused path (impl_backend=rl_kernels)",
@@ -196,7 +196,7 @@ def replacement(module, original, *, megatron: bool):
     @torch.compiler.disable
     def compute_forward_kl_topk(student_logits, teacher_topk_log_probs, teacher_topk_ids, config, data_format):
         """rl-kernels replacement for verl's ``compute_forward_kl_topk``: the same arguments and outputs
-        (see :mod:`rl_kernels.integrations.verl.distill`), and the tail-aware terms of
+        (see :mod:`rl_kernels.integrations.verl_impl.distill`), and the tail-aware terms of
         ``loss_mode=forward_kl_topk_tail``."""
         loss_config = getattr(config, "distillation_loss", None)
         tail = is_tail_mode(loss_config)

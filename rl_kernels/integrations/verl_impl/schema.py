@@ -14,9 +14,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 
-from ..backends import BACKENDS
-from ..validation import check_bool_arg, check_choice, check_float_arg, check_int_arg, check_path_arg
-from .anomaly import AnomalyCapture
+from ...backends import BACKENDS
+from ...validation import check_bool_arg, check_choice, check_float_arg, check_int_arg, check_path_arg
+from ..anomaly import AnomalyCapture
 
 BACKEND_NAME = "rl_kernels"
 """The ``fused_kernel_options.impl_backend`` value that selects rl-kernels (and the key of its
@@ -154,4 +154,32 @@ def loss_rows_refusal(*, policy_loss_mode=None, use_prefix_grouper=False, distil
         if mode is not None and mode not in audited:
             return (f"loss_rows_only: {key}={mode} is not one audited for loss_rows_only (it may read log-probs "
                     f"outside loss_mask); audited: {', '.join(audited)}; {off}")
+    return None
+
+
+# ----------------------------------------------------------------------------- combinations
+FEATURES = {"sum_pi_squared": "calculate_sum_pi_squared=True", "topk": "top-K distillation",
+            "loss_rows_only": "loss_rows_only"}
+"""The features a verl step may ask of rl-kernels' heads together, by the name a message gives them
+(the per-sample temperature is served with every other feature and every path, so it is not here)."""
+REFUSED_TOGETHER = (
+    ("sum_pi_squared", "topk", ("FSDP fused", "Megatron fused"),
+     "verl refuses Σπ² on its fused paths too; use use_fused_kernels=False (verl's logits path) for this run"),
+    ("loss_rows_only", "topk", ("FSDP logits", "Megatron logits"),
+     "verl's distillation reads the logits of every row there; use the fused path (+rl_kernels=fused) or set "
+     "fused_kernel_options.rl_kernels.loss_rows_only=false"),
+)
+"""The combinations rl-kernels refuses: ``(feature, feature, paths, why and the fix)``. Every other
+combination of :data:`FEATURES` is served on every path that serves each feature. Read by the
+engine steps (FSDP ``fsdp_engine.asks``, Megatron ``megatron_step.step_for``) and by
+``rl-kernels verl-check``, through :func:`refused_together`."""
+
+
+def refused_together(asked, path: str) -> str | None:
+    """The one message refusing two of the ``asked`` features (names of :data:`FEATURES`) together on
+    ``path`` (``"FSDP fused"``, ``"FSDP logits"``, ``"Megatron fused"``, ``"Megatron logits"``),
+    naming both (:data:`REFUSED_TOGETHER`), or None where the combination is served."""
+    for first, second, paths, why in REFUSED_TOGETHER:
+        if path in paths and first in asked and second in asked:
+            return f"{FEATURES[first]} together with {FEATURES[second]} on the {path} path is not served: {why}"
     return None

@@ -7,7 +7,7 @@
 * the step request (:class:`StepRequest`): what a verl engine step asks of the heads and what they
   delivered, in one context variable; the loss-row selection of ``loss_rows_only``;
 * signature checks (the error type, :class:`VerlIntegrationError`, is defined in
-  :mod:`rl_kernels.integrations.verl_schema`, which patches nothing on import);
+  :mod:`rl_kernels.integrations.verl_impl.schema`, which patches nothing on import);
 * the drop-in guard of the replaced from-logits functions (:func:`verl_fallback`): inputs outside
   rl-kernels' kernels (:func:`outside_kernels`: float64 logits, ...) go to verl's own function.
 """
@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import importlib
 import importlib.metadata
+import importlib.util
 import inspect
 import logging
 import operator
@@ -27,7 +28,25 @@ import torch
 
 from ..._logging import log_once, logger
 from ...validation import FLOAT_DTYPES
-from ..verl_schema import VerlIntegrationError, loss_rows_refusal
+from .schema import VerlIntegrationError, loss_rows_refusal
+
+
+def require_verl() -> None:
+    """One clear ImportError, naming verl, where verl is not installed: called at this module's
+    import, which every module of the package that needs verl goes through before verl's own
+    dependencies (such as ``packaging``) are imported."""
+    if "verl" in sys.modules:  # imported (or stubbed) already
+        return
+    try:
+        missing = importlib.util.find_spec("verl") is None
+    except ImportError:  # a finder that refuses it
+        missing = True
+    if missing:
+        raise ImportError("rl_kernels.integrations.verl patches verl, and verl is not installed here: "
+                          "pip install '/path/to/rl-kernels[verl]'", name="verl")
+
+
+require_verl()
 
 SUMMARY_AFTER_CALLS = 8
 """After this many calls served in a process, one INFO line says how many tokens rl-kernels
@@ -318,19 +337,20 @@ entropy_wanted = StepField("entropy")
 verl's fused forwards always ask for (verl #2608)."""
 
 
-def with_context(method, var: StepField, value_of):
-    """Wrap a verl function: while it runs, ``var`` holds ``value_of(bound_arguments)`` (the
-    arguments by name, as ``inspect.signature(method).bind`` gives them), reset after it, also
-    when it raises; ``_rl_kernels_original`` keeps ``method`` for the undo."""
+def with_step(method, put):
+    """Wrap a verl function: while it runs, the step request that ``put(bound_arguments)`` puts in
+    force is in force (``put`` returns the token of ``step_request.set``; the arguments by name, as
+    ``inspect.signature(method).bind`` gives them); the one before is put back after it, also when
+    it raises. ``_rl_kernels_original`` keeps ``method`` for the undo."""
     sig = inspect.signature(method)
 
     @functools.wraps(method)
     def wrapper(*args, **kwargs):
-        token = var.set(value_of(sig.bind(*args, **kwargs).arguments))
+        token = put(sig.bind(*args, **kwargs).arguments)
         try:
             return method(*args, **kwargs)
         finally:
-            var.reset(token)
+            step_request.reset(token)
 
     wrapper._rl_kernels_original = method
     return wrapper
@@ -341,7 +361,7 @@ def entropy_on_request(method, read_flag):
     engine's ``forward_step``, verl 0.7.x's ``DataParallelPPOActor._forward_micro_batch``, the
     Megatron engine's fused forward): while it runs, the fused head computes entropy only when
     ``read_flag(bound_arguments)`` is true."""
-    return with_context(method, entropy_wanted, lambda arguments: bool(read_flag(arguments)))
+    return with_step(method, lambda arguments: entropy_wanted.set(bool(read_flag(arguments))))
 
 
 def entropy_placeholder(log_probs: torch.Tensor) -> torch.Tensor:
@@ -371,7 +391,7 @@ def refuse_loss_rows(why: str, fix: str) -> None:
 def check_loss_rows_audit(loss_function) -> None:
     """VerlIntegrationError where the losses verl's engine got (``loss_function``: the partial verl's
     worker binds, ``config=<ActorConfig>`` and, with distillation, ``distillation_config=``) are
-    outside the audit of ``loss_rows_only`` (:func:`~rl_kernels.integrations.verl_schema.loss_rows_refusal`).
+    outside the audit of ``loss_rows_only`` (:func:`~rl_kernels.integrations.verl_impl.schema.loss_rows_refusal`).
     A loss function without verl's configs (a forward-only step: None) passes."""
     keywords = getattr(loss_function, "keywords", None) or {}
     actor, distillation = keywords.get("config"), keywords.get("distillation_config")

@@ -17,9 +17,9 @@ import functools
 import importlib.util
 from typing import NamedTuple
 
-from packaging.version import InvalidVersion, Version
-
-from .common import VerlIntegrationError, check_signature, verl_version
+# .common first: without verl its import raises the ImportError naming verl, not packaging's
+from .common import VerlIntegrationError, check_signature, verl_version  # isort: skip
+from packaging.version import InvalidVersion, Version  # noqa: E402 - after .common
 
 MIN_VERL = Version("0.7.0")
 """The oldest verl the patches handle (its ``external_lib`` hook, fused forwards and engines)."""

@@ -185,15 +185,19 @@ def vocab_parallel_log_probs_from_logits(logits, labels):
     return out
 
 
+def _entropy(function: str, logits):
+    kwargs = _shard_kwargs(logits)
+    out = rl_kernels.entropy_from_logits(logits, **kwargs)
+    record("megatron_logits_entropy_calls", "logits megatron", _rows(logits))
+    _capture(function, logits, kwargs, entropy=out)
+    return out
+
+
 @on_loss_rows(with_labels=False)
 @verl_fallback(TENSOR_PARALLEL_MODULE, "vocab_parallel_entropy")
 def vocab_parallel_entropy(vocab_parallel_logits):
     """rl-kernels replacement for verl's ``vocab_parallel_entropy`` (float32, non-destructive)."""
-    kwargs = _shard_kwargs(vocab_parallel_logits)
-    out = rl_kernels.entropy_from_logits(vocab_parallel_logits, **kwargs)
-    record("megatron_logits_entropy_calls", "logits megatron", _rows(vocab_parallel_logits))
-    _capture("vocab_parallel_entropy", vocab_parallel_logits, kwargs, entropy=out)
-    return out
+    return _entropy("vocab_parallel_entropy", vocab_parallel_logits)
 
 
 @on_loss_rows(with_labels=False)
@@ -203,11 +207,7 @@ def vocab_parallel_entropy_with_chunking(vocab_parallel_logits, chunk_size=2048)
     """rl-kernels replacement for verl's ``vocab_parallel_entropy_with_chunking``; rl-kernels
     always chunks (by elements), so ``chunk_size`` is only validated."""
     check_chunk_size(chunk_size)
-    kwargs = _shard_kwargs(vocab_parallel_logits)
-    out = rl_kernels.entropy_from_logits(vocab_parallel_logits, **kwargs)
-    record("megatron_logits_entropy_calls", "logits megatron", _rows(vocab_parallel_logits))
-    _capture("vocab_parallel_entropy_with_chunking", vocab_parallel_logits, kwargs, entropy=out)
-    return out
+    return _entropy("vocab_parallel_entropy_with_chunking", vocab_parallel_logits)
 
 
 @on_loss_rows(with_labels=False)

@@ -1,7 +1,7 @@
 """Options of the verl integration in force: :func:`configure`, :func:`options`, and reading them
 from the verl config objects that verl hands over (:func:`configure_from_model_config`). What the
 options are (:class:`VerlOptions`, :data:`BACKEND_NAME`, :func:`validated_options`) is defined in
-:mod:`rl_kernels.integrations.verl_schema`, which patches nothing on import.
+:mod:`rl_kernels.integrations.verl_impl.schema`, which patches nothing on import.
 
 The options in force and the anomaly capture built from them are process-wide state, read per
 call by the fused paths (``backend``, ``overlap_metrics``), by every served path (the capture) and at
@@ -15,8 +15,8 @@ import threading
 
 from ..._logging import logger
 from ..anomaly import AnomalyCapture
-from ..verl_schema import BACKEND_NAME, VerlOptions, validated_options
 from .common import verl_version
+from .schema import BACKEND_NAME, VerlOptions, validated_options
 
 PATCH_TIME_OPTIONS = ("patch_logits_path", "patch_megatron_fused")
 """Options that decide what :func:`~.patching.patch` replaces (the others are read per call)."""
