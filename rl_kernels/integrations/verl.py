@@ -13,7 +13,7 @@ on 0.7.1, 0.8.0, 0.9.1 and verl's main branch (0.10.0.dev0), see the table in
 ``HFModelConfig.__post_init__``, verl 0.7.x's legacy workers (``fsdp_workers``) in ``init_model``:
 in the actor / rollout / reference workers, before they build the model (a config built in the
 driver and pickled, as the critic's ``HFModelConfig`` and ``sft_trainer_ray``'s are, imports it
-in the driver only: the critic computes no log-probs; for SFT, import this package in the workers
+in the driver only: the critic computes no log-probs; for SFT, import this module in the workers
 yourself). The import calls :func:`patch`, which
 
 * **FSDP fused path** (``use_fused_kernels=True``): registers a new ``impl_backend`` name,
@@ -35,7 +35,7 @@ yourself). The import calls :func:`patch`, which
   sequence parallelism is refused with :class:`VerlIntegrationError` (labels rolled per shard,
   verl #3512, #3723), at ``DataParallelPPOActor`` construction and at the forward. verl's ``triton``, ``torch`` and ``liger`` backends
   are left untouched, so they stay available for comparison. verl prints "Using Torch backend"
-  for such a model (its torch-backend forward is reused); this package then logs the real backend.
+  for such a model (its torch-backend forward is reused); this module then logs the real backend.
 * **FSDP logits path** (``use_fused_kernels=False``): replaces ``logprobs_from_logits``,
   ``entropy_from_logits`` and ``entropy_from_logits_with_chunking`` in
   ``verl.utils.torch_functional`` and in every loaded module that imported them by name, with
@@ -61,7 +61,7 @@ yourself). The import calls :func:`patch`, which
   FSDP / VeOmni and Megatron losses (logits paths; Megatron vocab-parallel over the TP group) and
   the fused heads of both engines compute verl's top-K terms with rl-kernels, and the
   ``forward_kl_topk_tail`` loss mode (verl RFC #7856), which the import also registers in verl's
-  registry (:mod:`rl_kernels.integrations.verl_impl.modes`; for processes that never import this package,
+  registry (:mod:`rl_kernels.integrations.verl_impl.modes`; for processes that never import this module,
   the ``verl.plugins`` entry point :mod:`rl_kernels.integrations.verl_plugin`).
 * **Σπ² on the fused paths** (``calculate_sum_pi_squared=True`` with ``use_fused_kernels=True``,
   which verl refuses): where verl's engine step asks for it, rl-kernels' fused head (FSDP with
@@ -79,7 +79,7 @@ torchtitan, Automodel, ...). :func:`call_counts` counts the calls per consumer, 
 first :data:`SUMMARY_AFTER_CALLS` calls one INFO line says how many tokens went through which path.
 
 Options come from ``actor_rollout_ref.model.fused_kernel_options.rl_kernels`` (a dict; keys in
-:class:`VerlOptions`) of the model config that imports this package (the ``HFModelConfig``, or the
+:class:`VerlOptions`) of the model config that imports this module (the ``HFModelConfig``, or the
 verl 0.7.x legacy worker's ``self.config.model``: read where verl next hands that config on, before
 it builds the model or engine; see :mod:`rl_kernels.integrations.verl_impl.hooks`) and of every later
 ``HFModelConfig``, or from :func:`configure`. The patch is idempotent, :func:`unpatch` undoes it, it logs once what
@@ -119,7 +119,7 @@ def __getattr__(name):
 
 
 class _HandlerUntilRootHandles(logging.StreamHandler):
-    """Prints the package's records while no handler of the root logger does: once verl (or the
+    """Prints rl-kernels' records while no handler of the root logger does: once verl (or the
     user) configures root logging, the records propagate there and this handler stays silent, so
     that every line is printed once."""
 
