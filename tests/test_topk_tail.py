@@ -276,7 +276,7 @@ def test_changed_ops_pass_opcheck():
     g = torch.Generator().manual_seed(1)
     grads = (None, None, torch.randn(N, generator=g), None, torch.randn(N, K, generator=g), torch.randn(N, generator=g))
     torch.library.opcheck(torch.ops.rl_kernels.linear_backward.default,
-                          (h, w, labels, ids, None, lse, None, tail, None, None, *grads, True, True, *args))
+                          (h, w, labels, ids, None, lse, None, out[4], tail, None, None, *grads, True, True, *args))
     torch.library.opcheck(torch.ops.rl_kernels.counted_positions.default,
                           (h, None, mask, ids, t_lp, V, -100, "hidden_states", None, None, True))
 

@@ -672,3 +672,19 @@ def sorted_tail_ids(ids: torch.Tensor, vocab_start: int = 0, local_vocab: int | 
     if local_vocab is not None:
         local = torch.where((local >= 0) & (local < local_vocab), local, -1)
     return torch.sort(local.to(torch.int32), dim=1).values.contiguous()
+
+
+def sum_over_equal_ids(token_ids, grad_log_probs) -> torch.Tensor:
+    """(N, K) float32: for each slot, the sum of ``grad_log_probs`` over the slots of its row that
+    hold the same id (itself alone when its id is unique in the row). The runs of equal ids of
+    each sorted row are summed in float64 (``scatter_add_`` over at most K slots: a slot alone is
+    its own value exactly) and rounded to float32 once."""
+    if token_ids.shape[1] == 1:
+        return grad_log_probs
+    sorted_ids, order = token_ids.sort(dim=1, stable=True)
+    starts = torch.ones_like(sorted_ids, dtype=torch.bool)
+    starts[:, 1:] = sorted_ids[:, 1:] != sorted_ids[:, :-1]
+    run = starts.cumsum(1) - 1  # the run (of equal ids) each sorted slot belongs to
+    sums = torch.zeros(sorted_ids.shape, dtype=torch.float64, device=token_ids.device)
+    sums.scatter_add_(1, run, grad_log_probs.gather(1, order).double())
+    return torch.empty_like(grad_log_probs).scatter_(1, order, sums.gather(1, run).float())

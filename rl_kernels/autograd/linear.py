@@ -23,7 +23,7 @@ from ..label_check import checked_labels, raise_if_interpreted, raise_label_erro
 from ..validation import check_label_values, warn_fp16_temperature
 from ..torch_ops.linear import per_row, torch_dlogits, torch_forward, torch_gathered_logits
 from .backward_schedule import chunked_backward, full_precision_reduction
-from .common import HeadFamily, Out, as_float_grad, hidden_for_weight_grad, sorted_tail_ids
+from .common import HeadFamily, Out, as_float_grad, hidden_for_weight_grad, sorted_tail_ids, sum_over_equal_ids
 from .vocab_parallel import all_gather_rows, finish_hidden_grad, local_labels, merge_lse, merge_shards
 
 
@@ -159,8 +159,21 @@ def head_backward(hidden_states, weight, labels, saved: HeadOutputs, grads: Head
     if grads.gathered_logits is not None:
         if params.softcap is not None:  # the sparse entries below carry no 1 - tanh^2 factor
             raise NotImplementedError("gathered-logit gradients with a softcap")
+        whole = None
+        if grads.entropy is None and grads.sum_pi_squared is None:
+            # the dense part at the ids' columns in float32, from the forward's logits there (a vocab
+            # shard's own ids: recomputed on its weight): d(lse, log p_y)/dz_j = p_j, [j = y] - p_j (the
+            # tail's term is 0 at the ids); a missing gradient as zeros, so that an eager call (None)
+            # and a compiled one (zeros) give the same bits
+            z = saved.gathered_logits if saved.gathered_logits is not None else \
+                family.gathered_logits(hidden_states, weight, gathered_ids.clamp_min(0), params)
+            zeros = torch.zeros_like(saved.lse)
+            g_lse = grads.lse if grads.lse is not None else zeros
+            g_lp = grads.log_probs if grads.log_probs is not None else zeros
+            whole = ((z - saved.lse[:, None]).exp() * (g_lse - g_lp)[:, None]
+                     + torch.where(gathered_ids == labels[:, None], g_lp[:, None], 0.0)) * per_row(params.inv_temperature)
         dlogits = _with_gathered(dlogits, gathered_ids, grads.gathered_logits, labels != params.ignore_index,
-                                 params.inv_temperature)
+                                 params.inv_temperature, whole)
     h_dw = hidden_states
     if need_dw and params.may_have_ignored:
         h_dw = hidden_for_weight_grad(hidden_states, labels == params.ignore_index, saved.lse)
@@ -169,16 +182,26 @@ def head_backward(hidden_states, weight, labels, saved: HeadOutputs, grads: Head
                                 h_dw, width_multiple=width)
 
 
-def _with_gathered(dlogits, ids, grad, valid, inv_temperature):
+def _with_gathered(dlogits, ids, grad, valid, inv_temperature, whole=None):
     """Wrap a dlogits window function: add grad[i, k] * inv_temperature at (i, ids[i, k]) for the
-    ids inside the window's columns (rows whose label is ignored get nothing)."""
+    ids inside the window's columns (rows whose label is ignored get nothing), summed over a row's
+    slots with the same id first (:func:`~.common.sum_over_equal_ids`; a repeated id's slots all
+    write the same value). ``whole``: None, or (N, K) float32, the dense part the kernels wrote at
+    those columns recomputed in float32 (where the lse's gradient is the only dense one: p g_lse / T)
+    - then the columns get ``whole`` + the sparse term, rounded once to the window's dtype (issue 54:
+    a bf16 window holding the dense part rounded, plus the sparse part, rounds twice: up to 1% of the
+    largest gradient where the two nearly cancel, as reverse top-K KL's do); without it the sparse
+    term is added to the window's value in float32 and the sum rounded."""
     g = torch.where(valid[:, None], grad.float() * per_row(inv_temperature), torch.zeros((), device=grad.device))
+    sums = sum_over_equal_ids(ids, g)
 
     def wrapped(rows, cols, out):
         dz = dlogits(rows, cols, out)
         ids_r = ids[rows]
-        r, k = ((ids_r >= cols.start) & (ids_r < cols.stop)).nonzero(as_tuple=True)
-        dz.index_put_((r, ids_r[r, k] - cols.start), g[rows][r, k].to(dz.dtype), accumulate=True)
+        r, k = ((ids_r >= cols.start) & (ids_r < cols.stop) & valid[rows, None]).nonzero(as_tuple=True)
+        at = (r, ids_r[r, k] - cols.start)
+        dense = dz[at].float() if whole is None else whole[rows][r, k]
+        dz.index_put_(at, (dense + sums[rows][r, k]).to(dz.dtype))
         return dz
     return wrapped
 
@@ -212,8 +235,8 @@ def forward_body(hidden_states, weight, labels, gather_ids, params: HeadParams, 
     return (*out, None, None), params
 
 
-def backward_body(hidden_states, weight, labels, gather_ids, entropy, lse, sum_pi_squared, tail_lse, shard_labels,
-                  shard_ids, grad_log_probs, grad_entropy, grad_lse, grad_sum_pi_squared, grad_gathered_logits,
+def backward_body(hidden_states, weight, labels, gather_ids, entropy, lse, sum_pi_squared, gathered_logits, tail_lse,
+                  shard_labels, shard_ids, grad_log_probs, grad_entropy, grad_lse, grad_sum_pi_squared, grad_gathered_logits,
                   grad_tail_lse, params: HeadParams, tp, need_dh: bool, need_dw: bool) -> tuple:
     """(dh or None, dW or None) in the input dtypes from the forward's saved statistics (None where
     not made) and the upstream gradients (None where none came; made float32 contiguous here);
@@ -223,7 +246,7 @@ def backward_body(hidden_states, weight, labels, gather_ids, entropy, lse, sum_p
     raise_label_errors()  # a bad label reported by this call's (or an earlier) forward kernel
     grads = HeadOutputs(*[g if g is None else as_float_grad(g) for g in (
         grad_log_probs, grad_entropy, grad_lse, grad_sum_pi_squared, grad_gathered_logits, grad_tail_lse)])
-    saved = HeadOutputs(None, entropy, lse, sum_pi_squared, tail_lse=tail_lse)
+    saved = HeadOutputs(None, entropy, lse, sum_pi_squared, gathered_logits if tp is None else None, tail_lse)
     if shard_labels is not None:
         labels, gather_ids = shard_labels, shard_ids
     tail_ids = None
@@ -373,7 +396,7 @@ FAMILY = HeadFamily(
     outputs=(Out("log_probs", _ROWS), Out("entropy", _ROWS, when="return_entropy", saved=True),
              Out("lse", _ROWS, saved=True),
              Out("sum_pi_squared", _ROWS, when="return_sum_pi_squared", saved=True),
-             Out("gathered_logits", ("hidden_states[0]", "gather_ids[1]"), when="gather_ids"),
+             Out("gathered_logits", ("hidden_states[0]", "gather_ids[1]"), when="gather_ids", saved=True),
              Out("tail_lse", _ROWS, when="return_tail", saved=True),
              Out("shard_labels", "labels", _shard_labels_dtype, when=lambda a: a.sharded, saved=True, output=False),
              Out("shard_ids", lambda a: (a.gather_ids.shape[0], 1 + a.gather_ids.shape[1]), "gather_ids",

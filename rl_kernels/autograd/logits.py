@@ -27,7 +27,7 @@ from ..label_check import deferred_label_check, raise_if_interpreted, raise_labe
 from ..torch_ops.logits import torch_logits_backward, torch_logits_forward
 from ..validation import check_label_values, check_token_id_values
 from .positions import check_tail_teacher
-from .common import HeadFamily, Out, as_float_grad, plain_op, sorted_tail_ids
+from .common import HeadFamily, Out, as_float_grad, plain_op, sorted_tail_ids, sum_over_equal_ids
 from .vocab_parallel import all_gather_rows, local_labels, merge_lse, merge_shards
 
 
@@ -450,22 +450,6 @@ def gather_logits(logits, token_ids, inv_temperature: float) -> torch.Tensor:
     """z[i, token_ids[i, k]] in float32: ``logits`` (N, V) at (N, K) int64 ids, scaled as the
     kernels scale them (converted to float32, then times ``inv_temperature``)."""
     return logits.gather(1, token_ids).float() * inv_temperature
-
-
-def sum_over_equal_ids(token_ids, grad_log_probs) -> torch.Tensor:
-    """(N, K) float32: for each slot, the sum of ``grad_log_probs`` over the slots of its row that
-    hold the same id (itself alone when its id is unique in the row). The runs of equal ids of
-    each sorted row are summed in float64 (``scatter_add_`` over at most K slots: a slot alone is
-    its own value exactly) and rounded to float32 once."""
-    if token_ids.shape[1] == 1:
-        return grad_log_probs
-    sorted_ids, order = token_ids.sort(dim=1, stable=True)
-    starts = torch.ones_like(sorted_ids, dtype=torch.bool)
-    starts[:, 1:] = sorted_ids[:, 1:] != sorted_ids[:, :-1]
-    run = starts.cumsum(1) - 1  # the run (of equal ids) each sorted slot belongs to
-    sums = torch.zeros(sorted_ids.shape, dtype=torch.float64, device=token_ids.device)
-    sums.scatter_add_(1, run, grad_log_probs.gather(1, order).double())
-    return torch.empty_like(grad_log_probs).scatter_(1, order, sums.gather(1, run).float())
 
 
 def topk_columns(grad, logits, token_ids, labels, lse, grad_topk, grads: dict, params: LogitsParams,
