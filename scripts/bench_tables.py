@@ -802,6 +802,37 @@ README_GAIN_FILES = ["bench_h100_2026-11-26b_liger_cute.json", "bench_h100_2026-
                      "bench_h100_2026-11-26_liger_cute.json", "model_bench_h100_2026-11-24_rerun.json",
                      "model_bench_h100_2026-11-24_7b.json", "model_bench_h100_2026-11-24_8b.json",
                      "distill_h100_2026-11-26.json", "loss_rows_h100_2026-12-07.json"]
+FP32_HEAD = "fp32_head_bench_h200_2026-12-07.json"
+
+
+def render_fp32_head(results, name):
+    data = results.json(name)["rows"]
+    by = {r["what"]: r for r in data["rows"]}
+    mm, bf16 = by["torch fp32 matmul (highest)"]["ms"], by["bf16 head fwd+bwd"]["ms"]
+    speed = [["cuBLAS `hidden @ weight.T`, fp32 (full fp32 products)", fixed(mm), "1.00", "–", "–"],
+             ["torch's fp32 path (logits materialized; verl's torch backend on fp32)",
+              fixed(by["torch fp32 path fwd"]["ms"]), fixed(by["torch fp32 path fwd"]["ms"] / mm),
+              fixed(by["torch fp32 path fwd+bwd"]["ms"]), fixed(by["torch fp32 path fwd+bwd"]["ms"] / bf16)]]
+    for key, label in (("ieee (before)", "rl-kernels fp32, full fp32 products (before)"),
+                       ("tf32x3 tma bk64 s2", "**rl-kernels fp32, tf32x3 (now)**")):
+        r = by[f"fp32 head {key}"]
+        speed.append([label, fixed(r["fwd_ms"]), fixed(r["fwd_ms"] / mm), fixed(r["fwd_bwd_ms"]),
+                      fixed(r["fwd_bwd_ms"] / bf16)])
+    speed.append(["rl-kernels bf16 (for the ratio)", "–", "–", fixed(bf16), "1.00"])
+    n, h, v = data["shape"]
+    out = [table([f"{n} × {h} × {v}", "fwd ms", "fwd × fp32 mm", "fwd+bwd ms", "fwd+bwd × bf16 head"], speed)]
+    errors = []
+    for t in (1.0, 0.3):
+        for key, label in (("torch fp32 path", "torch's fp32 path"), ("fp32 head shipped", "**rl-kernels tf32x3**")):
+            r = by[f"error T={t} {key}"]
+            errors.append([f"{t:g}", label] + [f"{sci(r[f'{k}_mean'])} / {sci(r[f'{k}_max'])}"
+                                              for k in ("log_probs", "entropy", "d_hidden", "d_weight")])
+    n, h, v = data["check"]
+    out.append(table([f"T ({n} × {h} × {v}, logits std 2)", "vs float64, mean / max", "log-probs", "entropy",
+                      "dh (of max)", "dW (of max)"], errors))
+    return "\n\n".join(out)
+
+
 LOSS_ROWS_HEAD = "loss_rows_h100_2026-12-07.json"
 LOSS_ROWS_MODEL = ["model_bench_h100_2026-12-07_loss_rows_small.json", "model_bench_h100_2026-12-07_loss_rows_7b.json"]
 
@@ -848,6 +879,8 @@ TABLES = [
           "python scripts/diag/fused_reach_bench.py --json PATH", "verl's fused path where verl refuses it",
           render_fused_reach,
           extra_files=dict.fromkeys(("fused_reach_h200_2026-11-28.log", "fused_reach_h200_2026-11-28_run1.log"))),
+    Table("fp32_head", [FP32_HEAD], "python scripts/diag/fp32_head_bench.py --json PATH",
+          "The fp32 head on the tensor cores", render_fp32_head),
     Table("loss_rows_head", [LOSS_ROWS_HEAD], "python scripts/diag/fused_reach_bench.py --loss-rows --rep 1000 --json PATH",
           "verl's loss_rows_only: the head on the loss rows alone", render_loss_rows_head),
     Table("loss_rows_model", LOSS_ROWS_MODEL,

@@ -55,6 +55,11 @@ class KernelConfig:
     tma: bool = False  # tensor-descriptor (TMA) loads where the operands allow them (fwd and bwd)
     flatten: bool = False  # one software pipeline across the split's tiles (tl.range flatten)
     warp_specialize: bool = False  # producer/consumer warps (tl.range warp_specialize)
+    # float32 inputs: tl.dot's input_precision. "tf32x3" (the default) runs each product on the
+    # tensor cores as three TF32 products (hi*hi + hi*lo + lo*hi, fp32 accumulation), with logits
+    # errors at or below cuBLAS SGEMM's (issue 54); "ieee" runs full fp32 products on the FMA units
+    # (about 3x slower); "tf32" one TF32 product (faster, 10-bit mantissa inputs: not SGEMM-class)
+    fp32_precision: str = "tf32x3"
 
     def dlogits_tile(self, window_cols: int, vocab_size: int) -> BwdTile:
         """The dlogits tile of a backward window: ``bwd_rows`` for a window of every vocab column
@@ -64,10 +69,11 @@ class KernelConfig:
     def upcast(self, dtype: torch.dtype) -> bool:
         return interpreting() and dtype == torch.bfloat16
 
-    @staticmethod
-    def dot_precision(dtype: torch.dtype) -> str:
-        # fp32 inputs keep torch's default ("highest") matmul precision; 16-bit inputs ignore it.
-        return "ieee" if dtype == torch.float32 else "tf32"
+    def dot_precision(self, dtype: torch.dtype) -> str:
+        """``tl.dot``'s ``input_precision`` for inputs of ``dtype``: :attr:`fp32_precision` for
+        float32 (the interpreter computes every form as full fp32 products), "tf32" (ignored) for
+        16-bit inputs."""
+        return self.fp32_precision if dtype == torch.float32 else "tf32"
 
 
 # H100, 16384 x 3584 x 152064 bf16, 2026-11-22 (scripts/diag/fwd_sweep.py): forward 1.19x cuBLAS
@@ -171,11 +177,14 @@ _AMPERE_FP32 = _cfg(128, 128, 32, 8, 3, (64, 128, 4, 2))
 AMPERE = ConfigClass("ampere", 166912, False, (80,), _cfg(128, 128, 64, 8, 3, (128, 128, 8, 2)), _AMPERE_FP32,
                      LOGITS_CUDA_CONFIG)
 # H100 / H200 / B200 (sm90+, 227 KB): bf16 is the tuned CUDA_CONFIG (147 KB of operand stages).
-# fp32 (full-precision products run on the FMA units, not the tensor cores) takes the ampere fp32
-# tiles on the pointer path: on the H100 (2026-11-23, 4096 x 3584 x 152064, scripts/diag/
-# config_bench.py) 128 x 256 / BK 32 with TMA ran 23.6x cuBLAS forward and 148x forward+backward
-# (the 128 x 256 fp32 accumulator spills), 128 x 128 / BK 32 2.36x and 6.6x.
-HOPPER = ConfigClass("hopper", 232448, True, (90,), CUDA_CONFIG, _AMPERE_FP32, LOGITS_CUDA_CONFIG)
+# fp32: products on the tensor cores as three TF32 products (tf32x3), the ampere tiles with TMA and
+# a K step of 64 in 2 forward stages (128 KB; the dlogits passes keep 3, 196 KB). H200, 2026-12-07, 4096 x 3584 x 152064 (scripts/diag/fp32_head_bench.py,
+# benchmarks/results/fp32_head_bench_h200_2026-12-07.json), as multiples of one torch fp32 matmul:
+# forward 0.67x, forward+backward 3.26x (10.3x the bf16 head); the ampere tiles on the pointer path
+# 0.69x / 3.42x; 128 x 256 / BK 32 / 2 stages 0.95x / 3.94x; full fp32 products ("ieee", the FMA
+# units) 2.42x / 6.95x. The backward's two GEMMs are torch's (cuBLAS SGEMM): most of what is left.
+_HOPPER_FP32 = dataclasses.replace(_AMPERE_FP32, tma=True, block_k=64, num_stages=2)
+HOPPER = ConfigClass("hopper", 232448, True, (90,), CUDA_CONFIG, _HOPPER_FP32, LOGITS_CUDA_CONFIG)
 # H200 (sm90, HBM3e at 4.8 TB/s against the H100's 3.35): the H100's tiles for the GEMM kernels.
 # Its from-logits kernels reached 71% of read / 81% of copy with the H100's tiles (2026-11-26);
 # the variants with more bytes in flight per program (``prefetch``, ``bwd_blocks_per_program``)
