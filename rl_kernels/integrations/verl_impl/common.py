@@ -337,6 +337,18 @@ entropy_wanted = StepField("entropy")
 verl's fused forwards always ask for (verl #2608)."""
 
 
+def log_head_precision(dtype: torch.dtype, engine: str) -> None:
+    """Say once per engine and dtype in which precision rl-kernels' fused head runs (issue 54):
+    float32 inputs stay float32 (no cast to bf16), their products on the tensor cores as three TF32
+    products with fp32 accumulation (SGEMM-class accuracy); 16-bit inputs, fp32 accumulation."""
+    if dtype == torch.float32:
+        what = ("float32: nothing cast to bf16; products on the tensor cores as three TF32 products (tf32x3), "
+                "fp32 accumulation, errors at or below cuBLAS SGEMM's")
+    else:
+        what = f"{str(dtype).removeprefix('torch.')} inputs, fp32 accumulation and softmax"
+    log_once(logging.INFO, f"rl_kernels: the {engine} fused head runs in {what}")
+
+
 def with_step(method, put):
     """Wrap a verl function: while it runs, the step request that ``put(bound_arguments)`` puts in
     force is in force (``put`` returns the token of ``step_request.set``; the arguments by name, as

@@ -29,8 +29,8 @@ from ...validation import check_temperature, row_inv_temperature
 from . import settings
 from ..lm_heads import HeadTransform, head_transform
 from .common import (StepField, VerlIntegrationError, count, entropy_on_request, entropy_placeholder,
-                     entropy_wanted, left_to_verl, loss_row_index, outside_kernels, record, scatter_rows, select_rows,
-                     set_attr, step_request)
+                     entropy_wanted, left_to_verl, log_head_precision, loss_row_index, outside_kernels, record,
+                     scatter_rows, select_rows, set_attr, step_request)
 from .distill import serve_fused_topk
 from .label_check import refuse_rolled_shard_labels
 from .schema import BACKEND_NAME, names_rl_kernels
@@ -188,6 +188,7 @@ def fused_log_probs_entropy(hidden_states: torch.Tensor, weight: torch.Tensor, l
         temperature = temperature.item()
     temperature = _head_temperature(temperature, head, labels)
     weight = full_weight(weight, hidden_states.dtype, _model.get())
+    log_head_precision(hidden_states.dtype, "FSDP")
     return_entropy = entropy_wanted.get()
     options = settings.options()
     step = step_request.get()

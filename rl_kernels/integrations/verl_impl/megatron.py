@@ -94,8 +94,8 @@ import rl_kernels
 from ..._logging import log_once, logger
 from . import megatron_step, settings
 from .common import (VerlIntegrationError, check_chunk_size, check_signature, count, entropy_placeholder,
-                     entropy_wanted, loss_row_index, outside_labels, record, replace_by_name, scatter_rows,
-                     select_rows, set_attr, verl_fallback, verl_version)
+                     entropy_wanted, log_head_precision, loss_row_index, outside_labels, record, replace_by_name,
+                     scatter_rows, select_rows, set_attr, verl_fallback, verl_version)
 from .distill import MEGATRON_MODULE as MEGATRON_DISTILLATION_MODULE
 from .distill import NOT_IN_THIS_VERL
 from .logits import capture_logits, on_loss_rows
@@ -277,6 +277,7 @@ def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="non
         log_once(logging.INFO, f"rl_kernels: output weight {weight.dtype} is cast to the hidden_states "
                  f"dtype {hidden.dtype} for the fused head (Megatron)")
         weight = weight.to(hidden.dtype)
+    log_head_precision(hidden.dtype, "Megatron")
     kwargs = {}
     if dist_process_group is not None and torch.distributed.get_world_size(dist_process_group) > 1:
         summed = bool(getattr(hidden, "_rl_kernels_dh_summed", False))
