@@ -31,7 +31,10 @@ SHRINK = {"num_experts": 4, "n_routed_experts": 4, "num_local_experts": 4, "moe_
           "mamba_expand": 2, "mamba_d_conv": 4, "num_nextn_predict_layers": 0, "vocab_size_per_layer_input": VOCAB,
           "hidden_size_per_layer_input": 8, "altup_num_inputs": 2, "sliding_window": 16, "attention_window_size": 16,
           "lru_width": 32, "num_shared_experts": 1, "moe_num_experts": 4, "moe_k": 2, "moe_topk": 2,
-          "mamba_d_ssm": 64, "num_kv_shared_layers": 0, "laurel_rank": 4, "unpadded_vocab_size": VOCAB}
+          "mamba_d_ssm": 64, "num_kv_shared_layers": 0, "laurel_rank": 4, "unpadded_vocab_size": VOCAB,
+          # Mamba-2 blocks (nemotron_h): heads x head dim = expand x hidden_size; their naive CPU path
+          # materializes (heads, chunk, chunk, state) tensors: 25 s a test at the default sizes
+          "mamba_num_heads": 4, "mamba_head_dim": 16, "ssm_state_size": 8, "n_groups": 1, "chunk_size": 16}
 # per model type: what the recipe above cannot guess
 _QWEN4_EXP = {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 8, "indexer_budget": 8,
               "indexer_compress_ratio": 4}  # its indexed-attention layers need all five
