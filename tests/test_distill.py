@@ -78,14 +78,18 @@ def test_topk_kl_values_and_gradients(poison, backend, k, kind, renorm, reductio
     assert torch.all(hx.grad[~mask] == 0)
 
 
-def test_full_vocab_renormalized_teacher_equals_torch_kl_div():
-    """K = V with the teacher's full log-softmax: exactly torch's kl_div (log_target) of the two
-    full distributions, times T^2."""
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_full_vocab_teacher_equals_torch_kl_div(backend, renormalize):
+    """K = V: torch's kl_div (log_target) of the two full distributions, times T^2. The teacher is
+    its full log-softmax, or (``renormalize_teacher=True``) raw scores that the option log-softmaxes
+    over the K = V ids (1.3 nats above a distribution: without the option the loss would differ)."""
     h, w, _, _, _ = _inputs(1, seed=3)
     g = torch.Generator().manual_seed(4)
     teacher = torch.log_softmax(torch.randn(N, V, generator=g), -1)
+    given = teacher + 1.3 if renormalize else teacher  # exp(given) sums to e^1.3 per row
     ids = torch.arange(V).expand(N, V)
-    got = linear_topk_kl(h, w, ids, teacher, temperature=1.5, backend="torch")
+    got = linear_topk_kl(h, w, ids, given, temperature=1.5, renormalize_teacher=renormalize, backend=backend)
     ref = torch.nn.functional.kl_div(torch.log_softmax(h.double() @ w.double().T / 1.5, -1),
                                      teacher.double(), reduction="batchmean", log_target=True) * 1.5**2
     fwd, _, m = _bounds(h, w, teacher, V, 1.5, "batchmean")

@@ -15,14 +15,9 @@ for _name in ("verl", "megatron", "megatron.core"):  # the parent first: find_sp
         pytest.skip(f"{_name} is not installed (pip install -e '.[verl]')", allow_module_level=True)
 import torch.multiprocessing as mp
 
-import rl_kernels
-
 import megatron_worker
 
 
-@pytest.mark.skipif(not hasattr(rl_kernels, "sum_pi_squared_from_logits"),
-                    reason="rl_kernels.sum_pi_squared_from_logits is not in this rl-kernels yet "
-                           "(verl's sum-of-squared-probabilities functions are then left unpatched)")
 @pytest.mark.parametrize("world", [2, 3])
 def test_megatron_engine_paths(tmp_path, world):
     mp.spawn(megatron_worker.run, args=(world, str(tmp_path / "init")), nprocs=world, join=True)

@@ -598,8 +598,6 @@ def test_signature_table_matches_installed_verl():
 def test_sum_pi_squared_function(dtype):
     """verl.utils.torch_functional.calculate_sum_pi_squared_from_logits (the FSDP engine's sum of
     squared probabilities) is rl-kernels' while patched: vs float64 and verl's original."""
-    if not hasattr(rl_kernels, "sum_pi_squared_from_logits"):
-        pytest.skip("rl_kernels.sum_pi_squared_from_logits is not in this rl-kernels yet")
     assert verl_F.calculate_sum_pi_squared_from_logits is rkv.calculate_sum_pi_squared_from_logits
     g = torch.Generator().manual_seed(8)
     logits = (torch.randn(3, 5, 301, generator=g) * 3).to(dtype)

@@ -18,13 +18,11 @@ each function then computes those rows and hands verl the labels' shape, 0 elsew
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
 
 import rl_kernels
 
-from ..._logging import log_once
 from ...logits import _overlaps
 from ...logits import entropy_from_logits as _rk_entropy_from_logits
 from ...logits import log_probs_from_logits as _rk_log_probs_from_logits
@@ -225,15 +223,6 @@ def patch_logits_path(torch_functional) -> list[str]:
     returns the by-name places patched."""
     _checked(torch_functional, LOGITS_FUNCTIONS)
     return replace_by_name(torch_functional, REPLACEMENTS)
-
-
-def sum_pi_squared_available() -> bool:
-    """Whether this rl-kernels has ``sum_pi_squared_from_logits`` (logged once when not)."""
-    if hasattr(rl_kernels, "sum_pi_squared_from_logits"):
-        return True
-    log_once(logging.INFO, "rl_kernels: this rl-kernels has no sum_pi_squared_from_logits: verl's "
-             "sum-of-squared-probabilities functions are not replaced")
-    return False
 
 
 def patch_sum_pi_squared(torch_functional) -> list[str]:

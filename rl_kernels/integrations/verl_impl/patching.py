@@ -26,7 +26,7 @@ from .fsdp_fused import patch_fused_path
 from .hooks import (registry_classmethod, wrap_dp_actor, wrap_engine_new, wrap_legacy_workers,
                     wrap_model_config)
 from .logits import (LOGITS_FUNCTIONS, REPLACEMENTS, SUM_PI_SQUARED_FUNCTION, patch_logits_path,
-                     patch_sum_pi_squared, sum_pi_squared_available)
+                     patch_sum_pi_squared)
 from .megatron import patch as patch_megatron
 from .megatron_step import DISTILLATION_PART as DISTILLATION_MEGATRON_FUSED
 from .megatron_step import TEMPERATURE_PART as MEGATRON_PER_SAMPLE_TEMPERATURE
@@ -173,14 +173,13 @@ def _patch_all(monkey_patch, experimental_tf, torch_functional) -> dict:
                                       f"{len(places)} by-name import(s) ({', '.join(places) or 'none loaded yet'})")
     else:
         report["FSDP logits path"] = (False, "not replaced (patch_logits_path=False)")
-    sum_pi_squared = logits_path and sum_pi_squared_available()
+    sum_pi_squared = logits_path
     if sum_pi_squared:
         places = patch_sum_pi_squared(torch_functional)
         report["sum_pi_squared (FSDP)"] = (True, f"{SUM_PI_SQUARED_FUNCTION} in verl.utils.torch_functional and "
                                            f"{len(places)} by-name import(s) ({', '.join(places) or 'none'})")
     else:
-        report["sum_pi_squared (FSDP)"] = (False, "not replaced (" + (
-            "rl_kernels has no sum_pi_squared_from_logits" if logits_path else "patch_logits_path=False") + ")")
+        report["sum_pi_squared (FSDP)"] = (False, "not replaced (patch_logits_path=False)")
     if dp_actor is not None:
         what = wrap_dp_actor(dp_actor, logits_path, sum_pi_squared)
         if logits_path:
