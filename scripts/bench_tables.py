@@ -814,7 +814,7 @@ def render_fp32_head(results, name):
               fixed(by["torch fp32 path fwd"]["ms"]), fixed(by["torch fp32 path fwd"]["ms"] / mm),
               fixed(by["torch fp32 path fwd+bwd"]["ms"]), fixed(by["torch fp32 path fwd+bwd"]["ms"] / bf16)]]
     for key, label in (("ieee (before)", "rl-kernels fp32, full fp32 products (before)"),
-                       ("tf32x3 tma bk64 s2", "**rl-kernels fp32, tf32x3 (now)**")):
+                       ("tf32x3 tma", "**rl-kernels fp32, tf32x3 (now)**")):
         r = by[f"fp32 head {key}"]
         speed.append([label, fixed(r["fwd_ms"]), fixed(r["fwd_ms"] / mm), fixed(r["fwd_bwd_ms"]),
                       fixed(r["fwd_bwd_ms"] / bf16)])

@@ -177,13 +177,15 @@ _AMPERE_FP32 = _cfg(128, 128, 32, 8, 3, (64, 128, 4, 2))
 AMPERE = ConfigClass("ampere", 166912, False, (80,), _cfg(128, 128, 64, 8, 3, (128, 128, 8, 2)), _AMPERE_FP32,
                      LOGITS_CUDA_CONFIG)
 # H100 / H200 / B200 (sm90+, 227 KB): bf16 is the tuned CUDA_CONFIG (147 KB of operand stages).
-# fp32: products on the tensor cores as three TF32 products (tf32x3), the ampere tiles with TMA and
-# a K step of 64 in 2 forward stages (128 KB; the dlogits passes keep 3, 196 KB). H200, 2026-12-07, 4096 x 3584 x 152064 (scripts/diag/fp32_head_bench.py,
+# fp32: products on the tensor cores as three TF32 products (tf32x3), the ampere tiles with TMA (98 KB).
+# H200, 2026-12-07, 4096 x 3584 x 152064 (scripts/diag/fp32_head_bench.py,
 # benchmarks/results/fp32_head_bench_h200_2026-12-07.json), as multiples of one torch fp32 matmul:
-# forward 0.67x, forward+backward 3.26x (10.3x the bf16 head); the ampere tiles on the pointer path
-# 0.69x / 3.42x; 128 x 256 / BK 32 / 2 stages 0.95x / 3.94x; full fp32 products ("ieee", the FMA
-# units) 2.42x / 6.95x. The backward's two GEMMs are torch's (cuBLAS SGEMM): most of what is left.
-_HOPPER_FP32 = dataclasses.replace(_AMPERE_FP32, tma=True, block_k=64, num_stages=2)
+# forward 0.66x, forward+backward 3.38x (10.7x the bf16 head); on the pointer path 0.69x / 3.42x;
+# a K step of 64 in 2 stages 0.67x / 3.26x, but its 3-stage dlogits passes (196 KB) leave too little
+# of the budget for Triton's scratch (tests/test_configs.py); 128 x 256 / 2 stages 0.95x / 3.94x; full
+# fp32 products ("ieee", the FMA units) 2.42x / 6.95x. The backward's two GEMMs are torch's (cuBLAS
+# SGEMM): most of what is left.
+_HOPPER_FP32 = dataclasses.replace(_AMPERE_FP32, tma=True)
 HOPPER = ConfigClass("hopper", 232448, True, (90,), CUDA_CONFIG, _HOPPER_FP32, LOGITS_CUDA_CONFIG)
 # H200 (sm90, HBM3e at 4.8 TB/s against the H100's 3.35): the H100's tiles for the GEMM kernels.
 # Its from-logits kernels reached 71% of read / 81% of copy with the H100's tiles (2026-11-26);
