@@ -23,6 +23,10 @@ twin) and consumed at once by cuBLAS matmuls. Two schedules:
 * two passes (otherwise): dW pass over vocab chunks, dh pass over token chunks (windows of a
   token chunk x all vocab, ``dh[chunk] = dz W``).
 
+float32 inputs on CUDA: the matmuls take the form of the forward kernels' ``fp32_precision``
+(``_addmm_fp32``): by default three TF32 tensor-core products with float32 accumulation, as the
+forward's ``tl.dot``; "ieee" one SGEMM.
+
 Every gradient element is rounded once to the output dtype (dh from its float32 sum), with no
 atomics: repeated runs give identical bits. The window buffer is bounded by
 ``max(MIN_CHUNK_ELEMENTS, CHUNK_FRACTION * (N + V) * H)`` elements, i.e. 8% of the two
@@ -92,12 +96,52 @@ def _can_accumulate_fp32(device: torch.device, dtype: torch.dtype) -> bool:
     return _ADDMM_OUT_DTYPE[key]
 
 
-def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc (float32) += a @ b, computed and summed in float32. On the CPU (tests, the torch
-    backend) 16-bit operands are upcast first: their products are exact in float32, so this is
-    the same arithmetic as cuBLAS's float32-output matmul, at the cost of float32 copies."""
-    if a.dtype == torch.float32:
+def _tf32_high(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (float32) with its 13 low mantissa bits cleared: exact in TF32, and ``t - high`` is
+    exact in float32 (the low bits themselves)."""
+    return (t.view(torch.int32) & -8192).view(torch.float32)
+
+
+@contextlib.contextmanager
+def _tf32_matmuls():
+    flags = torch.backends.cuda.matmul
+    saved = flags.allow_tf32
+    flags.allow_tf32 = True
+    try:
+        yield
+    finally:
+        flags.allow_tf32 = saved
+
+
+def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fp32_products: str) -> None:
+    """acc += a @ b for float32 ``a``, ``b`` on CUDA in the form the forward's ``tl.dot`` uses
+    (``KernelConfig.fp32_precision``): "ieee" one SGEMM (full float32 products on CUDA cores);
+    "tf32" one TF32 tensor-core matmul; "tf32x3" three, a_lo b_hi + a_hi b_lo + a_hi b_hi with
+    a = a_hi + a_lo, a_hi exact in TF32 (:func:`_tf32_high`), small terms first, float32
+    accumulation (the split of Ootomo and Yokota, "Recovering single precision accuracy from
+    Tensor Cores while surpassing the FP32 theoretical peak performance", IJHPCA 2022). The
+    dropped a_lo b_lo term is below 2^-21 of |a||b|; each matmul adds into ``acc`` in float32 as
+    an SGEMM does. Elsewhere (CPU, other forms) one float32 matmul."""
+    if fp32_products == "ieee" or not acc.is_cuda:
         acc.addmm_(a, b)
+        return
+    with _tf32_matmuls():
+        if fp32_products == "tf32":
+            acc.addmm_(a, b)
+            return
+        a_hi, b_hi = _tf32_high(a), _tf32_high(b)
+        acc.addmm_(a - a_hi, b_hi)
+        acc.addmm_(a_hi, b - b_hi)
+        acc.addmm_(a_hi, b_hi)
+
+
+def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fp32_products: str = "ieee") -> None:
+    """acc (float32) += a @ b, computed and summed in float32 (float32 operands: in the form
+    ``fp32_products``, :func:`_addmm_fp32`). On the CPU (tests, the torch backend) 16-bit operands
+    are upcast first: their products are exact in float32, so this is the same arithmetic as
+    cuBLAS's float32-output matmul, at the cost of float32 copies."""
+    if a.dtype == torch.float32:
+        _addmm_fp32(acc, a, b, fp32_products)
     elif acc.device.type == "cpu":
         acc.addmm_(a.float(), b.float())
     else:
@@ -121,11 +165,14 @@ def _cpu_bf16_operand(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fp32_products: str = "ieee") -> None:
     """out = a @ b, rounded once to ``out``'s dtype (a CPU bfloat16 operand contiguous first:
-    :func:`_cpu_bf16_operand`)."""
+    :func:`_cpu_bf16_operand`; float32 operands and output in the form ``fp32_products``,
+    :func:`_addmm_fp32`)."""
     a, b = _cpu_bf16_operand(a), _cpu_bf16_operand(b)
-    if a.dtype == out.dtype and b.dtype == out.dtype:
+    if a.dtype == b.dtype == out.dtype == torch.float32 and fp32_products != "ieee":
+        _addmm_fp32(out.zero_(), a, b, fp32_products)
+    elif a.dtype == out.dtype and b.dtype == out.dtype:
         torch.mm(a, b, out=out)
     else:
         out.copy_(torch.mm(a, b))
@@ -136,8 +183,9 @@ def _round_up(x: int, m: int) -> int:
 
 
 def chunked_backward(dlogits, hidden_states, weight, dz_dtype, need_dh, need_dw, dh_float32=False,
-                      h_dw=None, width_multiple=ALIGN):
-    """dh, dW from dlogits windows (module docstring). ``h_dw``: the hidden states that multiply
+                      h_dw=None, width_multiple=ALIGN, fp32_products="ieee"):
+    """dh, dW from dlogits windows (module docstring). ``fp32_products``: the form of float32
+    matmuls on CUDA (:func:`_addmm_fp32`), the forward kernels' ``fp32_precision``. ``h_dw``: the hidden states that multiply
     into dW, or a zero-argument function giving them, called at the first dW matmul
     (``hidden_for_weight_grad``); default ``hidden_states``. Column windows are a multiple of
     ``width_multiple`` columns wide where they can be (the dlogits kernel's tile width: a
@@ -163,7 +211,8 @@ def chunked_backward(dlogits, hidden_states, weight, dz_dtype, need_dh, need_dw,
         dh = torch.empty_like(hidden_states, memory_format=torch.contiguous_format) if need_dh else None
         return dh, dw
     if need_dh and need_dw:
-        result = _one_recompute(dlogits, hidden_states, weight, dz_dtype, cols, dh_float32, h_mm, step)
+        result = _one_recompute(dlogits, hidden_states, weight, dz_dtype, cols, dh_float32, h_mm, step,
+                                fp32_products)
         if result is not None:
             return result
     size = max(n * cols if need_dw else 0, min(rows, n) * v_pad if need_dh else 0)
@@ -175,7 +224,7 @@ def chunked_backward(dlogits, hidden_states, weight, dz_dtype, need_dh, need_dw,
         for c0 in range(0, v, cols):
             c1 = min(v, c0 + cols)
             dz = dlogits(slice(0, n), slice(c0, c1), window[:, : c1 - c0])
-            _mm_into(dw[c0:c1], dz.T, h_mm())
+            _mm_into(dw[c0:c1], dz.T, h_mm(), fp32_products)
     dh = None
     if need_dh:
         dh = torch.empty_like(hidden_states, memory_format=torch.contiguous_format,
@@ -187,11 +236,11 @@ def chunked_backward(dlogits, hidden_states, weight, dz_dtype, need_dh, need_dw,
             if dh_float32 and dz.dtype != torch.float32 and _can_accumulate_fp32(dz.device, dz.dtype):
                 _accumulate(dh[r0:r1].zero_(), dz, w_mm)
             else:
-                _mm_into(dh[r0:r1], dz, w_mm)
+                _mm_into(dh[r0:r1], dz, w_mm, fp32_products)
     return dh, dw
 
 
-def _one_recompute(dlogits, hidden_states, weight, dz_dtype, cols, dh_float32, h_mm, step):
+def _one_recompute(dlogits, hidden_states, weight, dz_dtype, cols, dh_float32, h_mm, step, fp32_products):
     """The one-recompute schedule (module docstring); None when it cannot run here. ``h_mm``:
     zero-argument function giving the hidden states for dW in ``dz_dtype``; ``step``: column
     multiple of the wide windows.
@@ -252,9 +301,9 @@ def _one_recompute(dlogits, hidden_states, weight, dz_dtype, cols, dh_float32, h
 
     def accumulate(c0: int, c1: int, dz: torch.Tensor) -> None:
         if lo:
-            _accumulate(acc_lo, dz, w_mm[c0:c1, :lo])
+            _accumulate(acc_lo, dz, w_mm[c0:c1, :lo], fp32_products)
         if acc_hi is not None:
-            _accumulate(acc_hi, dz, w_mm[c0:c1, lo:])
+            _accumulate(acc_hi, dz, w_mm[c0:c1, lo:], fp32_products)
 
     if acc_lo is not None:
         acc_lo.zero_()
@@ -279,7 +328,7 @@ def _one_recompute(dlogits, hidden_states, weight, dz_dtype, cols, dh_float32, h
         c1 = min(c0 + width, tail)
         dz = dlogits(slice(0, n), slice(c0, c1), win[:, : c1 - c0])
         accumulate(c0, c1, dz)
-        _mm_into(dw[c0:c1], dz.T, h_mm())
+        _mm_into(dw[c0:c1], dz.T, h_mm(), fp32_products)
         c0 = c1
     if acc_hi is not None:  # dh row blocks from both parts, through the window buffer
         block = max(1, buffer.numel() // h)  # (dh is 16-bit here: a float32 dh holds it all)
@@ -298,6 +347,6 @@ def _one_recompute(dlogits, hidden_states, weight, dz_dtype, cols, dh_float32, h
         width, win = window(c0, v)
         c1 = c0 + width
         dz = dlogits(slice(0, n), slice(c0, c1), win[:, :width])
-        _mm_into(dw[c0:c1], dz.T, h_mm())
+        _mm_into(dw[c0:c1], dz.T, h_mm(), fp32_products)
         c0 = c1
     return dh, dw

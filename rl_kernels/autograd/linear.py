@@ -89,7 +89,8 @@ class TritonHead:
     @staticmethod
     def dlogits(hidden_states, weight, labels, saved: HeadOutputs, grads: HeadOutputs, params: HeadParams,
                 tail_ids=None):
-        """(window function, dlogits dtype, column-width multiple) for ``chunked_backward``."""
+        """(window function, dlogits dtype, column-width multiple, float32 product form) for
+        ``chunked_backward``."""
         from .. import ops
 
         cfg = ops.default_config(hidden_states.device, hidden_states.dtype)
@@ -99,7 +100,7 @@ class TritonHead:
             tile = cfg.dlogits_tile(cols.stop - cols.start, weight.shape[0])
             return ops.linear_dlogits(hidden_states, weight, labels, saved, grads, rows, cols, out, params, cfg, tile,
                                       sorted_ids)
-        return window, hidden_states.dtype, cfg.bwd_cols.block_n
+        return window, hidden_states.dtype, cfg.bwd_cols.block_n, cfg.fp32_precision
 
     @staticmethod
     def gathered_logits(hidden_states, weight, ids, params: HeadParams) -> torch.Tensor:
@@ -123,7 +124,7 @@ class TorchHead:
                 tail_ids=None):
         def window(rows, cols, out):
             return torch_dlogits(hidden_states, weight, labels, saved, grads, rows, cols, out, params, tail_ids)
-        return window, torch.float32, 1
+        return window, torch.float32, 1, "ieee"
 
     @staticmethod
     def gathered_logits(hidden_states, weight, ids, params: HeadParams) -> torch.Tensor:
@@ -153,9 +154,11 @@ def head_backward(hidden_states, weight, labels, saved: HeadOutputs, grads: Head
     gradient, [j not among the ids] exp(z_j - tail_lse), in the same windows."""
     family = params.backend.family("linear")
     if tail_ids is not None and grads.tail_lse is not None:
-        dlogits, dz_dtype, width = family.dlogits(hidden_states, weight, labels, saved, grads, params, tail_ids)
+        dlogits, dz_dtype, width, fp32_products = family.dlogits(hidden_states, weight, labels, saved, grads,
+                                                                 params, tail_ids)
     else:
-        dlogits, dz_dtype, width = family.dlogits(hidden_states, weight, labels, saved, grads, params)
+        dlogits, dz_dtype, width, fp32_products = family.dlogits(hidden_states, weight, labels, saved, grads,
+                                                                 params)
     if grads.gathered_logits is not None:
         if params.softcap is not None:  # the sparse entries below carry no 1 - tanh^2 factor
             raise NotImplementedError("gathered-logit gradients with a softcap")
@@ -179,7 +182,7 @@ def head_backward(hidden_states, weight, labels, saved: HeadOutputs, grads: Head
         h_dw = hidden_for_weight_grad(hidden_states, labels == params.ignore_index, saved.lse)
     with full_precision_reduction():
         return chunked_backward(dlogits, hidden_states, weight, dz_dtype, need_dh, need_dw, dh_float32,
-                                h_dw, width_multiple=width)
+                                h_dw, width_multiple=width, fp32_products=fp32_products)
 
 
 def _with_gathered(dlogits, ids, grad, valid, inv_temperature, whole=None):

@@ -51,7 +51,8 @@ class TritonJSD:
 
     @staticmethod
     def dlogits(hs, ws, ht, wt, lse_s, lse_t, g_sum, scale, params: JSDParams):
-        """(window function, dlogits dtype, column-width multiple) for ``chunked_backward``."""
+        """(window function, dlogits dtype, column-width multiple, float32 product form) for
+        ``chunked_backward``."""
         from ..ops import default_config
         from ..ops.linear_jsd import jsd_dlogits
 
@@ -59,7 +60,7 @@ class TritonJSD:
 
         def window(rows, cols, out):
             return jsd_dlogits(hs, ws, ht, wt, lse_s, lse_t, g_sum, scale, rows, cols, out, params, cfg, cfg.jsd_bwd)
-        return window, hs.dtype, cfg.jsd_bwd.block_n
+        return window, hs.dtype, cfg.jsd_bwd.block_n, cfg.fp32_precision
 
 
 @implements("linear_jsd", "torch")
@@ -74,7 +75,7 @@ class TorchJSD:
     def dlogits(hs, ws, ht, wt, lse_s, lse_t, g_sum, scale, params: JSDParams):
         def window(rows, cols, out):
             return torch_jsd_dlogits(hs, ws, ht, wt, lse_s, lse_t, g_sum, scale, rows, cols, out, params)
-        return window, torch.float32, 1
+        return window, torch.float32, 1, "ieee"
 
 
 def jsd_forward(student_hidden, student_weight, teacher_hidden, teacher_weight, valid, params: JSDParams, tp):
@@ -111,13 +112,13 @@ def jsd_backward(hs, ws, ht, wt, valid, lse_s, lse_t, g_sum, grad, params: JSDPa
     scale = torch.where(valid, grad.float() / params.inv_temperature ** 2,
                         torch.zeros((), device=grad.device)).contiguous()
     g_sum = None if params.beta == 0.0 else g_sum
-    dlogits, dz_dtype, width = params.backend.family("linear_jsd").dlogits(hs, ws, ht, wt, lse_s, lse_t, g_sum,
-                                                                           scale, params)
+    dlogits, dz_dtype, width, fp32_products = params.backend.family("linear_jsd").dlogits(
+        hs, ws, ht, wt, lse_s, lse_t, g_sum, scale, params)
     reduce_dh = tp is not None and tp.reduce_hidden_grad
     h_dw = hidden_for_weight_grad(hs, ~valid, lse_s) if need_dw and params.may_have_ignored else hs
     with full_precision_reduction():
         dh, dw = chunked_backward(dlogits, hs, ws, dz_dtype, need_dh, need_dw, reduce_dh, h_dw,
-                                  width_multiple=width)
+                                  width_multiple=width, fp32_products=fp32_products)
     if reduce_dh:
         dh = finish_hidden_grad(dh, tp, hs.dtype)
     return dh, dw

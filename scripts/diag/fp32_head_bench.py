@@ -1,12 +1,12 @@
 """The float32 head on this GPU (issue 54 item 1): ``linear_log_probs`` on float32 hidden states
-and weight, per tensor-core precision and tile configuration, against one torch float32 matmul of
+and weight, per product form (the forward's ``tl.dot`` and the backward's cuBLAS matmuls), against one torch float32 matmul of
 the same shape (full fp32 products: torch's default "highest" precision), the bf16 head, and
 torch's float32 path (the logits materialized: ``hidden @ W.T`` in float32, then log-softmax and
 entropy in float32, what verl's torch backend computes on float32 inputs); then the accuracy of
 each against float64 on a smaller shape (log-probs, entropy and both gradients; logits std 2,
 temperature 1 and 0.3). One run; ratios are to the matmul of the same run.
 
-    python scripts/diag/fp32_head_bench.py [N,H,V] [--check N,H,V] [--json PATH]
+    python scripts/diag/fp32_head_bench.py [N,H,V] [--check N,H,V] [--only NAME ...] [--json PATH]
 """
 import dataclasses
 import os
@@ -19,28 +19,29 @@ from rl_kernels.tools import diag
 ap = diag.parser(__doc__, shapes=["4096,3584,152064"], one_shape=True, json_out=True)
 ap.add_argument("--check", type=diag.shape_type("N,H,V"), default=(2048, 3584, 32768),
                 help="N,H,V of the accuracy check against float64 (default 2048,3584,32768)")
+ap.add_argument("--only", nargs="*", default=None, help="the variants to run (default: all)")
 args = diag.start(ap)
 ops = diag.ops
 shipped = ops.default_config(torch.device("cuda"), torch.float32)
 base_class = ops.config_class(torch.device("cuda"))
-VARIANTS = {  # name -> the float32 tiles
-    "shipped": shipped,
-    "ieee (before)": dataclasses.replace(shipped, fp32_precision="ieee"),
-    "tf32x3 tma": dataclasses.replace(shipped, fp32_precision="tf32x3", tma=True),
-    "tf32x3 tma bk64 s2": dataclasses.replace(shipped, fp32_precision="tf32x3", tma=True, block_k=64,
-                                              num_stages=2),
-    "tf32x3 tma 128x256 s2": dataclasses.replace(
-        shipped, fp32_precision="tf32x3", tma=True, block_n=256, num_stages=2,
-        bwd_cols=ops.BwdTile(128, 256, 8, 2), bwd_rows=ops.BwdTile(128, 256, 8, 2)),
-    "tf32 (1 pass) tma": dataclasses.replace(shipped, fp32_precision="tf32", tma=True),
+VARIANTS = {  # name -> (the float32 tiles, the backward's float32 product form: None = the tiles')
+    "shipped": (shipped, None),
+    "shipped, SGEMM backward (before)": (shipped, "ieee"),
+    "ieee (before issue 54)": (dataclasses.replace(shipped, fp32_precision="ieee"), None),
+    "tf32 (1 pass)": (dataclasses.replace(shipped, fp32_precision="tf32"), None),
 }
+_addmm_fp32 = diag.backward_schedule._addmm_fp32
 
 
-def use(cfg):
+def use(variant):
     """Every launch (forward and the backward, which autograd may run on another thread) takes
-    ``cfg`` as the float32 tiles: a configuration class of its own, forced by name."""
+    the variant's float32 tiles: a configuration class of its own, forced by name; the backward's
+    cuBLAS products in the variant's form."""
+    cfg, bwd = variant
     ops.CLASSES["fp32-sweep"] = dataclasses.replace(base_class, name="fp32-sweep", fp32=cfg)
     os.environ[ops.CONFIG_CLASS_ENV] = "fp32-sweep"
+    diag.backward_schedule._addmm_fp32 = _addmm_fp32 if bwd is None else (
+        lambda acc, a, b, _form: _addmm_fp32(acc, a, b, bwd))
 
 
 def head_step(hid, w, lab, up):
@@ -83,21 +84,24 @@ def torch_step_of(hid, w, lab, up):
 
 with torch.no_grad():
     rows.append({"what": "torch fp32 path fwd", "ms": bench(lambda: torch_path(hid, w, lab, up))})
-rows.append({"what": "torch fp32 path fwd+bwd", "ms": bench(torch_step_of(hid, w, lab, up))})
+t_torch, peak_torch = diag.bench(torch_step_of(hid, w, lab, up))
+rows.append({"what": "torch fp32 path fwd+bwd", "ms": t_torch, "peak_extra_gib": peak_torch})
 print(f"{n}x{h}x{v} float32; fp32 matmul {t_mm:.2f} ms, bf16 matmul {t_mm_bf16:.2f} ms, bf16 head fwd+bwd "
       f"{t_bf16:.2f} ms; torch fp32 path fwd {rows[3]['ms']:.2f} ms, fwd+bwd {rows[4]['ms']:.2f} ms", flush=True)
-for name, cfg in VARIANTS.items():
-    use(cfg)
+for name, variant in VARIANTS.items():
+    if args.only is not None and name not in args.only:
+        continue
+    use(variant)
     try:
         with torch.no_grad():
             t_f = bench(lambda: rl_kernels.linear_log_probs(hid, w, lab))
-        t_fb = bench(head_step(hid, w, lab, up))
+        t_fb, peak = diag.bench(head_step(hid, w, lab, up))
     except Exception as e:  # noqa: BLE001 - a variant that does not fit this GPU
-        print(f"  {name:24s} {type(e).__name__}: {str(e)[:160]}", flush=True)
+        print(f"  {name:34s} {type(e).__name__}: {str(e)[:160]}", flush=True)
         continue
-    rows.append({"what": f"fp32 head {name}", "fwd_ms": t_f, "fwd_bwd_ms": t_fb})
-    print(f"  {name:24s} fwd {t_f:8.2f} ms = {t_f / t_mm:5.2f}x fp32 mm; fwd+bwd {t_fb:8.2f} ms = "
-          f"{t_fb / t_bf16:5.2f}x the bf16 head, {t_fb / t_mm:5.2f}x fp32 mm", flush=True)
+    rows.append({"what": f"fp32 head {name}", "fwd_ms": t_f, "fwd_bwd_ms": t_fb, "fwd_bwd_peak_extra_gib": peak})
+    print(f"  {name:34s} fwd {t_f:8.2f} ms = {t_f / t_mm:5.2f}x fp32 mm; fwd+bwd {t_fb:8.2f} ms = "
+          f"{t_fb / t_bf16:5.2f}x the bf16 head, {t_fb / t_mm:5.2f}x fp32 mm, peak +{peak:.2f} GiB", flush=True)
 hid = w = hb = wb = None
 torch.cuda.empty_cache()
 
@@ -126,7 +130,7 @@ print(f"accuracy vs float64, {n}x{h}x{v}, logits std 2: mean / max |error| (grad
 for temperature in (1.0, 0.3):
     ref = grads(lambda hx, wx, t: torch_path(hx, wx, lab, up, t), hid.double(), w.double(), temperature)
     cands = {"torch fp32 path": lambda: grads(lambda hx, wx, t: torch_path(hx, wx, lab, up, t), hid, w, temperature)}
-    for name in ("shipped", "ieee (before)", "tf32 (1 pass) tma"):
+    for name in [name for name in VARIANTS if args.only is None or name in args.only]:
         cands[f"fp32 head {name}"] = (lambda cfg: lambda: (use(cfg), grads(ours, hid, w, temperature))[1])(VARIANTS[name])
     for name, run in cands.items():
         got = run()
@@ -139,5 +143,6 @@ for temperature in (1.0, 0.3):
                      **{f"{k}_max": x for k, _, x in errs}})
         print(f"  T={temperature} {name:28s} " + "  ".join(f"{k} {m:.1e}/{x:.1e}" for k, m, x in errs), flush=True)
 os.environ.pop(ops.CONFIG_CLASS_ENV, None)
+diag.backward_schedule._addmm_fp32 = _addmm_fp32
 if args.json:
     diag.write_json(args.json, {"shape": list(args.shape), "check": list(args.check), "rows": rows})
