@@ -100,7 +100,7 @@ class TritonHead:
             tile = cfg.dlogits_tile(cols.stop - cols.start, weight.shape[0])
             return ops.linear_dlogits(hidden_states, weight, labels, saved, grads, rows, cols, out, params, cfg, tile,
                                       sorted_ids)
-        return window, hidden_states.dtype, cfg.bwd_cols.block_n, cfg.fp32_precision
+        return window, hidden_states.dtype, cfg.bwd_cols.block_n, cfg.fp32_backward
 
     @staticmethod
     def gathered_logits(hidden_states, weight, ids, params: HeadParams) -> torch.Tensor:

@@ -60,7 +60,7 @@ class TritonJSD:
 
         def window(rows, cols, out):
             return jsd_dlogits(hs, ws, ht, wt, lse_s, lse_t, g_sum, scale, rows, cols, out, params, cfg, cfg.jsd_bwd)
-        return window, hs.dtype, cfg.jsd_bwd.block_n, cfg.fp32_precision
+        return window, hs.dtype, cfg.jsd_bwd.block_n, cfg.fp32_backward
 
 
 @implements("linear_jsd", "torch")

@@ -60,6 +60,12 @@ class KernelConfig:
     # errors at or below cuBLAS SGEMM's (issue 54); "ieee" runs full fp32 products on the FMA units
     # (about 3x slower); "tf32" one TF32 product (faster, 10-bit mantissa inputs: not SGEMM-class)
     fp32_precision: str = "tf32x3"
+    # float32 inputs: the form of the backward's cuBLAS matmuls (dh = dz W, dW = dz^T h;
+    # ``autograd.backward_schedule._addmm_fp32``). "ieee" (the default): SGEMM, full fp32 products.
+    # "tf32x3": three TF32 matmuls (1.3x faster fwd+bwd), but the tensor cores' accumulation over the
+    # long reductions makes dh 17x and dW 2x further from float64 than SGEMM (mean; H100, 2026-12-07,
+    # 2048 x 3584 x 32768: BENCHMARKS.md), so not the default.
+    fp32_backward: str = "ieee"
 
     def dlogits_tile(self, window_cols: int, vocab_size: int) -> BwdTile:
         """The dlogits tile of a backward window: ``bwd_rows`` for a window of every vocab column
