@@ -18,8 +18,8 @@ from .autograd.linear_jsd import FAMILY as JSD_FAMILY, JSDParams
 from .autograd.linear import HeadParams, linear_head
 from .autograd.positions import check_tail_teacher, checked_positions
 from .autograd.vocab_parallel import parallel_params
-from .backends import get_backend
-from .validation import (FLOAT_DTYPES, check_bool_arg, check_choice, check_dtype, check_head_inputs,
+from .core.backends import get_backend
+from .core.validation import (FLOAT_DTYPES, check_bool_arg, check_choice, check_dtype, check_head_inputs,
                          check_hidden_weight, check_no_grad, check_same_device, check_softcap, check_temperature,
                          check_tensor_arg, check_token_id_values, check_token_ids, check_unit_interval, describe,
                          public_signature, raise_extra_positional)
@@ -314,7 +314,7 @@ def _reduce(per_token, valid, lead, reduction):
 def _check_teacher_head(student_hidden, student_weight, teacher_hidden, teacher_weight) -> None:
     """The teacher head of ``linear_jsd``: a valid (hidden, weight) pair with the student's
     leading shape, dtype, device and vocabulary (its hidden size may differ), neither requiring
-    grad (:func:`rl_kernels.validation.check_no_grad`)."""
+    grad (:func:`rl_kernels.core.validation.check_no_grad`)."""
     check_hidden_weight(teacher_hidden, teacher_weight, "teacher_hidden", "teacher_weight", min_dim=2)
     lead = tuple(student_hidden.shape[:-1])
     if tuple(teacher_hidden.shape[:-1]) != lead:

@@ -20,10 +20,10 @@ import torch
 from .autograd.common import split_temperature
 from .autograd.logits import FAMILY, LogitsOutputs, LogitsParams, asked_outputs, checked_token_ids, topk_log_probs
 from .autograd.vocab_parallel import parallel_params
-from .backends import get_backend
+from .core.backends import get_backend
 from .autograd.positions import checked_positions
 from .distill import KINDS, REDUCTIONS as LOSS_REDUCTIONS, _check_teacher, topk_kl_loss
-from .validation import (check_bool_arg, check_choice, check_labels, check_logits, check_temperature,
+from .core.validation import (check_bool_arg, check_choice, check_labels, check_logits, check_temperature,
                          check_token_ids, check_unit_interval, describe, public_signature, raise_extra_positional)
 
 __all__ = ["LogitsStats", "logits_stats", "log_probs_from_logits", "entropy_from_logits", "logsumexp",

@@ -140,7 +140,7 @@ def check_against_float64(head, *, n, h, v, dtype, device="cuda", backend="trito
     output per row (``head.per_row``) and the gradients of sum_k weights_k . outputs_k (random
     weights) w.r.t. hidden, weight and logits, against ``head.reference`` from the same (possibly
     16-bit) values in float64, within ``head.tolerances(dtype)``. Returns a one-line summary."""
-    from rl_kernels.reference import rel_err
+    from rl_kernels.tools.reference import rel_err
 
     args = inputs(n, seed, device, dtype, h, v)
     outs = head.per_row(backend)(*args)

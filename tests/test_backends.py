@@ -1,4 +1,4 @@
-"""The backend objects (``rl_kernels.backends``): one object per backend, resolved once per call,
+"""The backend objects (``rl_kernels.core.backends``): one object per backend, resolved once per call,
 through which every head family reaches its implementation; a new family registers its two
 implementations and needs nothing else from the package (CONTRIBUTING.md, "Adding a head")."""
 import dataclasses
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import rl_kernels
-from rl_kernels import backends
+from rl_kernels.core import backends
 from tolerances import assert_close_f32, head_magnitude
 
 

@@ -242,7 +242,7 @@ def test_bench_logits_implementations_on_cpu(monkeypatch):
     """Ours and torch eager as the bench calls them: log-probs and entropy match float64. The
     peers (CUDA only) are made unimportable, which the bench reports instead of failing."""
     logits_implementations = load_bench().logits_implementations
-    from rl_kernels.reference import reference_logits_stats
+    from rl_kernels.tools.reference import reference_logits_stats
 
     for name in ("flash_attn", "liger_kernel"):
         monkeypatch.setitem(sys.modules, name, None)  # import raises ImportError

@@ -19,7 +19,7 @@ import rl_kernels
 import rl_kernels.autograd.linear as linear_autograd
 import rl_kernels.autograd.logits as logits_autograd
 from heads import HEADS, N, T, V
-from rl_kernels.backends import get_backend
+from rl_kernels.core.backends import get_backend
 
 BACKENDS = ["torch", "triton"]
 TORCH = get_backend("torch", torch.device("cpu"))
@@ -250,7 +250,7 @@ def test_compiled_bad_label_raises(name, backend):
     labels[4] = V + 3
     with pytest.raises(ValueError, match="labels"):
         f(hidden, weight, logits, labels)
-    rl_kernels.label_check.raise_label_errors()  # nothing left behind for the next test
+    rl_kernels.core.label_check.raise_label_errors()  # nothing left behind for the next test
     labels[4] = -5  # negative and not ignore_index
     with pytest.raises(ValueError, match="labels"):
         f(hidden, weight, logits, labels)
@@ -295,7 +295,7 @@ def test_compiled_auto_backend_logs_its_choice_at_run_time(caplog):
     """The library's traced code does not log (a logger call would break the graph): with a fresh
     log, a fullgraph compile of ``backend='auto'`` compiles, and the choice is logged once, when
     the custom op's body runs (the op carries the 'auto' mark with the backend's name)."""
-    import rl_kernels._logging as rl_logging
+    import rl_kernels.core._logging as rl_logging
 
     def f(logits, labels):
         return rl_kernels.log_probs_from_logits(logits, labels, temperature=T)
@@ -407,7 +407,7 @@ def _unusual_record(op_args):
     """A record of ``op_args``' type with a non-default value in every field that travels."""
     import typing
 
-    from rl_kernels.backends import Backend
+    from rl_kernels.core.backends import Backend
 
     hints = typing.get_type_hints(op_args.record_type)
     unusual = {bool: lambda d: not d, int: lambda d: -7, float: lambda d: 0.5, str: lambda d: "n",

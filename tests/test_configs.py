@@ -11,7 +11,7 @@ import torch
 from rl_kernels import linear_jsd, linear_log_probs
 from rl_kernels.ops import config as config_mod
 
-from rl_kernels.reference import dense_linear_log_probs, make_inputs, reference_jsd, reference_linear_grads
+from rl_kernels.tools.reference import dense_linear_log_probs, make_inputs, reference_jsd, reference_linear_grads
 from tolerances import assert_close_f32, head_magnitude
 
 CLASS_NAMES = sorted(config_mod.CLASSES)

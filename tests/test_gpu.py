@@ -11,7 +11,7 @@ import torch
 import heads
 from heads import HEADS
 from rl_kernels import linear_log_probs
-from rl_kernels.reference import make_inputs, reference_jsd, reference_linear_grads, reference_linear_log_probs, rel_err
+from rl_kernels.tools.reference import make_inputs, reference_jsd, reference_linear_grads, reference_linear_log_probs, rel_err
 
 
 pytestmark = pytest.mark.gpu
@@ -123,7 +123,7 @@ def test_logits_bf16_against_float64_and_torch_eager(n, v):
     (verl's two functions), both launch shapes bitwise equal, gradient vs float64, O(N) memory."""
     from rl_kernels import logits_stats
     from rl_kernels.autograd.logits import LogitsParams
-    from rl_kernels.backends import get_backend
+    from rl_kernels.core.backends import get_backend
     from rl_kernels.ops import logits_config, logits_forward, use_two_level
 
     g = torch.Generator(device="cuda").manual_seed(5)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import rl_kernels
-from rl_kernels.label_check import raise_label_errors
+from rl_kernels.core.label_check import raise_label_errors
 
 pytestmark = pytest.mark.gpu
 

@@ -22,7 +22,7 @@ from rl_kernels.ops.launch import TRITON_LAUNCH_ENV
 import importlib
 
 kernels_mod = importlib.import_module("rl_kernels.ops.logits")
-from rl_kernels.reference import make_inputs, reference_linear_grads, reference_linear_log_probs, rel_err
+from rl_kernels.tools.reference import make_inputs, reference_linear_grads, reference_linear_log_probs, rel_err
 
 import heads
 from heads import HEADS
@@ -165,7 +165,7 @@ def test_every_class_numerics_invariance_identity_on_this_gpu(monkeypatch, name,
     assert (s.log_probs.double() - ref_lp).abs().max() < 5e-5
     th, tw, _ = make_inputs(256, 512, v, dtype, seed=5, device="cuda", w_scale=0.02)
     loss = linear_jsd(hidden[:256], weight, th, tw, beta=0.5, backend="triton")
-    from rl_kernels.reference import reference_jsd
+    from rl_kernels.tools.reference import reference_jsd
 
     ref_j = reference_jsd(hidden[:256].double(), weight.double(), th.double(), tw.double(),
                           labels[:256], 0.5, 1.0, "mean")
@@ -243,7 +243,7 @@ def test_topk_kl_vocab_parallel_and_logits_backward_in_every_dtype(dtype):
     hj, wj = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     loss = linear_jsd(hj, wj, th, tw, beta=0.5, labels=labels, reduction="sum")
     loss.backward()
-    from rl_kernels.reference import reference_jsd
+    from rl_kernels.tools.reference import reference_jsd
 
     h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
     ref = reference_jsd(h64, w64, th.double(), tw.double(), labels, 0.5, 1.0, "sum")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rl_kernels import linear_log_probs, log_probs_from_logits, logits_stats
-from rl_kernels.reference import make_inputs, reference_linear_grads, reference_linear_log_probs, rel_err
+from rl_kernels.tools.reference import make_inputs, reference_linear_grads, reference_linear_log_probs, rel_err
 
 
 pytestmark = pytest.mark.gpu
@@ -91,7 +91,7 @@ def test_bad_label_is_reported_without_a_host_sync(fn, n, v):
     backward). With RL_KERNELS_SYNC_LABEL_CHECK=1 the call itself raises."""
     import os
 
-    from rl_kernels.label_check import SYNC_LABEL_CHECK_ENV
+    from rl_kernels.core.label_check import SYNC_LABEL_CHECK_ENV
 
     g = torch.Generator(device="cuda").manual_seed(3)
     labels = torch.randint(0, v, (n,), device="cuda", generator=g)
@@ -122,7 +122,7 @@ def test_bad_label_is_reported_without_a_host_sync(fn, n, v):
         t.grad = None
     log_probs = call(labels)
     torch.cuda.synchronize()
-    from rl_kernels.label_check import raise_label_errors
+    from rl_kernels.core.label_check import raise_label_errors
     with pytest.raises(ValueError, match="labels"):
         raise_label_errors()
     log_probs.sum().backward()

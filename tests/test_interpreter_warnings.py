@@ -12,7 +12,7 @@ import torch
 
 import rl_kernels
 from heads import HEADS, K, inputs, teacher
-from rl_kernels.backends import interpreting
+from rl_kernels.core.backends import interpreting
 
 pytestmark = pytest.mark.skipif(not interpreting(), reason="the interpreter's numpy warnings (no GPU run)")
 

@@ -10,7 +10,7 @@ import torch
 import rl_kernels.autograd.backward_schedule as rl_autograd
 from rl_kernels import linear_jsd
 
-from rl_kernels.reference import reference_jsd
+from rl_kernels.tools.reference import reference_jsd
 from tolerances import assert_close_f32, head_magnitude
 
 N, HS, HT, V = 13, 24, 40, 203

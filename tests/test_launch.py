@@ -175,7 +175,7 @@ def test_from_logits_two_level_with_specialized_sizes(n, v):
     both launch shapes: equal bits, and the float64 values (the kernel addresses its packed
     output and partial blocks with them)."""
     from rl_kernels.autograd.logits import LogitsParams
-    from rl_kernels.backends import get_backend
+    from rl_kernels.core.backends import get_backend
     from rl_kernels.ops import logits_config, logits_forward
 
     g = torch.Generator(device="cuda").manual_seed(n * v)
@@ -203,7 +203,7 @@ def test_one_launch_combine_is_race_free():
     against the two-launch one, 30 times on 512 x 152064 bf16 (10 splits per row, programs finishing
     in any order): every run bitwise equal; the row counters are zero again after each run."""
     from rl_kernels.autograd.logits import LogitsParams
-    from rl_kernels.backends import get_backend
+    from rl_kernels.core.backends import get_backend
     from rl_kernels.ops import logits_config, logits_forward
     from rl_kernels.ops import logits as ls
 

@@ -1,13 +1,14 @@
 """The package's layers, read from its source: every import of an rl_kernels module (at module level
 or inside a function) goes to the importer's own layer or a lower one.
 
-    0 base          rl_kernels._logging, rl_kernels.backends, rl_kernels.label_flag
+    0 base          rl_kernels.core (its __init__), rl_kernels.core._logging, rl_kernels.core.backends,
+                    rl_kernels.core.label_flag
     1 kernels       rl_kernels.ops.*, rl_kernels.torch_ops.*
     2 library       the public API and what it is built of (rl_kernels, linear, logits, distill,
-                    validation, label_check, reference, samples, autograd.*)
+                    samples, core.validation, core.label_check, autograd.*)
     3 integrations  rl_kernels.integrations.* (the verl integration, anomaly capture)
-    4 tooling       rl_kernels.tools.* (command line, bench, repro, bundled samples, verl's kernels as
-                    comparison points, verl-check), __main__
+    4 tooling       rl_kernels.tools.* (command line, bench, repro, bundled samples, the float64
+                    oracles, verl's kernels as comparison points, verl-check), __main__
 
 So the kernels import nothing above them, the library neither its integrations nor its tooling,
 and the integrations not the tooling."""
@@ -22,7 +23,7 @@ import pytest
 import rl_kernels
 
 ROOT = os.path.dirname(rl_kernels.__file__)
-BASE = {"rl_kernels._logging", "rl_kernels.backends", "rl_kernels.label_flag"}
+BASE = {"rl_kernels.core", "rl_kernels.core._logging", "rl_kernels.core.backends", "rl_kernels.core.label_flag"}
 LAYERS = ("base", "kernels", "library", "integrations", "tooling")
 
 
@@ -76,11 +77,11 @@ def test_the_graph_is_read():
     """The reader finds what is known to be there (a test of the test)."""
     known = modules()
     assert {"rl_kernels.ops.logits", "rl_kernels.tools.cli", "rl_kernels.integrations.verl_impl.patching",
-            "rl_kernels.label_flag"} <= set(known)
+            "rl_kernels.core.label_flag"} <= set(known)
     assert "rl_kernels.ops.common" in imports("rl_kernels.ops.logits", known["rl_kernels.ops.logits"], known)
     assert "rl_kernels.tools.bench" in imports("rl_kernels.tools.cli", known["rl_kernels.tools.cli"], known)
     assert layer("rl_kernels.tools.cli") > layer("rl_kernels.integrations.verl_impl.patching") > layer("rl_kernels.linear") \
-        > layer("rl_kernels.ops.config") > layer("rl_kernels._logging")
+        > layer("rl_kernels.ops.config") > layer("rl_kernels.core._logging")
 
 
 @pytest.mark.parametrize("module", sorted(modules()))

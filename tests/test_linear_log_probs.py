@@ -17,9 +17,9 @@ import torch
 
 import rl_kernels.autograd.backward_schedule as rl_autograd
 from rl_kernels import linear_log_probs
-from rl_kernels.backends import interpreting
+from rl_kernels.core.backends import interpreting
 from rl_kernels.ops.launch import quiet_interpreter
-from rl_kernels.reference import dense_linear_log_probs, make_inputs, reference_linear_grads, rel_err
+from rl_kernels.tools.reference import dense_linear_log_probs, make_inputs, reference_linear_grads, rel_err
 
 BACKENDS = ["triton", "torch"]
 VALUE_ATOL = 2e-5
@@ -118,7 +118,7 @@ def test_backward_schedules(backend, n, h, v, dtype, schedule, spare, poison, sm
     if h == 64:  # the triton backend's windows are 16-bit like dW (the torch backend's are float32)
         assert any(placed) == (backend == "triton"), placed
     if schedule == "two passes":  # the fallback is logged (once per process)
-        from rl_kernels import _logging
+        from rl_kernels.core import _logging
         assert any("does not fit" in m or "cannot add" in m for m in _logging._seen)
     assert rel_err(hx.grad, hr.grad) <= GRAD_RTOL[dtype]
     assert rel_err(wx.grad, wr.grad) <= GRAD_RTOL[dtype]
@@ -404,7 +404,7 @@ def test_triton_on_cpu_without_interpreter_raises(monkeypatch):
 
 
 def test_auto_backend_logs_choice_once(caplog):
-    import rl_kernels._logging as rl_logging
+    import rl_kernels.core._logging as rl_logging
 
     rl_logging._seen.clear()
     with caplog.at_level(logging.INFO, logger="rl_kernels"):
@@ -504,7 +504,7 @@ def test_linear_head_reads_the_outputs_that_the_family_declares():
     import itertools
 
     import rl_kernels.autograd.linear as linear_autograd
-    from rl_kernels.backends import get_backend
+    from rl_kernels.core.backends import get_backend
 
     g = torch.Generator().manual_seed(0)
     h, w = torch.randn(5, 8, generator=g), torch.randn(11, 8, generator=g)

@@ -127,7 +127,7 @@ def test_two_level_combine_in_one_launch_or_two(n, v):
     per-row counters) or in a combine launch: the same bits, the float64 values, all five
     statistics, with a label on an ignored row (placeholder outputs poisoned first)."""
     from rl_kernels.autograd.logits import LogitsParams
-    from rl_kernels.backends import get_backend
+    from rl_kernels.core.backends import get_backend
     from rl_kernels.ops import logits_config, logits_forward
 
     g = torch.Generator().manual_seed(n * v)
@@ -163,7 +163,7 @@ def test_prefetch_and_blocks_per_program_keep_the_bits(two_level):
     import dataclasses
 
     from rl_kernels.autograd.logits import LogitsParams
-    from rl_kernels.backends import get_backend
+    from rl_kernels.core.backends import get_backend
     from rl_kernels.ops import logits_backward, logits_config, logits_forward
 
     g = torch.Generator().manual_seed(11)
@@ -294,7 +294,7 @@ def test_the_eager_route_makes_the_declared_outputs():
     import itertools
 
     from rl_kernels.autograd.logits import FAMILY, LogitsParams, _asked, asked_outputs
-    from rl_kernels.backends import get_backend
+    from rl_kernels.core.backends import get_backend
 
     x, y, ids = torch.zeros(2, 5), torch.zeros(2, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long)
     fields = [FAMILY.outputs[j].name for j in FAMILY.output_slots]

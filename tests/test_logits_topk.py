@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import rl_kernels
 import rl_kernels.torch_ops.logits as torch_logits
 from rl_kernels.autograd.logits import FAMILY, LogitsParams
-from rl_kernels.backends import get_backend
+from rl_kernels.core.backends import get_backend
 from rl_kernels import linear_topk_kl, topk_kl_from_logits, topk_log_probs_from_logits
 from tolerances import assert_close_f32, head_magnitude, logits_magnitude
 

@@ -19,7 +19,7 @@ from rl_kernels import (cross_entropy, entropy_from_logits, linear_jsd, linear_l
                         topk_log_probs_from_logits)
 from rl_kernels.ops import logits as kernels
 
-from rl_kernels.reference import dense_linear_log_probs, make_inputs
+from rl_kernels.tools.reference import dense_linear_log_probs, make_inputs
 
 import heads
 from heads import HEADS
@@ -399,7 +399,7 @@ def test_temperature_and_softcap_checks_use_exactly_temperature_range():
     """The checks compare with TEMPERATURE_RANGE written as literals (a module-level float would be a
     symbolic input under torch.compile(dynamic=True)): both edges are accepted, the next float
     outside each is refused, for the temperature and for the softcap (alone and over T)."""
-    from rl_kernels.validation import TEMPERATURE_RANGE, check_softcap, check_temperature
+    from rl_kernels.core.validation import TEMPERATURE_RANGE, check_softcap, check_temperature
 
     lo, hi = TEMPERATURE_RANGE
     assert (lo, hi) == (1.0 / torch.finfo(torch.float32).max, 1.0 / torch.finfo(torch.float32).tiny)
@@ -439,7 +439,7 @@ def test_extreme_usable_temperatures_match_float64(backend):
     torch.testing.assert_close(out.log_probs.double(), ref_lp, atol=0, rtol=1e-4)
     torch.testing.assert_close(out.entropy.double(), ref_ent, atol=1e-6, rtol=0)
     # the largest usable T: 1 / T is the smallest normal float32, the softmax is uniform
-    out = linear_log_probs(hidden, weight, labels, temperature=rl_kernels.validation.TEMPERATURE_RANGE[1],
+    out = linear_log_probs(hidden, weight, labels, temperature=rl_kernels.core.validation.TEMPERATURE_RANGE[1],
                            backend=backend)
     torch.testing.assert_close(out.entropy, torch.full((3,), math.log(10)), atol=1e-5, rtol=0)
     torch.testing.assert_close(out.log_probs, torch.full((3,), -math.log(10)), atol=1e-5, rtol=0)
@@ -532,7 +532,7 @@ def test_every_head_raises_a_bad_label_that_an_earlier_kernel_reported(name):
     """On the GPU a kernel reports a bad label after its call returned, by writing the call's id
     into the flag word; the next rl_kernels call raises it, whichever head that is (labels or not).
     Written here as a kernel writes it; the flag is cleared by the raise, so the call after runs."""
-    from rl_kernels.label_flag import label_flag, label_word
+    from rl_kernels.core.label_flag import label_flag, label_word
 
     hidden, weight, logits, labels = heads.inputs()
     f = HEADS[name].call("torch")
@@ -550,7 +550,7 @@ def test_every_head_backward_raises_a_bad_label_reported_after_its_forward(name)
     """The backward's body too: a bad label reported between a head's forward and its backward
     (on the GPU, a kernel of that forward or of another call) is raised by the backward, which
     then computes nothing; the flag is cleared by the raise."""
-    from rl_kernels.label_flag import label_flag, label_word
+    from rl_kernels.core.label_flag import label_flag, label_word
 
     head = HEADS[name]
     args = heads.inputs()
@@ -667,7 +667,7 @@ def test_a_bad_label_found_by_a_cpu_kernel_is_raised_by_that_call_saying_so(name
     and its message says so (it said "this error comes from the next rl_kernels call"). A bad label
     reported by an earlier call's kernel (as a GPU kernel reports it) still says so; the flag is
     cleared either way."""
-    from rl_kernels.label_flag import label_flag, label_word
+    from rl_kernels.core.label_flag import label_flag, label_word
 
     hidden, weight, labels = make_inputs(3, 8, 10, torch.float32, seed=27)
     bad = labels.clone()

@@ -1,4 +1,4 @@
-"""The float64 oracles of ``rl_kernels.reference`` on their own: (a) against values computed by
+"""The float64 oracles of ``rl_kernels.tools.reference`` on their own: (a) against values computed by
 hand or with Python's ``math`` on lists (no torch in the expected values), including dh / dW by
 central differences of a pure-Python loss; (b) against the torch backend run in float64 on fresh
 random inputs (two independent computations of the same definition agreeing to ~1e-10); (c) the
@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import rl_kernels.reference as reference
+import rl_kernels.tools.reference as reference
 from rl_kernels.logits import logits_stats
-from rl_kernels.reference import (dense_linear_log_probs, reference_jsd, reference_linear_grads,
+from rl_kernels.tools.reference import (dense_linear_log_probs, reference_jsd, reference_linear_grads,
                                   reference_linear_log_probs, reference_logits_stats)
 from rl_kernels.autograd.linear_jsd import JSDParams
 from rl_kernels.autograd.linear import HeadOutputs, HeadParams
-from rl_kernels.backends import get_backend
+from rl_kernels.core.backends import get_backend
 from rl_kernels.torch_ops.linear import torch_dlogits, torch_forward
 from rl_kernels.torch_ops.linear_jsd import torch_jsd_sums
 from tolerances import assert_close_f32, logits_magnitude
@@ -370,7 +370,7 @@ def test_reference_imports_nothing_of_the_backends():
     module level or inside a function."""
     tree = ast.parse(Path(reference.__file__).read_text())
     allowed = {"rl_kernels.linear": {"LogProbsOutput"}, "rl_kernels.logits": {"LogitsStats"},
-               "rl_kernels.validation": {"check_label_values", "check_softcap", "check_temperature"}}
+               "rl_kernels.core.validation": {"check_label_values", "check_softcap", "check_temperature"}}
     seen = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -379,8 +379,8 @@ def test_reference_imports_nothing_of_the_backends():
                 assert alias.name in ("torch", "math"), alias.name
         elif isinstance(node, ast.ImportFrom):
             mod = node.module or ""
-            if node.level:
-                mod = "rl_kernels" + ("." + mod if mod else "") if node.level == 1 else "?" + mod
+            if node.level:  # relative to reference's package
+                mod = ".".join(reference.__name__.split(".")[:-node.level] + ([mod] if mod else []))
             seen.append(mod)
             assert not mod.startswith(("rl_kernels.torch_ops", "rl_kernels.ops", "rl_kernels.autograd")), mod
             if mod != "__future__":

@@ -10,7 +10,7 @@ import torch
 
 import rl_kernels.tools.repro as repro
 from rl_kernels.tools.cli import main
-from rl_kernels.reference import make_inputs, reference_logits_stats
+from rl_kernels.tools.reference import make_inputs, reference_logits_stats
 from rl_kernels.tools.bundled_samples import BUNDLED
 from rl_kernels.samples import (LogitsSample, Sample, SampleError, load_sample,
                                 save_logits_sample, save_sample)

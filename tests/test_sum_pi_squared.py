@@ -7,7 +7,7 @@ import torch
 from rl_kernels import linear_log_probs, logits_stats, sum_pi_squared_from_logits
 from rl_kernels.ops import logits as kernels
 
-from rl_kernels.reference import make_inputs
+from rl_kernels.tools.reference import make_inputs
 from tolerances import assert_close_f32, head_magnitude, logits_magnitude
 
 PATHS = [("torch", None), ("triton", False), ("triton", True)]

@@ -19,7 +19,7 @@ import triton.language as tl
 import rl_kernels.autograd.backward_schedule as rl_autograd
 import rl_kernels.autograd.linear as linear_autograd
 from rl_kernels import linear_topk_kl
-from rl_kernels.backends import get_backend
+from rl_kernels.core.backends import get_backend
 from rl_kernels.distill import linear_log_probs_at_ids
 from rl_kernels.autograd.common import sorted_tail_ids
 from rl_kernels.ops.common import among_ids

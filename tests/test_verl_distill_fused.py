@@ -26,7 +26,7 @@ pytest.importorskip("verl", reason="verl is not installed (pip install -e '.[ver
 import torch
 
 import rl_kernels.integrations.verl as rkv
-from rl_kernels import _logging
+from rl_kernels.core import _logging
 from rl_kernels.integrations.verl_impl import distill
 from rl_kernels.integrations.verl_impl.schema import VerlIntegrationError
 from verl_helpers import VOCAB, qwen2_forward, tiny_qwen2, verl_unpatched  # noqa: F401 - qwen2_forward: a fixture

@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("verl", reason="verl is not installed (pip install -e '.[verl]')")
 import torch
 
-import rl_kernels._logging as rk_logging
+import rl_kernels.core._logging as rk_logging
 import rl_kernels.integrations.verl as rkv
 from rl_kernels.integrations.verl_impl import distill
 from rl_kernels.integrations.verl_impl import megatron as rk_megatron

@@ -11,7 +11,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from rl_kernels.reference import reference_jsd
+from rl_kernels.tools.reference import reference_jsd
 
 N, H, V = 13, 24, 203
 BOUNDS = {2: [0, 120, 203], 3: [0, 50, 151, 203]}
@@ -199,7 +199,7 @@ def run(rank, world, init_file, backend):
     # with gradients reaching all three outputs (log-probs, lse, the ids' logits) against float64
     from rl_kernels.autograd.linear import HeadParams, linear_head
     from rl_kernels.autograd.vocab_parallel import parallel_params
-    from rl_kernels.backends import get_backend
+    from rl_kernels.core.backends import get_backend
 
     g_lse, g_z = torch.randn(N, generator=g), torch.randn(N, k, generator=g)
     params = HeadParams(backend=get_backend(backend, hidden.device), inv_temperature=1 / 0.8, ignore_index=-100,

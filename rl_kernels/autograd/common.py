@@ -12,8 +12,8 @@ import typing
 
 import torch
 
-from ..backends import Backend, backend_by_name
-from ..validation import row_inv_temperature
+from ..core.backends import Backend, backend_by_name
+from ..core.validation import row_inv_temperature
 from .vocab_parallel import GROUP_SCHEMA, group_from_op, op_group
 
 

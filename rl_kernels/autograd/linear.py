@@ -18,9 +18,9 @@ from typing import NamedTuple
 
 import torch
 
-from ..backends import Backend, implements
-from ..label_check import checked_labels, raise_if_interpreted, raise_label_errors
-from ..validation import check_label_values, warn_fp16_temperature
+from ..core.backends import Backend, implements
+from ..core.label_check import checked_labels, raise_if_interpreted, raise_label_errors
+from ..core.validation import check_label_values, warn_fp16_temperature
 from ..torch_ops.linear import per_row, torch_dlogits, torch_forward, torch_gathered_logits
 from .backward_schedule import chunked_backward, full_precision_reduction
 from .common import HeadFamily, Out, as_float_grad, hidden_for_weight_grad, sorted_tail_ids, sum_over_equal_ids
@@ -374,7 +374,7 @@ def vp_gather_grads(shard_labels, shard_ids, grads: HeadOutputs, ignore_index: i
 def _op_examples() -> list:
     """opcheck's inputs (``HeadFamily``): CPU, the torch backend; the statistics with entropy and
     sum_pi_squared (an ignored row), and the logits at given ids with the tail."""
-    from ..backends import get_backend
+    from ..core.backends import get_backend
 
     g = torch.Generator().manual_seed(0)
     h, w = torch.randn(5, 8, generator=g), torch.randn(11, 8, generator=g)

@@ -15,8 +15,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..backends import Backend, implements
-from ..label_check import raise_label_errors
+from ..core.backends import Backend, implements
+from ..core.label_check import raise_label_errors
 from ..torch_ops.linear_jsd import torch_jsd_dlogits, torch_jsd_sums
 from .backward_schedule import chunked_backward, full_precision_reduction
 from .common import HeadFamily, Out, hidden_for_weight_grad
@@ -126,7 +126,7 @@ def jsd_backward(hs, ws, ht, wt, valid, lse_s, lse_t, g_sum, grad, params: JSDPa
 
 def _op_examples() -> list:
     """opcheck's inputs (``HeadFamily``): CPU, the torch backend, beta strictly inside (0, 1)."""
-    from ..backends import get_backend
+    from ..core.backends import get_backend
 
     g = torch.Generator().manual_seed(0)
     hs, ws, ht, wt = (torch.randn(shape, generator=g) for shape in ((5, 8), (11, 8), (5, 6), (11, 6)))

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..backends import Backend, implements
+from ..core.backends import Backend, implements
 from ..torch_ops.linear_topk import merge_candidates, torch_topk_select
 from .common import HeadFamily, Out
 from .vocab_parallel import all_gather_rows, merge_lse
@@ -93,7 +93,7 @@ def topk_body(hidden_states, weight, params: TopkParams, tp=None) -> tuple[torch
 
 def _op_examples() -> list:
     """opcheck's inputs (``HeadFamily``): CPU, the torch backend."""
-    from ..backends import get_backend
+    from ..core.backends import get_backend
 
     g = torch.Generator().manual_seed(0)
     hidden_states, weight = torch.randn(5, 8, generator=g), torch.randn(11, 8, generator=g)

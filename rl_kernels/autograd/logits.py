@@ -21,11 +21,11 @@ from typing import NamedTuple
 
 import torch
 
-from .._logging import log_once
-from ..backends import Backend, implements
-from ..label_check import deferred_label_check, raise_if_interpreted, raise_label_errors
+from ..core._logging import log_once
+from ..core.backends import Backend, implements
+from ..core.label_check import deferred_label_check, raise_if_interpreted, raise_label_errors
 from ..torch_ops.logits import torch_logits_backward, torch_logits_forward
-from ..validation import check_label_values, check_token_id_values
+from ..core.validation import check_label_values, check_token_id_values
 from .positions import check_tail_teacher
 from .common import HeadFamily, Out, as_float_grad, plain_op, sorted_tail_ids, sum_over_equal_ids
 from .vocab_parallel import all_gather_rows, local_labels, merge_lse, merge_shards
@@ -377,7 +377,7 @@ def _in_op(params: LogitsParams, forward: bool) -> LogitsParams:
 def _op_examples() -> list:
     """opcheck's inputs (``HeadFamily``): CPU, the torch backend; the statistics at labels (one row
     ignored), and the top-K log-probs with the tail (the labels marking an ignored row)."""
-    from ..backends import get_backend
+    from ..core.backends import get_backend
 
     g = torch.Generator().manual_seed(0)
     logits, labels = torch.randn(5, 11, generator=g), torch.tensor([3, -100, 0, 10, 7])

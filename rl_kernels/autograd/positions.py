@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from ..validation import check_labels, check_mask, check_token_id_values
+from ..core.validation import check_labels, check_mask, check_token_id_values
 from .common import Out, plain_op
 from .vocab_parallel import group_from_op
 

@@ -41,7 +41,7 @@ import dataclasses
 
 import torch
 
-from ..validation import check_vocab_parallel_args
+from ..core.validation import check_vocab_parallel_args
 
 
 def _dist():

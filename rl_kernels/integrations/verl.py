@@ -99,7 +99,7 @@ from __future__ import annotations
 import logging
 
 
-from .._logging import logger
+from ..core._logging import logger
 from .verl_impl import common  # noqa: F401 - first: without verl its import raises the ImportError naming verl
 from .verl_impl import patching, settings
 from .verl_impl.common import SUMMARY_AFTER_CALLS, call_counts, entropy_on_request, entropy_wanted, verl_version  # noqa: F401

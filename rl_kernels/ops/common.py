@@ -33,8 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .._logging import log_once
-from ..backends import interpreting
+from ..core._logging import log_once
+from ..core.backends import interpreting
 
 try:  # CUDA's libdevice (tanh); the CPU interpreter has none
     from triton.language.extra.cuda import libdevice

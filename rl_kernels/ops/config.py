@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from ..backends import interpreting
+from ..core.backends import interpreting
 
 
 @dataclasses.dataclass(frozen=True)

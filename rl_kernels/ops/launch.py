@@ -30,7 +30,7 @@ import warnings
 
 import torch
 
-from ..backends import interpreting
+from ..core.backends import interpreting
 
 try:
     from triton import knobs as _knobs

@@ -37,8 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .._logging import log_once, logger
-from ..label_flag import label_flag as host_flag
+from ..core._logging import log_once, logger
+from ..core.label_flag import label_flag as host_flag
 from .common import (among_ids, log_sum_lse, merge_stats, merge_q, multiprocessors, row_temperature_args,
                      scalar_inv_temperature, stats_entropy)
 from .config import LogitsConfig

@@ -26,8 +26,8 @@ import sys
 
 import torch
 
-from ..._logging import log_once, logger
-from ...validation import FLOAT_DTYPES
+from ...core._logging import log_once, logger
+from ...core.validation import FLOAT_DTYPES
 from .schema import VerlIntegrationError, loss_rows_refusal
 
 

@@ -57,7 +57,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..._logging import log_once
+from ...core._logging import log_once
 from ...distill import linear_log_probs_at_ids
 from ...linear import MAX_TOPK, linear_topk
 from ...logits import topk_log_probs_from_logits

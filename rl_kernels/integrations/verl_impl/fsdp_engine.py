@@ -32,7 +32,7 @@ import types
 
 import torch
 
-from ..._logging import log_once
+from ...core._logging import log_once
 from . import settings
 from .common import (VerlIntegrationError, check_loss_rows_audit, count, loss_mask_by_token, micro_batch_with,
                      new_step, refuse_loss_rows, set_attr, step_request, with_step)

@@ -23,9 +23,9 @@ import logging
 
 import torch
 
-from ..._logging import log_once, logger
+from ...core._logging import log_once, logger
 from ...linear import linear_log_probs
-from ...validation import check_temperature, row_inv_temperature
+from ...core.validation import check_temperature, row_inv_temperature
 from . import settings
 from ..lm_heads import HeadTransform, head_transform
 from .common import (StepField, VerlIntegrationError, count, entropy_on_request, entropy_placeholder,

@@ -91,7 +91,7 @@ import torch
 
 import rl_kernels
 
-from ..._logging import log_once, logger
+from ...core._logging import log_once, logger
 from . import megatron_step, settings
 from .common import (VerlIntegrationError, check_chunk_size, check_signature, count, entropy_placeholder,
                      entropy_wanted, log_head_precision, loss_row_index, outside_labels, record, replace_by_name,

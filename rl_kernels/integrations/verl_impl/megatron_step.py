@@ -59,7 +59,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..._logging import log_once
+from ...core._logging import log_once
 from ...distill import linear_log_probs_at_ids
 from .common import (VerlIntegrationError, check_loss_rows_audit, count, entropy_on_request, loss_mask_by_token,
                      new_step, record, refuse_loss_rows, replace_by_name, set_attr, step_request)

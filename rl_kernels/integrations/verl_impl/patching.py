@@ -12,7 +12,7 @@ import importlib
 import logging
 import sys
 
-from ..._logging import log_once, logger
+from ...core._logging import log_once, logger
 from . import settings
 from .common import VerlIntegrationError, restore, set_attr, verl_version
 from .distill import FSDP_PART as DISTILLATION_FSDP

@@ -13,7 +13,7 @@ import dataclasses
 import os
 import threading
 
-from ..._logging import logger
+from ...core._logging import logger
 from ..anomaly import AnomalyCapture
 from .common import verl_version
 from .schema import BACKEND_NAME, VerlOptions, validated_options

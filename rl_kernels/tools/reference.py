@@ -36,8 +36,8 @@ from __future__ import annotations
 
 import torch
 
-from .linear import LogProbsOutput
-from .validation import check_label_values, check_softcap, check_temperature
+from ..core.validation import check_label_values, check_softcap, check_temperature
+from ..linear import LogProbsOutput
 
 
 def _temperature(temperature, rows=None):
@@ -128,7 +128,7 @@ def reference_logits_stats(
     ``logits.shape[:-1]`` (log-probs None without labels; log-prob, entropy and sum_pi_squared 0
     where the label is ``ignore_index``; lse never masked). Raises as ``logits_stats`` for a bad
     temperature or label value."""
-    from .logits import LogitsStats
+    from ..logits import LogitsStats
 
     t = _temperature(temperature, logits[..., 0])
     shape, v = logits.shape[:-1], logits.shape[-1]

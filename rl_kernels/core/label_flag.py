@@ -1,4 +1,4 @@
-"""The flag word of the deferred label check (:mod:`rl_kernels.label_check`): where a kernel that
+"""The flag word of the deferred label check (:mod:`rl_kernels.core.label_check`): where a kernel that
 meets a label outside [0, vocab_size) writes its call's id. A module of the lowest layer (it
 imports torch only), so the kernels (``rl_kernels.ops``) can take the word without importing the
 library above them."""
