@@ -4,7 +4,7 @@ A position counts unless its label is ``ignore_index`` (when ``labels`` is given
 entry is 0 (when ``mask`` is given). The checks read values on the host (labels, mask, the top-K
 teacher's ids and log-probs): eagerly here, under torch.compile inside the
 ``rl_kernels::counted_positions`` custom op (opaque, so the traced function holds no data-dependent
-Python), with the same messages. Used by ``rl_kernels.distill`` and the from-logits top-K KL.
+Python), with the same messages. Used by the losses of ``rl_kernels.distill`` (fused and from logits).
 """
 from __future__ import annotations
 
