@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from .autograd.common import split_temperature
-from .autograd.linear_jsd import FAMILY as JSD_FAMILY, JSDParams
+from .autograd.head_family import split_temperature
 from .autograd.linear import HeadParams, linear_head
+from .autograd.linear_jsd import FAMILY as JSD_FAMILY, JSDParams
 from .autograd.logits import LogitsParams, topk_log_probs
 from .autograd.positions import check_tail_teacher, checked_positions
 from .autograd.vocab_parallel import parallel_params

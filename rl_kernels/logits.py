@@ -18,12 +18,12 @@ from typing import NamedTuple
 
 import torch
 
-from .autograd.common import split_temperature
+from .autograd.head_family import split_temperature
 from .autograd.logits import FAMILY, LogitsOutputs, LogitsParams, asked_outputs, checked_token_ids, topk_log_probs
 from .autograd.vocab_parallel import parallel_params
 from .core.backends import get_backend
 from .core.validation import (check_bool_arg, check_choice, check_labels, check_logits, check_temperature,
-                         check_token_ids, check_unit_interval, describe, public_signature, raise_extra_positional)
+                              check_token_ids, check_unit_interval, describe, public_signature, raise_extra_positional)
 
 __all__ = ["LogitsStats", "logits_stats", "log_probs_from_logits", "entropy_from_logits", "logsumexp",
            "sum_pi_squared_from_logits", "cross_entropy",

@@ -121,13 +121,13 @@ def log_probs_of(model, ids, fused: bool, rows=None) -> torch.Tensor:
     ``rows``: the fused head runs on those rows only (``loss_rows_only``, the step request as verl's
     engine hook lays it out)."""
     if fused and rows is not None:
-        from rl_kernels.integrations.verl_impl import common
-        token = common.new_step(loss_rows_only=True)
-        common.step_request.get().inputs["loss_rows"] = rows
+        from rl_kernels.integrations.verl_impl import patch_state
+        token = patch_state.new_step(loss_rows_only=True)
+        patch_state.step_request.get().inputs["loss_rows"] = rows
         try:
             return model(input_ids=ids, temperature=T, return_dict=True).log_probs
         finally:
-            common.step_request.reset(token)
+            patch_state.step_request.reset(token)
     if fused:
         return model(input_ids=ids, temperature=T, return_dict=True).log_probs
     logits = model(input_ids=ids, return_dict=True).logits.float() / T

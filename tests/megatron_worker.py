@@ -698,7 +698,7 @@ def _check_engine_per_sample_temperature(rkv, mti, rank, world):
     against float64 with its own temperature; the embedding's and the weight shard's gradients too.
     A uniform tensor and a call outside the engine's forward_step still go to verl's function; a
     per-sample temperature not laid out for the head is refused there."""
-    from rl_kernels.integrations.verl_impl import common, megatron, megatron_step
+    from rl_kernels.integrations.verl_impl import megatron, megatron_step, patch_state
     gen = torch.Generator().manual_seed(7)
     temps, vocab = torch.tensor([0.5, 1.3]), world * V_R
     embedding, weight = torch.randn(vocab, H, generator=gen), torch.randn(vocab, H, generator=gen) * 0.5
@@ -733,7 +733,7 @@ def _check_engine_per_sample_temperature(rkv, mti, rank, world):
     torch.testing.assert_close(ent.double(), ref_ent.detach(), **VAL)
     torch.testing.assert_close(emb.grad.double(), e64.grad, **GRAD)
     torch.testing.assert_close(w_shard.grad.double(), w64.grad[rank * V_R:(rank + 1) * V_R], **GRAD)
-    token = common.new_step(engine=megatron_step.ENGINE)  # a fused Megatron step that laid nothing out
+    token = patch_state.new_step(engine=megatron_step.ENGINE)  # a fused Megatron step that laid nothing out
     try:
         assert mti._resolve_fused_temperature(temps) == megatron_step.STAND_IN
         megatron.linear_cross_entropy(torch.zeros(3, 1, H), w_shard, torch.zeros(1, 3, dtype=torch.long),
@@ -743,7 +743,7 @@ def _check_engine_per_sample_temperature(rkv, mti, rank, world):
     else:
         raise AssertionError("a per-sample temperature not laid out for the head was not refused")
     finally:
-        common.step_request.reset(token)
+        patch_state.step_request.reset(token)
 
 
 # ----------------------------------------------------------------------------- loss rows only
@@ -892,7 +892,7 @@ def _check_anomaly_capture(rkv, rkm, rank, world, directory):
     from megatron.core import parallel_state
 
     import rl_kernels
-    from rl_kernels.integrations.verl_impl import common, megatron_step
+    from rl_kernels.integrations.verl_impl import megatron_step, patch_state
     from rl_kernels.samples import LogitsSample, load_sample, sample_files
     from rl_kernels.tools import repro
 
@@ -912,12 +912,13 @@ def _check_anomaly_capture(rkv, rkm, rank, world, directory):
         return t
 
     def fused_call():  # in a fused Megatron step whose per-sample temperature is laid out as per_token
-        token = common.new_step(engine=megatron_step.ENGINE)
-        common.step_request.get().inputs.update(temperature_per_sample=torch.tensor([0.5, 1.3]), temperature=per_token)
+        token = patch_state.new_step(engine=megatron_step.ENGINE)
+        patch_state.step_request.get().inputs.update(temperature_per_sample=torch.tensor([0.5, 1.3]),
+                                                     temperature=per_token)
         try:
             return rkm.linear_cross_entropy(hidden, w_shard, fused_labels, megatron_step.STAND_IN, "none", group)
         finally:
-            common.step_request.reset(token)
+            patch_state.step_request.reset(token)
 
     previous = rkv.options()
     try:

@@ -312,7 +312,7 @@ def test_compiled_auto_backend_logs_its_choice_at_run_time(caplog):
 
 # ----------------------------------------------------------------------------- opcheck of every op
 # The ops are found, not listed: every op torch knows under ``rl_kernels::`` (after every autograd
-# module is imported), each checked on the samples that ``autograd.common.OPS`` gives for it (a
+# module is imported), each checked on the samples that ``autograd.head_family.OPS`` gives for it (a
 # family's ``HeadFamily`` derives them from its declared examples: the forward op with the float
 # temperature, its runtime-temperature twin with the 0-d tensor (and the per-row one), the backward
 # op likewise; ``plain_op``: its examples).
@@ -330,7 +330,7 @@ def _ops_of_the_namespace() -> set:
 
 
 def _samples(name: str) -> list:
-    from rl_kernels.autograd.common import OPS
+    from rl_kernels.autograd.head_family import OPS
 
     return OPS[name](name) if OPS.get(name) is not None else []
 
@@ -340,9 +340,9 @@ def _as_tuple(out) -> tuple:
 
 
 def test_every_op_is_found():
-    """Every op of the namespace is made by ``autograd.common`` (``OPS`` lists exactly those) and has
+    """Every op of the namespace is made by ``autograd.head_family`` (``OPS`` lists exactly those) and has
     opcheck samples."""
-    from rl_kernels.autograd.common import OPS
+    from rl_kernels.autograd.head_family import OPS
 
     ops = _ops_of_the_namespace()
     assert ops == set(OPS), (ops ^ set(OPS))
@@ -354,7 +354,7 @@ def test_custom_ops_pass_opcheck(name):
     """torch.library.opcheck of each sample: schema (no hidden mutation or aliasing), fake
     implementation, autograd registration (a family's ops are backend calls inside its Function:
     their inputs need no grad) and AOT dispatch with dynamic shapes. A runtime-temperature twin is
-    tagged cudagraph-unsafe (``autograd.common.CustomOpPair``), and its runtime tensor (0-d, or one
+    tagged cudagraph-unsafe (``autograd.head_family.CustomOpPair``), and its runtime tensor (0-d, or one
     T per row: constant here), not the float (1.0 there), gives the temperature: the same bits as the
     float. (The vocab-parallel ops need a process group: tests/tp_worker.py compiles them.)"""
     op = getattr(torch.ops.rl_kernels, name)
@@ -393,7 +393,7 @@ def _every_op_args():
     import pkgutil
 
     import rl_kernels.autograd
-    from rl_kernels.autograd.common import HeadFamily, OpArgs
+    from rl_kernels.autograd.head_family import HeadFamily, OpArgs
 
     found = []
     for m in pkgutil.iter_modules(rl_kernels.autograd.__path__):
@@ -426,7 +426,7 @@ def test_op_arguments_carry_every_field_of_each_record():
     the schema with its type, and a record with a non-default value in every field comes back whole
     (1 / T from the runtime temperature when one is passed). Every family's ``OpArgs`` is found by
     itself."""
-    from rl_kernels.autograd.common import OpArgs
+    from rl_kernels.autograd.head_family import OpArgs
 
     found = _every_op_args()
     assert {"linear.FAMILY.op_args", "logits.FAMILY.op_args", "linear_jsd.FAMILY.op_args"} <= {n for n, _ in found}

@@ -11,7 +11,8 @@ import torch
 import heads
 from heads import HEADS
 from rl_kernels import linear_log_probs
-from rl_kernels.tools.reference import make_inputs, reference_jsd, reference_linear_grads, reference_linear_log_probs, rel_err
+from rl_kernels.tools.reference import (make_inputs, reference_jsd, reference_linear_grads, reference_linear_log_probs,
+                                        rel_err)
 
 
 pytestmark = pytest.mark.gpu

@@ -78,7 +78,7 @@ def test_the_graph_is_read():
     known = modules()
     assert {"rl_kernels.ops.logits", "rl_kernels.tools.cli", "rl_kernels.integrations.verl_impl.patching",
             "rl_kernels.core.label_flag"} <= set(known)
-    assert "rl_kernels.ops.common" in imports("rl_kernels.ops.logits", known["rl_kernels.ops.logits"], known)
+    assert "rl_kernels.ops.building_blocks" in imports("rl_kernels.ops.logits", known["rl_kernels.ops.logits"], known)
     assert "rl_kernels.tools.bench" in imports("rl_kernels.tools.cli", known["rl_kernels.tools.cli"], known)
     assert layer("rl_kernels.tools.cli") > layer("rl_kernels.integrations.verl_impl.patching") > layer("rl_kernels.linear") \
         > layer("rl_kernels.ops.config") > layer("rl_kernels.core._logging")
@@ -177,10 +177,10 @@ def test_no_import_cycle_between_modules():
 
 def test_the_verl_integration_keeps_its_state_in_one_context_variable():
     """What a verl step asks of the heads (entropy, Σπ², top-K, per-sample temperature, the served
-    model's head) is one ``StepRequest`` in one context variable (``common.step_request``): a
+    model's head) is one ``StepRequest`` in one context variable (``patch_state.step_request``): a
     feature that adds its own ``ContextVar`` fails here."""
     known = modules()
     found = {name: pathlib.Path(path).read_text(encoding="utf-8").count("ContextVar(")
              for name, path in known.items() if _in_package(name)}
-    assert found[f"{PACKAGE}.common"] == 1, found
+    assert found[f"{PACKAGE}.patch_state"] == 1, found
     assert sum(found.values()) == 1, {name: n for name, n in found.items() if n}

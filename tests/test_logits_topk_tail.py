@@ -110,7 +110,7 @@ def test_the_kernels_launch_shapes_give_the_same_tail_bits(poison):
     can differ from the two-level one by an ulp (also without the tail, on main: the partials that
     the two-level path stores as float32 are not rounded alike in registers by the interpreter)."""
     from rl_kernels import ops
-    from rl_kernels.autograd.common import sorted_tail_ids
+    from rl_kernels.autograd.head_family import sorted_tail_ids
 
     g = torch.Generator().manual_seed(4)
     n, v, k = 3, 203, 7

@@ -16,7 +16,7 @@ import torch
 import rl_kernels.tools.reference as reference
 from rl_kernels.logits import logits_stats
 from rl_kernels.tools.reference import (dense_linear_log_probs, reference_jsd, reference_linear_grads,
-                                  reference_linear_log_probs, reference_logits_stats)
+                                        reference_linear_log_probs, reference_logits_stats)
 from rl_kernels.autograd.linear_jsd import JSDParams
 from rl_kernels.autograd.linear import HeadOutputs, HeadParams
 from rl_kernels.core.backends import get_backend

@@ -13,7 +13,7 @@ import torch
 
 from rl_kernels import entropy_from_logits, linear_log_probs, log_probs_from_logits, logits_stats
 from rl_kernels.tools.reference import (make_inputs, reference_linear_grads, reference_linear_log_probs,
-                                  reference_logits_stats, rel_err)
+                                        reference_logits_stats, rel_err)
 # the interpreter skip (autouse) and the backward forced into several windows (so that a window's
 # rows read their own temperatures): test_linear_log_probs' fixtures
 from test_linear_log_probs import _needs_interpreter, small_chunks  # noqa: F401

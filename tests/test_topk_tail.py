@@ -21,8 +21,8 @@ import rl_kernels.autograd.linear as linear_autograd
 from rl_kernels import linear_topk_kl
 from rl_kernels.core.backends import get_backend
 from rl_kernels.distill import linear_log_probs_at_ids
-from rl_kernels.autograd.common import sorted_tail_ids
-from rl_kernels.ops.common import among_ids
+from rl_kernels.autograd.head_family import sorted_tail_ids
+from rl_kernels.ops.building_blocks import among_ids
 
 N, H, V, K = 11, 20, 203, 5
 # float32 rounding bounds (tests/support/tolerances.py): a loss or log-prob passes through a logit's dot
@@ -317,7 +317,7 @@ def _mask_kernel(ids_ptr, out_ptr, n_rows, n_cols, n_ids, BLOCK_M: tl.constexpr,
 
 
 def test_among_ids_is_the_scatter_mask():
-    """``ops.common.among_ids`` (the kernels' exclusion mask) on (rows x cols) tiles of a vocabulary
+    """``ops.building_blocks.among_ids`` (the kernels' exclusion mask) on (rows x cols) tiles of a vocabulary
     shard equals the scattered mask of ``sorted_tail_ids``' local ids (ids of other shards, repeated
     ids and a row with all of its ids in one tile included)."""
     g = torch.Generator().manual_seed(0)

@@ -1,4 +1,4 @@
-"""rl_kernels.integrations.verl_impl.distill: verl's top-K distillation loss (``compute_forward_kl_topk``
+"""rl_kernels.integrations.verl_impl.distill_losses: verl's top-K distillation loss (``compute_forward_kl_topk``
 of ``verl.trainer.distillation.fsdp.losses``, FSDP / VeOmni) with rl-kernels' student log-probs.
 
 Marked ``verl_matrix``: on verl 0.7.x, which has no distillation module, the tests that
@@ -21,7 +21,7 @@ pytest.importorskip("verl", reason="verl is not installed (pip install -e '.[ver
 import torch
 
 import rl_kernels.integrations.verl as rkv
-from rl_kernels.integrations.verl_impl import common, distill
+from rl_kernels.integrations.verl_impl import distill_losses, patch_state
 from rl_kernels.integrations.verl_impl.schema import VerlIntegrationError
 from verl_helpers import verl_unpatched
 
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.verl_matrix
 
 def _has_distillation() -> bool:
     try:
-        return importlib.util.find_spec(distill.FSDP_MODULE) is not None
+        return importlib.util.find_spec(distill_losses.FSDP_MODULE) is not None
     except ImportError:
         return False
 
@@ -47,14 +47,14 @@ def patched():
     """verl as installed plus patch_distillation() alone: (verl's loss module, verl's original
     function, the report); restore() afterwards must leave the original in place."""
     with verl_unpatched():
-        fsdp = importlib.import_module(distill.FSDP_MODULE)
+        fsdp = importlib.import_module(distill_losses.FSDP_MODULE)
         original = fsdp.compute_forward_kl_topk
         assert not hasattr(original, "_rl_kernels_original")
-        report = distill.patch_distillation()
+        report = distill_losses.patch_distillation()
         try:
             yield fsdp, original, report
         finally:
-            common.restore()
+            patch_state.restore()
         assert fsdp.compute_forward_kl_topk is original
 
 
@@ -171,14 +171,14 @@ def test_ulysses_slicing_goes_through_verls_helpers(patched, monkeypatch):
 @needs_distillation
 def test_report_idempotence_restore_and_inputs_left_to_verl(patched):
     fsdp, original, report = patched
-    replaced, what = report[distill.FSDP_PART]
+    replaced, what = report[distill_losses.FSDP_PART]
     assert replaced and "topk_log_probs_from_logits" in what, report
-    replaced, what = report[distill.MEGATRON_PART]
+    replaced, what = report[distill_losses.MEGATRON_PART]
     assert replaced and "over the TP group" in what, what
     ours = fsdp.compute_forward_kl_topk
     assert ours._rl_kernels_original is original
-    assert common.signature(ours) == distill.PARAMETERS
-    assert distill.patch_distillation() == report and fsdp.compute_forward_kl_topk is ours  # idempotent
+    assert patch_state.signature(ours) == distill_losses.PARAMETERS
+    assert distill_losses.patch_distillation() == report and fsdp.compute_forward_kl_topk is ours  # idempotent
     # teacher tensors that are not nested: verl's own function runs (and asserts, as verl does)
     student, t_lp, t_ids, _ = _inputs(seed=3)
     before = rkv.call_counts()["distillation_calls"]
@@ -190,7 +190,7 @@ def test_report_idempotence_restore_and_inputs_left_to_verl(patched):
 @needs_distillation
 def test_changed_signature_raises_and_patches_nothing(monkeypatch):
     with verl_unpatched(), monkeypatch.context() as patcher:  # (undone before verl is patched again)
-        fsdp = importlib.import_module(distill.FSDP_MODULE)
+        fsdp = importlib.import_module(distill_losses.FSDP_MODULE)
 
         def compute_forward_kl_topk(student_logits, teacher_topk_log_probs, teacher_topk_ids, config):
             raise AssertionError("not called")
@@ -198,19 +198,19 @@ def test_changed_signature_raises_and_patches_nothing(monkeypatch):
         patcher.setattr(fsdp, "compute_forward_kl_topk", compute_forward_kl_topk)
         with pytest.raises(VerlIntegrationError, match=r"changed verl\.trainer\.distillation\.fsdp\.losses\."
                                                         r"compute_forward_kl_topk: expected parameters"):
-            distill.patch_distillation()
+            distill_losses.patch_distillation()
         assert fsdp.compute_forward_kl_topk is compute_forward_kl_topk
-        assert not common._undo
+        assert not patch_state._undo
 
 
 def test_verl_without_distillation_reports_not_in_this_verl(monkeypatch):
     """verl 0.7.x (simulated here on any verl: the modules made unimportable)."""
-    monkeypatch.setitem(sys.modules, distill.FSDP_MODULE, None)
-    monkeypatch.setitem(sys.modules, distill.MEGATRON_MODULE, None)
-    report = distill.patch_distillation()
-    assert report == {distill.FSDP_PART: (False, distill.NOT_IN_THIS_VERL),
-                      distill.MEGATRON_PART: (False, distill.NOT_IN_THIS_VERL)}
-    assert report[distill.FSDP_PART][1].startswith("not in this verl")
+    monkeypatch.setitem(sys.modules, distill_losses.FSDP_MODULE, None)
+    monkeypatch.setitem(sys.modules, distill_losses.MEGATRON_MODULE, None)
+    report = distill_losses.patch_distillation()
+    assert report == {distill_losses.FSDP_PART: (False, distill_losses.NOT_IN_THIS_VERL),
+                      distill_losses.MEGATRON_PART: (False, distill_losses.NOT_IN_THIS_VERL)}
+    assert report[distill_losses.FSDP_PART][1].startswith("not in this verl")
 
 
 @needs_distillation
@@ -218,7 +218,7 @@ def test_megatron_distillation_is_replaced_and_leaves_float64_to_verl(monkeypatc
     """verl's Megatron top-K loss is replaced (its values are checked on 2 gloo ranks in
     tests/megatron_worker.py); float64 logits go to verl's own function, and restore() puts it back."""
     pytest.importorskip("megatron.core")
-    megatron_losses = importlib.import_module(distill.MEGATRON_MODULE)
+    megatron_losses = importlib.import_module(distill_losses.MEGATRON_MODULE)
     calls = []
 
     def compute_forward_kl_topk(student_logits, teacher_topk_log_probs, teacher_topk_ids, config, data_format):
@@ -227,17 +227,17 @@ def test_megatron_distillation_is_replaced_and_leaves_float64_to_verl(monkeypatc
 
     with verl_unpatched(), monkeypatch.context() as patcher:
         patcher.setattr(megatron_losses, "compute_forward_kl_topk", compute_forward_kl_topk)
-        report = distill.patch_distillation()
+        report = distill_losses.patch_distillation()
         try:
-            assert report[distill.MEGATRON_PART][0], report
+            assert report[distill_losses.MEGATRON_PART][0], report
             ours = megatron_losses.compute_forward_kl_topk
             assert ours._rl_kernels_original is compute_forward_kl_topk
-            assert common.signature(ours) == distill.PARAMETERS
+            assert patch_state.signature(ours) == distill_losses.PARAMETERS
             student, t_lp, t_ids, _ = _inputs(seed=4)
             assert ours(student.double(), t_lp, t_ids, _config(None), "thd") == {"distillation_losses": "verl's"}
             assert calls == [torch.float64]
         finally:
-            common.restore()
+            patch_state.restore()
         assert megatron_losses.compute_forward_kl_topk is compute_forward_kl_topk
 
 
@@ -410,10 +410,10 @@ def test_the_report_says_where_the_tail_mode_is_served(monkeypatch):
 
     from rl_kernels.integrations.verl_impl import modes as verl_modes
 
-    parts = {distill.FSDP_PART: (True, ""), distill.FUSED_PART: (True, ""), distill.MEGATRON_PART: (True, ""),
-             distill.MEGATRON_FUSED_PART: (False, "not served")}
-    served, what = distill.tail_entry(parts)
-    if distill._engine_lays_out_extra():
+    parts = {distill_losses.FSDP_PART: (True, ""), distill_losses.FUSED_PART: (True, ""),
+             distill_losses.MEGATRON_PART: (True, ""), distill_losses.MEGATRON_FUSED_PART: (False, "not served")}
+    served, what = distill_losses.tail_entry(parts)
+    if distill_losses._engine_lays_out_extra():
         assert served and what.startswith("served on the FSDP / VeOmni logits path, FSDP fused path (impl_backend="
                                           "rl_kernels), Megatron logits path"), what
         assert "NOT on the Megatron fused path" in what, what
@@ -421,9 +421,9 @@ def test_the_report_says_where_the_tail_mode_is_served(monkeypatch):
         assert served and what.startswith("served on the FSDP / VeOmni logits path, Megatron logits path"), what
         assert "NOT on the FSDP fused path (impl_backend=rl_kernels), Megatron fused path" in what, what
     assert "registered by rl-kernels" in what, what
-    assert rkv.report()[distill.TAIL_PART][1].startswith("served on the"), rkv.report()[distill.TAIL_PART]
+    assert rkv.report()[distill_losses.TAIL_PART][1].startswith("served on the"), rkv.report()[distill_losses.TAIL_PART]
     monkeypatch.setitem(losses.DISTILLATION_LOSS_REGISTRY, verl_modes.TAIL_MODE, lambda **kwargs: None)  # verl's own
-    served, what = distill.tail_entry(parts)
+    served, what = distill_losses.tail_entry(parts)
     assert not served and "verl's own" in what, what
 
 

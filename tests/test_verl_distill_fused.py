@@ -27,7 +27,7 @@ import torch
 
 import rl_kernels.integrations.verl as rkv
 from rl_kernels.core import _logging
-from rl_kernels.integrations.verl_impl import distill
+from rl_kernels.integrations.verl_impl import distill_losses
 from rl_kernels.integrations.verl_impl.schema import VerlIntegrationError
 from verl_helpers import VOCAB, qwen2_forward, tiny_qwen2, verl_unpatched  # noqa: F401 - qwen2_forward: a fixture
 
@@ -42,7 +42,7 @@ def _has(name):
 
 
 needs_fused_distillation = pytest.mark.skipif(
-    not (_has(distill.FSDP_MODULE) and rkv.report().get(distill.FUSED_PART, (False,))[0]),
+    not (_has(distill_losses.FSDP_MODULE) and rkv.report().get(distill_losses.FUSED_PART, (False,))[0]),
     reason="this verl's FSDP engine reads no fused_linear_aux (or has no distillation)")
 
 LENGTHS, K, T, CLAMP = (7, 6), 6, 0.8, -10.0
@@ -177,7 +177,7 @@ def test_fused_forward_fills_fused_linear_aux_as_verls_logits_path(qwen2_forward
     # verl's overlap metrics, the student's top K from rl_kernels.linear_topk, equal verl's own (torch.topk of
     # the logits), and verl's registered loss logs them; an engine without _gather_and_unpad_packed (verl
     # 0.8.0) cannot lay them out: none there (a WARNING says so)
-    if not distill._engine_lays_out_extra():
+    if not distill_losses._engine_lays_out_extra():
         assert "overlap_count" not in got[0] and "overlap_token_advantage" not in got[0], set(got[0])
         return
     _assert_same_overlap(got[0], ref[0])
@@ -187,7 +187,7 @@ def test_fused_forward_fills_fused_linear_aux_as_verls_logits_path(qwen2_forward
 def _assert_same_overlap(got, ref):
     """The two overlap metrics of the model outputs ``got`` (fused) and ``ref`` (a logits path): laid out
     per sequence alike, the counts equal (and not all alike), the advantages within TOL."""
-    for key in distill.OVERLAP_KEYS:
+    for key in distill_losses.OVERLAP_KEYS:
         assert key in got and got[key].is_nested and torch.equal(got[key].offsets(), ref[key].offsets()), key
     assert got["overlap_count"].dtype == ref["overlap_count"].dtype == torch.int64
     assert torch.equal(got["overlap_count"].values(), ref["overlap_count"].values())
@@ -228,7 +228,7 @@ def test_tail_mode_on_the_fused_path_equals_the_logits_path(qwen2_forward, cpu_e
     config = _config("forward_kl_topk_tail", None)
     ref = _step(cpu_engine(model), _micro_batch(input_ids, t_lp, t_ids, False, False), weights, config)
     apply_monkey_patch(model, use_remove_padding=True, use_fused_kernels=True, fused_kernels_backend=rkv.BACKEND_NAME)
-    if not distill._engine_lays_out_extra():  # verl 0.8.0: the tail outputs cannot be laid out: it raises
+    if not distill_losses._engine_lays_out_extra():  # verl 0.8.0: the tail outputs cannot be laid out: it raises
         with pytest.raises(VerlIntegrationError, match="no _gather_and_unpad_packed"):
             _step(cpu_engine(model), _micro_batch(input_ids, t_lp, t_ids, True, False), weights, config)
         return
@@ -249,7 +249,7 @@ def test_tail_mode_on_the_fused_path_equals_the_logits_path(qwen2_forward, cpu_e
         off = _step(cpu_engine(model), _micro_batch(input_ids, t_lp, t_ids, True, False), weights, config)
     finally:
         rkv.configure(overlap_metrics=True)
-    assert set(off[0]) == set(got[0]) - set(distill.OVERLAP_KEYS), set(off[0])
+    assert set(off[0]) == set(got[0]) - set(distill_losses.OVERLAP_KEYS), set(off[0])
     torch.testing.assert_close(off[0]["distillation_losses"].values(), got[0]["distillation_losses"].values(),
                                atol=0, rtol=0)
     from test_verl_distill import _loss_data
@@ -288,7 +288,7 @@ def test_ulysses_slicing_goes_through_verls_helpers(monkeypatch):
     gradients w.r.t. hidden states and weight within atol 1e-5 / rtol 1e-4."""
     import importlib
 
-    fsdp = importlib.import_module(distill.FSDP_MODULE)
+    fsdp = importlib.import_module(distill_losses.FSDP_MODULE)
     original = fsdp.compute_forward_kl_topk
     original = getattr(original, "_rl_kernels_original", original)  # verl's own
 
@@ -315,11 +315,11 @@ def test_ulysses_slicing_goes_through_verls_helpers(monkeypatch):
     (ref["distillation_losses"] * weights).sum().backward()
 
     hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
-    from rl_kernels.integrations.verl_impl.common import StepRequest
+    from rl_kernels.integrations.verl_impl.patch_state import StepRequest
 
     step = StepRequest(topk=True, micro_batch={"teacher_logprobs": nested[0], "teacher_ids": nested[1]},
                        loss_function=functools.partial(_loss, distillation_config=config))
-    distill.serve_fused_topk(step, hg, wg, labels, temperature=T, softcap=None, return_entropy=False,
+    distill_losses.serve_fused_topk(step, hg, wg, labels, temperature=T, softcap=None, return_entropy=False,
                              backend="torch")
     aux = step.outputs["aux"]
     (aux.distillation_losses * weights).sum().backward()
@@ -337,17 +337,17 @@ def test_megatron_fused_top_k_reported_and_says_so_where_not_served(monkeypatch,
     import importlib
 
     pytest.importorskip("megatron.core")
-    if not _has(distill.MEGATRON_MODULE):
+    if not _has(distill_losses.MEGATRON_MODULE):
         pytest.skip("this verl has no distillation")
     from verl.utils import tensordict_utils as tu
 
-    served, what = rkv.report()[distill.MEGATRON_FUSED_PART]
+    served, what = rkv.report()[distill_losses.MEGATRON_FUSED_PART]
     if not rkv.report()["Megatron fused path"][0]:  # this verl's Megatron engine is not served (0.8.x)
         assert not served, what
         pytest.skip("this verl's Megatron fused path is not served by rl-kernels (nor its top-K distillation)")
     assert served and "vocab-parallel" in what, what
-    impl = importlib.import_module(distill.MEGATRON_ENGINE_MODULE)
-    installed = getattr(impl, distill.MEGATRON_ENGINE_CLASS).forward_step
+    impl = importlib.import_module(distill_losses.MEGATRON_ENGINE_MODULE)
+    installed = getattr(impl, distill_losses.MEGATRON_ENGINE_CLASS).forward_step
     assert installed._rl_kernels_original is not None
     calls = []
 
@@ -378,7 +378,7 @@ def test_fused_overlap_metrics_beyond_what_linear_topk_selects_are_left_out(capl
     hidden, weight = torch.randn(3, 8, generator=g), torch.randn(300, 8, generator=g)
     teacher_ids, terms = torch.randint(0, 300, (3, 129), generator=g), torch.zeros(3, 129)
     with caplog.at_level("WARNING", logger="rl_kernels"):
-        got = distill.fused_overlap_metrics(hidden, weight, teacher_ids, terms, terms, temperature=1.0,
+        got = distill_losses.fused_overlap_metrics(hidden, weight, teacher_ids, terms, terms, temperature=1.0,
                                             backend="torch", path="FSDP fused path")
     assert got == {}
     said = [m for m in caplog.messages if "overlap metrics are not computed with topk=129" in m]

@@ -1,6 +1,6 @@
 """The drop-in contract of the replaced verl functions (issue 44): what verl's own function takes,
 the replacement takes. Logits outside rl-kernels' kernels (float64, meta) run verl's own function
-(``common.verl_fallback``; on the FSDP fused path, float64 hidden states with a plain head) and give
+(``patch_state.verl_fallback``; on the FSDP fused path, float64 hidden states with a plain head) and give
 exactly its result (same function, same bits: compared with ``torch.equal``); one WARNING per
 function and reason, however many calls; float32 inputs still go to rl-kernels. verl's functions
 are captured unpatched; inputs are fresh random tensors.
@@ -20,7 +20,7 @@ import torch
 
 import rl_kernels.core._logging as rk_logging
 import rl_kernels.integrations.verl as rkv
-from rl_kernels.integrations.verl_impl import distill
+from rl_kernels.integrations.verl_impl import distill_losses
 from rl_kernels.integrations.verl_impl import megatron as rk_megatron
 from verl_helpers import verl_unpatched
 
@@ -126,8 +126,8 @@ def test_chunk_size_takes_what_verls_range_takes():
 @pytest.mark.skipif(importlib.util.find_spec("verl.trainer.distillation") is None,
                     reason="this verl has no verl.trainer.distillation (verl 0.7.x)")
 def test_float64_student_logits_run_verls_distillation_loss(fresh_log_once, caplog):
-    own, patched = _verl_functions([distill.FUNCTION], distill.FSDP_MODULE)
-    own, patched = own[distill.FUNCTION], patched[distill.FUNCTION]
+    own, patched = _verl_functions([distill_losses.FUNCTION], distill_losses.FSDP_MODULE)
+    own, patched = own[distill_losses.FUNCTION], patched[distill_losses.FUNCTION]
     assert patched is not own
     g = torch.Generator().manual_seed(4)
     student = 3 * torch.randn(1, 9, 23, generator=g, dtype=torch.float64)
@@ -140,7 +140,7 @@ def test_float64_student_logits_run_verls_distillation_loss(fresh_log_once, capl
     assert sorted(got) == sorted(ref)
     for key, value in ref.items():
         assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
-    assert len(_fallback_lines(caplog, distill.FUNCTION, "torch.float64 logits")) == 1, caplog.messages
+    assert len(_fallback_lines(caplog, distill_losses.FUNCTION, "torch.float64 logits")) == 1, caplog.messages
 
 
 def _megatron_float64_rank(rank, init_file):

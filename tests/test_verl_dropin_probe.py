@@ -1,6 +1,6 @@
 """Differential probe of the drop-in contract (issue 53): every replaced verl from-logits function
 (``verl.utils.torch_functional``'s four, ``verl.utils.megatron.tensor_parallel``'s four at TP = 1)
-against verl's own (``common.verl_original``) on the same inputs, over logits dtypes (float16,
+against verl's own (``patch_state.verl_original``) on the same inputs, over logits dtypes (float16,
 bfloat16, float32, float64, int32, int64, bool), ranks 0-D..4-D, empty shapes and vocab_size 1 and 0,
 label values (in range, -100, V, -1; int64 and int32), and labels that verl's broadcasts.
 
@@ -22,7 +22,7 @@ pytest.importorskip("verl", reason="verl is not installed (pip install -e '.[ver
 import torch
 
 import rl_kernels.integrations.verl as rkv
-from rl_kernels.integrations.verl_impl import common
+from rl_kernels.integrations.verl_impl import patch_state
 from rl_kernels.integrations.verl_impl import megatron as rk_megatron
 from tolerances import assert_close_f32, logits_magnitude
 
@@ -108,7 +108,7 @@ def probe(module, names):
     problems, served = [], 0
     for name in names:
         ours = getattr(importlib.import_module(module), name)
-        own = common.verl_original(module, name)
+        own = patch_state.verl_original(module, name)
         assert ours is not own, f"{name} is not patched"
         for (dtype, shape, what), args in _cases(name):
             case = f"{name}({dtype}, {shape}, labels {what})"

@@ -232,7 +232,7 @@ sequence (the rows are the unpadded tokens, sequence after sequence)."""
 def _plant_anomaly(self):
     """In the worker: rl-kernels' from-logits log-probs get a planted kernel bug, a log-prob of 0.01 (a
     probability > 1) at row PLANTED_ROW of every call."""
-    import rl_kernels.integrations.verl_impl.logits as rk_logits
+    import rl_kernels.integrations.verl_impl.logits_path as rk_logits
 
     real = rk_logits._rk_log_probs_from_logits
 

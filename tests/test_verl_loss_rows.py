@@ -23,7 +23,7 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 import rl_kernels.integrations.verl as rkv
-from rl_kernels.integrations.verl_impl import common, fsdp_engine, schema
+from rl_kernels.integrations.verl_impl import fsdp_engine, patch_state, schema
 from verl_helpers import VOCAB, tiny_qwen2
 
 transformer_impl = pytest.importorskip("verl.workers.engine.fsdp.transformer_impl",
@@ -115,7 +115,7 @@ def _loss_rows_by_hand() -> torch.Tensor:
 
 @pytest.mark.parametrize("layout", ["nested", "dense"])
 def test_loss_mask_by_token_in_both_trainer_layouts(layout):
-    by_token = common.loss_mask_by_token(_micro_batch(layout))
+    by_token = patch_state.loss_mask_by_token(_micro_batch(layout))
     expected = torch.cat([torch.tensor([0] * p + m) for p, m in zip(PROMPTS, RESPONSE_MASKS)])
     assert by_token.is_nested and torch.equal(by_token.values(), expected)
     assert torch.equal(by_token.offsets(), _micro_batch(layout)["input_ids"].offsets())
@@ -182,12 +182,12 @@ def test_loss_rows_of_an_ulysses_rank(served, monkeypatch):
     engine = _engine(model)
     engine.pad_to_length, engine.use_ulysses_sp, engine.ulysses_sequence_parallel_size = False, True, 2
     micro_batch = _micro_batch("nested")
-    token = common.new_step(loss_rows_only=True)
+    token = patch_state.new_step(loss_rows_only=True)
     try:  # (what the engine's forward_step wrapper puts in force)
         model_inputs, _ = engine.prepare_model_inputs(micro_batch)
-        rows = common.step_request.get().inputs["loss_rows"]
+        rows = patch_state.step_request.get().inputs["loss_rows"]
     finally:
-        common.step_request.reset(token)
+        patch_state.step_request.reset(token)
     packed = torch.cat([_loss_rows_by_hand(), torch.zeros(1, dtype=torch.bool)])
     assert rows.shape == model_inputs["shift_labels"].shape[1:]
     assert torch.equal(rows, packed[packed.numel() // 2:])

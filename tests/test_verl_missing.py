@@ -41,7 +41,7 @@ except ImportError as exc:
 
 
 def test_a_module_of_the_package_without_verl_names_verl_too():
-    """A module of the package that needs verl (through ``common``, first) raises the same error."""
+    """A module of the package that needs verl (through ``patch_state``, first) raises the same error."""
     proc = _run("import rl_kernels.integrations.verl_impl.signatures\n")
     assert proc.returncode == 1 and "packaging" not in proc.stderr, proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("ImportError: rl_kernels.integrations.verl patches verl, "

@@ -27,7 +27,7 @@ from verl.models.transformers.monkey_patch import apply_monkey_patch
 
 import rl_kernels.integrations.verl as rkv
 import rl_kernels.integrations.verl_impl.megatron as rkm
-from rl_kernels.integrations.verl_impl import common as verl_common
+from rl_kernels.integrations.verl_impl import patch_state
 from rl_kernels.samples import load_sample
 from verl_helpers import VOCAB, qwen2_forward, tiny_qwen2, verl_logits_path, verl_unpatched  # noqa: F401 - a fixture
 
@@ -448,7 +448,7 @@ def test_logits_path_capture_saves_the_anomalous_rows(tmp_path, monkeypatch, cap
     verl passed them, its label), which `rl-kernels repro` replays: PASS. A NaN logit row makes the
     entropy NaN: that row is saved with its argmax as the label (entropy takes none), once, although
     the log-probs of the same logits are NaN there too."""
-    import rl_kernels.integrations.verl_impl.logits as rk_logits
+    import rl_kernels.integrations.verl_impl.logits_path as rk_logits
 
     g = torch.Generator().manual_seed(8)
     logits = (3 * torch.randn(2, 7, 101, generator=g)).bfloat16()
@@ -577,7 +577,7 @@ def test_signature_table_matches_installed_verl():
             from verl.workers.actor.dp_actor import DataParallelPPOActor
             fns["DataParallelPPOActor.__init__"] = DataParallelPPOActor.__init__
         for label, fn in fns.items():
-            assert verl_common.signature(fn) in rkv.SIGNATURES[label], label
+            assert patch_state.signature(fn) in rkv.SIGNATURES[label], label
             assert inspect.isfunction(fn)
         assert set(fns) == set(rkv.SIGNATURES) - ({"DataParallelPPOActor.__init__"} - set(fns))
         # the Megatron part (rl_kernels.integrations.verl_impl.megatron), when megatron-core is installed
@@ -591,7 +591,7 @@ def test_signature_table_matches_installed_verl():
                    rkm.GATHER: getattr(mcore_tp, rkm.GATHER)}
             assert set(fns) == set(rkm.EXPECTED_SIGNATURES)
             for label, fn in fns.items():
-                assert verl_common.signature(fn) == rkm.EXPECTED_SIGNATURES[label], label
+                assert patch_state.signature(fn) == rkm.EXPECTED_SIGNATURES[label], label
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -189,12 +189,12 @@ def _in_megatron_step(resolve, temperature):
     """``resolve(temperature)`` inside the step request of a fused Megatron engine micro-batch (as
     verl's forward_step calls it, :mod:`rl_kernels.integrations.verl_impl.megatron_step`): (its value,
     the per-sample temperature it recorded in the step's inputs, or None)."""
-    from rl_kernels.integrations.verl_impl import common, megatron_step
-    token = common.new_step(engine=megatron_step.ENGINE)
+    from rl_kernels.integrations.verl_impl import megatron_step, patch_state
+    token = patch_state.new_step(engine=megatron_step.ENGINE)
     try:
-        return resolve(temperature), common.step_request.get().inputs.get("temperature_per_sample")
+        return resolve(temperature), patch_state.step_request.get().inputs.get("temperature_per_sample")
     finally:
-        common.step_request.reset(token)
+        patch_state.step_request.reset(token)
 
 
 @pytest.mark.parametrize("values", [(0.5, float("nan")), (1.0, float("inf")), (float("-inf"), 0.5)])

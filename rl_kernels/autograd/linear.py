@@ -4,7 +4,7 @@ The head family "linear": its parameter record (``HeadParams``), its output reco
 (``HeadOutputs``), its two backend implementations (``TritonHead``: the split-vocab kernels of
 ``ops.linear``, forward split statistics, their combine and the dlogits windows; ``TorchHead``: the
 twin ``torch_ops.linear``), its two bodies and their declaration (``FAMILY``, an
-``autograd.common.HeadFamily``: the one autograd Function, eager and compiled, sharded over a
+``autograd.head_family.HeadFamily``: the one autograd Function, eager and compiled, sharded over a
 vocab-parallel group or not (``vp_forward``), and the ``rl_kernels::linear_forward`` /
 ``linear_backward`` custom ops; ``linear_head`` applies it). Forward: per-row log-prob, entropy, lse (and
 sum_pi_squared; and the logits at given ids, and the tail lse outside them); saved state is O(N).
@@ -23,7 +23,7 @@ from ..core.label_check import checked_labels, raise_if_interpreted, raise_label
 from ..core.validation import check_label_values, warn_fp16_temperature
 from ..torch_ops.linear import per_row, torch_dlogits, torch_forward, torch_gathered_logits
 from .backward_schedule import chunked_backward, full_precision_reduction
-from .common import HeadFamily, Out, as_float_grad, hidden_for_weight_grad, sorted_tail_ids, sum_over_equal_ids
+from .head_family import HeadFamily, Out, as_float_grad, hidden_for_weight_grad, sorted_tail_ids, sum_over_equal_ids
 from .vocab_parallel import all_gather_rows, finish_hidden_grad, local_labels, merge_lse, merge_shards
 
 
@@ -188,7 +188,7 @@ def head_backward(hidden_states, weight, labels, saved: HeadOutputs, grads: Head
 def _with_gathered(dlogits, ids, grad, valid, inv_temperature, whole=None):
     """Wrap a dlogits window function: add grad[i, k] * inv_temperature at (i, ids[i, k]) for the
     ids inside the window's columns (rows whose label is ignored get nothing), summed over a row's
-    slots with the same id first (:func:`~.common.sum_over_equal_ids`; a repeated id's slots all
+    slots with the same id first (:func:`~.head_family.sum_over_equal_ids`; a repeated id's slots all
     write the same value). ``whole``: None, or (N, K) float32, the dense part the kernels wrote at
     those columns recomputed in float32 (where the lse's gradient is the only dense one: p g_lse / T)
     - then the columns get ``whole`` + the sparse term, rounded once to the window's dtype (issue 54:

@@ -4,7 +4,7 @@ differentiable log-probs at these ids come from ``rl_kernels.distill.linear_log_
 so the family has no autograd Function: its one backend call is :func:`topk_body`, run directly
 eagerly and as the ``rl_kernels::linear_topk`` custom op while torch.compile traces (opaque: no
 graph break; a temperature that Dynamo holds symbolically travels as the op's runtime tensor):
-``FAMILY.forward_call``, declared with ``autograd.common.HeadFamily``.
+``FAMILY.forward_call``, declared with ``autograd.head_family.HeadFamily``.
 
 The family "linear_topk": its parameter record (``TopkParams``) and its two backends
 (``TritonTopk``: ``ops.linear_topk``, one pass over the GEMM tiles keeping each row's candidates
@@ -26,7 +26,7 @@ import torch
 
 from ..core.backends import Backend, implements
 from ..torch_ops.linear_topk import merge_candidates, torch_topk_select
-from .common import HeadFamily, Out
+from .head_family import HeadFamily, Out
 from .vocab_parallel import all_gather_rows, merge_lse
 
 

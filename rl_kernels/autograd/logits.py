@@ -2,7 +2,7 @@
 
 The head family "logits": its parameter record (``LogitsParams``), output record
 (``LogitsOutputs``), two backend implementations (``TritonLogits``, ``TorchLogits``) and its one
-Function, ``LogitsStatsFunction`` (``FAMILY.function``: declared with ``autograd.common.HeadFamily``,
+Function, ``LogitsStatsFunction`` (``FAMILY.function``: declared with ``autograd.head_family.HeadFamily``,
 which makes the Function and the custom ops from the forward and backward bodies).
 Forward: one read of the logits (Triton ``ops.logits_forward`` or its torch twin
 ``torch_ops.logits``) gives per-row float32 statistics; only O(N) of them are saved.
@@ -24,10 +24,10 @@ import torch
 from ..core._logging import log_once
 from ..core.backends import Backend, implements
 from ..core.label_check import deferred_label_check, raise_if_interpreted, raise_label_errors
-from ..torch_ops.logits import torch_logits_backward, torch_logits_forward
 from ..core.validation import check_label_values, check_token_id_values
+from ..torch_ops.logits import torch_logits_backward, torch_logits_forward
+from .head_family import HeadFamily, Out, as_float_grad, plain_op, sorted_tail_ids, sum_over_equal_ids
 from .positions import check_tail_teacher
-from .common import HeadFamily, Out, as_float_grad, plain_op, sorted_tail_ids, sum_over_equal_ids
 from .vocab_parallel import all_gather_rows, local_labels, merge_lse, merge_shards
 
 
@@ -100,7 +100,7 @@ class TorchLogits:
 def logits_stats_forward(logits, labels, params: LogitsParams, label_check=None, tail_ids=None) -> dict:
     """The forward's per-row statistics (a dict of (N,) float32 tensors, as ``ops.logits_forward``:
     ``row_max``, ``log_sum``, ``lse``, the outputs asked and, with ``tail_ids`` (sorted local ids,
-    ``autograd.common.sorted_tail_ids``), ``tail_lse``) on the backend, no label check, no autograd."""
+    ``autograd.head_family.sorted_tail_ids``), ``tail_lse``) on the backend, no label check, no autograd."""
     return params.backend.family("logits").forward(logits, labels, params, label_check, tail_ids)
 
 
@@ -353,7 +353,7 @@ def vp_topk_forward(logits, labels, params: LogitsParams, tp, token_ids) -> dict
 
 
 # ------------------------------------------------------------------ the family's wiring (HeadFamily)
-# ``FAMILY`` (``autograd.common.HeadFamily``) makes, from the declaration below, the Function
+# ``FAMILY`` (``autograd.head_family.HeadFamily``) makes, from the declaration below, the Function
 # (``FAMILY.apply(logits, labels, token_ids, params, temperature, tp)``: the made outputs, in
 # ``LogitsOutputs``' order), the custom ops ``rl_kernels::logits_forward`` / ``logits_backward`` (and
 # their runtime-temperature twins) that torch.compile sees (opaque, fake implementations from the
@@ -499,7 +499,7 @@ def topk_log_probs(logits, token_ids, labels, params: LogitsParams, temperature=
     (``labels``: None, or (N,) marking the rows to ignore); the tail with ``params.return_tail``:
     the family's Function with the ids when a gradient is wanted, its forward alone otherwise
     (``FAMILY.forward_call``; eager: no autograd node). ``temperature``: the runtime temperature of
-    a compiled graph (``autograd.common.split_temperature``) or None."""
+    a compiled graph (``autograd.head_family.split_temperature``) or None."""
     if torch.is_grad_enabled() and logits.requires_grad:
         outs = FAMILY.apply(logits, labels, token_ids, params, temperature, tp)
         return (outs[-2], outs[-1]) if params.return_tail else (outs[-1], None)

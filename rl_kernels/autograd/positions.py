@@ -13,7 +13,7 @@ import math
 import torch
 
 from ..core.validation import check_labels, check_mask, check_token_id_values
-from .common import Out, plain_op
+from .head_family import Out, plain_op
 from .vocab_parallel import group_from_op
 
 
@@ -81,7 +81,7 @@ def counted_positions(hidden_states, labels, ignore_index, mask, vocab_size, che
 
 
 def _op_examples() -> list:
-    """opcheck's arguments (``autograd.common.plain_op``): labels with an ignored row and the
+    """opcheck's arguments (``autograd.head_family.plain_op``): labels with an ignored row and the
     top-K teacher; a mask and the tail's checks."""
     g = torch.Generator().manual_seed(0)
     hidden_states = torch.randn(5, 8, generator=g)

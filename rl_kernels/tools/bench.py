@@ -2,7 +2,7 @@
 ``python scripts/bench.py [options]``): the fused head against cuBLAS and its peers, on one GPU.
 A module of the package, so an installed wheel has it; it does not import the command line
 (``rl_kernels.tools.cli`` calls :func:`run`, :func:`parse_shapes`, :func:`load_results` and
-:func:`plot`; what both use is in ``rl_kernels.tools._common``).
+:func:`plot`; what both use is in ``rl_kernels.tools.usage``).
 
 Per shape (N tokens x H hidden x V vocab, bf16, h ~ N(0, 1), W ~ N(0, 0.02^2), labels uniform)
 and implementation: forward without grad (log-probs + entropy) and forward+backward (random
@@ -48,7 +48,7 @@ from collections.abc import Callable
 
 import torch
 
-from rl_kernels.tools._common import DEFAULT_LOGITS_SHAPES, DEFAULT_SHAPES, UsageError, report_written
+from rl_kernels.tools.usage import DEFAULT_LOGITS_SHAPES, DEFAULT_SHAPES, UsageError, report_written
 from rl_kernels.core._logging import log_once
 
 ERROR_ROWS = 256

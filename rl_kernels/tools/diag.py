@@ -61,7 +61,7 @@ from rl_kernels.autograd import backward_schedule
 from rl_kernels.autograd.logits import LogitsStatsFunction
 from rl_kernels.distill import linear_log_probs_at_ids
 from rl_kernels.tools.reference import reference_linear_grads, reference_linear_log_probs, rel_err
-from rl_kernels.tools._common import report_written
+from rl_kernels.tools.usage import report_written
 from rl_kernels.tools.bench import head_inputs, peak_extra_gib
 from rl_kernels.core.validation import check_label_values
 

@@ -17,12 +17,12 @@ from collections.abc import Callable
 
 import torch
 
-from ..linear import linear_log_probs
-from ..core.validation import check_labels, check_logits, check_temperature
-from ..logits import logits_stats
 from ..core.backends import interpreting, triton_available
-from .reference import reference_linear_log_probs, reference_logits_stats, torch_eager, torch_eager_logits
+from ..core.validation import check_labels, check_logits, check_temperature
+from ..linear import linear_log_probs
+from ..logits import logits_stats
 from ..samples import LogitsSample, Sample
+from .reference import reference_linear_log_probs, reference_logits_stats, torch_eager, torch_eager_logits
 
 # PASS needs max |error| <= atol (log-probs and entropy). Ours keep fp32 logits and land below
 # 5e-5 on bf16 inputs; backends that round logits to bf16 land at ~7e-3 and fail, as they should.
@@ -108,7 +108,7 @@ def _ours_logits_triton(two_level: bool) -> LogitsBackend:
     the public API's checks (a label out of range must not reach the kernel)."""
     def run(s: LogitsSample):
         from .. import ops
-        from ..autograd.common import split_temperature
+        from ..autograd.head_family import split_temperature
         from ..autograd.logits import LogitsParams
         from ..core.backends import get_backend
 

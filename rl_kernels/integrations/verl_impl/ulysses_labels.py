@@ -3,14 +3,14 @@
 verl 0.7.x's fused forwards have no ``shift_labels``: they roll the labels of their own sequence
 shard, so under Ulysses sequence parallelism the label at every shard boundary is wrong (verl
 #3512, #3723; verl 0.8.0 passes globally rolled ``shift_labels``). rl-kernels refuses that
-combination with :class:`~.common.VerlIntegrationError` rather than serve it, at two
+combination with :class:`~.patch_state.VerlIntegrationError` rather than serve it, at two
 points: when verl 0.7.x's legacy ``DataParallelPPOActor`` is built (its Ulysses size is known
 there), and, deferred to the forward itself, for every other caller (the Ulysses world size is
 read from verl at that moment).
 """
 from __future__ import annotations
 
-from .common import VerlIntegrationError, verl_version
+from .patch_state import VerlIntegrationError, verl_version
 
 
 def ulysses_world_size() -> int:
@@ -23,7 +23,7 @@ def ulysses_world_size() -> int:
 
 
 def refuse_rolled_shard_labels(has_shift_labels: bool, size: int | None = None) -> None:
-    """Raise :class:`~.common.VerlIntegrationError` when a fused forward without
+    """Raise :class:`~.patch_state.VerlIntegrationError` when a fused forward without
     ``shift_labels`` (``has_shift_labels`` False) runs under Ulysses sequence parallelism of
     ``size`` ranks (None: :func:`ulysses_world_size`, read now) greater than one."""
     if has_shift_labels:

@@ -62,8 +62,8 @@ from ...distill import linear_log_probs_at_ids
 from ...linear import MAX_TOPK, linear_topk
 from ...logits import topk_log_probs_from_logits
 from . import modes
-from .common import (VerlIntegrationError, check_signature, left_to_verl, outside_kernels, record, replace_by_name,
-                     save_logits_for_backward, scatter_rows, select_rows)
+from .patch_state import (VerlIntegrationError, check_signature, left_to_verl, outside_kernels, record, replace_by_name,
+                          save_logits_for_backward, scatter_rows, select_rows)
 from .distill_terms import OVERLAP_KEYS, distinct_on_padding, overlap_metrics, tail_terms, topk_terms  # noqa: F401
 from .modes import TAIL_MODE, check_tail_config, is_tail_mode
 from .settings import options
@@ -146,8 +146,8 @@ def _megatron_entry() -> tuple[bool, str]:
 
 def patch_distillation() -> dict[str, tuple[bool, str]]:
     """Replace verl's ``compute_forward_kl_topk`` of the FSDP / VeOmni distillation losses and of the
-    Megatron ones by :func:`replacement` (through :func:`~.common.replace_by_name`, so
-    :func:`~.common.restore` undoes it). Returns the report entries ``{FSDP_PART: (replaced?, what),
+    Megatron ones by :func:`replacement` (through :func:`~.patch_state.replace_by_name`, so
+    :func:`~.patch_state.restore` undoes it). Returns the report entries ``{FSDP_PART: (replaced?, what),
     MEGATRON_PART: (replaced?, what)}``; a verl without distillation (0.7.x) gets ``(False, "not in
     this verl ...")``, one whose module lacks the function ``(False, "not replaced ...")``. Raises
     VerlIntegrationError when the function has other parameters than :data:`PARAMETERS`. Idempotent:
@@ -196,7 +196,7 @@ def replacement(module, original, *, megatron: bool):
     @torch.compiler.disable
     def compute_forward_kl_topk(student_logits, teacher_topk_log_probs, teacher_topk_ids, config, data_format):
         """rl-kernels replacement for verl's ``compute_forward_kl_topk``: the same arguments and outputs
-        (see :mod:`rl_kernels.integrations.verl_impl.distill`), and the tail-aware terms of
+        (see :mod:`rl_kernels.integrations.verl_impl.distill_losses`), and the tail-aware terms of
         ``loss_mode=forward_kl_topk_tail``."""
         loss_config = getattr(config, "distillation_loss", None)
         tail = is_tail_mode(loss_config)
@@ -421,7 +421,7 @@ def serve_fused_topk(step, hidden_states, weight, labels, *, temperature: float,
                      return_entropy: bool, backend: str, loss_rows=None) -> tuple:
     """The fused head of a served model's forward on a top-K distillation micro-batch: verl's
     ``(log_probs, entropy or None)`` at ``labels`` (1, n), and the step request's ``outputs['aux']``
-    (``step``: :class:`~.common.StepRequest`, its ``micro_batch`` holding the teacher's tensors and
+    (``step``: :class:`~.patch_state.StepRequest`, its ``micro_batch`` holding the teacher's tensors and
     its ``loss_function`` verl's distillation config) set to verl's distillation outputs (:func:`topk_terms`, as verl's logits path defines them) from the
     student's log-probs at the teacher's ids, all from one call of
     :func:`rl_kernels.distill.linear_log_probs_at_ids` (no N x V tensor in forward or backward).

@@ -473,7 +473,7 @@ class HeadFamily:
 
         return type(class_name, (torch.autograd.Function,), {
             "forward": staticmethod(forward), "backward": staticmethod(backward),
-            "__doc__": f"The {self.name} family's Function (``autograd.common.HeadFamily``): inputs "
+            "__doc__": f"The {self.name} family's Function (``autograd.head_family.HeadFamily``): inputs "
                        f"({', '.join(self.input_names)}, params, temperature, tp), outputs "
                        f"({', '.join(self.outputs[j].name for j in out_slots)}) where made.",
             "__module__": getattr(self.forward, "__module__", __name__)})

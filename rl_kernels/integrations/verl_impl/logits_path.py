@@ -3,11 +3,11 @@ functions in place of verl's ``logprobs_from_logits``, ``entropy_from_logits``,
 ``entropy_from_logits_with_chunking`` and ``calculate_sum_pi_squared_from_logits``.
 
 They replace verl's in ``verl.utils.torch_functional`` and in every loaded module that imported
-them by name (:func:`~.common.replace_by_name`); modules imported later take them from
+them by name (:func:`~.patch_state.replace_by_name`); modules imported later take them from
 ``verl.utils.torch_functional``. Each is float32 (verl's non-flash-attn path returns the logits
-dtype), chunked, with O(N) saved state, counted in :func:`~.common.call_counts`, and checked by the
+dtype), chunked, with O(N) saved state, counted in :func:`~.patch_state.call_counts`, and checked by the
 anomaly capture when it is on (:func:`capture_logits`: the anomalous rows' logits saved). Each takes
-what verl's takes (:func:`~.common.verl_fallback`): logits outside rl-kernels' kernels (float64,
+what verl's takes (:func:`~.patch_state.verl_fallback`): logits outside rl-kernels' kernels (float64,
 meta, nested, integer / bool, 0-d, empty), and the labels and ranks on which verl's own function
 returns another value or raises (:func:`_log_probs_domain`, :func:`_chunked_entropy_domain`) go to
 verl's own function, with a WARNING logged once per function and reason. Under ``loss_rows_only``
@@ -27,8 +27,8 @@ from ...logits import _overlaps
 from ...logits import entropy_from_logits as _rk_entropy_from_logits
 from ...logits import log_probs_from_logits as _rk_log_probs_from_logits
 from . import settings
-from .common import (VerlIntegrationError, check_chunk_size, outside_labels, record, replace_by_name,
-                     saved_for_backward, scatter_rows, step_request, verl_fallback, verl_version)
+from .patch_state import (VerlIntegrationError, check_chunk_size, outside_labels, record, replace_by_name,
+                          saved_for_backward, scatter_rows, step_request, verl_fallback, verl_version)
 from .signatures import check_verl_signature
 
 LOGITS_FUNCTIONS = ("logprobs_from_logits", "entropy_from_logits", "entropy_from_logits_with_chunking")
@@ -70,7 +70,7 @@ def _check_tensor(name: str, value) -> None:
 def _log_probs_domain(arguments) -> str | None:
     """Calls of ``logprobs_from_logits`` that go to verl's own function (found by the differential
     probe): 1-D logits (verl's gathers along the vocabulary, or raises, by dtype), and the labels
-    of :func:`~.common.outside_labels` (a label outside [0, vocab_size), -100 included: verl's
+    of :func:`~.patch_state.outside_labels` (a label outside [0, vocab_size), -100 included: verl's
     flash-attn path gives 0, its torch path raises; labels that verl's broadcasts)."""
     logits, labels = arguments["logits"], arguments["labels"]
     if isinstance(logits, torch.Tensor) and logits.dim() == 1:
@@ -141,7 +141,7 @@ def logprobs_from_logits(logits, labels, inplace_backward=True):
     """rl-kernels replacement for ``verl.utils.torch_functional.logprobs_from_logits``.
 
     Same arguments: ``logits`` ``(..., vocab_size)`` (float32 / bfloat16 / float16; float64 and
-    the other inputs of :func:`~.common.outside_kernels` run verl's own function), ``labels`` int
+    the other inputs of :func:`~.patch_state.outside_kernels` run verl's own function), ``labels`` int
     ``(...)``; float32 output of shape ``labels.shape``; ``inplace_backward=True`` writes the
     gradient into the logits' storage as verl's flash-attn path does (verl passes False when it
     also needs the logits for entropy). Raises TypeError naming the argument when ``logits`` or
@@ -181,7 +181,7 @@ def entropy_from_logits(logits):
 @verl_fallback(TORCH_FUNCTIONAL, "entropy_from_logits_with_chunking", _chunked_entropy_domain)
 def entropy_from_logits_with_chunking(logits, chunk_size=2048):
     """rl-kernels replacement for ``entropy_from_logits_with_chunking``; rl-kernels always chunks
-    (by elements, not rows), so ``chunk_size`` is only validated (:func:`~.common.check_chunk_size`).
+    (by elements, not rows), so ``chunk_size`` is only validated (:func:`~.patch_state.check_chunk_size`).
     float64 logits: verl's own function."""
     check_chunk_size(chunk_size)
     out = _rk_entropy_from_logits(logits)

@@ -371,7 +371,7 @@ def among_ids(ids_ptr, stride_ids, rows64, row_mask, cols, col0, width, n_ids, B
     top-K KL's exclusion mask: the tail is the vocabulary outside the row's K ids).
 
     ``ids_ptr``: (N, n_ids) int32 row-major with ``stride_ids``, each row sorted ascending
-    (``autograd.common.sorted_tail_ids``; entries outside the vocabulary never match); ``rows64``: the tile's rows
+    (``autograd.head_family.sorted_tail_ids``; entries outside the vocabulary never match); ``rows64``: the tile's rows
     (int64) with ``row_mask``; ``cols``: the tile's column ids, all inside [col0, col0 + width);
     BLOCK_IDS: a power of two >= n_ids. Sorted ids make the row's ids inside the tile one run
     [lo, lo + count): 2 x BLOCK_IDS compares per row find it, then one compare per element per id
