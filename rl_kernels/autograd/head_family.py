@@ -197,7 +197,7 @@ class OpSample(typing.NamedTuple):
 
 
 # Every op of the ``rl_kernels::`` namespace that this module made: its name (without the
-# namespace) -> a function giving its ``OpSample``s. tests/test_compile.py runs opcheck on each and
+# namespace) -> a function giving its ``OpSample``s. tests/autograd/test_compile.py runs opcheck on each and
 # fails on an op of the namespace not found here or without samples.
 OPS: dict = {}
 

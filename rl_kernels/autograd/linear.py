@@ -276,7 +276,7 @@ def linear_head(hidden_states, weight, labels, params: HeadParams, gather_ids=No
 
 def _made_flags(params: HeadParams, has_gather_ids: bool) -> tuple:
     """Which of ``HeadOutputs``' fields a call makes, written out (the declaration's ``when``s give the
-    same, at 0.8 us more per call on the host; tests/test_linear_log_probs.py checks that they agree)."""
+    same, at 0.8 us more per call on the host; tests/api/test_linear_log_probs.py checks that they agree)."""
     return (True, params.return_entropy, True, params.return_sum_pi_squared, has_gather_ids, params.return_tail)
 
 

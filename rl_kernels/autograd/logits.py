@@ -211,7 +211,7 @@ def asked_outputs(params: LogitsParams, has_labels: bool, has_token_ids: bool = 
     log-probs, then with ``return_tail`` the tail's log-probability, last, and no log-probs at the
     labels, which then only mark ignored rows): what ``FAMILY.apply`` returns, no None among them
     (torch.compile's tracing of a Function handles tensors only). As the declared ``when``s say
-    (tests/test_logits.py compares them)."""
+    (tests/api/test_logits.py compares them)."""
     return tuple([k for k, a in zip(LogitsOutputs._fields, _asked_flags(params, has_labels, has_token_ids)) if a])
 
 

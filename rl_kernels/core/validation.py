@@ -24,7 +24,7 @@ LABEL_DTYPES = (torch.int64, torch.int32)
 # the kernels scale logits by 1 / temperature in float32: both T and 1 / T must be normal float32
 # numbers, or the scale overflows to inf (T < 2.9e-39) or flushes to 0 (T > 8.5e37)
 TEMPERATURE_RANGE = (1.0 / torch.finfo(torch.float32).max, 1.0 / torch.finfo(torch.float32).tiny)
-# The checks below compare with these bounds written as literals (tests/test_no_silent_errors.py
+# The checks below compare with these bounds written as literals (tests/api/test_no_silent_errors.py
 # checks both edges): a module-level float is a symbolic input of a graph that torch.compile traces
 # with dynamic=True, which Dynamo then specializes in a second trace of the whole function.
 

@@ -90,7 +90,7 @@ the parameter lists of its table (:data:`SIGNATURES`).
 Layout, and what patches on import. This module is the only one that patches (one call of
 :func:`patch` at its import); everything it re-exports lives in the package
 :mod:`rl_kernels.integrations.verl_impl`, whose modules import without side effects (importing one
-neither patches verl nor imports this module; ``tests/test_layers.py`` checks both): the list of its
+neither patches verl nor imports this module; ``tests/repo/test_layers.py`` checks both): the list of its
 modules is in its ``__init__``. verl's ``verl.plugins`` entry point is the other switch,
 :mod:`rl_kernels.integrations.verl_plugin` (it registers a loss mode, patches nothing).
 """

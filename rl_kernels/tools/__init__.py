@@ -4,4 +4,4 @@ benchmark (:mod:`.bench`), the regression repros (:mod:`.repro`) and their bundl
 ``rl-kernels verl-check`` (:mod:`.verl_check`) and the measuring scripts' harness and door into the
 kernels' internals (:mod:`.diag`, for ``scripts/``; not the library's API). None of them patches
 verl. Tooling imports the library and the integrations; neither imports tooling
-(``tests/test_layers.py``)."""
+(``tests/repo/test_layers.py``)."""

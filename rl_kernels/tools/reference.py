@@ -6,7 +6,7 @@ definition with torch primitives only (matmul, tanh, logsumexp, exp, log, gather
 autograd), in float64, and calls nothing of ``rl_kernels.torch_ops``, ``rl_kernels.ops`` (Triton)
 or any helper those use (soft-capping, temperature scaling, logsumexp / split merging). A mistake
 shared by the torch twin and the kernels therefore cannot pass both the backend and its oracle
-(``tests/test_reference.py`` checks the imports and hand-computed values). From ``validation``
+(``tests/tools/test_reference.py`` checks the imports and hand-computed values). From ``validation``
 they take only the argument checks, so that they raise as the public functions do; the checked
 values themselves are not used.
 
