@@ -2,7 +2,7 @@
 
 Public API: every name in the ``__all__`` of the public modules ``linear``, ``logits`` and
 ``distill``; each function's signature is listed at the end of this docstring (generated at import
-from the functions themselves, checked by tests/test_public_api.py).
+from the functions themselves, checked by tests/api/test_public_api.py).
 
 Conventions, the same in every function:
   * tensors are positional; every other argument is keyword-only, in this order: temperature

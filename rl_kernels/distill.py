@@ -1,8 +1,11 @@
-"""Distillation losses on the fused linear head (the (tokens x vocab) logits never stored).
+"""Distillation losses on the fused linear head (the (tokens x vocab) logits never stored), and the top-K
+KL from already-materialized logits.
 
 ``linear_topk_kl``: KL divergence between a teacher given by its top-K log-probs per token (e.g. from an
 inference server) and the student's full-vocabulary softmax, over the teacher's K ids, or with one more
-bucket for the rest of the vocabulary (the tail-aware KL of verl RFC #7856).
+bucket for the rest of the vocabulary (the tail-aware KL of verl RFC #7856). ``topk_kl_from_logits``: the
+same loss from logits (the student's log-probs at the teacher's ids from ``logits.topk_log_probs_from_logits``'
+kernels: one read of the logits forward, one backward).
 
 ``linear_jsd``: generalized Jensen-Shannon divergence between a student head and a teacher head in the same
 process (GKD, Agarwal et al. 2024); gradients reach the student only.
@@ -13,18 +16,21 @@ from __future__ import annotations
 
 import torch
 
-from .autograd.common import split_temperature
-from .autograd.linear_jsd import FAMILY as JSD_FAMILY, JSDParams
+from .autograd.head_family import split_temperature
 from .autograd.linear import HeadParams, linear_head
+from .autograd.linear_jsd import FAMILY as JSD_FAMILY, JSDParams
+from .autograd.logits import LogitsParams, topk_log_probs
 from .autograd.positions import check_tail_teacher, checked_positions
 from .autograd.vocab_parallel import parallel_params
-from .backends import get_backend
-from .validation import (FLOAT_DTYPES, check_bool_arg, check_choice, check_dtype, check_head_inputs,
-                         check_hidden_weight, check_no_grad, check_same_device, check_softcap, check_temperature,
-                         check_tensor_arg, check_token_id_values, check_token_ids, check_unit_interval, describe,
-                         public_signature, raise_extra_positional)
+from .core.backends import get_backend
+from .core.validation import (FLOAT_DTYPES, check_bool_arg, check_choice, check_dtype, check_head_inputs,
+                              check_hidden_weight, check_logits, check_no_grad, check_same_device, check_softcap,
+                              check_temperature, check_tensor_arg, check_token_id_values, check_token_ids,
+                              check_unit_interval, describe, public_signature, raise_extra_positional)
+from .logits import _fill_docs
 
-__all__ = ["linear_topk_kl", "linear_jsd"]  # the public names (rl_kernels/__init__.py exports them)
+# the public names (rl_kernels/__init__.py exports them)
+__all__ = ["linear_topk_kl", "topk_kl_from_logits", "linear_jsd"]
 
 KINDS = ("forward", "reverse")
 REDUCTIONS = ("none", "sum", "mean", "batchmean")
@@ -140,6 +146,93 @@ def linear_topk_kl(
     return topk_kl_loss(log_q, teacher_log_probs, valid, lead, temperature=t, kind=kind,
                         renormalize_teacher=renormalize_teacher, reduction=reduction,
                         tail_log_probs=head.tail_lse - head.lse if tail else None)
+
+
+@public_signature
+def topk_kl_from_logits(
+    logits: torch.Tensor,
+    teacher_token_ids: torch.Tensor,
+    teacher_log_probs: torch.Tensor,
+    *extra_positional,
+    temperature: float = 1.0,
+    labels: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    mask: torch.Tensor | None = None,
+    kind: str = "forward",
+    renormalize_teacher: bool = False,
+    tail: bool = False,
+    reduction: str = "mean",
+    backend: str = "auto",
+    process_group=None,
+    vocab_start_index: int | None = None,
+) -> torch.Tensor:
+    """KL divergence between a top-K teacher and softmax(z), z = logits / T (T = temperature), over the teacher's
+    K ids: the from-logits twin of ``rl_kernels.linear_topk_kl`` (same options, checks and results). With
+    log q_k = z_(id_k) - logsumexp(z), p_k = exp(teacher_log_probs_k), per position: forward:
+    T^2 sum_k p_k (log p_k - log q_k), reverse: T^2 sum_k q_k (log q_k - log p_k) (the T^2 of Hinton, Vinyals,
+    Dean 2015, "Distilling the Knowledge in a Neural Network", sec. 2). ``tail``: the exact KL of the
+    (K+1)-category distributions, the K ids and one bucket for the rest (verl RFC #7856, "Tail-aware top-k KL for
+    on-policy distillation"), p_tail = max(0, 1 - sum_k p_k); a zero probability inside a log is floored at 2^-126.
+
+    Args:
+        {logits} At least 2-D.
+        teacher_token_ids: (..., K) int64/int32 ids in [0, V), K >= 1. With ``tail``: distinct per position.
+        teacher_log_probs: (..., K) bfloat16/float16/float32 nats at ``temperature`` already; no NaN or +inf; -inf:
+            a slot of probability 0 (adds 0 without ``tail``). Not requiring grad. With ``tail``: sum_k p_k <= 1 + 1e-2.
+        temperature: a positive Python number in [2.9e-39, 8.5e37] (1 / T a normal float32).
+        labels: None or (...) int64/int32 in [0, V) or ``ignore_index``; positions labelled ``ignore_index``
+            do not count (0 loss, exactly zero gradient).
+        ignore_index: int (negative with ``process_group``); see ``labels``.
+        mask: None or (...) bool or 0/1, not requiring grad: positions at 0 do not count (with ``labels``: both
+            must count them).
+        kind: 'forward' or 'reverse'.
+        renormalize_teacher: bool; True: log-softmax the teacher over its K ids first (not with ``tail``).
+        tail: bool; True: the tail-aware loss above.
+        reduction: 'mean' (over the positions that count), 'sum', 'none' (shape (...)), 'batchmean' (the sum
+            divided by the size of the first dim).
+        {backend}
+        {process_group}
+        {vocab_start_index}
+
+    Returns:
+        float32 loss in nats x T^2, shape (...) for 'none', else a scalar; differentiable w.r.t. ``logits``.
+{raises}
+    """
+    if extra_positional:  # a keyword-only argument given by position
+        raise_extra_positional(topk_kl_from_logits, extra_positional)
+    check_choice("kind", kind, KINDS)
+    check_choice("reduction", reduction, REDUCTIONS)
+    check_bool_arg("renormalize_teacher", renormalize_teacher)
+    check_bool_arg("tail", tail)
+    if tail and renormalize_teacher:
+        raise ValueError("renormalize_teacher: True with tail=True; the tail-aware KL keeps the teacher's "
+                         "mass outside its K ids (p_tail = 1 - sum_k p_k), which renormalizing would drop")
+    t = check_temperature(temperature)
+    check_logits(logits)
+    if logits.dim() < 2:
+        raise ValueError(f"logits: expected shape (..., vocab_size) with at least one token dim (e.g. "
+                         f"(N, vocab_size)), got {describe(logits)}")
+    _check_teacher(logits, teacher_token_ids, teacher_log_probs, like_name="logits")
+    tp = parallel_params(process_group, vocab_start_index, False, ignore_index, logits.shape[-1], logits.device,
+                         allow_reduce_hidden_grad=False)
+    vocab_size, k = logits.shape[-1], teacher_token_ids.shape[-1]
+    # ids and labels are global with a group: checked against the whole vocabulary when known
+    valid, any_excluded = checked_positions(logits, labels, ignore_index, mask, vocab_size, tp, hidden_name="logits",
+                                            teacher_token_ids=teacher_token_ids, teacher_log_probs=teacher_log_probs,
+                                            tail=tail)
+    inv_temperature, runtime_temperature = split_temperature(t)
+    params = LogitsParams(backend=get_backend(backend, logits.device), inv_temperature=inv_temperature,
+                          ignore_index=-100, return_entropy=False, name="topk_kl_from_logits", return_tail=tail,
+                          ids_name="teacher_token_ids")
+    ids = teacher_token_ids.reshape(-1, k).long()
+    # positions that do not count: rows labelled ignore_index for the kernels (exactly zero gradient)
+    rows = None if any_excluded is False else torch.where(valid, ids[:, 0], params.ignore_index)
+    log_q, tail_log_q = topk_log_probs(logits.reshape(-1, vocab_size), ids, rows, params, runtime_temperature, tp)
+    return topk_kl_loss(log_q, teacher_log_probs, valid, logits.shape[:-1], temperature=t, kind=kind,
+                        renormalize_teacher=renormalize_teacher, reduction=reduction, tail_log_probs=tail_log_q)
+
+
+_fill_docs(topk_kl_from_logits)  # the from-logits entries of its docstring, as logits.py's functions
 
 
 def head_at_ids(h2, weight, labels, ids, params: HeadParams, temperature, tp=None):
@@ -314,7 +407,7 @@ def _reduce(per_token, valid, lead, reduction):
 def _check_teacher_head(student_hidden, student_weight, teacher_hidden, teacher_weight) -> None:
     """The teacher head of ``linear_jsd``: a valid (hidden, weight) pair with the student's
     leading shape, dtype, device and vocabulary (its hidden size may differ), neither requiring
-    grad (:func:`rl_kernels.validation.check_no_grad`)."""
+    grad (:func:`rl_kernels.core.validation.check_no_grad`)."""
     check_hidden_weight(teacher_hidden, teacher_weight, "teacher_hidden", "teacher_weight", min_dim=2)
     lead = tuple(student_hidden.shape[:-1])
     if tuple(teacher_hidden.shape[:-1]) != lead:

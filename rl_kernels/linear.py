@@ -7,13 +7,13 @@ from typing import NamedTuple
 
 import torch
 
-from .autograd.common import split_temperature
+from .autograd.head_family import split_temperature
 from .autograd.linear import HeadParams, linear_head
 from .autograd.linear_topk import FAMILY as TOPK_FAMILY, TopkParams
 from .autograd.vocab_parallel import parallel_params
-from .backends import get_backend
-from .validation import (check_bool_arg, check_head_inputs, check_hidden_weight, check_softcap, check_temperature,
-                         describe, public_signature, raise_extra_positional)
+from .core.backends import get_backend
+from .core.validation import (check_bool_arg, check_head_inputs, check_hidden_weight, check_softcap, check_temperature,
+                              describe, public_signature, raise_extra_positional)
 
 # the public names (rl_kernels/__init__.py exports them)
 __all__ = ["LogProbsOutput", "linear_log_probs", "linear_topk"]

@@ -74,7 +74,7 @@ class SampleError(ValueError):
 
 
 def _fspath(path) -> str:
-    from .validation import check_path_arg
+    from .core.validation import check_path_arg
 
     return check_path_arg("path", path)
 
@@ -140,8 +140,8 @@ def _write(path: str, tensors: dict, temperature, ignore_index: int, metadata: d
 def _check_options(temperature, ignore_index, metadata) -> tuple:
     """(temperature, metadata) checked; a tensor temperature is left to :func:`_row_temperature`
     (its shape is that of tensors not checked yet), a number checked here, first."""
-    from .validation import check_metadata_arg
-    from .validation import check_ignore_index, check_temperature
+    from .core.validation import check_metadata_arg
+    from .core.validation import check_ignore_index, check_temperature
 
     if not isinstance(temperature, torch.Tensor):
         temperature = check_temperature(temperature)
@@ -151,9 +151,9 @@ def _check_options(temperature, ignore_index, metadata) -> tuple:
 
 def _row_temperature(temperature, rows: torch.Tensor, rows_name: str = "labels"):
     """A tensor ``temperature`` checked with the heads' rules for a per-row temperature shaped like
-    ``rows`` (:func:`~rl_kernels.validation.check_temperature`; its values with
-    :func:`~rl_kernels.validation.row_inv_temperature`, one host read); a number as it is."""
-    from .validation import check_temperature, row_inv_temperature
+    ``rows`` (:func:`~rl_kernels.core.validation.check_temperature`; its values with
+    :func:`~rl_kernels.core.validation.row_inv_temperature`, one host read); a number as it is."""
+    from .core.validation import check_temperature, row_inv_temperature
 
     if not isinstance(temperature, torch.Tensor):
         return temperature
@@ -178,7 +178,7 @@ def save_sample(path: str | os.PathLike, hidden_states: torch.Tensor, weight: to
     float32, a per-row one on the labels' device and without grad): TypeError / ValueError naming
     it; ValueError for another suffix.
     """
-    from .validation import check_head_inputs, check_softcap
+    from .core.validation import check_head_inputs, check_softcap
 
     path = _sample_path(path)
     temperature, metadata = _check_options(temperature, ignore_index, metadata)
@@ -199,8 +199,8 @@ def save_logits_sample(path: str | os.PathLike, logits: torch.Tensor, labels: to
     Arguments are checked with the rules of :func:`rl_kernels.logits_stats`: TypeError /
     ValueError naming the argument (labels not shaped ``logits.shape[:-1]``, a temperature tensor
     of another shape, a bad suffix ...)."""
-    from .validation import check_labels
-    from .validation import check_logits as _check_logits
+    from .core.validation import check_labels
+    from .core.validation import check_logits as _check_logits
 
     path = _sample_path(path)
     temperature, metadata = _check_options(temperature, ignore_index, metadata)
@@ -319,8 +319,8 @@ def _per_row(temperature, labels) -> bool:
 
 
 def _validated(path: str, data: dict, meta: dict) -> Sample | LogitsSample:
-    from .validation import check_head_inputs, check_labels, check_softcap, check_temperature
-    from .validation import check_logits as _check_logits
+    from .core.validation import check_head_inputs, check_labels, check_softcap, check_temperature
+    from .core.validation import check_logits as _check_logits
 
     is_logits = "logits" in data and "hidden_states" not in data
     keys = LOGITS_SAMPLE_TENSORS if is_logits else SAMPLE_TENSORS

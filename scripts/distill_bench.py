@@ -1,6 +1,6 @@
 """verl's top-K distillation loss (``compute_forward_kl_topk`` of
 ``verl.trainer.distillation.fsdp.losses``) against rl-kernels' replacement
-(``rl_kernels.integrations.verl_impl.distill``) on one GPU: forward+backward time, peak extra memory and
+(``rl_kernels.integrations.verl_impl.distill_losses``) on one GPU: forward+backward time, peak extra memory and
 accuracy against float64.
 
 Variants, the same inputs:
@@ -58,9 +58,9 @@ def make_inputs(n, v, k, seqs, device, seed=0):
 
 
 def load_replacement_module():
-    """rl-kernels' ``rl_kernels.integrations.verl_impl.distill``: importing it patches nothing of
+    """rl-kernels' ``rl_kernels.integrations.verl_impl.distill_losses``: importing it patches nothing of
     verl (the bench calls verl's function and the replacement itself)."""
-    return importlib.import_module("rl_kernels.integrations.verl_impl.distill")
+    return importlib.import_module("rl_kernels.integrations.verl_impl.distill_losses")
 
 
 def reference(logits, log_probs, ids, clamp, chunk=256):

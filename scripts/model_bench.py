@@ -219,14 +219,14 @@ class Bench:
             if self.fused:
                 token = None
                 if self.loss_rows_only:  # verl's engine: forward_step's wrapper, then the layout hook's mask
-                    common = self.verl["common"]
-                    token = common.new_step(loss_rows_only=True)
-                    common.step_request.get().inputs["loss_rows"] = mask
+                    patch_state = self.verl["patch_state"]
+                    token = patch_state.new_step(loss_rows_only=True)
+                    patch_state.step_request.get().inputs["loss_rows"] = mask
                 try:
                     out = self.model(input_ids=ids, temperature=T, return_dict=True)
                 finally:
                     if token is not None:
-                        self.verl["common"].step_request.reset(token)
+                        self.verl["patch_state"].step_request.reset(token)
                 return out.log_probs, out.entropy
             verl_F = self.verl["verl_F"]
             logits = self.model(input_ids=ids, return_dict=True).logits / T  # the class's own forward
@@ -266,10 +266,10 @@ class Bench:
         ids, adv, seqs, mask = self.inputs(tokens, seq)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        skipped = self.verl["common"].call_counts()["loss_rows_skipped_tokens"]
+        skipped = self.verl["patch_state"].call_counts()["loss_rows_skipped_tokens"]
         # warmup: Triton compiles the backward's window shapes over the first steps
         ms, host_ms = self.median_ms(lambda: self.step(ids, adv, seqs, mask), steps, warmup, host=True)
-        skipped = self.verl["common"].call_counts()["loss_rows_skipped_tokens"] - skipped
+        skipped = self.verl["patch_state"].call_counts()["loss_rows_skipped_tokens"] - skipped
         peak = torch.cuda.max_memory_allocated() / 2**30 if self.device.type == "cuda" else 0.0
         ms, host_ms, peak = all_ranks(ms, "max"), all_ranks(host_ms, "max"), all_ranks(peak, "max")
         # the last step's loss (the same inputs every step): equal across the variants up to rounding
@@ -356,11 +356,11 @@ class Bench:
             elif head == LOSS_ROWS:  # the fused head's loss_rows_only path: select, the head, scatter
                 import rl_kernels
 
-                common = self.verl["common"]
-                index = common.loss_row_index(mask, labels)
-                hs, ys = (common.select_rows(t, index, labels.numel()).unsqueeze(0) for t in (h, labels))
+                patch_state = self.verl["patch_state"]
+                index = patch_state.loss_row_index(mask, labels)
+                hs, ys = (patch_state.select_rows(t, index, labels.numel()).unsqueeze(0) for t in (h, labels))
                 out = rl_kernels.linear_log_probs(hs, w, ys, temperature=T)
-                lp, ent = (common.scatter_rows(t.reshape(-1), index, labels.shape)
+                lp, ent = (patch_state.scatter_rows(t.reshape(-1), index, labels.shape)
                            for t in (out.log_probs, out.entropy))
             else:
                 logits = torch.nn.functional.linear(h, w) / T
@@ -380,9 +380,9 @@ def import_verl():
     import rl_kernels.integrations.verl as rkv
     import verl.models.transformers.monkey_patch as monkey_patch
     import verl.utils.torch_functional as verl_F
-    from rl_kernels.integrations.verl_impl import common
+    from rl_kernels.integrations.verl_impl import patch_state
     flash = bool(getattr(verl_F, "FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE", False))
-    return {"rkv": rkv, "monkey_patch": monkey_patch, "verl_F": verl_F, "common": common, "how": how,
+    return {"rkv": rkv, "monkey_patch": monkey_patch, "verl_F": verl_F, "patch_state": patch_state, "how": how,
             "verl_logits_path": ("flash-attn Triton cross-entropy (float32 log-probs)" if flash else
                                  "verl's row-by-row fallback (no flash_attn: log-probs in the logits dtype)")}
 

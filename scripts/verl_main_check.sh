@@ -54,9 +54,9 @@ PYTHONPATH="$root" "$venv_python" - > "$out/symbols" 2>/dev/null <<'EOF2'
 import logging, warnings
 warnings.filterwarnings("ignore"); logging.disable(logging.WARNING)
 import rl_kernels.integrations.verl as rkv
-from rl_kernels.integrations.verl_impl import common
+from rl_kernels.integrations.verl_impl import patch_state
 names = set()
-for owner, name, _ in common._undo:  # every set_attr of the patch
+for owner, name, _ in patch_state._undo:  # every set_attr of the patch
     names.add(owner.__name__ if isinstance(owner, type) else name)
 print("\n".join(sorted(n for n in names if not n.startswith("__"))))
 EOF2

@@ -3,18 +3,20 @@ twin each calls). A family's Function is its one route, eager and under torch.co
 over a vocab-parallel group or not: its backend calls are ``torch.library`` custom ops while the
 compiler traces and plain calls otherwise:
 
-* ``linear``: the fused linear head (``FAMILY``, declared with ``common.HeadFamily``, with the logits at
-  given ids for the distillation losses; ``head_forward`` / ``head_backward`` are also the JSD's building blocks);
+* ``linear``: the fused linear head (``FAMILY``, declared with ``head_family.HeadFamily``, with the
+  logits at given ids for the distillation losses; ``head_forward`` / ``head_backward`` are also the
+  JSD's building blocks);
 * ``logits``: statistics of materialized logits and their log-probs at given token ids (the
   top-K losses) (``FAMILY``: its Function, ``LogitsStatsFunction``, and custom ops, declared with
-  ``common.HeadFamily``);
+  ``head_family.HeadFamily``);
 * ``linear_jsd``: the two-head Jensen-Shannon divergence (``FAMILY``: its Function and custom ops,
-  declared with ``common.HeadFamily``);
+  declared with ``head_family.HeadFamily``);
 * ``linear_topk``: the fused top-K selection (``FAMILY``: forward only, no Function);
 * ``vocab_parallel``: what the families share for a vocab shard: the layout, the collectives and
   the merge of the shards' statistics (no Function of its own);
 * ``positions``: the losses' rule for which positions count, and its value checks;
 * ``backward_schedule``: how dh and dW are made from recomputed dlogits windows (shared);
-* ``common``: first-order-only backward, the wiring of a family from its declaration (``HeadFamily``:
-  Function, custom ops, fakes; ``plain_op``; ``OPS``, every op made), the ignored-row selection (shared).
+* ``head_family``: first-order-only backward, the wiring of a family from its declaration
+  (``HeadFamily``: Function, custom ops, fakes; ``plain_op``; ``OPS``, every op made), the
+  ignored-row selection (shared).
 """

@@ -42,7 +42,7 @@ import math
 
 import torch
 
-from .._logging import log_once
+from ..core._logging import log_once
 
 MIN_CHUNK_ELEMENTS = 1 << 22
 CHUNK_FRACTION = 0.08  # of (N + V) * H: the buffer stays under 10% of the two gradients

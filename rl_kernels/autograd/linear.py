@@ -4,7 +4,7 @@ The head family "linear": its parameter record (``HeadParams``), its output reco
 (``HeadOutputs``), its two backend implementations (``TritonHead``: the split-vocab kernels of
 ``ops.linear``, forward split statistics, their combine and the dlogits windows; ``TorchHead``: the
 twin ``torch_ops.linear``), its two bodies and their declaration (``FAMILY``, an
-``autograd.common.HeadFamily``: the one autograd Function, eager and compiled, sharded over a
+``autograd.head_family.HeadFamily``: the one autograd Function, eager and compiled, sharded over a
 vocab-parallel group or not (``vp_forward``), and the ``rl_kernels::linear_forward`` /
 ``linear_backward`` custom ops; ``linear_head`` applies it). Forward: per-row log-prob, entropy, lse (and
 sum_pi_squared; and the logits at given ids, and the tail lse outside them); saved state is O(N).
@@ -18,12 +18,12 @@ from typing import NamedTuple
 
 import torch
 
-from ..backends import Backend, implements
-from ..label_check import checked_labels, raise_if_interpreted, raise_label_errors
-from ..validation import check_label_values, warn_fp16_temperature
+from ..core.backends import Backend, implements
+from ..core.label_check import checked_labels, raise_if_interpreted, raise_label_errors
+from ..core.validation import check_label_values, warn_fp16_temperature
 from ..torch_ops.linear import per_row, torch_dlogits, torch_forward, torch_gathered_logits
 from .backward_schedule import chunked_backward, full_precision_reduction
-from .common import HeadFamily, Out, as_float_grad, hidden_for_weight_grad, sorted_tail_ids, sum_over_equal_ids
+from .head_family import HeadFamily, Out, as_float_grad, hidden_for_weight_grad, sorted_tail_ids, sum_over_equal_ids
 from .vocab_parallel import all_gather_rows, finish_hidden_grad, local_labels, merge_lse, merge_shards
 
 
@@ -188,7 +188,7 @@ def head_backward(hidden_states, weight, labels, saved: HeadOutputs, grads: Head
 def _with_gathered(dlogits, ids, grad, valid, inv_temperature, whole=None):
     """Wrap a dlogits window function: add grad[i, k] * inv_temperature at (i, ids[i, k]) for the
     ids inside the window's columns (rows whose label is ignored get nothing), summed over a row's
-    slots with the same id first (:func:`~.common.sum_over_equal_ids`; a repeated id's slots all
+    slots with the same id first (:func:`~.head_family.sum_over_equal_ids`; a repeated id's slots all
     write the same value). ``whole``: None, or (N, K) float32, the dense part the kernels wrote at
     those columns recomputed in float32 (where the lse's gradient is the only dense one: p g_lse / T)
     - then the columns get ``whole`` + the sparse term, rounded once to the window's dtype (issue 54:
@@ -276,7 +276,7 @@ def linear_head(hidden_states, weight, labels, params: HeadParams, gather_ids=No
 
 def _made_flags(params: HeadParams, has_gather_ids: bool) -> tuple:
     """Which of ``HeadOutputs``' fields a call makes, written out (the declaration's ``when``s give the
-    same, at 0.8 us more per call on the host; tests/test_linear_log_probs.py checks that they agree)."""
+    same, at 0.8 us more per call on the host; tests/api/test_linear_log_probs.py checks that they agree)."""
     return (True, params.return_entropy, True, params.return_sum_pi_squared, has_gather_ids, params.return_tail)
 
 
@@ -374,7 +374,7 @@ def vp_gather_grads(shard_labels, shard_ids, grads: HeadOutputs, ignore_index: i
 def _op_examples() -> list:
     """opcheck's inputs (``HeadFamily``): CPU, the torch backend; the statistics with entropy and
     sum_pi_squared (an ignored row), and the logits at given ids with the tail."""
-    from ..backends import get_backend
+    from ..core.backends import get_backend
 
     g = torch.Generator().manual_seed(0)
     h, w = torch.randn(5, 8, generator=g), torch.randn(11, 8, generator=g)

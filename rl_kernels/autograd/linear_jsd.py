@@ -2,7 +2,7 @@
 
 The head family "linear_jsd": its parameter record (``JSDParams``), two backend implementations
 (``TritonJSD``, ``TorchJSD``), its two bodies and their declaration (``FAMILY``, an
-``autograd.common.HeadFamily``: the Function and the ``rl_kernels::jsd_forward`` / ``jsd_backward``
+``autograd.head_family.HeadFamily``: the Function and the ``rl_kernels::jsd_forward`` / ``jsd_backward``
 custom ops). Forward: each head's lse (the fused head's forward), then one pass of both GEMMs for
 the per-row divergence sums (Triton ``ops.linear_jsd`` or the torch twin ``torch_ops.linear_jsd``);
 with a vocab-parallel group, the shard lse and the shard sums are merged over the group. Backward:
@@ -15,11 +15,11 @@ from typing import NamedTuple
 
 import torch
 
-from ..backends import Backend, implements
-from ..label_check import raise_label_errors
+from ..core.backends import Backend, implements
+from ..core.label_check import raise_label_errors
 from ..torch_ops.linear_jsd import torch_jsd_dlogits, torch_jsd_sums
 from .backward_schedule import chunked_backward, full_precision_reduction
-from .common import HeadFamily, Out, hidden_for_weight_grad
+from .head_family import HeadFamily, Out, hidden_for_weight_grad
 from .linear import HeadParams, head_forward
 from .vocab_parallel import all_gather_rows, finish_hidden_grad, merge_lse
 
@@ -126,7 +126,7 @@ def jsd_backward(hs, ws, ht, wt, valid, lse_s, lse_t, g_sum, grad, params: JSDPa
 
 def _op_examples() -> list:
     """opcheck's inputs (``HeadFamily``): CPU, the torch backend, beta strictly inside (0, 1)."""
-    from ..backends import get_backend
+    from ..core.backends import get_backend
 
     g = torch.Generator().manual_seed(0)
     hs, ws, ht, wt = (torch.randn(shape, generator=g) for shape in ((5, 8), (11, 8), (5, 6), (11, 6)))

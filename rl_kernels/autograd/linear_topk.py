@@ -4,7 +4,7 @@ differentiable log-probs at these ids come from ``rl_kernels.distill.linear_log_
 so the family has no autograd Function: its one backend call is :func:`topk_body`, run directly
 eagerly and as the ``rl_kernels::linear_topk`` custom op while torch.compile traces (opaque: no
 graph break; a temperature that Dynamo holds symbolically travels as the op's runtime tensor):
-``FAMILY.forward_call``, declared with ``autograd.common.HeadFamily``.
+``FAMILY.forward_call``, declared with ``autograd.head_family.HeadFamily``.
 
 The family "linear_topk": its parameter record (``TopkParams``) and its two backends
 (``TritonTopk``: ``ops.linear_topk``, one pass over the GEMM tiles keeping each row's candidates
@@ -24,9 +24,9 @@ from typing import NamedTuple
 
 import torch
 
-from ..backends import Backend, implements
+from ..core.backends import Backend, implements
 from ..torch_ops.linear_topk import merge_candidates, torch_topk_select
-from .common import HeadFamily, Out
+from .head_family import HeadFamily, Out
 from .vocab_parallel import all_gather_rows, merge_lse
 
 
@@ -93,7 +93,7 @@ def topk_body(hidden_states, weight, params: TopkParams, tp=None) -> tuple[torch
 
 def _op_examples() -> list:
     """opcheck's inputs (``HeadFamily``): CPU, the torch backend."""
-    from ..backends import get_backend
+    from ..core.backends import get_backend
 
     g = torch.Generator().manual_seed(0)
     hidden_states, weight = torch.randn(5, 8, generator=g), torch.randn(11, 8, generator=g)

@@ -2,7 +2,7 @@
 
 The head family "logits": its parameter record (``LogitsParams``), output record
 (``LogitsOutputs``), two backend implementations (``TritonLogits``, ``TorchLogits``) and its one
-Function, ``LogitsStatsFunction`` (``FAMILY.function``: declared with ``autograd.common.HeadFamily``,
+Function, ``LogitsStatsFunction`` (``FAMILY.function``: declared with ``autograd.head_family.HeadFamily``,
 which makes the Function and the custom ops from the forward and backward bodies).
 Forward: one read of the logits (Triton ``ops.logits_forward`` or its torch twin
 ``torch_ops.logits``) gives per-row float32 statistics; only O(N) of them are saved.
@@ -21,13 +21,13 @@ from typing import NamedTuple
 
 import torch
 
-from .._logging import log_once
-from ..backends import Backend, implements
-from ..label_check import deferred_label_check, raise_if_interpreted, raise_label_errors
+from ..core._logging import log_once
+from ..core.backends import Backend, implements
+from ..core.label_check import deferred_label_check, raise_if_interpreted, raise_label_errors
+from ..core.validation import check_label_values, check_token_id_values
 from ..torch_ops.logits import torch_logits_backward, torch_logits_forward
-from ..validation import check_label_values, check_token_id_values
+from .head_family import HeadFamily, Out, as_float_grad, plain_op, sorted_tail_ids, sum_over_equal_ids
 from .positions import check_tail_teacher
-from .common import HeadFamily, Out, as_float_grad, plain_op, sorted_tail_ids, sum_over_equal_ids
 from .vocab_parallel import all_gather_rows, local_labels, merge_lse, merge_shards
 
 
@@ -100,7 +100,7 @@ class TorchLogits:
 def logits_stats_forward(logits, labels, params: LogitsParams, label_check=None, tail_ids=None) -> dict:
     """The forward's per-row statistics (a dict of (N,) float32 tensors, as ``ops.logits_forward``:
     ``row_max``, ``log_sum``, ``lse``, the outputs asked and, with ``tail_ids`` (sorted local ids,
-    ``autograd.common.sorted_tail_ids``), ``tail_lse``) on the backend, no label check, no autograd."""
+    ``autograd.head_family.sorted_tail_ids``), ``tail_lse``) on the backend, no label check, no autograd."""
     return params.backend.family("logits").forward(logits, labels, params, label_check, tail_ids)
 
 
@@ -211,7 +211,7 @@ def asked_outputs(params: LogitsParams, has_labels: bool, has_token_ids: bool = 
     log-probs, then with ``return_tail`` the tail's log-probability, last, and no log-probs at the
     labels, which then only mark ignored rows): what ``FAMILY.apply`` returns, no None among them
     (torch.compile's tracing of a Function handles tensors only). As the declared ``when``s say
-    (tests/test_logits.py compares them)."""
+    (tests/api/test_logits.py compares them)."""
     return tuple([k for k, a in zip(LogitsOutputs._fields, _asked_flags(params, has_labels, has_token_ids)) if a])
 
 
@@ -353,7 +353,7 @@ def vp_topk_forward(logits, labels, params: LogitsParams, tp, token_ids) -> dict
 
 
 # ------------------------------------------------------------------ the family's wiring (HeadFamily)
-# ``FAMILY`` (``autograd.common.HeadFamily``) makes, from the declaration below, the Function
+# ``FAMILY`` (``autograd.head_family.HeadFamily``) makes, from the declaration below, the Function
 # (``FAMILY.apply(logits, labels, token_ids, params, temperature, tp)``: the made outputs, in
 # ``LogitsOutputs``' order), the custom ops ``rl_kernels::logits_forward`` / ``logits_backward`` (and
 # their runtime-temperature twins) that torch.compile sees (opaque, fake implementations from the
@@ -377,7 +377,7 @@ def _in_op(params: LogitsParams, forward: bool) -> LogitsParams:
 def _op_examples() -> list:
     """opcheck's inputs (``HeadFamily``): CPU, the torch backend; the statistics at labels (one row
     ignored), and the top-K log-probs with the tail (the labels marking an ignored row)."""
-    from ..backends import get_backend
+    from ..core.backends import get_backend
 
     g = torch.Generator().manual_seed(0)
     logits, labels = torch.randn(5, 11, generator=g), torch.tensor([3, -100, 0, 10, 7])
@@ -499,7 +499,7 @@ def topk_log_probs(logits, token_ids, labels, params: LogitsParams, temperature=
     (``labels``: None, or (N,) marking the rows to ignore); the tail with ``params.return_tail``:
     the family's Function with the ids when a gradient is wanted, its forward alone otherwise
     (``FAMILY.forward_call``; eager: no autograd node). ``temperature``: the runtime temperature of
-    a compiled graph (``autograd.common.split_temperature``) or None."""
+    a compiled graph (``autograd.head_family.split_temperature``) or None."""
     if torch.is_grad_enabled() and logits.requires_grad:
         outs = FAMILY.apply(logits, labels, token_ids, params, temperature, tp)
         return (outs[-2], outs[-1]) if params.return_tail else (outs[-1], None)

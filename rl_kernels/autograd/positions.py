@@ -4,7 +4,7 @@ A position counts unless its label is ``ignore_index`` (when ``labels`` is given
 entry is 0 (when ``mask`` is given). The checks read values on the host (labels, mask, the top-K
 teacher's ids and log-probs): eagerly here, under torch.compile inside the
 ``rl_kernels::counted_positions`` custom op (opaque, so the traced function holds no data-dependent
-Python), with the same messages. Used by ``rl_kernels.distill`` and the from-logits top-K KL.
+Python), with the same messages. Used by the losses of ``rl_kernels.distill`` (fused and from logits).
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import math
 
 import torch
 
-from ..validation import check_labels, check_mask, check_token_id_values
-from .common import Out, plain_op
+from ..core.validation import check_labels, check_mask, check_token_id_values
+from .head_family import Out, plain_op
 from .vocab_parallel import group_from_op
 
 
@@ -81,7 +81,7 @@ def counted_positions(hidden_states, labels, ignore_index, mask, vocab_size, che
 
 
 def _op_examples() -> list:
-    """opcheck's arguments (``autograd.common.plain_op``): labels with an ignored row and the
+    """opcheck's arguments (``autograd.head_family.plain_op``): labels with an ignored row and the
     top-K teacher; a mask and the tail's checks."""
     g = torch.Generator().manual_seed(0)
     hidden_states = torch.randn(5, 8, generator=g)

@@ -41,7 +41,7 @@ import dataclasses
 
 import torch
 
-from ..validation import check_vocab_parallel_args
+from ..core.validation import check_vocab_parallel_args
 
 
 def _dist():
@@ -78,7 +78,7 @@ def collective(fn, *tensors, group) -> None:
     globals, after ``Py_IsInitialized()`` has turned false, when torch skips the GIL and leaks
     (``PyInterpreter::decref``); an atexit hook would run before that point, so there is none.
     Memory: the float32 ``dh`` of ``finish_hidden_grad`` lives until the next collective, not
-    until its rounding. ``tests/test_exit_clean.py`` is the test."""
+    until its rounding. ``tests/autograd/test_exit_clean.py`` is the test."""
     flat = list({id(t): t for x in tensors for t in (x if isinstance(x, (list, tuple)) else (x,))}.values())
     held = torch.ScriptList(flat)  # one more C++ reference to each tensor, before the collective holds any
     work = fn(*tensors, group=group, async_op=True)

@@ -53,8 +53,8 @@ import weakref
 
 import torch
 
-from .._logging import log_once, logger
-from ..validation import check_float_arg, check_int_arg, check_metadata_arg, check_path_arg
+from ..core._logging import log_once, logger
+from ..core.validation import check_float_arg, check_int_arg, check_metadata_arg, check_path_arg
 
 _WEIGHT_CHUNK = 8192
 """Vocabulary rows of the weight cast to float32 at a time by the fused re-check."""
@@ -183,7 +183,7 @@ class AnomalyCapture:
     @staticmethod
     def _inv_temperature(temperature, rows):
         """1 / T of ``rows`` as a multiplier: a float, or a (rows, 1) float32 column of a per-row T."""
-        from ..validation import row_inv_temperature
+        from ..core.validation import row_inv_temperature
 
         if isinstance(temperature, torch.Tensor):
             return row_inv_temperature(temperature)[rows, None]

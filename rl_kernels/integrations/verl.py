@@ -57,7 +57,7 @@ yourself). The import calls :func:`patch`, which
   verl target (:mod:`.megatron_step`: ``forward_step``, ``_resolve_fused_temperature``,
   ``preprocess_thd_engine``, ``postprocess_thd_engine``, the fused forward factory; the supported
   combinations decided in :func:`.megatron_step.step_for`).
-* **Top-K distillation** (:mod:`.distill`, verl 0.8+): verl's ``compute_forward_kl_topk`` of its
+* **Top-K distillation** (:mod:`.distill_losses`, verl 0.8+): verl's ``compute_forward_kl_topk`` of its
   FSDP / VeOmni and Megatron losses (logits paths; Megatron vocab-parallel over the TP group) and
   the fused heads of both engines compute verl's top-K terms with rl-kernels, and the
   ``forward_kl_topk_tail`` loss mode (verl RFC #7856), which the import also registers in verl's
@@ -90,7 +90,7 @@ the parameter lists of its table (:data:`SIGNATURES`).
 Layout, and what patches on import. This module is the only one that patches (one call of
 :func:`patch` at its import); everything it re-exports lives in the package
 :mod:`rl_kernels.integrations.verl_impl`, whose modules import without side effects (importing one
-neither patches verl nor imports this module; ``tests/test_layers.py`` checks both): the list of its
+neither patches verl nor imports this module; ``tests/repo/test_layers.py`` checks both): the list of its
 modules is in its ``__init__``. verl's ``verl.plugins`` entry point is the other switch,
 :mod:`rl_kernels.integrations.verl_plugin` (it registers a loss mode, patches nothing).
 """
@@ -99,13 +99,15 @@ from __future__ import annotations
 import logging
 
 
-from .._logging import logger
-from .verl_impl import common  # noqa: F401 - first: without verl its import raises the ImportError naming verl
+from ..core._logging import logger
+from .verl_impl import patch_state  # noqa: F401 - first: without verl its import raises the ImportError naming verl
 from .verl_impl import patching, settings
-from .verl_impl.common import SUMMARY_AFTER_CALLS, call_counts, entropy_on_request, entropy_wanted, verl_version  # noqa: F401
+from .verl_impl.patch_state import (SUMMARY_AFTER_CALLS, call_counts, entropy_on_request, entropy_wanted,  # noqa: F401
+                                    verl_version)
 from .verl_impl.fsdp_fused import fused_log_probs_entropy, micro_batch_flag  # noqa: F401
-from .verl_impl.logits import (LOGITS_FUNCTIONS, SUM_PI_SQUARED_FUNCTION, calculate_sum_pi_squared_from_logits,  # noqa: F401
-                               entropy_from_logits, entropy_from_logits_with_chunking, logprobs_from_logits)
+from .verl_impl.logits_path import (LOGITS_FUNCTIONS, SUM_PI_SQUARED_FUNCTION,  # noqa: F401
+                                    calculate_sum_pi_squared_from_logits, entropy_from_logits,
+                                    entropy_from_logits_with_chunking, logprobs_from_logits)
 from .verl_impl.patching import SERVED_ENGINES, apply_model_config, is_patched, patch, report, unpatch  # noqa: F401
 from .verl_impl.schema import BACKEND_NAME, VerlIntegrationError, VerlOptions  # noqa: F401
 from .verl_impl.settings import configure, configure_from_model_config, options  # noqa: F401

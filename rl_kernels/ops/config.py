@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from ..backends import interpreting
+from ..core.backends import interpreting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +147,7 @@ LOGITS_CUDA_CONFIG = LogitsConfig(split_v=16384, block_v=4096, num_warps=4, bwd_
 # dtype, the tiles that fit it. A K-loop stage holds one (BLOCK_M x BLOCK_K) and one
 # (BLOCK_N x BLOCK_K) operand tile, four for the JSD kernels (two heads), so the pipeline needs
 # about stages * (BM + BN) * BK * element size bytes (x2 for JSD); the compiled kernels' own
-# figure is checked against the limit by tests/test_gpu_configs.py. Every class keeps split_v =
+# figure is checked against the limit by tests/gpu/test_gpu_configs.py. Every class keeps split_v =
 # 1024 (a multiple of every BLOCK_N), and nothing depends on N: batch invariance and run-to-run
 # identity hold in every class; the K step (hence a row's summation order) differs between
 # classes and dtypes only. float16 uses the bfloat16 tiles; float32 gets a smaller K step.
@@ -188,7 +188,7 @@ AMPERE = ConfigClass("ampere", 166912, False, (80,), _cfg(128, 128, 64, 8, 3, (1
 # benchmarks/results/fp32_head_bench_h200_2026-12-07.json), as multiples of one torch fp32 matmul:
 # forward 0.66x, forward+backward 3.38x (10.7x the bf16 head); on the pointer path 0.69x / 3.42x;
 # a K step of 64 in 2 stages 0.67x / 3.26x, but its 3-stage dlogits passes (196 KB) leave too little
-# of the budget for Triton's scratch (tests/test_configs.py); 128 x 256 / 2 stages 0.95x / 3.94x; full
+# of the budget for Triton's scratch (tests/ops/test_configs.py); 128 x 256 / 2 stages 0.95x / 3.94x; full
 # fp32 products ("ieee", the FMA units) 2.42x / 6.95x. The backward's two GEMMs are torch's (cuBLAS
 # SGEMM): most of what is left.
 _HOPPER_FP32 = dataclasses.replace(_AMPERE_FP32, tma=True)

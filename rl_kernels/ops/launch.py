@@ -14,7 +14,7 @@ is 16-byte aligned; per integer, whether it equals 1, whether it is divisible by
 integer width (i32, i64 or u64); per constexpr and launch option, its value; per argument, its
 Python type. Triton's specialization of an argument is a function of exactly these (its type
 string, "D" for 16-divisibility, the constant 1), so two calls with equal keys run the same
-binary (tests/test_launch.py checks this against Triton's own ``native_specialize_impl`` on
+binary (tests/ops/test_launch.py checks this against Triton's own ``native_specialize_impl`` on
 random arguments). Anything else takes Triton's own path, which also compiles and fills the
 cache: the first call of each class, the CPU interpreter, argument types the key does not know
 (tensor descriptors), launch hooks (a profiler's ``knobs.runtime.launch_enter_hook``), and
@@ -30,7 +30,7 @@ import warnings
 
 import torch
 
-from ..backends import interpreting
+from ..core.backends import interpreting
 
 try:
     from triton import knobs as _knobs
@@ -71,7 +71,7 @@ def make_binder(params, first_args: tuple, first_kwargs: dict):
     """``bind(*args, **kwargs) -> (key, args_in_order)`` for a kernel with Triton ``params``
     (``JITFunction.params``), generated from the types of a first call; None when an argument's
     type is not one the key covers. ``key`` is None when a later call's types differ (Triton's
-    path then runs). Exposed for tests/test_launch.py."""
+    path then runs). Exposed for tests/ops/test_launch.py."""
     names = [p.name for p in params]
     values = dict(zip(names, first_args))
     values.update({k: v for k, v in first_kwargs.items() if k in names})

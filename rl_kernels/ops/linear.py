@@ -19,10 +19,10 @@ USE_TMA (tensor-descriptor loads), FLATTEN (one software pipeline across the spl
 next tile's loads overlap this tile's softmax epilogue), WARP_SPEC (producer/consumer warps),
 EVEN_V (V is a multiple of BLOCK_N: no column masks in the epilogue). One flag changes the
 arithmetic: SOFTCAP, the logit soft-capping of Gemma-2-style heads (z = (c / T) tanh(h . w / c),
-``common.soft_cap``); without it the kernels are the uncapped ones, bit for bit.
+``building_blocks.soft_cap``); without it the kernels are the uncapped ones, bit for bit.
 TAIL (the tail-aware top-K KL, verl RFC #7856) adds a per-split tail sum s_t = sum exp(z - m) over the
 columns that are not among the row's sorted ids, relative to the same running max m as s: the tile's
-e = exp(z - tile max) with the ids' columns selected to 0 (``common.fill_ids``: each row's pointer
+e = exp(z - tile max) with the ids' columns selected to 0 (``building_blocks.fill_ids``: each row's pointer
 into its ids walks the split's tiles in column order, one compare and one select per element per id
 of the tile's fullest row), summed, and rescaled with s when m moves on. It writes (m, s_t), which
 the combine merges like (m, s) (s_t = 0: a row with no tail column in the split). Tail terms below
@@ -53,7 +53,7 @@ same K-loop GEMM as the forward, then from the saved per-row lse and entropy H:
 and stores dz / temperature (the gradient w.r.t. the raw logits h.w) in the output dtype; the
 second form is what runs (per-row scalars times 1 / T; per element log2 p = log2(e) (z - lse) in one
 multiply-add, p = 2^(log2 p) and up to three multiply-adds).
-With SOFTCAP (z = (c / T) tanh(h.w / c), ``common.soft_cap``) the stored gradient is
+With SOFTCAP (z = (c / T) tanh(h.w / c), ``building_blocks.soft_cap``) the stored gradient is
 dz (1 - tanh^2) / T, the chain rule through the cap.
 TAIL adds g_tail * [j not among the row's ids] * exp(z_j - tail_lse) (d tail_lse / dz_j) with no exp
 of its own: exp(z_j - tail_lse) = p_j / q_tail, so the per-row g_tail exp(lse - tail_lse) / T joins the
@@ -66,7 +66,7 @@ of a tile: each row's first id >= the tile's first column by a binary search and
 loaded before the GEMM (the tiles come in grouped order, no walk carries over), then its first two
 ids compared per element; a tile where some row has three or more (rarer: K = 64 over V = 152064
 and 256-wide tiles) walks them all on a copy of p with the ids' columns selected to 0
-(``common.fill_ids``) and adds that times the coefficient.
+(``building_blocks.fill_ids``) and adds that times the coefficient.
 With ``KernelConfig.bwd_programs_per_sm`` > 0 the launch is persistent: a few programs per
 multiprocessor each walk the window's tiles (same grouped order, same per-tile arithmetic, so the
 same bits), in one flattened software pipeline that overlaps a tile's epilogue (exp, store) with
@@ -82,10 +82,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (TensorDescriptor, fill_ids, gemm_meta, grouped_tile, ids_below, log_sum_lse, logits_tile_log2,
-                     merge_max_sum, merge_q, merge_scales, merge_stats, next_id, persistent_programs, row_scales,
-                     scalar_inv_temperature, soft_cap, softcap_args, stats_entropy, store_window, tma_ok,
-                     tma_operands, window_grid, window_tile)
+from .building_blocks import (TensorDescriptor, fill_ids, gemm_meta, grouped_tile, ids_below, log_sum_lse,
+                              logits_tile_log2, merge_max_sum, merge_q, merge_scales, merge_stats, next_id,
+                              persistent_programs, row_scales, scalar_inv_temperature, soft_cap, softcap_args,
+                              stats_entropy, store_window, tma_ok, tma_operands, window_grid, window_tile)
 from .config import BwdTile, KernelConfig, interpreting
 
 
@@ -269,7 +269,7 @@ def linear_split_stats(
     uninitialised without ``return_entropy``), the label logits z_y (N,) float32, and q = sum
     exp(2 (z - m)) (S, N) with ``return_sum_pi_squared`` (else None): the input of
     :func:`split_combine`. ``label_check``: see :func:`label_logits`. ``tail_ids``: (N, K) int32
-    contiguous, each row sorted (``autograd.common.sorted_tail_ids``): a 6th output, the (2, S, N) float32
+    contiguous, each row sorted (``autograd.head_family.sorted_tail_ids``): a 6th output, the (2, S, N) float32
     tail partials (m_t, s_t) over the columns that are not among the row's ids, m_t the split's max m
     (the TAIL variant; FLATTEN and WARP_SPEC are off in it: ``fill_ids``' loop stays out of the
     pipeliner).
@@ -306,7 +306,7 @@ def linear_split_stats(
 
 def tail_kernel_args(tail_ids: torch.Tensor, **pointers) -> dict:
     """The TAIL variant's launch arguments for the sorted (N, K) int32 ``tail_ids``
-    (``autograd.common.sorted_tail_ids``), plus ``pointers``."""
+    (``autograd.head_family.sorted_tail_ids``), plus ``pointers``."""
     if tail_ids.dtype != torch.int32 or tail_ids.dim() != 2 or not tail_ids.is_contiguous():
         raise ValueError(f"tail_ids: expected (N, K) int32 contiguous, got {tuple(tail_ids.shape)} {tail_ids.dtype}")
     k = tail_ids.shape[1]
@@ -553,7 +553,7 @@ def linear_dlogits(
     float32), each None when absent (``autograd.linear.HeadOutputs`` records). ``params``: the
     head's parameter record (``inv_temperature``, ``ignore_index``, ``softcap``: the logits are
     soft-capped before the temperature when it is not None). ``tail_ids``: the sorted (N, K) int32 ids
-    of ``autograd.common.sorted_tail_ids`` (columns local to ``weight``), with ``saved.tail_lse`` and
+    of ``autograd.head_family.sorted_tail_ids`` (columns local to ``weight``), with ``saved.tail_lse`` and
     ``grads.tail_lse`` (N,) float32 contiguous: the TAIL variant adds
     g_tail * [j not among the ids] * exp(z_j - tail_lse) (FLATTEN off in it).
     """

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import gemm_meta, grouped_tile, logits_tile, store_window, tma_operands, window_grid, window_tile
+from .building_blocks import gemm_meta, grouped_tile, logits_tile, store_window, tma_operands, window_grid, window_tile
 from .config import BwdTile, KernelConfig
 
 

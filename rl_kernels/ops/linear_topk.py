@@ -4,7 +4,7 @@ never stored.
 
 Selection. Program (pid_m, pid_s) owns rows [pid_m*BLOCK_M, +BLOCK_M) and the vocab columns of its
 top-K split (a whole number of lse chunks, below). It walks the split's BLOCK_N tiles in column
-order (the K-loop GEMM tile of ``common.logits_tile``, fp32 accumulator) and keeps, per row, a
+order (the K-loop GEMM tile of ``building_blocks.logits_tile``, fp32 accumulator) and keeps, per row, a
 candidate list of K (value, id) pairs in registers ((BLOCK_M, KP) tensors, KP = the power of two
 >= K; slots K..KP-1 are pads that never leave) together with the list's worst entry (w_v, w_id).
 The order is (value descending, id ascending): a is better than b when a.v > b.v, or a.v == b.v
@@ -32,7 +32,7 @@ that nothing valid filled keeps the value -inf and an id >= the shard's width) a
 chunk) the (m, s) statistics; ``torch_ops.linear_topk.merge_candidates`` merges the splits.
 
 Variants are ``tl.constexpr`` flags: USE_TMA / FLATTEN (scheduling only), EVEN_V (V is a multiple
-of BLOCK_N), SOFTCAP (z = (c / T) tanh(h . w / c), ``common.soft_cap``), ROW_TEMPERATURE (each
+of BLOCK_N), SOFTCAP (z = (c / T) tanh(h . w / c), ``building_blocks.soft_cap``), ROW_TEMPERATURE (each
 row's own 1 / T).
 """
 from __future__ import annotations
@@ -44,8 +44,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (grouped_tile, log_sum_lse, logits_tile, merge_stats, multiprocessors, row_scales, soft_cap,
-                     softcap_args, tma_operands)
+from .building_blocks import (grouped_tile, log_sum_lse, logits_tile, merge_stats, multiprocessors, row_scales,
+                              soft_cap, softcap_args, tma_operands)
 from .config import KernelConfig
 
 PAD_ID = -2  # the ids of the pad slots K..KP-1 (smaller than every id: never the worst entry)

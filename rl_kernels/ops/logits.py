@@ -37,10 +37,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .._logging import log_once, logger
-from ..label_flag import label_flag as host_flag
-from .common import (among_ids, log_sum_lse, merge_stats, merge_q, multiprocessors, row_temperature_args,
-                     scalar_inv_temperature, stats_entropy)
+from ..core._logging import log_once, logger
+from ..core.label_flag import label_flag as host_flag
+from .building_blocks import (among_ids, log_sum_lse, merge_stats, merge_q, multiprocessors, row_temperature_args,
+                              scalar_inv_temperature, stats_entropy)
 from .config import LogitsConfig
 from .launch import Launcher
 
@@ -452,7 +452,7 @@ def logits_forward(
     second, combine launch does; None = the former except while a CUDA graph is being captured
     (the one-launch path keeps its row counters across calls). Same bits either way.
     ``tail_ids``: None, or (N, K) int32 contiguous ids per row sorted ascending, local to these
-    columns (``autograd.common.sorted_tail_ids``; ids outside [0, V) match no column): then also
+    columns (``autograd.head_family.sorted_tail_ids``; ids outside [0, V) match no column): then also
     ``tail_lse``, the logsumexp of z over the columns outside the row's ids (-inf when there are
     none), and ``tail_log_probs`` = tail_lse - lse (<= 0, formed without rounding either, see
     ``_finalize``), from the same read (the TAIL variant of the kernels; without it the kernels

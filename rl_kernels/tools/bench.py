@@ -2,7 +2,7 @@
 ``python scripts/bench.py [options]``): the fused head against cuBLAS and its peers, on one GPU.
 A module of the package, so an installed wheel has it; it does not import the command line
 (``rl_kernels.tools.cli`` calls :func:`run`, :func:`parse_shapes`, :func:`load_results` and
-:func:`plot`; what both use is in ``rl_kernels.tools._common``).
+:func:`plot`; what both use is in ``rl_kernels.tools.usage``).
 
 Per shape (N tokens x H hidden x V vocab, bf16, h ~ N(0, 1), W ~ N(0, 0.02^2), labels uniform)
 and implementation: forward without grad (log-probs + entropy) and forward+backward (random
@@ -29,7 +29,7 @@ compilation, then the same 8 calls again (warm).
 ``--logits`` benchmarks the from-logits path instead (:func:`run_logits`): bf16 logits N x V
 (~ N(0, 2^2), labels uniform), ours ``logits_stats`` (log-probs + entropy + lse in one call)
 against torch eager (verl's ``logprobs_from_logits`` + ``entropy_from_logits`` on float32 logits,
-``rl_kernels.reference.torch_eager_logits``) and, when importable, flash-attn's Triton cross-entropy
+``rl_kernels.tools.reference.torch_eager_logits``) and, when importable, flash-attn's Triton cross-entropy
 and Liger's cross-entropy (CE only: log-probs without entropy). These are memory-bound, so besides
 ms each row gives the achieved bandwidth: forward N V 2 bytes read / forward time, and backward
 (N V 2 bytes read + N V 2 written) / (fwd+bwd time - forward time), also as a fraction of two
@@ -48,8 +48,8 @@ from collections.abc import Callable
 
 import torch
 
-from rl_kernels.tools._common import DEFAULT_LOGITS_SHAPES, DEFAULT_SHAPES, UsageError, report_written
-from rl_kernels._logging import log_once
+from rl_kernels.tools.usage import DEFAULT_LOGITS_SHAPES, DEFAULT_SHAPES, UsageError, report_written
+from rl_kernels.core._logging import log_once
 
 ERROR_ROWS = 256
 CEILING_BYTES = 4 * 2**30  # bf16 tensor of the bandwidth ceilings
@@ -61,7 +61,7 @@ Impl = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple]
 def implementations(stub_verl: bool = False) -> tuple[dict[str, Impl], dict[str, str]]:
     """(name -> fn(hidden, weight, labels) -> (log_probs, entropy or None)), (name -> why absent)."""
     from rl_kernels import linear_log_probs
-    from rl_kernels.reference import torch_eager
+    from rl_kernels.tools.reference import torch_eager
 
     impls: dict[str, Impl] = {
         "rl_kernels": lambda h, w, y: tuple(linear_log_probs(h, w, y)),
@@ -188,7 +188,7 @@ def _each_impl(impls: dict, measure, progress=None, first=lambda name: {}) -> di
 
 def bench_shape(n: int, h: int, v: int, impls: dict[str, Impl], progress=None) -> dict:
     """Time every implementation on one shape; returns a JSON-ready dict."""
-    from rl_kernels.reference import reference_linear_log_probs
+    from rl_kernels.tools.reference import reference_linear_log_probs
 
     bench = _do_bench
     hidden, weight, labels, g_lp, g_ent = head_inputs(n, h, v, seed=0)
@@ -458,7 +458,7 @@ def logits_implementations() -> tuple[dict[str, LogitsImpl], dict[str, str]]:
     """(name -> fn(logits, labels) -> (log_probs, entropy or None)), (name -> why absent).
     Peers named "(CE only)" compute the cross-entropy alone; their log-probs are -loss."""
     from rl_kernels import logits_stats
-    from rl_kernels.reference import torch_eager_logits
+    from rl_kernels.tools.reference import torch_eager_logits
 
     impls: dict[str, LogitsImpl] = {
         "rl_kernels": lambda x, y: tuple(logits_stats(x, y))[:2],
@@ -525,7 +525,7 @@ def _bandwidths(rec: dict, n: int, v: int, ceilings: dict) -> None:
 def bench_logits_shape(n: int, v: int, impls: dict[str, LogitsImpl], ceilings: dict,
                        progress=None) -> dict:
     """Time every from-logits implementation on bf16 logits (n, v); returns a JSON-ready dict."""
-    from rl_kernels.reference import reference_logits_stats
+    from rl_kernels.tools.reference import reference_logits_stats
 
     g = torch.Generator(device="cuda").manual_seed(0)
     logits = torch.empty(n, v, dtype=torch.bfloat16, device="cuda")

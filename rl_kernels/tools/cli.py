@@ -19,7 +19,7 @@ import traceback
 
 import torch
 
-from ._common import DEFAULT_LOGITS_SHAPES, DEFAULT_SHAPES, VARYING_N_SHAPE, UsageError, report_written  # noqa: F401
+from .usage import DEFAULT_LOGITS_SHAPES, DEFAULT_SHAPES, VARYING_N_SHAPE, UsageError, report_written  # noqa: F401
 
 # argparse prints these as they are: plain text, no reStructuredText markup
 DESCRIPTION = """\

@@ -35,7 +35,7 @@ Internals (for sweeps, A/Bs and instruction counts):
   * :func:`head_params`, :func:`logits_params`, :func:`saved_and_grads`: the records a launcher takes;
     ``LogitsStatsFunction`` (the from-logits autograd Function), ``check_label_values`` (the label check);
   * the float64 oracles ``reference_linear_log_probs``, ``reference_linear_grads``, ``rel_err``
-    (``rl_kernels.reference``) and ``linear_log_probs_at_ids`` (what the verl integration's fused
+    (``rl_kernels.tools.reference``) and ``linear_log_probs_at_ids`` (what the verl integration's fused
     distillation calls).
 
 verl, as the GPU machine has it (no Ray / tensordict stack: a full import fails there):
@@ -60,10 +60,10 @@ import torch
 from rl_kernels.autograd import backward_schedule
 from rl_kernels.autograd.logits import LogitsStatsFunction
 from rl_kernels.distill import linear_log_probs_at_ids
-from rl_kernels.reference import reference_linear_grads, reference_linear_log_probs, rel_err
-from rl_kernels.tools._common import report_written
+from rl_kernels.tools.reference import reference_linear_grads, reference_linear_log_probs, rel_err
+from rl_kernels.tools.usage import report_written
 from rl_kernels.tools.bench import head_inputs, peak_extra_gib
-from rl_kernels.validation import check_label_values
+from rl_kernels.core.validation import check_label_values
 
 __all__ = [  # this surface (the module docstring), and ops and topk_ops (imported on first use: they need Triton)
     "parser", "positive_int", "shape_type", "start", "require_cuda", "header", "device_line", "write_json",
@@ -417,7 +417,7 @@ def head_params(device, return_entropy: bool = True):
     """The fused head's parameter record for a direct launcher call: T = 1, ignore_index -100,
     the Triton backend (the launchers read the record's values, not its backend)."""
     from rl_kernels.autograd.linear import HeadParams
-    from rl_kernels.backends import get_backend
+    from rl_kernels.core.backends import get_backend
 
     return HeadParams(backend=get_backend("triton", device), inv_temperature=1.0, ignore_index=-100,
                       return_entropy=return_entropy)
@@ -426,7 +426,7 @@ def head_params(device, return_entropy: bool = True):
 def logits_params(device, return_entropy: bool = True, name: str = "diag"):
     """The from-logits parameter record for a direct launcher call (T = 1, ignore_index -100)."""
     from rl_kernels.autograd.logits import LogitsParams
-    from rl_kernels.backends import get_backend
+    from rl_kernels.core.backends import get_backend
 
     return LogitsParams(backend=get_backend("triton", device), inv_temperature=1.0, ignore_index=-100,
                         return_entropy=return_entropy, name=name)

@@ -17,12 +17,12 @@ from collections.abc import Callable
 
 import torch
 
+from ..core.backends import interpreting, triton_available
+from ..core.validation import check_labels, check_logits, check_temperature
 from ..linear import linear_log_probs
-from ..validation import check_labels, check_logits, check_temperature
 from ..logits import logits_stats
-from ..backends import interpreting, triton_available
-from ..reference import reference_linear_log_probs, reference_logits_stats, torch_eager, torch_eager_logits
 from ..samples import LogitsSample, Sample
+from .reference import reference_linear_log_probs, reference_logits_stats, torch_eager, torch_eager_logits
 
 # PASS needs max |error| <= atol (log-probs and entropy). Ours keep fp32 logits and land below
 # 5e-5 on bf16 inputs; backends that round logits to bf16 land at ~7e-3 and fail, as they should.
@@ -108,9 +108,9 @@ def _ours_logits_triton(two_level: bool) -> LogitsBackend:
     the public API's checks (a label out of range must not reach the kernel)."""
     def run(s: LogitsSample):
         from .. import ops
-        from ..autograd.common import split_temperature
+        from ..autograd.head_family import split_temperature
         from ..autograd.logits import LogitsParams
-        from ..backends import get_backend
+        from ..core.backends import get_backend
 
         check_logits(s.logits)
         # a number: 1 / T; a per-row tensor: its (N,) float32 1 / T (values checked), as logits_stats

@@ -28,7 +28,7 @@ def capped_logits(raw: torch.Tensor, inv_temperature, softcap: float | None):
     """(z, tanh) of the raw logits h . w (``inv_temperature``: a float or a column of
     :func:`per_row`): z = raw * inv_temperature, or with ``softcap`` c
     z = c tanh(raw / c) * inv_temperature (tanh returned for the backward's 1 - tanh^2; None
-    without a cap). An infinite raw logit gives NaN under the cap (as ``ops.common.soft_cap``):
+    without a cap). An infinite raw logit gives NaN under the cap (as ``ops.building_blocks.soft_cap``):
     a non-finite hidden row stays non-finite."""
     if softcap is None:
         return raw * inv_temperature, None
@@ -99,7 +99,7 @@ def torch_forward(
 def among(ids: torch.Tensor, col_start: int, width: int) -> torch.Tensor:
     """(rows, width) bool: True at column j where col_start + j is one of the row's ``ids`` (rows, K)
     (ids outside the columns never match): the tail-aware top-K KL's exclusion mask
-    (``ops.common.among_ids``' twin)."""
+    (``ops.building_blocks.among_ids``' twin)."""
     local = ids.long() - col_start
     inside = (local >= 0) & (local < width)
     mask = torch.zeros(ids.shape[0], width + 1, dtype=torch.bool, device=ids.device)

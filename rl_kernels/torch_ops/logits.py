@@ -14,7 +14,7 @@ CHUNK_ELEMENTS = 1 << 26
 
 def excluded_columns(tail_ids, v: int) -> torch.Tensor:
     """(R, v) bool: True at the columns among each row's ``tail_ids`` (R, K) (ids outside [0, v)
-    match no column), the twin of ``ops.common.among_ids``."""
+    match no column), the twin of ``ops.building_blocks.among_ids``."""
     safe = torch.where((tail_ids >= 0) & (tail_ids < v), tail_ids, v).long()
     hit = torch.zeros((tail_ids.shape[0], v + 1), dtype=torch.bool, device=tail_ids.device)
     return hit.scatter_(1, safe, True)[:, :v]

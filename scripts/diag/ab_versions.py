@@ -103,7 +103,7 @@ def topk_cases(n, v, k):
     """The top-K from-logits functions: ``topk_log_probs_from_logits`` and ``topk_kl_from_logits``
     (a mask, so that ignored rows are marked) forward+backward, bf16 logits, K teacher ids per row
     with duplicates. (No compiled route here: A's custom ops of the same names would replace B's;
-    tests/test_gpu_compile.py compares compiled and eager.)"""
+    tests/gpu/test_gpu_compile.py compares compiled and eager.)"""
     g = torch.Generator(device="cuda").manual_seed(n + 2)
     x = (2 * torch.randn(n, v, device="cuda", generator=g)).bfloat16()
     ids = torch.randint(0, v, (n, k), device="cuda", generator=g)

@@ -103,7 +103,7 @@ def loss_rows(args, head) -> int:
     from rl_kernels.tools.verl_kernels import import_verl_modules
 
     head["verl"] = import_verl_modules(stub=True)  # the integration's package patches verl on import
-    from rl_kernels.integrations.verl_impl import common
+    from rl_kernels.integrations.verl_impl import patch_state
     n, rep = args.n, args.rep
     hidden, weight, labels, g_lp, g_ent = head_inputs(n, args.hidden, args.vocab)
     hx, wx = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
@@ -119,10 +119,11 @@ def loss_rows(args, head) -> int:
     def selected(mask):  # fused_log_probs_entropy's loss_rows_only path, as shipped
         def f():
             hx.grad = wx.grad = None
-            index = common.loss_row_index(mask, labels)
-            h, y = (common.select_rows(t, index, labels.numel()).unsqueeze(0) for t in (hx, labels))
+            index = patch_state.loss_row_index(mask, labels)
+            h, y = (patch_state.select_rows(t, index, labels.numel()).unsqueeze(0) for t in (hx, labels))
             out = rl_kernels.linear_log_probs(h, wx, y)
-            lp, ent = (common.scatter_rows(t.reshape(-1), index, labels.shape) for t in (out.log_probs, out.entropy))
+            lp, ent = (patch_state.scatter_rows(t.reshape(-1), index, labels.shape)
+                       for t in (out.log_probs, out.entropy))
             torch.autograd.backward([lp, ent], [g_lp, g_ent])
             return lp, ent
         return f

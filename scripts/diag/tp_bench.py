@@ -4,7 +4,7 @@ torchrun --nproc_per_node=2 scripts/diag/tp_bench.py [N,H,V] [--iters K]   (defa
 TP_BACKEND=gloo torchrun --nproc_per_node=2 ... on a one-GPU machine: both ranks share the GPU
 (gloo moves the gathered rows through the host): the correctness checks only, no timing.
 torchrun --nproc_per_node=2 scripts/diag/tp_bench.py 64,32,101 --cpu --iters 3: the same code on
-the CPU (gloo, the torch backend), timing included; tests/test_diag_timing.py runs it.
+the CPU (gloo, the torch backend), timing included; tests/scripts/test_diag_timing.py runs it.
 
 Each rank holds half of the vocabulary (uneven when V is odd); hidden states are replicated.
 Checks: log-probs / entropy identical bits on every rank and equal (to float32 rounding) to the
@@ -188,5 +188,5 @@ if rank == 0:
 dist.barrier()
 # The normal exit, on the CPU too: the SIGABRT at rank 1's exit that an os._exit(0) here used to hide
 # (a gloo worker thread freeing a collective's tensors during finalization) is fixed at its cause,
-# autograd.vocab_parallel.collective (issue 35; tests/test_exit_clean.py).
+# autograd.vocab_parallel.collective (issue 35; tests/autograd/test_exit_clean.py).
 dist.destroy_process_group()

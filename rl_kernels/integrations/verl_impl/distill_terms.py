@@ -5,7 +5,7 @@ both engines and both fused heads): the per-token forward-KL terms of ``forward_
 arXiv:2604.13016) and the padding rows' ids of the tail mode (:func:`distinct_on_padding`).
 
 Tensors in, tensors out: this module imports no verl and no engine code of the integration, so
-that each path (:mod:`.distill` for the logits paths and the FSDP fused head, :mod:`.megatron`'s
+that each path (:mod:`.distill_losses` for the logits paths and the FSDP fused head, :mod:`.megatron`'s
 fused head) computes the same terms from its own layout.
 """
 from __future__ import annotations

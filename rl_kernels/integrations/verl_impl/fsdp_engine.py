@@ -2,7 +2,7 @@
 its three methods that a fused micro-batch passes through is wrapped once, here.
 
 * ``forward_step`` (:func:`_forward_step`): puts one fresh step request in force per micro-batch
-  (:func:`~.common.new_step`) with what it asks of the head, read from its non-tensor data by
+  (:func:`~.patch_state.new_step`) with what it asks of the head, read from its non-tensor data by
   :func:`asks`, the one place where the supported combinations are decided: ``entropy`` (verl's
   ``calculate_entropy``), ``sum_pi_squared`` (Σπ² on the fused path, which verl refuses there),
   top-K distillation (the micro-batch with the teacher's tensors and the loss function that
@@ -32,12 +32,12 @@ import types
 
 import torch
 
-from ..._logging import log_once
+from ...core._logging import log_once
 from . import settings
-from .common import (VerlIntegrationError, check_loss_rows_audit, count, loss_mask_by_token, micro_batch_with,
-                     new_step, refuse_loss_rows, set_attr, step_request, with_step)
-from .distill import FUSED_PART as DISTILLATION_PART
-from .distill import OVERLAP_KEYS, fused_distillation_entry
+from .patch_state import (VerlIntegrationError, check_loss_rows_audit, count, loss_mask_by_token, micro_batch_with,
+                          new_step, refuse_loss_rows, set_attr, step_request, with_step)
+from .distill_losses import FUSED_PART as DISTILLATION_PART
+from .distill_losses import OVERLAP_KEYS, fused_distillation_entry
 from .schema import refused_together
 
 ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
@@ -83,7 +83,7 @@ def asks(engine, micro_batch, loss_function) -> dict:
       ``fused_linear_aux`` only with remove-padding);
     * ``loss_rows_only``: the option, on the fused path of a model rl-kernels serves (elsewhere one
       WARNING: every row computed); refused for the losses outside its audit
-      (:func:`~.common.check_loss_rows_audit`).
+      (:func:`~.patch_state.check_loss_rows_audit`).
 
     Combinations are served or refused by the one table of :func:`~.schema.refused_together`
     (the message names both features; Σπ² with top-K on the fused path, ``loss_rows_only`` with
@@ -192,7 +192,7 @@ def lay_out_inputs(original, engine, micro_batch):
     step request's ``inputs['loss_rows']`` (bool, the labels' rows of this rank) under
     ``loss_rows_only``. Both come from ONE more call of verl's method on a copy of the micro-batch
     with ``use_fused_kernels`` off (its logits-path per-token temperature) and, under
-    ``loss_rows_only``, :func:`~.common.loss_mask_by_token` as its ``input_ids`` (whose rolled labels,
+    ``loss_rows_only``, :func:`~.patch_state.loss_mask_by_token` as its ``input_ids`` (whose rolled labels,
     ``input_ids_rmpad_rolled``, are then the loss mask of each label row; pads 0).
     VerlIntegrationError for ``loss_rows_only`` without remove-padding."""
     step = step_request.get()
@@ -328,7 +328,7 @@ def patch_engine() -> dict[str, tuple[bool, str]]:
     """Wrap the FSDP engine's three methods (each where this verl has it with its :data:`PARAMETERS`)
     and return the report entries of what they serve: Σπ² on the fused path (where verl's actor config
     has ``calculate_sum_pi_squared``), the per-sample temperature, top-K distillation on the fused
-    path (:func:`~.distill.fused_distillation_entry`: where this verl has distillation and its
+    path (:func:`~.distill_losses.fused_distillation_entry`: where this verl has distillation and its
     engine reads ``fused_linear_aux``)."""
     try:
         import verl.workers.engine.fsdp.transformer_impl as fsdp_impl

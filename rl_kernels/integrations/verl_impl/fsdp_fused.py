@@ -23,16 +23,16 @@ import logging
 
 import torch
 
-from ..._logging import log_once, logger
+from ...core._logging import log_once, logger
 from ...linear import linear_log_probs
-from ...validation import check_temperature, row_inv_temperature
+from ...core.validation import check_temperature, row_inv_temperature
 from . import settings
 from ..lm_heads import HeadTransform, head_transform
-from .common import (StepField, VerlIntegrationError, count, entropy_on_request, entropy_placeholder,
-                     entropy_wanted, left_to_verl, log_head_precision, loss_row_index, outside_kernels, record,
-                     scatter_rows, select_rows, set_attr, step_request)
-from .distill import serve_fused_topk
-from .label_check import refuse_rolled_shard_labels
+from .patch_state import (StepField, VerlIntegrationError, count, entropy_on_request, entropy_placeholder,
+                          entropy_wanted, left_to_verl, log_head_precision, loss_row_index, outside_kernels, record,
+                          scatter_rows, select_rows, set_attr, step_request)
+from .distill_losses import serve_fused_topk
+from .ulysses_labels import refuse_rolled_shard_labels
 from .schema import BACKEND_NAME, names_rl_kernels
 from .signatures import verl_features
 
@@ -177,7 +177,7 @@ def fused_log_probs_entropy(hidden_states: torch.Tensor, weight: torch.Tensor, l
     :class:`~rl_kernels.integrations.lm_heads.HeadTransform` of the model whose forward runs.
     The entropy is a NaN placeholder when verl's ``calculate_entropy`` did not ask for it. While
     the FSDP engine's step asks for Σπ² (:func:`~.fsdp_engine.asks`), it is computed
-    too and delivered to the step request (:meth:`~.common.StepRequest.deliver`). Under
+    too and delivered to the step request (:meth:`~.patch_state.StepRequest.deliver`). Under
     ``loss_rows_only`` (the request's ``inputs['loss_rows']``) the head runs on the loss rows alone
     and every output goes back to the labels' shape, 0 (and no gradient) elsewhere.
     Raises ValueError / TypeError as :func:`rl_kernels.linear_log_probs`, and VerlIntegrationError when
@@ -246,7 +246,7 @@ def micro_batch_flag(arguments) -> bool:
 
 
 def wrap_entropy_requests(dp_actor) -> str:
-    """Install :func:`~.common.entropy_on_request` where this verl decides
+    """Install :func:`~.patch_state.entropy_on_request` where this verl decides
     ``calculate_entropy`` (the FSDP engine's ``forward_step``; ``dp_actor``, verl 0.7.x's
     ``verl.workers.actor.dp_actor`` module or None, its ``_forward_micro_batch``); returns what
     was wrapped (for the report) or why nothing was."""

@@ -21,10 +21,10 @@ from __future__ import annotations
 import functools
 import sys
 
-from .common import VerlIntegrationError, set_attr, verl_version
-from .label_check import refuse_rolled_shard_labels
-from .logits import SUM_PI_SQUARED_FUNCTION, calculate_sum_pi_squared_from_logits, entropy_from_logits
-from .logits import entropy_from_logits_with_chunking
+from .patch_state import VerlIntegrationError, set_attr, verl_version
+from .ulysses_labels import refuse_rolled_shard_labels
+from .logits_path import SUM_PI_SQUARED_FUNCTION, calculate_sum_pi_squared_from_logits, entropy_from_logits
+from .logits_path import entropy_from_logits_with_chunking
 from .settings import config_value
 from .signatures import DP_ACTOR_MODULE, check_verl_signature
 
@@ -42,7 +42,7 @@ def wrap_dp_actor(dp_actor, logits_path: bool, sum_pi_squared: bool) -> str:
     """Wrap ``DataParallelPPOActor.__init__`` (``dp_actor``: verl 0.7.x's ``verl.workers.actor.dp_actor``
     module): the compiled from-logits caches it builds (after verl imported ``external_lib``) are
     replaced by rl-kernels' functions, and fused kernels with Ulysses SP are refused at
-    construction (see :mod:`.label_check`). Returns the report text."""
+    construction (see :mod:`.ulysses_labels`). Returns the report text."""
     cls = dp_actor.DataParallelPPOActor
     original = cls.__init__
     check_verl_signature("DataParallelPPOActor.__init__", original)

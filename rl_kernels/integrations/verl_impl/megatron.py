@@ -20,13 +20,13 @@ imports these by name from ``verl.utils.megatron.tensor_parallel``; the logits a
 
 Under ``loss_rows_only`` the model's output layer ran on the loss rows only and the logits are 0
 elsewhere (:func:`.megatron_step.select_hidden_rows`): each function computes the loss rows and
-returns 0 elsewhere (:func:`~.logits.on_loss_rows`).
+returns 0 elsewhere (:func:`~.logits_path.on_loss_rows`).
 
 float32 outputs of shape ``logits.shape[:-1]``, differentiable, and none of them writes into the
 logits (verl's Megatron cross-entropy does, which is why verl clones the logits first; that
 clone stays verl's). Logits outside rl-kernels' kernels (float64, integer, empty, ...), labels in no
 vocabulary shard (-100 included) or of another shape, and chunked-entropy logits of fewer than 3
-dims go to verl's own function (:func:`~.common.verl_fallback`).
+dims go to verl's own function (:func:`~.patch_state.verl_fallback`).
 
 **Fused path** (``use_fused_kernels=True``): ``fused_output_processor`` / ``_fused_GPTModel_forward``
 (``verl.models.mcore.model_forward_fused``) and the 1F1B-overlap postprocess
@@ -71,7 +71,7 @@ so that its output tensor carries ``_rl_kernels_dh_summed = True`` (and the grou
 backward reduce-scatters (``tensor_parallel_output_grad=True``, the default); the wrapper
 changes nothing else. :func:`linear_cross_entropy` uses
 ``reduce_hidden_grad = not getattr(hidden, "_rl_kernels_dh_summed", False)``.
-``tests/test_verl_megatron.py`` checks both cases through verl's own ``fused_output_processor``
+``tests/verl/test_verl_megatron.py`` checks both cases through verl's own ``fused_output_processor``
 (each rank's dh equals the unsharded float64 gradient, or its rows of it).
 
 Skipped, with an INFO line, when ``megatron.core`` is not importable, and not applied (the report
@@ -91,14 +91,14 @@ import torch
 
 import rl_kernels
 
-from ..._logging import log_once, logger
+from ...core._logging import log_once, logger
 from . import megatron_step, settings
-from .common import (VerlIntegrationError, check_chunk_size, check_signature, count, entropy_placeholder,
-                     entropy_wanted, log_head_precision, loss_row_index, outside_labels, record, replace_by_name,
-                     scatter_rows, select_rows, set_attr, verl_fallback, verl_version)
-from .distill import MEGATRON_MODULE as MEGATRON_DISTILLATION_MODULE
-from .distill import NOT_IN_THIS_VERL
-from .logits import capture_logits, on_loss_rows
+from .patch_state import (VerlIntegrationError, check_chunk_size, check_signature, count, entropy_placeholder,
+                          entropy_wanted, log_head_precision, loss_row_index, outside_labels, record, replace_by_name,
+                          scatter_rows, select_rows, set_attr, verl_fallback, verl_version)
+from .distill_losses import MEGATRON_MODULE as MEGATRON_DISTILLATION_MODULE
+from .distill_losses import NOT_IN_THIS_VERL
+from .logits_path import capture_logits, on_loss_rows
 from .megatron_step import ENGINE, head_inputs, serve_megatron_topk
 from .settings import options
 from .signatures import has_module
@@ -140,7 +140,7 @@ def _shard_kwargs(logits) -> dict:
 
 def _capture(function: str, logits, kwargs: dict, labels=None, log_probs=None, entropy=None) -> None:
     """The anomaly capture on a Megatron logits-path call: the anomalous rows gathered over the TP
-    group (the whole vocabulary), written by the group's rank 0 (:func:`~.logits.capture_logits`)."""
+    group (the whole vocabulary), written by the group's rank 0 (:func:`~.logits_path.capture_logits`)."""
     capture_logits(f"{function} (Megatron logits path)", logits, labels, log_probs=log_probs, entropy=entropy,
                    process_group=kwargs.get("process_group"))
 
@@ -152,7 +152,7 @@ def _rows(t) -> int:
 # ----------------------------------------------------------------------------- logits path
 def _vocab_parallel_log_probs_domain(arguments) -> str | None:
     """Calls of ``vocab_parallel_log_probs_from_logits`` that go to verl's own function (the
-    differential probe): labels of :func:`~.common.outside_labels` against the whole vocabulary
+    differential probe): labels of :func:`~.patch_state.outside_labels` against the whole vocabulary
     (this shard's size times the TP size: a label in no shard, -100 included, gets Megatron's
     -logsumexp there; labels verl's broadcasts). Every rank of the TP group holds the same labels
     and logits shapes, so all ranks decide alike (no rank left in a collective alone)."""
@@ -261,7 +261,7 @@ def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="non
     rows of the laid-out loss mask alone (every TP rank selects the same rows, so the TP
     collectives stay matched, also with 0 rows) and every output is scattered back (0 and no
     gradient outside, counted as ``loss_rows_skipped_tokens``). It delivers its log-probs and those
-    per-row outputs to the step (:meth:`~.common.StepRequest.deliver`), where verl's
+    per-row outputs to the step (:meth:`~.patch_state.StepRequest.deliver`), where verl's
     ``postprocess_thd_engine`` lays them out.
     """
     if reduction != "none":

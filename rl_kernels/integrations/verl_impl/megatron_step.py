@@ -3,12 +3,12 @@
 rl-kernels' fused head on verl's Megatron engine is :func:`.megatron.linear_cross_entropy` (it
 replaces verl's ``linear_cross_entropy`` where ``model_forward_fused`` calls it). What a micro-batch
 asks of it beyond verl's log-probs and entropy (Σπ², top-K distillation, a per-sample temperature,
-the loss rows only) lives in the micro-batch's :class:`~.common.StepRequest`, built in ONE place,
+the loss rows only) lives in the micro-batch's :class:`~.patch_state.StepRequest`, built in ONE place,
 :func:`step_for` (which also decides the supported combinations), and carried through verl's code
 by five wrappers, one per verl target, installed together by :func:`install`:
 
 1. ``MegatronEngineWithLMHead.forward_step`` (:func:`_forward_step`): puts a fresh step request in
-   force per micro-batch (:func:`~.common.new_step` with the fields of :func:`step_for`: ``engine``,
+   force per micro-batch (:func:`~.patch_state.new_step` with the fields of :func:`step_for`: ``engine``,
    ``sum_pi_squared``, ``distillation``; and in ``inputs['by_token']`` the per-token tensors to lay
    out, in verl's ``input_ids`` layout: the teacher's top-K log-probs / ids and their token rows,
    the loss-row mask of ``loss_rows_only``). Lifts verl's Σπ² refusal (verl's method runs on a copy
@@ -28,13 +28,13 @@ by five wrappers, one per verl target, installed together by :func:`install`:
    unrolled (a token's value goes with its own row, as its hidden state; the temperature pads 1),
    the loss-row mask rolled like the labels (pads 0).
 4. ``model_forward_fused.postprocess_thd_engine`` (:func:`_laying_out_outputs`): called on the log-probs
-   the head delivered to the step (:meth:`~.common.StepRequest.deliver`), it lays out every other
+   the head delivered to the step (:meth:`~.patch_state.StepRequest.deliver`), it lays out every other
    per-row output delivered with them (Σπ², the distillation terms) with the same arguments into
    ``step.outputs['laid_out']``.
 5. the engine fused-forward factory ``verl.models.mcore.get_mcore_forward_fused_model_engine_fn``
    (and verl 0.7.x's ``get_mcore_forward_fused_no_padding_fn`` where it exists, a second name;
    :func:`_fused_forward_factory`): the forward it returns runs under
-   :func:`~.common.entropy_on_request` with its ``calculate_entropy``, and raises when a per-sample
+   :func:`~.patch_state.entropy_on_request` with its ``calculate_entropy``, and raises when a per-sample
    temperature was asked and the model's last stage computed its log-probs without rl-kernels'
    head (never verl's stand-in 1.0 silently).
 
@@ -45,7 +45,7 @@ rl-kernels' (:mod:`.megatron`), compute those rows.
 
 The head reads the step through :func:`head_inputs` (the laid-out inputs for its labels; a
 per-sample temperature that was not laid out raises there) and serves top-K distillation with
-:func:`serve_megatron_topk`. verl's distillation math (:mod:`.distill_terms`, :mod:`.distill`) is
+:func:`serve_megatron_topk`. verl's distillation math (:mod:`.distill_terms`, :mod:`.distill_losses`) is
 imported from here; nothing here imports :mod:`.megatron` (which imports this module).
 """
 from __future__ import annotations
@@ -59,13 +59,13 @@ from typing import NamedTuple
 
 import torch
 
-from ..._logging import log_once
+from ...core._logging import log_once
 from ...distill import linear_log_probs_at_ids
-from .common import (VerlIntegrationError, check_loss_rows_audit, count, entropy_on_request, loss_mask_by_token,
-                     new_step, record, refuse_loss_rows, replace_by_name, set_attr, step_request)
-from .distill import (_OVERLAP, MEGATRON_ENGINE_CLASS, MEGATRON_ENGINE_MODULE, MEGATRON_FUSED_MODULE,
-                      MEGATRON_FUSED_PART, MEGATRON_MODULE, NOT_IN_THIS_VERL, STEP_PARAMETERS, _flag, _loss_config,
-                      _token_rows, fused_overlap_metrics)
+from .patch_state import (VerlIntegrationError, check_loss_rows_audit, count, entropy_on_request, loss_mask_by_token,
+                          new_step, record, refuse_loss_rows, replace_by_name, set_attr, step_request)
+from .distill_losses import (_OVERLAP, MEGATRON_ENGINE_CLASS, MEGATRON_ENGINE_MODULE, MEGATRON_FUSED_MODULE,
+                             MEGATRON_FUSED_PART, MEGATRON_MODULE, NOT_IN_THIS_VERL, STEP_PARAMETERS, _flag,
+                             _loss_config, _token_rows, fused_overlap_metrics)
 from .distill_terms import distinct_on_padding, tail_terms, topk_terms
 from .modes import TAIL_MODE, is_tail_mode
 from .schema import refused_together
@@ -103,7 +103,7 @@ class Served(NamedTuple):
 # ----------------------------------------------------------------------------- the step request
 def step_for(batch, loss_function, fused: bool, served: Served, engine=None) -> tuple[dict, dict]:
     """The step request of one Megatron engine micro-batch: ``(fields, by_token)``, the
-    :class:`~.common.StepRequest` fields to put in force and the per-token tensors
+    :class:`~.patch_state.StepRequest` fields to put in force and the per-token tensors
     (``name -> (nested tensor in the input_ids layout, rolled like the labels?)``) that
     :func:`_laying_out_inputs` lays out for the head. The one place where the combinations are
     decided; on the fused path (``use_fused_kernels``):
@@ -122,8 +122,8 @@ def step_for(batch, loss_function, fused: bool, served: Served, engine=None) -> 
     everything; the request then only carries ``loss_rows_only`` (the model's output layer runs on
     the loss rows: :func:`select_hidden_rows`), refused with MTP training (a second output-layer call on other rows) and the
     padded layout (``use_remove_padding=False``), each naming the option. ``loss_rows_only``
-    refuses the losses (:func:`~.common.check_loss_rows_audit`) and micro-batches
-    (:func:`~.common.loss_mask_by_token`) the audit of docs/verl.md does not cover."""
+    refuses the losses (:func:`~.patch_state.check_loss_rows_audit`) and micro-batches
+    (:func:`~.patch_state.loss_mask_by_token`) the audit of docs/verl.md does not cover."""
     fields = {"engine": None, "sum_pi_squared": False, "distillation": None, "loss_rows_only": False}
     by_token = {}
     topk = bool(_flag(batch, "distillation_use_topk"))
@@ -308,7 +308,7 @@ def _laying_out_outputs(postprocess):
 
 def _fused_forward_factory(factory):
     """verl's engine fused-forward factory (wrapper 5 of the module docstring): the forward it
-    returns (where it takes ``calculate_entropy``) runs under :func:`~.common.entropy_on_request`
+    returns (where it takes ``calculate_entropy``) runs under :func:`~.patch_state.entropy_on_request`
     and checks that a per-sample temperature of the step reached rl-kernels' head."""
     @functools.wraps(factory)
     def fused_forward_factory(*args, **kwargs):
@@ -462,7 +462,7 @@ def serve_megatron_topk(loss_config, teacher_log_probs, teacher_ids, teacher_row
     :func:`~.distill_terms.topk_terms` with ``clamp_masses``, or :func:`~.distill_terms.tail_terms`
     for ``forward_kl_topk_tail``, per ``loss_config``) from the student's log-probs at the teacher's
     ids (and its tail log-mass), and verl's overlap metrics unless the option ``overlap_metrics`` is
-    off (:func:`~.distill.fused_overlap_metrics`: :func:`rl_kernels.linear_topk` over the TP group,
+    off (:func:`~.distill_losses.fused_overlap_metrics`: :func:`rl_kernels.linear_topk` over the TP group,
     one more pass over the head): one :func:`rl_kernels.distill.linear_log_probs_at_ids` call, or,
     for the entropy on a vocab shard (not implemented with gathered logits), ``linear_log_probs``
     and a second pass for the ids. No N x V tensor."""

@@ -8,7 +8,7 @@ distributions of the teacher's top-K ids plus one tail bucket holding the rest o
 
 non-negative by construction, so verl's ``forward_kl_topk`` clamp at 0 is not applied. The
 per-token terms come from rl-kernels' replacement of verl's ``compute_forward_kl_topk`` (logits
-paths, FSDP and Megatron) or from rl-kernels' fused heads (:mod:`rl_kernels.integrations.verl_impl.distill`):
+paths, FSDP and Megatron) or from rl-kernels' fused heads (:mod:`rl_kernels.integrations.verl_impl.distill_losses`):
 the student's log-probs at the teacher's ids and ``log q_tail``, the student's log-mass outside them,
 computed directly (no ``1 - Q`` cancellation) by :func:`rl_kernels.topk_log_probs_from_logits` /
 :func:`rl_kernels.distill.linear_log_probs_at_ids` with ``return_tail=True``, and the KL by

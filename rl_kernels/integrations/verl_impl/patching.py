@@ -12,12 +12,12 @@ import importlib
 import logging
 import sys
 
-from ..._logging import log_once, logger
+from ...core._logging import log_once, logger
 from . import settings
-from .common import VerlIntegrationError, restore, set_attr, verl_version
-from .distill import FSDP_PART as DISTILLATION_FSDP
-from .distill import MEGATRON_PART as DISTILLATION_MEGATRON
-from .distill import TAIL_PART, patch_distillation, tail_entry
+from .patch_state import VerlIntegrationError, restore, set_attr, verl_version
+from .distill_losses import FSDP_PART as DISTILLATION_FSDP
+from .distill_losses import MEGATRON_PART as DISTILLATION_MEGATRON
+from .distill_losses import TAIL_PART, patch_distillation, tail_entry
 from .fsdp_engine import PER_SAMPLE_TEMPERATURE_PART as PER_SAMPLE_TEMPERATURE
 from .fsdp_engine import SUM_PI_SQUARED_PART as FUSED_SUM_PI_SQUARED_PART
 from .fsdp_engine import patch_engine as patch_fsdp_engine
@@ -25,8 +25,8 @@ from .fsdp_engine import unpatch_engine as unpatch_fsdp_engine
 from .fsdp_fused import patch_fused_path
 from .hooks import (registry_classmethod, wrap_dp_actor, wrap_engine_new, wrap_legacy_workers,
                     wrap_model_config)
-from .logits import (LOGITS_FUNCTIONS, REPLACEMENTS, SUM_PI_SQUARED_FUNCTION, patch_logits_path,
-                     patch_sum_pi_squared)
+from .logits_path import (LOGITS_FUNCTIONS, REPLACEMENTS, SUM_PI_SQUARED_FUNCTION, patch_logits_path,
+                          patch_sum_pi_squared)
 from .megatron import patch as patch_megatron
 from .megatron_step import DISTILLATION_PART as DISTILLATION_MEGATRON_FUSED
 from .megatron_step import TEMPERATURE_PART as MEGATRON_PER_SAMPLE_TEMPERATURE

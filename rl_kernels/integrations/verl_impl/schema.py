@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 
-from ...backends import BACKENDS
-from ...validation import check_bool_arg, check_choice, check_float_arg, check_int_arg, check_path_arg
+from ...core.backends import BACKENDS
+from ...core.validation import check_bool_arg, check_choice, check_float_arg, check_int_arg, check_path_arg
 from ..anomaly import AnomalyCapture
 
 BACKEND_NAME = "rl_kernels"

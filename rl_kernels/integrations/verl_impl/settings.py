@@ -13,9 +13,9 @@ import dataclasses
 import os
 import threading
 
-from ..._logging import logger
+from ...core._logging import logger
 from ..anomaly import AnomalyCapture
-from .common import verl_version
+from .patch_state import verl_version
 from .schema import BACKEND_NAME, VerlOptions, validated_options
 
 PATCH_TIME_OPTIONS = ("patch_logits_path", "patch_megatron_fused")

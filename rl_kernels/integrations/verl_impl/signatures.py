@@ -2,7 +2,7 @@
 
 * :data:`SIGNATURES`: every verl function the FSDP patches replace or wrap, with the parameter
   lists rl-kernels handles (one per variant met in a verl release). :func:`check_verl_signature`
-  raises :class:`~.common.VerlIntegrationError` naming the function, the accepted and the
+  raises :class:`~.patch_state.VerlIntegrationError` naming the function, the accepted and the
   found parameters when the installed verl has none of them; the patch then rolls back.
 * :func:`verl_features`: the optional parts of verl the patches serve where they exist (verl 0.7.x's
   legacy ``DataParallelPPOActor``; ``impl_backend`` on ``FusedLinearForPPO``; the Megatron
@@ -17,9 +17,9 @@ import functools
 import importlib.util
 from typing import NamedTuple
 
-# .common first: without verl its import raises the ImportError naming verl, not packaging's
-from .common import VerlIntegrationError, check_signature, verl_version  # isort: skip
-from packaging.version import InvalidVersion, Version  # noqa: E402 - after .common
+# .patch_state first: without verl its import raises the ImportError naming verl, not packaging's
+from .patch_state import VerlIntegrationError, check_signature, verl_version  # isort: skip
+from packaging.version import InvalidVersion, Version  # noqa: E402 - after .patch_state
 
 MIN_VERL = Version("0.7.0")
 """The oldest verl the patches handle (its ``external_lib`` hook, fused forwards and engines)."""
