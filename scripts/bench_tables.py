@@ -474,9 +474,13 @@ def render_distill_tail(results, name):
 
 
 def render_readme_gain(results, peers_liger, peers_all, varying_warm, model_rerun, model_7b, model_8b, distill,
-                       loss_rows):
+                       loss_rows, bias):
     cute = results.json(peers_liger)
     big = next(s for s in cute["shapes"] if s["shape"] == [16384, 3584, 152064])["impls"]
+    bias_rows = {r["what"]: r for r in results.json(bias)["rows"]["rows"]}
+    ratios = [bias_rows[f"T={t} rl_kernels"]["log_probs_mean"] / bias_rows[f"T={t} torch fp32 path"]["log_probs_mean"]
+              for t in (1.0, 0.3)]
+    ratio_text = f"{min(ratios):.0f}-{max(ratios):.0f}"
     older = next(s for s in results.json(peers_all)["shapes"] if s["shape"] == [16384, 3584, 152064])["impls"]
     largest = {}
     for name in (model_7b, model_8b):
@@ -512,7 +516,10 @@ def render_readme_gain(results, peers_liger, peers_all, varying_warm, model_reru
          f"torch eager, Liger, CCE over the peers' shapes: {sci(min(peer_err))} to {sci(max(peer_err))} "
          f"(bf16 logits); "
          f"Liger CuTe {sci(big[LIGER_CUTE]['max_err'])}, entropy in bf16 ({sci(big[LIGER_CUTE]['max_ent_err'])})",
-         f"**{sci(min(ours_err))} to {sci(max(ours_err))}** (float32 logits; log-probs and entropy)"],
+         f"**{sci(min(ours_err))} to {sci(max(ours_err))}** (float32 logits; log-probs and entropy; T = 1, logits "
+         f"std 1.2; at std 2 a tensor-core accumulation bias: {sci(bias_rows['T=1.0 rl_kernels']['log_probs_bias'])} "
+         f"at T = 1, {sci(bias_rows['T=0.3 rl_kernels']['log_probs_bias'])} at T = 0.3, "
+         f"[{ratio_text}× torch's fp32 path](BENCHMARKS.md#the-bf16-heads-accumulation-bias))"],
         ["verl's top-K distillation loss, 4096 × 152064, K = 64 (H100)",
          f"{fixed(rows_d['verl']['fwd_bwd_ms'])} ms, {fixed(rows_d['verl']['peak_extra_gib'])} GiB extra; "
          f"loss error {sci(rows_d['verl']['max_abs_err_loss'])}",
@@ -801,35 +808,80 @@ README_PLOT_FILES = ["model_bench_h100_2026-11-24_rerun.json", "model_bench_h100
 README_GAIN_FILES = ["bench_h100_2026-11-26b_liger_cute.json", "bench_h100_2026-11-24b.json",
                      "bench_h100_2026-11-26_liger_cute.json", "model_bench_h100_2026-11-24_rerun.json",
                      "model_bench_h100_2026-11-24_7b.json", "model_bench_h100_2026-11-24_8b.json",
-                     "distill_h100_2026-11-26.json", "loss_rows_h100_2026-12-07.json"]
-FP32_HEAD = "fp32_head_bench_h200_2026-12-07.json"
+                     "distill_h100_2026-11-26.json", "loss_rows_h100_2026-12-07.json",
+                     "accumulation_bias_h100_2026-12-07.json"]
+FP32_HEAD = "fp32_head_bench_h100_2026-12-07.json"
+FP32_LABELS = {  # fp32_head_bench.py's variant names (at a8cca58, where "shipped" had the tf32x3 backward) -> rows
+    "shipped, SGEMM backward (before)": "**rl-kernels fp32: tf32x3 forward, SGEMM backward (shipped)**",
+    "shipped": "rl-kernels fp32: tf32x3 forward and backward (not shipped)",
+    "ieee (before issue 54)": None, "tf32 (1 pass)": None}
 
 
 def render_fp32_head(results, name):
     data = results.json(name)["rows"]
     by = {r["what"]: r for r in data["rows"]}
     mm, bf16 = by["torch fp32 matmul (highest)"]["ms"], by["bf16 head fwd+bwd"]["ms"]
-    speed = [["cuBLAS `hidden @ weight.T`, fp32 (full fp32 products)", fixed(mm), "1.00", "–", "–"],
+    speed = [["cuBLAS `hidden @ weight.T`, fp32 (full fp32 products)", fixed(mm), "1.00", "–", "–", "–"],
              ["torch's fp32 path (logits materialized; verl's torch backend on fp32)",
               fixed(by["torch fp32 path fwd"]["ms"]), fixed(by["torch fp32 path fwd"]["ms"] / mm),
-              fixed(by["torch fp32 path fwd+bwd"]["ms"]), fixed(by["torch fp32 path fwd+bwd"]["ms"] / bf16)]]
-    for key, label in (("ieee (before)", "rl-kernels fp32, full fp32 products (before)"),
-                       ("tf32x3 tma", "**rl-kernels fp32, tf32x3 (now)**")):
+              fixed(by["torch fp32 path fwd+bwd"]["ms"]), fixed(by["torch fp32 path fwd+bwd"]["ms"] / bf16),
+              fixed(by["torch fp32 path fwd+bwd"]["peak_extra_gib"])]]
+    variants = [r["what"][len("fp32 head "):] for r in data["rows"]
+                if r["what"].startswith("fp32 head ") and FP32_LABELS.get(r["what"][len("fp32 head "):])]
+    for key in variants:
         r = by[f"fp32 head {key}"]
-        speed.append([label, fixed(r["fwd_ms"]), fixed(r["fwd_ms"] / mm), fixed(r["fwd_bwd_ms"]),
-                      fixed(r["fwd_bwd_ms"] / bf16)])
-    speed.append(["rl-kernels bf16 (for the ratio)", "–", "–", fixed(bf16), "1.00"])
+        speed.append([FP32_LABELS[key], fixed(r["fwd_ms"]),
+                      fixed(r["fwd_ms"] / mm), fixed(r["fwd_bwd_ms"]), fixed(r["fwd_bwd_ms"] / bf16),
+                      fixed(r["fwd_bwd_peak_extra_gib"])])
+    speed.append(["rl-kernels bf16 (for the ratio)", "–", "–", fixed(bf16), "1.00", "–"])
     n, h, v = data["shape"]
-    out = [table([f"{n} × {h} × {v}", "fwd ms", "fwd × fp32 mm", "fwd+bwd ms", "fwd+bwd × bf16 head"], speed)]
+    out = [table([f"{n} × {h} × {v}", "fwd ms", "fwd × fp32 mm", "fwd+bwd ms", "fwd+bwd × bf16 head",
+                  "fwd+bwd peak extra GiB"], speed)]
     errors = []
     for t in (1.0, 0.3):
-        for key, label in (("torch fp32 path", "torch's fp32 path"), ("fp32 head shipped", "**rl-kernels tf32x3**")):
+        for key in ["torch fp32 path"] + [f"fp32 head {k}" for k in variants]:
             r = by[f"error T={t} {key}"]
-            errors.append([f"{t:g}", label] + [f"{sci(r[f'{k}_mean'])} / {sci(r[f'{k}_max'])}"
-                                              for k in ("log_probs", "entropy", "d_hidden", "d_weight")])
+            text = "torch's fp32 path" if key == "torch fp32 path" else FP32_LABELS[key[len("fp32 head "):]]
+            errors.append([f"{t:g}", text] + [f"{sci(r[f'{k}_mean'])} / {sci(r[f'{k}_max'])}"
+                                            for k in ("log_probs", "entropy", "d_hidden", "d_weight")])
     n, h, v = data["check"]
     out.append(table([f"T ({n} × {h} × {v}, logits std 2)", "vs float64, mean / max", "log-probs", "entropy",
                       "dh (of max)", "dW (of max)"], errors))
+    return "\n\n".join(out)
+
+
+ACCUMULATION_BIAS = ["accumulation_bias_h100_2026-12-07.json"]
+
+
+def render_accumulation_bias(results, *names):
+    """The bf16 head's log-prob errors beside torch's fp32 path; with a second file (a run with the
+    K loop's partials promoted into a second accumulator), its errors and its fwd+bwd cost."""
+    runs = [results.json(name)["rows"] for name in names]
+    by = [{r["what"]: r for r in run["rows"]} for run in runs]
+    rows = []
+    for t in (1.0, 0.3):
+        ref = by[0][f"T={t} torch fp32 path"]
+        forms = [("torch's fp32 path (bf16 inputs upcast, SGEMM)", ref), ("**rl-kernels bf16 head**", by[0][f"T={t} rl_kernels"])]
+        forms += [(f"rl-kernels, partials promoted every {run['promote']} K steps (tried, not shipped)",
+                   b[f"T={t} rl_kernels"]) for run, b in zip(runs[1:], by[1:])]
+        for label, r in forms:
+            rows.append([f"{t:g}", label, f"{sci(r['log_probs_mean'])} / {sci(r['log_probs_max'])}",
+                         sci(r["log_probs_bias"]), f"{fixed(r['log_probs_mean'] / ref['log_probs_mean'], 1)} / "
+                         f"{fixed(r['log_probs_max'] / ref['log_probs_max'], 1)}"])
+    n, h, v = runs[0]["check"]
+    out = [table([f"T ({n} × {h} × {v} bf16, logits std 2)", "log-probs vs float64 on the same inputs", "mean / max",
+                  "mean signed error", "× torch's fp32 path"], rows)]
+    timing = []
+    for r in runs[0]["rows"]:
+        if r["what"].endswith("fwd+bwd"):
+            cells = [r["what"].replace(" fwd+bwd", "").replace("x", " × "), fixed(r["head_ms"] / r["mm_ms"])]
+            for b in by[1:]:
+                p = b[r["what"]]
+                cells.append(f"{fixed(p['head_ms'] / p['mm_ms'])} ({fixed(100 * (p['head_ms'] / r['head_ms'] - 1), 0)}%)")
+            timing.append(cells)
+    if len(runs) > 1:
+        out.append(table(["fwd+bwd × one bf16 matmul", "rl-kernels"] +
+                         [f"promoted every {run['promote']} (cost)" for run in runs[1:]], timing))
     return "\n\n".join(out)
 
 
@@ -881,6 +933,8 @@ TABLES = [
           extra_files=dict.fromkeys(("fused_reach_h200_2026-11-28.log", "fused_reach_h200_2026-11-28_run1.log"))),
     Table("fp32_head", [FP32_HEAD], "python scripts/diag/fp32_head_bench.py --json PATH",
           "The fp32 head on the tensor cores", render_fp32_head),
+    Table("accumulation_bias", ACCUMULATION_BIAS, "python scripts/diag/accumulation_bias.py [--promote P] --json PATH",
+          "The bf16 head's accumulation bias", render_accumulation_bias),
     Table("loss_rows_head", [LOSS_ROWS_HEAD], "python scripts/diag/fused_reach_bench.py --loss-rows --rep 1000 --json PATH",
           "verl's loss_rows_only: the head on the loss rows alone", render_loss_rows_head),
     Table("loss_rows_model", LOSS_ROWS_MODEL,

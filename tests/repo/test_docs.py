@@ -31,7 +31,7 @@ def tables(*args, root=ROOT):
 def test_readme_and_benchmarks_within_their_line_budgets():
     lines = {name: len((ROOT / name).read_text().splitlines()) for name in ("README.md", "BENCHMARKS.md")}
     assert lines["README.md"] <= 250, lines
-    assert lines["BENCHMARKS.md"] <= 380, lines  # 300 until the loss_rows_only and fp32 sections (2026-12-07)
+    assert lines["BENCHMARKS.md"] <= 400, lines  # 300 until the loss_rows_only, fp32 and accumulation-bias sections (2026-12-07)
 
 
 def test_tables_match_the_committed_result_files():
