@@ -60,21 +60,27 @@ TF32X3_K = 0  # reduction length per TF32 matmul of that form (0: the whole redu
 
 
 @contextlib.contextmanager
+def _matmul_flags(**values):
+    """Set ``torch.backends.cuda.matmul``'s flags to ``values`` while the block runs, then give the
+    user's settings back."""
+    flags = torch.backends.cuda.matmul
+    saved = {name: getattr(flags, name) for name in values}
+    for name, value in values.items():
+        setattr(flags, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(flags, name, value)
+
+
 def full_precision_reduction():
     """cuBLAS may reduce split-K partials of bf16/fp16 matmuls in 16 bits when torch allows it
     (the default). Over the long V reduction of dh that tripled the error (H100, 2048 x 3584 x
     151937: relative dh error 7.2e-3 with it, 2.3e-3 without), so our matmuls turn it off and
     restore the user's setting afterwards."""
-    flags = torch.backends.cuda.matmul
-    saved = (flags.allow_bf16_reduced_precision_reduction,
-             flags.allow_fp16_reduced_precision_reduction)
-    flags.allow_bf16_reduced_precision_reduction = False
-    flags.allow_fp16_reduced_precision_reduction = False
-    try:
-        yield
-    finally:
-        (flags.allow_bf16_reduced_precision_reduction,
-         flags.allow_fp16_reduced_precision_reduction) = saved
+    return _matmul_flags(allow_bf16_reduced_precision_reduction=False,
+                         allow_fp16_reduced_precision_reduction=False)
 
 
 _ADDMM_OUT_DTYPE: dict = {}
@@ -103,17 +109,6 @@ def _tf32_high(t: torch.Tensor) -> torch.Tensor:
     return (t.view(torch.int32) & -8192).view(torch.float32)
 
 
-@contextlib.contextmanager
-def _tf32_matmuls():
-    flags = torch.backends.cuda.matmul
-    saved = flags.allow_tf32
-    flags.allow_tf32 = True
-    try:
-        yield
-    finally:
-        flags.allow_tf32 = saved
-
-
 def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fp32_products: str) -> None:
     """acc += a @ b for float32 ``a``, ``b`` on CUDA in the form ``fp32_products``
     (``KernelConfig.fp32_backward``): "ieee" one SGEMM (full float32 products on CUDA cores);
@@ -128,7 +123,7 @@ def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fp32_produc
     if fp32_products == "ieee" or not acc.is_cuda:
         acc.addmm_(a, b)
         return
-    with _tf32_matmuls():
+    with _matmul_flags(allow_tf32=True):
         if fp32_products == "tf32":
             acc.addmm_(a, b)
             return
@@ -194,8 +189,8 @@ def _round_up(x: int, m: int) -> int:
 def chunked_backward(dlogits, hidden_states, weight, dz_dtype, need_dh, need_dw, dh_float32=False,
                       h_dw=None, width_multiple=ALIGN, fp32_products="ieee"):
     """dh, dW from dlogits windows (module docstring). ``fp32_products``: the form of float32
-    matmuls on CUDA (:func:`_addmm_fp32`), the forward kernels' ``fp32_precision``. ``h_dw``: the hidden states that multiply
-    into dW, or a zero-argument function giving them, called at the first dW matmul
+    matmuls on CUDA (:func:`_addmm_fp32`), the configuration's ``fp32_backward``. ``h_dw``: the
+    hidden states that multiply into dW, or a zero-argument function giving them, called at the first dW matmul
     (``hidden_for_weight_grad``); default ``hidden_states``. Column windows are a multiple of
     ``width_multiple`` columns wide where they can be (the dlogits kernel's tile width: a
     partial last tile costs a whole one)."""
