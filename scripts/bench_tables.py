@@ -853,36 +853,21 @@ def render_fp32_head(results, name):
 ACCUMULATION_BIAS = ["accumulation_bias_h100_2026-12-07.json"]
 
 
-def render_accumulation_bias(results, *names):
-    """The bf16 head's log-prob errors beside torch's fp32 path; with a second file (a run with the
-    K loop's partials promoted into a second accumulator), its errors and its fwd+bwd cost."""
-    runs = [results.json(name)["rows"] for name in names]
-    by = [{r["what"]: r for r in run["rows"]} for run in runs]
+def render_accumulation_bias(results, name):
+    """The bf16 head's log-prob errors beside torch's fp32 path."""
+    data = results.json(name)["rows"]
+    by = {r["what"]: r for r in data["rows"]}
     rows = []
     for t in (1.0, 0.3):
-        ref = by[0][f"T={t} torch fp32 path"]
-        forms = [("torch's fp32 path (bf16 inputs upcast, SGEMM)", ref), ("**rl-kernels bf16 head**", by[0][f"T={t} rl_kernels"])]
-        forms += [(f"rl-kernels, partials promoted every {run['promote']} K steps (tried, not shipped)",
-                   b[f"T={t} rl_kernels"]) for run, b in zip(runs[1:], by[1:])]
-        for label, r in forms:
+        ref = by[f"T={t} torch fp32 path"]
+        for label, r in (("torch's fp32 path (bf16 inputs upcast, SGEMM)", ref),
+                         ("**rl-kernels bf16 head**", by[f"T={t} rl_kernels"])):
             rows.append([f"{t:g}", label, f"{sci(r['log_probs_mean'])} / {sci(r['log_probs_max'])}",
                          sci(r["log_probs_bias"]), f"{fixed(r['log_probs_mean'] / ref['log_probs_mean'], 1)} / "
                          f"{fixed(r['log_probs_max'] / ref['log_probs_max'], 1)}"])
-    n, h, v = runs[0]["check"]
-    out = [table([f"T ({n} × {h} × {v} bf16, logits std 2)", "log-probs vs float64 on the same inputs", "mean / max",
-                  "mean signed error", "× torch's fp32 path"], rows)]
-    timing = []
-    for r in runs[0]["rows"]:
-        if r["what"].endswith("fwd+bwd"):
-            cells = [r["what"].replace(" fwd+bwd", "").replace("x", " × "), fixed(r["head_ms"] / r["mm_ms"])]
-            for b in by[1:]:
-                p = b[r["what"]]
-                cells.append(f"{fixed(p['head_ms'] / p['mm_ms'])} ({fixed(100 * (p['head_ms'] / r['head_ms'] - 1), 0)}%)")
-            timing.append(cells)
-    if len(runs) > 1:
-        out.append(table(["fwd+bwd × one bf16 matmul", "rl-kernels"] +
-                         [f"promoted every {run['promote']} (cost)" for run in runs[1:]], timing))
-    return "\n\n".join(out)
+    n, h, v = data["check"]
+    return table([f"T ({n} × {h} × {v} bf16, logits std 2)", "log-probs vs float64 on the same inputs", "mean / max",
+                  "mean signed error", "× torch's fp32 path"], rows)
 
 
 LOSS_ROWS_HEAD = "loss_rows_h100_2026-12-07.json"
@@ -933,7 +918,7 @@ TABLES = [
           extra_files=dict.fromkeys(("fused_reach_h200_2026-11-28.log", "fused_reach_h200_2026-11-28_run1.log"))),
     Table("fp32_head", [FP32_HEAD], "python scripts/diag/fp32_head_bench.py --json PATH",
           "The fp32 head on the tensor cores", render_fp32_head),
-    Table("accumulation_bias", ACCUMULATION_BIAS, "python scripts/diag/accumulation_bias.py [--promote P] --json PATH",
+    Table("accumulation_bias", ACCUMULATION_BIAS, "python scripts/diag/accumulation_bias.py --json PATH",
           "The bf16 head's accumulation bias", render_accumulation_bias),
     Table("loss_rows_head", [LOSS_ROWS_HEAD], "python scripts/diag/fused_reach_bench.py --loss-rows --rep 1000 --json PATH",
           "verl's loss_rows_only: the head on the loss rows alone", render_loss_rows_head),

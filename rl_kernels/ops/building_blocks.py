@@ -118,11 +118,6 @@ def persistent_programs(num_tiles: int, programs_per_sm: int, device: torch.devi
     return max(1, min(num_tiles, programs_per_sm * multiprocessors(device)))
 
 
-PROMOTE_EVERY = tl.constexpr(0)
-"""Experiment (issue 54 item 4): > 0 sums the K loop in groups of this many BLOCK_K steps, each
-group's partial added to the tile's accumulator in float32. Set before the first launch."""
-
-
 @triton.jit
 def logits_tile(
     h_ptr, w_ptr, rows, cols, row_mask, col_mask, H,
@@ -142,60 +137,28 @@ def logits_tile(
     """
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if PROMOTE_EVERY > 0:
-        # experiment (issue 54 item 4): PROMOTE_EVERY K steps summed into a fresh accumulator,
-        # then added to ``acc`` in float32 (K steps past H are zeros: TMA fills, masks)
-        if USE_TMA:
-            for kk in range(0, H, BLOCK_K * PROMOTE_EVERY):
-                part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for k0 in tl.range(kk, kk + BLOCK_K * PROMOTE_EVERY, BLOCK_K):
-                    a = h_ptr.load([row0, k0])
-                    b = w_ptr.load([col0, k0])
-                    if UPCAST:
-                        a = a.to(tl.float32)
-                        b = b.to(tl.float32)
-                    part = tl.dot(a, b.T, part, input_precision=DOT_PRECISION)
-                acc += part
-        else:
-            h_base = h_ptr + rows.to(tl.int64)[:, None] * stride_hn
-            w_base = w_ptr + cols.to(tl.int64)[None, :] * stride_wv
-            for kk in range(0, H, BLOCK_K * PROMOTE_EVERY):
-                part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for k0 in tl.range(kk, kk + BLOCK_K * PROMOTE_EVERY, BLOCK_K):
-                    ks = k0 + offs_k
-                    k_mask = ks < H
-                    a = tl.load(h_base + ks.to(tl.int64)[None, :] * stride_hk,
-                                mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-                    b = tl.load(w_base + ks.to(tl.int64)[:, None] * stride_wk,
-                                mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-                    if UPCAST:
-                        a = a.to(tl.float32)
-                        b = b.to(tl.float32)
-                    part = tl.dot(a, b, part, input_precision=DOT_PRECISION)
-                acc += part
+    if USE_TMA:
+        for k0 in range(0, H, BLOCK_K):
+            a = h_ptr.load([row0, k0])
+            b = w_ptr.load([col0, k0])
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b.T, acc, input_precision=DOT_PRECISION)
     else:
-        if USE_TMA:
-            for k0 in range(0, H, BLOCK_K):
-                a = h_ptr.load([row0, k0])
-                b = w_ptr.load([col0, k0])
-                if UPCAST:
-                    a = a.to(tl.float32)
-                    b = b.to(tl.float32)
-                acc = tl.dot(a, b.T, acc, input_precision=DOT_PRECISION)
-        else:
-            h_base = h_ptr + rows.to(tl.int64)[:, None] * stride_hn
-            w_base = w_ptr + cols.to(tl.int64)[None, :] * stride_wv
-            for k0 in range(0, H, BLOCK_K):
-                ks = k0 + offs_k
-                k_mask = ks < H
-                a = tl.load(h_base + ks.to(tl.int64)[None, :] * stride_hk,
-                            mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-                b = tl.load(w_base + ks.to(tl.int64)[:, None] * stride_wk,
-                            mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-                if UPCAST:  # the CPU interpreter computes bf16 dots wrongly; do them in fp32 there
-                    a = a.to(tl.float32)
-                    b = b.to(tl.float32)
-                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        h_base = h_ptr + rows.to(tl.int64)[:, None] * stride_hn
+        w_base = w_ptr + cols.to(tl.int64)[None, :] * stride_wv
+        for k0 in range(0, H, BLOCK_K):
+            ks = k0 + offs_k
+            k_mask = ks < H
+            a = tl.load(h_base + ks.to(tl.int64)[None, :] * stride_hk,
+                        mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(w_base + ks.to(tl.int64)[:, None] * stride_wk,
+                        mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+            if UPCAST:  # the CPU interpreter computes bf16 dots wrongly; do them in fp32 there
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
     return acc * inv_temperature
 
 

@@ -2,25 +2,18 @@
 ``linear_log_probs`` on bf16 hidden states and weight against float64 on the same bf16 values,
 beside torch's float32 path (the bf16 inputs upcast, one SGEMM, float32 log-softmax), at
 temperature 1 and 0.3 and logits std 2; then the head's forward+backward time against one cuBLAS
-bf16 matmul of the same shape at each timing shape. ``--promote P`` (> 0) runs the kernels with the
-K loop summed in groups of P K-steps, each group's partial added in float32 to the tile's
-accumulator (``ops.building_blocks.PROMOTE_EVERY``; a fresh process per value). One run per value.
+bf16 matmul of the same shape at each timing shape. One run.
 
-    python scripts/diag/accumulation_bias.py [--promote P] [--check N,H,V] [--json PATH]
+    python scripts/diag/accumulation_bias.py [N,H,V ...] [--check N,H,V] [--json PATH]
 """
 import torch
 
 from rl_kernels.tools import diag
 
 ap = diag.parser(__doc__, shapes=["4096,3584,152064", "16384,3584,152064", "32768,3584,152064"], json_out=True)
-ap.add_argument("--promote", type=int, default=0, help="K steps per promoted partial (0: one accumulator)")
 ap.add_argument("--check", type=diag.shape_type("N,H,V"), default=(2048, 3584, 152064),
                 help="N,H,V of the accuracy check against float64 (default 2048,3584,152064)")
 args = diag.start(ap)
-if args.promote:
-    import triton.language as tl
-
-    diag.ops.building_blocks.PROMOTE_EVERY = tl.constexpr(args.promote)
 import rl_kernels  # noqa: E402
 
 rows = []
@@ -29,7 +22,7 @@ g = torch.Generator(device="cuda").manual_seed(0)
 hid = torch.randn(n, h, device="cuda", generator=g).bfloat16()
 w = (torch.randn(v, h, device="cuda", generator=g) * (2.0 / h ** 0.5)).bfloat16()
 lab = torch.randint(0, v, (n,), device="cuda", generator=g)
-print(f"promote {args.promote}; accuracy vs float64, {n}x{h}x{v} bf16, logits std 2: log-prob mean / max |error|, "
+print(f"accuracy vs float64, {n}x{h}x{v} bf16, logits std 2: log-prob mean / max |error|, "
       f"mean signed error (the bias)", flush=True)
 for temperature in (1.0, 0.3):
     z64 = (hid.double() @ w.double().T) / temperature
@@ -62,4 +55,4 @@ for n, h, v in args.shapes:
     hid = w = None
     torch.cuda.empty_cache()
 if args.json:
-    diag.write_json(args.json, {"promote": args.promote, "check": list(args.check), "rows": rows})
+    diag.write_json(args.json, {"check": list(args.check), "rows": rows})
