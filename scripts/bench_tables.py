@@ -810,10 +810,12 @@ README_GAIN_FILES = ["bench_h100_2026-11-26b_liger_cute.json", "bench_h100_2026-
                      "model_bench_h100_2026-11-24_7b.json", "model_bench_h100_2026-11-24_8b.json",
                      "distill_h100_2026-11-26.json", "loss_rows_h100_2026-12-07.json",
                      "accumulation_bias_h100_2026-12-07.json"]
-FP32_HEAD = "fp32_head_bench_h100_2026-12-07.json"
-FP32_LABELS = {  # fp32_head_bench.py's variant names (at a8cca58, where "shipped" had the tf32x3 backward) -> rows
-    "shipped, SGEMM backward (before)": "**rl-kernels fp32: tf32x3 forward, SGEMM backward (shipped)**",
-    "shipped": "rl-kernels fp32: tf32x3 forward and backward (not shipped)",
+FP32_HEAD = "fp32_head_kpieces_h100_2026-12-07.json"
+FP32_LABELS = {  # fp32_head_bench.py's variant names -> rows
+    "shipped": "**rl-kernels fp32: tf32x3 forward, SGEMM backward (shipped)**",
+    "tf32x3 backward": "rl-kernels fp32: tf32x3 forward and backward (not shipped)",
+    "tf32x3 backward, K pieces of 2048": "… the backward's reduction in pieces of 2048 (not shipped)",
+    "tf32x3 backward, K pieces of 512": None,
     "ieee (before issue 54)": None, "tf32 (1 pass)": None}
 
 
