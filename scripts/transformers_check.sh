@@ -13,7 +13,7 @@
 # runs. It prints the causal-LM model types of that transformers which the audit table
 # (rl_kernels/integrations/lm_heads.py) does not list: they are refused on the fused path until
 # each one's forward is read and classified there. Then `pytest -m verl_matrix
-# tests/verl/test_lm_heads.py` runs there. CI does not run this script (integrations/verl/README.md,
+# tests/integrations/test_lm_heads.py` runs there. CI does not run this script (integrations/verl/README.md,
 # "## transformers audit", records the last run).
 set -euo pipefail
 usage="usage: $0 [VENV] [TRANSFORMERS_VERSION]"
@@ -72,4 +72,4 @@ new = sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) - set(LM_HEADS))
 print(f"{len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)} causal-LM model types; not in the audit table ({len(new)}, refused "
       f"until audited): {', '.join(f'{t} ({MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[t]})' for t in new) or 'none'}")
 EOF
-"$venv/bin/python" -m pytest -m verl_matrix -p no:cacheprovider tests/verl/test_lm_heads.py
+"$venv/bin/python" -m pytest -m verl_matrix -p no:cacheprovider tests/integrations/test_lm_heads.py

@@ -28,7 +28,7 @@ assignment of ``hidden_states`` to the return. Re-audited on ``transformers`` 5.
 compared with 5.10.4's (no change to what any of them does to its logits). Classes whose forward
 does not get its hidden state from ``self.model(...)`` (what verl's fused forward calls) are
 refused: verl's fused forward would not compute their hidden state.
-``tests/verl/test_lm_heads.py`` builds a tiny random model of every listed type it can, scales its
+``tests/integrations/test_lm_heads.py`` builds a tiny random model of every listed type it can, scales its
 ``lm_head`` so that the logits reach the cap, and compares the patched fused forward with the
 model's own logits.
 """

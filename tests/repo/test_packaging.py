@@ -148,7 +148,7 @@ sys.exit(main(["repro", "--device", "cpu", {str(tmp_path / "s.safetensors")!r}])
 def test_the_verl_plugin_entry_point_names_a_module_that_patches_nothing():
     """``[project.entry-points."verl.plugins"]`` (verl 0.9.1 and main load the group at ``import
     verl``) names rl-kernels' plugin module: it exists, is outside the patching package, and its
-    import only registers (checked in a fresh process by tests/verl/test_verl_distill.py; the installed
+    import only registers (checked in a fresh process by tests/integrations/test_verl_distill.py; the installed
     entry point by hand in a throwaway venv, see the integration README)."""
     import importlib.util
 

@@ -71,7 +71,7 @@ so that its output tensor carries ``_rl_kernels_dh_summed = True`` (and the grou
 backward reduce-scatters (``tensor_parallel_output_grad=True``, the default); the wrapper
 changes nothing else. :func:`linear_cross_entropy` uses
 ``reduce_hidden_grad = not getattr(hidden, "_rl_kernels_dh_summed", False)``.
-``tests/verl/test_verl_megatron.py`` checks both cases through verl's own ``fused_output_processor``
+``tests/integrations/test_verl_megatron.py`` checks both cases through verl's own ``fused_output_processor``
 (each rank's dh equals the unsharded float64 gradient, or its rows of it).
 
 Skipped, with an INFO line, when ``megatron.core`` is not importable, and not applied (the report

@@ -544,7 +544,7 @@ def outside_from_logits(logits, name: str = "logits") -> str | None:
     the logits on which verl's own function returns a value (or raises its own error) where
     rl-kernels' would raise or give another shape: a non-floating dtype (integer or bool logits:
     verl's promote them, to float32), a 0-d tensor, and an empty one (no rows, or vocab_size 0).
-    Found by the differential probe (tests/verl/test_verl_dropin_probe.py), which calls both on the same
+    Found by the differential probe (tests/integrations/test_verl_dropin_probe.py), which calls both on the same
     inputs; rl-kernels keeps the rest (bfloat16 / float16 / float32 logits with rows)."""
     why = outside_kernels(logits, name)
     if why is not None or not isinstance(logits, torch.Tensor):

@@ -2,7 +2,7 @@
 forward against the model's own logits, or a clear refusal.
 
 For each model type of ``LM_HEADS`` that the installed transformers has: a tiny random float32
-model (tests/verl/lm_head_models.py) whose lm_head is scaled so that its raw logits have a std of ~3
+model (tests/integrations/lm_head_models.py) whose lm_head is scaled so that its raw logits have a std of ~3
 (and, for a soft-capped type, a cap of 2: most logits are past it; for a scaled type, a scale of
 1/16 or 8), run once through its own forward (logits -> log_softmax / T, the reference) and once
 through verl's ``apply_monkey_patch(..., fused_kernels_backend='rl_kernels')`` fused forward.

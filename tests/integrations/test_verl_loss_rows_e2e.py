@@ -5,7 +5,7 @@ response) and runs one ``update_actor`` step (PPO loss with an entropy bonus, SG
 is the clipped gradient), with the option on and off, on rl-kernels' fused path (``+rl_kernels=fused``,
 the Triton kernel in its CPU interpreter) and on verl's logits path (``+rl_kernels=logits``: the
 model's output layer makes the loss rows' logits only). The workers run two at a time on the
-cluster of ``test_verl_e2e.py`` (shared fixtures: tests/verl/conftest.py).
+cluster of ``test_verl_e2e.py`` (shared fixtures: tests/integrations/conftest.py).
 
 On every row the loss reads (response mask 1) the log-probs and entropy agree (1e-4 absolute,
 both float32, as test_verl_e2e.py), and so do the parameter updates (1e-4 relative) and every
@@ -80,7 +80,7 @@ def _run(ray, config):
 
 
 @pytest.fixture(scope="module")
-def runs(ray_cluster, model):  # the shared fixtures (tests/verl/conftest.py)
+def runs(ray_cluster, model):  # the shared fixtures (tests/integrations/conftest.py)
     from omegaconf import open_dict
 
     with pytest.MonkeyPatch.context() as monkeypatch:  # the driver pads / unpads the batches

@@ -1,6 +1,6 @@
 """verl #7520 on rl-kernels' fused path: FSDP2, an untied lm_head, gradient accumulation, reduce_dtype=float32.
 
-Two gloo ranks on CPU (``tests/verl/fsdp2_untied_worker.py`` holds the per-rank body), a tiny untied
+Two gloo ranks on CPU (``tests/integrations/fsdp2_untied_worker.py`` holds the per-rank body), a tiny untied
 Qwen2 (H=32, I=64, 2 layers, V=97 odd: uneven Shard(0) slices), wrapped as verl's FSDP2 path wraps
 it (``verl.utils.fsdp_utils.apply_fsdp2``: decoder layers, embed_tokens and lm_head each a unit,
 then the root; or the head in the root's unit), ``MixedPrecisionPolicy(param_dtype, reduce_dtype=
@@ -16,7 +16,7 @@ unsharded parameter).
 
 Bounds (tests/support/tolerances.py). The two paths run the same body ops on the same inputs; they
 differ in the head, whose float32 rounding enters dh and dW (depth ``HEAD = H + 2V + max(V, N + 1)``,
-N = 84 the step's token rows over both ranks, as tests/verl/test_verl_dtensor_weight.py counts it), and
+N = 84 the step's token rows over both ranks, as tests/integrations/test_verl_dtensor_weight.py counts it), and
 then in the body's backward, which carries that difference through each layer's chain of dependent
 sums (``BODY = LAYERS * (3H + I + 2S)``: the two norms and o_proj over H, the MLP over I, the
 attention's softmax and value sums over S). A gradient: ``gamma_(HEAD+BODY) * m * max|g|``, m the

@@ -29,7 +29,7 @@ import rl_kernels.integrations.verl as rkv
 import rl_kernels.integrations.verl_impl.megatron as rkm
 from rl_kernels.integrations.verl_impl import patch_state
 from rl_kernels.samples import load_sample
-from verl_helpers import VOCAB, tiny_qwen2, verl_logits_path, verl_unpatched  # (qwen2_forward: tests/verl/conftest.py)
+from verl_helpers import VOCAB, tiny_qwen2, verl_logits_path, verl_unpatched  # (qwen2_forward: tests/integrations/conftest.py)
 
 pytestmark = pytest.mark.verl_matrix
 

@@ -1,4 +1,4 @@
-"""Tiny random Hugging Face causal LMs of any model type, for tests/verl/test_lm_heads.py.
+"""Tiny random Hugging Face causal LMs of any model type, for tests/integrations/test_lm_heads.py.
 
 ``tiny_model(model_type)`` builds the type's config with small sizes (the common size arguments,
 then every expert / intermediate / rank count it has shrunk), refuses configs of more than

@@ -1,4 +1,4 @@
-"""Per-rank body of tests/verl/test_verl_fsdp2_untied.py (verl #7520): a tiny untied Qwen2 under FSDP2,
+"""Per-rank body of tests/integrations/test_verl_fsdp2_untied.py (verl #7520): a tiny untied Qwen2 under FSDP2,
 gradient accumulation over micro-batches, one SGD step, on the fused path (impl_backend=rl_kernels)
 and on verl's unfused logits path; returns what each rank measured."""
 from __future__ import annotations
@@ -26,7 +26,7 @@ def tiny_untied(seed: int = 0):
     cfg.architectures = ["Qwen2ForCausalLM"]
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(cfg).float()
-    with torch.no_grad():  # logits spread over several nats (see tests/verl/verl_helpers.tiny_qwen2)
+    with torch.no_grad():  # logits spread over several nats (see tests/integrations/verl_helpers.tiny_qwen2)
         model.lm_head.weight.normal_(0.0, 0.5)
     return model
 

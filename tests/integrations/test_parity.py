@@ -51,7 +51,7 @@ import torch
 pytest.importorskip("verl", reason="verl is not installed (pip install -e '.[verl]')")
 pytest.importorskip("ray", reason="ray is not installed (pip install -e '.[verl]')")
 
-from verl_ray import HERE, REPO, SUPPORT, _compose  # noqa: E402 - (the model fixture: tests/verl/conftest.py)
+from verl_ray import HERE, REPO, SUPPORT, _compose  # noqa: E402 - (the model fixture: tests/integrations/conftest.py)
 from verl_cpu import legacy_workers, use_torch_padding, worker_class, worker_env  # noqa: E402
 from tolerances import f32_bound  # noqa: E402
 from verl_helpers import VOCAB  # noqa: E402
@@ -242,7 +242,7 @@ def _set_state(self, state):
 
 
 @pytest.fixture(scope="module")
-def trained(ray_cluster, model):  # model: the shared fixture (tests/verl/conftest.py)
+def trained(ray_cluster, model):  # model: the shared fixture (tests/integrations/conftest.py)
     """Per run: per step (its old log-probs, metrics, parameters before and after the step), every
     patched run starting each step from verl's state."""
     ray = ray_cluster

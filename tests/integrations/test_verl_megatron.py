@@ -1,5 +1,5 @@
 """rl_kernels.integrations.verl on verl 0.9.1's Megatron engine, on CPU: gloo groups of 2 and 3
-ranks with Megatron's tensor-parallel state (``tests/verl/megatron_worker.py`` holds the per-rank
+ranks with Megatron's tensor-parallel state (``tests/integrations/megatron_worker.py`` holds the per-rank
 checks: verl's own logits processor and fused output processor against the unsharded float64
 reference and verl's original functions, the hidden-state gradient with and without sequence
 parallelism, identical bits on every rank, by-name patching, unpatch, call counts, the engine

@@ -29,7 +29,7 @@ import rl_kernels.integrations.verl as rkv
 from rl_kernels.core import _logging
 from rl_kernels.integrations.verl_impl import distill_losses
 from rl_kernels.integrations.verl_impl.schema import VerlIntegrationError
-from verl_helpers import VOCAB, tiny_qwen2, verl_unpatched  # (the qwen2_forward fixture: tests/verl/conftest.py)
+from verl_helpers import VOCAB, tiny_qwen2, verl_unpatched  # (the qwen2_forward fixture: tests/integrations/conftest.py)
 
 pytestmark = pytest.mark.verl_matrix
 
@@ -331,7 +331,7 @@ def test_ulysses_slicing_goes_through_verls_helpers(monkeypatch):
 
 def test_megatron_fused_top_k_reported_and_says_so_where_not_served(monkeypatch, caplog):
     """On verl's Megatron fused path the report says top-K distillation is served (the values and
-    gradients: tests/verl/test_verl_megatron.py); the engine's forward_step wrapper, where a fused
+    gradients: tests/integrations/test_verl_megatron.py); the engine's forward_step wrapper, where a fused
     top-K batch gets no terms (here: ``served=False``), logs one WARNING and returns verl's
     output unchanged."""
     import importlib

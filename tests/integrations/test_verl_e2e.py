@@ -46,7 +46,7 @@ pytest.importorskip("verl", reason="verl is not installed (pip install -e '.[ver
 pytest.importorskip("ray", reason="ray is not installed (pip install -e '.[verl]')")
 
 from verl_cpu import use_torch_padding, verl_version, worker_class  # noqa: E402
-# shared with the other end-to-end tests (their fixtures, ray_cluster and model: tests/verl/conftest.py)
+# shared with the other end-to-end tests (their fixtures, ray_cluster and model: tests/integrations/conftest.py)
 from verl_ray import (LEGACY, T, _advantages, _compose, _counts, _delta, _engine_batches, _outputs,  # noqa: E402
                       _params, assert_same_updates, release)
 

@@ -1,6 +1,6 @@
 """What the end-to-end tests through verl's own Ray worker share (test_verl_e2e.py, test_parity.py,
 test_verl_distill_e2e.py, test_verl_loss_rows_e2e.py, test_verl_temperature_e2e.py; their fixtures
-``ray_cluster`` and ``model`` are in tests/verl/conftest.py): the paths the workers import from, verl's
+``ray_cluster`` and ``model`` are in tests/integrations/conftest.py): the paths the workers import from, verl's
 composed config, the engine's batches and outputs, the probes run inside a worker (``_counts``,
 ``_params``: the worker imports them from here), the release of a run's workers, and the check of one
 update step."""

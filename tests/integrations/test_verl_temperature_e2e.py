@@ -5,7 +5,7 @@ one ``update_actor`` step (PPO loss with an entropy bonus, SGD lr 1: the update 
 gradient), with rl-kernels' fused path (``+rl_kernels=fused``, the Triton kernel in its CPU
 interpreter), which verl refuses without rl-kernels, and with verl's unpatched logits path
 (``use_fused_kernels=False``, no ``external_lib``), the reference. The two workers run side by
-side on the cluster of ``test_verl_e2e.py`` (shared fixtures: tests/verl/conftest.py).
+side on the cluster of ``test_verl_e2e.py`` (shared fixtures: tests/integrations/conftest.py).
 
 Tolerances as in ``test_verl_e2e.py`` (both float32): log-probs and entropy 1e-4 absolute,
 parameter updates 1e-4 relative. A temperature on the wrong sample moves log-probs by ~1 nat.
@@ -66,7 +66,7 @@ def _run(ray, config):
 
 
 @pytest.fixture(scope="module")
-def runs(ray_cluster, model):  # the shared fixtures (tests/verl/conftest.py)
+def runs(ray_cluster, model):  # the shared fixtures (tests/integrations/conftest.py)
     with pytest.MonkeyPatch.context() as monkeypatch:  # the driver pads / unpads the batches
         use_torch_padding(monkeypatch)
         configs = {option: _compose(model[1], option) for option in ("fused", None)}

@@ -216,7 +216,7 @@ def test_verl_without_distillation_reports_not_in_this_verl(monkeypatch):
 @needs_distillation
 def test_megatron_distillation_is_replaced_and_leaves_float64_to_verl(monkeypatch):
     """verl's Megatron top-K loss is replaced (its values are checked on 2 gloo ranks in
-    tests/verl/megatron_worker.py); float64 logits go to verl's own function, and restore() puts it back."""
+    tests/integrations/megatron_worker.py); float64 logits go to verl's own function, and restore() puts it back."""
     pytest.importorskip("megatron.core")
     megatron_losses = importlib.import_module(distill_losses.MEGATRON_MODULE)
     calls = []

@@ -1,5 +1,5 @@
 """The verl tests' shared fixtures. Of the end-to-end tests through verl's own Ray worker
-(tests/verl/verl_ray.py has the rest of what they share): ``ray_cluster``, a local Ray whose workers
+(tests/integrations/verl_ray.py has the rest of what they share): ``ray_cluster``, a local Ray whose workers
 import from this folder and tests/support, and ``model``, the tiny Qwen2 saved for the workers;
 module-scoped, so each test module gets its own (test_parity.py starts its own cluster). Of the
 tests that patch the model class: ``qwen2_forward``."""

@@ -1,4 +1,4 @@
-"""Worker for tests/verl/test_verl_megatron.py: one process per rank of a gloo group (CPU), with
+"""Worker for tests/integrations/test_verl_megatron.py: one process per rank of a gloo group (CPU), with
 Megatron's parallel state initialized for tensor parallelism over all ranks.
 
 Every rank builds the same full inputs from one seed and keeps its even vocab shard, as Megatron

@@ -9,12 +9,12 @@ gradient) equal to 1e-4 relative per parameter (every parameter moves), and the 
 counts (one fused distillation call; the unpatched worker never imported rl-kernels). Checked to
 fail when the fused path's student log-probs ignore the temperature (embedding update 0.54 off).
 The Ray cluster, the saved model and verl's config composition are those of
-``tests/verl/test_verl_e2e.py`` (tests/verl/conftest.py, tests/verl/verl_ray.py).
+``tests/integrations/test_verl_e2e.py`` (tests/integrations/conftest.py, tests/integrations/verl_ray.py).
 
 ``forward_kl_topk_tail`` (issue 45; verl has no such mode: rl-kernels registers it), the same
 update step through verl's FSDP engine: on the fused path and on the logits path (both rl-kernels'),
 whose updates agree to 1e-4 relative per parameter (the per-token losses are checked against
-float64 in ``tests/verl/test_verl_distill.py``) and differ from forward_kl_topk's; and with the patch
+float64 in ``tests/integrations/test_verl_distill.py``) and differ from forward_kl_topk's; and with the patch
 removed (``external_lib=rl_kernels.integrations.verl_plugin``: the mode registered, verl's own
 top-K computation running) the update raises rl-kernels' VerlIntegrationError instead of training
 on forward_kl_topk's clamped terms.
@@ -119,7 +119,7 @@ def _run_worker(ray, config):
 
 
 @pytest.fixture(scope="module")
-def runs(ray_cluster, model):  # the fixtures of tests/verl/conftest.py
+def runs(ray_cluster, model):  # the fixtures of tests/integrations/conftest.py
     """forward_kl_topk unpatched / fused, forward_kl_topk_tail fused / logits / with the patch removed
     (the plugin only), side by side (the cluster runs three at a time)."""
     from omegaconf import OmegaConf
