@@ -23,7 +23,7 @@ from .autograd.logits import LogitsParams, topk_log_probs
 from .autograd.positions import check_tail_teacher, checked_positions
 from .autograd.vocab_parallel import parallel_params
 from .core.backends import get_backend
-from .core.validation import (FLOAT_DTYPES, check_bool_arg, check_choice, check_dtype, check_head_inputs,
+from .core.validation import (FLOAT_DTYPES, check_top_k, check_bool_arg, check_choice, check_dtype, check_head_inputs,
                               check_hidden_weight, check_logits, check_no_grad, check_same_device, check_softcap,
                               check_temperature, check_tensor_arg, check_token_id_values, check_token_ids,
                               check_unit_interval, describe, public_signature, raise_extra_positional)
@@ -250,7 +250,7 @@ def linear_log_probs_at_ids(hidden_states: torch.Tensor, weight: torch.Tensor, l
                             token_ids: torch.Tensor, *, temperature: float = 1.0, softcap: float | None = None,
                             return_entropy: bool = False, backend: str = "auto", process_group=None,
                             vocab_start_index: int | None = None, reduce_hidden_grad: bool = False,
-                            return_tail: bool = False) -> tuple:
+                            return_tail: bool = False, top_k: int = 0) -> tuple:
     """``linear_log_probs``' log-probs at ``labels`` (and entropy) together with the log-probs at K
     ids per position, from one fused head call: no N x V tensor in forward or backward. What top-K
     distillation on a fused forward needs (``rl_kernels.integrations.verl``: verl's PPO log-probs
@@ -272,6 +272,8 @@ def linear_log_probs_at_ids(hidden_states: torch.Tensor, weight: torch.Tensor, l
         return_tail: also the log of the probability outside ``token_ids``, for the tail-aware
             top-K KL (verl RFC #7856; :func:`topk_kl_per_token`'s ``tail_log_probs``); the ids
             of each position whose label is not -100 must then be distinct.
+        top_k: 0 (default), or the K (1 to 128) of the student's own top K, selected in the head's
+            forward pass (verl's distillation overlap metrics: no pass of ``linear_topk`` of its own).
 
     Returns:
         ``(log_probs, entropy, log_probs_at_ids)``: float32 nats, shapes ``labels.shape`` (entropy
@@ -282,6 +284,12 @@ def linear_log_probs_at_ids(hidden_states: torch.Tensor, weight: torch.Tensor, l
         differentiable) = tail_lse - logsumexp(z), tail_lse the logsumexp over the vocabulary
         without the position's ids, computed with those columns masked (no 1 - sum cancellation;
         -inf when the ids cover the vocabulary; computed for -100 positions too, without gradient).
+        With ``top_k`` two more, last: ``(top_log_probs, top_ids)``, shape ``labels.shape + (top_k,)``,
+        float32 nats and int64 global ids, no gradient: the ``top_k`` largest logits of each position by
+        (value descending, id ascending) and their log-probs, the ids those of :func:`rl_kernels.linear_topk`
+        (the selection is exact; values within two float32 roundings of its, as the kernels scale the
+        logits by log2(e)); an empty slot (fewer than ``top_k`` logits that are neither NaN nor -inf)
+        id -1 and log-prob NaN.
 
     Raises:
         TypeError / ValueError as ``linear_log_probs``, and naming ``token_ids`` for a wrong dtype,
@@ -289,7 +297,8 @@ def linear_log_probs_at_ids(hidden_states: torch.Tensor, weight: torch.Tensor, l
         gradient to compute (the gathered logits' gradient under a cap is not implemented) and for
         ``return_entropy`` with ``process_group`` (not implemented on a vocab shard with gathered
         logits: call ``linear_log_probs`` for the entropy); with ``return_tail``, ValueError naming
-        ``token_ids`` for an id repeated at a position whose label is not -100 (one host read).
+        ``token_ids`` for an id repeated at a position whose label is not -100 (one host read);
+        TypeError / ValueError naming ``top_k`` for a K that is not an int in [0, min(128, vocab_size)].
     """
     check_head_inputs(hidden_states, weight, labels, -100, check_values=False)
     temperature = check_temperature(temperature, labels)  # (a number, or one per position)
@@ -311,16 +320,23 @@ def linear_log_probs_at_ids(hidden_states: torch.Tensor, weight: torch.Tensor, l
     vocab_size = weight.shape[0] if tp is None else tp.vocab_size  # (None: the shards' total is not known)
     if vocab_size is not None:
         check_token_id_values(ids, vocab_size, "token_ids")
+    check_top_k("top_k", top_k, vocab_size, weight, minimum=0)
     if return_tail:  # (a host read, as the id check above)
         check_tail_teacher(ids, None, labels.reshape(-1) != -100, "token_ids")
     params = HeadParams(backend=get_backend(backend, hidden_states.device), inv_temperature=1.0,  # (head_at_ids)
                         ignore_index=-100, return_entropy=return_entropy, name="linear_log_probs_at_ids",
-                        softcap=softcap, return_tail=return_tail)  # (label values: checked in the backend call)
+                        softcap=softcap, return_tail=return_tail, top_k=top_k)  # (labels: checked in the backend call)
     head, log_q = head_at_ids(hidden_states.reshape(-1, hidden_states.shape[-1]), weight, labels.reshape(-1),
                               ids.long(), params, temperature, tp)
     entropy = head.entropy.view(lead) if return_entropy else None
     out = (head.log_probs.view(lead), entropy, log_q.view(token_ids.shape))
-    return out + ((head.tail_lse - head.lse).view(lead),) if return_tail else out
+    if return_tail:
+        out += ((head.tail_lse - head.lse).view(lead),)
+    if top_k:
+        top_log_probs = torch.where(head.top_ids >= 0, head.top_logits - head.lse[:, None],
+                                    torch.full((), float("nan"), device=head.lse.device))
+        out += (top_log_probs.detach().view(*lead, top_k), head.top_ids.view(*lead, top_k))
+    return out
 
 
 def topk_kl_loss(log_q, teacher_log_probs, valid, lead, *, temperature: float, kind: str,

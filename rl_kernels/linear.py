@@ -13,7 +13,7 @@ from .autograd.linear_topk import FAMILY as TOPK_FAMILY, TopkParams
 from .autograd.vocab_parallel import parallel_params
 from .core.backends import get_backend
 from .core.validation import (check_bool_arg, check_head_inputs, check_hidden_weight, check_softcap, check_temperature,
-                              describe, public_signature, raise_extra_positional)
+                              check_top_k, public_signature, raise_extra_positional)
 
 # the public names (rl_kernels/__init__.py exports them)
 __all__ = ["LogProbsOutput", "linear_log_probs", "linear_topk"]
@@ -106,7 +106,6 @@ def linear_log_probs(
                             for o in (out.log_probs, out.entropy, out.sum_pi_squared)))
 
 
-MAX_TOPK = 128  # the largest k of ``linear_topk`` (the kernel's candidate list lives in registers)
 
 
 @public_signature(required=("k",))  # (k defaults to None only for a misplaced positional k's message)
@@ -159,10 +158,6 @@ def linear_topk(
     if extra_positional:  # a keyword-only argument given by position
         raise_extra_positional(linear_topk, extra_positional)
     check_hidden_weight(hidden_states, weight)
-    if isinstance(k, bool) or not isinstance(k, int):
-        raise TypeError(f"k: expected an int in [1, min({MAX_TOPK}, vocab_size)], got "
-                        + ("None (k is required: linear_topk(hidden_states, weight, k=64))" if k is None
-                           else type(k).__name__))
     rows = hidden_states.select(-1, 0)  # (the leading shape and device, for a per-row temperature)
     # (no output has a gradient: inputs that require grad are taken, and detached as the tensors below)
     temperature = check_temperature(temperature, rows, "hidden_states.shape[:-1]", differentiable=False)
@@ -171,10 +166,7 @@ def linear_topk(
     softcap = check_softcap(softcap, temperature)
     tp = parallel_params(process_group, vocab_start_index, False, -100, weight.shape[0], hidden_states.device)
     vocab_size = weight.shape[0] if tp is None else tp.vocab_size  # (None: a shard's total not known)
-    top = MAX_TOPK if vocab_size is None else min(MAX_TOPK, vocab_size)
-    if not 1 <= k <= top:
-        raise ValueError(f"k: expected an int in [1, min({MAX_TOPK}, vocab_size)] = [1, {top}], got {k}"
-                         + (f" (weight {describe(weight)})" if vocab_size is not None and k > vocab_size else ""))
+    check_top_k("k", k, vocab_size, weight)
     resolved = get_backend(backend, hidden_states.device)
     lead = hidden_states.shape[:-1]
     h2 = hidden_states.reshape(-1, hidden_states.shape[-1]).detach()

@@ -22,9 +22,12 @@ from ..core.backends import Backend, implements
 from ..core.label_check import checked_labels, raise_if_interpreted, raise_label_errors
 from ..core.validation import check_label_values, warn_fp16_temperature
 from ..torch_ops.linear import per_row, torch_dlogits, torch_forward, torch_gathered_logits
+from ..torch_ops.linear_topk import merge_candidates, torch_topk_select
 from .backward_schedule import chunked_backward, full_precision_reduction
 from .head_family import HeadFamily, Out, as_float_grad, hidden_for_weight_grad, sorted_tail_ids, sum_over_equal_ids
-from .vocab_parallel import all_gather_rows, finish_hidden_grad, local_labels, merge_lse, merge_shards
+from .vocab_parallel import all_gather_rows, finish_hidden_grad, gather_topk, local_labels, merge_lse, merge_shards
+
+LN2 = 0.6931471805599453  # (the Triton forward's candidates are log2(e) z)
 
 
 class HeadParams(NamedTuple):
@@ -49,13 +52,19 @@ class HeadParams(NamedTuple):
     # True: also tail_lse, the logsumexp of the logits outside the row's gather ids (the tail bucket
     # of the tail-aware top-K KL, ``distill``), differentiable; needs gather ids
     return_tail: bool = False
+    # > 0: also the row's top_k largest logits (ids, and their log-probs), selected in the forward's
+    # own pass over the logit tiles (verl's distillation overlap metrics); no gradient
+    top_k: int = 0
 
 
 class HeadOutputs(NamedTuple):
     """The fused head's outputs, the same fields on every path (vocab-parallel included) and for
     the gradients of the backward; ``None`` for what was not asked. (N,) float32 each, except
     ``gathered_logits`` (N, K) float32: the logits z[i, ids[i, k]] at given ids (distillation).
-    ``tail_lse``: logsumexp of z over the columns that are not among the row's ids (-inf when K = V)."""
+    ``tail_lse``: logsumexp of z over the columns that are not among the row's ids (-inf when K = V).
+    ``top_logits`` / ``top_ids`` (N, top_k) float32 / int64: the row's top_k largest logits z and their
+    global ids, by (value descending, id ascending), as ``linear_topk`` selects them (an empty slot,
+    where fewer than top_k logits are neither NaN nor -inf: -inf and id -1); no gradient."""
 
     log_probs: torch.Tensor | None
     entropy: torch.Tensor | None = None
@@ -63,6 +72,15 @@ class HeadOutputs(NamedTuple):
     sum_pi_squared: torch.Tensor | None = None
     gathered_logits: torch.Tensor | None = None
     tail_lse: torch.Tensor | None = None
+    top_logits: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+
+
+def _empty_top(like: torch.Tensor, k: int) -> dict:
+    """``top_logits`` / ``top_ids`` of a call with no rows (empty, where asked)."""
+    if not k:
+        return {}
+    return dict(top_logits=like.new_empty((0, k), dtype=torch.float32), top_ids=like.new_empty((0, k), dtype=torch.int64))
 
 
 @implements("linear", "triton")
@@ -78,13 +96,23 @@ class TritonHead:
             empty = hidden_states.new_empty(0, dtype=torch.float32)
             return HeadOutputs(empty, empty.clone() if params.return_entropy else None, empty.clone(),
                                empty.clone() if params.return_sum_pi_squared else None,
-                               tail_lse=empty.clone() if tail_ids is not None else None)
+                               tail_lse=empty.clone() if tail_ids is not None else None,
+                               **_empty_top(hidden_states, params.top_k))
         cfg = ops.default_config(hidden_states.device, hidden_states.dtype)
         sorted_ids = sorted_tail_ids(tail_ids, 0, weight.shape[0]) if tail_ids is not None else None
-        partials = ops.linear_split_stats(hidden_states, weight, labels, params, cfg, label_check, sorted_ids)
+        partials = ops.linear_split_stats(hidden_states, weight, labels, params, cfg, label_check, sorted_ids,
+                                          params.top_k)
+        if params.top_k:
+            partials, (values, ids) = partials[:-1], partials[-1]
         log_probs, entropy, lse, sum_pi_squared, *tail = ops.split_combine(partials, labels, params,
                                                                            mark_bad=label_check is not None)
-        return HeadOutputs(log_probs, entropy, lse, sum_pi_squared, tail_lse=tail[0] if tail else None)
+        out = HeadOutputs(log_probs, entropy, lse, sum_pi_squared, tail_lse=tail[0] if tail else None)
+        if params.top_k:  # the runs' candidates (base 2, local int32 ids) merged: natural units, -1 when empty
+            n, runs, k = values.shape
+            ids = torch.where(ids < weight.shape[0], ids.long(), -1)
+            values, ids = merge_candidates((values * LN2).reshape(n, runs * k), ids.reshape(n, runs * k), k)
+            out = out._replace(top_logits=values, top_ids=ids)
+        return out
 
     @staticmethod
     def dlogits(hidden_states, weight, labels, saved: HeadOutputs, grads: HeadOutputs, params: HeadParams,
@@ -117,7 +145,11 @@ class TorchHead:
     def forward(hidden_states, weight, labels, params: HeadParams, label_check, tail_ids=None) -> HeadOutputs:
         log_probs, entropy, lse, sum_pi_squared, *tail = torch_forward(hidden_states, weight, labels, params,
                                                                        tail_ids=tail_ids)
-        return HeadOutputs(log_probs, entropy, lse, sum_pi_squared, tail_lse=tail[0] if tail else None)
+        out = HeadOutputs(log_probs, entropy, lse, sum_pi_squared, tail_lse=tail[0] if tail else None)
+        if params.top_k:  # (the twin selects in a pass of its own)
+            values, ids, _ = torch_topk_select(hidden_states, weight, params.top_k, params)
+            out = out._replace(top_logits=values, top_ids=ids)
+        return out
 
     @staticmethod
     def dlogits(hidden_states, weight, labels, saved: HeadOutputs, grads: HeadOutputs, params: HeadParams,
@@ -240,12 +272,15 @@ def forward_body(hidden_states, weight, labels, gather_ids, params: HeadParams, 
 
 def backward_body(hidden_states, weight, labels, gather_ids, entropy, lse, sum_pi_squared, gathered_logits, tail_lse,
                   shard_labels, shard_ids, grad_log_probs, grad_entropy, grad_lse, grad_sum_pi_squared, grad_gathered_logits,
-                  grad_tail_lse, params: HeadParams, tp, need_dh: bool, need_dw: bool) -> tuple:
+                  grad_tail_lse, grad_top_logits, grad_top_ids, params: HeadParams, tp, need_dh: bool,
+                  need_dw: bool) -> tuple:
     """(dh or None, dW or None) in the input dtypes from the forward's saved statistics (None where
     not made) and the upstream gradients (None where none came; made float32 contiguous here);
     ``shard_labels`` / ``shard_ids``: what :func:`forward_body` made for the backward (a shard's
     own, with ``tp``: the partial dh is then summed over the group when ``tp.reduce_hidden_grad``,
-    in float32 and rounded once, as accurate as the unsharded head), else None (the inputs')."""
+    in float32 and rounded once, as accurate as the unsharded head), else None (the inputs'). The top-K
+    outputs have no gradient (``grad_top_logits`` / ``grad_top_ids`` are not read: the public functions
+    hand them out detached)."""
     raise_label_errors()  # a bad label reported by this call's (or an earlier) forward kernel
     grads = HeadOutputs(*[g if g is None else as_float_grad(g) for g in (
         grad_log_probs, grad_entropy, grad_lse, grad_sum_pi_squared, grad_gathered_logits, grad_tail_lse)])
@@ -277,7 +312,8 @@ def linear_head(hidden_states, weight, labels, params: HeadParams, gather_ids=No
 def _made_flags(params: HeadParams, has_gather_ids: bool) -> tuple:
     """Which of ``HeadOutputs``' fields a call makes, written out (the declaration's ``when``s give the
     same, at 0.8 us more per call on the host; tests/api/test_linear_log_probs.py checks that they agree)."""
-    return (True, params.return_entropy, True, params.return_sum_pi_squared, has_gather_ids, params.return_tail)
+    return (True, params.return_entropy, True, params.return_sum_pi_squared, has_gather_ids, params.return_tail,
+            params.top_k > 0, params.top_k > 0)
 
 
 def _asked(inputs, params: HeadParams, sharded: bool) -> tuple:
@@ -314,7 +350,17 @@ def vp_forward(hidden_states, weight, labels, params: HeadParams, gather_ids, tp
         tp.process_group, shard.lse, shard.entropy, z_y, owned, labels, params.ignore_index, tp.vocab_size,
         shard.sum_pi_squared)
     # the merged entropy of ignored rows is 0 here; the backward masks those rows anyway
-    return (log_probs, entropy, lse, sum_pi_squared, None, None, local, None), params
+    return (log_probs, entropy, lse, sum_pi_squared, None, None, *vp_top(shard, tp, params.top_k), local,
+            None), params
+
+
+def vp_top(shard: HeadOutputs, tp, k: int) -> tuple:
+    """(top_logits, top_ids) over the group from a shard's own (local ids), or (None, None) without ``k``."""
+    if not k:
+        return None, None
+    ids = torch.where(shard.top_ids >= 0, shard.top_ids + tp.start, -1)
+    values, ids, _ = gather_topk(tp.process_group, shard.top_logits, ids, shard.top_logits[:, :0], k)
+    return values, ids
 
 
 def vp_gather_forward(hidden_states, weight, labels, ids, params: HeadParams, tp) -> tuple:
@@ -353,7 +399,8 @@ def vp_gather_forward(hidden_states, weight, labels, ids, params: HeadParams, tp
                              f"{int(count[i, cols][j])} shards, expected one (check vocab_start_index)")
     z = gathered[:, :, 1:1 + k].sum(0)
     log_probs = torch.where(valid, (z[:, 0] - lse).clamp_max(0.0), zero)
-    return HeadOutputs(log_probs, None, lse, None, z[:, 1:], tail_lse), shard_labels, shard_ids
+    return (HeadOutputs(log_probs, None, lse, None, z[:, 1:], tail_lse, *vp_top(shard, tp, params.top_k)),
+            shard_labels, shard_ids)
 
 
 def vp_gather_grads(shard_labels, shard_ids, grads: HeadOutputs, ignore_index: int) -> tuple:
@@ -382,7 +429,8 @@ def _op_examples() -> list:
     ids = torch.stack([torch.randperm(11, generator=g)[:3] for _ in range(5)])
     backend = get_backend("torch", h.device)
     return [((h, w, labels, None), HeadParams(backend, 1 / 0.7, -100, True, return_sum_pi_squared=True)),
-            ((h, w, labels, ids), HeadParams(backend, 1 / 0.7, -100, False, "linear_topk_kl", return_tail=True))]
+            ((h, w, labels, ids), HeadParams(backend, 1 / 0.7, -100, False, "linear_topk_kl", return_tail=True,
+                                             top_k=4))]
 
 
 def _shard_labels_dtype(a):  # (vp_forward: the labels' dtype; vp_gather_forward: int64)
@@ -401,6 +449,8 @@ FAMILY = HeadFamily(
              Out("sum_pi_squared", _ROWS, when="return_sum_pi_squared", saved=True),
              Out("gathered_logits", ("hidden_states[0]", "gather_ids[1]"), when="gather_ids", saved=True),
              Out("tail_lse", _ROWS, when="return_tail", saved=True),
+             Out("top_logits", ("hidden_states[0]", "top_k"), when="top_k"),
+             Out("top_ids", ("hidden_states[0]", "top_k"), torch.int64, when="top_k"),
              Out("shard_labels", "labels", _shard_labels_dtype, when=lambda a: a.sharded, saved=True, output=False),
              Out("shard_ids", lambda a: (a.gather_ids.shape[0], 1 + a.gather_ids.shape[1]), "gather_ids",
                  when=lambda a: a.sharded and a.gather_ids is not None, saved=True, output=False)),

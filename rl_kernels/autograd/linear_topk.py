@@ -27,7 +27,7 @@ import torch
 from ..core.backends import Backend, implements
 from ..torch_ops.linear_topk import merge_candidates, torch_topk_select
 from .head_family import HeadFamily, Out
-from .vocab_parallel import all_gather_rows, merge_lse
+from .vocab_parallel import gather_topk, merge_lse
 
 
 class TopkParams(NamedTuple):
@@ -79,14 +79,9 @@ def topk_body(hidden_states, weight, params: TopkParams, tp=None) -> tuple[torch
                 hidden_states.new_empty((0, params.k), dtype=torch.int64))
     values, ids, lse = params.backend.family("linear_topk").select(hidden_states, weight, params)
     if tp is not None:
-        ids = torch.where(ids >= 0, ids + tp.start, -1)
-        part = torch.cat([values, ids.to(torch.int32).view(torch.float32), lse[:, None]], 1)
-        gathered = all_gather_rows(tp.process_group, part)  # (W, N, 2k + 1)
-        world, k = gathered.shape[0], params.k
-        lse, _ = merge_lse(gathered[:, :, 2 * k])
-        values = gathered[:, :, :k].permute(1, 0, 2).reshape(n, world * k)
-        ids = gathered[:, :, k:2 * k].contiguous().view(torch.int32).long().permute(1, 0, 2).reshape(n, world * k)
-        values, ids = merge_candidates(values, ids, k)
+        values, ids, lse_w = gather_topk(tp.process_group, values, torch.where(ids >= 0, ids + tp.start, -1),
+                                         lse[:, None], params.k)
+        lse, _ = merge_lse(lse_w[:, :, 0])
     log_probs = torch.where(ids >= 0, values - lse[:, None], torch.full((), float("nan"), device=values.device))
     return log_probs, ids
 

@@ -42,6 +42,7 @@ import dataclasses
 import torch
 
 from ..core.validation import check_vocab_parallel_args
+from ..torch_ops.linear_topk import merge_candidates
 
 
 def _dist():
@@ -143,6 +144,20 @@ def all_gather_rows(process_group, part: torch.Tensor) -> torch.Tensor:
     gathered = [torch.empty_like(part) for _ in range(dist.get_world_size(process_group))]
     collective(dist.all_gather, gathered, part.contiguous(), group=process_group)
     return torch.stack(gathered)
+
+
+def gather_topk(process_group, values: torch.Tensor, ids: torch.Tensor, extra: torch.Tensor, k: int) -> tuple:
+    """Each shard's top-k (``values`` (N, k) float32, ``ids`` (N, k) int64 global, -1 empty) and an
+    ``extra`` (N, E) float32 of its own, gathered in one all_gather -> (values, ids) (N, k): the
+    group's top k (``torch_ops.linear_topk.merge_candidates``: the same bits on every rank), and the
+    shards' extras (W, N, E)."""
+    n = values.shape[0]
+    part = torch.cat([values, ids.to(torch.int32).view(torch.float32), extra], 1)
+    gathered = all_gather_rows(process_group, part)  # (W, N, 2k + E)
+    world = gathered.shape[0]
+    values = gathered[:, :, :k].permute(1, 0, 2).reshape(n, world * k)
+    ids = gathered[:, :, k:2 * k].contiguous().view(torch.int32).long().permute(1, 0, 2).reshape(n, world * k)
+    return (*merge_candidates(values, ids, k), gathered[:, :, 2 * k:])
 
 
 def finish_hidden_grad(dh, tp, dtype):

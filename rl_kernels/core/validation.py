@@ -261,6 +261,23 @@ def check_int_arg(name: str, value, minimum: int = 0) -> int:
     return int(value)
 
 
+MAX_TOPK = 128  # the largest top-K the kernels select (their candidate list lives in registers)
+
+
+def check_top_k(name: str, k, vocab_size: int | None, weight: torch.Tensor, minimum: int = 1) -> int:
+    """``k``, an int in [minimum, min(MAX_TOPK, vocab_size)] (``vocab_size`` None: a vocab shard whose
+    total is not known, MAX_TOPK alone); TypeError / ValueError naming ``name`` otherwise."""
+    top = MAX_TOPK if vocab_size is None else min(MAX_TOPK, vocab_size)
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise TypeError(f"{name}: expected an int in [{minimum}, min({MAX_TOPK}, vocab_size)], got "
+                        + (f"None ({name} is required: {name}=64)" if k is None else type(k).__name__))
+    if not minimum <= k <= top:
+        raise ValueError(f"{name}: expected an int in [{minimum}, min({MAX_TOPK}, vocab_size)] = [{minimum}, {top}], "
+                         f"got {k}" + (f" (weight {describe(weight)})" if vocab_size is not None and k > vocab_size
+                                       else ""))
+    return k
+
+
 def check_float_arg(name: str, value, minimum: float = 0.0, inclusive: bool = True) -> float:
     """``value`` as a finite float >= ``minimum`` (> with ``inclusive=False``); TypeError for a
     bool, str, tensor ..., ValueError for NaN, inf or out of range, both naming ``name``."""

@@ -433,3 +433,68 @@ def fill_ids(x, fill, ids_ptr, stride_ids, rows64, row_mask, n_ids, at, nxt, col
                                        other=2147483647), nxt)
         local = nxt - col0
     return x, at, nxt
+
+
+# ------------------------------------------------------------------ top-K selection in the tile loop
+# Each row's K best (value, id) pairs so far, in registers ((BLOCK_M, KP) tensors, KP the power of
+# two >= K; slots K..KP-1 are pads that never leave), with the row's worst entry (worst_v, worst_i).
+# Order: value descending, then id ascending (a is better than b when a.v > b.v, or a.v == b.v and
+# a.id < b.id), so the list is the exact top K of what the program has seen, ties to the smaller id.
+# ``linear_topk``'s kernel and the head's forward (its TOPK variant) walk a split's tiles in column
+# order through ``topk_insert``; ``torch_ops.linear_topk.merge_candidates`` merges the splits.
+TOPK_PAD_ID = -2  # the ids of the pad slots K..KP-1 (smaller than every id: never the worst entry)
+TOPK_EMPTY_ID = 2147483647  # (minus the slot) the ids of the empty slots: larger than every id
+
+
+@triton.jit
+def topk_start(rows, K: tl.constexpr, KP: tl.constexpr):
+    """(list_v, list_i, worst_v, worst_i): an empty candidate list for ``rows``: K empty slots
+    (-inf, TOPK_EMPTY_ID - slot: distinct, larger than every id, so any finite logit beats them)
+    and KP - K pads (+inf, TOPK_PAD_ID: never the worst)."""
+    slot = tl.arange(0, KP)
+    real_slot = (slot < K)[None, :] & (rows >= 0)[:, None]
+    list_v = tl.where(real_slot, float("-inf"), float("inf"))
+    list_i = tl.where(real_slot, 2147483647 - slot[None, :], -2)
+    worst_v = tl.full(rows.shape, float("-inf"), tl.float32)
+    worst_i = tl.full(rows.shape, 2147483647, tl.int32)  # slot 0's
+    return list_v, list_i, worst_v, worst_i
+
+
+@triton.jit
+def topk_insert(z, col0, list_v, list_i, worst_v, worst_i, BLOCK_N: tl.constexpr):
+    """The candidate list after the (rows x BLOCK_N) tile ``z`` of the columns [col0, col0 +
+    BLOCK_N), whose ids are larger than every listed one (the split's tiles come in column order);
+    padded columns must be -inf. Only elements that beat the row's worst can enter (a value equal to
+    the worst has a larger id, so it never does); NaN and -inf never enter. While some row still has
+    a beating element, each row takes its largest (the max with the index of its leftmost
+    occurrence: the smallest id among equal values); if it beats the row's worst it takes the worst
+    slot and the worst is found again (min value, then the largest id), else the row is done with
+    this tile. Loop count: the most entries of one row of the tile, plus one (K in a split's first
+    tile, then ~K / t in its t-th for logits in random order)."""
+    offs = tl.arange(0, BLOCK_N)
+    zc = tl.where(z > worst_v[:, None], z, float("-inf"))
+    best_v, best_at = tl.max(zc, axis=1, return_indices=True, return_indices_tie_break_left=True)
+    while tl.max(best_v, axis=0) > float("-inf"):
+        best_i = col0 + best_at
+        enter = (best_v > worst_v) | ((best_v == worst_v) & (best_i < worst_i))
+        enter = enter & (best_v > float("-inf"))
+        at_worst = (list_i == worst_i[:, None]) & enter[:, None]
+        list_v = tl.where(at_worst, best_v[:, None], list_v)
+        list_i = tl.where(at_worst, best_i[:, None], list_i)
+        worst_v = tl.min(list_v, axis=1)
+        worst_i = tl.max(tl.where(list_v == worst_v[:, None], list_i, -2147483647), axis=1)
+        # drop the element taken; a row whose best did not enter is done with this tile
+        zc = tl.where((offs[None, :] == best_at[:, None]) | (~enter)[:, None], float("-inf"), zc)
+        best_v, best_at = tl.max(zc, axis=1, return_indices=True, return_indices_tie_break_left=True)
+    return list_v, list_i, worst_v, worst_i
+
+
+@triton.jit
+def topk_store(cand_v_ptr, cand_i_ptr, rows, row_mask, split, num_splits, list_v, list_i,
+               K: tl.constexpr, KP: tl.constexpr):
+    """The K real slots of the list (unordered) at (row, split) of the (N, num_splits, K) outputs."""
+    slot = tl.arange(0, KP)
+    cand = (rows.to(tl.int64)[:, None] * num_splits + split) * K + slot[None, :]
+    keep = row_mask[:, None] & (slot < K)[None, :]
+    tl.store(cand_v_ptr + cand, list_v, mask=keep)
+    tl.store(cand_i_ptr + cand, list_i, mask=keep)

@@ -85,8 +85,10 @@ import triton.language as tl
 from .building_blocks import (TensorDescriptor, fill_ids, gemm_meta, grouped_tile, ids_below, log_sum_lse,
                               logits_tile_log2, merge_max_sum, merge_q, merge_scales, merge_stats, next_id,
                               persistent_programs, row_scales, scalar_inv_temperature, soft_cap, softcap_args,
-                              stats_entropy, store_window, tma_ok, tma_operands, window_grid, window_tile)
+                              stats_entropy, store_window, tma_ok, tma_operands, topk_insert, topk_start, topk_store,
+                              window_grid, window_tile)
 from .config import BwdTile, KernelConfig, interpreting
+from .linear_topk import topk_splits
 
 
 @triton.jit
@@ -104,12 +106,20 @@ def _linear_split_stats_kernel(
     inv_temperature_ptr=None, ROW_TEMPERATURE: tl.constexpr = False,
     tail_ids_ptr=None, stride_tail_ids=0, n_tail_ids=0, part_mt_ptr=None, part_st_ptr=None,
     TAIL: tl.constexpr = False, BLOCK_IDS: tl.constexpr = 1,
+    cand_v_ptr=None, cand_i_ptr=None, topk_split_v=1, topk_splits=1,
+    TOPK: tl.constexpr = False, K: tl.constexpr = 1, KP: tl.constexpr = 1,
 ):
     # logit_scale: 1 / T, or 1 / softcap with SOFTCAP (then z = softcap_scale * tanh(tile)); with
     # ROW_TEMPERATURE each row's 1 / T (inv_temperature_ptr) multiplies the temperature's scale.
     # TAIL: also the tail sum s_t of the columns that are not among the row's sorted ids (tail_ids_ptr),
-    # the tail-aware top-K KL's tail bucket, relative to m (written as the partials (m, s_t))
-    pid_m, pid_s = grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_M), tl.cdiv(V, SPLIT_V), GROUP_M)
+    # the tail-aware top-K KL's tail bucket, relative to m (written as the partials (m, s_t)).
+    # TOPK: the program walks topk_split_v columns (a whole number of SPLIT_V chunks), storing each
+    # chunk's partials at its last tile and starting the next from the identity (the same bits as a
+    # program per chunk), and keeps each row's K largest logits (building_blocks.topk_insert)
+    if TOPK:
+        pid_m, pid_s = grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_M), topk_splits, GROUP_M)
+    else:
+        pid_m, pid_s = grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_M), tl.cdiv(V, SPLIT_V), GROUP_M)
     row0 = pid_m * BLOCK_M
     rows = row0 + tl.arange(0, BLOCK_M)
     row_mask = rows < N
@@ -122,8 +132,13 @@ def _linear_split_stats_kernel(
     s = tl.zeros((BLOCK_M,), tl.float32)
     b = tl.zeros((BLOCK_M,), tl.float32)
     q = tl.zeros((BLOCK_M,), tl.float32)
-    v_begin = pid_s * SPLIT_V
-    v_end = tl.minimum(v_begin + SPLIT_V, V)
+    if TOPK:
+        v_begin = pid_s * topk_split_v
+        v_end = tl.minimum(v_begin + topk_split_v, V)
+        list_v, list_i, worst_v, worst_i = topk_start(rows, K, KP)
+    else:
+        v_begin = pid_s * SPLIT_V
+        v_end = tl.minimum(v_begin + SPLIT_V, V)
     if TAIL:  # s_t: the tail's sum relative to the same running max m; (at, nxt): each row's next id
         s_t = tl.zeros((BLOCK_M,), tl.float32)
         rows64 = rows.to(tl.int64)
@@ -165,17 +180,40 @@ def _linear_split_stats_kernel(
             _, _, _, a_run, a_tile = merge_scales(m, s, tile_m, tile_s)
             s_t = a_run * s_t + a_tile * tl.sum(e_t, axis=1)
         m, s, b = merge_stats(m, s, b, tile_m, tile_s, tile_b)
+        if TOPK:  # the candidates; at a chunk's last tile its partials, and the identity again
+            list_v, list_i, worst_v, worst_i = topk_insert(z2, v0, list_v, list_i, worst_v, worst_i, BLOCK_N)
+            chunk_end = ((v0 + BLOCK_N) % SPLIT_V == 0) | (v0 + BLOCK_N >= v_end)
+            _store_partials(part_m_ptr, part_s_ptr, part_b_ptr, part_q_ptr, part_mt_ptr, part_st_ptr,
+                            (rows.to(tl.int64) * 0 + v0 // SPLIT_V) * N + rows, row_mask & chunk_end,
+                            m, s, b, q, s_t if TAIL else s, ENTROPY, SUM_PI_SQUARED, TAIL)
+            m = tl.where(chunk_end, float("-inf"), m)
+            s = tl.where(chunk_end, 0.0, s)
+            b = tl.where(chunk_end, 0.0, b)
+            q = tl.where(chunk_end, 0.0, q)
+            if TAIL:
+                s_t = tl.where(chunk_end, 0.0, s_t)
 
-    out = pid_s.to(tl.int64) * N + rows
-    tl.store(part_m_ptr + out, m, mask=row_mask)
-    tl.store(part_s_ptr + out, s, mask=row_mask)
+    if TOPK:
+        topk_store(cand_v_ptr, cand_i_ptr, rows, row_mask, pid_s, topk_splits, list_v, list_i, K, KP)
+    else:
+        _store_partials(part_m_ptr, part_s_ptr, part_b_ptr, part_q_ptr, part_mt_ptr, part_st_ptr,
+                        pid_s.to(tl.int64) * N + rows, row_mask, m, s, b, q, s_t if TAIL else s,
+                        ENTROPY, SUM_PI_SQUARED, TAIL)
+
+
+@triton.jit
+def _store_partials(part_m_ptr, part_s_ptr, part_b_ptr, part_q_ptr, part_mt_ptr, part_st_ptr, out, mask,
+                    m, s, b, q, s_t, ENTROPY: tl.constexpr, SUM_PI_SQUARED: tl.constexpr, TAIL: tl.constexpr):
+    """A split's (or, with TOPK, a chunk's) partials at ``out`` ((S, N) row-major offsets)."""
+    tl.store(part_m_ptr + out, m, mask=mask)
+    tl.store(part_s_ptr + out, s, mask=mask)
     if ENTROPY:
-        tl.store(part_b_ptr + out, b, mask=row_mask)
+        tl.store(part_b_ptr + out, b, mask=mask)
     if SUM_PI_SQUARED:
-        tl.store(part_q_ptr + out, q, mask=row_mask)
+        tl.store(part_q_ptr + out, q, mask=mask)
     if TAIL:  # (m, s_t): the tail's partials share the split's max
-        tl.store(part_mt_ptr + out, m, mask=row_mask)
-        tl.store(part_st_ptr + out, s_t, mask=row_mask)
+        tl.store(part_mt_ptr + out, m, mask=mask)
+        tl.store(part_st_ptr + out, s_t, mask=mask)
 
 
 @triton.jit(do_not_specialize=["check_id"])
@@ -258,6 +296,7 @@ def linear_split_stats(
     cfg: KernelConfig,
     label_check: tuple[torch.Tensor, int] | None = None,
     tail_ids: torch.Tensor | None = None,
+    top_k: int = 0,
 ) -> tuple[torch.Tensor, ...]:
     """Per-split partials of the linear head.
 
@@ -272,7 +311,11 @@ def linear_split_stats(
     contiguous, each row sorted (``autograd.head_family.sorted_tail_ids``): a 6th output, the (2, S, N) float32
     tail partials (m_t, s_t) over the columns that are not among the row's ids, m_t the split's max m
     (the TAIL variant; FLATTEN and WARP_SPEC are off in it: ``fill_ids``' loop stays out of the
-    pipeliner).
+    pipeliner). ``top_k`` (1 to 128): a last output, the row's top-K candidates (the TOPK variant:
+    each program walks a run of whole splits, :func:`~.linear_topk.topk_splits` runs per row block,
+    and stores every split's partials as a program per split would, the same bits): (values (N, R,
+    top_k) float32 in base 2 (log2(e) z), local ids (N, R, top_k) int32), unordered, each run's exact
+    top K, empty slots -inf with an id >= V (``autograd.linear.TritonHead`` merges them).
     """
     inv_temperature, softcap = params.inv_temperature, params.softcap
     return_entropy, return_sum_pi_squared = params.return_entropy, params.return_sum_pi_squared
@@ -287,6 +330,20 @@ def linear_split_stats(
         tail = torch.empty((2, num_splits, n), dtype=torch.float32, device=hidden_states.device)
         tail_args = tail_kernel_args(tail_ids, part_mt_ptr=tail[0], part_st_ptr=tail[1])
         pipeline = dict(FLATTEN=False, WARP_SPEC=False)
+    candidates, topk_args = None, {}
+    if top_k:
+        row_blocks = triton.cdiv(n, cfg.block_m)
+        runs = topk_splits(row_blocks, num_splits, hidden_states.device)
+        run_v = triton.cdiv(num_splits, runs) * cfg.split_v
+        runs = triton.cdiv(v, run_v)  # (every run non-empty)
+        candidates = (torch.empty((n, runs, top_k), dtype=torch.float32, device=hidden_states.device),
+                      torch.empty((n, runs, top_k), dtype=torch.int32, device=hidden_states.device))
+        topk_args = dict(cand_v_ptr=candidates[0], cand_i_ptr=candidates[1], topk_split_v=run_v, topk_splits=runs,
+                         TOPK=True, K=top_k, KP=triton.next_power_of_2(top_k))
+        grid = (row_blocks * runs,)
+        # (one pipeline across the run's tiles as linear_topk's, where it compiles: TMA, 16-bit, no tail)
+        flatten = pipeline["FLATTEN"] and use_tma and hidden_states.dtype != torch.float32
+        pipeline = dict(FLATTEN=flatten, WARP_SPEC=False)
     _linear_split_stats_kernel[grid](
         *operands,
         parts[0], parts[1], parts[2], parts[-1],
@@ -297,11 +354,12 @@ def linear_split_stats(
         ENTROPY=return_entropy, UPCAST=cfg.upcast(hidden_states.dtype),
         DOT_PRECISION=cfg.dot_precision(hidden_states.dtype), GROUP_M=cfg.group_m,
         USE_TMA=use_tma, EVEN_V=v % cfg.block_n == 0, SUM_PI_SQUARED=return_sum_pi_squared,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pipeline, **tail_args,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pipeline, **tail_args, **topk_args,
     )
     out = (parts[0], parts[1], parts[2], label_logits(hidden_states, weight, labels, params, label_check),
            parts[3] if return_sum_pi_squared else None)
-    return out if tail is None else out + (tail,)
+    out = out if tail is None else out + (tail,)
+    return out if candidates is None else out + (candidates,)
 
 
 def tail_kernel_args(tail_ids: torch.Tensor, **pointers) -> dict:

@@ -5,21 +5,10 @@ never stored.
 Selection. Program (pid_m, pid_s) owns rows [pid_m*BLOCK_M, +BLOCK_M) and the vocab columns of its
 top-K split (a whole number of lse chunks, below). It walks the split's BLOCK_N tiles in column
 order (the K-loop GEMM tile of ``building_blocks.logits_tile``, fp32 accumulator) and keeps, per row, a
-candidate list of K (value, id) pairs in registers ((BLOCK_M, KP) tensors, KP = the power of two
->= K; slots K..KP-1 are pads that never leave) together with the list's worst entry (w_v, w_id).
-The order is (value descending, id ascending): a is better than b when a.v > b.v, or a.v == b.v
-and a.id < b.id, so the list is the exact top-K of what the program has seen, ties broken by the
-smaller id. Per tile:
-  * beat = z > w_v (z == w_v with id < w_id cannot happen: the split's columns ascend, so a tile's
-    ids are larger than every listed one); NaN and -inf logits never beat (never selected);
-  * while some row of the block still has a beating element: each row takes its largest one
-    (value max, then the smallest id among equal values: one max reduction with the index of the
-    leftmost occurrence); if it beats the row's current worst
-    it replaces the worst slot and the worst is found again (min value, then the largest id);
-    otherwise nothing of the row's tile can enter any more (it was its largest) and the row
-    stops. The loop count is the largest number of entries of one row of the block into the
-    list in this tile, plus one: K in a split's first tile, then ~K / t in its t-th tile for
-    logits in random order (a few per tile after the first tens of tiles of a long split).
+candidate list of the K best (value, id) pairs in registers, updated per tile by
+``building_blocks.topk_insert`` (the exact top K of what the program has seen, ties to the smaller
+id; NaN and -inf logits never selected; about K / t entries into the list in the t-th tile of a
+split for logits in random order, so a few per tile after the first tens of tiles of a long split).
 Statistics. The same tile feeds the running (m, s) = (max z, sum exp(z - m)) of the row, stored
 and reset at the end of every lse chunk of ``cfg.split_v`` columns (the fused head's split), so
 the chunks' statistics, and the lse that ``_chunk_lse_kernel`` merges from them in chunk order,
@@ -44,12 +33,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .building_blocks import (grouped_tile, log_sum_lse, logits_tile, merge_stats, multiprocessors, row_scales,
-                              soft_cap, softcap_args, tma_operands)
+from .building_blocks import (grouped_tile, log_sum_lse, logits_tile, merge_stats,
+                              multiprocessors, row_scales, soft_cap, softcap_args, tma_operands, topk_insert,
+                              topk_start, topk_store)
 from .config import KernelConfig
 
-PAD_ID = -2  # the ids of the pad slots K..KP-1 (smaller than every id: never the worst entry)
-EMPTY_ID = 2147483647  # (minus the slot) the ids of the empty slots: larger than every id
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,23 +95,14 @@ def _linear_topk_kernel(
         row_inv_temperature = tl.load(inv_temperature_ptr + rows, mask=row_mask, other=1.0)[:, None]
         tile_scale, cap_scale = row_scales(row_inv_temperature, logit_scale, softcap_scale, SOFTCAP)
 
-    # the candidate list: K empty slots (-inf, EMPTY_ID - slot: distinct, larger than every id, so
-    # a real logit, even -inf, would beat them; -inf is excluded below) and KP - K pads
-    # (+inf, PAD_ID: never the worst)
-    slot = tl.arange(0, KP)
-    real_slot = (slot < K)[None, :] & (rows >= 0)[:, None]
-    list_v = tl.where(real_slot, float("-inf"), float("inf"))
-    list_i = tl.where(real_slot, 2147483647 - slot[None, :], -2)
-    worst_v = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    worst_i = tl.full((BLOCK_M,), 2147483647, tl.int32)  # slot 0's
+    list_v, list_i, worst_v, worst_i = topk_start(rows, K, KP)
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     s = tl.zeros((BLOCK_M,), tl.float32)
 
     v_begin = pid_s * split_v
     v_end = tl.minimum(v_begin + split_v, V)
     for v0 in tl.range(v_begin, v_end, BLOCK_N, flatten=FLATTEN):
-        offs = tl.arange(0, BLOCK_N)
-        cols = v0 + offs
+        cols = v0 + tl.arange(0, BLOCK_N)
         col_mask = cols < v_end
         z = logits_tile(h_ptr, w_ptr, rows, cols, row_mask, col_mask, H,
                         stride_hn, stride_hk, stride_wv, stride_wk, tile_scale,
@@ -144,31 +123,9 @@ def _linear_topk_kernel(
         m = tl.where(chunk_end, float("-inf"), m)
         s = tl.where(chunk_end, 0.0, s)
 
-        # the tile's elements that beat the row's worst candidate; the rest (and NaN, -inf) -> -inf.
-        # A value equal to the worst never beats it here: the split's columns are walked in
-        # ascending order, so every column of this tile has a larger id than every listed one
-        zc = tl.where(z > worst_v[:, None], z, float("-inf"))
-        # each row's best remaining element: its value, then the smallest id among equal ones (one
-        # reduction: the max with the index of its leftmost occurrence, columns ascending)
-        best_v, best_at = tl.max(zc, axis=1, return_indices=True, return_indices_tie_break_left=True)
-        while tl.max(best_v, axis=0) > float("-inf"):
-            best_i = v0 + best_at
-            enter = (best_v > worst_v) | ((best_v == worst_v) & (best_i < worst_i))
-            enter = enter & (best_v > float("-inf"))
-            at_worst = (list_i == worst_i[:, None]) & enter[:, None]
-            list_v = tl.where(at_worst, best_v[:, None], list_v)
-            list_i = tl.where(at_worst, best_i[:, None], list_i)
-            worst_v = tl.min(list_v, axis=1)
-            worst_i = tl.max(tl.where(list_v == worst_v[:, None], list_i, -2147483647), axis=1)
-            # drop the element taken; a row whose best did not enter is done with this tile
-            zc = tl.where((offs[None, :] == best_at[:, None]) | (~enter)[:, None], float("-inf"), zc)
-            best_v, best_at = tl.max(zc, axis=1, return_indices=True, return_indices_tie_break_left=True)
+        list_v, list_i, worst_v, worst_i = topk_insert(z, v0, list_v, list_i, worst_v, worst_i, BLOCK_N)
 
-    # the K real slots of the list (unordered)
-    cand = (rows.to(tl.int64)[:, None] * num_splits + pid_s) * K + slot[None, :]
-    keep = row_mask[:, None] & (slot < K)[None, :]
-    tl.store(cand_v_ptr + cand, list_v, mask=keep)
-    tl.store(cand_i_ptr + cand, list_i, mask=keep)
+    topk_store(cand_v_ptr, cand_i_ptr, rows, row_mask, pid_s, num_splits, list_v, list_i, K, KP)
 
 
 @triton.jit

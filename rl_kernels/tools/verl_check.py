@@ -50,7 +50,7 @@ from typing import NamedTuple
 from ..integrations.verl_impl.modes import TAIL_MODE
 from ..integrations.verl_impl.schema import (BACKEND_NAME, VerlOptions, loss_rows_refusal, names_rl_kernels,
                                              refused_together, validated_options)
-from ..linear import MAX_TOPK
+from ..core.validation import MAX_TOPK
 
 GROUP = "rl_kernels"
 """The Hydra group (``+rl_kernels=fused``) and its package on the search path."""
@@ -548,15 +548,15 @@ def _fused_distillation_note(cfg: dict, model: dict, opts: VerlOptions) -> str:
                 f"patch_megatron_fused=False, or use_fused_kernels=False")
     topk = _section(cfg, "distillation.distillation_loss.topk")
     if opts.overlap_metrics and isinstance(topk, int) and not isinstance(topk, bool) and topk > MAX_TOPK:
-        overlap = (f"WARNING: no overlap metrics for topk={topk}: K > {MAX_TOPK}, the largest k of "
-                   f"rl_kernels.linear_topk, gets no overlap metrics (overlap_count, overlap_token_advantage) on the "
+        overlap = (f"WARNING: no overlap metrics for topk={topk}: K > {MAX_TOPK}, the largest K the fused "
+                   f"head selects, gets no overlap metrics (overlap_count, overlap_token_advantage) on the "
                    f"fused paths, so verl logs no distillation/overlap_ratio. Fix: distillation.distillation_loss."
                    f"topk={MAX_TOPK} or less for them, or overlap_metrics=false")
     else:
         overlap = None
     overlap = overlap or (
-        "the overlap metrics too (overlap_count, overlap_token_advantage: rl_kernels.linear_topk, about 1.5 "
-        "head matmuls more per micro-batch; overlap_metrics=false turns them off)" if opts.overlap_metrics
+        "the overlap metrics too (overlap_count, overlap_token_advantage: the student's top K selected in the "
+        "fused head's forward; overlap_metrics=false turns them off)" if opts.overlap_metrics
         else "the overlap metrics off (overlap_metrics=false: verl logs no distillation/overlap_ratio)")
     if strategy == "megatron":
         return (f"; top-K distillation (loss_mode={mode}) served on the Megatron fused path (distillation_losses, "

@@ -140,7 +140,7 @@ def main() -> None:
         diag.jit_kernel("linear_split_stats"), gemm,
         dict(meta, SPLIT_V=cfg.split_v, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ENTROPY=True, EVEN_V=True,
              FLATTEN=False, WARP_SPEC=False, SUM_PI_SQUARED=False, SOFTCAP=False, LIBDEVICE=False,
-             ROW_TEMPERATURE=False, TAIL=False, BLOCK_IDS=1),
+             ROW_TEMPERATURE=False, TAIL=False, BLOCK_IDS=1, TOPK=False, K=1, KP=1),
         cfg.num_warps, cfg.num_stages)
     report("fused forward (fp / select / compare)", instructions(fs),
            cfg.block_m * cfg.block_n // (32 * cfg.num_warps), only_fp=True)

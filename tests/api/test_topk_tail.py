@@ -274,7 +274,8 @@ def test_changed_ops_pass_opcheck():
     assert out[5].shape == (N,) and torch.isfinite(out[5]).all()
     lse, tail = out[2], out[5]
     g = torch.Generator().manual_seed(1)
-    grads = (None, None, torch.randn(N, generator=g), None, torch.randn(N, K, generator=g), torch.randn(N, generator=g))
+    grads = (None, None, torch.randn(N, generator=g), None, torch.randn(N, K, generator=g), torch.randn(N, generator=g),
+             None, None)  # (the top-K outputs: no gradient)
     torch.library.opcheck(torch.ops.rl_kernels.linear_backward.default,
                           (h, w, labels, ids, None, lse, None, out[4], tail, None, None, *grads, True, True, *args))
     torch.library.opcheck(torch.ops.rl_kernels.counted_positions.default,

@@ -571,7 +571,7 @@ def _check_engine_fused_topk(rkv, mti, rank, world):
         torch.testing.assert_close(ours_emb, ref_emb, **GRAD)
         torch.testing.assert_close(ours_w, ref_w, **GRAD)
         # the fused path: every output of verl's logits path, the overlap metrics included (the student's top K
-        # from rl_kernels.linear_topk over the TP group)
+        # selected in the fused head's forward, merged over the TP group)
         assert set(got) == set(ref), (set(got), set(ref))
         assert ("log_probs" in got) is not flags["distillation_only"]
         for key in got:
@@ -1088,7 +1088,7 @@ def _check_engine_tail(rkv, mti, rank, world):
         torch.testing.assert_close(d_emb.double(), e64.grad, **GRAD)
         torch.testing.assert_close(d_w.double(), w64.grad[rank * V_R:(rank + 1) * V_R], **GRAD)
         assert _same_on_all_ranks(out["distillation_losses"].values().detach())
-    # the overlap metrics of the tail mode (its unclamped terms): the fused path's (rl_kernels.linear_topk over the
+    # the overlap metrics of the tail mode (its unclamped terms): the fused path's (the fused head's top K over the
     # TP group) equal the logits path's (the student's top K from the logits shards)
     fused, logits = results[True][0], results[False][0]
     assert torch.equal(fused["overlap_count"].values(), logits["overlap_count"].values())

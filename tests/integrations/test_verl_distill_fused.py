@@ -174,7 +174,7 @@ def test_fused_forward_fills_fused_linear_aux_as_verls_logits_path(qwen2_forward
     torch.testing.assert_close(got[2], ref[2], **GRAD_TOL, msg="d loss / d lm_head.weight")
     # the clamp is active on both sides somewhere, so its (zero) gradient rule is exercised
     assert bool((t_lp < CLAMP).any()) and bool((student_lq < CLAMP).any())
-    # verl's overlap metrics, the student's top K from rl_kernels.linear_topk, equal verl's own (torch.topk of
+    # verl's overlap metrics, the student's top K from the fused head's forward, equal verl's own (torch.topk of
     # the logits), and verl's registered loss logs them; an engine without _gather_and_unpad_packed (verl
     # 0.8.0) cannot lay them out: none there (a WARNING says so)
     if not distill_losses._engine_lays_out_extra():
@@ -370,17 +370,14 @@ def test_megatron_fused_top_k_reported_and_says_so_where_not_served(monkeypatch,
     assert len(said) == 1, caplog.messages
 
 
-def test_fused_overlap_metrics_beyond_what_linear_topk_selects_are_left_out(caplog, monkeypatch):
-    """topk above rl_kernels.linear_topk's 128: no overlap metrics on the fused paths (verl's loss logs
-    none) and one WARNING saying so, never an error in the training step."""
+def test_fused_overlap_metrics_beyond_what_the_fused_head_selects_are_left_out(caplog, monkeypatch):
+    """topk above the fused top-K selection's 128: no overlap metrics on the fused paths (no top K asked
+    of the head: verl's loss logs none) and one WARNING saying so, never an error in the training step;
+    at 128 the head is asked for them."""
     monkeypatch.setattr(_logging, "_seen", set())  # (log_once: once per process)
-    g = torch.Generator().manual_seed(6)
-    hidden, weight = torch.randn(3, 8, generator=g), torch.randn(300, 8, generator=g)
-    teacher_ids, terms = torch.randint(0, 300, (3, 129), generator=g), torch.zeros(3, 129)
     with caplog.at_level("WARNING", logger="rl_kernels"):
-        got = distill_losses.fused_overlap_metrics(hidden, weight, teacher_ids, terms, terms, temperature=1.0,
-                                            backend="torch", path="FSDP fused path")
-    assert got == {}
+        assert distill_losses.overlap_top_k(torch.zeros(3, 129, dtype=torch.int64), "FSDP fused path") == 0
+        assert distill_losses.overlap_top_k(torch.zeros(3, 128, dtype=torch.int64), "FSDP fused path") == 128
     said = [m for m in caplog.messages if "overlap metrics are not computed with topk=129" in m]
     assert len(said) == 1 and "at most 128" in said[0], caplog.messages
 

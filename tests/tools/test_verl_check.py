@@ -277,8 +277,10 @@ def test_the_check_leaves_verl_unpatched():
                                                         "patch_megatron_fused=False"),
     ("fsdp", False, {}, "WARNING: top-K distillation (loss_mode=forward_kl_topk) is NOT served on the fused path with "
                         "use_remove_padding=False"),
-    ("fsdp2", True, {}, "; the overlap metrics too (overlap_count, overlap_token_advantage: rl_kernels.linear_topk"),
-    ("megatron", True, {}, "; the overlap metrics too (overlap_count, overlap_token_advantage: rl_kernels.linear_topk"),
+    ("fsdp2", True, {}, "; the overlap metrics too (overlap_count, overlap_token_advantage: the student's top K "
+                        "selected in the fused head's forward"),
+    ("megatron", True, {}, "; the overlap metrics too (overlap_count, overlap_token_advantage: the student's top K "
+                           "selected in the fused head's forward"),
     ("fsdp2", True, {"overlap_metrics": False}, "; the overlap metrics off (overlap_metrics=false: verl logs no "
                                                 "distillation/overlap_ratio)"),
     ("megatron", True, {"overlap_metrics": False}, "; the overlap metrics off (overlap_metrics=false"),
@@ -408,10 +410,10 @@ def test_a_loss_mode_verl_does_not_know_is_off_with_the_nearest(capsys, mode, ne
 
 @pytest.mark.skipif(not _has_distillation(), reason="this verl has no distillation (0.7.x)")
 @pytest.mark.parametrize("topk,metrics", [(128, True), (129, False), (256, False)])
-def test_the_fused_line_claims_overlap_metrics_only_up_to_linear_topks_limit(capsys, topk, metrics):
-    """issue 52: topk=256 was reported with 'the overlap metrics too (... linear_topk ...)', although K above
-    rl_kernels.linear_topk's limit gets none on the fused paths."""
-    from rl_kernels.linear import MAX_TOPK
+def test_the_fused_line_claims_overlap_metrics_only_up_to_the_fused_selections_limit(capsys, topk, metrics):
+    """issue 52: topk=256 was reported with 'the overlap metrics too', although K above the fused top-K
+    selection's limit gets none on the fused paths."""
+    from rl_kernels.core.validation import MAX_TOPK
 
     code = main(["verl-check", *BASE, *DISTILL, f"{LOSS_MODE}=forward_kl_topk",
                  f"distillation.distillation_loss.topk={topk}"])
@@ -419,7 +421,7 @@ def test_the_fused_line_claims_overlap_metrics_only_up_to_linear_topks_limit(cap
     assert code == 0 and "top-K distillation (loss_mode=forward_kl_topk) served on the fused path" in line, line
     assert ("the overlap metrics too" in line) == metrics, line
     if not metrics:
-        assert f"WARNING: no overlap metrics for topk={topk}: K > {MAX_TOPK}, the largest k of rl_kernels.linear_topk" \
+        assert f"WARNING: no overlap metrics for topk={topk}: K > {MAX_TOPK}, the largest K the fused head selects" \
             in line, line
         assert "Fix: distillation.distillation_loss.topk=128 or less for them, or overlap_metrics=false" in line, line
 

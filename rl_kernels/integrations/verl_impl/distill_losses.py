@@ -43,10 +43,9 @@ them into the engine's forward_step output (:func:`.megatron_step.serve_megatron
 serve the tail mode too (``linear_log_probs_at_ids(return_tail=True)``; on the FSDP route the two tail
 outputs, which verl's engine does not read from ``fused_linear_aux``, are laid out by
 :func:`~.fsdp_engine.lay_out_outputs` with the engine's own ``_gather_and_unpad_packed``). Both fused routes give
-verl's overlap metrics too (:func:`fused_overlap_metrics`, the same :func:`overlap_metrics` as the
-logits paths, the student's top K from :func:`rl_kernels.linear_topk` of the same head: no logits,
-one more pass over the head), laid out as the other outputs, unless the option ``overlap_metrics``
-is off.
+verl's overlap metrics too (the same :func:`overlap_metrics` as the logits paths; the student's top K
+selected in the fused head's own forward, ``linear_log_probs_at_ids(top_k=K)``, :func:`overlap_top_k`: no
+logits, no pass of its own), laid out as the other outputs, unless the option ``overlap_metrics`` is off.
 """
 from __future__ import annotations
 
@@ -59,7 +58,7 @@ import torch
 
 from ...core._logging import log_once
 from ...distill import linear_log_probs_at_ids
-from ...linear import MAX_TOPK, linear_topk
+from ...core.validation import MAX_TOPK
 from ...logits import topk_log_probs_from_logits
 from . import modes
 from .patch_state import (VerlIntegrationError, check_signature, left_to_verl, outside_kernels, record, replace_by_name,
@@ -328,31 +327,26 @@ def logits_topk_outputs(student_logits, teacher_log_probs, teacher_ids, loss_con
     return out
 
 
-def fused_overlap_metrics(hidden_states, weight, teacher_ids, slot_t, slot_q, *, temperature, backend: str,
-                          path: str, process_group=None, vocab_start_index=None) -> dict:
-    """:func:`overlap_metrics` on a fused path (no logits): the student's top-K ids from
-    :func:`rl_kernels.linear_topk` of the same head (``hidden_states`` (..., H), ``weight`` the full
-    head or this rank's vocab shard with ``process_group`` / ``vocab_start_index``; ``temperature``
-    as the fused head takes it), without gradient. Empty where the option ``overlap_metrics`` is off,
-    or where K exceeds what ``linear_topk`` selects (one WARNING: verl's loss then logs none)."""
+def overlap_top_k(teacher_ids, path: str) -> int:
+    """The K of the student's top K that verl's overlap metrics need on a fused path (the teacher's K:
+    ``teacher_ids`` (..., K)), for ``linear_log_probs_at_ids(top_k=K)``, which selects them in the fused
+    head's own forward: 0 where the option ``overlap_metrics`` is off, or where K exceeds what the
+    kernels select (one WARNING: verl's loss then logs none)."""
     k = teacher_ids.shape[-1]
     on = options().overlap_metrics
     if not on or k > MAX_TOPK:
         if on:
             log_once(logging.WARNING, f"rl_kernels: top-K distillation on the {path}: the overlap metrics are not "
-                     f"computed with topk={k} (rl_kernels.linear_topk selects at most {MAX_TOPK}); verl's loss logs "
+                     f"computed with topk={k} (the fused head selects at most {MAX_TOPK}); verl's loss logs "
                      f"none (verl's logits path, use_fused_kernels=False, computes them)")
         else:
             log_once(logging.INFO, f"rl_kernels: top-K distillation on the {path}: overlap metrics off "
                      f"(fused_kernel_options.rl_kernels.overlap_metrics=false)")
-        return {}
+        return 0
     log_once(logging.INFO, f"rl_kernels: top-K distillation on the {path}: overlap metrics from the student's top "
-             f"K by rl_kernels.linear_topk (fused_kernel_options.rl_kernels.overlap_metrics=false turns them off)")
-    with torch.no_grad():
-        _, student_ids = linear_topk(hidden_states.detach(), weight.detach(), temperature=temperature, k=k,
-                                     backend=backend, process_group=process_group,
-                                     vocab_start_index=vocab_start_index)
-    return overlap_metrics(teacher_ids, student_ids, slot_t, slot_q)
+             f"K, selected in the fused head's forward (fused_kernel_options.rl_kernels.overlap_metrics=false "
+             f"turns them off)")
+    return k
 
 
 
@@ -426,8 +420,8 @@ def serve_fused_topk(step, hidden_states, weight, labels, *, temperature: float,
     student's log-probs at the teacher's ids, all from one call of
     :func:`rl_kernels.distill.linear_log_probs_at_ids` (no N x V tensor in forward or backward).
     ``outputs['extra']``: the tail mode's other outputs, and verl's overlap metrics
-    (:func:`fused_overlap_metrics`: one more pass over the head, :func:`rl_kernels.linear_topk`,
-    unless the option ``overlap_metrics`` is off), which :func:`~.fsdp_engine.lay_out_outputs` lays out.
+    (the student's top K selected in the same call, :func:`overlap_top_k`, unless the option
+    ``overlap_metrics`` is off), which :func:`~.fsdp_engine.lay_out_outputs` lays out.
     The teacher's packed (1, total, K) tensors are sliced for this Ulysses rank with verl's helpers,
     as verl's logits path slices them. ``loss_rows``: ``(index, shape)`` under the option
     ``loss_rows_only``, where ``hidden_states`` / ``labels`` hold this rank's rows at ``index`` only
@@ -464,24 +458,25 @@ def serve_fused_topk(step, hidden_states, weight, labels, *, temperature: float,
             f"rl_kernels.integrations.verl: top-K distillation on the fused path: the teacher's top-K tensors "
             f"(ids {tuple(teacher_ids.shape)}, log-probs {tuple(teacher_log_probs.shape)}) do not match the "
             f"student's tokens {tuple(labels.shape)} on this rank")
+    # (the student's top K for the overlap metrics, where verl's engine can lay them out)
+    top_k = overlap_top_k(teacher_ids, "FSDP fused path") if _engine_lays_out_extra() else 0
     if is_tail_mode(loss_config):
-        log_probs, entropy, log_q, tail_log_probs = linear_log_probs_at_ids(
+        log_probs, entropy, log_q, tail_log_probs, *student_top = linear_log_probs_at_ids(
             hidden_states, weight, labels, distinct_on_padding(teacher_ids, rows), temperature=temperature,
-            return_entropy=return_entropy, backend=backend, return_tail=True)
+            return_entropy=return_entropy, backend=backend, return_tail=True, top_k=top_k)
         terms = tail_terms(log_q, tail_log_probs, teacher_log_probs)
         aux = FusedLinearAux(*(terms.pop(key) for key in FusedLinearAux._fields))
         slot_t, slot_q = teacher_log_probs.float(), log_q
     else:
-        log_probs, entropy, log_q = linear_log_probs_at_ids(hidden_states, weight, labels, teacher_ids,
-                                                            temperature=temperature, return_entropy=return_entropy,
-                                                            backend=backend)
+        log_probs, entropy, log_q, *student_top = linear_log_probs_at_ids(
+            hidden_states, weight, labels, teacher_ids, temperature=temperature, return_entropy=return_entropy,
+            backend=backend, top_k=top_k)
         losses, student_mass, teacher_mass, slot_q, slot_t = topk_terms(log_q, teacher_log_probs,
                                                                         loss_config.log_prob_min_clamp)
         aux = FusedLinearAux(losses, student_mass.detach(), teacher_mass.float())
         terms = {}
-    if _engine_lays_out_extra():  # (float32 advantage, as the aux outputs of this path)
-        terms.update(fused_overlap_metrics(hidden_states, weight, teacher_ids, slot_t, slot_q,
-                                           temperature=temperature, backend=backend, path="FSDP fused path"))
+    if top_k:  # (float32 advantage, as the aux outputs of this path)
+        terms.update(overlap_metrics(teacher_ids, student_top[1], slot_t, slot_q))
     if loss_rows is not None:  # back to the rank's rows, 0 outside the loss
         index, shape = loss_rows
         aux = FusedLinearAux(*(scatter_rows(t.reshape(-1), index, shape) for t in aux))
@@ -507,8 +502,8 @@ STEP_PARAMETERS = ["self", "batch_iter", "model", "logits_processor_func", "post
 # ``postprocess_thd_engine`` into forward_step's output). The constants above name what it wraps.
 
 
-_OVERLAP = ("verl's overlap metrics (overlap_count, overlap_token_advantage) from the student's top K by "
-            "rl_kernels.linear_topk (about 1.5 head matmuls more per micro-batch forward) unless "
+_OVERLAP = ("verl's overlap metrics (overlap_count, overlap_token_advantage) from the student's top K, selected "
+            "in the fused head's forward, unless "
             "fused_kernel_options.rl_kernels.overlap_metrics=false (read per call)")
 
 

@@ -65,8 +65,8 @@ from .patch_state import (VerlIntegrationError, check_loss_rows_audit, count, en
                           new_step, record, refuse_loss_rows, replace_by_name, set_attr, step_request)
 from .distill_losses import (_OVERLAP, MEGATRON_ENGINE_CLASS, MEGATRON_ENGINE_MODULE, MEGATRON_FUSED_MODULE,
                              MEGATRON_FUSED_PART, MEGATRON_MODULE, NOT_IN_THIS_VERL, STEP_PARAMETERS, _flag,
-                             _loss_config, _token_rows, fused_overlap_metrics)
-from .distill_terms import distinct_on_padding, tail_terms, topk_terms
+                             _loss_config, _token_rows, overlap_top_k)
+from .distill_terms import distinct_on_padding, overlap_metrics, tail_terms, topk_terms
 from .modes import TAIL_MODE, is_tail_mode
 from .schema import refused_together
 from .settings import options
@@ -462,9 +462,9 @@ def serve_megatron_topk(loss_config, teacher_log_probs, teacher_ids, teacher_row
     :func:`~.distill_terms.topk_terms` with ``clamp_masses``, or :func:`~.distill_terms.tail_terms`
     for ``forward_kl_topk_tail``, per ``loss_config``) from the student's log-probs at the teacher's
     ids (and its tail log-mass), and verl's overlap metrics unless the option ``overlap_metrics`` is
-    off (:func:`~.distill_losses.fused_overlap_metrics`: :func:`rl_kernels.linear_topk` over the TP group,
-    one more pass over the head): one :func:`rl_kernels.distill.linear_log_probs_at_ids` call, or,
-    for the entropy on a vocab shard (not implemented with gathered logits), ``linear_log_probs``
+    off (the student's top K over the TP group, selected in the same forward:
+    :func:`~.distill_losses.overlap_top_k`): one :func:`rl_kernels.distill.linear_log_probs_at_ids` call,
+    or, for the entropy on a vocab shard (not implemented with gathered logits), ``linear_log_probs``
     and a second pass for the ids. No N x V tensor."""
     import rl_kernels
 
@@ -472,6 +472,7 @@ def serve_megatron_topk(loss_config, teacher_log_probs, teacher_ids, teacher_row
     teacher_log_probs = teacher_log_probs.to(h2.device)
     tail = is_tail_mode(loss_config)
     extra = {"return_tail": True} if tail else {}
+    top_k = overlap_top_k(teacher_ids, "Megatron fused path")
     if tail:  # (verl's layout pads with rows of K zero ids)
         ids = distinct_on_padding(ids, teacher_rows.to(h2.device))
     if return_entropy and tp_kwargs:
@@ -481,11 +482,11 @@ def serve_megatron_topk(loss_config, teacher_log_probs, teacher_ids, teacher_row
         # (labels: only which rows count, as in the one-call branch below; the ids give the columns)
         row_labels = torch.where(labels1 != -100, ids[:, 0], -100)
         _, _, *student = linear_log_probs_at_ids(h2, weight, row_labels, ids, temperature=temperature,
-                                                 backend=backend, **tp_kwargs, **extra)
+                                                 backend=backend, top_k=top_k, **tp_kwargs, **extra)
     else:
         log_probs, entropy, *student = linear_log_probs_at_ids(h2, weight, labels1, ids, temperature=temperature,
                                                                return_entropy=return_entropy, backend=backend,
-                                                               **tp_kwargs, **extra)
+                                                               top_k=top_k, **tp_kwargs, **extra)
     if tail:
         terms = tail_terms(student[0], student[1], teacher_log_probs)
         slot_t, slot_q = teacher_log_probs.float(), student[0]
@@ -495,10 +496,8 @@ def serve_megatron_topk(loss_config, teacher_log_probs, teacher_ids, teacher_row
         terms = {"distillation_losses": losses, "student_mass": student_mass.detach(),  # metrics only, as verl's
                  "teacher_mass": teacher_mass}
         slot_t = slot_t.float()  # (verl's Megatron teacher side is cast after the clamp)
-    terms.update(fused_overlap_metrics(h2, weight, teacher_ids, slot_t, slot_q, temperature=temperature,
-                                       backend=backend, path="Megatron fused path",
-                                       process_group=tp_kwargs.get("process_group"),
-                                       vocab_start_index=tp_kwargs.get("vocab_start_index")))
+    if top_k:
+        terms.update(overlap_metrics(teacher_ids, student[-1], slot_t, slot_q))
     record("distillation_calls", "distillation fused megatron", labels1.numel())
     return log_probs, entropy, terms
 

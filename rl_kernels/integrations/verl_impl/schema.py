@@ -48,9 +48,9 @@ class VerlOptions:
     patch_megatron_fused: replace ``linear_cross_entropy`` in verl's Megatron fused forwards
         (``use_fused_kernels=True`` with the Megatron engine); False keeps verl's kernel there.
     overlap_metrics: on the fused top-K distillation paths (FSDP and Megatron), compute verl's
-        overlap metrics (``overlap_count``, ``overlap_token_advantage``) from the student's top K by
-        :func:`rl_kernels.linear_topk` (about 1.5 matmuls of the head's shape more per micro-batch
-        forward); False leaves them out there (verl's loss then logs none). verl's logits path
+        overlap metrics (``overlap_count``, ``overlap_token_advantage``) from the student's top K,
+        selected in the fused head's own forward (``linear_log_probs_at_ids(top_k=K)``); False leaves
+        them out there (verl's loss then logs none). verl's logits path
         computes them always, with or without rl-kernels.
     loss_rows_only: run the LM head only on the rows whose loss mask is 1 (verl #7686: a long
         agentic trajectory's prompt, tool-output and observation tokens never reach the loss), on
