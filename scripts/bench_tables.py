@@ -435,6 +435,8 @@ def rows_vs_mm(results, name, labels, bold_cells):
         raise ResultError(f"{name}: rows without a label here: {sorted(missing)}")
     rows = []
     for key, label in labels.items():
+        if label is None:  # (a row another table shows from a newer run)
+            continue
         v = data[key]
         cells = [fixed(v["ms"]), fixed(v["ms"] / mm), fixed(v["peak_extra_gib"])]
         rows.append([label] + [bold(c, (key, i) in bold_cells) for i, c in enumerate(cells)])
@@ -450,11 +452,10 @@ def render_fused_reach(results, name):
         "(a) fused log-probs": "(a) no grad: fused, log-probs alone",
         "(b) fwd+bwd scalar temperature": "(b) fwd+bwd log-probs + entropy, scalar temperature",
         "(b) fwd+bwd per-row temperature": "(b) fwd+bwd log-probs + entropy, **per-row temperature**",
-        "(c) verl logits path compute_forward_kl_topk fwd+bwd":
-            "(c) fwd+bwd top-K distillation (K = 64): verl logits path (`compute_forward_kl_topk`)",
-        "(c) fused, as the verl integration serves it, fwd+bwd":
-            "(c) fwd+bwd top-K distillation: **fused**, as the verl integration serves it",
-        "(c) fused linear_topk_kl fwd+bwd": "(c) fwd+bwd top-K distillation: fused `linear_topk_kl`",
+        # (c), top-K distillation: the distillation section's table, from a run of 2026-12-07
+        "(c) verl logits path compute_forward_kl_topk fwd+bwd": None,
+        "(c) fused, as the verl integration serves it, fwd+bwd": None,
+        "(c) fused linear_topk_kl fwd+bwd": None,
     }
     fused_sum = "(a) fused log-probs + sum_pi_squared"
     return rows_vs_mm(results, name, labels, {(fused_sum, 0), (fused_sum, 1), (fused_sum, 2)})
@@ -469,8 +470,15 @@ def render_distill_tail(results, name):
         "fused fwd+bwd": "ours fused, `linear_topk_kl`",
         "fused, tail fwd+bwd": "ours fused, **tail**",
         "fused top-K selection (no grad)": "fused top-K selection, `linear_topk` (no grad)",
+        "at ids fwd+bwd": "the integration's fused call, `linear_log_probs_at_ids`",
+        "at ids + linear_topk fwd+bwd": "… + the student's top K by `linear_topk` (before)",
+        "at ids, top_k in the forward fwd+bwd": "… the student's top K in the head's forward, `top_k=64`",
+        "at ids, tail + linear_topk fwd+bwd": "… **tail** + `linear_topk` (before)",
+        "at ids, tail, top_k in the forward fwd+bwd": "… **tail**, `top_k=64`",
     }
-    return rows_vs_mm(results, name, labels, {("fused top-K selection (no grad)", 1)})
+    return rows_vs_mm(results, name, labels, {("fused top-K selection (no grad)", 1),
+                                              ("at ids, top_k in the forward fwd+bwd", 0),
+                                              ("at ids, tail, top_k in the forward fwd+bwd", 0)})
 
 
 def render_readme_gain(results, peers_liger, peers_all, varying_warm, model_rerun, model_7b, model_8b, distill,
@@ -928,11 +936,10 @@ TABLES = [
           'python scripts/model_bench.py --models MODEL --variants "verl logits" "fused rl_kernels" --tokens 16384 '
           "--loss-outside 0.3 0.6 --steps 5 --warmup 2 --json PATH",
           "verl's loss_rows_only: the head on the loss rows alone", render_loss_rows_model),
-    Table("distill_tail", ["distill_tail_h200_2026-11-28.json"],
+    Table("distill_tail", ["distill_topk_h100_2026-12-07.json"],
           "python scripts/diag/distill_tail_bench.py --json PATH",
-          "Distillation: the tail-aware top-K KL and the fused top-K selection",
-          render_distill_tail,
-          extra_files=dict.fromkeys(("distill_tail_h200_2026-11-28.log", "distill_tail_h200_2026-11-28_run1.json"))),
+          "Distillation: the tail-aware top-K KL and the student's top K",
+          render_distill_tail),
     Table("vocab_parallel", ["tp_h200x2_2026-11-28.json"],
           "torchrun --nproc_per_node=2 scripts/diag/tp_bench.py 16384,3584,152064 --json PATH",
           "Vocab tensor parallelism", render_tp, device="2 × NVIDIA H200 (NCCL)"),

@@ -10,6 +10,11 @@ teacher's K ids and float32 log-probs from the student's logits plus N(0, 1) noi
   from logits [tail]                   logits = hidden @ weight.T, rl_kernels.topk_kl_from_logits
   fused [tail]                         rl_kernels.linear_topk_kl (no N x V tensor)
   fused top-K selection (no grad)      rl_kernels.linear_topk(hidden, weight, K)
+  at ids [tail] [...]                  the integration's fused call: rl_kernels.distill.linear_log_probs_at_ids
+                                       (log-probs at the labels and at the teacher's ids, a loss of both),
+                                       alone, + linear_topk (the student's top K for verl's overlap
+                                       metrics, as before issue 54), or with top_k=K (the top K selected
+                                       in the head's own forward)
 Every loss row is forward + backward to hidden and weight (reduction "sum"), timed by
 triton.testing.do_bench (rep 1000 ms, median; gradients reset inside the step). Peak extra memory:
 max_memory_allocated during one call minus what was allocated before it.
@@ -111,6 +116,18 @@ def main() -> int:
         with torch.no_grad():
             return rl_kernels.linear_topk(hidden, weight, k=k)
 
+    labels = ids[:, 0].contiguous()
+    t_p = t_lp.exp()
+
+    def at_ids(tail, top_k=0, separate=False):
+        def f():
+            hx.grad = wx.grad = None
+            out = diag.linear_log_probs_at_ids(hx, wx, labels, ids, return_tail=tail, top_k=top_k)
+            (out[0].sum() - (out[2] * t_p).sum() - (out[3].sum() if tail else 0)).backward()
+            if separate:
+                select()
+        return f
+
     rows = {}
     for _ in range(2):  # interleaved: the closest pairs twice
         rows["mm"] = bench(lambda: hidden @ weight.T)
@@ -122,6 +139,12 @@ def main() -> int:
     for _ in range(2):
         rows["fused fwd+bwd"] = bench(fused(False))
         rows["fused, tail fwd+bwd"] = bench(fused(True))
+    for _ in range(2):
+        rows["at ids fwd+bwd"] = bench(at_ids(False))
+        rows["at ids + linear_topk fwd+bwd"] = bench(at_ids(False, separate=True))
+        rows["at ids, top_k in the forward fwd+bwd"] = bench(at_ids(False, top_k=k))
+        rows["at ids, tail + linear_topk fwd+bwd"] = bench(at_ids(True, separate=True))
+        rows["at ids, tail, top_k in the forward fwd+bwd"] = bench(at_ids(True, top_k=k))
 
     print(f"{diag.device_line()} | N={n} H={args.hidden} V={v} K={k} bf16 | verl: {how}")
     diag.print_bench_rows(rows)
