@@ -18,5 +18,6 @@ compiler traces and plain calls otherwise:
 * ``backward_schedule``: how dh and dW are made from recomputed dlogits windows (shared);
 * ``head_family``: first-order-only backward, the wiring of a family from its declaration
   (``HeadFamily``: Function, custom ops, fakes; ``plain_op``; ``OPS``, every op made), the
-  ignored-row selection (shared).
+  ignored-row selection, and ``kernels``: a family's kernel module on a backend (``ops.<family>``
+  or ``torch_ops.<family>``, the same function names) (shared).
 """

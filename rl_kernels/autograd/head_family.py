@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import importlib
 import inspect
 import operator
 import types
@@ -15,6 +16,22 @@ import torch
 from ..core.backends import Backend, backend_by_name
 from ..core.validation import row_inv_temperature
 from .vocab_parallel import GROUP_SCHEMA, group_from_op, op_group
+
+
+_KERNELS: dict[tuple[str, str], types.ModuleType] = {}  # (package, family) -> the module, once imported
+
+
+def kernels(backend: Backend, family: str) -> types.ModuleType:
+    """The module that runs head family ``family`` ("linear", "logits", "linear_jsd", "linear_topk")
+    on ``backend``: ``rl_kernels.ops.<family>`` (the Triton kernels, imported on the first call that
+    runs them) or ``rl_kernels.torch_ops.<family>`` (their torch twin); both expose the family's
+    functions under the same names (the family's autograd module lists them). Logs the choice of
+    ``backend='auto'`` once."""
+    backend.log_choice()
+    module = _KERNELS.get((backend.package, family))
+    if module is None:
+        module = _KERNELS[backend.package, family] = importlib.import_module(f"rl_kernels.{backend.package}.{family}")
+    return module
 
 
 def first_order_only(backward):

@@ -1,9 +1,9 @@
 """Autograd of the fused linear head (``linear_log_probs``; the distillation losses reuse it).
 
 The head family "linear": its parameter record (``HeadParams``), its output record
-(``HeadOutputs``), its two backend implementations (``TritonHead``: the split-vocab kernels of
-``ops.linear``, forward split statistics, their combine and the dlogits windows; ``TorchHead``: the
-twin ``torch_ops.linear``), its two bodies and their declaration (``FAMILY``, an
+(``HeadOutputs``), its two bodies on the backend's kernels (``ops.linear``: the split-vocab kernels,
+forward split statistics, their combine and the dlogits windows; or its twin ``torch_ops.linear``;
+both give ``forward``, ``dlogits`` and ``gathered_logits``), and their declaration (``FAMILY``, an
 ``autograd.head_family.HeadFamily``: the one autograd Function, eager and compiled, sharded over a
 vocab-parallel group or not (``vp_forward``), and the ``rl_kernels::linear_forward`` /
 ``linear_backward`` custom ops; ``linear_head`` applies it). Forward: per-row log-prob, entropy, lse (and
@@ -18,16 +18,15 @@ from typing import NamedTuple
 
 import torch
 
-from ..core.backends import Backend, implements
+from ..core.backends import Backend
 from ..core.label_check import checked_labels, raise_if_interpreted, raise_label_errors
 from ..core.validation import check_label_values, warn_fp16_temperature
-from ..torch_ops.linear import per_row, torch_dlogits, torch_forward, torch_gathered_logits
-from ..torch_ops.linear_topk import merge_candidates, torch_topk_select
+from ..torch_ops.linear import per_row
 from .backward_schedule import chunked_backward, full_precision_reduction
-from .head_family import HeadFamily, Out, as_float_grad, hidden_for_weight_grad, sorted_tail_ids, sum_over_equal_ids
+from .head_family import (HeadFamily, Out, as_float_grad, hidden_for_weight_grad, kernels, sorted_tail_ids,
+                          sum_over_equal_ids)
+from .linear_topk import TopkParams
 from .vocab_parallel import all_gather_rows, finish_hidden_grad, gather_topk, local_labels, merge_lse, merge_shards
-
-LN2 = 0.6931471805599453  # (the Triton forward's candidates are log2(e) z)
 
 
 class HeadParams(NamedTuple):
@@ -76,102 +75,21 @@ class HeadOutputs(NamedTuple):
     top_ids: torch.Tensor | None = None
 
 
-def _empty_top(like: torch.Tensor, k: int) -> dict:
-    """``top_logits`` / ``top_ids`` of a call with no rows (empty, where asked)."""
-    if not k:
-        return {}
-    return dict(top_logits=like.new_empty((0, k), dtype=torch.float32), top_ids=like.new_empty((0, k), dtype=torch.int64))
-
-
-@implements("linear", "triton")
-class TritonHead:
-    """The fused head on the Triton kernels (``ops.linear``: split statistics, combine, dlogits)."""
-
-    @staticmethod
-    def forward(hidden_states, weight, labels, params: HeadParams, label_check, tail_ids=None) -> HeadOutputs:
-        from .. import ops
-
-        n = hidden_states.shape[0]
-        if n == 0:
-            empty = hidden_states.new_empty(0, dtype=torch.float32)
-            return HeadOutputs(empty, empty.clone() if params.return_entropy else None, empty.clone(),
-                               empty.clone() if params.return_sum_pi_squared else None,
-                               tail_lse=empty.clone() if tail_ids is not None else None,
-                               **_empty_top(hidden_states, params.top_k))
-        cfg = ops.default_config(hidden_states.device, hidden_states.dtype)
-        sorted_ids = sorted_tail_ids(tail_ids, 0, weight.shape[0]) if tail_ids is not None else None
-        partials = ops.linear_split_stats(hidden_states, weight, labels, params, cfg, label_check, sorted_ids,
-                                          params.top_k)
-        if params.top_k:
-            partials, (values, ids) = partials[:-1], partials[-1]
-        log_probs, entropy, lse, sum_pi_squared, *tail = ops.split_combine(partials, labels, params,
-                                                                           mark_bad=label_check is not None)
-        out = HeadOutputs(log_probs, entropy, lse, sum_pi_squared, tail_lse=tail[0] if tail else None)
-        if params.top_k:  # the runs' candidates (base 2, local int32 ids) merged: natural units, -1 when empty
-            n, runs, k = values.shape
-            ids = torch.where(ids < weight.shape[0], ids.long(), -1)
-            values, ids = merge_candidates((values * LN2).reshape(n, runs * k), ids.reshape(n, runs * k), k)
-            out = out._replace(top_logits=values, top_ids=ids)
-        return out
-
-    @staticmethod
-    def dlogits(hidden_states, weight, labels, saved: HeadOutputs, grads: HeadOutputs, params: HeadParams,
-                tail_ids=None):
-        """(window function, dlogits dtype, column-width multiple, float32 product form) for
-        ``chunked_backward``."""
-        from .. import ops
-
-        cfg = ops.default_config(hidden_states.device, hidden_states.dtype)
-        sorted_ids = sorted_tail_ids(tail_ids, 0, weight.shape[0]) if tail_ids is not None else None
-
-        def window(rows, cols, out):
-            tile = cfg.dlogits_tile(cols.stop - cols.start, weight.shape[0])
-            return ops.linear_dlogits(hidden_states, weight, labels, saved, grads, rows, cols, out, params, cfg, tile,
-                                      sorted_ids)
-        return window, hidden_states.dtype, cfg.bwd_cols.block_n, cfg.fp32_backward
-
-    @staticmethod
-    def gathered_logits(hidden_states, weight, ids, params: HeadParams) -> torch.Tensor:
-        from ..ops.linear import label_logits
-
-        return label_logits(hidden_states, weight, ids, params)
-
-
-@implements("linear", "torch")
-class TorchHead:
-    """The fused head's torch twin (``torch_ops.linear``): float32 row chunks, any device."""
-
-    @staticmethod
-    def forward(hidden_states, weight, labels, params: HeadParams, label_check, tail_ids=None) -> HeadOutputs:
-        log_probs, entropy, lse, sum_pi_squared, *tail = torch_forward(hidden_states, weight, labels, params,
-                                                                       tail_ids=tail_ids)
-        out = HeadOutputs(log_probs, entropy, lse, sum_pi_squared, tail_lse=tail[0] if tail else None)
-        if params.top_k:  # (the twin selects in a pass of its own)
-            values, ids, _ = torch_topk_select(hidden_states, weight, params.top_k, params)
-            out = out._replace(top_logits=values, top_ids=ids)
-        return out
-
-    @staticmethod
-    def dlogits(hidden_states, weight, labels, saved: HeadOutputs, grads: HeadOutputs, params: HeadParams,
-                tail_ids=None):
-        def window(rows, cols, out):
-            return torch_dlogits(hidden_states, weight, labels, saved, grads, rows, cols, out, params, tail_ids)
-        return window, torch.float32, 1, "ieee"
-
-    @staticmethod
-    def gathered_logits(hidden_states, weight, ids, params: HeadParams) -> torch.Tensor:
-        return torch_gathered_logits(hidden_states, weight, ids, params)
-
-
 def head_forward(hidden_states, weight, labels, params: HeadParams, label_check=None, tail_ids=None) -> HeadOutputs:
     """The head's statistics, no autograd: ``HeadOutputs`` with log_probs, lse, entropy (when
     asked) and sum_pi_squared (when asked), (N,) float32 each. ``label_check``: (flag, check_id)
     of ``label_check.deferred_label_check`` for the Triton kernels, which then make a bad label's
     row NaN and report it; None when checked already. ``tail_ids``: (N, K) int columns of
-    ``weight`` (others never match): tail_lse too, the logsumexp outside them."""
-    if tail_ids is None:  # (the call as before the tail: other families' backends need no new argument)
-        return params.backend.family("linear").forward(hidden_states, weight, labels, params, label_check)
-    return params.backend.family("linear").forward(hidden_states, weight, labels, params, label_check, tail_ids)
+    ``weight`` (others never match): tail_lse too, the logsumexp outside them. With ``params.top_k``
+    the row's top K too (``top_logits``, ``top_ids``). On the backend's ``forward``
+    (``ops.linear`` or ``torch_ops.linear``)."""
+    sorted_ids = sorted_tail_ids(tail_ids, 0, weight.shape[0]) if tail_ids is not None else None
+    log_probs, entropy, lse, sum_pi_squared, tail_lse, top_logits, top_ids = kernels(params.backend, "linear").forward(
+        hidden_states, weight, labels, params, label_check, sorted_ids)
+    if params.top_k and top_ids is None:  # (the torch twin selects none in its forward: a pass of its own)
+        top_logits, top_ids, _ = kernels(params.backend, "linear_topk").select(
+            hidden_states, weight, TopkParams(params.backend, params.inv_temperature, params.top_k, params.softcap))
+    return HeadOutputs(log_probs, entropy, lse, sum_pi_squared, None, tail_lse, top_logits, top_ids)
 
 
 def head_backward(hidden_states, weight, labels, saved: HeadOutputs, grads: HeadOutputs, params: HeadParams,
@@ -184,13 +102,11 @@ def head_backward(hidden_states, weight, labels, saved: HeadOutputs, grads: Head
     dh unrounded in float32 (a vocab shard's partial sum, rounded after the all-reduce). ``tail_ids``
     (N, K) int columns of ``weight``, with ``saved.tail_lse`` and ``grads.tail_lse``: the tail_lse
     gradient, [j not among the ids] exp(z_j - tail_lse), in the same windows."""
-    family = params.backend.family("linear")
-    if tail_ids is not None and grads.tail_lse is not None:
-        dlogits, dz_dtype, width, fp32_products = family.dlogits(hidden_states, weight, labels, saved, grads,
-                                                                 params, tail_ids)
-    else:
-        dlogits, dz_dtype, width, fp32_products = family.dlogits(hidden_states, weight, labels, saved, grads,
-                                                                 params)
+    family = kernels(params.backend, "linear")
+    sorted_ids = sorted_tail_ids(tail_ids, 0, weight.shape[0]) if tail_ids is not None and grads.tail_lse is not None \
+        else None
+    dlogits, dz_dtype, width, fp32_products = family.dlogits(hidden_states, weight, labels, saved, grads, params,
+                                                             sorted_ids)
     if grads.gathered_logits is not None:
         if params.softcap is not None:  # the sparse entries below carry no 1 - tanh^2 factor
             raise NotImplementedError("gathered-logit gradients with a softcap")
@@ -324,7 +240,7 @@ def _asked(inputs, params: HeadParams, sharded: bool) -> tuple:
 def gathered_logits(hidden_states, weight, ids, params: HeadParams) -> torch.Tensor:
     """(N, K) float32 z[i, k] = hidden_states[i] . weight[ids[i, k]] * inv_temperature (soft-capped
     first with ``params.softcap``)."""
-    return params.backend.family("linear").gathered_logits(hidden_states, weight, ids, params)
+    return kernels(params.backend, "linear").gathered_logits(hidden_states, weight, ids, params)
 
 
 # ------------------------------------------------------------------ a vocab shard (tensor parallelism)

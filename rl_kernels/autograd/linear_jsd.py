@@ -1,7 +1,7 @@
 """Autograd of ``linear_jsd``: the generalized Jensen-Shannon divergence of two linear heads.
 
-The head family "linear_jsd": its parameter record (``JSDParams``), two backend implementations
-(``TritonJSD``, ``TorchJSD``), its two bodies and their declaration (``FAMILY``, an
+The head family "linear_jsd": its parameter record (``JSDParams``), its two bodies on the backend's
+``sums`` / ``dlogits`` (``ops.linear_jsd`` or ``torch_ops.linear_jsd``) and their declaration (``FAMILY``, an
 ``autograd.head_family.HeadFamily``: the Function and the ``rl_kernels::jsd_forward`` / ``jsd_backward``
 custom ops). Forward: each head's lse (the fused head's forward), then one pass of both GEMMs for
 the per-row divergence sums (Triton ``ops.linear_jsd`` or the torch twin ``torch_ops.linear_jsd``);
@@ -15,11 +15,10 @@ from typing import NamedTuple
 
 import torch
 
-from ..core.backends import Backend, implements
+from ..core.backends import Backend
 from ..core.label_check import raise_label_errors
-from ..torch_ops.linear_jsd import torch_jsd_dlogits, torch_jsd_sums
 from .backward_schedule import chunked_backward, full_precision_reduction
-from .head_family import HeadFamily, Out, hidden_for_weight_grad
+from .head_family import HeadFamily, Out, hidden_for_weight_grad, kernels
 from .linear import HeadParams, head_forward
 from .vocab_parallel import all_gather_rows, finish_hidden_grad, merge_lse
 
@@ -31,51 +30,6 @@ class JSDParams(NamedTuple):
     inv_temperature: float
     beta: float
     may_have_ignored: bool = True  # False: no token is excluded (no ignored-row check in backward)
-
-
-@implements("linear_jsd", "triton")
-class TritonJSD:
-    """The two-head divergence on the Triton kernels (``ops.linear_jsd``)."""
-
-    @staticmethod
-    def sums(student_hidden, student_weight, teacher_hidden, teacher_weight, lse_s, lse_t, params: JSDParams):
-        """Per-row (loss sum, g sum or None), float32 (N,): see ``ops.linear_jsd.jsd_split_sums``."""
-        args = (student_hidden, student_weight, teacher_hidden, teacher_weight, lse_s, lse_t, params)
-        if not student_hidden.shape[0]:
-            return torch_jsd_sums(*args)
-        from ..ops import default_config
-        from ..ops.linear_jsd import jsd_split_sums
-
-        cfg = default_config(student_hidden.device, student_hidden.dtype)
-        return jsd_split_sums(*args, cfg, cfg.jsd_fwd)
-
-    @staticmethod
-    def dlogits(hs, ws, ht, wt, lse_s, lse_t, g_sum, scale, params: JSDParams):
-        """(window function, dlogits dtype, column-width multiple, float32 product form) for
-        ``chunked_backward``."""
-        from ..ops import default_config
-        from ..ops.linear_jsd import jsd_dlogits
-
-        cfg = default_config(hs.device, hs.dtype)
-
-        def window(rows, cols, out):
-            return jsd_dlogits(hs, ws, ht, wt, lse_s, lse_t, g_sum, scale, rows, cols, out, params, cfg, cfg.jsd_bwd)
-        return window, hs.dtype, cfg.jsd_bwd.block_n, cfg.fp32_backward
-
-
-@implements("linear_jsd", "torch")
-class TorchJSD:
-    """The two-head divergence's torch twin (``torch_ops.linear_jsd``)."""
-
-    @staticmethod
-    def sums(student_hidden, student_weight, teacher_hidden, teacher_weight, lse_s, lse_t, params: JSDParams):
-        return torch_jsd_sums(student_hidden, student_weight, teacher_hidden, teacher_weight, lse_s, lse_t, params)
-
-    @staticmethod
-    def dlogits(hs, ws, ht, wt, lse_s, lse_t, g_sum, scale, params: JSDParams):
-        def window(rows, cols, out):
-            return torch_jsd_dlogits(hs, ws, ht, wt, lse_s, lse_t, g_sum, scale, rows, cols, out, params)
-        return window, torch.float32, 1, "ieee"
 
 
 def jsd_forward(student_hidden, student_weight, teacher_hidden, teacher_weight, valid, params: JSDParams, tp):
@@ -92,7 +46,7 @@ def jsd_forward(student_hidden, student_weight, teacher_hidden, teacher_weight, 
     if tp is not None:  # shard lse -> global lse of both heads (one all_gather)
         lse_w = all_gather_rows(tp.process_group, torch.stack([lse_s, lse_t]))
         lse_s, lse_t = (merge_lse(lse_w[:, i])[0].contiguous() for i in (0, 1))
-    loss, g_sum = params.backend.family("linear_jsd").sums(student_hidden, student_weight, teacher_hidden,
+    loss, g_sum = kernels(params.backend, "linear_jsd").sums(student_hidden, student_weight, teacher_hidden,
                                                            teacher_weight, lse_s, lse_t, params)
     if tp is not None:  # shard sums -> global sums, added in rank order (one all_gather)
         sums = all_gather_rows(tp.process_group, torch.stack(
@@ -112,7 +66,7 @@ def jsd_backward(hs, ws, ht, wt, valid, lse_s, lse_t, g_sum, grad, params: JSDPa
     scale = torch.where(valid, grad.float() / params.inv_temperature ** 2,
                         torch.zeros((), device=grad.device)).contiguous()
     g_sum = None if params.beta == 0.0 else g_sum
-    dlogits, dz_dtype, width, fp32_products = params.backend.family("linear_jsd").dlogits(
+    dlogits, dz_dtype, width, fp32_products = kernels(params.backend, "linear_jsd").dlogits(
         hs, ws, ht, wt, lse_s, lse_t, g_sum, scale, params)
     reduce_dh = tp is not None and tp.reduce_hidden_grad
     h_dw = hidden_for_weight_grad(hs, ~valid, lse_s) if need_dw and params.may_have_ignored else hs

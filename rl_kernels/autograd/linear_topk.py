@@ -6,10 +6,10 @@ eagerly and as the ``rl_kernels::linear_topk`` custom op while torch.compile tra
 graph break; a temperature that Dynamo holds symbolically travels as the op's runtime tensor):
 ``FAMILY.forward_call``, declared with ``autograd.head_family.HeadFamily``.
 
-The family "linear_topk": its parameter record (``TopkParams``) and its two backends
-(``TritonTopk``: ``ops.linear_topk``, one pass over the GEMM tiles keeping each row's candidates
-in registers, then the merge of the splits; ``TorchTopk``: ``torch_ops.linear_topk``, float32
-logits chunks). Both give, per row, the exact top-K of the float32 logits in the order (value
+The family "linear_topk": its parameter record (``TopkParams``) and its body on the backend's
+``select`` (``ops.linear_topk``: one pass over the GEMM tiles keeping each row's candidates in
+registers, then the merge of the splits; or ``torch_ops.linear_topk``, float32 logits chunks).
+Both give, per row, the exact top-K of the float32 logits in the order (value
 descending, id ascending) and the lse, the candidates merged by
 ``torch_ops.linear_topk.merge_candidates``.
 
@@ -24,9 +24,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..core.backends import Backend, implements
-from ..torch_ops.linear_topk import merge_candidates, torch_topk_select
-from .head_family import HeadFamily, Out
+from ..core.backends import Backend
+from .head_family import HeadFamily, Out, kernels
 from .vocab_parallel import gather_topk, merge_lse
 
 
@@ -39,35 +38,6 @@ class TopkParams(NamedTuple):
     softcap: float | None = None  # z = c tanh(h.w / c) / T; None: z = h.w / T
 
 
-@implements("linear_topk", "triton")
-class TritonTopk:
-    """The top-K selection on the Triton kernels (``ops.linear_topk``)."""
-
-    @staticmethod
-    def select(hidden_states, weight, params: TopkParams) -> tuple:
-        from .. import ops
-        from ..ops.linear_topk import linear_topk_select
-
-        cfg = ops.default_config(hidden_states.device, hidden_states.dtype)
-        values, ids, lse = linear_topk_select(hidden_states, weight, params.k, params, cfg)
-        n, splits, k = values.shape
-        ids = torch.where(ids < weight.shape[0], ids.long(), -1)  # empty slots -> -1
-        if splits > 1:
-            values, ids = merge_candidates(values.reshape(n, splits * k), ids.reshape(n, splits * k), k)
-        else:
-            values, ids = merge_candidates(values[:, 0], ids[:, 0], k)  # (the order)
-        return values, ids, lse
-
-
-@implements("linear_topk", "torch")
-class TorchTopk:
-    """The top-K selection's torch twin (``torch_ops.linear_topk``): float32 row chunks."""
-
-    @staticmethod
-    def select(hidden_states, weight, params: TopkParams) -> tuple:
-        return torch_topk_select(hidden_states, weight, params.k, params)
-
-
 def topk_body(hidden_states, weight, params: TopkParams, tp=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(log_probs (N, k) float32, token_ids (N, k) int64 global ids) of hidden_states (N, H) and
     weight (V, H) (a vocab shard with the layout ``tp``: its rows are the global ids
@@ -77,7 +47,7 @@ def topk_body(hidden_states, weight, params: TopkParams, tp=None) -> tuple[torch
     if n == 0:
         return (hidden_states.new_empty((0, params.k), dtype=torch.float32),
                 hidden_states.new_empty((0, params.k), dtype=torch.int64))
-    values, ids, lse = params.backend.family("linear_topk").select(hidden_states, weight, params)
+    values, ids, lse = kernels(params.backend, "linear_topk").select(hidden_states, weight, params)
     if tp is not None:
         values, ids, lse_w = gather_topk(tp.process_group, values, torch.where(ids >= 0, ids + tp.start, -1),
                                          lse[:, None], params.k)

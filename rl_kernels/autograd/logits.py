@@ -1,7 +1,8 @@
 """Autograd of the from-logits statistics: one Function for every public from-logits function.
 
 The head family "logits": its parameter record (``LogitsParams``), output record
-(``LogitsOutputs``), two backend implementations (``TritonLogits``, ``TorchLogits``) and its one
+(``LogitsOutputs``), its bodies on the backend's ``forward`` / ``backward`` (``ops.logits`` or
+``torch_ops.logits``) and its one
 Function, ``LogitsStatsFunction`` (``FAMILY.function``: declared with ``autograd.head_family.HeadFamily``,
 which makes the Function and the custom ops from the forward and backward bodies).
 Forward: one read of the logits (Triton ``ops.logits_forward`` or its torch twin
@@ -22,11 +23,10 @@ from typing import NamedTuple
 import torch
 
 from ..core._logging import log_once
-from ..core.backends import Backend, implements
+from ..core.backends import Backend
 from ..core.label_check import deferred_label_check, raise_if_interpreted, raise_label_errors
 from ..core.validation import check_label_values, check_token_id_values
-from ..torch_ops.logits import torch_logits_backward, torch_logits_forward
-from .head_family import HeadFamily, Out, as_float_grad, plain_op, sorted_tail_ids, sum_over_equal_ids
+from .head_family import HeadFamily, Out, as_float_grad, kernels, plain_op, sorted_tail_ids, sum_over_equal_ids
 from .positions import check_tail_teacher
 from .vocab_parallel import all_gather_rows, local_labels, merge_lse, merge_shards
 
@@ -66,42 +66,11 @@ class LogitsOutputs(NamedTuple):
     tail_log_probs: torch.Tensor | None = None  # (N,): log of the probability outside those K ids
 
 
-@implements("logits", "triton")
-class TritonLogits:
-    """The from-logits statistics on the Triton kernels (``ops.logits``)."""
-
-    @staticmethod
-    def forward(logits, labels, params: LogitsParams, label_check=None, tail_ids=None) -> dict:
-        from .. import ops
-
-        return ops.logits_forward(logits, labels, params, ops.logits_config(logits.device), label_check=label_check,
-                                  last_combines=None if params.combine_in_one_launch else False, tail_ids=tail_ids)
-
-    @staticmethod
-    def backward(logits, grad, labels, stats: dict, grads: dict, params: LogitsParams) -> None:
-        from .. import ops
-
-        ops.logits_backward(logits, grad, labels, stats, grads, params, ops.logits_config(logits.device))
-
-
-@implements("logits", "torch")
-class TorchLogits:
-    """The from-logits statistics' torch twin (``torch_ops.logits``): float32 row chunks."""
-
-    @staticmethod
-    def forward(logits, labels, params: LogitsParams, label_check=None, tail_ids=None) -> dict:
-        return torch_logits_forward(logits, labels, params, tail_ids)
-
-    @staticmethod
-    def backward(logits, grad, labels, stats: dict, grads: dict, params: LogitsParams) -> None:
-        torch_logits_backward(logits, grad, labels, stats, grads, params)
-
-
 def logits_stats_forward(logits, labels, params: LogitsParams, label_check=None, tail_ids=None) -> dict:
     """The forward's per-row statistics (a dict of (N,) float32 tensors, as ``ops.logits_forward``:
     ``row_max``, ``log_sum``, ``lse``, the outputs asked and, with ``tail_ids`` (sorted local ids,
     ``autograd.head_family.sorted_tail_ids``), ``tail_lse``) on the backend, no label check, no autograd."""
-    return params.backend.family("logits").forward(logits, labels, params, label_check, tail_ids)
+    return kernels(params.backend, "logits").forward(logits, labels, params, label_check, tail_ids)
 
 
 def forward_body(logits, labels, token_ids, params: LogitsParams, tp=None) -> tuple:
@@ -195,7 +164,7 @@ def dlogits(logits, labels, stats: dict, grads: dict, params: LogitsParams, tp=N
         grads["tail_lse"] = grad_tail
     # documented: with inplace_backward the logits' storage receives their gradient
     grad = logits if params.inplace_backward else torch.empty_like(logits, memory_format=torch.contiguous_format)
-    params.backend.family("logits").backward(logits, grad, labels, stats, grads, params)
+    kernels(params.backend, "logits").backward(logits, grad, labels, stats, grads, params)
     if grad_topk is not None or grad_tail is not None:
         topk_columns(grad, logits, token_ids, labels, stats["lse"], grad_topk, grads, params, shard=tp is not None)
     if params.inplace_backward:
@@ -234,7 +203,7 @@ def vp_forward(logits, labels, params: LogitsParams, tp) -> dict:
     if params.return_mean_log_p:
         raise NotImplementedError("mean_log_p over a vocab shard")
     v_r = logits.shape[1]
-    stats = params.backend.family("logits").forward(logits, None, params)
+    stats = kernels(params.backend, "logits").forward(logits, None, params)
     if labels is not None:
         local, owned = local_labels(labels, tp.start, v_r, params.ignore_index)
         z_y = logits.gather(1, torch.where(owned, local, 0).long()[:, None])[:, 0].float() * params.inv_temperature
@@ -281,7 +250,7 @@ def vp_backward(logits, local, stats: dict, g: LogitsOutputs, params: LogitsPara
     # and no log-prob gradient is passed: the onehot part is added below)
     row_labels = None if local is None else torch.where(valid, -1 if params.ignore_index != -1 else -2,
                                                         params.ignore_index)
-    params.backend.family("logits").backward(logits, grad, row_labels, shard_stats, grads, params)
+    kernels(params.backend, "logits").backward(logits, grad, row_labels, shard_stats, grads, params)
     if grad_log_probs is not None:
         owned = valid & (local >= 0) & (local < logits.shape[1])  # (ignore_index is negative here)
         rows = owned.nonzero()[:, 0]

@@ -2,10 +2,10 @@
 as one :class:`Backend` object per backend.
 
 A public function resolves its ``backend`` argument once (:func:`get_backend`) and hands the
-object down in its head's parameter record; the autograd Functions reach the head family's
-implementation on that backend through :meth:`Backend.family`. Each head family registers its two
-implementations (:func:`implements`) in its own ``rl_kernels/autograd/<family>.py``. This module
-is the only one that tests a backend's name.
+object down in its head's parameter record; the autograd bodies reach the head family's kernels on
+that backend in the package it names (``Backend.package``): the module ``rl_kernels.ops.<family>``
+(Triton) or ``rl_kernels.torch_ops.<family>`` (its torch twin), which expose the same functions
+(``autograd.head_family.kernels``). This module is the only one that tests a backend's name.
 
 Triton is never imported here (``importlib.util.find_spec`` only), so the torch backend works on
 a machine without Triton.
@@ -21,6 +21,7 @@ import torch
 from ._logging import log_once
 
 BACKENDS = ("auto", "triton", "torch")
+_PACKAGES = {"triton": "ops", "torch": "torch_ops"}  # each backend's kernel package, rl_kernels.<package>.<family>
 
 
 _TRITON_INSTALLED = importlib.util.find_spec("triton") is not None  # (looked up once, at import)
@@ -57,27 +58,23 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 class Backend:
     """One backend, resolved for a call: ``name`` ("triton" or "torch"),
     ``checks_labels_in_kernel`` (the kernels find a label outside [0, V) without a host sync), and
-    per head family the implementation registered for it (:meth:`family`). ``auto_for``: the
-    device type for which ``backend='auto'`` chose it (None when it was named): that choice is
-    logged once, by :meth:`family` as a backend call's body runs (always eagerly: under
-    torch.compile inside a custom op), so that no logging is on a path that Dynamo traces."""
+    ``package``, the package of its families' kernels under ``rl_kernels`` ("ops" or "torch_ops").
+    ``auto_for``: the device type for which ``backend='auto'`` chose it (None when it was named):
+    that choice is logged once, by :meth:`log_choice` as a backend call's body runs (always eagerly:
+    under torch.compile inside a custom op), so that no logging is on a path that Dynamo traces."""
 
     def __init__(self, name: str, checks_labels_in_kernel: bool, auto_for: str | None = None):
         self.name = name
         self.checks_labels_in_kernel = checks_labels_in_kernel
         self.auto_for = auto_for
+        self.package = _PACKAGES[name]
         # what a custom op carries (it takes no Python objects): the name, and the 'auto' mark
         self.op_name = name if auto_for is None else f"{name}@auto:{auto_for}"
 
-    def family(self, family: str):
-        """The implementation of head family ``family`` ("linear", "logits", "linear_jsd", ...) on this
-        backend: an object with that family's methods (see the family's autograd module)."""
+    def log_choice(self) -> None:
+        """Log, once per process, the backend that ``backend='auto'`` chose (nothing for a named one)."""
         if self.auto_for is not None:
             log_once(logging.INFO, self._auto_message, key=("backend='auto'", self.name, self.auto_for))
-        try:
-            return _FAMILIES[family][self.name]
-        except KeyError:
-            raise NotImplementedError(f"rl_kernels: head family {family!r} has no {self.name!r} backend") from None
 
     def _auto_message(self) -> str:
         why = " (Triton is not installed)" if self.auto_for == "cuda" and self.name != "triton" else ""
@@ -88,21 +85,8 @@ class Backend:
         return f"Backend({self.name!r}{auto})"
 
 
-_FAMILIES: dict[str, dict[str, object]] = {}
 _BACKENDS = {"triton": Backend("triton", checks_labels_in_kernel=True),
              "torch": Backend("torch", checks_labels_in_kernel=False)}
-
-
-def implements(family: str, backend: str):
-    """Class decorator: register an instance of the class as head family ``family``'s
-    implementation on ``backend`` ("triton" or "torch")."""
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend: expected one of {sorted(_BACKENDS)}, got {backend!r}")
-
-    def register(cls):
-        _FAMILIES.setdefault(family, {})[backend] = cls()
-        return cls
-    return register
 
 
 def backend_by_name(op_name: str) -> Backend:

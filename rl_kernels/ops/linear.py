@@ -87,7 +87,8 @@ from .building_blocks import (TensorDescriptor, fill_ids, gemm_meta, grouped_til
                               persistent_programs, row_scales, scalar_inv_temperature, soft_cap, softcap_args,
                               stats_entropy, store_window, tma_ok, tma_operands, topk_insert, topk_start, topk_store,
                               window_grid, window_tile)
-from .config import BwdTile, KernelConfig, interpreting
+from ..torch_ops.linear_topk import merge_candidates
+from .config import BwdTile, KernelConfig, default_config, interpreting
 from .linear_topk import topk_splits
 
 
@@ -650,3 +651,57 @@ def linear_dlogits(
         **gemm_meta(cfg, tile, hidden_states.dtype, use_tma), **tail_args,
     )
     return out
+
+
+# ------------------------------------------------------------------ the family's functions (autograd.linear)
+# The same names as in ``torch_ops.linear``: the autograd bodies call one module or the other
+# (``autograd.head_family.kernels``).
+LN2 = 0.6931471805599453  # (the forward's top-K candidates are log2(e) z)
+
+
+def forward(hidden_states, weight, labels, params, label_check=None, tail_ids=None) -> tuple:
+    """The head's statistics, no autograd: (log_probs, entropy, lse, sum_pi_squared, tail_lse,
+    top_logits, top_ids), (N,) float32 each (None where not asked) but the top-K pair ((N,
+    ``params.top_k``) float32 logits and int64 ids, -inf / -1 for an empty slot, by value descending then
+    id ascending). :func:`linear_split_stats` and :func:`split_combine` (``label_check``, the
+    sorted local ``tail_ids``: see there), the runs' top-K candidates merged (natural units)."""
+    n = hidden_states.shape[0]
+    top_k = params.top_k
+    if n == 0:
+        empty = hidden_states.new_empty(0, dtype=torch.float32)
+        top = (hidden_states.new_empty((0, top_k), dtype=torch.float32),
+               hidden_states.new_empty((0, top_k), dtype=torch.int64)) if top_k else (None, None)
+        return (empty, empty.clone() if params.return_entropy else None, empty.clone(),
+                empty.clone() if params.return_sum_pi_squared else None,
+                empty.clone() if tail_ids is not None else None, *top)
+    cfg = default_config(hidden_states.device, hidden_states.dtype)
+    partials = linear_split_stats(hidden_states, weight, labels, params, cfg, label_check, tail_ids, top_k)
+    if top_k:
+        partials, (values, ids) = partials[:-1], partials[-1]
+    log_probs, entropy, lse, sum_pi_squared, *tail = split_combine(partials, labels, params,
+                                                                   mark_bad=label_check is not None)
+    top_logits = top_ids = None
+    if top_k:  # the runs' candidates merged; empty slots -> id -1
+        runs = values.shape[1]
+        ids = torch.where(ids < weight.shape[0], ids.long(), -1)
+        top_logits, top_ids = merge_candidates((values * LN2).reshape(n, runs * top_k), ids.reshape(n, runs * top_k),
+                                               top_k)
+    return log_probs, entropy, lse, sum_pi_squared, tail[0] if tail else None, top_logits, top_ids
+
+
+def dlogits(hidden_states, weight, labels, saved, grads, params, tail_ids=None) -> tuple:
+    """(window function, dlogits dtype, column-width multiple, float32 product form) for the
+    backward schedule (``autograd.backward_schedule.chunked_backward``): ``window(rows, cols, out)``
+    writes d loss / d logits of that window (:func:`linear_dlogits`) from the forward's ``saved``
+    statistics and their upstream ``grads`` (records with ``lse``, ``entropy``, ...)."""
+    cfg = default_config(hidden_states.device, hidden_states.dtype)
+
+    def window(rows, cols, out):
+        tile = cfg.dlogits_tile(cols.stop - cols.start, weight.shape[0])
+        return linear_dlogits(hidden_states, weight, labels, saved, grads, rows, cols, out, params, cfg, tile, tail_ids)
+    return window, hidden_states.dtype, cfg.bwd_cols.block_n, cfg.fp32_backward
+
+
+def gathered_logits(hidden_states, weight, ids, params) -> torch.Tensor:
+    """(N, K) float32 logits at ``ids`` (:func:`label_logits`)."""
+    return label_logits(hidden_states, weight, ids, params)

@@ -32,7 +32,8 @@ import triton
 import triton.language as tl
 
 from .building_blocks import gemm_meta, grouped_tile, logits_tile, store_window, tma_operands, window_grid, window_tile
-from .config import BwdTile, KernelConfig
+from ..torch_ops.linear_jsd import torch_jsd_sums
+from .config import BwdTile, KernelConfig, default_config
 
 
 def jsd_mode(beta: float) -> int:
@@ -252,3 +253,24 @@ def jsd_dlogits(student_hidden, student_weight, teacher_hidden, teacher_weight, 
         **gemm_meta(cfg, tile, student_hidden.dtype, use_tma),
     )
     return out
+
+
+# ------------------------------------------------------------------ the family's functions (autograd.linear_jsd)
+# The same names as in ``torch_ops.linear_jsd``: the autograd bodies call one module or the other.
+def sums(student_hidden, student_weight, teacher_hidden, teacher_weight, lse_s, lse_t, params):
+    """Per-row (loss sum, g sum or None), float32 (N,): :func:`jsd_split_sums` (no rows: the twin's)."""
+    args = (student_hidden, student_weight, teacher_hidden, teacher_weight, lse_s, lse_t, params)
+    if not student_hidden.shape[0]:
+        return torch_jsd_sums(*args)
+    cfg = default_config(student_hidden.device, student_hidden.dtype)
+    return jsd_split_sums(*args, cfg, cfg.jsd_fwd)
+
+
+def dlogits(hs, ws, ht, wt, lse_s, lse_t, g_sum, scale, params):
+    """(window function (:func:`jsd_dlogits`), dlogits dtype, column-width multiple, float32 product
+    form) for the backward schedule."""
+    cfg = default_config(hs.device, hs.dtype)
+
+    def window(rows, cols, out):
+        return jsd_dlogits(hs, ws, ht, wt, lse_s, lse_t, g_sum, scale, rows, cols, out, params, cfg, cfg.jsd_bwd)
+    return window, hs.dtype, cfg.jsd_bwd.block_n, cfg.fp32_backward

@@ -36,7 +36,8 @@ import triton.language as tl
 from .building_blocks import (grouped_tile, log_sum_lse, logits_tile, merge_stats,
                               multiprocessors, row_scales, soft_cap, softcap_args, tma_operands, topk_insert,
                               topk_start, topk_store)
-from .config import KernelConfig
+from ..torch_ops.linear_topk import merge_candidates
+from .config import KernelConfig, default_config
 
 
 
@@ -190,3 +191,19 @@ def linear_topk_select(
     block = 128
     _chunk_lse_kernel[(triton.cdiv(n, block),)](stats[0], stats[1], lse, n, n_chunks, BLOCK=block)
     return cand_v, cand_i, lse
+
+
+def select(hidden_states, weight, params) -> tuple:
+    """The family's function (``torch_ops.linear_topk.select``'s Triton side): (values (N, k)
+    float32, ids (N, k) int64 local, -1 for an empty slot, lse (N,) float32) of
+    :func:`linear_topk_select` with ``params.k``, the splits' candidates merged
+    (``torch_ops.linear_topk.merge_candidates``: value descending, id ascending)."""
+    cfg = default_config(hidden_states.device, hidden_states.dtype)
+    values, ids, lse = linear_topk_select(hidden_states, weight, params.k, params, cfg)
+    n, splits, k = values.shape
+    ids = torch.where(ids < weight.shape[0], ids.long(), -1)  # empty slots -> -1
+    if splits > 1:
+        values, ids = merge_candidates(values.reshape(n, splits * k), ids.reshape(n, splits * k), k)
+    else:
+        values, ids = merge_candidates(values[:, 0], ids[:, 0], k)  # (the order)
+    return values, ids, lse

@@ -41,7 +41,7 @@ from ..core._logging import log_once, logger
 from ..core.label_flag import label_flag as host_flag
 from .building_blocks import (among_ids, log_sum_lse, merge_stats, merge_q, multiprocessors, row_temperature_args,
                               scalar_inv_temperature, stats_entropy)
-from .config import LogitsConfig
+from .config import LogitsConfig, logits_config
 from .launch import Launcher
 
 
@@ -565,3 +565,17 @@ def logits_backward(
 
 
 _FWD, _COMBINE, _BWD = (Launcher(k) for k in (_logits_fwd_kernel, _logits_combine_kernel, _logits_bwd_kernel))
+
+
+# ------------------------------------------------------------------ the family's functions (autograd.logits)
+# The same names as in ``torch_ops.logits``: the autograd bodies call one module or the other.
+def forward(logits, labels, params, label_check=None, tail_ids=None) -> dict:
+    """The from-logits statistics (:func:`logits_forward` on this device's ``logits_config``; the
+    last combines in one launch where ``params.combine_in_one_launch``)."""
+    return logits_forward(logits, labels, params, logits_config(logits.device), label_check=label_check,
+                          last_combines=None if params.combine_in_one_launch else False, tail_ids=tail_ids)
+
+
+def backward(logits, grad, labels, stats: dict, grads: dict, params) -> None:
+    """d loss / d logits into ``grad`` (:func:`logits_backward` on this device's ``logits_config``)."""
+    logits_backward(logits, grad, labels, stats, grads, params, logits_config(logits.device))

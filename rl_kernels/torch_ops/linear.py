@@ -168,3 +168,28 @@ def torch_gathered_logits(hidden_states, weight, ids, params, chunk_elements=1 <
         out[r0:r1] = capped_logits(torch.einsum("nh,nkh->nk", hidden_states[r0:r1].float(), w),
                                    per_row(params.inv_temperature, slice(r0, r1)), params.softcap)[0]
     return out
+
+
+# ------------------------------------------------------------------ the family's functions (autograd.linear)
+# The same names as in ``ops.linear`` (the Triton kernels): the autograd bodies call one module or the
+# other (``autograd.head_family.kernels``).
+def forward(hidden_states, weight, labels, params, label_check=None, tail_ids=None) -> tuple:
+    """``ops.linear.forward``'s twin: (log_probs, entropy, lse, sum_pi_squared, tail_lse, None, None)
+    from :func:`torch_forward` (``label_check`` unused: the labels were checked on the host). It
+    selects no top K: with ``params.top_k`` the caller takes them from ``torch_ops.linear_topk.select``,
+    a pass of its own."""
+    log_probs, entropy, lse, sum_pi_squared, *tail = torch_forward(hidden_states, weight, labels, params,
+                                                                   tail_ids=tail_ids)
+    return log_probs, entropy, lse, sum_pi_squared, tail[0] if tail else None, None, None
+
+
+def dlogits(hidden_states, weight, labels, saved, grads, params, tail_ids=None) -> tuple:
+    """``ops.linear.dlogits``' twin: (window function (:func:`torch_dlogits`), float32, 1, "ieee")."""
+    def window(rows, cols, out):
+        return torch_dlogits(hidden_states, weight, labels, saved, grads, rows, cols, out, params, tail_ids)
+    return window, torch.float32, 1, "ieee"
+
+
+def gathered_logits(hidden_states, weight, ids, params) -> torch.Tensor:
+    """``ops.linear.gathered_logits``' twin (:func:`torch_gathered_logits`)."""
+    return torch_gathered_logits(hidden_states, weight, ids, params)

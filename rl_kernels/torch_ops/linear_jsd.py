@@ -66,3 +66,17 @@ def torch_jsd_dlogits(student_hidden, student_weight, teacher_hidden, teacher_we
     s = scale[rows].to(dt)[:, None]
     out.copy_(torch.where(s != 0, d * (s * inv_temperature), torch.zeros((), dtype=dt, device=d.device)))
     return out
+
+
+# ------------------------------------------------------------------ the family's functions (autograd.linear_jsd)
+# The same names as in ``ops.linear_jsd`` (the Triton kernels).
+def sums(student_hidden, student_weight, teacher_hidden, teacher_weight, lse_s, lse_t, params):
+    """``ops.linear_jsd.sums``' twin (:func:`torch_jsd_sums`)."""
+    return torch_jsd_sums(student_hidden, student_weight, teacher_hidden, teacher_weight, lse_s, lse_t, params)
+
+
+def dlogits(hs, ws, ht, wt, lse_s, lse_t, g_sum, scale, params):
+    """``ops.linear_jsd.dlogits``' twin: (window function (:func:`torch_jsd_dlogits`), float32, 1, "ieee")."""
+    def window(rows, cols, out):
+        return torch_jsd_dlogits(hs, ws, ht, wt, lse_s, lse_t, g_sum, scale, rows, cols, out, params)
+    return window, torch.float32, 1, "ieee"

@@ -72,3 +72,8 @@ def torch_topk_select(hidden_states: torch.Tensor, weight: torch.Tensor, k: int,
         lse[r0:r1] = torch.logsumexp(z, dim=1)
         values[r0:r1], ids[r0:r1] = exact_topk(z, k)
     return values, ids, lse
+
+
+def select(hidden_states, weight, params) -> tuple:
+    """``ops.linear_topk.select``'s twin: :func:`torch_topk_select` with ``params.k``."""
+    return torch_topk_select(hidden_states, weight, params.k, params)

@@ -141,3 +141,15 @@ def torch_logits_backward(logits, grad, labels, stats, grads, params):
             dz = torch.where(active[r0:r1, None], dz, zero)
         grad[r0:r1] = dz
     return grad
+
+
+# ------------------------------------------------------------------ the family's functions (autograd.logits)
+# The same names as in ``ops.logits`` (the Triton kernels).
+def forward(logits, labels, params, label_check=None, tail_ids=None) -> dict:
+    """``ops.logits.forward``'s twin (:func:`torch_logits_forward`; ``label_check`` unused)."""
+    return torch_logits_forward(logits, labels, params, tail_ids)
+
+
+def backward(logits, grad, labels, stats: dict, grads: dict, params) -> None:
+    """``ops.logits.backward``'s twin (:func:`torch_logits_backward`)."""
+    torch_logits_backward(logits, grad, labels, stats, grads, params)
