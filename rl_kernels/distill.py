@@ -54,6 +54,17 @@ def _check_teacher(like, ids, teacher_log_probs, like_name: str = "hidden_states
 
 
 @public_signature
+def _check_loss_options(kind, reduction, renormalize_teacher, tail) -> None:
+    """The top-K KL's options (``linear_topk_kl`` and ``topk_kl_from_logits``), each error naming its argument."""
+    check_choice("kind", kind, KINDS)
+    check_choice("reduction", reduction, REDUCTIONS)
+    check_bool_arg("renormalize_teacher", renormalize_teacher)
+    check_bool_arg("tail", tail)
+    if tail and renormalize_teacher:
+        raise ValueError("renormalize_teacher: True with tail=True; the tail-aware KL keeps the teacher's "
+                         "mass outside its K ids (p_tail = 1 - sum_k p_k), which renormalizing would drop")
+
+
 def linear_topk_kl(
     hidden_states: torch.Tensor,
     weight: torch.Tensor,
@@ -116,13 +127,7 @@ def linear_topk_kl(
     """
     if extra_positional:  # a keyword-only argument given by position
         raise_extra_positional(linear_topk_kl, extra_positional)
-    check_choice("kind", kind, KINDS)
-    check_choice("reduction", reduction, REDUCTIONS)
-    check_bool_arg("renormalize_teacher", renormalize_teacher)
-    check_bool_arg("tail", tail)
-    if tail and renormalize_teacher:
-        raise ValueError("renormalize_teacher: must be False with tail=True (renormalizing the teacher over its K "
-                         "ids sets its tail mass to 0, which the tail-aware KL would then fit)")
+    _check_loss_options(kind, reduction, renormalize_teacher, tail)
     t = check_temperature(temperature)
     check_hidden_weight(hidden_states, weight, min_dim=2)
     _check_teacher(hidden_states, teacher_token_ids, teacher_log_probs)
@@ -200,13 +205,7 @@ def topk_kl_from_logits(
     """
     if extra_positional:  # a keyword-only argument given by position
         raise_extra_positional(topk_kl_from_logits, extra_positional)
-    check_choice("kind", kind, KINDS)
-    check_choice("reduction", reduction, REDUCTIONS)
-    check_bool_arg("renormalize_teacher", renormalize_teacher)
-    check_bool_arg("tail", tail)
-    if tail and renormalize_teacher:
-        raise ValueError("renormalize_teacher: True with tail=True; the tail-aware KL keeps the teacher's "
-                         "mass outside its K ids (p_tail = 1 - sum_k p_k), which renormalizing would drop")
+    _check_loss_options(kind, reduction, renormalize_teacher, tail)
     t = check_temperature(temperature)
     check_logits(logits)
     if logits.dim() < 2:
