@@ -53,7 +53,6 @@ def _check_teacher(like, ids, teacher_log_probs, like_name: str = "hidden_states
     check_no_grad("teacher_log_probs", teacher_log_probs, "the teacher is a fixed target of the loss")
 
 
-@public_signature
 def _check_loss_options(kind, reduction, renormalize_teacher, tail) -> None:
     """The top-K KL's options (``linear_topk_kl`` and ``topk_kl_from_logits``), each error naming its argument."""
     check_choice("kind", kind, KINDS)
@@ -65,6 +64,7 @@ def _check_loss_options(kind, reduction, renormalize_teacher, tail) -> None:
                          "mass outside its K ids (p_tail = 1 - sum_k p_k), which renormalizing would drop")
 
 
+@public_signature
 def linear_topk_kl(
     hidden_states: torch.Tensor,
     weight: torch.Tensor,
