@@ -87,9 +87,8 @@ from .building_blocks import (TensorDescriptor, fill_ids, gemm_meta, grouped_til
                               persistent_programs, row_scales, scalar_inv_temperature, soft_cap, softcap_args,
                               stats_entropy, store_window, tma_ok, tma_operands, topk_insert, topk_start, topk_store,
                               window_grid, window_tile)
-from ..torch_ops.linear_topk import merge_candidates
 from .config import BwdTile, KernelConfig, default_config, interpreting
-from .linear_topk import topk_splits
+from .linear_topk import merge_splits, topk_splits
 
 
 @triton.jit
@@ -681,11 +680,8 @@ def forward(hidden_states, weight, labels, params, label_check=None, tail_ids=No
     log_probs, entropy, lse, sum_pi_squared, *tail = split_combine(partials, labels, params,
                                                                    mark_bad=label_check is not None)
     top_logits = top_ids = None
-    if top_k:  # the runs' candidates merged; empty slots -> id -1
-        runs = values.shape[1]
-        ids = torch.where(ids < weight.shape[0], ids.long(), -1)
-        top_logits, top_ids = merge_candidates((values * LN2).reshape(n, runs * top_k), ids.reshape(n, runs * top_k),
-                                               top_k)
+    if top_k:  # the runs' candidates merged (natural units); empty slots -> id -1
+        top_logits, top_ids = merge_splits(values * LN2, ids, weight.shape[0])
     return log_probs, entropy, lse, sum_pi_squared, tail[0] if tail else None, top_logits, top_ids
 
 

@@ -200,10 +200,14 @@ def select(hidden_states, weight, params) -> tuple:
     (``torch_ops.linear_topk.merge_candidates``: value descending, id ascending)."""
     cfg = default_config(hidden_states.device, hidden_states.dtype)
     values, ids, lse = linear_topk_select(hidden_states, weight, params.k, params, cfg)
+    return (*merge_splits(values, ids, weight.shape[0]), lse)
+
+
+def merge_splits(values: torch.Tensor, ids: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values (N, k), ids (N, k) int64) from the splits' candidates (N, S, k) (float values, int32
+    local ids, an empty slot's id >= ``vocab``): the k best by value descending, then id ascending
+    (``torch_ops.linear_topk.merge_candidates``), an empty slot id -1. Serves ``linear_topk``'s
+    splits and the head's TOPK runs (``ops.linear.forward``)."""
     n, splits, k = values.shape
-    ids = torch.where(ids < weight.shape[0], ids.long(), -1)  # empty slots -> -1
-    if splits > 1:
-        values, ids = merge_candidates(values.reshape(n, splits * k), ids.reshape(n, splits * k), k)
-    else:
-        values, ids = merge_candidates(values[:, 0], ids[:, 0], k)  # (the order)
-    return values, ids, lse
+    ids = torch.where(ids < vocab, ids.long(), -1)
+    return merge_candidates(values.reshape(n, splits * k), ids.reshape(n, splits * k), k)
