@@ -2,7 +2,7 @@
 with ``top_k`` on both backends (Triton in the CPU interpreter), against a float64 reference (the
 logits' stable descending sort, ties to the smaller id) and against ``linear_topk``.
 
-The Triton cases run with small tiles (``SMALL``: 16-row blocks, 32-column tiles, head splits of 64
+The Triton cases run with small tiles (``SMALL_TOPK`` of tests/api/conftest.py: 16-row blocks, 32-column tiles, head splits of 64
 columns), so V = 203 is 7 tiles in 4 splits, walked by 1 to 4 top-K runs (``topk_splits`` patched:
 a run covers whole splits and stores each split's partials as a program per split would). Checked:
 the ids equal float64's and linear_topk's, the log-probs within float32 rounding, every other
@@ -10,27 +10,17 @@ output and both gradients bitwise those of the call without ``top_k`` (the selec
 of the head), the tail variant beside it, exact ties from small-integer inputs, a NaN row (its
 slots empty, other rows untouched), the poison fixture, empty inputs, and bad ``top_k`` values.
 """
-import dataclasses
-
 import pytest
 import torch
 
 import rl_kernels.ops.linear as linear_ops
-import rl_kernels.torch_ops.linear_topk as topk_torch
 from rl_kernels import linear_topk
 from rl_kernels.distill import linear_log_probs_at_ids
-from rl_kernels.ops.config import INTERPRETER_CONFIG, forced_config
+from rl_kernels.ops.config import forced_config
 from tolerances import assert_close_f32, head_magnitude
 
 BACKENDS = ["torch", "triton"]
-SMALL = dataclasses.replace(INTERPRETER_CONFIG, split_v=64, block_m=16, block_n=32, block_k=16, group_m=2)
-
-
-@pytest.fixture(autouse=True)
-def small_tiles(monkeypatch):
-    monkeypatch.setattr(topk_torch, "CHUNK_ELEMENTS", 3 * 203)
-    with forced_config(SMALL):
-        yield
+pytestmark = pytest.mark.usefixtures("small_topk_tiles")  # (tests/api/conftest.py)
 
 
 def _runs(monkeypatch, n):

@@ -3,7 +3,7 @@ their log-probs, on both backends (Triton in the CPU interpreter), against a flo
 written here: the logits' stable descending sort (ties to the smaller id) and
 log_softmax(z)[ids].
 
-The Triton cases run with small tiles (``SMALL``: 16-row blocks, 32-column tiles, lse chunks of 64
+The Triton cases run with small tiles (``SMALL_TOPK`` of tests/api/conftest.py: 16-row blocks, 32-column tiles, lse chunks of 64
 columns), so V = 203 is 7 tiles, the last one partial, in 4 chunks, and with 1 to 4 vocab splits
 (``topk_splits`` patched): the outputs are bitwise the same for every split count. Exact ties come
 from small-integer inputs (every product and sum exact in float32). Also: K = 1, K not a power of
@@ -13,8 +13,6 @@ torch.compile (fullgraph, no graph break, the bits of eager, one graph for sever
 and batch sizes), vocab-parallel over 2 gloo ranks (``tests/api/tp_worker.py``, ``run_topk``), and a
 GPU check (``gpu`` marker).
 """
-import dataclasses
-
 import pytest
 import torch
 import torch._dynamo.testing
@@ -22,21 +20,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import rl_kernels
 import rl_kernels.ops.linear_topk as topk_ops
-import rl_kernels.torch_ops.linear_topk as topk_torch
 from rl_kernels import linear_topk
-from rl_kernels.ops.config import INTERPRETER_CONFIG, forced_config
+from rl_kernels.ops.config import forced_config
 from tolerances import assert_close_f32, head_magnitude
 
 BACKENDS = ["torch", "triton"]
-SMALL = dataclasses.replace(INTERPRETER_CONFIG, split_v=64, block_m=16, block_n=32, block_k=16, group_m=2)
-
-
-@pytest.fixture(autouse=True)
-def small_tiles(monkeypatch):
-    """Small Triton tiles; the torch twin in chunks of 3 rows (so calls cross chunk boundaries)."""
-    monkeypatch.setattr(topk_torch, "CHUNK_ELEMENTS", 3 * 203)
-    with forced_config(SMALL):
-        yield
+pytestmark = pytest.mark.usefixtures("small_topk_tiles")  # (tests/api/conftest.py)
 
 
 def _splits(monkeypatch, n):
