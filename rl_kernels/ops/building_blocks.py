@@ -19,6 +19,14 @@
 * ``window_tile`` / ``store_window``: the prologue and epilogue of the dlogits kernels
   (``linear``'s backward, ``linear_jsd``): this program's tile of a (rows x cols) window of the
   logits, and the store of its gradient tile into the window-shaped output.
+* ``row_temperature``: the per-row temperature's read (each row's 1 / T and the tile's scales,
+  ``row_scales``), the one place every kernel with ROW_TEMPERATURE reads it.
+* The columns of each row's sorted ids (the tail-aware top-K KL's K ids): ``among_ids`` as a
+  (rows x cols) mask (the from-logits kernels, whose rows are long vectors), and ``ids_below`` /
+  ``next_id`` / ``fill_ids`` as a walk that carries each row's pointer into its ids across a
+  split's tiles (the GEMM kernels, which must not hold a mask beside the tile).
+* ``topk_start`` / ``topk_insert`` / ``topk_store``: each row's K best logits, kept in registers
+  while a program walks its tiles (``linear_topk`` and the head's forward with TOPK).
 
 These are ``@triton.jit`` helpers, inlined into the kernels of ``linear``, ``linear_jsd`` and
 ``logits``. The host-side helpers
@@ -221,6 +229,28 @@ def softcap_args(softcap: float | None, inv_temperature, placeholder: torch.Tens
 
 
 @triton.jit
+def row_temperature(inv_temperature_ptr, rows, row_mask, inv_temperature, logit_scale, softcap_scale,
+                    SOFTCAP: tl.constexpr, ROW_TEMPERATURE: tl.constexpr, COLUMN: tl.constexpr):
+    """(row_inv_temperature, tile_scale, cap_scale) of a kernel's ``rows``: without ROW_TEMPERATURE
+    the scalars ``inv_temperature``, ``logit_scale`` and ``softcap_scale`` as given; with it each
+    row's own 1 / T, read from ``inv_temperature_ptr + rows`` (1.0 past ``row_mask``; ``row_mask``
+    None: ``rows`` is one row, read unmasked), and :func:`row_scales` of it, as a (BLOCK, 1) column
+    for a tile with COLUMN, else as row vectors. The one place a kernel reads the per-row
+    temperature (the scalar's exact bits: ``tests/api/test_row_temperature.py``)."""
+    tile_scale, cap_scale = logit_scale, softcap_scale
+    if ROW_TEMPERATURE:
+        if row_mask is None:
+            inv_temperature = tl.load(inv_temperature_ptr + rows)
+        else:
+            inv_temperature = tl.load(inv_temperature_ptr + rows, mask=row_mask, other=1.0)
+        if COLUMN:
+            tile_scale, cap_scale = row_scales(inv_temperature[:, None], logit_scale, softcap_scale, SOFTCAP)
+        else:
+            tile_scale, cap_scale = row_scales(inv_temperature, logit_scale, softcap_scale, SOFTCAP)
+    return inv_temperature, tile_scale, cap_scale
+
+
+@triton.jit
 def row_scales(row_inv_temperature, logit_scale, softcap_scale, SOFTCAP: tl.constexpr):
     """(logit_scale, softcap_scale) of ``softcap_args`` for rows whose own 1 / T is
     ``row_inv_temperature`` (a column (BLOCK_M, 1) for a tile, or (BLOCK,) for a row vector): the
@@ -392,8 +422,8 @@ def among_ids(ids_ptr, stride_ids, rows64, row_mask, cols, col0, width, n_ids, B
 def ids_below(ids_ptr, stride_ids, rows64, row_mask, n_ids, x, BLOCK_IDS: tl.constexpr):
     """(rows,) int32: how many of each row's sorted ids are < ``x`` (the index of its first id >= x),
     by a branchless binary search: log2(BLOCK_IDS) + 1 dependent one-id loads per row, no
-    (rows x BLOCK_IDS) block in registers (``ids_in_tile``'s starting point; arguments as in
-    ``among_ids``, BLOCK_IDS a power of two >= n_ids)."""
+    (rows x BLOCK_IDS) block in registers (the starting point of a ``fill_ids`` walk; arguments as
+    in ``among_ids``, BLOCK_IDS a power of two >= n_ids)."""
     at = tl.zeros(rows64.shape, tl.int32)
     for i in tl.static_range(31):
         if (BLOCK_IDS >> i) > 0:  # steps BLOCK_IDS, BLOCK_IDS / 2, ..., 1 (constexpr: unrolled)

@@ -84,7 +84,7 @@ import triton.language as tl
 
 from .building_blocks import (TensorDescriptor, fill_ids, gemm_meta, grouped_tile, ids_below, log_sum_lse,
                               logits_tile_log2, merge_max_sum, merge_q, merge_scales, merge_stats, next_id,
-                              persistent_programs, row_scales, scalar_inv_temperature, soft_cap, softcap_args,
+                              persistent_programs, row_temperature, scalar_inv_temperature, soft_cap, softcap_args,
                               stats_entropy, store_window, tma_ok, tma_operands, topk_insert, topk_start, topk_store,
                               window_grid, window_tile)
 from .config import BwdTile, KernelConfig, default_config, interpreting
@@ -123,10 +123,8 @@ def _linear_split_stats_kernel(
     row0 = pid_m * BLOCK_M
     rows = row0 + tl.arange(0, BLOCK_M)
     row_mask = rows < N
-    tile_scale, cap_scale = logit_scale, softcap_scale
-    if ROW_TEMPERATURE:
-        row_inv_temperature = tl.load(inv_temperature_ptr + rows, mask=row_mask, other=1.0)[:, None]
-        tile_scale, cap_scale = row_scales(row_inv_temperature, logit_scale, softcap_scale, SOFTCAP)
+    row_inv_temperature, tile_scale, cap_scale = row_temperature(
+        inv_temperature_ptr, rows, row_mask, 1.0, logit_scale, softcap_scale, SOFTCAP, ROW_TEMPERATURE, True)
 
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     s = tl.zeros((BLOCK_M,), tl.float32)
@@ -243,10 +241,8 @@ def _label_logits_kernel(
         a = tl.load(h_base + ks.to(tl.int64)[None, :] * stride_hk, mask=mask, other=0.0)
         b = tl.load(w_base + ks.to(tl.int64)[None, :] * stride_wk, mask=mask, other=0.0)
         acc += tl.sum(a.to(tl.float32) * b.to(tl.float32), axis=1)
-    tile_scale, cap_scale = logit_scale, softcap_scale
-    if ROW_TEMPERATURE:  # each hidden row's 1 / T
-        row_inv_temperature = tl.load(inv_temperature_ptr + h_rows, mask=row_mask, other=1.0)
-        tile_scale, cap_scale = row_scales(row_inv_temperature, logit_scale, softcap_scale, SOFTCAP)
+    row_inv_temperature, tile_scale, cap_scale = row_temperature(  # each hidden row's 1 / T
+        inv_temperature_ptr, h_rows, row_mask, 1.0, logit_scale, softcap_scale, SOFTCAP, ROW_TEMPERATURE, False)
     out = acc * tile_scale
     if SOFTCAP:
         out, _ = soft_cap(out, cap_scale, LIBDEVICE)
@@ -502,10 +498,9 @@ def _linear_dlogits_kernel(
         local_rows, local_cols, rows, cols, row_mask, col_mask, row0, col0 = window_tile(
             row_start, n_rows, col_start, n_cols, BLOCK_M, BLOCK_N, GROUP_M, tile_id)
         rows64 = rows.to(tl.int64)
-        row_inv_temperature, tile_scale, cap_scale = inv_temperature, logit_scale, softcap_scale
-        if ROW_TEMPERATURE:
-            row_inv_temperature = tl.load(inv_temperature_ptr + rows64, mask=row_mask, other=1.0)
-            tile_scale, cap_scale = row_scales(row_inv_temperature[:, None], logit_scale, softcap_scale, SOFTCAP)
+        row_inv_temperature, tile_scale, cap_scale = row_temperature(
+            inv_temperature_ptr, rows64, row_mask, inv_temperature, logit_scale, softcap_scale,
+            SOFTCAP, ROW_TEMPERATURE, True)
         # z2 = log2(e) z, so log2 p = z2 - log2(e) lse is one multiply-add with the GEMM's scale
         # and p = 2^(log2 p) one ex2 (flushing p < 2^-126); t: the cap's tanh with SOFTCAP
         if TAIL:  # (before the GEMM: the ids' loads and searches are not spent with the tile in registers)

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from .building_blocks import (grouped_tile, log_sum_lse, logits_tile, merge_stats,
-                              multiprocessors, row_scales, soft_cap, softcap_args, tma_operands, topk_insert,
+                              multiprocessors, row_temperature, soft_cap, softcap_args, tma_operands, topk_insert,
                               topk_start, topk_store)
 from ..torch_ops.linear_topk import merge_candidates
 from .config import KernelConfig, default_config
@@ -91,10 +91,8 @@ def _linear_topk_kernel(
     row0 = pid_m * BLOCK_M
     rows = row0 + tl.arange(0, BLOCK_M)
     row_mask = rows < N
-    tile_scale, cap_scale = logit_scale, softcap_scale
-    if ROW_TEMPERATURE:
-        row_inv_temperature = tl.load(inv_temperature_ptr + rows, mask=row_mask, other=1.0)[:, None]
-        tile_scale, cap_scale = row_scales(row_inv_temperature, logit_scale, softcap_scale, SOFTCAP)
+    row_inv_temperature, tile_scale, cap_scale = row_temperature(
+        inv_temperature_ptr, rows, row_mask, 1.0, logit_scale, softcap_scale, SOFTCAP, ROW_TEMPERATURE, True)
 
     list_v, list_i, worst_v, worst_i = topk_start(rows, K, KP)
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)

@@ -39,8 +39,8 @@ import triton.language as tl
 
 from ..core._logging import log_once, logger
 from ..core.label_flag import label_flag as host_flag
-from .building_blocks import (among_ids, log_sum_lse, merge_stats, merge_q, multiprocessors, row_temperature_args,
-                              scalar_inv_temperature, stats_entropy)
+from .building_blocks import (among_ids, log_sum_lse, merge_stats, merge_q, multiprocessors, row_temperature,
+                              row_temperature_args, scalar_inv_temperature, stats_entropy)
 from .config import LogitsConfig, logits_config
 from .launch import Launcher
 
@@ -188,8 +188,8 @@ def _merge_and_finalize(
     (volatile loads: in the one-launch combine other programs wrote them, so no L1 line may serve).
     With ROW_TEMPERATURE the row's 1 / T is read from ``inv_temperature_ptr``; with TAIL the tail's
     (mt, st) are merged alongside (fields 5 and 6 of the block)."""
-    if ROW_TEMPERATURE:
-        inv_temperature = tl.load(inv_temperature_ptr + row)
+    inv_temperature = row_temperature(inv_temperature_ptr, row, None, inv_temperature, 1.0, 1.0,
+                                      False, ROW_TEMPERATURE, False)[0]
     m, s, b, t, q = _no_stats()
     mt, st = m, s
     if FROM_PARTS:
@@ -250,9 +250,8 @@ def _logits_fwd_kernel(
         row = pid // num_splits
         split = pid % num_splits
         row_ptr = x_ptr + row.to(tl.int64) * stride_n
-        row_inv_temperature = inv_temperature
-        if ROW_TEMPERATURE:
-            row_inv_temperature = tl.load(inv_temperature_ptr + row)
+        row_inv_temperature = row_temperature(inv_temperature_ptr, row, None, inv_temperature, 1.0, 1.0,
+                                              False, ROW_TEMPERATURE, False)[0]
         m, s, b, t, q, mt, st = _split_stats(row_ptr, stride_v, split * SPLIT_V, V, row_inv_temperature,
                                              SPLIT_V, BLOCK_V, ENTROPY, MEAN_LOG_P, SUM_PI_SQUARED, PREFETCH,
                                              row, ids_ptr, stride_ids, n_ids, TAIL, BLOCK_IDS)
@@ -324,8 +323,8 @@ def _logits_bwd_kernel(
     rounding), so a K column far above the tail gets at most g_t / T, never inf or 0 * inf. A row
     with tail_lse = -inf (no tail mass) or inactive gets no tail term."""
     row = tl.program_id(0).to(tl.int64)
-    if ROW_TEMPERATURE:  # the row's own 1 / T
-        inv_temperature = tl.load(inv_temperature_ptr + row)
+    inv_temperature = row_temperature(inv_temperature_ptr, row, None, inv_temperature, 1.0, 1.0,
+                                      False, ROW_TEMPERATURE, False)[0]  # the row's own 1 / T
     row_max = tl.load(row_max_ptr + row)
     log_sum = tl.load(log_sum_ptr + row)
     # d/dlogits_j = p_j (c + k log2 p_j + a p_j) + [j == y] g_lp / T + grad_mean_log_p / (V T): the
