@@ -18,7 +18,7 @@ import torch
 
 from .autograd.head_family import split_temperature
 from .autograd.linear import HeadParams, linear_head
-from .autograd.linear_jsd import FAMILY as JSD_FAMILY, JSDParams
+from .autograd.linear_jsd import JSDParams, LinearJSDFunction
 from .autograd.logits import LogitsParams, topk_log_probs
 from .autograd.positions import check_tail_teacher, checked_positions
 from .autograd.vocab_parallel import parallel_params
@@ -518,6 +518,6 @@ def linear_jsd(
     inv_temperature, runtime_temperature = split_temperature(t)
     params = JSDParams(backend=backend, inv_temperature=inv_temperature, beta=float(beta),
                        may_have_ignored=any_excluded is not False)
-    (per_token,) = JSD_FAMILY.apply(hs, student_weight, ht, teacher_weight.detach(), valid, params,
-                                    runtime_temperature, tp)  # (one route, eager and compiled)
+    per_token = LinearJSDFunction.apply(hs, student_weight, ht, teacher_weight.detach(), valid, params,
+                                        runtime_temperature, tp)  # (one route, eager and compiled)
     return _reduce(per_token, valid, lead, reduction)

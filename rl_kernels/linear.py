@@ -9,7 +9,7 @@ import torch
 
 from .autograd.head_family import split_temperature
 from .autograd.linear import HeadParams, linear_head
-from .autograd.linear_topk import FAMILY as TOPK_FAMILY, TopkParams
+from .autograd.linear_topk import TopkParams, linear_topk_call
 from .autograd.vocab_parallel import parallel_params
 from .core.backends import get_backend
 from .core.validation import (check_bool_arg, check_head_inputs, check_hidden_weight, check_softcap, check_temperature,
@@ -172,5 +172,5 @@ def linear_topk(
     h2 = hidden_states.reshape(-1, hidden_states.shape[-1]).detach()
     inv_temperature, runtime_temperature = split_temperature(temperature)
     params = TopkParams(backend=resolved, inv_temperature=inv_temperature, k=k, softcap=softcap)
-    log_probs, token_ids = TOPK_FAMILY.forward_call(h2, weight.detach(), params, runtime_temperature, tp)
+    log_probs, token_ids = linear_topk_call(h2, weight.detach(), params, runtime_temperature, tp)
     return log_probs.view(*lead, k), token_ids.view(*lead, k)

@@ -137,6 +137,32 @@ class CustomOpPair:
         return fn
 
 
+
+def stage_op(name: str, schema: str, samples):
+    """Decorator: a family's stage body ``fn`` as the custom op ``rl_kernels::<name>`` with
+    ``schema`` (its arguments; the result part included) and its runtime-temperature twin
+    (:class:`CustomOpPair`), listed in ``OPS`` with ``samples()``: a dict {op name: [OpSample]}
+    for opcheck (:func:`temperature_samples` makes a stage's). Returns the pair: its
+    ``register_fake`` decorates the hand-written fake implementation."""
+    def make(fn):
+        pair = CustomOpPair(f"rl_kernels::{name}", schema, fn)
+        OPS[name] = OPS[name + RUNTIME_TEMPERATURE_SUFFIX] = lambda op: samples().get(op, [])
+        return pair
+    return make
+
+
+def temperature_samples(op: str, tensors: tuple, op_args, params, tail: tuple = (), rows: int | None = None) -> dict:
+    """opcheck's samples of one stage op (see :func:`stage_op`): ``op`` with the float temperature of
+    ``params`` (arguments: ``tensors``, then ``tail`` (e.g. a backward's need flags), then the
+    record's), and its twin with the same temperature as the runtime 0-d float64 tensor (and, with
+    ``rows``, as a per-row (rows,) tensor), each to give the float's bits."""
+    as_float = (*tensors, *tail, *op_args.pack(params, None))
+    unit, t = params._replace(inv_temperature=1.0), 1.0 / params.inv_temperature
+    runtime = [torch.tensor(t, dtype=torch.float64)] + ([torch.full((rows,), t)] if rows is not None else [])
+    return {op: [OpSample(as_float)],
+            op + RUNTIME_TEMPERATURE_SUFFIX: [OpSample((*tensors, *tail, *op_args.pack(unit, r)), as_float)
+                                              for r in runtime]}
+
 _SCHEMA_TYPES = {bool: "bool", int: "int", float: "float", str: "str", Backend: "str"}
 
 

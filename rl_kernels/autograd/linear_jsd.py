@@ -1,9 +1,9 @@
 """Autograd of ``linear_jsd``: the generalized Jensen-Shannon divergence of two linear heads.
 
 The head family "linear_jsd": its parameter record (``JSDParams``), its two bodies on the backend's
-``sums`` / ``dlogits`` (``ops.linear_jsd`` or ``torch_ops.linear_jsd``) and their declaration (``FAMILY``, an
-``autograd.head_family.HeadFamily``: the Function and the ``rl_kernels::jsd_forward`` / ``jsd_backward``
-custom ops). Forward: each head's lse (the fused head's forward), then one pass of both GEMMs for
+``sums`` / ``dlogits`` (``ops.linear_jsd`` or ``torch_ops.linear_jsd``), its Function
+(``LinearJSDFunction``: the bodies called directly eagerly, and as the ``rl_kernels::jsd_forward`` /
+``jsd_backward`` custom ops while torch.compile traces). Forward: each head's lse (the fused head's forward), then one pass of both GEMMs for
 the per-row divergence sums (Triton ``ops.linear_jsd`` or the torch twin ``torch_ops.linear_jsd``);
 with a vocab-parallel group, the shard lse and the shard sums are merged over the group. Backward:
 dlogits windows of the student recomputed from both heads and consumed by the shared schedule
@@ -11,6 +11,7 @@ dlogits windows of the student recomputed from both heads and consumed by the sh
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -18,9 +19,10 @@ import torch
 from ..core.backends import Backend
 from ..core.label_check import raise_label_errors
 from .backward_schedule import chunked_backward, full_precision_reduction
-from .head_family import HeadFamily, Out, hidden_for_weight_grad, kernels
+from .head_family import (OpArgs, first_order_only, hidden_for_weight_grad, kernels, or_empty, rl_op, stage_op,
+                          temperature_samples)
 from .linear import HeadParams, head_forward
-from .vocab_parallel import all_gather_rows, finish_hidden_grad, merge_lse
+from .vocab_parallel import all_gather_rows, finish_hidden_grad, group_from_op, merge_lse
 
 
 class JSDParams(NamedTuple):
@@ -78,25 +80,87 @@ def jsd_backward(hs, ws, ht, wt, valid, lse_s, lse_t, g_sum, grad, params: JSDPa
     return dh, dw
 
 
-def _op_examples() -> list:
-    """opcheck's inputs (``HeadFamily``): CPU, the torch backend, beta strictly inside (0, 1)."""
+class LinearJSDFunction(torch.autograd.Function):
+    """``apply(student_hidden (N, Hs), student_weight (V, Hs), teacher_hidden (N, Ht), teacher_weight
+    (V, Ht), valid (N,) bool, params, temperature, tp)`` -> the per-token divergence x T^2 (N,)
+    float32, 0 where not ``valid``; gradients to the student's two inputs only. ``temperature``: None
+    or the runtime temperature of a compiled graph (``head_family.split_temperature``); ``tp``: the
+    vocab-parallel layout (both heads sharded alike) or None. Eagerly the bodies run directly; while
+    torch.compile traces, as the stage ops (``rl_op``: the twin with a runtime temperature)."""
+
+    @staticmethod
+    def forward(ctx, hs, ws, ht, wt, valid, params: JSDParams, temperature, tp):
+        if torch.compiler.is_compiling():
+            per_token, lse_s, lse_t, g_sum = rl_op("jsd_forward", temperature)(
+                hs, ws, ht, wt, valid, *OP_ARGS.pack(params, temperature, tp))
+        else:
+            per_token, lse_s, lse_t, g_sum = jsd_forward(hs, ws, ht, wt, valid, params, tp)
+        ctx.save_for_backward(hs, ws, ht, wt, valid, lse_s, lse_t, g_sum, temperature)
+        ctx.params, ctx.tp, ctx.fn_name = params, tp, "linear_jsd"
+        ctx.set_materialize_grads(False)
+        return per_token
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, grad):
+        need_dh, need_dw = ctx.needs_input_grad[:2]
+        if grad is None or not (need_dh or need_dw):
+            return (None,) * 8
+        *saved, temperature = ctx.saved_tensors
+        if torch.compiler.is_compiling():
+            dh, dw = rl_op("jsd_backward", temperature)(*saved, grad, need_dh, need_dw,
+                                                        *OP_ARGS.pack(ctx.params, temperature, ctx.tp))
+            dh, dw = dh if need_dh else None, dw if need_dw else None
+        else:
+            dh, dw = jsd_backward(*saved, grad, ctx.params, ctx.tp, need_dh, need_dw)
+        return dh, dw, None, None, None, None, None, None
+
+
+# ------------------------------------------------------------------ the stage ops (torch.compile's route)
+# Their trailing arguments: the record's fields, the vocab-parallel group (``GROUP_SCHEMA``), the
+# runtime temperature (``head_family.OpArgs``).
+OP_ARGS = OpArgs(JSDParams)
+_INPUTS = "Tensor student_hidden, Tensor student_weight, Tensor teacher_hidden, Tensor teacher_weight, Tensor valid"
+
+
+@functools.cache
+def _op_samples() -> dict:
+    """opcheck's samples: CPU, the torch backend, beta strictly inside (0, 1), one row not valid."""
     from ..core.backends import get_backend
 
     g = torch.Generator().manual_seed(0)
     hs, ws, ht, wt = (torch.randn(shape, generator=g) for shape in ((5, 8), (11, 8), (5, 6), (11, 6)))
     valid = torch.tensor([True, False, True, True, True])
-    return [((hs, ws, ht, wt, valid), JSDParams(get_backend("torch", hs.device), 1 / 0.7, 0.3))]
+    params = JSDParams(get_backend("torch", hs.device), 1 / 0.7, 0.3)
+    inputs = (hs, ws, ht, wt, valid)
+    saved = jsd_forward(*inputs, params, None)[1:]
+    return {**temperature_samples("jsd_forward", inputs, OP_ARGS, params),
+            **temperature_samples("jsd_backward", (*inputs, *saved, torch.randn(5, generator=g)), OP_ARGS, params,
+                                  tail=(True, True))}
 
 
-_ROWS = ("student_hidden[0]",)  # (N,) float32: every slot
-# Inputs: student_hidden (N, Hs), student_weight (V, Hs), teacher_hidden (N, Ht), teacher_weight
-# (V, Ht), valid (N,) bool; output: the per-token divergence x T^2, 0 where not valid; gradients to
-# the student's two inputs only.
-FAMILY = HeadFamily(
-    JSDParams, "Tensor student_hidden, Tensor student_weight, Tensor teacher_hidden, Tensor teacher_weight, "
-               "Tensor valid",
-    outputs=(Out("per_token", _ROWS), Out("lse_s", _ROWS, saved=True, output=False),
-             Out("lse_t", _ROWS, saved=True, output=False), Out("g_sum", _ROWS, saved=True, output=False)),
-    forward=jsd_forward, backward=jsd_backward, grads=("student_hidden", "student_weight"),
-    forward_op="jsd_forward", backward_op="jsd_backward", name="linear_jsd", vocab=("student_weight", 0),
-    examples=_op_examples)
+@stage_op("jsd_forward", f"({_INPUTS}, {OP_ARGS.schema}) -> (Tensor, Tensor, Tensor, Tensor)", _op_samples)
+def _forward_op(hs, ws, ht, wt, valid, *args):
+    params, group = OP_ARGS.unpack(args)
+    tp = group_from_op(*group, -100, ws.shape[0], hs.device)
+    return or_empty(jsd_forward(hs, ws, ht, wt, valid, params, tp), hs, (hs, ws, ht, wt, valid))
+
+
+@_forward_op.register_fake
+def _(hs, *args):
+    return tuple(hs.new_empty(hs.shape[0], dtype=torch.float32) for _ in range(4))
+
+
+@stage_op("jsd_backward", f"({_INPUTS}, Tensor lse_s, Tensor lse_t, Tensor g_sum, Tensor grad, bool need_dh, "
+                          f"bool need_dw, {OP_ARGS.schema}) -> (Tensor, Tensor)", _op_samples)
+def _backward_op(hs, ws, ht, wt, valid, lse_s, lse_t, g_sum, grad, need_dh, need_dw, *args):
+    params, group = OP_ARGS.unpack(args)
+    dh, dw = jsd_backward(hs, ws, ht, wt, valid, lse_s, lse_t, g_sum, grad, params, group_from_op(*group),
+                          need_dh, need_dw)
+    return (dh.contiguous() if need_dh else hs.new_empty(0)), (dw.contiguous() if need_dw else ws.new_empty(0))
+
+
+@_backward_op.register_fake
+def _(hs, ws, *args):
+    need_dh, need_dw = args[7:9]
+    return hs.new_empty(hs.shape if need_dh else (0,)), ws.new_empty(ws.shape if need_dw else (0,))

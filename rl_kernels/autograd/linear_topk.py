@@ -1,10 +1,10 @@
 """The fused top-K head (``rl_kernels.linear_topk``): the K largest student logits per row and
 their log-probs, without the (N x V) logits. No gradient (the outputs are selections; the
 differentiable log-probs at these ids come from ``rl_kernels.distill.linear_log_probs_at_ids``),
-so the family has no autograd Function: its one backend call is :func:`topk_body`, run directly
-eagerly and as the ``rl_kernels::linear_topk`` custom op while torch.compile traces (opaque: no
-graph break; a temperature that Dynamo holds symbolically travels as the op's runtime tensor):
-``FAMILY.forward_call``, declared with ``autograd.head_family.HeadFamily``.
+so the family has no autograd Function: its one backend call is :func:`topk_body`, which
+:func:`linear_topk_call` runs directly eagerly and as the ``rl_kernels::linear_topk`` custom op while
+torch.compile traces (opaque: no graph break; a temperature that Dynamo holds symbolically travels
+as the op's runtime tensor).
 
 The family "linear_topk": its parameter record (``TopkParams``) and its body on the backend's
 ``select`` (``ops.linear_topk``: one pass over the GEMM tiles keeping each row's candidates in
@@ -20,13 +20,14 @@ the same code: bitwise equal outputs on every rank, equal to the unsharded selec
 is exact and the candidates of a shard include its part of the global top-K)."""
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
 
 from ..core.backends import Backend
-from .head_family import HeadFamily, Out, kernels
-from .vocab_parallel import gather_topk, merge_lse
+from .head_family import OpArgs, kernels, or_empty, rl_op, stage_op, temperature_samples
+from .vocab_parallel import gather_topk, group_from_op, merge_lse
 
 
 class TopkParams(NamedTuple):
@@ -56,19 +57,38 @@ def topk_body(hidden_states, weight, params: TopkParams, tp=None) -> tuple[torch
     return log_probs, ids
 
 
-def _op_examples() -> list:
-    """opcheck's inputs (``HeadFamily``): CPU, the torch backend."""
+def linear_topk_call(hidden_states, weight, params: TopkParams, temperature=None, tp=None) -> tuple:
+    """:func:`topk_body`'s (log_probs, token_ids): directly eagerly, as the ``rl_kernels::linear_topk``
+    op while torch.compile traces (``temperature``: None or the runtime temperature of a compiled graph,
+    ``head_family.split_temperature``)."""
+    if not torch.compiler.is_compiling():
+        return topk_body(hidden_states, weight, params, tp)
+    return rl_op("linear_topk", temperature)(hidden_states, weight, *OP_ARGS.pack(params, temperature, tp))
+
+
+# ------------------------------------------------------------------ the op (torch.compile's route)
+OP_ARGS = OpArgs(TopkParams)  # the record's fields, the vocab-parallel group, the runtime temperature
+
+
+@functools.cache
+def _op_samples() -> dict:
+    """opcheck's samples: CPU, the torch backend; the temperature as a float, 0-d and per row."""
     from ..core.backends import get_backend
 
     g = torch.Generator().manual_seed(0)
     hidden_states, weight = torch.randn(5, 8, generator=g), torch.randn(11, 8, generator=g)
-    return [((hidden_states, weight), TopkParams(get_backend("torch", hidden_states.device), 1 / 0.7, 3))]
+    params = TopkParams(get_backend("torch", hidden_states.device), 1 / 0.7, 3)
+    return temperature_samples("linear_topk", (hidden_states, weight), OP_ARGS, params, rows=5)
 
 
-# Inputs: hidden_states (N, H), weight (V, H) (a vocab shard with a layout); outputs: log_probs (N, k)
-# float32 and token_ids (N, k) int64 (:func:`topk_body`); no backward.
-FAMILY = HeadFamily(
-    TopkParams, "Tensor hidden_states, Tensor weight",
-    outputs=(Out("log_probs", ("hidden_states[0]", "k")), Out("token_ids", ("hidden_states[0]", "k"), torch.int64)),
-    forward=topk_body, forward_op="linear_topk", name="linear_topk", vocab=("weight", 0), examples=_op_examples,
-    row_temperature=True)
+@stage_op("linear_topk", f"(Tensor hidden_states, Tensor weight, {OP_ARGS.schema}) -> (Tensor, Tensor)", _op_samples)
+def _topk_op(hidden_states, weight, *args):
+    params, group = OP_ARGS.unpack(args)
+    tp = group_from_op(*group, -100, weight.shape[0], hidden_states.device)
+    return or_empty(topk_body(hidden_states, weight, params, tp), hidden_states, (hidden_states, weight))
+
+
+@_topk_op.register_fake
+def _(hidden_states, weight, backend, inv_temperature, k, *args):
+    shape = (hidden_states.shape[0], k)
+    return hidden_states.new_empty(shape, dtype=torch.float32), hidden_states.new_empty(shape, dtype=torch.int64)
