@@ -19,7 +19,8 @@ from typing import NamedTuple
 import torch
 
 from .autograd.head_family import split_temperature
-from .autograd.logits import FAMILY, LogitsOutputs, LogitsParams, asked_outputs, checked_token_ids, topk_log_probs
+from .autograd.logits import (LogitsOutputs, LogitsParams, LogitsStatsFunction, asked_outputs, checked_token_ids,
+                              logits_forward_call, topk_log_probs)
 from .autograd.vocab_parallel import parallel_params
 from .core.backends import get_backend
 from .core.validation import (check_bool_arg, check_choice, check_labels, check_logits, check_temperature,
@@ -69,11 +70,11 @@ def _run(logits, labels, temperature, ignore_index, return_entropy, return_mean_
     # the family's one route (eager and compiled, vocab-sharded logits with ``tp``)
     if torch.is_grad_enabled() and logits.requires_grad:
         stats = dict(zip(asked_outputs(params, labels is not None),
-                         FAMILY.apply(logits2d, labels1d, None, params, runtime_temperature, tp)))
+                         LogitsStatsFunction.apply(logits2d, labels1d, None, params, runtime_temperature, tp)))
         outs = (stats.get("log_probs"), stats.get("entropy"), stats["lse"], stats.get("mean_log_p"),
                 stats.get("sum_pi_squared"))  # (LogitsOutputs' fields)
     else:  # no gradient wanted: the same forward without an autograd node (host cost at small N)
-        outs = FAMILY.forward_call(logits2d, labels1d, None, params, runtime_temperature, tp)[:5]  # (the same fields)
+        outs = logits_forward_call(logits2d, labels1d, None, params, runtime_temperature, tp)[:5]  # (the same fields)
     if logits2d is logits:  # 2-D logits: the (N,) outputs as they are (host time at small N)
         return LogitsOutputs(*outs)
     return LogitsOutputs(*(o if o is None else o.view(shape) for o in outs))

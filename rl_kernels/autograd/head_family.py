@@ -605,24 +605,14 @@ class HeadFamily:
         return self.op_samples().get(op, [])
 
 
-def plain_op(qualname: str, schema: str, outputs, examples=None):
+def plain_op(qualname: str, schema: str, examples):
     """Decorator: ``fn`` as the custom op ``qualname`` (no record, no runtime temperature, no twin:
-    a value check as an opaque step of a traced function), its fake implementation made from
-    ``outputs`` (one :class:`Out`, whose shape / dtype / when name ``fn``'s arguments), listed in
-    ``OPS`` with ``examples()`` (a list of argument tuples) for opcheck."""
+    a value check as an opaque step of a traced function), listed in ``OPS`` with ``examples()`` (a
+    list of argument tuples) for opcheck. Returns the op: its ``register_fake`` decorates the
+    hand-written fake implementation."""
     def make(fn):
         op = torch.library.custom_op(qualname, fn, mutates_args=(), schema=schema)
-        signature = inspect.signature(fn)
-        names = tuple(signature.parameters)
-        shape, dtype = _shape_fn(outputs.shape, names), _dtype_fn(outputs.dtype)
-
-        def fake(*args, **kwargs):
-            bound = signature.bind(*args, **kwargs)
-            bound.apply_defaults()
-            a = types.SimpleNamespace(**bound.arguments)
-            return next(iter(args)).new_empty(shape(a), dtype=dtype(a))
-        op.register_fake(fake)
-        OPS[qualname.split("::")[1]] = lambda op_name: [OpSample(tuple(a)) for a in examples()] if examples else []
+        OPS[qualname.split("::")[1]] = lambda op_name: [OpSample(tuple(a)) for a in examples()]
         return op
     return make
 

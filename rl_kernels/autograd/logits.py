@@ -17,6 +17,8 @@ gradient (the family's backward with the lse's share, then the K columns of each
 log-probs" below); on a vocab shard too ("top-K on a vocab shard")."""
 from __future__ import annotations
 
+import collections
+import functools
 import logging
 from typing import NamedTuple
 
@@ -26,9 +28,10 @@ from ..core._logging import log_once
 from ..core.backends import Backend
 from ..core.label_check import deferred_label_check, raise_if_interpreted, raise_label_errors
 from ..core.validation import check_label_values, check_token_id_values
-from .head_family import HeadFamily, Out, as_float_grad, kernels, plain_op, sorted_tail_ids, sum_over_equal_ids
+from .head_family import (OpArgs, as_float_grad, first_order_only, kernels, or_empty, plain_op, rl_op, sorted_tail_ids,
+                          stage_op, sum_over_equal_ids, temperature_samples)
 from .positions import check_tail_teacher
-from .vocab_parallel import all_gather_rows, local_labels, merge_lse, merge_shards
+from .vocab_parallel import all_gather_rows, group_from_op, local_labels, merge_lse, merge_shards
 
 
 class LogitsParams(NamedTuple):
@@ -127,7 +130,7 @@ def check_distinct_ids(token_ids, labels, params: LogitsParams) -> None:
 
 def backward_body(logits, labels, token_ids, entropy, lse, sum_pi_squared, row_max, log_sum, shard_labels, tail_lse,
                   shard_ids, grad_log_probs, grad_entropy, grad_lse, grad_mean_log_p, grad_sum_pi_squared,
-                  grad_topk_log_probs, grad_tail_log_probs, params: LogitsParams, tp, need_logits):
+                  grad_topk_log_probs, grad_tail_log_probs, params: LogitsParams, tp):
     """The family's backward (``FAMILY``'s: the saved inputs and slots, one upstream gradient or
     None per output, float32 here) -> d loss / d logits (:func:`dlogits`); a shard's own labels or
     ids where the forward made them."""
@@ -173,20 +176,6 @@ def dlogits(logits, labels, stats: dict, grads: dict, params: LogitsParams, tp=N
         # raises torch's "modified by an inplace operation" error instead of reading gradients
         torch.autograd.graph.increment_version(logits)
     return grad
-
-
-def asked_outputs(params: LogitsParams, has_labels: bool, has_token_ids: bool = False) -> tuple:
-    """The ``LogitsOutputs`` fields a call computes, in order (lse always; with token ids their
-    log-probs, then with ``return_tail`` the tail's log-probability, last, and no log-probs at the
-    labels, which then only mark ignored rows): what ``FAMILY.apply`` returns, no None among them
-    (torch.compile's tracing of a Function handles tensors only). As the declared ``when``s say
-    (tests/api/test_logits.py compares them)."""
-    return tuple([k for k, a in zip(LogitsOutputs._fields, _asked_flags(params, has_labels, has_token_ids)) if a])
-
-
-def _asked_flags(params: LogitsParams, has_labels: bool, has_token_ids: bool) -> tuple:
-    return (has_labels and not has_token_ids, params.return_entropy, True, params.return_mean_log_p,
-            params.return_sum_pi_squared, has_token_ids, has_token_ids and params.return_tail)
 
 
 # ------------------------------------------------------------------ a vocab shard (tensor parallelism)
@@ -321,16 +310,80 @@ def vp_topk_forward(logits, labels, params: LogitsParams, tp, token_ids) -> dict
     return out
 
 
-# ------------------------------------------------------------------ the family's wiring (HeadFamily)
-# ``FAMILY`` (``autograd.head_family.HeadFamily``) makes, from the declaration below, the Function
-# (``FAMILY.apply(logits, labels, token_ids, params, temperature, tp)``: the made outputs, in
-# ``LogitsOutputs``' order), the custom ops ``rl_kernels::logits_forward`` / ``logits_backward`` (and
-# their runtime-temperature twins) that torch.compile sees (opaque, fake implementations from the
-# declared shapes; autograd is the Function's on both routes), their opcheck samples and
-# ``FAMILY.forward_call`` (the forward without autograd). The forward's slots beyond the outputs are
-# the state its backward reads: the row max and log-sum, the tail's lse, and a shard's own labels or
-# ids. ``inplace_backward`` is not honoured by the ops (a custom op cannot return its input's
-# storage as a new gradient; the forward op says so once: :func:`_in_op`).
+# ------------------------------------------------------------------ the Function and its stage ops
+# The forward body's slots, in order: ``LogitsOutputs``' fields (the outputs), then the state the
+# backward reads: the row max and log-sum, a shard's own labels, the tail's lse, a shard's own ids.
+_STAT_KEYS = ("log_probs", "entropy", "lse", "mean_log_p", "sum_pi_squared", "topk_log_probs", "row_max", "log_sum",
+              "shard_labels", "tail_log_probs", "tail_lse", "shard_ids")
+_SAVED = ("entropy", "lse", "sum_pi_squared", "row_max", "log_sum", "shard_labels", "tail_lse", "shard_ids")
+
+
+def made_slots(params: LogitsParams, has_labels: bool, has_token_ids: bool, sharded: bool) -> tuple:
+    """One bool per slot of ``_STAT_KEYS``: whether a call makes it (lse, row max and log-sum always;
+    with token ids their log-probs and, with ``return_tail``, the tail's, and no log-probs at the
+    labels, which then only mark ignored rows; a shard's own labels or ids with a layout)."""
+    tail = has_token_ids and params.return_tail
+    return (has_labels and not has_token_ids, params.return_entropy, True, params.return_mean_log_p,
+            params.return_sum_pi_squared, has_token_ids, True, True, sharded and has_labels and not has_token_ids,
+            tail, tail, sharded and has_token_ids)
+
+
+def asked_outputs(params: LogitsParams, has_labels: bool, has_token_ids: bool = False) -> tuple:
+    """The ``LogitsOutputs`` fields a call computes, in order: what :class:`LogitsStatsFunction`
+    returns, no None among them (torch.compile's tracing of a Function handles tensors only)."""
+    made = dict(zip(_STAT_KEYS, made_slots(params, has_labels, has_token_ids, False)))
+    return tuple([k for k in LogitsOutputs._fields if made[k]])
+
+
+def logits_forward_call(logits, labels, token_ids, params: LogitsParams, temperature=None, tp=None) -> tuple:
+    """The forward alone (no autograd node): one tensor or None per slot of ``_STAT_KEYS``; the body
+    directly eagerly, the ``rl_kernels::logits_forward`` op while torch.compile traces
+    (``temperature``: None or the runtime temperature of a compiled graph)."""
+    if not torch.compiler.is_compiling():
+        return forward_body(logits, labels, token_ids, params, tp)
+    slots = rl_op("logits_forward", temperature)(logits, labels, token_ids, *OP_ARGS.pack(params, temperature, tp))
+    made = made_slots(params, labels is not None, token_ids is not None, tp is not None)
+    return tuple([t if m else None for t, m in zip(slots, made)])
+
+
+class LogitsStatsFunction(torch.autograd.Function):
+    """``apply(logits (N, V), labels (N,) or None, token_ids (N, K) int64 or None, params, temperature,
+    tp)`` -> the outputs :func:`asked_outputs` names, in that order, float32, (N,) each and (N, K) at
+    the token ids, identical on every rank of a group (``tp``: the vocab-parallel layout, the logits
+    a shard (N, V_r); or None); the gradient to the logits only. ``temperature``: None or the runtime
+    temperature of a compiled graph (``head_family.split_temperature``; per row only without token
+    ids). Only O(N) statistics are saved."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, token_ids, params: LogitsParams, temperature, tp):
+        stats = dict(zip(_STAT_KEYS, logits_forward_call(logits, labels, token_ids, params, temperature, tp)))
+        ctx.save_for_backward(logits, labels, token_ids, *[stats[k] for k in _SAVED], temperature)
+        ctx.params, ctx.tp, ctx.fn_name = params, tp, params.name
+        ctx.asked = asked_outputs(params, labels is not None, token_ids is not None)
+        ctx.set_materialize_grads(False)
+        return tuple([stats[k] for k in ctx.asked])
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, *output_grads):
+        if not ctx.needs_input_grad[0] or all(g is None for g in output_grads):
+            return None, None, None, None, None, None
+        *saved, temperature = ctx.saved_tensors
+        given = dict(zip(ctx.asked, output_grads))
+        grads = [given.get(k) for k in LogitsOutputs._fields]
+        if torch.compiler.is_compiling():
+            grad = rl_op("logits_backward", temperature)(*saved, *grads, *OP_ARGS.pack(ctx.params, temperature, ctx.tp))
+        else:
+            grad = backward_body(*saved, *grads, ctx.params, ctx.tp)
+        return grad, None, None, None, None, None
+
+
+# The stage ops (torch.compile's route; autograd is the Function's on both routes): their bodies
+# call the same bodies, with the record as :func:`_in_op` makes it. ``inplace_backward`` is not
+# honoured by the ops (a custom op cannot return its input's storage as a new gradient; the forward
+# op says so once). Trailing arguments: the record's fields, the vocab-parallel group
+# (``GROUP_SCHEMA``), the runtime temperature (``head_family.OpArgs``).
+OP_ARGS = OpArgs(LogitsParams)
 
 
 def _in_op(params: LogitsParams, forward: bool) -> LogitsParams:
@@ -343,9 +396,11 @@ def _in_op(params: LogitsParams, forward: bool) -> LogitsParams:
     return params._replace(inplace_backward=False, combine_in_one_launch=False)
 
 
-def _op_examples() -> list:
-    """opcheck's inputs (``HeadFamily``): CPU, the torch backend; the statistics at labels (one row
-    ignored), and the top-K log-probs with the tail (the labels marking an ignored row)."""
+@functools.cache
+def _op_samples() -> dict:
+    """opcheck's samples: CPU, the torch backend; the statistics at labels (one row ignored; the
+    temperature per row too), and the top-K log-probs with the tail (the labels marking an ignored
+    row); each stage with the float and the runtime temperature."""
     from ..core.backends import get_backend
 
     g = torch.Generator().manual_seed(0)
@@ -355,42 +410,51 @@ def _op_examples() -> list:
     stats = LogitsParams(backend, 1 / 0.7, -100, True, "logits_stats", return_mean_log_p=True,
                          return_sum_pi_squared=True)
     topk = LogitsParams(backend, 1 / 0.7, -100, False, "topk_kl_from_logits", return_tail=True)
-    return [((logits, labels, None), stats), ((logits, labels, ids), topk)]
+    samples = collections.defaultdict(list)
+    for inputs, params, rows in (((logits, labels, None), stats, 5), ((logits, labels, ids), topk, None)):
+        slots = dict(zip(_STAT_KEYS, forward_body(*inputs, params)))
+        grads = [None if slots[k] is None else torch.randn(slots[k].shape, generator=g) for k in LogitsOutputs._fields]
+        for op, tensors in (("logits_forward", inputs), ("logits_backward", (*inputs, *[slots[k] for k in _SAVED], *grads))):
+            for name, sample in temperature_samples(op, tensors, OP_ARGS, params, rows=rows).items():
+                samples[name] += sample
+    return dict(samples)
 
 
-def _tail(a) -> bool:
-    return a.token_ids is not None and a.params.return_tail
+@stage_op("logits_forward", f"(Tensor logits, Tensor? labels, Tensor? token_ids, {OP_ARGS.schema}) -> "
+                            f"({', '.join(['Tensor'] * len(_STAT_KEYS))})", _op_samples)
+def _forward_op(logits, labels, token_ids, *args):
+    params, group = OP_ARGS.unpack(args)
+    params = _in_op(params, True)
+    tp = group_from_op(*group, params.ignore_index, logits.shape[1], logits.device, False)
+    return or_empty(forward_body(logits, labels, token_ids, params, tp), logits, (logits, labels, token_ids))
 
 
-def _asked(inputs, params: LogitsParams, sharded: bool) -> tuple:
-    """``HeadFamily``'s ``eager_asked``: the positions of :func:`asked_outputs` among the outputs."""
-    return tuple([p for p, a in enumerate(_asked_flags(params, inputs[1] is not None, inputs[2] is not None)) if a])
+@_forward_op.register_fake
+def _(logits, labels, token_ids, *args):
+    params, group = OP_ARGS.unpack(args, read_temperature=False)
+    made = made_slots(params, labels is not None, token_ids is not None, group[0] is not None)
+    rows = (logits.shape[0],)
+    like = {"topk_log_probs": (token_ids, torch.float32), "shard_labels": (labels, None),
+            "shard_ids": (token_ids, torch.int64)}
+    return tuple([logits.new_empty(0, dtype=torch.float32) if not m
+                  else logits.new_empty(like[k][0].shape, dtype=like[k][1] or like[k][0].dtype) if k in like
+                  else logits.new_empty(rows, dtype=torch.float32) for k, m in zip(_STAT_KEYS, made)])
 
 
-_ROWS = ("logits[0]",)  # (N,) float32
-_OUTPUTS = (
-    Out("log_probs", _ROWS, when=lambda a: a.labels is not None and a.token_ids is None),
-    Out("entropy", _ROWS, when="return_entropy", saved=True), Out("lse", _ROWS, saved=True),
-    Out("mean_log_p", _ROWS, when="return_mean_log_p"),
-    Out("sum_pi_squared", _ROWS, when="return_sum_pi_squared", saved=True),
-    Out("topk_log_probs", "token_ids", when="token_ids"),
-    Out("row_max", _ROWS, saved=True, output=False), Out("log_sum", _ROWS, saved=True, output=False),
-    Out("shard_labels", "labels", "labels", when=lambda a: a.sharded and a.labels is not None and a.token_ids is None,
-        saved=True, output=False),
-    Out("tail_log_probs", _ROWS, when=_tail), Out("tail_lse", _ROWS, when=_tail, saved=True, output=False),
-    Out("shard_ids", "token_ids", torch.int64, when=lambda a: a.sharded and a.token_ids is not None, saved=True,
-        output=False))
-_STAT_KEYS = tuple(o.name for o in _OUTPUTS)  # the forward body's slots
-# Inputs: logits (N, V) (a vocab shard (N, V_r) with a layout), labels (N,) or None, token ids (N, K)
-# int64 or None; outputs: float32, (N,) each and (N, K) at the token ids, identical on every rank of a
-# group (the made ones: :func:`asked_outputs`); the gradient to the logits only. A per-row
-# temperature only without token ids (the top-K functions take a number).
-FAMILY = HeadFamily(
-    LogitsParams, "Tensor logits, Tensor? labels, Tensor? token_ids", outputs=_OUTPUTS,
-    forward=forward_body, backward=backward_body, grads=("logits",), forward_op="logits_forward",
-    backward_op="logits_backward", name="logits", vocab=("logits", 1), reduce_hidden_grad=False, in_op=_in_op,
-    examples=_op_examples, row_temperature=lambda inputs, params: inputs[2] is None, eager_asked=_asked)
-LogitsStatsFunction = FAMILY.function  # (its former name: tools.diag, scripts)
+@stage_op("logits_backward", "(Tensor logits, Tensor? labels, Tensor? token_ids, "
+                             + ", ".join(f"Tensor{'' if k in ('lse', 'row_max', 'log_sum') else '?'} {k}" for k in _SAVED)
+                             + ", " + ", ".join(f"Tensor? grad_{k}" for k in LogitsOutputs._fields)
+                             + f", {OP_ARGS.schema}) -> Tensor", _op_samples)
+def _backward_op(*args):
+    n = 3 + len(_SAVED) + len(LogitsOutputs._fields)
+    params, group = OP_ARGS.unpack(args[n:])
+    grad = backward_body(*args[:n], _in_op(params, False), group_from_op(*group))
+    return grad.clone() if grad is args[0] else grad.contiguous()
+
+
+@_backward_op.register_fake
+def _(logits, *args):
+    return logits.new_empty(logits.shape)
 
 
 # ------------------------------------------------------------------ top-K log-probs of the logits
@@ -467,12 +531,12 @@ def topk_log_probs(logits, token_ids, labels, params: LogitsParams, temperature=
     ``token_ids`` (N, K) (checked; global ids with ``tp``, a vocab shard's layout, checked there)
     (``labels``: None, or (N,) marking the rows to ignore); the tail with ``params.return_tail``:
     the family's Function with the ids when a gradient is wanted, its forward alone otherwise
-    (``FAMILY.forward_call``; eager: no autograd node). ``temperature``: the runtime temperature of
+    (:func:`logits_forward_call`; eager: no autograd node). ``temperature``: the runtime temperature of
     a compiled graph (``autograd.head_family.split_temperature``) or None."""
     if torch.is_grad_enabled() and logits.requires_grad:
-        outs = FAMILY.apply(logits, labels, token_ids, params, temperature, tp)
+        outs = LogitsStatsFunction.apply(logits, labels, token_ids, params, temperature, tp)
         return (outs[-2], outs[-1]) if params.return_tail else (outs[-1], None)
-    slots = FAMILY.forward_call(logits, labels, token_ids, params, temperature, tp)
+    slots = logits_forward_call(logits, labels, token_ids, params, temperature, tp)
     return slots[_TOPK], slots[_TAIL]
 
 
@@ -480,7 +544,6 @@ _TOPK, _TAIL = _STAT_KEYS.index("topk_log_probs"), _STAT_KEYS.index("tail_log_pr
 
 
 @plain_op("rl_kernels::checked_token_ids", schema="(Tensor token_ids, SymInt vocab_size, str name) -> Tensor",
-          outputs=Out("token_ids", "token_ids", torch.int64),
           examples=lambda: [(torch.tensor([[0, 10, 3], [5, 5, 1]]), 11, "token_ids")])
 def _checked_token_ids_op(token_ids, vocab_size, name):
     """torch.compile's route of the id check: ValueError as in eager (the host reads the ids inside
@@ -488,6 +551,11 @@ def _checked_token_ids_op(token_ids, vocab_size, name):
     (so the op is not dropped as unused)."""
     check_token_id_values(token_ids, vocab_size, name)
     return token_ids.to(torch.int64, copy=True)
+
+
+@_checked_token_ids_op.register_fake
+def _(token_ids, vocab_size, name):
+    return token_ids.new_empty(token_ids.shape, dtype=torch.int64)
 
 
 def checked_token_ids(token_ids, vocab_size: int, name: str) -> torch.Tensor:

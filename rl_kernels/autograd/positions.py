@@ -13,7 +13,7 @@ import math
 import torch
 
 from ..core.validation import check_labels, check_mask, check_token_id_values
-from .head_family import Out, plain_op
+from .head_family import plain_op
 from .vocab_parallel import group_from_op
 
 
@@ -97,7 +97,7 @@ def _op_examples() -> list:
           schema="(Tensor hidden_states, Tensor? labels, Tensor? mask, Tensor? teacher_token_ids, "
                  "Tensor? teacher_log_probs, SymInt vocab_size, int ignore_index, str hidden_name, str? group_name, "
                  "int? vocab_start_index, bool tail=False) -> Tensor",
-          outputs=Out("valid", lambda a: (math.prod(a.hidden_states.shape[:-1]),), torch.bool), examples=_op_examples)
+          examples=_op_examples)
 def _counted_positions_op(hidden_states, labels, mask, teacher_token_ids, teacher_log_probs, vocab_size,
                           ignore_index, hidden_name, group_name, vocab_start_index, tail=False):
     """torch.compile's route of :func:`checked_positions` (ValueError as in eager) -> (N,) bool,
@@ -107,6 +107,11 @@ def _counted_positions_op(hidden_states, labels, mask, teacher_token_ids, teache
     tp = group_from_op(group_name, vocab_start_index, False, ignore_index, vocab_size, hidden_states.device)
     return eager_positions(hidden_states, labels, ignore_index, mask, vocab_size if tp is None else tp.vocab_size,
                            hidden_name, teacher_token_ids, teacher_log_probs, tail)[0]
+
+
+@_counted_positions_op.register_fake
+def _(hidden_states, *args, **kwargs):
+    return hidden_states.new_empty(math.prod(hidden_states.shape[:-1]), dtype=torch.bool)
 
 
 def eager_positions(hidden_states, labels, ignore_index, mask, vocab_size, hidden_name="hidden_states",

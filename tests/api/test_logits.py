@@ -287,22 +287,3 @@ def test_bad_inputs_name_the_argument():
         cross_entropy(x[None], labels[None])
 
 
-def test_the_eager_route_makes_the_declared_outputs():
-    """The family's eager Function takes its outputs from ``eager_asked`` (``autograd.logits._asked``,
-    cheaper than the declaration's ``when``s, which give the compiled route's and the fakes'): both
-    name the same outputs for every combination of labels, token ids, layout and asked statistic."""
-    import itertools
-
-    from rl_kernels.autograd.logits import FAMILY, LogitsParams, _asked, asked_outputs
-    from rl_kernels.core.backends import get_backend
-
-    x, y, ids = torch.zeros(2, 5), torch.zeros(2, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long)
-    fields = [FAMILY.outputs[j].name for j in FAMILY.output_slots]
-    for labels, token_ids, sharded, entropy, mean_log_p, sum_pi_squared, tail in itertools.product(
-            (None, y), (None, ids), (False, True), *[(False, True)] * 4):
-        params = LogitsParams(get_backend("torch", x.device), 1.0, -100, entropy, "logits_stats",
-                              return_mean_log_p=mean_log_p, return_sum_pi_squared=sum_pi_squared, return_tail=tail)
-        made = FAMILY.made((x, labels, token_ids), params, sharded)
-        declared = tuple(p for p, j in enumerate(FAMILY.output_slots) if made[j])
-        assert _asked((x, labels, token_ids), params, sharded) == declared
-        assert asked_outputs(params, labels is not None, token_ids is not None) == tuple(fields[p] for p in declared)

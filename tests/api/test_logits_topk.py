@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import rl_kernels
 import rl_kernels.torch_ops.logits as torch_logits
-from rl_kernels.autograd.logits import FAMILY, LogitsParams
+from rl_kernels.autograd.logits import OP_ARGS, LogitsParams, LogitsStatsFunction
 from rl_kernels.core.backends import get_backend
 from rl_kernels import linear_topk_kl, topk_kl_from_logits, topk_log_probs_from_logits
 from tolerances import assert_close_f32, head_magnitude, logits_magnitude
@@ -99,7 +99,7 @@ def test_token_ids_with_other_statistics_in_one_function(poison, backend, others
     labels mark them: the top-K terms leave them), against float64. The lse's gradient alone
     keeps the K columns rounded once; with the entropy's the sparse term is added to the family's
     float32 dense gradient (rounded twice)."""
-    from rl_kernels.autograd.logits import FAMILY, asked_outputs
+    from rl_kernels.autograd.logits import asked_outputs
 
     g = torch.Generator().manual_seed(len(others) + len(backend))
     n, v, k, temperature = 7, 203, 5, 0.8
@@ -113,7 +113,7 @@ def test_token_ids_with_other_statistics_in_one_function(poison, backend, others
                           "topk_log_probs_from_logits")
     x = base.clone().requires_grad_()
     outs = dict(zip(asked_outputs(params, True, True),
-                    FAMILY.apply(x, rows, ids, params, None, None)))
+                    LogitsStatsFunction.apply(x, rows, ids, params, None, None)))
     assert list(outs) == (["entropy"] if "entropy" in others else []) + ["lse", "topk_log_probs"]
     loss = (outs["topk_log_probs"] * up).sum()
     for name in others.split("+"):
@@ -354,22 +354,22 @@ def test_custom_ops_pass_opcheck(op):
     x, ids, _, mask = _compile_inputs(5, 10)
     x = x.detach()
     record = LogitsParams(get_backend("torch", x.device), 1 / 0.7, -100, False, "topk_log_probs_from_logits")
-    params = FAMILY.op_args.pack(record, None)
+    params = OP_ARGS.pack(record, None)
     rows = torch.where(mask, ids[:, 0], -100)
     n, k = ids.shape
     row_max, log_sum, lse = (torch.randn(n) for _ in range(3))  # (their values do not matter here)
     # the backward's saved slots (entropy, lse, sum_pi_squared, row_max, log_sum, shard_labels, tail_lse,
     # shard_ids), then one gradient per output (log_probs, entropy, lse, mean_log_p, sum_pi_squared,
-    # topk_log_probs, tail_log_probs), then need_logits
+    # topk_log_probs, tail_log_probs)
     saved = (None, lse, None, row_max, log_sum, None, None, None)
     args = {"checked_token_ids": (ids, 37, "token_ids"),
             "logits_forward": (x, None, ids, *params),
             "logits_forward-labels": (x, rows, ids, *params),
             "logits_backward": (x, rows, ids, *saved, None, None, torch.randn(n), None, None, torch.randn(n, k), None,
-                                True, *params)}[op]  # (no tail: tests/api/test_logits_topk_tail.py)
+                                *params)}[op]  # (no tail: tests/api/test_logits_topk_tail.py)
     torch.library.opcheck(getattr(torch.ops.rl_kernels, op.split("-")[0]).default, args)
     if op != "checked_token_ids":  # the packed record comes back whole
-        assert FAMILY.op_args.unpack(params)[0] == record
+        assert OP_ARGS.unpack(params)[0] == record
 
 
 # ----------------------------------------------------------------------------- bad inputs

@@ -25,7 +25,7 @@ from heads import reference_tail_kl
 
 import rl_kernels.torch_ops.logits as torch_logits
 from rl_kernels import topk_kl_from_logits, topk_log_probs_from_logits
-from rl_kernels.autograd.logits import FAMILY, LogitsParams
+from rl_kernels.autograd.logits import OP_ARGS, LogitsParams, LogitsStatsFunction
 from rl_kernels.core.backends import get_backend
 from tolerances import assert_close_f32, logits_magnitude
 
@@ -413,7 +413,7 @@ def test_custom_ops_pass_opcheck(op):
     x = x.detach()
     record = LogitsParams(get_backend("torch", x.device), 1 / 0.7, -100, False, "topk_kl_from_logits",
                           return_tail=True, ids_name="teacher_token_ids")
-    params = FAMILY.op_args.pack(record, None)
+    params = OP_ARGS.pack(record, None)
     rows = torch.where(mask, ids[:, 0], -100)
     n, k = ids.shape
     row_max, log_sum, lse = (torch.randn(n) for _ in range(3))  # (their values do not matter here)
@@ -421,14 +421,14 @@ def test_custom_ops_pass_opcheck(op):
     grad_topk = None if op.endswith("tail_only") else torch.randn(n, k)
     # the backward's saved slots (entropy, lse, sum_pi_squared, row_max, log_sum, shard_labels, tail_lse,
     # shard_ids), then one gradient per output (log_probs, entropy, lse, mean_log_p, sum_pi_squared,
-    # topk_log_probs, tail_log_probs), then need_logits
+    # topk_log_probs, tail_log_probs)
     saved = (None, lse, None, row_max, log_sum, None, tail_lse, None)
     args = {"logits_forward": (x, None, ids, *params),
             "logits_forward-labels": (x, rows, ids, *params),
             "logits_backward": (x, rows, ids, *saved, None, None, torch.randn(n), None, None, grad_topk, torch.randn(n),
-                                True, *params),
+                                *params),
             "counted_positions": (x, None, mask, ids, t_lp, 37, -100, "logits", None, None, True)}
     args["logits_backward-tail_only"] = args["logits_backward"]
     torch.library.opcheck(getattr(torch.ops.rl_kernels, op.split("-")[0]).default, args[op])
     if op.startswith("logits"):
-        assert FAMILY.op_args.unpack(params)[0] == record
+        assert OP_ARGS.unpack(params)[0] == record

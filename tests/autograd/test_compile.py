@@ -33,7 +33,7 @@ def _head_args(return_entropy, name, inv_temperature=1.0, **fields):
 
 def _logits_args(inv_temperature, **fields):
     params = logits_autograd.LogitsParams(TORCH, inv_temperature, -100, True, "logits_stats", **fields)
-    return logits_autograd.FAMILY.op_args.pack(params, None)
+    return logits_autograd.OP_ARGS.pack(params, None)
 
 
 def _inputs(n=N, seed=0):
@@ -429,7 +429,7 @@ def test_op_arguments_carry_every_field_of_each_record():
     from rl_kernels.autograd.head_family import OpArgs
 
     found = _every_op_args()
-    assert {"linear.FAMILY.op_args", "logits.FAMILY.op_args", "linear_jsd.OP_ARGS", "linear_topk.OP_ARGS"} <= {n for n, _ in found}
+    assert {"linear.FAMILY.op_args", "logits.OP_ARGS", "linear_jsd.OP_ARGS", "linear_topk.OP_ARGS"} <= {n for n, _ in found}
     found.append(("no group", OpArgs(logits_autograd.LogitsParams, group=False)))  # a head without a shard form
     for name, op_args in found:
         record = _unusual_record(op_args)
