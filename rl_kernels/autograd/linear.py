@@ -3,10 +3,10 @@
 The head family "linear": its parameter record (``HeadParams``), its output record
 (``HeadOutputs``), its two bodies on the backend's kernels (``ops.linear``: the split-vocab kernels,
 forward split statistics, their combine and the dlogits windows; or its twin ``torch_ops.linear``;
-both give ``forward``, ``dlogits`` and ``gathered_logits``), and their declaration (``FAMILY``, an
-``autograd.head_family.HeadFamily``: the one autograd Function, eager and compiled, sharded over a
-vocab-parallel group or not (``vp_forward``), and the ``rl_kernels::linear_forward`` /
-``linear_backward`` custom ops; ``linear_head`` applies it). Forward: per-row log-prob, entropy, lse (and
+both give ``forward``, ``dlogits`` and ``gathered_logits``), and its one autograd Function
+(``LinearHeadFunction``, eager and compiled, sharded over a vocab-parallel group or not
+(``vp_forward``), calling the ``rl_kernels::linear_forward`` / ``linear_backward`` stage ops while
+torch.compile traces; ``linear_head`` applies it). Forward: per-row log-prob, entropy, lse (and
 sum_pi_squared; and the logits at given ids, and the tail lse outside them); saved state is O(N).
 Backward: ``head_backward`` recomputes d loss / d logits windows on the backend and hands them to
 the shared schedule (``autograd.backward_schedule``), which turns them into dh and dW without an
@@ -14,6 +14,8 @@ N x V buffer.
 """
 from __future__ import annotations
 
+import collections
+import functools
 from typing import NamedTuple
 
 import torch
@@ -23,10 +25,11 @@ from ..core.label_check import checked_labels, raise_if_interpreted, raise_label
 from ..core.validation import check_label_values, warn_fp16_temperature
 from ..torch_ops.linear import per_row
 from .backward_schedule import chunked_backward, full_precision_reduction
-from .head_family import (HeadFamily, Out, as_float_grad, hidden_for_weight_grad, kernels, sorted_tail_ids,
-                          sum_over_equal_ids)
+from .head_family import (OpArgs, as_float_grad, first_order_only, hidden_for_weight_grad, kernels, or_empty, rl_op,
+                          sorted_tail_ids, stage_op, sum_over_equal_ids, temperature_samples)
 from .linear_topk import TopkParams
-from .vocab_parallel import all_gather_rows, finish_hidden_grad, gather_topk, local_labels, merge_lse, merge_shards
+from .vocab_parallel import (all_gather_rows, finish_hidden_grad, gather_topk, group_from_op, local_labels, merge_lse,
+                             merge_shards)
 
 
 class HeadParams(NamedTuple):
@@ -159,7 +162,7 @@ def _with_gathered(dlogits, ids, grad, valid, inv_temperature, whole=None):
 
 def forward_body(hidden_states, weight, labels, gather_ids, params: HeadParams, tp) -> tuple:
     """The family's forward as one backend call runs it -> (slots, the params the backward uses):
-    the slots of :data:`FAMILY` (``HeadOutputs``' fields, then the shard's own labels and ids that
+    the slots of ``_SLOTS`` (``HeadOutputs``' fields, then the shard's own labels and ids that
     the backward reads: None without ``tp``, where it reads the inputs). A bad label reported by an
     earlier call raised, the fp16 temperature warning, this call's label values checked unless
     ``params.labels_checked`` (in the Triton kernels without a host sync, else on the host, which
@@ -188,15 +191,13 @@ def forward_body(hidden_states, weight, labels, gather_ids, params: HeadParams, 
 
 def backward_body(hidden_states, weight, labels, gather_ids, entropy, lse, sum_pi_squared, gathered_logits, tail_lse,
                   shard_labels, shard_ids, grad_log_probs, grad_entropy, grad_lse, grad_sum_pi_squared, grad_gathered_logits,
-                  grad_tail_lse, grad_top_logits, grad_top_ids, params: HeadParams, tp, need_dh: bool,
-                  need_dw: bool) -> tuple:
+                  grad_tail_lse, params: HeadParams, tp, need_dh: bool, need_dw: bool) -> tuple:
     """(dh or None, dW or None) in the input dtypes from the forward's saved statistics (None where
     not made) and the upstream gradients (None where none came; made float32 contiguous here);
     ``shard_labels`` / ``shard_ids``: what :func:`forward_body` made for the backward (a shard's
     own, with ``tp``: the partial dh is then summed over the group when ``tp.reduce_hidden_grad``,
     in float32 and rounded once, as accurate as the unsharded head), else None (the inputs'). The top-K
-    outputs have no gradient (``grad_top_logits`` / ``grad_top_ids`` are not read: the public functions
-    hand them out detached)."""
+    outputs have no gradient (the public functions hand them out detached)."""
     raise_label_errors()  # a bad label reported by this call's (or an earlier) forward kernel
     grads = HeadOutputs(*[g if g is None else as_float_grad(g) for g in (
         grad_log_probs, grad_entropy, grad_lse, grad_sum_pi_squared, grad_gathered_logits, grad_tail_lse)])
@@ -214,27 +215,24 @@ def backward_body(hidden_states, weight, labels, gather_ids, entropy, lse, sum_p
     return (finish_hidden_grad(dh, tp, hidden_states.dtype) if reduce_dh else dh), dw
 
 
+def made_slots(params: HeadParams, has_gather_ids: bool, sharded: bool) -> tuple:
+    """One bool per slot of ``_SLOTS`` (``HeadOutputs``' fields, then a shard's own labels and ids):
+    whether a call makes it."""
+    top = params.top_k > 0
+    return (True, params.return_entropy, True, params.return_sum_pi_squared, has_gather_ids, params.return_tail,
+            top, top, sharded, sharded and has_gather_ids)
+
+
 def linear_head(hidden_states, weight, labels, params: HeadParams, gather_ids=None, temperature=None,
                 tp=None) -> HeadOutputs:
-    """The family's Function (:data:`FAMILY`), the one route, eager and compiled, sharded or not:
+    """The family's one route, eager and compiled, sharded or not (:class:`LinearHeadFunction`):
     ``hidden_states`` (N, H), ``weight`` (V, H) (a vocab shard (V_r, H) with ``tp``), ``labels``
     (N,), optional ``gather_ids`` (N, K) (the logits at those ids too: distillation), the runtime
     temperature (None, or the 0-d tensor of a compiled graph), the vocab-parallel layout or None
     -> a ``HeadOutputs`` record (None where not asked), identical on every rank of a group."""
-    outs = iter(FAMILY.apply(hidden_states, weight, labels, gather_ids, params, temperature, tp))
-    return HeadOutputs(*[next(outs) if m else None for m in _made_flags(params, gather_ids is not None)])
-
-
-def _made_flags(params: HeadParams, has_gather_ids: bool) -> tuple:
-    """Which of ``HeadOutputs``' fields a call makes, written out (the declaration's ``when``s give the
-    same, at 0.8 us more per call on the host; tests/api/test_linear_log_probs.py checks that they agree)."""
-    return (True, params.return_entropy, True, params.return_sum_pi_squared, has_gather_ids, params.return_tail,
-            params.top_k > 0, params.top_k > 0)
-
-
-def _asked(inputs, params: HeadParams, sharded: bool) -> tuple:
-    """``HeadFamily``'s ``eager_asked``: the positions of the made fields among the outputs."""
-    return tuple([p for p, m in enumerate(_made_flags(params, inputs[3] is not None)) if m])
+    made = made_slots(params, gather_ids is not None, tp is not None)
+    outs = iter(LinearHeadFunction.apply(hidden_states, weight, labels, gather_ids, params, temperature, tp, made))
+    return HeadOutputs(*[next(outs) if m else None for m in made[:_N_OUTPUTS]])
 
 
 def gathered_logits(hidden_states, weight, ids, params: HeadParams) -> torch.Tensor:
@@ -333,10 +331,67 @@ def vp_gather_grads(shard_labels, shard_ids, grads: HeadOutputs, ignore_index: i
     return grads._replace(gathered_logits=torch.cat([g[:, None], rest], 1)), shard_ids
 
 
-# ------------------------------------------------------------------ the declaration
-def _op_examples() -> list:
-    """opcheck's inputs (``HeadFamily``): CPU, the torch backend; the statistics with entropy and
-    sum_pi_squared (an ignored row), and the logits at given ids with the tail."""
+# ------------------------------------------------------------------ the Function and its stage ops
+# The forward body's slots: HeadOutputs' fields, then a shard's own labels (N,) and ids (N, 1 + K)
+# for the backward (made with a layout only: the backward reads the inputs otherwise).
+_SLOTS = HeadOutputs._fields + ("shard_labels", "shard_ids")
+_N_OUTPUTS = len(HeadOutputs._fields)
+_SAVED = tuple(_SLOTS.index(k) for k in ("entropy", "lse", "sum_pi_squared", "gathered_logits", "tail_lse",
+                                         "shard_labels", "shard_ids"))
+_GRADS = HeadOutputs._fields[:6]  # the outputs with a gradient (the top K are selections: none)
+
+
+class LinearHeadFunction(torch.autograd.Function):
+    """``apply(hidden_states, weight, labels, gather_ids, params, temperature, tp, made)`` (see
+    :func:`linear_head`, which applies it; ``made``: :func:`made_slots` of the call) -> the made
+    outputs, in ``HeadOutputs``' order; gradients to ``hidden_states`` and ``weight``. Eagerly the
+    bodies run directly (:func:`forward_body`, whose refined record the backward then reads), while
+    torch.compile traces as the ``rl_kernels::linear_forward`` / ``linear_backward`` stage ops
+    (``rl_op``: the twin with a runtime temperature)."""
+
+    @staticmethod
+    def forward(ctx, hidden_states, weight, labels, gather_ids, params: HeadParams, temperature, tp, made):
+        if torch.compiler.is_compiling():
+            slots = rl_op("linear_forward", temperature)(hidden_states, weight, labels, gather_ids,
+                                                          *OP_ARGS.pack(params, temperature, tp))
+            slots = [t if m else None for t, m in zip(slots, made)]
+        else:
+            slots, params = forward_body(hidden_states, weight, labels, gather_ids, params, tp)
+        ctx.save_for_backward(hidden_states, weight, labels, gather_ids, *[slots[j] for j in _SAVED], temperature)
+        ctx.params, ctx.tp, ctx.made, ctx.fn_name = params, tp, made, params.name
+        ctx.set_materialize_grads(False)
+        return tuple([t for t, m in zip(slots[:_N_OUTPUTS], made) if m])
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, *output_grads):
+        need_dh, need_dw = ctx.needs_input_grad[:2]
+        if not (need_dh or need_dw) or all(g is None for g in output_grads):
+            return (None,) * 8
+        *saved, temperature = ctx.saved_tensors
+        given = iter(output_grads)
+        grads = [next(given) if m else None for m in ctx.made[:_N_OUTPUTS]][:len(_GRADS)]
+        if torch.compiler.is_compiling():
+            dh, dw = rl_op("linear_backward", temperature)(*saved, *grads, need_dh, need_dw,
+                                                           *BACKWARD_OP_ARGS.pack(ctx.params, temperature, ctx.tp))
+            dh, dw = dh if need_dh else None, dw if need_dw else None
+        else:
+            dh, dw = backward_body(*saved, *grads, ctx.params, ctx.tp, need_dh, need_dw)
+        return dh, dw, None, None, None, None, None, None
+
+
+# The stage ops' trailing arguments: the record's fields (the backward's without those only the
+# forward reads), the vocab-parallel group (``GROUP_SCHEMA``), the runtime temperature
+# (``head_family.OpArgs``).
+OP_ARGS = OpArgs(HeadParams)
+BACKWARD_OP_ARGS = OpArgs(HeadParams, skip=("name", "labels_checked", "top_k"))
+
+
+@functools.cache
+def _op_samples() -> dict:
+    """opcheck's samples: CPU, the torch backend; the statistics with entropy and sum_pi_squared (an
+    ignored row), and the logits at given ids with the tail and the top K; each stage with the float
+    and the runtime temperature (0-d and per row)."""
     from ..core.backends import get_backend
 
     g = torch.Generator().manual_seed(0)
@@ -344,32 +399,67 @@ def _op_examples() -> list:
     labels = torch.tensor([3, -100, 0, 10, 7])
     ids = torch.stack([torch.randperm(11, generator=g)[:3] for _ in range(5)])
     backend = get_backend("torch", h.device)
-    return [((h, w, labels, None), HeadParams(backend, 1 / 0.7, -100, True, return_sum_pi_squared=True)),
-            ((h, w, labels, ids), HeadParams(backend, 1 / 0.7, -100, False, "linear_topk_kl", return_tail=True,
-                                             top_k=4))]
+    samples = collections.defaultdict(list)
+    for inputs, params in (((h, w, labels, None), HeadParams(backend, 1 / 0.7, -100, True, return_sum_pi_squared=True)),
+                           ((h, w, labels, ids), HeadParams(backend, 1 / 0.7, -100, False, "linear_topk_kl",
+                                                            return_tail=True, top_k=4))):
+        slots = forward_body(*inputs, params, None)[0]
+        grads = [None if t is None else torch.randn(t.shape, generator=g) for t in slots[:len(_GRADS)]]
+        for op, tensors, op_args, tail in (
+                ("linear_forward", inputs, OP_ARGS, ()),
+                ("linear_backward", (*inputs, *[slots[j] for j in _SAVED], *grads), BACKWARD_OP_ARGS, (True, True))):
+            for name, sample in temperature_samples(op, tensors, op_args, params, tail, rows=5).items():
+                samples[name] += sample
+    return dict(samples)
 
 
-def _shard_labels_dtype(a):  # (vp_forward: the labels' dtype; vp_gather_forward: int64)
-    return a.labels.dtype if a.gather_ids is None else torch.int64
+_INPUTS = "Tensor hidden_states, Tensor weight, Tensor labels, Tensor? gather_ids"
 
 
-_ROWS = ("hidden_states[0]",)  # (N,) float32
-# What torch.compile sees of the family: the rl_kernels::linear_forward / linear_backward custom ops
-# (and their runtime-temperature twins), whose bodies are forward_body / backward_body. Outputs:
-# HeadOutputs' fields where made, then a shard's own labels (N,) and ids (N, 1 + K) for the backward
-# (made with a layout only: the backward reads the inputs otherwise).
-FAMILY = HeadFamily(
-    HeadParams, "Tensor hidden_states, Tensor weight, Tensor labels, Tensor? gather_ids",
-    outputs=(Out("log_probs", _ROWS), Out("entropy", _ROWS, when="return_entropy", saved=True),
-             Out("lse", _ROWS, saved=True),
-             Out("sum_pi_squared", _ROWS, when="return_sum_pi_squared", saved=True),
-             Out("gathered_logits", ("hidden_states[0]", "gather_ids[1]"), when="gather_ids", saved=True),
-             Out("tail_lse", _ROWS, when="return_tail", saved=True),
-             Out("top_logits", ("hidden_states[0]", "top_k"), when="top_k"),
-             Out("top_ids", ("hidden_states[0]", "top_k"), torch.int64, when="top_k"),
-             Out("shard_labels", "labels", _shard_labels_dtype, when=lambda a: a.sharded, saved=True, output=False),
-             Out("shard_ids", lambda a: (a.gather_ids.shape[0], 1 + a.gather_ids.shape[1]), "gather_ids",
-                 when=lambda a: a.sharded and a.gather_ids is not None, saved=True, output=False)),
-    forward=forward_body, backward=backward_body, grads=("hidden_states", "weight"),
-    forward_op="linear_forward", backward_op="linear_backward", name="linear", vocab=("weight", 0),
-    refines_params=True, examples=_op_examples, row_temperature=True, eager_asked=_asked)
+@stage_op("linear_forward", f"({_INPUTS}, {OP_ARGS.schema}) -> ({', '.join(['Tensor'] * len(_SLOTS))})",
+          _op_samples)
+def _forward_op(hidden_states, weight, labels, gather_ids, *args):
+    params, group = OP_ARGS.unpack(args)
+    tp = group_from_op(*group, params.ignore_index, weight.shape[0], hidden_states.device)
+    slots = forward_body(hidden_states, weight, labels, gather_ids, params, tp)[0]
+    made = made_slots(params, gather_ids is not None, tp is not None)
+    return or_empty([t if m else None for t, m in zip(slots, made)], hidden_states,
+                    (hidden_states, weight, labels, gather_ids))
+
+
+@_forward_op.register_fake
+def _(hidden_states, weight, labels, gather_ids, *args):
+    params, group = OP_ARGS.unpack(args, read_temperature=False)
+    n, k = hidden_states.shape[0], (gather_ids.shape[1] if gather_ids is not None else 0)
+    shapes = {"gathered_logits": ((n, k), torch.float32), "top_logits": ((n, params.top_k), torch.float32),
+              "top_ids": ((n, params.top_k), torch.int64),
+              "shard_labels": (labels.shape, labels.dtype if gather_ids is None else torch.int64),
+              "shard_ids": ((n, 1 + k), gather_ids.dtype if gather_ids is not None else torch.int64)}
+    made = made_slots(params, gather_ids is not None, group[0] is not None)
+    out = []
+    for name, m in zip(_SLOTS, made):
+        shape, dtype = shapes.get(name, ((n,), torch.float32)) if m else ((0,), torch.float32)
+        out.append(hidden_states.new_empty(shape, dtype=dtype))
+    return tuple(out)
+
+
+@stage_op("linear_backward", f"({_INPUTS}, Tensor? entropy, Tensor lse, Tensor? sum_pi_squared, Tensor? gathered_logits, "
+                             "Tensor? tail_lse, Tensor? shard_labels, Tensor? shard_ids, "
+                             + ", ".join(f"Tensor? grad_{k}" for k in _GRADS)
+                             + f", bool need_dh, bool need_dw, {BACKWARD_OP_ARGS.schema}) -> (Tensor, Tensor)",
+          _op_samples)
+def _backward_op(*args):
+    n = 4 + len(_SAVED) + len(_GRADS)
+    need_dh, need_dw = args[n:n + 2]
+    params, group = BACKWARD_OP_ARGS.unpack(args[n + 2:])
+    dh, dw = backward_body(*args[:n], params, group_from_op(*group), need_dh, need_dw)
+    hidden_states, weight = args[:2]
+    return (dh.clone() if dh is hidden_states else dh.contiguous()) if need_dh else hidden_states.new_empty(0), \
+        (dw.clone() if dw is weight else dw.contiguous()) if need_dw else weight.new_empty(0)
+
+
+@_backward_op.register_fake
+def _(hidden_states, weight, *args):
+    need_dh, need_dw = args[2 + len(_SAVED) + len(_GRADS):][:2]
+    return hidden_states.new_empty(hidden_states.shape if need_dh else (0,)), \
+        weight.new_empty(weight.shape if need_dw else (0,))

@@ -3,8 +3,8 @@
 The head family "logits": its parameter record (``LogitsParams``), output record
 (``LogitsOutputs``), its bodies on the backend's ``forward`` / ``backward`` (``ops.logits`` or
 ``torch_ops.logits``) and its one
-Function, ``LogitsStatsFunction`` (``FAMILY.function``: declared with ``autograd.head_family.HeadFamily``,
-which makes the Function and the custom ops from the forward and backward bodies).
+Function, ``LogitsStatsFunction`` (the bodies called directly eagerly, and as the
+``rl_kernels::logits_forward`` / ``logits_backward`` stage ops while torch.compile traces).
 Forward: one read of the logits (Triton ``ops.logits_forward`` or its torch twin
 ``torch_ops.logits``) gives per-row float32 statistics; only O(N) of them are saved.
 Backward: one more read of the logits writes d loss / d logits once, in the logits' dtype (into
@@ -77,7 +77,7 @@ def logits_stats_forward(logits, labels, params: LogitsParams, label_check=None,
 
 
 def forward_body(logits, labels, token_ids, params: LogitsParams, tp=None) -> tuple:
-    """The family's forward as one backend call runs it (``FAMILY``'s forward): a bad label reported
+    """The family's forward as one backend call runs it: a bad label reported
     by an earlier call raised, this call's label values checked (in the Triton kernel without a host
     sync, else on the host), the statistics (:func:`logits_stats_forward`). With ``tp`` (a vocab
     shard, global labels checked on the host against the whole vocabulary when it is known) the
@@ -131,7 +131,7 @@ def check_distinct_ids(token_ids, labels, params: LogitsParams) -> None:
 def backward_body(logits, labels, token_ids, entropy, lse, sum_pi_squared, row_max, log_sum, shard_labels, tail_lse,
                   shard_ids, grad_log_probs, grad_entropy, grad_lse, grad_mean_log_p, grad_sum_pi_squared,
                   grad_topk_log_probs, grad_tail_log_probs, params: LogitsParams, tp):
-    """The family's backward (``FAMILY``'s: the saved inputs and slots, one upstream gradient or
+    """The family's backward (the saved inputs and slots, one upstream gradient or
     None per output, float32 here) -> d loss / d logits (:func:`dlogits`); a shard's own labels or
     ids where the forward made them."""
     grads = {k: as_float_grad(g) for k, g in zip(LogitsOutputs._fields, (

@@ -9,6 +9,7 @@ Tolerances: values are fp32-accumulated from the same (fp32/fp16) inputs as the 
 max |error| <= 2e-5 nats; gradients are rounded once to the input dtype: relative Frobenius error
 <= 2e-5 (fp32) and 1e-3 (fp16, unit roundoff 4.9e-4).
 """
+import functools
 import logging
 import re
 
@@ -20,6 +21,7 @@ from rl_kernels import linear_log_probs
 from rl_kernels.core.backends import interpreting
 from rl_kernels.ops.launch import quiet_interpreter
 from rl_kernels.tools.reference import dense_linear_log_probs, make_inputs, reference_linear_grads, rel_err
+from tolerances import assert_close_f32, head_magnitude
 
 BACKENDS = ["triton", "torch"]
 VALUE_ATOL = 2e-5
@@ -485,11 +487,11 @@ def test_bad_softcap(softcap, exc, words):
         linear_log_probs(hidden, weight, labels, softcap=softcap, backend="torch")
 
 
-def test_linear_head_reads_the_outputs_that_the_family_declares():
-    """``autograd.linear.linear_head`` and the family's eager Function (``eager_asked``) write out which of
-    ``HeadOutputs``' fields a call makes (host time); they are the output slots that ``FAMILY.made``
-    derives from the declaration, for every combination of the optional outputs (a vocab shard changes
-    only the slots the backward reads)."""
+def test_linear_head_returns_each_asked_output_in_its_field():
+    """``autograd.linear.linear_head`` puts the Function's outputs into ``HeadOutputs``' fields: a
+    field holds a tensor exactly when the call asks for it, for every combination of the optional
+    outputs, and each holds its own statistic (the entropy is not the lse's, the tail not the
+    gathered logits')."""
     import itertools
 
     import rl_kernels.autograd.linear as linear_autograd
@@ -498,18 +500,22 @@ def test_linear_head_reads_the_outputs_that_the_family_declares():
     g = torch.Generator().manual_seed(0)
     h, w = torch.randn(5, 8, generator=g), torch.randn(11, 8, generator=g)
     labels, ids = torch.tensor([3, -100, 0, 10, 7]), torch.tensor([[1, 2], [3, 4], [5, 6], [7, 8], [9, 0]])
-    family, n_out = linear_autograd.FAMILY, len(linear_autograd.HeadOutputs._fields)
-    assert tuple(family.outputs[j].name for j in family.output_slots) == linear_autograd.HeadOutputs._fields
+    z = h.double() @ w.double().T
+    lse, valid = torch.logsumexp(z, -1), labels != -100
+    close = functools.partial(assert_close_f32, depth=h.shape[1] + w.shape[0], logits=head_magnitude(h, w))
     for entropy, spp, gather, tail in itertools.product((False, True), repeat=4):
         if tail and not gather:
             continue
         params = linear_autograd.HeadParams(get_backend("torch", h.device), 1.0, -100, entropy,
                                             return_sum_pi_squared=spp, return_tail=tail)
-        gather_ids = ids if gather else None
-        out = linear_autograd.linear_head(h, w, labels, params, gather_ids)
-        made = [family.made((h, w, labels, gather_ids), params, sharded) for sharded in (False, True)]
-        assert made[0][:n_out] == made[1][:n_out]
-        assert [o is not None for o in out] == made[0][:n_out], (entropy, spp, gather, tail)
-        for sharded in (False, True):
-            assert linear_autograd._asked((h, w, labels, gather_ids), params, sharded) == tuple(
-                p for p in range(n_out) if made[0][p])
+        out = linear_autograd.linear_head(h, w, labels, params, ids if gather else None)
+        assert [o is not None for o in out] == [True, entropy, True, spp, gather, tail, False, False]
+        close(out.lse, lse)
+        if entropy:  # (an ignored row's entropy is 0)
+            close(out.entropy[valid], (lse - (torch.softmax(z, -1) * z).sum(-1))[valid])
+        if spp:
+            close(out.sum_pi_squared[valid], (torch.softmax(z, -1) ** 2).sum(-1)[valid])
+        if gather:
+            close(out.gathered_logits, z.gather(1, ids))
+        if tail:
+            close(out.tail_lse, torch.logsumexp(z.scatter(1, ids, float("-inf")), -1))

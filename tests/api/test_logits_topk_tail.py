@@ -25,7 +25,7 @@ from heads import reference_tail_kl
 
 import rl_kernels.torch_ops.logits as torch_logits
 from rl_kernels import topk_kl_from_logits, topk_log_probs_from_logits
-from rl_kernels.autograd.logits import OP_ARGS, LogitsParams, LogitsStatsFunction
+from rl_kernels.autograd.logits import OP_ARGS, LogitsParams
 from rl_kernels.core.backends import get_backend
 from tolerances import assert_close_f32, logits_magnitude
 

@@ -268,16 +268,16 @@ def test_changed_ops_pass_opcheck():
     labels = torch.where(mask, ids[:, 0], -100)
     torch_backend = get_backend("torch", h.device)
     params = linear_autograd.HeadParams(torch_backend, 1 / 0.8, -100, False, "linear_topk_kl", return_tail=True)
-    args = linear_autograd.FAMILY.op_args.pack(params, None)
+    args = linear_autograd.OP_ARGS.pack(params, None)
     torch.library.opcheck(torch.ops.rl_kernels.linear_forward.default, (h, w, labels, ids, *args))
     out = torch.ops.rl_kernels.linear_forward(h, w, labels, ids, *args)
     assert out[5].shape == (N,) and torch.isfinite(out[5]).all()
     lse, tail = out[2], out[5]
     g = torch.Generator().manual_seed(1)
-    grads = (None, None, torch.randn(N, generator=g), None, torch.randn(N, K, generator=g), torch.randn(N, generator=g),
-             None, None)  # (the top-K outputs: no gradient)
+    grads = (None, None, torch.randn(N, generator=g), None, torch.randn(N, K, generator=g), torch.randn(N, generator=g))
     torch.library.opcheck(torch.ops.rl_kernels.linear_backward.default,
-                          (h, w, labels, ids, None, lse, None, out[4], tail, None, None, *grads, True, True, *args))
+                          (h, w, labels, ids, None, lse, None, out[4], tail, None, None, *grads, True, True,
+                           *linear_autograd.BACKWARD_OP_ARGS.pack(params, None)))
     torch.library.opcheck(torch.ops.rl_kernels.counted_positions.default,
                           (h, None, mask, ids, t_lp, V, -100, "hidden_states", None, None, True))
 

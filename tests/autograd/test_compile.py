@@ -25,17 +25,6 @@ BACKENDS = ["torch", "triton"]
 TORCH = get_backend("torch", torch.device("cpu"))
 
 
-def _head_args(return_entropy, name, inv_temperature=1.0, **fields):
-    """The fused head's ops' trailing arguments (``FAMILY.op_args.pack``: record, no group, no runtime T)."""
-    params = linear_autograd.HeadParams(TORCH, inv_temperature, -100, return_entropy, name, **fields)
-    return linear_autograd.FAMILY.op_args.pack(params, None)
-
-
-def _logits_args(inv_temperature, **fields):
-    params = logits_autograd.LogitsParams(TORCH, inv_temperature, -100, True, "logits_stats", **fields)
-    return logits_autograd.OP_ARGS.pack(params, None)
-
-
 def _inputs(n=N, seed=0):
     return heads.inputs(n, seed)
 
@@ -313,9 +302,8 @@ def test_compiled_auto_backend_logs_its_choice_at_run_time(caplog):
 # ----------------------------------------------------------------------------- opcheck of every op
 # The ops are found, not listed: every op torch knows under ``rl_kernels::`` (after every autograd
 # module is imported), each checked on the samples that ``autograd.head_family.OPS`` gives for it (a
-# family's ``HeadFamily`` derives them from its declared examples: the forward op with the float
-# temperature, its runtime-temperature twin with the 0-d tensor (and the per-row one), the backward
-# op likewise; ``plain_op``: its examples).
+# family's ``stage_op`` registers its ``_op_samples()``: each stage op with the float temperature, its
+# runtime-temperature twin with the 0-d tensor (and the per-row one); ``plain_op``: its examples).
 
 def _ops_of_the_namespace() -> set:
     """The names (without ``rl_kernels::``) of every op registered under ``rl_kernels::``."""
@@ -340,7 +328,7 @@ def _as_tuple(out) -> tuple:
 
 
 def test_every_op_is_found():
-    """Every op of the namespace is made by ``autograd.head_family`` (``OPS`` lists exactly those) and has
+    """Every op of the namespace is made by ``autograd.head_family``'s helpers (``OPS`` lists exactly those) and has
     opcheck samples."""
     from rl_kernels.autograd.head_family import OPS
 
@@ -393,13 +381,12 @@ def _every_op_args():
     import pkgutil
 
     import rl_kernels.autograd
-    from rl_kernels.autograd.head_family import HeadFamily, OpArgs
+    from rl_kernels.autograd.head_family import OpArgs
 
     found = []
     for m in pkgutil.iter_modules(rl_kernels.autograd.__path__):
         mod = importlib.import_module(f"rl_kernels.autograd.{m.name}")
         found += [(f"{m.name}.{k}", v) for k, v in vars(mod).items() if isinstance(v, OpArgs)]
-        found += [(f"{m.name}.{k}.op_args", v.op_args) for k, v in vars(mod).items() if isinstance(v, HeadFamily)]
     return found
 
 
@@ -429,7 +416,7 @@ def test_op_arguments_carry_every_field_of_each_record():
     from rl_kernels.autograd.head_family import OpArgs
 
     found = _every_op_args()
-    assert {"linear.FAMILY.op_args", "logits.OP_ARGS", "linear_jsd.OP_ARGS", "linear_topk.OP_ARGS"} <= {n for n, _ in found}
+    assert {"linear.OP_ARGS", "linear.BACKWARD_OP_ARGS", "logits.OP_ARGS", "linear_jsd.OP_ARGS", "linear_topk.OP_ARGS"} <= {n for n, _ in found}
     found.append(("no group", OpArgs(logits_autograd.LogitsParams, group=False)))  # a head without a shard form
     for name, op_args in found:
         record = _unusual_record(op_args)
@@ -437,7 +424,7 @@ def test_op_arguments_carry_every_field_of_each_record():
         assert op_args.unpack(op_args.pack(record, None))[0] == record, name
         runtime = op_args.pack(record, torch.tensor(4.0, dtype=torch.float64))
         assert op_args.unpack(runtime)[0] == record._replace(inv_temperature=0.25), name
-    head_schema = linear_autograd.FAMILY.op_args.schema
+    head_schema = linear_autograd.OP_ARGS.schema
     assert "float? softcap" in head_schema and "str backend" in head_schema
 
 
