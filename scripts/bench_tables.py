@@ -485,7 +485,7 @@ def render_readme_gain(results, peers_liger, peers_all, varying_warm, model_reru
                        loss_rows, bias):
     cute = results.json(peers_liger)
     big = next(s for s in cute["shapes"] if s["shape"] == [16384, 3584, 152064])["impls"]
-    bias_rows = {r["what"]: r for r in results.json(bias)["rows"]["rows"]}
+    bias_rows = {r["what"]: r for r in results.json(bias)["rows"]["runs"]["0"]}  # (the shipped kernels' run)
     ratios = [bias_rows[f"T={t} rl_kernels"]["log_probs_mean"] / bias_rows[f"T={t} torch fp32 path"]["log_probs_mean"]
               for t in (1.0, 0.3)]
     ratio_text = f"{min(ratios):.0f}-{max(ratios):.0f}"
@@ -817,7 +817,7 @@ README_GAIN_FILES = ["bench_h100_2026-11-26b_liger_cute.json", "bench_h100_2026-
                      "bench_h100_2026-11-26_liger_cute.json", "model_bench_h100_2026-11-24_rerun.json",
                      "model_bench_h100_2026-11-24_7b.json", "model_bench_h100_2026-11-24_8b.json",
                      "distill_h100_2026-11-26.json", "loss_rows_h100_2026-12-07.json",
-                     "accumulation_bias_h100_2026-12-07.json"]
+                     "accumulation_promotion_h100_2026-12-07.json"]
 FP32_HEAD = "fp32_head_kpieces_h100_2026-12-07.json"
 FP32_LABELS = {  # fp32_head_bench.py's variant names -> rows
     "shipped": "**rl-kernels fp32: tf32x3 forward, SGEMM backward (shipped)**",
@@ -860,24 +860,32 @@ def render_fp32_head(results, name):
     return "\n\n".join(out)
 
 
-ACCUMULATION_BIAS = ["accumulation_bias_h100_2026-12-07.json"]
+ACCUMULATION_BIAS = ["accumulation_promotion_h100_2026-12-07.json"]
+PROMOTION_LABELS = {"0": "**rl-kernels bf16 head (shipped)**", "8": "… partials promoted every 8 K steps (not shipped)",
+                    "4": "… partials promoted every 4 K steps (not shipped)"}
 
 
 def render_accumulation_bias(results, name):
-    """The bf16 head's log-prob errors beside torch's fp32 path."""
+    """The bf16 head's log-prob errors beside torch's fp32 path, shipped and with the K loop's partial
+    sums promoted into the float32 accumulator every P steps, and the head's fwd+bwd cost."""
     data = results.json(name)["rows"]
-    by = {r["what"]: r for r in data["rows"]}
+    runs = {p: {r["what"]: r for r in rows} for p, rows in data["runs"].items()}
+    shipped = runs["0"]
+    timings = {p: [r for k, r in by.items() if k.endswith("fwd+bwd")] for p, by in runs.items()}
     rows = []
     for t in (1.0, 0.3):
-        ref = by[f"T={t} torch fp32 path"]
-        for label, r in (("torch's fp32 path (bf16 inputs upcast, SGEMM)", ref),
-                         ("**rl-kernels bf16 head**", by[f"T={t} rl_kernels"])):
+        ref = shipped[f"T={t} torch fp32 path"]
+        entries = [("torch's fp32 path (bf16 inputs upcast, SGEMM)", ref, None)]
+        entries += [(PROMOTION_LABELS[p], runs[p][f"T={t} rl_kernels"], p) for p in ("0", "8", "4")]
+        for label, r, p in entries:
+            cost = "–" if p is None else " / ".join(fixed(x["head_ms"] / x["mm_ms"]) for x in timings[p])
             rows.append([f"{t:g}", label, f"{sci(r['log_probs_mean'])} / {sci(r['log_probs_max'])}",
                          sci(r["log_probs_bias"]), f"{fixed(r['log_probs_mean'] / ref['log_probs_mean'], 1)} / "
-                         f"{fixed(r['log_probs_max'] / ref['log_probs_max'], 1)}"])
+                         f"{fixed(r['log_probs_max'] / ref['log_probs_max'], 1)}", cost])
     n, h, v = data["check"]
+    shapes = " / ".join(x["what"].split("x")[0] for x in timings["0"])
     return table([f"T ({n} × {h} × {v} bf16, logits std 2)", "log-probs vs float64 on the same inputs", "mean / max",
-                  "mean signed error", "× torch's fp32 path"], rows)
+                  "mean signed error", "× torch's fp32 path", f"head fwd+bwd ×mm ({shapes} rows)"], rows)
 
 
 LOSS_ROWS_HEAD = "loss_rows_h100_2026-12-07.json"
@@ -928,8 +936,11 @@ TABLES = [
           extra_files=dict.fromkeys(("fused_reach_h200_2026-11-28.log", "fused_reach_h200_2026-11-28_run1.log"))),
     Table("fp32_head", [FP32_HEAD], "python scripts/diag/fp32_head_bench.py --json PATH",
           "The fp32 head on the tensor cores", render_fp32_head),
-    Table("accumulation_bias", ACCUMULATION_BIAS, "python scripts/diag/accumulation_bias.py --json PATH",
-          "The bf16 head's accumulation bias", render_accumulation_bias),
+    Table("accumulation_bias", ACCUMULATION_BIAS,
+          "[RLK_PROMOTE=P] python scripts/diag/accumulation_bias.py 4096,3584,152064 16384,3584,152064 --json PATH",
+          "The bf16 head's accumulation bias", render_accumulation_bias,
+          extra_files={"accumulation_promotion_h100_2026-12-07.patch":
+                       "git apply PATH (the rows with P > 0: RLK_PROMOTE=P sets the K steps per promotion)"}),
     Table("loss_rows_head", [LOSS_ROWS_HEAD], "python scripts/diag/fused_reach_bench.py --loss-rows --rep 1000 --json PATH",
           "verl's loss_rows_only: the head on the loss rows alone", render_loss_rows_head),
     Table("loss_rows_model", LOSS_ROWS_MODEL,
