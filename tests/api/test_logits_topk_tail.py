@@ -27,6 +27,7 @@ import rl_kernels.torch_ops.logits as torch_logits
 from rl_kernels import topk_kl_from_logits, topk_log_probs_from_logits
 from rl_kernels.autograd.logits import OP_ARGS, LogitsParams
 from rl_kernels.core.backends import get_backend
+from compiled import assert_compiled_equals_eager
 from tolerances import assert_close_f32, logits_magnitude
 
 BACKENDS = ["torch", "triton"]
@@ -366,26 +367,7 @@ def _compile_inputs(n, seed):
 def test_fullgraph_compile_matches_eager(name, backend):
     """No graph break; compiled equals eager (values and gradients, bitwise: the same ops' bodies);
     another batch size without recompiling; a repeated id raises under compile too."""
-    f = _compiled_cases(backend)[name]
-    torch._dynamo.reset()
-    explained = torch._dynamo.explain(f)(*_compile_inputs(9, 8))
-    assert explained.graph_break_count == 0, [str(b.reason)[:200] for b in explained.break_reasons]
-    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
-    compiled = torch.compile(f, backend=counter, fullgraph=True, dynamic=True)
-    frames = []
-    for n, seed in ((9, 8), (13, 9)):
-        x, ids, t_lp, mask = _compile_inputs(n, seed)
-        up = torch.randn(f(x, ids, t_lp, mask).shape, generator=torch.Generator().manual_seed(n))
-        outs, grads = [], []
-        for fn in (f, compiled):
-            x.grad = None
-            out = fn(x, ids, t_lp, mask)
-            (out * up).sum().backward()
-            outs.append(out.detach())
-            grads.append(x.grad)
-        assert torch.equal(outs[0], outs[1]) and torch.equal(grads[0], grads[1])
-        frames.append(counter.frame_count)
-    assert frames[0] == frames[1], "recompiled for a new batch size"
+    compiled = assert_compiled_equals_eager(_compiled_cases(backend)[name], _compile_inputs)
     x, ids, t_lp, mask = _compile_inputs(9, 8)
     ids[4, 1] = ids[4, 0]
     mask[4] = True
