@@ -29,7 +29,7 @@ import rl_kernels.integrations.verl as rkv
 from rl_kernels.core import _logging
 from rl_kernels.integrations.verl_impl import distill_losses
 from rl_kernels.integrations.verl_impl.schema import VerlIntegrationError
-from verl_helpers import VOCAB, tiny_qwen2, verl_unpatched  # (the qwen2_forward fixture: tests/integrations/conftest.py)
+from verl_helpers import VOCAB, bare_fsdp_engine, tiny_qwen2, verl_unpatched  # (the qwen2_forward fixture: tests/integrations/conftest.py)
 
 pytestmark = pytest.mark.verl_matrix
 
@@ -57,15 +57,7 @@ def cpu_engine(monkeypatch):
 
     monkeypatch.setattr(impl, "get_device_id", lambda: "cpu")
     monkeypatch.setattr(impl, "get_device_name", lambda: "cpu")
-
-    def build(model):
-        engine = object.__new__(impl.FSDPEngineWithLMHead)
-        engine.module, engine.pad_to_length, engine.use_ulysses_sp = model, False, False
-        engine._autocast_dtype = torch.float32
-        engine.engine_config = SimpleNamespace(entropy_checkpointing=False, entropy_from_logits_with_chunking=False)
-        engine.get_data_parallel_group = lambda: None
-        return engine
-    return build
+    return lambda model: bare_fsdp_engine(model, get_data_parallel_group=lambda: None)
 
 
 def _config(loss_mode="forward_kl_topk", clamp=CLAMP):

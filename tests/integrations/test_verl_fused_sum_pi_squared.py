@@ -17,7 +17,6 @@ Marked ``verl_matrix``: on verl 0.8.0 too (its padded fused path lays its output
 response slice, unlike its logits path: there the padded case checks that Σπ² has the log-probs'
 layout and skips the comparison); verl 0.7.x, whose workers are the legacy ones, skips.
 """
-import types
 
 import pytest
 
@@ -27,7 +26,7 @@ from transformers import Qwen2ForCausalLM
 from verl.models.transformers.monkey_patch import apply_monkey_patch
 
 import rl_kernels.integrations.verl as rkv
-from verl_helpers import rollout_tensors, tiny_qwen2, verl_unpatched
+from verl_helpers import bare_fsdp_engine, rollout_tensors, tiny_qwen2, verl_unpatched
 
 T = 0.7
 PART = "FSDP fused sum_pi_squared"
@@ -72,12 +71,9 @@ def _engine(engine_cls, model):
     """An FSDPEngineWithLMHead without its __init__: the attributes its forward step reads."""
     import verl.utils.torch_functional as verl_F
 
-    engine = engine_cls.__new__(engine_cls)
-    engine.module, engine.use_ulysses_sp, engine.ulysses_sequence_parallel_size = model, False, 1
-    engine.pad_to_length, engine._autocast_dtype = False, torch.float32
-    engine.engine_config = types.SimpleNamespace(entropy_checkpointing=False, entropy_from_logits_with_chunking=False)
-    engine.compute_entropy_from_logits = verl_F.entropy_from_logits
-    return engine
+    assert engine_cls.__name__ == "FSDPEngineWithLMHead"
+    return bare_fsdp_engine(model, ulysses_sequence_parallel_size=1,
+                            compute_entropy_from_logits=verl_F.entropy_from_logits)
 
 
 def _micro_batch(rmpad, fused):

@@ -24,7 +24,7 @@ from transformers import Qwen2ForCausalLM
 
 import rl_kernels.integrations.verl as rkv
 from rl_kernels.integrations.verl_impl import fsdp_engine, patch_state, schema
-from verl_helpers import VOCAB, tiny_qwen2
+from verl_helpers import VOCAB, bare_fsdp_engine, tiny_qwen2
 
 transformer_impl = pytest.importorskip("verl.workers.engine.fsdp.transformer_impl",
                                        reason="this verl has no FSDP engine")
@@ -54,15 +54,8 @@ def served(monkeypatch):
 
 
 def _engine(model):
-    engine = transformer_impl.FSDPEngineWithLMHead.__new__(transformer_impl.FSDPEngineWithLMHead)
-    engine.module = model
-    engine.use_ulysses_sp = False
-    engine.pad_to_length, engine.pad_to_length_bucket = True, 8  # 27 tokens -> 5 static pad tokens
-    engine._autocast_dtype = torch.float32
-    engine.ulysses_device_mesh = None
-    engine.engine_config = type("EngineConfig", (), {"entropy_checkpointing": False,
-                                                     "entropy_from_logits_with_chunking": False})()
-    return engine
+    # 27 tokens -> 5 static pad tokens
+    return bare_fsdp_engine(model, pad_to_length=True, pad_to_length_bucket=8, ulysses_device_mesh=None)
 
 
 def _sequences():

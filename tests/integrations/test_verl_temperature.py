@@ -19,7 +19,7 @@ from transformers import Qwen2ForCausalLM
 
 import rl_kernels.integrations.verl as rkv
 from rl_kernels.integrations.verl_impl import patching as verl_patching
-from verl_helpers import VOCAB, tiny_qwen2, verl_unpatched
+from verl_helpers import VOCAB, bare_fsdp_engine, tiny_qwen2, verl_unpatched
 
 transformer_impl = pytest.importorskip("verl.workers.engine.fsdp.transformer_impl",
                                        reason="this verl has no FSDP engine")
@@ -46,15 +46,10 @@ def qwen2_forward():
 
 
 def _engine(model, entropy_from_logits=None):
-    """A bare FSDPEngineWithLMHead around ``model`` (what prepare_model_inputs / outputs read)."""
-    engine = transformer_impl.FSDPEngineWithLMHead.__new__(transformer_impl.FSDPEngineWithLMHead)
-    engine.module = model
-    engine.use_ulysses_sp = False
-    engine.pad_to_length, engine.pad_to_length_bucket = True, 8  # 15 tokens -> one static pad token
-    engine.engine_config = type("EngineConfig", (), {"entropy_checkpointing": False,
-                                                     "entropy_from_logits_with_chunking": False})()
-    engine.compute_entropy_from_logits = entropy_from_logits
-    return engine
+    """A bare FSDPEngineWithLMHead around ``model`` (what prepare_model_inputs / outputs read); 15
+    tokens -> one static pad token."""
+    return bare_fsdp_engine(model, pad_to_length=True, pad_to_length_bucket=8,
+                            compute_entropy_from_logits=entropy_from_logits)
 
 
 def _micro_batch(rmpad: bool, use_fused_kernels: bool):

@@ -1,8 +1,9 @@
-"""Shared pieces of the verl integration tests: a tiny random Qwen2, verl's unpatched path, and a
-micro-batch for verl's distillation loss functions."""
+"""Shared pieces of the verl integration tests: a tiny random Qwen2, verl's unpatched path, a bare
+FSDP engine, and a micro-batch for verl's distillation loss functions."""
 from __future__ import annotations
 
 import contextlib
+import types
 
 import torch
 
@@ -82,3 +83,19 @@ def _loss_data(lengths):
     return TensorDict({"prompts": torch.zeros(b, 1, dtype=torch.long),
                        "responses": torch.zeros(b, width, dtype=torch.long), "attention_mask": attention,
                        "response_mask": mask}, batch_size=[b])
+
+
+def bare_fsdp_engine(model, **attributes):
+    """verl's FSDPEngineWithLMHead without its __init__ (no FSDP, no process group; its methods as they
+    are): ``model`` as its module, float32 autocast, no Ulysses, no padding to a static length, the
+    entropy neither checkpointed nor chunked; then ``attributes`` set on it (what a test's forward
+    step reads besides, or another value)."""
+    import verl.workers.engine.fsdp.transformer_impl as impl
+
+    engine = impl.FSDPEngineWithLMHead.__new__(impl.FSDPEngineWithLMHead)
+    engine.module, engine.use_ulysses_sp, engine.pad_to_length = model, False, False
+    engine._autocast_dtype = torch.float32
+    engine.engine_config = types.SimpleNamespace(entropy_checkpointing=False, entropy_from_logits_with_chunking=False)
+    for name, value in attributes.items():
+        setattr(engine, name, value)
+    return engine
