@@ -95,6 +95,17 @@ def _micro_batch(input_ids, teacher_lp, teacher_ids, fused, distillation_only):
          "distillation_use_topk": True, "distillation_only": distillation_only})
 
 
+def _case(seed: int) -> tuple:
+    """(model, packed input ids, two per-token loss weights, the teacher's top-K log-probs and ids, the
+    student's log-probs at those ids) of one test, drawn from ``seed`` (the model from ``seed - 1``)."""
+    g = torch.Generator().manual_seed(seed)
+    total = sum(LENGTHS)
+    input_ids = torch.randint(0, VOCAB, (total,), generator=g)
+    weights = (torch.randn(total, generator=g), torch.randn(total, generator=g))
+    model = tiny_qwen2(seed=seed - 1)
+    return (model, input_ids, weights, *_teacher(model, input_ids, g))
+
+
 def _teacher(model, input_ids, g):
     with torch.no_grad():
         logits = model(input_ids=input_ids[None], position_ids=None).logits[0] / T
@@ -135,12 +146,7 @@ def test_fused_forward_fills_fused_linear_aux_as_verls_logits_path(qwen2_forward
                                                                     distillation_only):
     from verl.models.transformers.monkey_patch import apply_monkey_patch
 
-    g = torch.Generator().manual_seed(4)
-    total = sum(LENGTHS)
-    input_ids = torch.randint(0, VOCAB, (total,), generator=g)
-    weights = (torch.randn(total, generator=g), torch.randn(total, generator=g))
-    model = tiny_qwen2(seed=3)
-    t_lp, t_ids, student_lq = _teacher(model, input_ids, g)
+    model, input_ids, weights, t_lp, t_ids, student_lq = _case(4)
     with verl_unpatched():  # verl's own engine methods and compute_forward_kl_topk
         ref = _step(cpu_engine(model), _micro_batch(input_ids, t_lp, t_ids, False, distillation_only), weights)
     assert not rkv.report() or rkv.is_patched()
@@ -211,12 +217,7 @@ def test_tail_mode_on_the_fused_path_equals_the_logits_path(qwen2_forward, cpu_e
     the hidden states and lm_head.weight."""
     from verl.models.transformers.monkey_patch import apply_monkey_patch
 
-    g = torch.Generator().manual_seed(5)
-    total = sum(LENGTHS)
-    input_ids = torch.randint(0, VOCAB, (total,), generator=g)
-    weights = (torch.randn(total, generator=g), torch.randn(total, generator=g))
-    model = tiny_qwen2(seed=4)
-    t_lp, t_ids, _ = _teacher(model, input_ids, g)
+    model, input_ids, weights, t_lp, t_ids, _ = _case(5)
     config = _config("forward_kl_topk_tail", None)
     ref = _step(cpu_engine(model), _micro_batch(input_ids, t_lp, t_ids, False, False), weights, config)
     apply_monkey_patch(model, use_remove_padding=True, use_fused_kernels=True, fused_kernels_backend=rkv.BACKEND_NAME)
