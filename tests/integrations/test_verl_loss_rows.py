@@ -24,7 +24,7 @@ from transformers import Qwen2ForCausalLM
 
 import rl_kernels.integrations.verl as rkv
 from rl_kernels.integrations.verl_impl import fsdp_engine, patch_state, schema
-from verl_helpers import VOCAB, bare_fsdp_engine, tiny_qwen2
+from verl_helpers import VOCAB, as_second_ulysses_rank_of_two, bare_fsdp_engine, tiny_qwen2
 
 transformer_impl = pytest.importorskip("verl.workers.engine.fsdp.transformer_impl",
                                        reason="this verl has no FSDP engine")
@@ -166,14 +166,9 @@ def test_loss_rows_only_equals_the_option_off_on_the_loss_rows(served, layout):
 def test_loss_rows_of_an_ulysses_rank(served, monkeypatch):
     """Under Ulysses SP the mask is this rank's slice of the rolled, padded packed mask, aligned with
     its shift_labels (a stand-in for rank 1 of 2: 27 tokens, one SP pad row, the second half)."""
-    import verl.utils.ulysses as ulysses
-
-    monkeypatch.setattr(ulysses, "slice_input_tensor",
-                        lambda x, dim, padding=False: x.narrow(dim, x.shape[dim] // 2, x.shape[dim] // 2))
     model = tiny_qwen2()
     apply_monkey_patch(model, use_remove_padding=True, use_fused_kernels=True, fused_kernels_backend=rkv.BACKEND_NAME)
-    engine = _engine(model)
-    engine.pad_to_length, engine.use_ulysses_sp, engine.ulysses_sequence_parallel_size = False, True, 2
+    engine = as_second_ulysses_rank_of_two(monkeypatch, _engine(model))
     micro_batch = _micro_batch("nested")
     token = patch_state.new_step(loss_rows_only=True)
     try:  # (what the engine's forward_step wrapper puts in force)

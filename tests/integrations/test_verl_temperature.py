@@ -19,7 +19,7 @@ from transformers import Qwen2ForCausalLM
 
 import rl_kernels.integrations.verl as rkv
 from rl_kernels.integrations.verl_impl import patching as verl_patching
-from verl_helpers import VOCAB, bare_fsdp_engine, tiny_qwen2, verl_unpatched
+from verl_helpers import VOCAB, as_second_ulysses_rank_of_two, bare_fsdp_engine, tiny_qwen2, verl_unpatched
 
 transformer_impl = pytest.importorskip("verl.workers.engine.fsdp.transformer_impl",
                                        reason="this verl has no FSDP engine")
@@ -152,14 +152,9 @@ def test_ulysses_slice_of_the_per_token_temperature(qwen2_forward, monkeypatch):
     """Under Ulysses SP the fused forward's temperature is this rank's slice of the packed, padded
     per-token temperature, aligned with its shift_labels (a stand-in for rank 1 of 2: 15 tokens,
     one SP pad token of temperature 1, the second half taken)."""
-    import verl.utils.ulysses as ulysses
-
-    monkeypatch.setattr(ulysses, "slice_input_tensor",
-                        lambda x, dim, padding=False: x.narrow(dim, x.shape[dim] // 2, x.shape[dim] // 2))
     model = tiny_qwen2()
     apply_monkey_patch(model, use_remove_padding=True, use_fused_kernels=True, fused_kernels_backend=rkv.BACKEND_NAME)
-    engine = _engine(model)
-    engine.pad_to_length, engine.use_ulysses_sp, engine.ulysses_sequence_parallel_size = False, True, 2
+    engine = as_second_ulysses_rank_of_two(monkeypatch, _engine(model))
     model_inputs, output_args = engine.prepare_model_inputs(_micro_batch(rmpad=True, use_fused_kernels=True))
     packed = [t for n, t in zip(LENGTHS, TEMPERATURES) for _ in range(n)] + [1.0]
     expected = torch.tensor(packed[len(packed) // 2:])[None]

@@ -99,3 +99,15 @@ def bare_fsdp_engine(model, **attributes):
     for name, value in attributes.items():
         setattr(engine, name, value)
     return engine
+
+
+def as_second_ulysses_rank_of_two(monkeypatch, engine):
+    """``engine`` (:func:`bare_fsdp_engine`) as rank 1 of a Ulysses group of 2 in one process: verl's
+    ``slice_input_tensor`` takes the second half of the dimension it slices, and the engine runs
+    Ulysses SP of size 2 without static padding."""
+    import verl.utils.ulysses as ulysses
+
+    monkeypatch.setattr(ulysses, "slice_input_tensor",
+                        lambda x, dim, padding=False: x.narrow(dim, x.shape[dim] // 2, x.shape[dim] // 2))
+    engine.pad_to_length, engine.use_ulysses_sp, engine.ulysses_sequence_parallel_size = False, True, 2
+    return engine
