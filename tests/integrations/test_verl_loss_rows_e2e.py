@@ -13,7 +13,6 @@ metric verl's update logs (1e-4 relative to its size, 1e-6 absolute); every othe
 is exactly 0 with the option on (the model's log-probs there are about -7 nats), and the worker
 counts the rows it skipped. Without the option's code the exact-0 check fails.
 """
-import concurrent.futures
 import math
 
 import pytest
@@ -22,9 +21,8 @@ import torch
 pytest.importorskip("verl", reason="verl is not installed (pip install -e '.[verl]')")
 pytest.importorskip("ray", reason="ray is not installed (pip install -e '.[verl]')")
 
-from verl_ray import (_compose, _counts, _engine_batches, _outputs, _params, assert_same_updates,  # noqa: E402
-                      release)
-from verl_cpu import legacy_workers, use_torch_padding, worker_class  # noqa: E402
+from verl_ray import _compose, _engine_batches, assert_same_updates, run_configs  # noqa: E402
+from verl_cpu import legacy_workers  # noqa: E402
 from verl_helpers import rollout_tensors  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
@@ -40,62 +38,19 @@ def _tensors():
     return tensors
 
 
-def _metrics(result) -> dict:
-    """The float metrics of an update_actor result (verl's TensorDict / DataProto)."""
-    from verl.utils import tensordict_utils as tu
-
-    metrics = tu.get(result, "metrics") if not hasattr(result, "meta_info") else result.meta_info.get("metrics")
-    out = {}
-    for key, value in (metrics or {}).items():
-        values = value if isinstance(value, list) else [value]
-        if values and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-            out[key] = [float(v) for v in values]
-    return out
-
-
-def _run(ray, config):
-    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
-    from verl.single_controller.ray.base import create_colocated_worker_cls
-
-    colocated = create_colocated_worker_cls({"actor": RayClassWithInitArgs(
-        cls=ray.remote(worker_class()), config=config.actor_rollout_ref, role="actor")})
-    pool = RayResourcePool(process_on_nodes=[1], use_gpu=False, max_colocate_count=1)
-    group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=colocated, device_name="cpu")
-    out = {}
-    try:
-        worker = group.workers[0]
-        actor = group.spawn(prefix_set={"actor"})["actor"]
-        actor.init_model()
-        infer, update = _engine_batches(_tensors())
-        out["counts_init"] = ray.get(worker.__ray_call__.remote(_counts))[0]
-        result = actor.compute_log_prob(infer)
-        out["log_probs"], out["entropy"] = (_outputs(result, infer, key) for key in ("log_probs", "entropy"))
-        out["before"] = ray.get(worker.__ray_call__.remote(_params))
-        out["metrics"] = _metrics(actor.update_actor(update))
-        out["after"] = ray.get(worker.__ray_call__.remote(_params))
-        out["counts"] = ray.get(worker.__ray_call__.remote(_counts))[0]
-    finally:
-        release(group, pool)
-    return out
-
-
 @pytest.fixture(scope="module")
 def runs(ray_cluster, model):  # the shared fixtures (tests/integrations/conftest.py)
     from omegaconf import open_dict
 
-    with pytest.MonkeyPatch.context() as monkeypatch:  # the driver pads / unpads the batches
-        use_torch_padding(monkeypatch)
-        configs = {}
-        for path in ("fused", "logits"):
-            for on in (True, False):
-                config = _compose(model[1], path)
-                with open_dict(config):
-                    config.actor_rollout_ref.model.fused_kernel_options.setdefault("rl_kernels", {})
-                    config.actor_rollout_ref.model.fused_kernel_options.rl_kernels.loss_rows_only = on
-                configs[path, on] = config
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            futures = {key: pool.submit(_run, ray_cluster, config) for key, config in configs.items()}
-        return {key: future.result() for key, future in futures.items()}
+    configs = {}
+    for path in ("fused", "logits"):
+        for on in (True, False):
+            config = _compose(model[1], path)
+            with open_dict(config):
+                config.actor_rollout_ref.model.fused_kernel_options.setdefault("rl_kernels", {})
+                config.actor_rollout_ref.model.fused_kernel_options.rl_kernels.loss_rows_only = on
+            configs[path, on] = config
+    return run_configs(ray_cluster, configs, lambda: _engine_batches(_tensors()))
 
 
 @pytest.mark.parametrize("path", ["fused", "logits"])

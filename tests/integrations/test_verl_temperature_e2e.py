@@ -10,7 +10,6 @@ side on the cluster of ``test_verl_e2e.py`` (shared fixtures: tests/integrations
 Tolerances as in ``test_verl_e2e.py`` (both float32): log-probs and entropy 1e-4 absolute,
 parameter updates 1e-4 relative. A temperature on the wrong sample moves log-probs by ~1 nat.
 """
-import concurrent.futures
 
 import pytest
 import torch
@@ -18,9 +17,8 @@ import torch
 pytest.importorskip("verl", reason="verl is not installed (pip install -e '.[verl]')")
 pytest.importorskip("ray", reason="ray is not installed (pip install -e '.[verl]')")
 
-from verl_ray import (_compose, _counts, _engine_batches, _outputs, _params, assert_same_updates,  # noqa: E402
-                      release)
-from verl_cpu import legacy_workers, use_torch_padding, worker_class  # noqa: E402
+from verl_ray import _compose, _engine_batches, assert_same_updates, run_configs  # noqa: E402
+from verl_cpu import legacy_workers  # noqa: E402
 from verl_helpers import rollout_tensors  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
@@ -37,42 +35,10 @@ def _per_sample(batch):
     return batch
 
 
-def _run(ray, config):
-    """One worker process (role actor): compute_log_prob, then update_actor, both with the
-    per-sample temperature; its outputs, counts and parameters before / after the update."""
-    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
-    from verl.single_controller.ray.base import create_colocated_worker_cls
-
-    colocated = create_colocated_worker_cls({"actor": RayClassWithInitArgs(
-        cls=ray.remote(worker_class()), config=config.actor_rollout_ref, role="actor")})
-    pool = RayResourcePool(process_on_nodes=[1], use_gpu=False, max_colocate_count=1)
-    group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=colocated, device_name="cpu")
-    out = {}
-    try:
-        worker = group.workers[0]
-        actor = group.spawn(prefix_set={"actor"})["actor"]
-        actor.init_model()
-        infer, update = (_per_sample(b) for b in _engine_batches())
-        out["counts_init"] = ray.get(worker.__ray_call__.remote(_counts))[0]
-        result = actor.compute_log_prob(infer)
-        out["log_probs"], out["entropy"] = (_outputs(result, infer, key) for key in ("log_probs", "entropy"))
-        out["counts_log_prob"] = ray.get(worker.__ray_call__.remote(_counts))[0]
-        out["before"] = ray.get(worker.__ray_call__.remote(_params))
-        actor.update_actor(update)
-        out["after"] = ray.get(worker.__ray_call__.remote(_params))
-    finally:
-        release(group, pool)
-    return out
-
-
 @pytest.fixture(scope="module")
 def runs(ray_cluster, model):  # the shared fixtures (tests/integrations/conftest.py)
-    with pytest.MonkeyPatch.context() as monkeypatch:  # the driver pads / unpads the batches
-        use_torch_padding(monkeypatch)
-        configs = {option: _compose(model[1], option) for option in ("fused", None)}
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            futures = {option: pool.submit(_run, ray_cluster, config) for option, config in configs.items()}
-        return {option: future.result() for option, future in futures.items()}
+    configs = {option: _compose(model[1], option) for option in ("fused", None)}
+    return run_configs(ray_cluster, configs, lambda: tuple(_per_sample(b) for b in _engine_batches()))
 
 
 def test_per_sample_temperature_through_verls_worker_matches_verls_logits_path(runs):

@@ -2,13 +2,13 @@
 test_verl_distill_e2e.py, test_verl_loss_rows_e2e.py, test_verl_temperature_e2e.py; their fixtures
 ``ray_cluster`` and ``model`` are in tests/integrations/conftest.py): the paths the workers import from, verl's
 composed config, the engine's batches and outputs, the probes run inside a worker (``_counts``,
-``_params``: the worker imports them from here), the release of a run's workers, and the check of one
-update step."""
+``_params``: the worker imports them from here), one actor's run (``run_actor``, ``run_configs``), the
+release of a run's workers, and the check of one update step."""
 import os
 
 import torch
 
-from verl_cpu import legacy_workers
+from verl_cpu import legacy_workers, use_torch_padding, worker_class
 from verl_helpers import rollout_tensors
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -104,6 +104,65 @@ def _outputs(out, infer, key):
 
     value = tu.get(out, key)
     return None if value is None else no_padding_2_padding(value, infer)
+
+
+def _metrics(result) -> dict:
+    """The float metrics of an update_actor result (verl's TensorDict / DataProto)."""
+    from verl.utils import tensordict_utils as tu
+
+    metrics = tu.get(result, "metrics") if not hasattr(result, "meta_info") else result.meta_info.get("metrics")
+    out = {}
+    for key, value in (metrics or {}).items():
+        values = value if isinstance(value, list) else [value]
+        if values and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            out[key] = [float(v) for v in values]
+    return out
+
+
+def run_actor(ray, config, batches) -> dict:
+    """One worker process (role actor) on the CPU: ``compute_log_prob`` on the first of ``batches()``'s
+    (infer, update), then ``update_actor`` on the second -> the response log-probs and entropy, the
+    worker's rl-kernels counts (``counts_init``, ``counts_log_prob`` after compute_log_prob,
+    ``counts`` at the end; None where verl never imported rl-kernels), the parameters ``before`` /
+    ``after`` the update, and the update's float ``metrics``."""
+    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from verl.single_controller.ray.base import create_colocated_worker_cls
+
+    colocated = create_colocated_worker_cls({"actor": RayClassWithInitArgs(
+        cls=ray.remote(worker_class()), config=config.actor_rollout_ref, role="actor")})
+    pool = RayResourcePool(process_on_nodes=[1], use_gpu=False, max_colocate_count=1)
+    group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=colocated, device_name="cpu")
+    out = {}
+    try:
+        worker = group.workers[0]
+        actor = group.spawn(prefix_set={"actor"})["actor"]
+        actor.init_model()
+        infer, update = batches()
+        out["counts_init"] = ray.get(worker.__ray_call__.remote(_counts))[0]
+        result = actor.compute_log_prob(infer)
+        out["log_probs"], out["entropy"] = (_outputs(result, infer, key) for key in ("log_probs", "entropy"))
+        out["counts_log_prob"] = ray.get(worker.__ray_call__.remote(_counts))[0]
+        out["before"] = ray.get(worker.__ray_call__.remote(_params))
+        out["metrics"] = _metrics(actor.update_actor(update))
+        out["after"] = ray.get(worker.__ray_call__.remote(_params))
+        out["counts"] = ray.get(worker.__ray_call__.remote(_counts))[0]
+    finally:
+        release(group, pool)
+    return out
+
+
+def run_configs(ray, configs: dict, batches) -> dict:
+    """{key: :func:`run_actor` of each config}, two at a time, the driver padding and unpadding the
+    batches with torch's helpers."""
+    import concurrent.futures
+
+    import pytest
+
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        use_torch_padding(monkeypatch)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            futures = {key: pool.submit(run_actor, ray, config, batches) for key, config in configs.items()}
+        return {key: future.result() for key, future in futures.items()}
 
 
 # ----------------------------------------------------------------------------- in the worker
