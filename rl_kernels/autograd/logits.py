@@ -69,17 +69,10 @@ class LogitsOutputs(NamedTuple):
     tail_log_probs: torch.Tensor | None = None  # (N,): log of the probability outside those K ids
 
 
-def logits_stats_forward(logits, labels, params: LogitsParams, label_check=None, tail_ids=None) -> dict:
-    """The forward's per-row statistics (a dict of (N,) float32 tensors, as ``ops.logits_forward``:
-    ``row_max``, ``log_sum``, ``lse``, the outputs asked and, with ``tail_ids`` (sorted local ids,
-    ``autograd.head_family.sorted_tail_ids``), ``tail_lse``) on the backend, no label check, no autograd."""
-    return kernels(params.backend, "logits").forward(logits, labels, params, label_check, tail_ids)
-
-
 def forward_body(logits, labels, token_ids, params: LogitsParams, tp=None) -> tuple:
     """The family's forward as one backend call runs it: a bad label reported
     by an earlier call raised, this call's label values checked (in the Triton kernel without a host
-    sync, else on the host), the statistics (:func:`logits_stats_forward`). With ``tp`` (a vocab
+    sync, else on the host), the statistics (the backend's ``forward``). With ``tp`` (a vocab
     shard, global labels checked on the host against the whole vocabulary when it is known) the
     shard's statistics merged over the group (:func:`vp_forward`). With ``token_ids`` (N, K) int64
     (checked by the caller without ``tp``; global ids with ``tp``, checked in
@@ -109,7 +102,7 @@ def forward_body(logits, labels, token_ids, params: LogitsParams, tp=None) -> tu
             label_check = deferred_label_check(labels, logits.shape[-1], params.ignore_index, params.name,
                                                in_kernel=params.backend.checks_labels_in_kernel)
         tail_ids = sorted_tail_ids(token_ids) if params.return_tail else None
-        stats = logits_stats_forward(logits, labels, params, label_check, tail_ids)
+        stats = kernels(params.backend, "logits").forward(logits, labels, params, label_check, tail_ids)
         raise_if_interpreted(label_check, logits.device)
         if token_ids is not None:  # (the labels only mark rows: their log-probs are not an output)
             stats.pop("log_probs", None)
@@ -279,7 +272,7 @@ def vp_topk_forward(logits, labels, params: LogitsParams, tp, token_ids) -> dict
     owned = (local >= 0) & (local < v_r)
     shard_ids = torch.where(owned, local, -1)
     tail_ids = sorted_tail_ids(token_ids, tp.start, v_r) if params.return_tail else None
-    stats = logits_stats_forward(logits, None, params, None, tail_ids)
+    stats = kernels(params.backend, "logits").forward(logits, None, params, None, tail_ids)
     z = gather_logits(logits, shard_ids.clamp_min(0), params.inv_temperature) if v_r else \
         torch.zeros(token_ids.shape, device=logits.device)
     zero = torch.zeros((), device=logits.device)
@@ -356,7 +349,11 @@ class LogitsStatsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels, token_ids, params: LogitsParams, temperature, tp):
-        stats = dict(zip(_STAT_KEYS, logits_forward_call(logits, labels, token_ids, params, temperature, tp)))
+        if torch.compiler.is_compiling():
+            slots = logits_forward_call(logits, labels, token_ids, params, temperature, tp)
+        else:
+            slots = forward_body(logits, labels, token_ids, params, tp)
+        stats = dict(zip(_STAT_KEYS, slots))
         ctx.save_for_backward(logits, labels, token_ids, *[stats[k] for k in _SAVED], temperature)
         ctx.params, ctx.tp, ctx.fn_name = params, tp, params.name
         ctx.asked = asked_outputs(params, labels is not None, token_ids is not None)
