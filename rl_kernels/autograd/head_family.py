@@ -144,7 +144,6 @@ class CustomOpPair:
         return fn
 
 
-
 def stage_op(name: str, schema: str, samples):
     """Decorator: a family's stage body ``fn`` as the custom op ``rl_kernels::<name>`` with
     ``schema`` (its arguments; the result part included) and its runtime-temperature twin
@@ -169,6 +168,7 @@ def temperature_samples(op: str, tensors: tuple, op_args, params, tail: tuple = 
     return {op: [OpSample(as_float)],
             op + RUNTIME_TEMPERATURE_SUFFIX: [OpSample((*tensors, *tail, *op_args.pack(unit, r)), as_float)
                                               for r in runtime]}
+
 
 _SCHEMA_TYPES = {bool: "bool", int: "int", float: "float", str: "str", Backend: "str"}
 

@@ -336,9 +336,10 @@ def vp_gather_grads(shard_labels, shard_ids, grads: HeadOutputs, ignore_index: i
 # for the backward (made with a layout only: the backward reads the inputs otherwise).
 _SLOTS = HeadOutputs._fields + ("shard_labels", "shard_ids")
 _N_OUTPUTS = len(HeadOutputs._fields)
-_SAVED = tuple(_SLOTS.index(k) for k in ("entropy", "lse", "sum_pi_squared", "gathered_logits", "tail_lse",
-                                         "shard_labels", "shard_ids"))
-_GRADS = HeadOutputs._fields[:6]  # the outputs with a gradient (the top K are selections: none)
+_SAVED_NAMES = ("entropy", "lse", "sum_pi_squared", "gathered_logits", "tail_lse", "shard_labels", "shard_ids")
+_SAVED = tuple(_SLOTS.index(k) for k in _SAVED_NAMES)
+# the outputs with a gradient (the top K are selections: none)
+_GRADS = tuple(k for k in HeadOutputs._fields if k not in ("top_logits", "top_ids"))
 
 
 class LinearHeadFunction(torch.autograd.Function):
@@ -443,8 +444,8 @@ def _(hidden_states, weight, labels, gather_ids, *args):
     return tuple(out)
 
 
-@stage_op("linear_backward", f"({_INPUTS}, Tensor? entropy, Tensor lse, Tensor? sum_pi_squared, Tensor? gathered_logits, "
-                             "Tensor? tail_lse, Tensor? shard_labels, Tensor? shard_ids, "
+@stage_op("linear_backward", f"({_INPUTS}, "
+                             + ", ".join(f"Tensor{'' if k == 'lse' else '?'} {k}" for k in _SAVED_NAMES) + ", "
                              + ", ".join(f"Tensor? grad_{k}" for k in _GRADS)
                              + f", bool need_dh, bool need_dw, {BACKWARD_OP_ARGS.schema}) -> (Tensor, Tensor)",
           _op_samples)
@@ -453,9 +454,8 @@ def _backward_op(*args):
     need_dh, need_dw = args[n:n + 2]
     params, group = BACKWARD_OP_ARGS.unpack(args[n + 2:])
     dh, dw = backward_body(*args[:n], params, group_from_op(*group), need_dh, need_dw)
-    hidden_states, weight = args[:2]
-    return (dh.clone() if dh is hidden_states else dh.contiguous()) if need_dh else hidden_states.new_empty(0), \
-        (dw.clone() if dw is weight else dw.contiguous()) if need_dw else weight.new_empty(0)
+    hidden_states, weight = args[:2]  # (dh and dW are new tensors: never an input's storage)
+    return dh.contiguous() if need_dh else hidden_states.new_empty(0), dw.contiguous() if need_dw else weight.new_empty(0)
 
 
 @_backward_op.register_fake

@@ -89,6 +89,6 @@ def _topk_op(hidden_states, weight, *args):
 
 
 @_topk_op.register_fake
-def _(hidden_states, weight, backend, inv_temperature, k, *args):
-    shape = (hidden_states.shape[0], k)
+def _(hidden_states, weight, *args):
+    shape = (hidden_states.shape[0], OP_ARGS.unpack(args, read_temperature=False)[0].k)
     return hidden_states.new_empty(shape, dtype=torch.float32), hidden_states.new_empty(shape, dtype=torch.int64)

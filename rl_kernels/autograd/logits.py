@@ -445,8 +445,8 @@ def _(logits, labels, token_ids, *args):
 def _backward_op(*args):
     n = 3 + len(_SAVED) + len(LogitsOutputs._fields)
     params, group = OP_ARGS.unpack(args[n:])
-    grad = backward_body(*args[:n], _in_op(params, False), group_from_op(*group))
-    return grad.clone() if grad is args[0] else grad.contiguous()
+    # (_in_op turns inplace_backward off: the gradient is a new tensor, never the logits' storage)
+    return backward_body(*args[:n], _in_op(params, False), group_from_op(*group)).contiguous()
 
 
 @_backward_op.register_fake
