@@ -55,8 +55,6 @@ two gradients' bytes (N / (N + V) for 16-bit tensors: 4096 x 152064 2.6%, 32768 
 then no vocab row is recomputed a second time. Above it, that half lives in the tail of dW's
 storage (no memory beyond the gradients and the window buffer) and those N vocab rows are
 recomputed after dh is final. 0 turns the spare storage off."""
-TF32X3_ROWS = 8192  # output rows per block of the "tf32x3" form (bounds its split copies)
-TF32X3_K = 0  # reduction length per TF32 matmul of that form (0: the whole reduction in one)
 
 
 @contextlib.contextmanager
@@ -112,31 +110,18 @@ def _tf32_high(t: torch.Tensor) -> torch.Tensor:
 def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fp32_products: str) -> None:
     """acc += a @ b for float32 ``a``, ``b`` on CUDA in the form ``fp32_products``
     (``KernelConfig.fp32_backward``): "ieee" one SGEMM (full float32 products on CUDA cores);
-    "tf32" one TF32 tensor-core matmul; "tf32x3" three, a_lo b_hi + a_hi b_lo + a_hi b_hi with
-    a = a_hi + a_lo, a_hi exact in TF32 (:func:`_tf32_high`), small terms first (the split of
-    Ootomo and Yokota, "Recovering single precision accuracy from Tensor Cores while surpassing
-    the FP32 theoretical peak performance", IJHPCA 2022), in blocks of at most ``TF32X3_ROWS``
-    output rows (bounding the split copies) and, when ``TF32X3_K`` > 0, reduction pieces of that
-    length added in float32 by cuBLAS's epilogue. The dropped a_lo b_lo term is below 2^-21 of
-    |a||b|; the tensor cores' own accumulation over a long reduction is less exact than SGEMM's
-    (``KernelConfig.fp32_backward``). Elsewhere (CPU, other forms) one float32 matmul."""
+    "tf32" one TF32 tensor-core matmul; "tf32x3" three TF32 products from operands split once, with
+    partial sums promoted into float32 (``ops.fp32_matmul.addmm_tf32x3``: SGEMM-class accuracy on
+    the tensor cores). Elsewhere (CPU, other forms) one float32 matmul."""
     if fp32_products == "ieee" or not acc.is_cuda:
         acc.addmm_(a, b)
-        return
-    with _matmul_flags(allow_tf32=True):
-        if fp32_products == "tf32":
+    elif fp32_products == "tf32":
+        with _matmul_flags(allow_tf32=True):
             acc.addmm_(a, b)
-            return
-        m, k = a.shape
-        piece = TF32X3_K if TF32X3_K > 0 else k
-        for r0 in range(0, m, TF32X3_ROWS):
-            out = acc[r0:r0 + TF32X3_ROWS]
-            for k0 in range(0, k, piece):
-                a_p, b_p = a[r0:r0 + TF32X3_ROWS, k0:k0 + piece], b[k0:k0 + piece]
-                a_hi, b_hi = _tf32_high(a_p), _tf32_high(b_p)
-                out.addmm_(a_p - a_hi, b_hi)
-                out.addmm_(a_hi, b_p - b_hi)
-                out.addmm_(a_hi, b_hi)
+    else:
+        from ..ops.fp32_matmul import addmm_tf32x3
+
+        addmm_tf32x3(acc, a, b)
 
 
 def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fp32_products: str = "ieee") -> None:

@@ -60,11 +60,12 @@ class KernelConfig:
     # errors at or below cuBLAS SGEMM's (issue 54); "ieee" runs full fp32 products on the FMA units
     # (about 3x slower); "tf32" one TF32 product (faster, 10-bit mantissa inputs: not SGEMM-class)
     fp32_precision: str = "tf32x3"
-    # float32 inputs: the form of the backward's cuBLAS matmuls (dh = dz W, dW = dz^T h;
-    # ``autograd.backward_schedule._addmm_fp32``). "ieee" (the default): SGEMM, full fp32 products.
-    # "tf32x3": three TF32 matmuls (1.3x faster fwd+bwd), but the tensor cores' accumulation over the
-    # long reductions makes dh 17x and dW 2x further from float64 than SGEMM (mean; H100, 2026-12-07,
-    # 2048 x 3584 x 32768: BENCHMARKS.md), so not the default.
+    # float32 inputs: the form of the backward's matmuls (dh = dz W, dW = dz^T h;
+    # ``autograd.backward_schedule._addmm_fp32``). "ieee" (the default): cuBLAS SGEMM, full fp32
+    # products on the FMA units; "tf32x3" (the Hopper class: it reads through tensor descriptors):
+    # three TF32 products from operands split once, partial sums promoted into float32
+    # (``ops.fp32_matmul``: SGEMM-class accuracy on the tensor cores); "tf32": one TF32 cuBLAS
+    # matmul (not SGEMM-class).
     fp32_backward: str = "ieee"
 
     def dlogits_tile(self, window_cols: int, vocab_size: int) -> BwdTile:
@@ -189,9 +190,10 @@ AMPERE = ConfigClass("ampere", 166912, False, (80,), _cfg(128, 128, 64, 8, 3, (1
 # forward 0.66x, forward+backward 3.38x (10.7x the bf16 head); on the pointer path 0.69x / 3.42x;
 # a K step of 64 in 2 stages 0.67x / 3.26x, but its 3-stage dlogits passes (196 KB) leave too little
 # of the budget for Triton's scratch (tests/ops/test_configs.py); 128 x 256 / 2 stages 0.95x / 3.94x; full
-# fp32 products ("ieee", the FMA units) 2.42x / 6.95x. The backward's two GEMMs are torch's (cuBLAS
-# SGEMM): most of what is left.
-_HOPPER_FP32 = dataclasses.replace(_AMPERE_FP32, tma=True)
+# fp32 products ("ieee", the FMA units) 2.42x / 6.95x. The backward's two GEMMs as cuBLAS SGEMM made
+# most of the rest; as three TF32 products from operands split once (``ops.fp32_matmul``, 192 KB of
+# operand stages) fwd+bwd went from 10.5x to 8.6x the bf16 head (H100, 2026-12-08, BENCHMARKS.md).
+_HOPPER_FP32 = dataclasses.replace(_AMPERE_FP32, tma=True, fp32_backward="tf32x3")
 HOPPER = ConfigClass("hopper", 232448, True, (90,), CUDA_CONFIG, _HOPPER_FP32, LOGITS_CUDA_CONFIG)
 # H200 (sm90, HBM3e at 4.8 TB/s against the H100's 3.35): the H100's tiles for the GEMM kernels.
 # Its from-logits kernels reached 71% of read / 81% of copy with the H100's tiles (2026-11-26);

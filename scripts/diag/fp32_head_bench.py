@@ -24,23 +24,20 @@ args = diag.start(ap)
 ops = diag.ops
 shipped = ops.default_config(torch.device("cuda"), torch.float32)
 base_class = ops.config_class(torch.device("cuda"))
-VARIANTS = {  # name -> (the float32 tiles, backward_schedule.TF32X3_K)
-    "shipped": (shipped, 0),
-    "tf32x3 backward": (dataclasses.replace(shipped, fp32_backward="tf32x3"), 0),
-    "tf32x3 backward, K pieces of 2048": (dataclasses.replace(shipped, fp32_backward="tf32x3"), 2048),
-    "tf32x3 backward, K pieces of 512": (dataclasses.replace(shipped, fp32_backward="tf32x3"), 512),
-    "tf32 (1 pass)": (dataclasses.replace(shipped, fp32_precision="tf32", fp32_backward="tf32"), 0),
+VARIANTS = {  # name -> the float32 tiles
+    "shipped": shipped,
+    "SGEMM backward": dataclasses.replace(shipped, fp32_backward="ieee"),
+    "tf32x3 backward (split once, promoted)": dataclasses.replace(shipped, fp32_backward="tf32x3"),
+    "tf32 (1 pass)": dataclasses.replace(shipped, fp32_precision="tf32", fp32_backward="tf32"),
 }
 
 
 def use(variant):
     """Every launch (forward and the backward, which autograd may run on another thread) takes
-    the variant's float32 tiles: a configuration class of its own, forced by name; the backward's
-    "tf32x3" matmuls in the variant's reduction pieces."""
-    cfg, piece = variant
+    the variant's float32 tiles: a configuration class of its own, forced by name."""
+    cfg = variant
     ops.CLASSES["fp32-sweep"] = dataclasses.replace(base_class, name="fp32-sweep", fp32=cfg)
     os.environ[ops.CONFIG_CLASS_ENV] = "fp32-sweep"
-    diag.backward_schedule.TF32X3_K = piece
 
 
 def head_step(hid, w, lab, up):
@@ -142,6 +139,5 @@ for temperature in (1.0, 0.3):
                      **{f"{k}_max": x for k, _, x in errs}})
         print(f"  T={temperature} {name:28s} " + "  ".join(f"{k} {m:.1e}/{x:.1e}" for k, m, x in errs), flush=True)
 os.environ.pop(ops.CONFIG_CLASS_ENV, None)
-diag.backward_schedule.TF32X3_K = 0
 if args.json:
     diag.write_json(args.json, {"shape": list(args.shape), "check": list(args.check), "rows": rows})

@@ -333,14 +333,14 @@ def test_bf16_softcap_values_and_gradients(n, h, v, cap, temperature):
 @pytest.mark.parametrize("temperature", [1.0, 0.3])
 def test_fp32_head_at_least_as_accurate_as_torchs_fp32_path(temperature):
     """float32 hidden states and weight (issue 54 item 1): the forward's products run on the tensor
-    cores as three TF32 products (tf32x3), the backward's cuBLAS matmuls are SGEMM (the default
-    ``fp32_backward``), and its log-probs, entropy and both gradients are no further from
-    float64 than torch's float32 path (cuBLAS SGEMM logits, float32 log-softmax and entropy, autograd),
-    mean and max |error| over every element, at logits std 2 and an odd vocabulary; except the
-    gradients' max, within 1.25x of torch's: both end in the same SGEMM over V (ours from more exact
-    dlogits), whose rounding sets the largest error, so which of the two is larger there is chance
-    (H100, 2026-12-07: dh max 2.07e-6 against 2.02e-6, mean 2.2e-8 against 4.1e-8). (H100, 2026-12-07,
-    2048 x 3584 x 32768: ours 0.3-0.8x torch's errors, mean and max, at T = 1 and 0.3.)"""
+    cores as three TF32 products (tf32x3), the backward's matmuls too, from operands split once
+    (the Hopper class's ``fp32_backward``, ``ops.fp32_matmul``; SGEMM on other classes), and its
+    log-probs, entropy and both gradients are no further from float64 than torch's float32 path
+    (cuBLAS SGEMM logits, float32 log-softmax and entropy, autograd), mean and max |error| over
+    every element, at logits std 2 and an odd vocabulary; the gradients' max within 1.25x of
+    torch's (with SGEMM both end in the same SGEMM over V, whose rounding sets the largest error).
+    (H100, 2026-12-08, 2048 x 3584 x 32768, split-once backward: 0.1-0.5x torch's errors, mean and
+    max, at T = 1 and 0.3.)"""
     n, h, v = 1024, 2048, 32771
     g = torch.Generator(device="cuda").manual_seed(5)
     hidden = torch.randn(n, h, device="cuda", generator=g)
