@@ -818,13 +818,11 @@ README_GAIN_FILES = ["bench_h100_2026-11-26b_liger_cute.json", "bench_h100_2026-
                      "model_bench_h100_2026-11-24_7b.json", "model_bench_h100_2026-11-24_8b.json",
                      "distill_h100_2026-11-26.json", "loss_rows_h100_2026-12-07.json",
                      "accumulation_promotion_h100_2026-12-07.json"]
-FP32_HEAD = "fp32_head_kpieces_h100_2026-12-07.json"
+FP32_HEAD = "fp32_head_h100_2026-12-08.json"
 FP32_LABELS = {  # fp32_head_bench.py's variant names -> rows
-    "shipped": "**rl-kernels fp32: tf32x3 forward, SGEMM backward (shipped)**",
-    "tf32x3 backward": "rl-kernels fp32: tf32x3 forward and backward (not shipped)",
-    "tf32x3 backward, K pieces of 2048": "… the backward's reduction in pieces of 2048 (not shipped)",
-    "tf32x3 backward, K pieces of 512": None,
-    "ieee (before issue 54)": None, "tf32 (1 pass)": None}
+    "shipped": "**rl-kernels fp32: tf32x3 forward, tf32x3 backward split once (shipped)**",
+    "SGEMM backward": "rl-kernels fp32: tf32x3 forward, SGEMM backward (before)",
+    "tf32x3 backward (split once, promoted)": None, "tf32 (1 pass)": None}
 
 
 def render_fp32_head(results, name):
@@ -935,7 +933,8 @@ TABLES = [
           render_fused_reach,
           extra_files=dict.fromkeys(("fused_reach_h200_2026-11-28.log", "fused_reach_h200_2026-11-28_run1.log"))),
     Table("fp32_head", [FP32_HEAD], "python scripts/diag/fp32_head_bench.py --json PATH",
-          "The fp32 head on the tensor cores", render_fp32_head),
+          "The fp32 head on the tensor cores", render_fp32_head,
+          extra_files={"fp32_split_gemm_h100_2026-12-08.json": "python scripts/diag/fp32_split_gemm.py --json PATH"}),
     Table("accumulation_bias", ACCUMULATION_BIAS,
           "[RLK_PROMOTE=P] python scripts/diag/accumulation_bias.py 4096,3584,152064 16384,3584,152064 --json PATH",
           "The bf16 head's accumulation bias", render_accumulation_bias,

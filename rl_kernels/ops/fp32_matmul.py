@@ -35,12 +35,13 @@ BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 32
 PROMOTE = 4  # K steps per partial sum (see the module docstring)
 NUM_WARPS, NUM_STAGES, GROUP_M = 8, 3, 8
 PIECE_ELEMENTS = 1 << 24
-"""Bound on one launch's copies, in elements per operand (64 MiB of float32): the reduction runs
-in pieces of K (b's K-major copy and its low part: 2N x piece elements) and the rows in blocks of
-M (a's low part, and a's copy when it is not K-major: rows x piece each), each launch adding its
-sum into its rows of ``acc``. Without it dh = dz W over a whole vocabulary copies W twice (4 GiB
-at 152064 x 3584), and dW = dz^T h over a wide window copies the window twice. The piece depends
-on N alone and the row block on the piece, so a row's sum does not depend on M."""
+"""Bound on one launch's copies, in elements (64 MiB of float32): the reduction runs in pieces of
+K (b's K-major copy and its low part together: 2N x piece elements) and the rows in blocks of M
+(a's low part, and a's copy when it is not K-major: rows x piece each), each launch adding its
+sum into its rows of ``acc``: at most 192 MiB of copies at a time (each launch's are released
+before the next one's are made). Without it dh = dz W over a whole vocabulary copies W twice
+(4 GiB at 152064 x 3584), and dW = dz^T h over a wide window copies the window twice. The piece
+depends on N alone and the row block on the piece, so a row's sum does not depend on M."""
 
 
 @triton.jit
@@ -107,8 +108,8 @@ def addmm_tf32x3(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
     ``acc``: (M, N) float32, any strides (written in place); ``a``: (M, K) float32; ``b``: (K, N)
     float32, any strides (copied into a K-major layout when they are not one: ``b`` usually is).
-    The work runs in pieces of K and blocks of rows (``PIECE_ELEMENTS``: each operand's copies at
-    most 128 MiB), each launch's sum added into its rows of ``acc`` in float32. Accuracy
+    The work runs in pieces of K and blocks of rows (``PIECE_ELEMENTS``: at most 192 MiB of copies
+    at a time), each launch's sum added into its rows of ``acc`` in float32. Accuracy
     (vs float64, random normal operands): mean |error| at most SGEMM's at long K, 1.2x at
     K = 3584; max below SGEMM's. Needs tensor descriptors (Hopper, or the interpreter)."""
     m, k = a.shape
@@ -131,3 +132,4 @@ def addmm_tf32x3(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
                                        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PROMOTE=PROMOTE,
                                        GROUP_M=GROUP_M, CLEAR_LOW_BITS=interpreting(),
                                        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+            del a_hi, a_lo, b_hi, b_lo, descs  # (the allocator reuses them for the next launch, in stream order)
