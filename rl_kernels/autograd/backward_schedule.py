@@ -24,8 +24,8 @@ twin) and consumed at once by cuBLAS matmuls. Two schedules:
   token chunk x all vocab, ``dh[chunk] = dz W``).
 
 float32 inputs on CUDA: the matmuls take the form of the configuration's ``fp32_backward``
-(``_addmm_fp32``): by default one SGEMM; "tf32x3" three TF32 tensor-core matmuls (faster, less
-exact: ``ops.config.KernelConfig``).
+(``_addmm_fp32``): one SGEMM, or on the Hopper class three TF32 products from operands split once
+(``ops.fp32_matmul``: SGEMM-class accuracy on the tensor cores, 1.2x faster fwd+bwd).
 
 Every gradient element is rounded once to the output dtype (dh from its float32 sum), with no
 atomics: repeated runs give identical bits. The window buffer is bounded by

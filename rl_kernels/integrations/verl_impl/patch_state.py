@@ -340,12 +340,13 @@ verl's fused forwards always ask for (verl #2608)."""
 def log_head_precision(dtype: torch.dtype, engine: str) -> None:
     """Say once per engine and dtype in which precision rl-kernels' fused head runs (issue 54):
     float32 inputs stay float32 (no cast to bf16), the kernels' products on the tensor cores as three
-    TF32 products with fp32 accumulation, the backward's two matmuls SGEMM (SGEMM-class accuracy);
-    16-bit inputs, fp32 accumulation."""
+    TF32 products with fp32 accumulation, the backward's two matmuls as the GPU class sets them
+    (Hopper: three TF32 products from operands split once; other classes: SGEMM), SGEMM-class
+    accuracy either way; 16-bit inputs, fp32 accumulation."""
     if dtype == torch.float32:
         what = ("float32: nothing cast to bf16; the kernels' products (forward, logits recompute) on the tensor "
-                "cores as three TF32 products (tf32x3), the backward's two matmuls SGEMM; errors at or below "
-                "cuBLAS SGEMM's")
+                "cores as three TF32 products (tf32x3), the backward's two matmuls too on Hopper (from operands "
+                "split once; SGEMM on other GPUs); errors at or below cuBLAS SGEMM's")
     else:
         what = f"{str(dtype).removeprefix('torch.')} inputs, fp32 accumulation and softmax"
     log_once(logging.INFO, f"rl_kernels: the {engine} fused head runs in {what}")
