@@ -19,13 +19,13 @@ import torch
 from .autograd.head_family import split_temperature
 from .autograd.linear import HeadParams, linear_head
 from .autograd.linear_jsd import JSDParams, LinearJSDFunction
-from .autograd.logits import LogitsParams, topk_log_probs
-from .autograd.positions import check_tail_teacher, checked_positions
+from .autograd.logits import LogitsParams, checked_token_ids, topk_log_probs
+from .autograd.positions import checked_positions
 from .autograd.vocab_parallel import parallel_params
 from .core.backends import get_backend
 from .core.validation import (FLOAT_DTYPES, check_top_k, check_bool_arg, check_choice, check_dtype, check_head_inputs,
                               check_hidden_weight, check_logits, check_no_grad, check_same_device, check_softcap,
-                              check_temperature, check_tensor_arg, check_token_id_values, check_token_ids,
+                              check_temperature, check_tensor_arg, check_token_ids,
                               check_unit_interval, describe, public_signature, raise_extra_positional)
 from .logits import _fill_docs
 
@@ -317,16 +317,14 @@ def linear_log_probs_at_ids(hidden_states: torch.Tensor, weight: torch.Tensor, l
     k = token_ids.shape[-1]
     ids = token_ids.reshape(-1, k)
     vocab_size = weight.shape[0] if tp is None else tp.vocab_size  # (None: the shards' total is not known)
-    if vocab_size is not None:
-        check_token_id_values(ids, vocab_size, "token_ids")
+    ids = checked_token_ids(ids, torch.iinfo(torch.int64).max if vocab_size is None else vocab_size, "token_ids",
+                            labels.reshape(-1) != -100 if return_tail else None)  # (one host read, or an op)
     check_top_k("top_k", top_k, vocab_size, weight, minimum=0)
-    if return_tail:  # (a host read, as the id check above)
-        check_tail_teacher(ids, None, labels.reshape(-1) != -100, "token_ids")
     params = HeadParams(backend=get_backend(backend, hidden_states.device), inv_temperature=1.0,  # (head_at_ids)
                         ignore_index=-100, return_entropy=return_entropy, name="linear_log_probs_at_ids",
                         softcap=softcap, return_tail=return_tail, top_k=top_k)  # (labels: checked in the backend call)
     head, log_q = head_at_ids(hidden_states.reshape(-1, hidden_states.shape[-1]), weight, labels.reshape(-1),
-                              ids.long(), params, temperature, tp)
+                              ids, params, temperature, tp)
     entropy = head.entropy.view(lead) if return_entropy else None
     out = (head.log_probs.view(lead), entropy, log_q.view(token_ids.shape))
     if return_tail:

@@ -540,25 +540,34 @@ def topk_log_probs(logits, token_ids, labels, params: LogitsParams, temperature=
 _TOPK, _TAIL = _STAT_KEYS.index("topk_log_probs"), _STAT_KEYS.index("tail_log_probs")
 
 
-@plain_op("rl_kernels::checked_token_ids", schema="(Tensor token_ids, SymInt vocab_size, str name) -> Tensor",
-          examples=lambda: [(torch.tensor([[0, 10, 3], [5, 5, 1]]), 11, "token_ids")])
-def _checked_token_ids_op(token_ids, vocab_size, name):
-    """torch.compile's route of the id check: ValueError as in eager (the host reads the ids inside
+@plain_op("rl_kernels::checked_token_ids",
+          schema="(Tensor token_ids, SymInt vocab_size, str name, Tensor? tail_valid=None) -> Tensor",
+          examples=lambda: [(torch.tensor([[0, 10, 3], [5, 5, 1]]), 11, "token_ids"),
+                            (torch.tensor([[0, 10, 3], [5, 5, 1]]), 11, "token_ids", torch.tensor([True, False]))])
+def _checked_token_ids_op(token_ids, vocab_size, name, tail_valid=None):
+    """torch.compile's route of the id checks: ValueError as in eager (the host reads the ids inside
     this opaque op) -> the ids as a new int64 tensor, which the traced function then gathers with
     (so the op is not dropped as unused)."""
-    check_token_id_values(token_ids, vocab_size, name)
+    _check_ids(token_ids, vocab_size, name, tail_valid)
     return token_ids.to(torch.int64, copy=True)
 
 
 @_checked_token_ids_op.register_fake
-def _(token_ids, vocab_size, name):
+def _(token_ids, vocab_size, name, tail_valid=None):
     return token_ids.new_empty(token_ids.shape, dtype=torch.int64)
 
 
-def checked_token_ids(token_ids, vocab_size: int, name: str) -> torch.Tensor:
-    """``token_ids`` as int64 after the value check (eager: on the host here; compiled: in the
-    ``rl_kernels::checked_token_ids`` op's body)."""
-    if torch.compiler.is_compiling():
-        return torch.ops.rl_kernels.checked_token_ids(token_ids, vocab_size, name)
+def _check_ids(token_ids, vocab_size, name, tail_valid) -> None:
     check_token_id_values(token_ids, vocab_size, name)
+    if tail_valid is not None:
+        check_tail_teacher(token_ids, None, tail_valid, name)
+
+
+def checked_token_ids(token_ids, vocab_size: int, name: str, tail_valid=None) -> torch.Tensor:
+    """``token_ids`` as int64 after the value check against ``vocab_size`` and, with ``tail_valid``
+    ((N,) bool: the counted positions), the tail's distinct-ids check (``positions.check_tail_teacher``);
+    eager: on the host here; compiled: in the ``rl_kernels::checked_token_ids`` op's body."""
+    if torch.compiler.is_compiling():
+        return torch.ops.rl_kernels.checked_token_ids(token_ids, vocab_size, name, tail_valid)
+    _check_ids(token_ids, vocab_size, name, tail_valid)
     return token_ids.long()

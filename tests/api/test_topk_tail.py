@@ -261,6 +261,42 @@ def test_compiled_tail_kl_equals_eager_without_graph_breaks(backend):
                       backend="aot_eager", fullgraph=True)(h, w)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_compiled_log_probs_at_ids_with_tail_equals_eager_and_still_checks_the_ids(backend):
+    """``linear_log_probs_at_ids`` (the fused distillation's student call) traced whole by
+    torch.compile(fullgraph=True): one graph, no break (its id checks, a value range and the tail's
+    distinct ids, run inside the ``rl_kernels::checked_token_ids`` op), the log-probs at the labels
+    and at the ids, the tail and both gradients bitwise eager's; an id out of range and a repeated id
+    at a counted position still raise, naming ``token_ids``, from the compiled function."""
+    h, w, ids, _, mask = _inputs(9)
+    labels = torch.where(mask, ids[:, 0], -100)
+
+    def f(hh, ww, i):
+        lp, _, at_ids, tail = linear_log_probs_at_ids(hh, ww, labels, i, temperature=0.8, return_tail=True,
+                                                      backend=backend)
+        return lp, at_ids, tail
+
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    up = torch.randn(N, K + 2, generator=torch.Generator().manual_seed(3))
+    runs = []
+    for fn in (f, torch.compile(f, backend=counter, fullgraph=True)):
+        hx, wx = h.clone().requires_grad_(), w.clone().requires_grad_()
+        lp, at_ids, tail = fn(hx, wx, ids)
+        (torch.cat([lp[:, None], at_ids, tail[:, None]], 1) * up).sum().backward()
+        runs.append((lp.detach(), at_ids.detach(), tail.detach(), hx.grad, wx.grad))
+    assert counter.frame_count == 1
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    out_of_range, repeated = ids.clone(), ids.clone()
+    out_of_range[1, 2] = V
+    repeated[0, 1] = repeated[0, 0]  # (position 0 counts: mask[0] is True)
+    for bad, message in ((out_of_range, "token_ids: values must lie in"), (repeated, "token_ids: .*distinct")):
+        with pytest.raises(Exception, match=message):
+            compiled(h, w, bad)
+
+
 def test_changed_ops_pass_opcheck():
     """opcheck of the ops the tail changed: the head's forward with ``return_tail`` (its 6th output),
     its backward (tail_lse and its gradient in), and counted_positions with ``tail``."""
