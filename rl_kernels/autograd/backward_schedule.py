@@ -43,6 +43,7 @@ import math
 import torch
 
 from ..core._logging import log_once
+from ..core.backends import interpreting
 
 MIN_CHUNK_ELEMENTS = 1 << 22
 CHUNK_FRACTION = 0.08  # of (N + V) * H: the buffer stays under 10% of the two gradients
@@ -112,8 +113,9 @@ def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fp32_produc
     (``KernelConfig.fp32_backward``): "ieee" one SGEMM (full float32 products on CUDA cores);
     "tf32" one TF32 tensor-core matmul; "tf32x3" three TF32 products from operands split once, with
     partial sums promoted into float32 (``ops.fp32_matmul.addmm_tf32x3``: SGEMM-class accuracy on
-    the tensor cores). Elsewhere (CPU, other forms) one float32 matmul."""
-    if fp32_products == "ieee" or not acc.is_cuda:
+    the tensor cores; also in the CPU interpreter, where a test forces it). Elsewhere (CPU) one
+    float32 matmul."""
+    if fp32_products == "ieee" or not (acc.is_cuda or interpreting()):
         acc.addmm_(a, b)
     elif fp32_products == "tf32":
         with _matmul_flags(allow_tf32=True):

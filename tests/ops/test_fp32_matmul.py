@@ -95,3 +95,40 @@ def test_addmm_tf32x3_in_pieces_of_k_and_blocks_of_rows_equals_float64_within_ro
     fm.addmm_tf32x3(acc, a, b)
     err = (acc.double() - (acc0.double() + a.double() @ b.double())).abs()
     assert torch.all(err <= _bound(a, b, acc0, 300)), float((err / _bound(a, b, acc0, 300)).max())
+
+
+def test_float32_head_backward_through_the_split_form(monkeypatch):
+    """The float32 head's backward with ``fp32_backward="tf32x3"`` (the Hopper class's; forced here,
+    the interpreter runs it): its dh and dW matmuls go through ``addmm_tf32x3`` (counted: the test
+    cannot pass on SGEMM), over several dlogits windows (dW from the windows' transposes, dh
+    accumulated window by window), and both gradients are within the float32 rounding of float64 as
+    the SGEMM form's are (``GRAD_RTOL`` of tests/api/test_linear_log_probs.py)."""
+    import dataclasses
+
+    import rl_kernels.autograd.backward_schedule as schedule
+    import rl_kernels.ops.fp32_matmul as fm
+    from rl_kernels import linear_log_probs
+    from rl_kernels.ops import INTERPRETER_CONFIG, forced_config
+    from rl_kernels.tools.reference import dense_linear_log_probs, make_inputs, rel_err
+
+    if DEVICE == "cuda":
+        pytest.skip("the GPU suite runs the split form on the Hopper class itself")
+    calls = []
+    real = fm.addmm_tf32x3
+    monkeypatch.setattr(fm, "addmm_tf32x3", lambda *a: calls.append(a[1].shape) or real(*a))
+    monkeypatch.setattr(schedule, "MIN_CHUNK_ELEMENTS", 15000)  # about three windows
+    monkeypatch.setattr(schedule, "CHUNK_FRACTION", 0.0)
+    n, h, v = 37, 48, 1007
+    hidden, weight, labels = make_inputs(n, h, v, torch.float32, seed=5)
+    g = torch.Generator().manual_seed(2)
+    g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    hr, wr = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    lp_ref, ent_ref = dense_linear_log_probs(hr, wr, labels, 0.9)
+    (lp_ref * g_lp.double() + ent_ref * g_ent.double()).sum().backward()
+    hx, wx = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    with forced_config(dataclasses.replace(INTERPRETER_CONFIG, fp32_backward="tf32x3")):
+        out = linear_log_probs(hx, wx, labels, temperature=0.9, backend="triton")
+        (out.log_probs * g_lp + out.entropy * g_ent).sum().backward()
+    assert len(calls) >= 4, calls  # dh and dW, window by window
+    assert rel_err(hx.grad, hr.grad) <= 2e-5 and rel_err(wx.grad, wr.grad) <= 2e-5, \
+        (rel_err(hx.grad, hr.grad), rel_err(wx.grad, wr.grad))
