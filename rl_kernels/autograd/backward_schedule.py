@@ -102,12 +102,6 @@ def _can_accumulate_fp32(device: torch.device, dtype: torch.dtype) -> bool:
     return _ADDMM_OUT_DTYPE[key]
 
 
-def _tf32_high(t: torch.Tensor) -> torch.Tensor:
-    """``t`` (float32) with its 13 low mantissa bits cleared: exact in TF32, and ``t - high`` is
-    exact in float32 (the low bits themselves)."""
-    return (t.view(torch.int32) & -8192).view(torch.float32)
-
-
 def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fp32_products: str) -> None:
     """acc += a @ b for float32 ``a``, ``b`` on CUDA in the form ``fp32_products``
     (``KernelConfig.fp32_backward``): "ieee" one SGEMM (full float32 products on CUDA cores);

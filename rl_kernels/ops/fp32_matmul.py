@@ -94,12 +94,17 @@ def _k_major(x: torch.Tensor) -> torch.Tensor:
     return out.copy_(x)
 
 
+def _high_part(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (float32) with its 13 low mantissa bits cleared: exact in TF32, and ``x - high`` is
+    exact in float32 (the low bits themselves); an infinity stays itself (its low part is NaN)."""
+    return (x.view(torch.int32) & -8192).view(torch.float32)
+
+
 def _low_part(x: torch.Tensor) -> torch.Tensor:
     """x - high(x) (exact in float32), laid out as ``x`` (a K-major, aligned (rows, K) view)."""
     rows, cols = x.shape
     out = x.new_empty(rows, -(-cols // 4) * 4)[:, :cols]
-    high = (x.view(torch.int32) & -8192).view(torch.float32)
-    return torch.sub(x, high, out=out)
+    return torch.sub(x, _high_part(x), out=out)
 
 
 def addmm_tf32x3(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:

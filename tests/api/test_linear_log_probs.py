@@ -230,34 +230,6 @@ def test_empty_batch(backend):
     assert torch.equal(weight.grad, torch.zeros_like(weight))
 
 
-def test_tf32_split_is_exact_and_its_three_products_reach_float32_accuracy():
-    """The float32 backward's tf32x3 form (issue 54 item 1): a = hi + lo with hi exact in TF32 (its 13
-    low mantissa bits 0) and hi + lo == a bit for bit, for random magnitudes, subnormals and zeros (an
-    infinity keeps hi = a and gets lo = NaN: the products stay non-finite); the three products a_lo b_hi + a_hi b_lo + a_hi b_hi, each operand rounded to TF32 (10
-    mantissa bits, as the tensor cores read them) and summed in float64, are within 2^-20 |a||b| of
-    the exact product, where one TF32 product is 2^-11 off."""
-    g = torch.Generator().manual_seed(7)
-    a = torch.randn(64, 96, generator=g) * torch.exp2(torch.randint(-60, 60, (64, 96), generator=g).float())
-    a[0, :4] = torch.tensor([0.0, -0.0, float("inf"), 1e-40])
-    hi = rl_autograd._tf32_high(a)
-    assert torch.all((hi.view(torch.int32) & 8191) == 0)
-    finite = a.isfinite()
-    assert torch.equal((hi + (a - hi))[finite], a[finite])
-    assert hi[0, 2] == float("inf") and (a - hi)[0, 2].isnan()
-
-    def tf32(t):  # round to nearest, 10 explicit mantissa bits
-        bits = t.view(torch.int32)
-        return ((bits + 4095 + ((bits >> 13) & 1)) & -8192).view(torch.float32)
-    x, y = torch.randn(48, 200, generator=g), torch.randn(200, 40, generator=g)
-    x_hi, y_hi = rl_autograd._tf32_high(x), rl_autograd._tf32_high(y)
-    parts = [(x - x_hi, y_hi), (x_hi, y - y_hi), (x_hi, y_hi)]
-    three = sum(tf32(p).double() @ tf32(q).double() for p, q in parts)
-    exact = x.double() @ y.double()
-    scale = x.double().abs() @ y.double().abs()
-    assert ((three - exact).abs() / scale).max() < 2.0 ** -20
-    assert ((tf32(x).double() @ tf32(y).double() - exact).abs() / scale).max() > 2.0 ** -14
-
-
 def test_backward_matmuls_use_full_precision_reduction_and_restore_flag(monkeypatch):
     """Reduced-precision (16-bit) split-K reduction tripled the dh error on an H100; the backward
     turns it off for its own matmuls and gives the user's setting back."""

@@ -3,7 +3,7 @@ float32 head's backward matmuls, issue 54 item 1), against float64 on fresh rand
 import pytest
 import torch
 
-from rl_kernels.ops.fp32_matmul import addmm_tf32x3
+from rl_kernels.ops.fp32_matmul import _high_part, addmm_tf32x3
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -132,3 +132,29 @@ def test_float32_head_backward_through_the_split_form(monkeypatch):
     assert len(calls) >= 4, calls  # dh and dW, window by window
     assert rel_err(hx.grad, hr.grad) <= 2e-5 and rel_err(wx.grad, wr.grad) <= 2e-5, \
         (rel_err(hx.grad, hr.grad), rel_err(wx.grad, wr.grad))
+
+
+def test_tf32_split_is_exact_and_its_three_products_reach_float32_accuracy():
+    """The split of ``addmm_tf32x3`` (``_high_part``): a = hi + lo with hi exact in TF32 (its 13 low
+    mantissa bits 0) and hi + lo == a bit for bit, for random magnitudes, subnormals and zeros (an
+    infinity keeps hi = a and gets lo = NaN: the products stay non-finite); the three products
+    a_lo b_hi + a_hi b_lo + a_hi b_hi, each operand truncated to TF32 (10 mantissa bits, as the
+    H100's tensor cores read a float32 operand: scripts/diag/fp32_split_gemm.py) and summed in
+    float64, are within 3 x 2^-20 |a||b| of the exact product (each low part's truncation and the
+    dropped a_lo b_lo, 2^-20 each), where one TF32 product is 2^-11 off. CPU: the split itself."""
+    g = torch.Generator().manual_seed(7)
+    a = torch.randn(64, 96, generator=g) * torch.exp2(torch.randint(-60, 60, (64, 96), generator=g).float())
+    a[0, :4] = torch.tensor([0.0, -0.0, float("inf"), 1e-40])
+    hi = _high_part(a)
+    assert torch.all((hi.view(torch.int32) & 8191) == 0)
+    finite = a.isfinite()
+    assert torch.equal((hi + (a - hi))[finite], a[finite])
+    assert hi[0, 2] == float("inf") and (a - hi)[0, 2].isnan()
+    x, y = torch.randn(48, 200, generator=g), torch.randn(200, 40, generator=g)
+    x_hi, y_hi = _high_part(x), _high_part(y)
+    parts = [(x - x_hi, y_hi), (x_hi, y - y_hi), (x_hi, y_hi)]
+    three = sum(_high_part(p).double() @ _high_part(q).double() for p, q in parts)
+    exact = x.double() @ y.double()
+    scale = x.double().abs() @ y.double().abs()
+    assert ((three - exact).abs() / scale).max() < 3 * 2.0 ** -20
+    assert ((x_hi.double() @ y_hi.double() - exact).abs() / scale).max() > 2.0 ** -14
