@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .building_blocks import TensorDescriptor
+from .building_blocks import TensorDescriptor, grouped_tile
 from .config import interpreting
 
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 32
@@ -56,14 +56,9 @@ def _addmm_tf32x3_kernel(a_desc, a_lo_desc, b_desc, b_lo_desc, c_ptr, M, N, K, s
                          PROMOTE: tl.constexpr, GROUP_M: tl.constexpr, CLEAR_LOW_BITS: tl.constexpr):
     # c[M, N] += a[M, K] @ b[N, K]^T: a, b and their low parts through tensor descriptors with
     # blocks (BLOCK_M, BLOCK_K) / (BLOCK_N, BLOCK_K) (K past the end reads as zeros).
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    group = GROUP_M * num_n
-    first_m = (pid // group) * GROUP_M
-    size_m = min(num_m - first_m, GROUP_M)
-    row0 = (first_m + (pid % group) % size_m) * BLOCK_M
-    col0 = ((pid % group) // size_m) * BLOCK_N
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    row0 = pid_m * BLOCK_M
+    col0 = pid_n * BLOCK_N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k1 in range(0, K, BLOCK_K * PROMOTE):
         part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -89,9 +84,14 @@ def _k_major(x: torch.Tensor) -> torch.Tensor:
     aligned; itself when it is one, else a copy (rows padded to a multiple of 4 elements)."""
     if x.stride(1) == 1 and x.stride(0) % 4 == 0 and x.data_ptr() % 16 == 0:
         return x
+    return _aligned_empty(x).copy_(x)
+
+
+def _aligned_empty(x: torch.Tensor) -> torch.Tensor:
+    """A new (rows, K) float32 tensor shaped as ``x``, rows padded to a multiple of 4 elements (16
+    bytes, as tensor descriptors need)."""
     rows, k = x.shape
-    out = x.new_empty(rows, -(-k // 4) * 4)[:, :k]
-    return out.copy_(x)
+    return x.new_empty(rows, -(-k // 4) * 4)[:, :k]
 
 
 def _high_part(x: torch.Tensor) -> torch.Tensor:
@@ -102,9 +102,7 @@ def _high_part(x: torch.Tensor) -> torch.Tensor:
 
 def _low_part(x: torch.Tensor) -> torch.Tensor:
     """x - high(x) (exact in float32), laid out as ``x`` (a K-major, aligned (rows, K) view)."""
-    rows, cols = x.shape
-    out = x.new_empty(rows, -(-cols // 4) * 4)[:, :cols]
-    return torch.sub(x, _high_part(x), out=out)
+    return torch.sub(x, _high_part(x), out=_aligned_empty(x))
 
 
 def addmm_tf32x3(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
